@@ -1,0 +1,25 @@
+"""tracer: a debugger for RL training of language models.
+
+Attach to a trainer, write per-step safetensors traces of everything that decides an RL update
+(old/policy/ref/sampler logprobs, masks, rewards, advantages, ratios, KL terms), then browse,
+check and diff them. See README.md and SPEC.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracer.errors import SchemaError, TraceError, TraceFormatError
+from tracer.reader import StepKey, Trace
+from tracer.writer import TraceWriter
+
+__version__ = "0.1.0"
+__all__ = ["Trace", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach"]
+
+
+def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:
+    """Trace a TRL trainer; see :func:`tracer.integrations.trl.attach` (imported lazily so that
+    ``import tracer`` does not import TRL)."""
+    from tracer.integrations.trl import attach as _attach
+
+    return _attach(trainer, out_dir, **kwargs)

@@ -1,0 +1,182 @@
+"""The RL maths of the seed (SPEC.md section 3), once. Pure torch, no I/O.
+
+Sources: the seed lesson (shared/seed/lesson-25-reward-logprob-kl.txt), which restates MiniMind's
+``trainer/rollout_engine.py``, ``trainer/train_ppo.py``, ``trainer/train_grpo.py`` and
+``trainer/train_dpo.py``; k2/k3 estimators from J. Schulman, "Approximating KL Divergence" (2020).
+
+Every mask is True/1 = keep. Logprobs are natural-log (nats).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP_STD_EPS = 1e-4  # MiniMind train_grpo.py: (r - mean) / (std + 1e-4)
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, prompt_len: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Completion-token logprobs by log_softmax + gather, with the alignment rule.
+
+    ``logits[:, k]`` predicts ``input_ids[:, k + 1]``, so the j-th completion token
+    ``input_ids[:, prompt_len + j]`` is scored at logits position ``prompt_len - 1 + j``
+    (``prompt_len`` is the padded prompt width when prompts are left-padded). Logits are divided
+    by ``temperature`` before log_softmax, as the sampler did.
+
+    Args:
+        logits: ``[B, prompt_len + T, V]`` float, the model output over prompt + completion.
+        input_ids: ``[B, prompt_len + T]`` int64.
+        prompt_len: padded prompt width L.
+        temperature: sampling temperature τ > 0.
+
+    Returns:
+        ``[B, T]`` float32 logprobs in nats.
+
+    Raises:
+        ValueError: when shapes disagree or ``temperature <= 0``.
+    Source: MiniMind ``train_ppo.py`` (``logp_pos = prompt_lens - 1 + resp_idx``), seed section 2.2.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, S, V = logits.shape
+    if input_ids.shape != (B, S):
+        raise ValueError(f"input_ids shape {list(input_ids.shape)} does not match logits [B, S] = {[B, S]}")
+    if not 0 < prompt_len < S:
+        raise ValueError(f"prompt_len must be in (0, {S}), got {prompt_len}")
+    scores = logits[:, prompt_len - 1 : S - 1, :].float() / temperature  # (B, T, V)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    return F.log_softmax(scores, dim=-1).gather(2, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def ratio(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """Importance ratio ``exp(policy - old)``, ``[B, T]``. Source: seed section 2.3."""
+    return torch.exp(policy_logprobs - old_logprobs)
+
+
+def ref_kl_k3(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(policy || ref) per token: ``exp(d) - d - 1`` with ``d = ref - policy``.
+
+    ``[B, T]`` nats, ≥ 0, 0 where the two agree. Source: seed section 2.4; Schulman (2020).
+    """
+    delta = ref_logprobs - policy_logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def approx_kl_k2(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """k2 estimator ``0.5 * (policy - old)^2`` per token, ``[B, T]`` nats (PPO early stop).
+
+    Source: seed section 2.5 (MiniMind ``train_ppo.py``).
+    """
+    return 0.5 * (policy_logprobs - old_logprobs) ** 2
+
+
+def kl_k1(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 estimator ``policy - ref`` per token, ``[B, T]`` nats (unbiased, can be negative)."""
+    return policy_logprobs - ref_logprobs
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` keeps; positions dropped by the mask never contribute
+    (a NaN at a masked slot does not leak)."""
+    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return kept.sum() if dim is None else kept.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``sum(values * mask) / mask.sum().clamp(min=1)`` over ``dim`` (all positions when None).
+
+    Source: seed section 5.1.
+    """
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence masked mean, then the mean over sequences (the seed's GRPO reduction).
+
+    ``per_token_loss`` ``[B, T]`` -> scalar. Source: seed section 6
+    (``((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()``).
+    """
+    return masked_mean(per_token_loss, mask, dim=1).mean()
+
+
+def token_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean over all kept tokens of the batch (DAPO / TRL ``bnpo`` style), scalar."""
+    return masked_mean(per_token_loss, mask)
+
+
+def constant_divisor_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, divisor: float) -> torch.Tensor:
+    """Masked sum divided by a constant (Dr. GRPO: ``B * max_completion_length``), scalar."""
+    return masked_sum(per_token_loss, mask) / divisor
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = GROUP_STD_EPS) -> torch.Tensor:
+    """GRPO group-relative advantages ``(r - mean_g) / (std_g + eps)`` with population std.
+
+    Args:
+        rewards: ``[B]`` with B = P * G; G consecutive rows form one group.
+        num_generations: G.
+    Returns:
+        ``[B]`` float advantages; a zero-variance group gets all zeros.
+    Raises:
+        ValueError: when B is not a multiple of G.
+    Source: MiniMind ``train_grpo.py:121-124`` (``std(unbiased=False)``, eps 1e-4).
+    """
+    (B,) = rewards.shape
+    if num_generations <= 0 or B % num_generations:
+        raise ValueError(f"rewards has B = {B} rows, not a multiple of num_generations = {num_generations}")
+    grouped = rewards.float().view(-1, num_generations)  # (P, G)
+    mean_r = grouped.mean(dim=1).repeat_interleave(num_generations)  # (B,)
+    std_r = grouped.std(dim=1, unbiased=False).repeat_interleave(num_generations)  # (B,)
+    return (rewards.float() - mean_r) / (std_r + eps)
+
+
+def clip_fractions(
+    ratio_: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+) -> dict[str, torch.Tensor]:
+    """Share of kept tokens where the PPO clip binds, counted only for the advantage's sign.
+
+    With A > 0 the clip binds when ``ratio > 1 + eps_high``; with A < 0 when ``ratio < 1 - eps_low``.
+    ``advantages`` is ``[B]`` (broadcast over T) or ``[B, T]``.
+
+    Returns:
+        ``{"low": ..., "high": ..., "region": ...}`` scalar shares in [0, 1]; ``region`` is the
+        share outside ``[1 - eps_low, 1 + eps_high]`` whatever the sign.
+    Source: TRL ``grpo_trainer.py`` (``is_low_clipped`` / ``is_high_clipped``).
+    """
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    low = (ratio_ < 1 - clip_epsilon_low) & (adv < 0)
+    high = (ratio_ > 1 + clip_epsilon_high) & (adv > 0)
+    region = (ratio_ < 1 - clip_epsilon_low) | (ratio_ > 1 + clip_epsilon_high)
+    return {
+        "low": masked_mean(low.float(), mask),
+        "high": masked_mean(high.float(), mask),
+        "region": masked_mean(region.float(), mask),
+    }
+
+
+def grpo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
+
+    ``advantages`` is ``[B]`` (broadcast over T). Source: MiniMind ``train_grpo.py:132-143``.
+    """
+    r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    surrogate = torch.min(r * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
+    if beta and ref_logprobs is not None:
+        surrogate = surrogate - beta * ref_kl_k3(policy_logprobs, ref_logprobs)
+    return -surrogate

@@ -1,0 +1,352 @@
+"""Read traces lazily: list steps from file names, open step files with ``safe_open``, read one
+sequence with ``get_slice``, and give pandas long tables (one row per token) for the app.
+
+A trace is a directory written by :class:`tracer.writer.TraceWriter`, or a single ``.safetensors``
+step file with canonical field names (metadata optional).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import torch
+from safetensors import safe_open
+
+from tracer import formulas
+from tracer.errors import TraceFormatError
+from tracer.schema import decode_metadata
+from tracer.writer import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+
+_STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
+# Per-token float fields shown in token tables, in display order.
+TOKEN_VALUE_FIELDS = (
+    "old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio", "ref_kl_k3",
+    "approx_kl_k2", "entropy", "advantages", "values", "returns", "token_rewards", "per_token_loss",
+)
+# Why a position is (not) in the loss.
+KEPT, PROMPT, PROMPT_PADDING, AFTER_EOS, PADDING, MASKED = (
+    "kept", "prompt", "prompt_padding", "after_eos", "padding", "masked")
+
+
+@dataclass(frozen=True, order=True)
+class StepKey:
+    """Identifies one step file: (step, inner_step, micro_batch, rank) and where it lies."""
+
+    step: int
+    inner_step: int
+    micro_batch: int
+    rank: int
+    path: Path
+
+    @property
+    def label(self) -> str:
+        return f"step {self.step} · inner {self.inner_step} · mb {self.micro_batch} · rank {self.rank}"
+
+
+def mask_reasons(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_id: int | None,
+    pad_token_id: int | None = None,
+) -> list[list[str]]:
+    """Why each completion position is kept or masked, ``[B][T]`` strings.
+
+    ``kept`` when the mask keeps it; otherwise ``after_eos`` when an EOS token appears earlier in
+    the row, ``padding`` when the token is the pad token, ``masked`` for any other reason
+    (truncation, tool output, a trainer's own rule).
+    """
+    B, T = completion_ids.shape
+    ids = completion_ids.tolist()
+    keep = completion_mask.bool().tolist()
+    out: list[list[str]] = []
+    for b in range(B):
+        row, seen_eos = [], False
+        for t in range(T):
+            if keep[b][t]:
+                row.append(KEPT)
+            elif seen_eos:
+                row.append(AFTER_EOS)
+            elif pad_token_id is not None and ids[b][t] == pad_token_id:
+                row.append(PADDING)
+            else:
+                row.append(MASKED)
+            if eos_token_id is not None and ids[b][t] == eos_token_id:
+                seen_eos = True
+        out.append(row)
+    return out
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as err:
+        raise TraceFormatError(f"{path}: could not read the {what} ({type(err).__name__}: {err})") from err
+
+
+class Trace:
+    """A trace opened for reading. Cheap to open: it reads the manifest and lists file names.
+
+    Args:
+        path: a trace directory (with ``manifest.json`` and ``steps/``) or one step file.
+
+    Raises:
+        TraceFormatError: the path does not exist or holds no trace; the message says what was
+            expected there.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_file():
+            if self.path.suffix != ".safetensors":
+                raise TraceFormatError(
+                    f"{self.path}: expected a trace directory or a .safetensors step file, got a "
+                    f"'{self.path.suffix or 'no-suffix'}' file")
+            self.root = self.path.parent
+            self.manifest: dict[str, Any] = {}
+            self._single = True
+        elif self.path.is_dir():
+            self.root = self.path
+            self._single = False
+            manifest_path = self.root / MANIFEST_NAME
+            if manifest_path.is_file():
+                self.manifest = _read_json(manifest_path, "trace manifest")
+                if not isinstance(self.manifest, dict):
+                    raise TraceFormatError(f"{manifest_path}: expected a JSON object, got {type(self.manifest).__name__}")
+            elif self._step_paths():
+                self.manifest = {}
+            else:
+                raise TraceFormatError(
+                    f"{self.path} is not a trace: expected {MANIFEST_NAME} and {STEPS_DIR}/*.safetensors "
+                    "(written by tracer), or pass a single .safetensors step file")
+        else:
+            raise TraceFormatError(f"{self.path} does not exist: expected a trace directory or a step file")
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def _step_paths(self) -> list[Path]:
+        if self._single:
+            return [self.path]
+        paths = list((self.root / STEPS_DIR).glob("*.safetensors")) + list(self.root.glob("*.safetensors"))
+        return sorted(paths)
+
+    def steps(self) -> list[StepKey]:
+        """Every step file, sorted by (step, inner_step, micro_batch, rank). Reads no tensor data."""
+        keys = []
+        for p in self._step_paths():
+            m = _STEP_RE.match(p.name)
+            if m:
+                keys.append(StepKey(*(int(g) for g in m.groups()), path=p))
+            else:  # a step file named by the user: its header says which step it is
+                meta = self._header(p)
+                keys.append(StepKey(int(meta.get("step", 0)), int(meta.get("inner_step", 0)),
+                                    int(meta.get("micro_batch", 0)), int(meta.get("rank", 0)), p))
+        return sorted(keys)
+
+    @property
+    def algorithm(self) -> str | None:
+        algo = self.manifest.get("algorithm")
+        if algo is None:
+            keys = self.steps()
+            algo = self.metadata(keys[0]).get("algorithm") if keys else None
+        return algo
+
+    @property
+    def status(self) -> str:
+        return str(self.manifest.get("status", "unknown"))
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    @cached_property
+    def tokens(self) -> list[str] | None:
+        """Text of each token id (``tokens.json``), or None when the trace stores none."""
+        path = self.root / TOKENS_NAME
+        if self._single or not path.is_file():
+            return None
+        tokens = _read_json(path, "token strings").get("tokens")
+        return tokens if isinstance(tokens, list) else None
+
+    def token_text(self, ids: Iterable[int]) -> list[str]:
+        """Text of each id; ``<id N>`` when the trace has no token strings or the id is unknown."""
+        tokens = self.tokens or []
+        return [tokens[i] if 0 <= i < len(tokens) else f"<id {i}>" for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Concatenated text of ``ids``."""
+        return "".join(self.token_text(ids))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.manifest.get("tokenizer", {}).get("eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.manifest.get("tokenizer", {}).get("pad_token_id")
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _open(self, path: Path):
+        try:
+            return safe_open(str(path), framework="pt", device="cpu")
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+
+    def _header(self, path: Path) -> dict[str, Any]:
+        with self._open(path) as fh:
+            return decode_metadata(fh.metadata())
+
+    def metadata(self, key: StepKey) -> dict[str, Any]:
+        """Decoded step metadata of one step file."""
+        return self._header(key.path)
+
+    def fields(self, key: StepKey) -> dict[str, tuple[list[int], str]]:
+        """``{field: (shape, dtype)}`` of one step file, read from the header only."""
+        out = {}
+        with self._open(key.path) as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                out[name] = (list(sl.get_shape()), str(sl.get_dtype()))
+        return out
+
+    def load_step(self, key: StepKey, fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Tensors of one step file (all fields, or only ``fields`` that are present)."""
+        with self._open(key.path) as fh:
+            names = list(fh.keys()) if fields is None else [f for f in fields if f in fh.keys()]
+            try:
+                return {name: fh.get_tensor(name) for name in names}
+            except Exception as err:
+                raise TraceFormatError(f"{key.path}: could not read tensor data ({err})") from err
+
+    def load_sequence(self, key: StepKey, sequence: int) -> dict[str, torch.Tensor]:
+        """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
+        row's bytes). Fields without a B dim are skipped. Raises IndexError for a row out of range."""
+        out = {}
+        with self._open(key.path) as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                shape = sl.get_shape()
+                if not shape:
+                    continue
+                if not 0 <= sequence < shape[0]:
+                    raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
+                out[name] = sl[sequence : sequence + 1][0]
+        return out
+
+    # -- tables for the app -------------------------------------------------------------------
+
+    def token_table(self, key: StepKey, sequence: int | None = None) -> pd.DataFrame:
+        """One row per completion token (and per prompt token) of one step, or of one sequence.
+
+        Columns: ``step, inner_step, rank, sequence, section`` (prompt | completion), ``position``
+        (index within its section), ``token_id, token_text, kept, mask_reason`` and one column per
+        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast).
+        """
+        data = self.load_step(key) if sequence is None else {
+            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence).items()}
+        rows = list(range(next(iter(data.values())).shape[0])) if sequence is None else [sequence]
+        frames = []
+        if "prompt_ids" in data:
+            frames.append(self._prompt_frame(data, rows))
+        if "completion_ids" in data:
+            frames.append(self._completion_frame(data, rows))
+        if not frames:
+            return pd.DataFrame()
+        table = pd.concat(frames, ignore_index=True)
+        table.insert(0, "rank", key.rank)
+        table.insert(0, "inner_step", key.inner_step)
+        table.insert(0, "step", key.step)
+        return table
+
+    def _prompt_frame(self, data: dict[str, torch.Tensor], rows: list[int]) -> pd.DataFrame:
+        ids = data["prompt_ids"]
+        B, L = ids.shape
+        prompt_mask = data.get("prompt_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+        flat = ids.reshape(-1).tolist()
+        return pd.DataFrame({
+            "sequence": [r for r in rows for _ in range(L)],
+            "section": "prompt",
+            "position": list(range(L)) * B,
+            "token_id": flat,
+            "token_text": self.token_text(flat),
+            "kept": False,
+            "mask_reason": [PROMPT if k else PROMPT_PADDING for k in prompt_mask.reshape(-1).tolist()],
+        })
+
+    def _completion_frame(self, data: dict[str, torch.Tensor], rows: list[int]) -> pd.DataFrame:
+        ids = data["completion_ids"]
+        B, T = ids.shape
+        completion_mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+        flat = ids.reshape(-1).tolist()
+        reasons = mask_reasons(ids, completion_mask, self.eos_token_id, self.pad_token_id)
+        frame = pd.DataFrame({
+            "sequence": [r for r in rows for _ in range(T)],
+            "section": "completion",
+            "position": list(range(T)) * B,
+            "token_id": flat,
+            "token_text": self.token_text(flat),
+            "kept": completion_mask.reshape(-1).tolist(),
+            "mask_reason": [r for row in reasons for r in row],
+        })
+        for name in TOKEN_VALUE_FIELDS:
+            if name not in data:
+                continue
+            value = data[name].float()
+            if value.dim() == 1:  # [B] -> broadcast over T
+                value = value.unsqueeze(1).expand(B, T)
+            frame[name] = value.reshape(-1).numpy()
+        return frame
+
+    def step_summary(self) -> pd.DataFrame:
+        """One row per step file with the step's masked means: ``mean_ratio``, ``mean_ref_kl_k3``,
+        ``mean_approx_kl_k2``, ``mean_reward``, ``clip_fraction`` (sign-aware, from the step's clip
+        epsilons), ``kept_tokens``. Values a step lacks are NaN."""
+        records = []
+        for key in self.steps():
+            meta = self.metadata(key)
+            data = self.load_step(key, ["completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2",
+                                        "rewards", "advantages"])
+            rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
+                                   "micro_batch": key.micro_batch, "rank": key.rank}
+            completion_mask = data.get("completion_mask")
+            if completion_mask is not None:
+                rec["kept_tokens"] = int(completion_mask.sum())
+                for name in ("ratio", "ref_kl_k3", "approx_kl_k2"):
+                    if name in data:
+                        rec[f"mean_{name}"] = float(formulas.masked_mean(data[name], completion_mask))
+                eps_low, eps_high = meta.get("clip_epsilon_low"), meta.get("clip_epsilon_high")
+                if "ratio" in data and "advantages" in data and eps_low is not None and eps_high is not None:
+                    fr = formulas.clip_fractions(data["ratio"], data["advantages"], completion_mask,
+                                                 float(eps_low), float(eps_high))
+                    rec["clip_fraction"] = float(fr["low"] + fr["high"])
+            if "rewards" in data:
+                rec["mean_reward"] = float(data["rewards"].float().mean())
+            records.append(rec)
+        return pd.DataFrame.from_records(records)
+
+
+def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:
+    """Trace directories at or under ``root`` (those holding a ``manifest.json``), sorted."""
+    root = Path(root)
+    found = []
+    if (root / MANIFEST_NAME).is_file():
+        found.append(root)
+    frontier = [root]
+    for _ in range(max_depth):
+        nxt = []
+        for d in frontier:
+            try:
+                children = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for c in children:
+                if c.name == STEPS_DIR:
+                    continue
+                if (c / MANIFEST_NAME).is_file():
+                    found.append(c)
+                nxt.append(c)
+        frontier = nxt
+    return found

@@ -1,0 +1,257 @@
+"""The canonical trace format: field specs, metadata keys, and validation (SPEC.md section 4).
+
+Dimensions use one vocabulary (SPEC.md section 2): B sequences in the step, T completion tokens
+(right-padded), L prompt tokens (padded), F reward components.
+
+Every mask is ``*_mask`` with True = keep. Logprobs are natural-log (nats), float32 on disk unless
+the caller asks to keep the source dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from tracer.errors import SchemaError
+
+SCHEMA_VERSION = "1"
+ALGORITHMS = ("ppo", "grpo", "cispo", "rloo", "dpo")
+FLOAT, INT64, BOOL = "float", "int64", "bool"
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One canonical field.
+
+    Attributes:
+        name: the canonical name, stable across versions.
+        dims: dimension names, e.g. ``("B", "T")``.
+        kind: ``"float"`` (stored float32 unless the source dtype is kept), ``"int64"`` or ``"bool"``.
+        unit: physical unit (``"nats"``, ``"token id"``, ``"reward"``...), ``""`` when unitless.
+        description: what the tensor holds.
+        required_for: algorithms whose traces must carry the field.
+        dims_by_algorithm: per-algorithm overrides of ``dims`` (PPO advantages are per token).
+    """
+
+    name: str
+    dims: tuple[str, ...]
+    kind: str
+    unit: str
+    description: str
+    required_for: frozenset[str] = frozenset()
+    dims_by_algorithm: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def dims_for(self, algorithm: str | None) -> tuple[str, ...]:
+        """The dims this field has in a trace of ``algorithm``."""
+        return tuple(self.dims_by_algorithm.get(algorithm or "", self.dims))
+
+
+_RL = frozenset({"ppo", "grpo", "cispo", "rloo"})
+_GROUPED = frozenset({"grpo", "cispo", "rloo"})
+_DPO = frozenset({"dpo"})
+
+
+def _spec(name, dims, kind, unit, description, required_for=frozenset(), **overrides):
+    return FieldSpec(name, tuple(dims), kind, unit, description, frozenset(required_for), overrides)
+
+
+FIELDS: dict[str, FieldSpec] = {
+    s.name: s
+    for s in [
+        # Per token [B, T]
+        _spec("completion_ids", "BT", INT64, "token id", "sampled completion tokens, right-padded", _RL),
+        _spec("completion_mask", "BT", BOOL, "", "True where the completion token enters the loss", _RL),
+        _spec("policy_logprobs", "BT", FLOAT, "nats", "current policy log p(token) at update time", _RL),
+        _spec("old_logprobs", "BT", FLOAT, "nats", "behaviour policy log p(token) at rollout time",
+              {"ppo"}),
+        _spec("ref_logprobs", "BT", FLOAT, "nats", "frozen reference model log p(token)"),
+        _spec("sampler_logprobs", "BT", FLOAT, "nats", "log p(token) reported by the inference engine"),
+        _spec("ratio", "BT", FLOAT, "", "importance ratio exp(policy - old)"),
+        _spec("ref_kl_k3", "BT", FLOAT, "nats", "k3 estimator of KL(policy || ref): exp(d) - d - 1, d = ref - policy"),
+        _spec("approx_kl_k2", "BT", FLOAT, "nats", "k2 estimator 0.5 * (policy - old)^2"),
+        _spec("entropy", "BT", FLOAT, "nats", "entropy of the policy's next-token distribution"),
+        _spec("values", "BT", FLOAT, "reward", "critic value estimate per token", {"ppo"}),
+        _spec("returns", "BT", FLOAT, "reward", "GAE returns = advantages + values", {"ppo"}),
+        _spec("token_rewards", "BT", FLOAT, "reward", "per-token reward (PPO: sequence reward on last kept token)"),
+        _spec("per_token_loss", "BT", FLOAT, "", "loss per token before reduction"),
+        # Per sequence [B]
+        _spec("rewards", "B", FLOAT, "reward", "scalar reward per sequence", _RL),
+        _spec("advantages", "B", FLOAT, "", "advantage per sequence (per token for PPO)", _RL, ppo=("B", "T")),
+        _spec("group_ids", "B", INT64, "", "prompt group of each row; G consecutive rows share one", _GROUPED),
+        _spec("reward_components", "BF", FLOAT, "reward", "per reward function, names in metadata"),
+        # Prompt [B, L]
+        _spec("prompt_ids", "BL", INT64, "token id", "prompt tokens (left-padded when the trainer does so)"),
+        _spec("prompt_mask", "BL", BOOL, "", "True on real prompt tokens, False on prompt padding"),
+        # DPO [B, T] and [B]
+        _spec("chosen_ids", "BT", INT64, "token id", "chosen completion tokens", _DPO),
+        _spec("rejected_ids", "BT", INT64, "token id", "rejected completion tokens", _DPO),
+        _spec("chosen_mask", "BT", BOOL, "", "True where the chosen token enters the loss", _DPO),
+        _spec("rejected_mask", "BT", BOOL, "", "True where the rejected token enters the loss", _DPO),
+        _spec("chosen_policy_logprobs", "BT", FLOAT, "nats", "policy log p of chosen tokens", _DPO),
+        _spec("rejected_policy_logprobs", "BT", FLOAT, "nats", "policy log p of rejected tokens", _DPO),
+        _spec("chosen_ref_logprobs", "BT", FLOAT, "nats", "reference log p of chosen tokens", _DPO),
+        _spec("rejected_ref_logprobs", "BT", FLOAT, "nats", "reference log p of rejected tokens", _DPO),
+        _spec("dpo_logits", "B", FLOAT, "nats", "(pi_c - pi_r) - (ref_c - ref_r)"),
+        _spec("dpo_loss", "B", FLOAT, "", "-logsigmoid(beta * dpo_logits)"),
+        _spec("chosen_rewards", "B", FLOAT, "", "implicit reward beta * (pi_c - ref_c)"),
+        _spec("rejected_rewards", "B", FLOAT, "", "implicit reward beta * (pi_r - ref_r)"),
+    ]
+}
+
+# Metadata keys (strings in the safetensors header). Value: (python type, description).
+METADATA_KEYS: dict[str, tuple[type, str]] = {
+    "schema_version": (str, "trace format version"),
+    "algorithm": (str, "ppo | grpo | cispo | rloo | dpo"),
+    "step": (int, "optimizer step"),
+    "inner_step": (int, "PPO epoch / GRPO iteration; 0 = first pass over fresh rollouts"),
+    "micro_batch": (int, "micro-batch index within the step"),
+    "rank": (int, "data-parallel rank that wrote the file"),
+    "world_size": (int, "number of ranks"),
+    "num_generations": (int, "G, completions per prompt"),
+    "clip_epsilon_low": (float, "lower clip epsilon: ratio clipped at 1 - eps_low"),
+    "clip_epsilon_high": (float, "upper clip epsilon: ratio clipped at 1 + eps_high"),
+    "beta": (float, "ref-KL coefficient in the loss; the DPO beta for DPO"),
+    "kl_coef": (float, "PPO ref-KL coefficient"),
+    "gamma": (float, "GAE discount"),
+    "lam": (float, "GAE lambda"),
+    "temperature": (float, "sampling temperature applied to logits"),
+    "top_p": (float, "nucleus sampling threshold"),
+    "top_k": (int, "top-k sampling (0 or -1 = off)"),
+    "loss_reduction": (str, "sequence_mean | token_mean | constant"),
+    "source_dtype": (str, "dtype of the float tensors before they were stored"),
+    "reward_component_names": (list, "names of the F columns of reward_components"),
+    "old_logprobs_source": (str, "where old_logprobs came from; 'policy_detached' = ratio is 1 by construction"),
+}
+LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
+
+
+def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
+    """Encode step metadata as the ``dict[str, str]`` a safetensors header holds.
+
+    Strings are stored as they are; every other value as JSON. Raises SchemaError for a value that
+    JSON cannot hold (the message names the key).
+    """
+    out: dict[str, str] = {}
+    for key, value in metadata.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            out[str(key)] = value
+            continue
+        try:
+            out[str(key)] = json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError) as err:
+            raise SchemaError(
+                f"metadata key {key!r}: value {value!r} of type {type(value).__name__} is not JSON; "
+                "pass a str, int, float, bool, list or dict"
+            ) from err
+    return out
+
+
+def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
+    """Decode a safetensors header's metadata; known keys get their schema type, unknown keys are
+    JSON-decoded when they parse and kept as strings otherwise (nothing is dropped)."""
+    out: dict[str, Any] = {}
+    for key, text in (raw or {}).items():
+        kind = METADATA_KEYS.get(key, (None, ""))[0]
+        if kind is str:
+            out[key] = text
+            continue
+        try:
+            value = json.loads(text)
+        except (ValueError, TypeError):
+            out[key] = text
+            continue
+        if kind is int and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = int(value)
+        elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+        out[key] = value
+    return out
+
+
+def required_fields(algorithm: str) -> list[str]:
+    """Canonical fields a trace of ``algorithm`` must carry."""
+    return [name for name, spec in FIELDS.items() if algorithm in spec.required_for]
+
+
+def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_source_dtype: bool):
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if spec is None:
+        return tensor.contiguous()
+    if spec.kind == BOOL:
+        if tensor.dtype != torch.bool:
+            if tensor.is_floating_point() and not bool(((tensor == 0) | (tensor == 1)).all()):
+                bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
+                raise SchemaError(
+                    f"field {name!r}: a mask must hold only 0 and 1 (True = keep), got values {bad}; "
+                    "pass a bool tensor or a 0/1 tensor"
+                )
+            tensor = tensor != 0
+    elif spec.kind == INT64:
+        if tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex():
+            raise SchemaError(
+                f"field {name!r}: expected an integer tensor (stored as int64), got dtype {tensor.dtype}; "
+                "pass the token ids / group ids as an integer tensor"
+            )
+        tensor = tensor.to(torch.int64)
+    else:
+        if not tensor.is_floating_point():
+            raise SchemaError(
+                f"field {name!r}: expected a floating-point tensor, got dtype {tensor.dtype}; "
+                "pass the float values (logprobs in nats), e.g. tensor.float()"
+            )
+        if not keep_source_dtype:
+            tensor = tensor.to(torch.float32)
+    return tensor.contiguous()
+
+
+def validate_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    algorithm: str | None,
+    keep_source_dtype: bool = False,
+    check_required: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Check ``tensors`` against the schema and return them normalised for disk.
+
+    Normalisation: detached, on CPU, contiguous; masks to bool (0/1 integer or float masks accepted);
+    ids to int64; floats to float32 unless ``keep_source_dtype``. Fields outside the schema are kept
+    as they are. Dimension sizes (B, T, L, F) must agree across fields.
+
+    Raises:
+        SchemaError: wrong rank, a dimension that disagrees with an earlier field (both fields named),
+            a wrong dtype kind, a non-0/1 float mask, or (``check_required``) a missing required field.
+    """
+    sizes: dict[str, tuple[int, str]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise SchemaError(f"field {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        spec = FIELDS.get(name)
+        if spec is not None:
+            dims = spec.dims_for(algorithm)
+            if tensor.dim() != len(dims):
+                expected = "[" + ", ".join(dims) + "]"
+                raise SchemaError(
+                    f"field {name!r}: expected shape {expected}, got {list(tensor.shape)}; "
+                    f"record {name} as a {len(dims)}-d tensor {expected}"
+                )
+            for dim, size in zip(dims, tensor.shape):
+                if dim in sizes and sizes[dim][0] != size:
+                    other_size, other = sizes[dim]
+                    raise SchemaError(
+                        f"field {name!r}: dimension {dim} is {size}, but field {other!r} has {dim} = "
+                        f"{other_size}; all fields of one step must share B, T, L and F"
+                    )
+                sizes.setdefault(dim, (int(size), name))
+        out[name] = _normalise(name, spec, tensor, keep_source_dtype)
+    if check_required and algorithm:
+        missing = [f for f in required_fields(algorithm) if f not in out]
+        if missing:
+            raise SchemaError(f"algorithm {algorithm!r} requires fields {missing}, which were not recorded")
+    return out

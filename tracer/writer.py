@@ -1,0 +1,267 @@
+"""Write traces: one safetensors file per (step, inner step, micro-batch, rank), atomic, plus a
+manifest and the token strings at the trace root (SPEC.md section 5).
+
+Layout of a trace directory::
+
+    manifest.json          run-level facts (schema version, algorithm, producers, tokenizer, config, status)
+    tokens.json            {"tokens": [text of id 0, text of id 1, ...]}, stored once per trace
+    steps/step_00000003.inner_0.mb_0.rank_0.safetensors
+
+A step file is written to ``<name>.partial``, flushed to disk, then renamed: readers never see a
+partial file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+import warnings
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import save as safetensors_save
+
+from tracer.errors import TraceError
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, validate_tensors
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+TOKENS_NAME = "tokens.json"
+STEPS_DIR = "steps"
+FORMAT_NAME = "tracer-trace"
+
+
+def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
+    """The file name of one step file, sortable by step."""
+    return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1, ensure_ascii=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def token_strings(tokenizer: Any) -> list[str]:
+    """Text of every token id of ``tokenizer`` (a transformers tokenizer or a ``tokenizers.Tokenizer``).
+
+    Each id is decoded on its own with special tokens kept, so ``tokens[i]`` is what id i shows as.
+    """
+    if hasattr(tokenizer, "batch_decode"):  # transformers PreTrainedTokenizer(Fast)
+        n = len(tokenizer)
+        return tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+    if hasattr(tokenizer, "decode_batch"):  # tokenizers.Tokenizer
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        return tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    raise TraceError(
+        f"tokenizer of type {type(tokenizer).__name__} has neither batch_decode nor decode_batch; "
+        "pass a transformers tokenizer or a tokenizers.Tokenizer"
+    )
+
+
+def _tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    ident: dict[str, Any] = {"class": type(tokenizer).__name__}
+    for key in ("name_or_path", "eos_token_id", "pad_token_id", "bos_token_id", "padding_side"):
+        value = getattr(tokenizer, key, None)
+        if isinstance(value, (str, int)):
+            ident[key] = value
+    return ident
+
+
+def _producers() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for pkg in ("tracer", "torch", "transformers", "trl", "safetensors"):
+        try:
+            versions[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _distributed_rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class TraceWriter:
+    """Writes the steps of one run into a trace directory.
+
+    Args:
+        out_dir: the trace directory; created when missing. A directory that already holds a trace
+            with steps is refused (nothing the user had is overwritten).
+        algorithm: one of ``ppo | grpo | cispo | rloo | dpo``.
+        tokenizer: optional; its token strings are stored once in ``tokens.json``.
+        config: run configuration (JSON-able dict) kept in the manifest.
+        hyperparameters: step metadata written into every step file (``num_generations``, ``beta``,
+            ``clip_epsilon_low``... SPEC section 4 keys).
+        strict: when True, a failed write raises TraceError; otherwise the step is dropped, counted,
+            and a warning is issued, and training goes on.
+        keep_source_dtype: store floats in their source dtype instead of float32.
+
+    Raises:
+        TraceError: unknown algorithm, or ``out_dir`` already holds a trace.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        algorithm: str,
+        tokenizer: Any = None,
+        config: Mapping[str, Any] | None = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        strict: bool = False,
+        keep_source_dtype: bool = False,
+    ) -> None:
+        if algorithm not in ALGORITHMS:
+            raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
+        self.root = Path(out_dir)
+        self.algorithm = algorithm
+        self.strict = strict
+        self.keep_source_dtype = keep_source_dtype
+        self.hyperparameters = dict(hyperparameters or {})
+        self.rank, self.world_size = _distributed_rank()
+        self.steps_written = 0
+        self.dropped_steps = 0
+        self.drop_reasons: list[str] = []
+        self._closed = False
+        steps_dir = self.root / STEPS_DIR
+        if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")) and self.rank == 0:
+            raise TraceError(
+                f"{self.root} already holds a trace ({steps_dir} has step files); "
+                "choose a new output directory or move the old trace away"
+            )
+        steps_dir.mkdir(parents=True, exist_ok=True)
+        self._manifest: dict[str, Any] = {
+            "format": FORMAT_NAME,
+            "schema_version": SCHEMA_VERSION,
+            "algorithm": algorithm,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "producers": _producers(),
+            "world_size": self.world_size,
+            "hyperparameters": self.hyperparameters,
+            "config": dict(config or {}),
+            "status": "running",
+        }
+        if tokenizer is not None:
+            self._manifest["tokenizer"] = _tokenizer_identity(tokenizer)
+            if self.rank == 0:
+                write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
+        self._write_manifest()
+
+    # -- public verbs -------------------------------------------------------------------------
+
+    def record(
+        self,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        inner_step: int = 0,
+        micro_batch: int = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Path | None:
+        """Validate and write one step file; returns its path, or None when the write was dropped.
+
+        Args:
+            step: optimizer step (≥ 0).
+            tensors: canonical fields (SPEC section 4) and any extra tensors, on any device.
+            inner_step: PPO epoch / GRPO iteration, 0 on fresh rollouts.
+            micro_batch: micro-batch index within the step.
+            metadata: extra step metadata; overrides the writer's hyperparameters key by key.
+
+        Raises:
+            SchemaError: a tensor disagrees with the schema (raised whatever ``strict`` says: it is
+                the caller's mistake, not a disk failure).
+            TraceError: in strict mode, when the file cannot be written.
+        """
+        if self._closed:
+            raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
+        source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
+                                if isinstance(t, torch.Tensor) and t.is_floating_point()})
+        clean = validate_tensors(tensors, self.algorithm, keep_source_dtype=self.keep_source_dtype)
+        header = {
+            **self.hyperparameters,
+            **dict(metadata or {}),
+            "schema_version": SCHEMA_VERSION,
+            "algorithm": self.algorithm,
+            "step": int(step),
+            "inner_step": int(inner_step),
+            "micro_batch": int(micro_batch),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "source_dtype": ",".join(source_dtypes),
+        }
+        path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
+        try:
+            payload = safetensors_save(clean, metadata=encode_metadata(header))
+            self._write_bytes_atomic(path, payload)
+        except OSError as err:
+            return self._drop(path, err)
+        self.steps_written += 1
+        return path
+
+    def close(self) -> None:
+        """Mark the trace finished in the manifest (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._manifest["status"] = "finished"
+        self._write_manifest()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _write_bytes_atomic(self, path: Path, payload: bytes) -> None:
+        tmp = path.with_name(path.name + ".partial")
+        with open(tmp, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    def _drop(self, path: Path, err: OSError) -> None:
+        reason = f"{path.name}: {type(err).__name__}: {err}"
+        if self.strict:
+            raise TraceError(f"could not write trace step file {path}: {err}") from err
+        self.dropped_steps += 1
+        if len(self.drop_reasons) < 20:
+            self.drop_reasons.append(reason)
+        warnings.warn(
+            f"tracer: dropped a step ({self.dropped_steps} so far) because the file could not be "
+            f"written: {reason}. Training continues; pass strict=True to raise instead.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        try:
+            self._write_manifest()
+        except OSError:
+            pass
+        return None
+
+    def _write_manifest(self) -> None:
+        if self.rank != 0:
+            return
+        self._manifest["steps_written"] = self.steps_written
+        self._manifest["dropped_steps"] = self.dropped_steps
+        self._manifest["drop_reasons"] = self.drop_reasons
+        try:
+            write_json_atomic(self.root / MANIFEST_NAME, self._manifest)
+        except OSError as err:
+            if self.strict:
+                raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
+            log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
