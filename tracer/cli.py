@@ -1,0 +1,151 @@
+"""Command line: ``python -m tracer {demo, info, view}`` (also installed as ``tracer``).
+
+Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from tracer.errors import TraceError
+from tracer.reader import Trace, find_traces
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
+DEFAULT_VIEW_ROOT = REPO_ROOT / "sample_traces"
+DEMO_ALGOS = ("grpo",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tracer", description="Trace, browse, check and diff RL training tensors.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run a tiny real trainer on CPU with the tracer attached")
+    demo.add_argument("--algo", choices=DEMO_ALGOS, default="grpo", help="which demo trainer to run")
+    demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
+    demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+
+    info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields")
+    info.add_argument("path", help="trace directory or one step .safetensors file")
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    view = sub.add_parser("view", help="open the web UI (Streamlit, bound to 127.0.0.1)")
+    view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
+                      help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
+    view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    return parser
+
+
+def trace_info(path: str | Path) -> dict[str, Any]:
+    """The facts ``info`` prints, as a JSON-able dict."""
+    trace = Trace(path)
+    keys = trace.steps()
+    fields: dict[str, dict[str, Any]] = {}
+    metadata: dict[str, Any] = {}
+    if keys:
+        metadata = trace.metadata(keys[0])
+        for name, (shape, dtype) in trace.fields(keys[0]).items():
+            fields[name] = {"shape": shape, "dtype": dtype}
+    return {
+        "path": str(trace.path),
+        "algorithm": trace.algorithm,
+        "status": trace.status,
+        "schema_version": trace.manifest.get("schema_version", metadata.get("schema_version")),
+        "num_step_files": len(keys),
+        "steps": sorted({k.step for k in keys}),
+        "inner_steps": sorted({k.inner_step for k in keys}),
+        "micro_batches": sorted({k.micro_batch for k in keys}),
+        "ranks": sorted({k.rank for k in keys}),
+        "dropped_steps": trace.manifest.get("dropped_steps", 0),
+        "has_token_strings": trace.tokens is not None,
+        "fields": fields,
+        "first_step_metadata": metadata,
+    }
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    steps = info["steps"]
+    span = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
+    console.print(f"[bold]{info['path']}[/bold]")
+    console.print(f"algorithm: {info['algorithm']}   status: {info['status']}   "
+                  f"schema: {info['schema_version']}")
+    console.print(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
+                  f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
+    table = Table(title="fields (first step file)")
+    for col in ("field", "shape", "dtype"):
+        table.add_column(col)
+    for name, spec in info["fields"].items():
+        table.add_row(name, str(spec["shape"]), spec["dtype"])
+    console.print(table)
+    if info["first_step_metadata"]:
+        meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
+        console.print(f"metadata: {meta}", soft_wrap=True)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from tracer.demo.grpo_trl import run_grpo_demo
+
+    if args.steps < 1:
+        raise TraceError(f"--steps must be >= 1, got {args.steps}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out = run_grpo_demo(args.out, steps=args.steps, seed=args.seed, progress=True)
+    print(f"wrote trace to {out}; browse it with: python -m tracer view {out}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    info = trace_info(args.path)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        _print_info(info)
+    return 0
+
+
+def _cmd_view(args: argparse.Namespace) -> int:
+    root = Path(args.path)
+    if not root.exists():
+        raise TraceError(f"{root} does not exist: expected a trace directory or a directory of traces")
+    if root.is_dir() and not find_traces(root):
+        raise TraceError(
+            f"{root} holds no trace: expected a directory with manifest.json and steps/*.safetensors "
+            "(written by tracer), or a directory of such directories")
+    if root.is_file():
+        Trace(root)  # validates a single step file
+    cmd = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
+           "--server.address", "127.0.0.1", "--server.port", str(args.port),
+           "--server.headless", "true", "--browser.gatherUsageStats", "false",
+           "--", "--root", str(root.resolve())]
+    print(f"tracer: serving {root} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except TraceError as err:
+        print(f"tracer {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
