@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine (Python 3.10+):
+#   make app   - install everything, then open the web UI on the bundled sample traces
+#   make test  - install everything, then run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: app test install clean sample-traces
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -r requirements.txt
+	$(PY) -m pip install --no-deps -e .
+	touch $(STAMP)
+
+app: $(STAMP)
+	$(PY) -m tracer view sample_traces
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# Regenerate the committed sample trace from a real TRL GRPO run (tiny local model, CPU).
+sample-traces: $(STAMP)
+	rm -rf sample_traces/grpo-trl-tiny
+	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
+
+clean:
+	rm -rf $(VENV) .pytest_cache

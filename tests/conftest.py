@@ -1,0 +1,6 @@
+"""Shared test setup: no model hub access, ever."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
