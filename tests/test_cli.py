@@ -1,0 +1,61 @@
+"""The command line: info (text and JSON), errors on unusable paths, python -m tracer."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from tracer import TraceWriter
+from tracer.cli import main
+
+
+def write_trace(root):
+    with TraceWriter(root, "grpo", hyperparameters={"num_generations": 2, "beta": 0.04}) as writer:
+        for step in range(3):
+            for inner in range(2):
+                writer.record(step, {
+                    "completion_ids": torch.zeros(4, 6, dtype=torch.long),
+                    "completion_mask": torch.ones(4, 6, dtype=torch.bool),
+                    "policy_logprobs": torch.zeros(4, 6),
+                    "rewards": torch.zeros(4),
+                    "group_ids": torch.tensor([0, 0, 1, 1]),
+                }, inner_step=inner)
+    return root
+
+
+def test_info_json_lists_steps_and_fields(tmp_path, capsys):
+    root = write_trace(tmp_path / "run")
+    assert main(["info", str(root), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["algorithm"] == "grpo" and info["status"] == "finished"
+    assert info["steps"] == [0, 1, 2] and info["inner_steps"] == [0, 1] and info["ranks"] == [0]
+    assert info["num_step_files"] == 6
+    assert info["fields"]["completion_ids"] == {"shape": [4, 6], "dtype": "I64"}
+    assert info["fields"]["group_ids"] == {"shape": [4], "dtype": "I64"}
+    assert info["first_step_metadata"]["num_generations"] == 2
+
+
+def test_info_text_names_fields(tmp_path, capsys):
+    root = write_trace(tmp_path / "run")
+    assert main(["info", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "algorithm: grpo" in out and "policy_logprobs" in out and "[4, 6]" in out
+
+
+def test_info_and_view_on_a_missing_or_non_trace_directory(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "nope")]) == 2
+    assert "does not exist: expected a trace directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["info", str(tmp_path / "empty")]) == 2
+    assert "is not a trace: expected manifest.json" in capsys.readouterr().err
+    assert main(["view", str(tmp_path / "empty")]) == 2
+    assert "holds no trace: expected a directory with manifest.json" in capsys.readouterr().err
+    assert main(["view", str(tmp_path / "nope")]) == 2
+
+
+def test_python_dash_m_tracer(tmp_path):
+    root = write_trace(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "tracer", "info", str(root), "--json"],
+                          capture_output=True, text=True, check=True)
+    assert json.loads(proc.stdout)["num_step_files"] == 6
