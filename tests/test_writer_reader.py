@@ -233,3 +233,37 @@ def test_single_step_file_is_a_trace(tmp_path):
     (key,) = trace.steps()
     assert key.step == 3 and trace.algorithm == "grpo"
     assert trace.token_table(key).token_text.tolist() == ["<id 1>", "<id 2>"]
+
+
+def test_keyword_record_style_of_the_explicit_api(tmp_path):
+    import tracer
+
+    with tracer.Tracer(tmp_path / "run", algorithm="ppo") as tr:
+        tr.record(step=2, inner_step=1, micro_batch=3,
+                  completion_ids=torch.zeros(2, 3, dtype=torch.long),
+                  advantages=torch.zeros(2, 3), row_ids=torch.tensor([4, 1]))
+    (key,) = Trace(tmp_path / "run").steps()
+    assert (key.step, key.inner_step, key.micro_batch) == (2, 1, 3)
+    assert Trace(tmp_path / "run").load_step(key)["row_ids"].tolist() == [4, 1]
+
+
+def test_advantages_rank_depends_on_algorithm(tmp_path):
+    # PPO advantages are per token [B, T]; GRPO advantages are per sequence [B]
+    with pytest.raises(SchemaError, match=r"field 'advantages': expected shape \[B, T\], got \[2\]"):
+        TraceWriter(tmp_path / "ppo", "ppo").record(0, advantages=torch.zeros(2))
+    with pytest.raises(SchemaError, match=r"field 'advantages': expected shape \[B\], got \[2, 3\]"):
+        TraceWriter(tmp_path / "grpo", "grpo").record(0, advantages=torch.zeros(2, 3))
+
+
+def test_dpo_record_missing_one_side(tmp_path):
+    writer = TraceWriter(tmp_path / "run", "dpo")
+    with pytest.raises(SchemaError, match="DPO record has 'chosen_policy_logprobs' but not 'rejected_policy_logprobs'"):
+        writer.record(0, chosen_policy_logprobs=torch.zeros(2, 3), chosen_mask=torch.ones(2, 3),
+                      rejected_mask=torch.ones(2, 3))
+
+
+def test_unknown_algorithm_and_empty_record(tmp_path):
+    with pytest.raises(TraceError, match=r"algorithm 'ppo2' is not one of \['ppo', 'grpo', 'cispo', 'rloo', 'dpo'\]"):
+        TraceWriter(tmp_path / "a", "ppo2")
+    with pytest.raises(TraceError, match=r"record\(step=0\) got no tensors"):
+        TraceWriter(tmp_path / "b", "grpo").record(0)

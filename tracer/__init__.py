@@ -11,10 +11,10 @@ from typing import Any
 
 from tracer.errors import SchemaError, TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
-from tracer.writer import TraceWriter
+from tracer.writer import Tracer, TraceWriter
 
 __version__ = "0.1.0"
-__all__ = ["Trace", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach"]
+__all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach"]
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:

@@ -81,6 +81,7 @@ FIELDS: dict[str, FieldSpec] = {
         _spec("rewards", "B", FLOAT, "reward", "scalar reward per sequence", _RL),
         _spec("advantages", "B", FLOAT, "", "advantage per sequence (per token for PPO)", _RL, ppo=("B", "T")),
         _spec("group_ids", "B", INT64, "", "prompt group of each row; G consecutive rows share one", _GROUPED),
+        _spec("row_ids", "B", INT64, "", "index of each row in the rollout batch (maps minibatch rows back)"),
         _spec("reward_components", "BF", FLOAT, "reward", "per reward function, names in metadata"),
         # Prompt [B, L]
         _spec("prompt_ids", "BL", INT64, "token id", "prompt tokens (left-padded when the trainer does so)"),
@@ -211,6 +212,17 @@ def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_sou
     return tensor.contiguous()
 
 
+def _check_dpo_sides(tensors: Mapping[str, torch.Tensor]) -> None:
+    """A DPO record holds both sides of every per-side field (chosen_X with rejected_X)."""
+    for name in tensors:
+        for side, other in (("chosen_", "rejected_"), ("rejected_", "chosen_")):
+            if name.startswith(side) and name in FIELDS:
+                twin = other + name[len(side):]
+                if twin in FIELDS and twin not in tensors:
+                    raise SchemaError(
+                        f"DPO record has {name!r} but not {twin!r}; record both sides of each pair")
+
+
 def validate_tensors(
     tensors: Mapping[str, torch.Tensor],
     algorithm: str | None,
@@ -250,6 +262,8 @@ def validate_tensors(
                     )
                 sizes.setdefault(dim, (int(size), name))
         out[name] = _normalise(name, spec, tensor, keep_source_dtype)
+    if algorithm == "dpo":
+        _check_dpo_sides(out)
     if check_required and algorithm:
         missing = [f for f in required_fields(algorithm) if f not in out]
         if missing:

@@ -165,12 +165,16 @@ class TraceWriter:
     def record(
         self,
         step: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor] | None = None,
         inner_step: int = 0,
         micro_batch: int = 0,
         metadata: Mapping[str, Any] | None = None,
+        **named_tensors: torch.Tensor,
     ) -> Path | None:
         """Validate and write one step file; returns its path, or None when the write was dropped.
+
+        Both call styles work: ``record(3, {"policy_logprobs": lp, ...})`` and
+        ``record(step=3, inner_step=1, policy_logprobs=lp, ...)``.
 
         Args:
             step: optimizer step (≥ 0).
@@ -178,6 +182,7 @@ class TraceWriter:
             inner_step: PPO epoch / GRPO iteration, 0 on fresh rollouts.
             micro_batch: micro-batch index within the step.
             metadata: extra step metadata; overrides the writer's hyperparameters key by key.
+            **named_tensors: more tensors by keyword (merged with ``tensors``).
 
         Raises:
             SchemaError: a tensor disagrees with the schema (raised whatever ``strict`` says: it is
@@ -186,6 +191,9 @@ class TraceWriter:
         """
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
+        tensors = {**dict(tensors or {}), **named_tensors}
+        if not tensors:
+            raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
         source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
                                 if isinstance(t, torch.Tensor) and t.is_floating_point()})
         clean = validate_tensors(tensors, self.algorithm, keep_source_dtype=self.keep_source_dtype)
@@ -265,3 +273,8 @@ class TraceWriter:
             if self.strict:
                 raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
             log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
+
+
+Tracer = TraceWriter
+"""The explicit tracing API for hand-written loops: ``tr = tracer.Tracer(out_dir, algorithm="ppo",
+tokenizer=tok, hyperparameters={...})`` then ``tr.record(step=..., inner_step=..., **tensors)``."""
