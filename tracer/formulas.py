@@ -180,3 +180,107 @@ def grpo_per_token_loss(
     if beta and ref_logprobs is not None:
         surrogate = surrogate - beta * ref_kl_k3(policy_logprobs, ref_logprobs)
     return -surrogate
+
+
+def cispo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_high: float,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """CISPO per token ``-(clamp(r, max=ε_high).detach() * A * policy - β*k3)``, ``[B, T]``.
+
+    The clamped ratio is detached: the gradient reaches only ``policy_logprobs`` (and the KL term).
+    ``clip_epsilon_high`` is the ratio's upper bound itself, as in MiniMind (``max=args.epsilon_high``).
+    Source: MiniMind ``train_grpo.py:132-143`` (``loss_type == "cispo"``); MiniMax-M1 report (2025).
+    """
+    clamped = torch.clamp(ratio(policy_logprobs, old_logprobs), max=clip_epsilon_high).detach()  # (B, T)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    objective = clamped * adv * policy_logprobs
+    if beta and ref_logprobs is not None:
+        objective = objective - beta * ref_kl_k3(policy_logprobs, ref_logprobs)
+    return -objective
+
+
+def last_kept_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last kept position of each row, ``[B]`` int64; -1 for a row that keeps nothing."""
+    B, T = mask.shape
+    keep = mask.bool()
+    last = (T - 1) - keep.flip(dims=[1]).int().argmax(dim=1)  # (B,)
+    return torch.where(keep.any(dim=1), last, torch.full_like(last, -1))
+
+
+def token_rewards_from_sequence(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """PPO: put each sequence reward ``[B]`` on its last kept completion token, ``[B, T]`` zeros elsewhere.
+
+    Rows that keep no token get no reward. Source: MiniMind ``train_ppo.py:140-155`` (seed 4.5 A).
+    """
+    token_rewards = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)  # (B, T)
+    last = last_kept_index(mask)  # (B,)
+    valid = last >= 0
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    token_rewards[rows[valid], last[valid]] = rewards[valid]
+    return token_rewards
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the completion tokens.
+
+    ``delta_t = r_t + γ V_{t+1} - V_t``, ``A_t = delta_t + γλ A_{t+1}``, ``returns = A + V``; values
+    and rewards at masked positions count as 0, so nothing flows back from padding (MiniMind masks
+    them afterwards; masking first keeps the last kept token's advantage free of padded values).
+
+    Args:
+        token_rewards, values: ``[B, T]`` float. mask: ``[B, T]`` True = kept.
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]``, 0 at masked positions.
+    Source: MiniMind ``train_ppo.py:140-155``; Schulman et al., "High-Dimensional Continuous
+    Control Using GAE" (2016).
+    """
+    B, T = values.shape
+    keep = mask.to(values.dtype)
+    values = values * keep  # (B, T)
+    token_rewards = token_rewards * keep
+    lastgaelam = torch.zeros(B, dtype=values.dtype, device=values.device)
+    advs_rev = []
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(lastgaelam)
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        lastgaelam = (delta + gamma * lam * lastgaelam) * keep[:, t]
+        advs_rev.append(lastgaelam)
+    advantages = torch.stack(advs_rev[::-1], dim=1)  # (B, T)
+    return advantages, (advantages + values) * keep
+
+
+def sequence_logprobs(token_logprobs_: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked sum of token logprobs per sequence, ``[B, T]`` -> ``[B]`` nats (DPO)."""
+    return masked_sum(token_logprobs_, mask, dim=1)
+
+
+def dpo_terms(
+    chosen_policy: torch.Tensor,
+    rejected_policy: torch.Tensor,
+    chosen_ref: torch.Tensor,
+    rejected_ref: torch.Tensor,
+    beta: float,
+) -> dict[str, torch.Tensor]:
+    """DPO from per-sequence logprob sums (each ``[B]`` nats).
+
+    ``logits = (π_c - π_r) - (ref_c - ref_r)``, ``loss = -logsigmoid(β·logits)``, implicit rewards
+    ``β(π_c - ref_c)`` and ``β(π_r - ref_r)``.
+
+    Returns:
+        ``{"dpo_logits", "dpo_loss", "chosen_rewards", "rejected_rewards"}``, each ``[B]``.
+    Source: MiniMind ``train_dpo.py:34-49``; Rafailov et al., "Direct Preference Optimization" (2023).
+    """
+    logits = (chosen_policy - rejected_policy) - (chosen_ref - rejected_ref)  # (B,)
+    return {
+        "dpo_logits": logits,
+        "dpo_loss": -F.logsigmoid(beta * logits),
+        "chosen_rewards": beta * (chosen_policy - chosen_ref),
+        "rejected_rewards": beta * (rejected_policy - rejected_ref),
+    }
