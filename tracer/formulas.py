@@ -250,9 +250,9 @@ def gae(
     for t in reversed(range(T)):
         next_value = values[:, t + 1] if t < T - 1 else torch.zeros_like(lastgaelam)
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        lastgaelam = (delta + gamma * lam * lastgaelam) * keep[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
         advs_rev.append(lastgaelam)
-    advantages = torch.stack(advs_rev[::-1], dim=1)  # (B, T)
+    advantages = torch.stack(advs_rev[::-1], dim=1) * keep  # (B, T)
     return advantages, (advantages + values) * keep
 
 
