@@ -149,3 +149,89 @@ def test_grpo_per_token_loss_by_hand():
     ref = policy + LN2
     got = formulas.grpo_per_token_loss(policy, old, torch.tensor([1.0]), 0.2, 0.2, beta=0.1, ref_logprobs=ref)
     torch.testing.assert_close(got, torch.tensor([[-1.2, -0.5]]) + 0.1 * (1 - LN2))
+
+
+def test_token_rewards_land_on_the_last_kept_token():
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    got = formulas.token_rewards_from_sequence(torch.tensor([1.0, -2.0, 5.0]), mask)
+    expected = torch.zeros(3, 6)
+    expected[0, 3], expected[1, 0] = 1.0, -2.0  # row 2 keeps nothing: its reward lands nowhere
+    torch.testing.assert_close(got, expected)
+    assert formulas.last_kept_index(mask).tolist() == [3, 0, -1]
+
+
+def test_gae_on_a_masked_2x4_example_by_hand():
+    gamma, lam = 1.0, 0.95
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    values = torch.tensor([[0.5, 0.4, 0.3, 9.0], [0.2, 0.1, 5.0, 5.0]])  # 9.0 and 5.0 sit on padding
+    rewards = formulas.token_rewards_from_sequence(torch.tensor([1.0, -1.0]), mask)
+    advantages, returns = formulas.gae(rewards, values, mask, gamma, lam)
+    # row 0, values on padding count as 0:
+    #   t=2: delta = 1 + 0 - 0.3 = 0.7                      A2 = 0.7
+    #   t=1: delta = 0 + 0.3 - 0.4 = -0.1                   A1 = -0.1 + 0.95 * 0.7 = 0.565
+    #   t=0: delta = 0 + 0.4 - 0.5 = -0.1                   A0 = -0.1 + 0.95 * 0.565 = 0.43675
+    # row 1: t=1: delta = -1 + 0 - 0.1 = -1.1              A1 = -1.1
+    #        t=0: delta = 0 + 0.1 - 0.2 = -0.1              A0 = -0.1 + 0.95 * -1.1 = -1.145
+    torch.testing.assert_close(advantages, torch.tensor([[0.43675, 0.565, 0.7, 0.0], [-1.145, -1.1, 0.0, 0.0]]))
+    # returns = advantages + values on kept positions
+    torch.testing.assert_close(returns, torch.tensor([[0.93675, 0.965, 1.0, 0.0], [-0.945, -1.0, 0.0, 0.0]]))
+
+
+def test_gae_equals_a_plain_python_loop_on_random_data():
+    g = torch.Generator().manual_seed(1)
+    B, T, gamma, lam = 5, 9, 0.99, 0.9
+    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    mask = torch.tensor([[1 if t < n else 0 for t in range(T)] for n in lengths])
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    advantages, returns = formulas.gae(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        v = values[b, :n].tolist() + [0.0]  # bootstrap value after the last kept token is 0
+        r = rewards[b, :n].tolist()
+        acc, expected = 0.0, [0.0] * n
+        for t in reversed(range(n)):
+            acc = r[t] + gamma * v[t + 1] - v[t] + gamma * lam * acc
+            expected[t] = acc
+        torch.testing.assert_close(advantages[b], torch.tensor(expected + [0.0] * (T - n), dtype=torch.float64))
+        torch.testing.assert_close(returns[b, :n], advantages[b, :n] + values[b, :n])
+
+
+def test_grpo_and_cispo_losses_on_ragged_masks_with_sequence_mean():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    policy = torch.full((2, 3), math.log(0.5))
+    old = policy.clone()  # ratio 1 everywhere
+    advantages = torch.tensor([1.0, -2.0])
+    grpo = formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2)
+    # per token -A: row 0 -> -1 (3 kept), row 1 -> 2 (1 kept); per sequence [-1, 2] -> mean 0.5
+    torch.testing.assert_close(formulas.sequence_mean_loss(grpo, mask), torch.tensor(0.5))
+    # the token mean weighs rows by length instead: (-1 * 3 + 2) / 4 = -0.25
+    torch.testing.assert_close(formulas.token_mean_loss(grpo, mask), torch.tensor(-0.25))
+    cispo = formulas.cispo_per_token_loss(policy, old, advantages, clip_epsilon_high=5.0)
+    # per token -(1 * A * ln 0.5) = A ln 2: row 0 ln 2, row 1 -2 ln 2 -> mean (ln2 - 2 ln2) / 2
+    torch.testing.assert_close(formulas.sequence_mean_loss(cispo, mask), torch.tensor(-LN2 / 2))
+
+
+def test_cispo_gradient_reaches_only_policy_logprobs():
+    policy = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    old = torch.tensor([[0.0]], requires_grad=True)
+    loss = formulas.cispo_per_token_loss(policy, old, torch.tensor([2.0]), clip_epsilon_high=1.2).sum()
+    loss.backward()
+    # ratio 1.5 clamped to 1.2 and detached: d(-1.2 * 2 * policy)/d policy = -2.4; old gets no gradient
+    torch.testing.assert_close(policy.grad, torch.tensor([[-2.4]]))
+    assert old.grad is None
+
+
+def test_dpo_terms_for_a_pair_by_hand():
+    # prompt 2 + response 2 tokens; masks keep only the response ([0, 0, 1, 1]); beta 0.1
+    mask = torch.tensor([[0, 0, 1, 1]])
+    pc = formulas.sequence_logprobs(torch.tensor([[-3, -2, -0.5, -0.4]]), mask)  # -0.9
+    rc = formulas.sequence_logprobs(torch.tensor([[-3.2, -2.3, -0.6, -0.5]]), mask)  # -1.1
+    pr = formulas.sequence_logprobs(torch.tensor([[-3, -2, -1.5, -1.6]]), mask)  # -3.1
+    rr = formulas.sequence_logprobs(torch.tensor([[-3.2, -2.3, -1.4, -1.5]]), mask)  # -2.9
+    got = formulas.dpo_terms(pc, pr, rc, rr, beta=0.1)
+    # logits = (-0.9 + 3.1) - (-1.1 + 2.9) = 2.2 - 1.8 = 0.4; loss = log(1 + exp(-0.04)) = 0.67334
+    torch.testing.assert_close(got["dpo_logits"], torch.tensor([0.4]))
+    torch.testing.assert_close(got["dpo_loss"], torch.tensor([math.log1p(math.exp(-0.04))]))
+    assert abs(float(got["dpo_loss"]) - 0.6733) < 1e-4
+    torch.testing.assert_close(got["chosen_rewards"], torch.tensor([0.02]))  # 0.1 * (-0.9 + 1.1)
+    torch.testing.assert_close(got["rejected_rewards"], torch.tensor([-0.02]))  # 0.1 * (-3.1 + 2.9)
