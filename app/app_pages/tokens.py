@@ -1,0 +1,55 @@
+"""Tokens: one sequence of one step, its prompt and completion as text, the token table with
+masked positions greyed, and the per-token values against position."""
+
+import streamlit as st
+
+from app.components import trace_cache
+from app.components.figures import token_values_figure
+from app.components.sidebar import current_selection
+from app.components.token_table import (
+    legend_frame, reason_counts, section_text, style_token_table, token_display_frame)
+
+selection = current_selection()
+st.title("Tokens")
+if selection.key is None:
+    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
+    st.stop()
+if selection.sequence is None:
+    st.info("This step file has no per-sequence field (no completion_ids, prompt_ids or rewards) to show.")
+    st.stop()
+
+key = selection.key
+table = trace_cache.token_table(str(selection.trace_path), str(key.path), selection.sequence,
+                                trace_cache.mtime_ns(key.path))
+st.text(f"{key.label} · sequence {selection.sequence} · {key.path.name}")
+if table.empty:
+    st.info("This step file has neither prompt_ids nor completion_ids (a DPO trace?): no tokens to show.")
+    st.stop()
+
+if "section" in table and (table["section"] == "prompt").any():
+    st.subheader("Prompt")
+    st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
+if "section" in table and (table["section"] == "completion").any():
+    st.subheader("Completion")
+    st.code(section_text(table, "completion"), language=None, wrap_lines=True)
+st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
+           "the table below lists them one by one.")
+
+st.subheader("Token table")
+counts = reason_counts(table)
+st.text(" · ".join(f"{reason}: {n}" for reason, n in counts.items()))
+include_prompt = st.toggle("Show prompt rows", value=True)
+frame = token_display_frame(table, include_prompt=include_prompt)
+st.dataframe(
+    style_token_table(frame), hide_index=True, width="stretch", height=480,
+    column_config={
+        "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
+        "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),
+    },
+)
+with st.expander("Legend: mask_reason (grey rows do not enter the loss)", expanded=False):
+    st.dataframe(style_token_table(legend_frame()), hide_index=True, width="stretch")
+
+st.subheader("Per-token values")
+st.plotly_chart(token_values_figure(table), width="stretch")
+st.caption("Grey bands: completion positions that do not enter the loss (completion_mask = False).")

@@ -1,0 +1,118 @@
+"""The token table of one sequence: which columns to show, in which order, how masked positions
+look, and the prompt / completion as plain text. Pure pandas, no Streamlit: tests call it.
+
+Token text is always shown literally (a token ``<b>`` is the four characters ``<b>``): tables go
+through ``st.dataframe``, text through ``st.code``; nothing here produces HTML or Markdown.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from pandas.io.formats.style import Styler
+
+from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS
+
+# Why a position is (not) in the loss -> what it means, for the legend.
+MASK_LEGEND: dict[str, str] = {
+    KEPT: "completion token that enters the loss (completion_mask = True)",
+    PROMPT: "prompt token: context, never in the loss",
+    PROMPT_PADDING: "prompt padding (prompt_mask = False)",
+    AFTER_EOS: "completion position after the first EOS",
+    PADDING: "completion padding (the pad token id)",
+    MASKED: "completion token masked for another reason (truncation, tool output, trainer rule)",
+}
+# Row background per reason; kept rows stay unstyled. Greys, darker for positions that are pure filler.
+MASK_BACKGROUND: dict[str, str] = {
+    PROMPT: "#eef1f5",
+    PROMPT_PADDING: "#d0d0d0",
+    AFTER_EOS: "#d0d0d0",
+    PADDING: "#d0d0d0",
+    MASKED: "#e0e0e0",
+}
+MASKED_TEXT_COLOUR = "#6e6e6e"
+# Columns first in the table, in this order; other value columns follow in reader order.
+LEAD_COLUMNS = ("section", "position", "token_id", "token_text", "mask_reason")
+VALUE_COLUMNS = ("old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio",
+                 "ref_kl_k3", "approx_kl_k2", "advantages")
+# Above this many cells the table is shown unstyled (the mask_reason column still says it all).
+MAX_STYLED_CELLS = 200_000
+# Filler positions that the plain-text views collapse into one marker.
+FILLER_REASONS = (PROMPT_PADDING, AFTER_EOS, PADDING)
+
+
+def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.DataFrame:
+    """The columns of ``Trace.token_table(key, sequence)`` worth showing, in reading order.
+
+    Drops the columns that are constant for one sequence (step, inner_step, rank, sequence) and
+    the ``kept`` flag (``mask_reason == "kept"`` says the same). Value columns follow the order
+    old, policy, ref, sampler logprobs, ratio, ref_kl_k3, approx_kl_k2, advantages, then the rest.
+    """
+    if not include_prompt and "section" in table:
+        table = table[table["section"] != "prompt"]
+    values = [c for c in VALUE_COLUMNS if c in table]
+    values += [c for c in TOKEN_VALUE_FIELDS if c in table and c not in values]
+    columns = [c for c in LEAD_COLUMNS if c in table] + values
+    return table[columns].reset_index(drop=True)
+
+
+def _row_style(reason: str) -> str:
+    background = MASK_BACKGROUND.get(reason)
+    if background is None:
+        return ""
+    return f"background-color: {background}; color: {MASKED_TEXT_COLOUR}"
+
+
+def style_token_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
+    """Grey the rows that do not enter the loss and format the values.
+
+    Rows are coloured by ``mask_reason`` (:data:`MASK_BACKGROUND`); kept rows stay white. Floats
+    show 4 significant digits, NaN (a value the position does not have) as an empty cell.
+    Returns ``frame`` itself, unstyled, when it has more than :data:`MAX_STYLED_CELLS` cells.
+    """
+    if frame.size > MAX_STYLED_CELLS or "mask_reason" not in frame:
+        return frame
+    styles = frame["mask_reason"].map(_row_style)
+    float_columns = [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]
+    return (frame.style
+            .apply(lambda col: styles, axis=0)
+            .format("{:.4g}", subset=float_columns, na_rep=""))
+
+
+def legend_frame(reasons: list[str] | None = None) -> pd.DataFrame:
+    """``mask_reason | meaning`` rows for the legend (all reasons, or those in ``reasons``)."""
+    keys = [r for r in MASK_LEGEND if reasons is None or r in reasons]
+    return pd.DataFrame({"mask_reason": keys, "meaning": [MASK_LEGEND[k] for k in keys]})
+
+
+def filler_marker(count: int, reason: str) -> str:
+    """The marker that stands for ``count`` filler tokens in the plain-text views."""
+    return f"⟪{count} × {reason}⟫"
+
+
+def section_text(table: pd.DataFrame, section: str) -> str:
+    """The text of one section (``prompt`` or ``completion``) of one sequence, token strings
+    concatenated, each run of filler tokens (prompt padding, padding, after EOS) replaced by
+    :func:`filler_marker` so that padding cannot be mistaken for text."""
+    rows = table[table["section"] == section] if "section" in table else table
+    parts: list[str] = []
+    run_reason, run_count = None, 0
+    for text, reason in zip(rows["token_text"], rows["mask_reason"]):
+        if reason in FILLER_REASONS:
+            if reason != run_reason and run_count:
+                parts.append(filler_marker(run_count, run_reason))
+                run_count = 0
+            run_reason, run_count = reason, run_count + 1
+            continue
+        if run_count:
+            parts.append(filler_marker(run_count, run_reason))
+            run_reason, run_count = None, 0
+        parts.append(str(text))
+    if run_count:
+        parts.append(filler_marker(run_count, run_reason))
+    return "".join(parts)
+
+
+def reason_counts(table: pd.DataFrame) -> dict[str, int]:
+    """How many positions of the table carry each mask reason, in legend order."""
+    counts = table["mask_reason"].value_counts()
+    return {r: int(counts[r]) for r in MASK_LEGEND if r in counts}

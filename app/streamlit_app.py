@@ -1,0 +1,35 @@
+"""Entry of the web UI: the shared sidebar and the navigation; the pages live in app_pages/.
+
+    streamlit run app/streamlit_app.py -- --root DIR      (or TRACER_ROOT=DIR, default sample_traces/)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the repository root
+    sys.path.insert(0, str(_REPO))
+
+from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
+
+st.set_page_config(page_title="tracer", layout="wide")
+
+root = resolve_root(sys.argv[1:], os.environ)
+selection = render_sidebar(root)
+if selection is None:
+    st.title("No trace found")
+    st.warning(no_trace_message(root))
+    st.stop()
+store_selection(selection)
+
+page = st.navigation([
+    st.Page("app_pages/tokens.py", title="Tokens", icon=":material/table_rows:", default=True),
+    st.Page("app_pages/steps.py", title="Steps", icon=":material/show_chart:"),
+    st.Page("app_pages/overview.py", title="Overview", icon=":material/info:"),
+])
+page.run()
