@@ -302,6 +302,21 @@ def test_reload_picks_up_new_steps(monkeypatch, tmp_path):
     assert len(at.selectbox(key="step_file").options) == 2
 
 
+def test_trace_without_steps_yet_and_single_step_file(monkeypatch, tmp_path):
+    run = tmp_path / "starting"
+    writer = TraceWriter(run, "grpo")  # the trainer has not written a step yet
+    at = start(monkeypatch, run)
+    assert not at.exception
+    assert "no step files yet" in at.info[0].value
+    for page in ("steps", "overview"):
+        at.switch_page(f"app_pages/{page}.py").run()
+        assert not at.exception
+    step_file = writer.record(0, grpo_step_tensors(0))
+    at = start(monkeypatch, step_file)  # one .safetensors file is a trace too
+    assert not at.exception
+    assert token_dataframe(at).value["token_text"].iloc[0] == "<id 0>"
+
+
 @pytest.mark.parametrize("make", ["empty", "missing"])
 def test_root_without_traces_explains_what_is_expected(monkeypatch, tmp_path, make):
     root = tmp_path / "nothing here"
