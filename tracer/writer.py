@@ -13,6 +13,7 @@ partial file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +41,21 @@ FORMAT_NAME = "tracer-trace"
 def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
     """The file name of one step file, sortable by step."""
     return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
+
+
+def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over each tensor's name, dtype, shape and raw bytes, in name order.
+
+    Stored in step metadata as ``content_sha256`` so that ``tracer.diff`` can skip step files with
+    equal tensor data without reading it (a safetensors header cannot hold a hash of the file that
+    contains it). Tensors must be contiguous and on CPU, as ``validate_tensors`` returns them.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:
@@ -208,6 +224,7 @@ class TraceWriter:
             "rank": self.rank,
             "world_size": self.world_size,
             "source_dtype": ",".join(source_dtypes),
+            "content_sha256": content_sha256(clean),
         }
         path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
         try:
