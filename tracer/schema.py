@@ -83,6 +83,8 @@ FIELDS: dict[str, FieldSpec] = {
         _spec("group_ids", "B", INT64, "", "prompt group of each row; G consecutive rows share one", _GROUPED),
         _spec("row_ids", "B", INT64, "", "index of each row in the rollout batch (maps minibatch rows back)"),
         _spec("reward_components", "BF", FLOAT, "reward", "per reward function, names in metadata"),
+        # Scalar []
+        _spec("loss", "", FLOAT, "", "the scalar loss the trainer backpropagated, after its reduction"),
         # Prompt [B, L]
         _spec("prompt_ids", "BL", INT64, "token id", "prompt tokens (left-padded when the trainer does so)"),
         _spec("prompt_mask", "BL", BOOL, "", "True on real prompt tokens, False on prompt padding"),
