@@ -284,3 +284,54 @@ def dpo_terms(
         "chosen_rewards": beta * (chosen_policy - chosen_ref),
         "rejected_rewards": beta * (rejected_policy - rejected_ref),
     }
+
+
+def trl_group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = GROUP_STD_EPS
+) -> torch.Tensor:
+    """GRPO advantages as TRL computes them: group-centred, scaled by the *unbiased* std.
+
+    ``A = (r - mean_g) / (std + eps)`` where std is Bessel-corrected (``count / (count - 1)``) and
+    taken per group (``scale_rewards="group"``, TRL's default) or over the whole batch (``"batch"``);
+    ``"none"`` only centres. Differs from :func:`group_advantages` (the seed: population std).
+
+    Args:
+        rewards: ``[B]`` with B = P * G; G consecutive rows form one group.
+        num_generations: G (≥ 2 for a defined std).
+        scale_rewards: ``"group" | "batch" | "none"``.
+    Returns:
+        ``[B]`` float advantages.
+    Raises:
+        ValueError: B not a multiple of G, or an unknown ``scale_rewards``.
+    Source: TRL 1.16 ``grpo_trainer.py`` (``_generate_and_score_completions``, ``sum_then_normalize``)
+    and ``trl/trainer/utils.py:nanstd`` (Bessel's correction).
+    """
+    (B,) = rewards.shape
+    if num_generations <= 0 or B % num_generations:
+        raise ValueError(f"rewards has B = {B} rows, not a multiple of num_generations = {num_generations}")
+    grouped = rewards.float().view(-1, num_generations)  # (P, G)
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # (B,)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        std = grouped.std(dim=1, unbiased=True).repeat_interleave(num_generations)  # (B,)
+    elif scale_rewards == "batch":
+        std = rewards.float().std(unbiased=True).expand(B)  # (B,)
+    else:
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    return centred / (std + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """RLOO leave-one-out advantages ``A_i = r_i - mean_{j != i} r_j`` within each group, ``[B]``.
+
+    G consecutive rows form one group (G ≥ 2); each group's advantages sum to 0.
+    Source: Ahmadian et al., "Back to Basics: Revisiting REINFORCE..." (2024); TRL 1.16
+    ``rloo_trainer.py`` (``baselines = (grouped_sum - grouped_rewards) / (count - 1)``).
+    """
+    (B,) = rewards.shape
+    if num_generations < 2 or B % num_generations:
+        raise ValueError(f"rewards has B = {B} rows; RLOO needs num_generations >= 2 dividing B, got {num_generations}")
+    grouped = rewards.float().view(-1, num_generations)  # (P, G)
+    baselines = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)  # (P, G)
+    return (grouped - baselines).reshape(-1)  # (B,)
