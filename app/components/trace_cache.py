@@ -70,9 +70,9 @@ def sequence_labels(trace_path: str, step_path: str, mtime: int) -> list[str]:
     sizes = [fields[name][0][0] for name in _B_FIELDS if name in fields and fields[name][0]]
     if not sizes:
         return []
-    per_seq = trace.load_step(key, ["group_ids", "rewards"])
-    group_ids = per_seq["group_ids"].tolist() if per_seq.get("group_ids") is not None and per_seq["group_ids"].dim() == 1 else None
-    rewards = per_seq["rewards"].tolist() if per_seq.get("rewards") is not None and per_seq["rewards"].dim() == 1 else None
+    per_seq = {name: t.tolist() for name, t in trace.load_step(key, ["group_ids", "rewards"]).items()
+               if t.dim() == 1 and t.shape[0] == sizes[0]}
+    group_ids, rewards = per_seq.get("group_ids"), per_seq.get("rewards")
     labels = []
     for b in range(sizes[0]):
         parts = [f"seq {b}"]
