@@ -59,3 +59,14 @@ def test_python_dash_m_tracer(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tracer", "info", str(root), "--json"],
                           capture_output=True, text=True, check=True)
     assert json.loads(proc.stdout)["num_step_files"] == 6
+
+
+def test_demo_command_writes_a_trace_and_refuses_to_overwrite_it(tmp_path, capsys):
+    out = tmp_path / "dpo"
+    assert main(["demo", "--algo", "dpo", "--out", str(out), "--steps", "1"]) == 0
+    assert "wrote trace to" in capsys.readouterr().out
+    assert main(["info", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["algorithm"] == "dpo" and info["steps"] == [0]
+    assert main(["demo", "--algo", "dpo", "--out", str(out), "--steps", "1"]) == 2
+    assert "already holds a trace" in capsys.readouterr().err

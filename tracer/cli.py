@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tracer.errors import TraceError
+from tracer.demo.runner import DEMO_ALGOS
 from tracer.reader import Trace, find_traces
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
 DEFAULT_VIEW_ROOT = REPO_ROOT / "sample_traces"
-DEMO_ALGOS = ("grpo",)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a tiny real trainer on CPU with the tracer attached")
-    demo.add_argument("--algo", choices=DEMO_ALGOS, default="grpo", help="which demo trainer to run")
+    demo.add_argument("--algo", choices=DEMO_ALGOS, default="grpo",
+                      help="hand-written loop (ppo, grpo, cispo, dpo) or TRL trainer (*-trl); default grpo")
     demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -94,12 +95,12 @@ def _print_info(info: dict[str, Any]) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from tracer.demo.grpo_trl import run_grpo_demo
+    from tracer.demo.runner import run_demo
 
     if args.steps < 1:
         raise TraceError(f"--steps must be >= 1, got {args.steps}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = run_grpo_demo(args.out, steps=args.steps, seed=args.seed, progress=True)
+    out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True)
     print(f"wrote trace to {out}; browse it with: python -m tracer view {out}")
     return 0
 

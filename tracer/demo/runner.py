@@ -1,0 +1,60 @@
+"""``python -m tracer demo --algo ALGO``: one entry for every demo trainer.
+
+Hand-written loops (the seed's, traced through ``tracer.Tracer``): ``ppo``, ``grpo``, ``cispo``,
+``dpo``. TRL trainers (traced through ``tracer.attach``): ``grpo-trl`` (and more as they land).
+All run on CPU in seconds on a tiny model built locally (``tracer.demo.tiny_model``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
+TRL = ("grpo-trl",)
+DEMO_ALGOS = HAND_WRITTEN + TRL
+
+
+def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, progress: bool = True,
+             model_dir: str | Path | None = None) -> Path:
+    """Run the demo trainer ``algo`` for ``steps`` optimizer steps and trace it into ``out_dir``.
+
+    Args:
+        algo: one of ``DEMO_ALGOS``.
+        model_dir: a tiny model saved by ``build_tiny_model``; when None one is built into
+            ``out_dir/model`` so that the trace carries the model that produced it (~0.2 MB).
+    Raises:
+        ValueError: unknown ``algo``.
+        TraceError: ``out_dir`` already holds a trace.
+    """
+    if algo not in DEMO_ALGOS:
+        raise ValueError(f"unknown demo algorithm {algo!r}; choose one of {list(DEMO_ALGOS)}")
+    if algo == "grpo-trl":
+        from tracer.demo.grpo_trl import run_grpo_demo
+
+        return run_grpo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
+    if model_dir is None:
+        from tracer.demo.tiny_model import build_tiny_model
+
+        model_dir = build_tiny_model(Path(out_dir) / "model", seed=seed)
+    return _run_loop(algo, out_dir, steps, seed, progress, model_dir)
+
+
+def _run_loop(algo: str, out_dir, steps: int, seed: int, progress: bool, model_dir) -> Path:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=steps, desc=f"demo {algo}", unit="step", disable=not progress)
+    try:
+        if algo == "ppo":
+            from tracer.demo import ppo_loop
+
+            return ppo_loop.run(out_dir, ppo_loop.PPOConfig(steps=steps, seed=seed), model_dir, bar)
+        if algo == "dpo":
+            from tracer.demo import dpo_loop
+
+            return dpo_loop.run(out_dir, dpo_loop.DPOConfig(steps=steps, seed=seed), model_dir, bar)
+        from tracer.demo import grpo_loop
+
+        cfg = grpo_loop.GRPOConfig(loss_type=algo, steps=steps, seed=seed)
+        return grpo_loop.run(out_dir, cfg, model_dir, bar)
+    finally:
+        bar.close()
