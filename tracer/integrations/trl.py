@@ -1,0 +1,422 @@
+"""Trace Hugging Face TRL's ``GRPOTrainer`` (written against TRL 1.16).
+
+Usage::
+
+    trainer = GRPOTrainer(model=..., reward_funcs=[...], args=GRPOConfig(...), train_dataset=...)
+    tracer.attach(trainer, "runs/my-trace")
+    trainer.train()
+
+TRL's callbacks never see tensors, so the hook wraps four methods on the trainer *instance*
+(SPEC.md section 8; the class is left untouched):
+
+- ``_calculate_rewards`` returns ``rewards_per_func`` ``[B_global, F]``: kept for the rollout.
+- ``_generate_and_score_completions`` returns the rollout dict (prompt/completion ids and masks,
+  advantages, ``old_per_token_logps`` / ``ref_per_token_logps`` / ``sampling_per_token_logps`` when
+  they exist). The hook adds one int64 tensor, ``tracer_row_ids`` ``[B]``, to that dict: TRL
+  shuffles the rows (``shuffle_sequence_dict``) and splits them into ``steps_per_generation``
+  slices, and every tensor of the dict travels with its row, so the ids join the loss-time rows
+  back to the rollout's rewards and groups.
+- ``_get_per_token_logps_and_entropies``, only while inside ``compute_loss``: the training-time
+  policy logprobs (the ones that carry the gradient; stored detached) and entropies. It returns 3
+  values from TRL 1.7 on (logps, entropies, aux_loss), 2 before; both are handled.
+- ``compute_loss`` marks the micro-batch boundary: after it returns, one step file is written.
+
+Rows of a step file are put back in generation order (sorted by row id), so the G completions of a
+prompt are consecutive and ``group_ids`` comes in runs of G whenever a micro-batch holds whole
+groups (always when ``steps_per_generation == 1``, TRL's default with no gradient accumulation).
+
+Facts from TRL 1.16's ``grpo_trainer.py`` that shape the trace:
+
+- Logprobs come from a fused LM head (``trl.trainer.utils.add_fused_lm_head``) built with the
+  trainer's ``temperature``: logits / temperature, then log_softmax, for the policy, the old and the
+  reference model alike. Positions whose attention mask is 0 (after EOS) get logprob 0 exactly, so
+  ``ratio`` is 1 and the KL terms are 0 there; they are outside ``completion_mask`` anyway.
+- ``old_per_token_logps`` exists only when ``gradient_accumulation_steps % (steps_per_generation *
+  num_iterations) != 0`` or with vLLM importance sampling; otherwise TRL uses
+  ``per_token_logps.detach()`` and the ratio is 1 by construction. The trace then omits
+  ``old_logprobs`` and says so in ``old_logprobs_source`` (``policy_detached``).
+- Group advantages use ``nanstd`` with Bessel's correction (sample std), unlike the seed's
+  population std: recorded as ``advantage_std = "unbiased"``.
+- ``loss_type`` maps to ``loss_reduction`` (:data:`LOSS_REDUCTION_BY_LOSS_TYPE`).
+
+Ratio and KL terms are computed inside TRL's ``_compute_loss`` and not kept; the hook recomputes
+``ratio``, ``approx_kl_k2`` and ``ref_kl_k3`` with :mod:`tracer.formulas` in float32.
+
+Tracing never stops training: an exception while capturing is caught, counted in the manifest's
+``dropped_steps`` / ``drop_reasons`` and reported with ``warnings.warn``; pass ``strict=True`` to
+raise :class:`tracer.errors.TraceError` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from tracer import formulas
+from tracer.errors import TraceError
+from tracer.writer import TraceWriter
+
+log = logging.getLogger(__name__)
+
+ROW_ID_KEY = "tracer_row_ids"
+_ROW_STRIDE = 1 << 32  # row id = rollout index * _ROW_STRIDE + row within the local generation batch
+_MAX_DROP_REASONS = 20
+
+#: TRL ``loss_type`` -> canonical ``loss_reduction`` (SPEC section 4), from ``_compute_loss``:
+#: grpo/sapo: per-sequence masked mean, then mean over sequences.
+#: bnpo: masked mean over the micro-batch's tokens. dapo/cispo/vespo: masked token sum divided by
+#: the loss-token count of the generation batch (``num_items_in_batch``, recorded per step), i.e. a
+#: token mean over the generation batch. dr_grpo: masked sum / (B * max_completion_length).
+#: luspo: masked sum / B. The two constant divisors are recorded as ``loss_constant_divisor``.
+LOSS_REDUCTION_BY_LOSS_TYPE = {
+    "grpo": "sequence_mean",
+    "sapo": "sequence_mean",
+    "bnpo": "token_mean",
+    "dapo": "token_mean",
+    "cispo": "token_mean",
+    "vespo": "token_mean",
+    "dr_grpo": "constant",
+    "luspo": "constant",
+}
+OLD_FROM_TRL, OLD_IS_POLICY = "trl_old_per_token_logps", "policy_detached"
+_WRAPPED = ("_calculate_rewards", "_generate_and_score_completions",
+            "_get_per_token_logps_and_entropies", "compute_loss")
+_CONFIG_KEYS = (
+    "seed", "learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
+    "steps_per_generation", "generation_batch_size", "num_generations", "num_iterations",
+    "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "beta",
+    "epsilon", "epsilon_high", "delta", "loss_type", "scale_rewards", "importance_sampling_level",
+    "mask_truncated_completions", "top_entropy_quantile", "use_vllm", "bf16", "fp16",
+    "multi_objective_aggregation", "off_policy_mask_threshold", "shuffle_dataset",
+)
+
+
+@dataclass
+class _Rollout:
+    """What the hook keeps from one call of ``_generate_and_score_completions`` (CPU tensors)."""
+
+    index: int
+    rewards: torch.Tensor  # (B,) TRL's weighted sum of reward functions, NaN when unscorable
+    reward_components: torch.Tensor  # (B, F)
+    group_ids: torch.Tensor  # (B,) int64
+    global_rows: torch.Tensor  # (B,) int64, row in the all-process generation batch
+
+
+def _algorithm(trainer: Any) -> str:
+    if getattr(trainer, "loss_type", None) == "cispo":
+        return "cispo"
+    return "rloo" if "RLOO" in type(trainer).__name__ else "grpo"
+
+
+def _tokenizer(trainer: Any) -> Any:
+    tok = getattr(trainer, "_tokenizer", None) or getattr(trainer, "processing_class", None)
+    return getattr(tok, "tokenizer", tok)  # a multimodal processor holds its tokenizer
+
+
+def _hyperparameters(trainer: Any) -> dict[str, Any]:
+    """Step metadata that is the same for every step (SPEC section 4 keys + TRL extras)."""
+    args = trainer.args
+    loss_type = getattr(trainer, "loss_type", getattr(args, "loss_type", None))
+    return {
+        "num_generations": trainer.num_generations,
+        "beta": float(trainer.beta),
+        "clip_epsilon_low": float(trainer.epsilon_low),
+        "clip_epsilon_high": float(trainer.epsilon_high),
+        "temperature": float(trainer.temperature),
+        "top_p": float(args.top_p) if args.top_p is not None else None,
+        "top_k": int(args.top_k or 0),
+        "loss_reduction": LOSS_REDUCTION_BY_LOSS_TYPE.get(loss_type),
+        "loss_type": loss_type,
+        "reward_component_names": list(trainer.reward_func_names),
+        "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
+        "num_iterations": trainer.num_iterations,
+        "steps_per_generation": args.steps_per_generation,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "max_completion_length": trainer.max_completion_length,
+        "importance_sampling_level": getattr(trainer, "importance_sampling_level", None),
+        "scale_rewards": getattr(trainer, "scale_rewards", None),
+        "multi_objective_aggregation": getattr(trainer, "multi_objective_aggregation", None),
+        "advantage_std": "unbiased",  # trl.trainer.utils.nanstd applies Bessel's correction
+        "logprob_source": "trl_fused_lm_head",
+    }
+
+
+def _run_config(trainer: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    args = trainer.args
+    model_config = getattr(getattr(trainer, "model", None), "config", None)
+    config: dict[str, Any] = {
+        "trainer": type(trainer).__name__,
+        "model": getattr(model_config, "_name_or_path", None),
+        "trainer_args": {k: getattr(args, k) for k in _CONFIG_KEYS
+                         if isinstance(getattr(args, k, None), (str, int, float, bool))},
+    }
+    config.update(dict(extra or {}))
+    return config
+
+
+class GRPOTraceHook:
+    """Records every micro-batch of a TRL ``GRPOTrainer`` into a trace; see the module docstring.
+
+    Attributes:
+        writer: the :class:`~tracer.writer.TraceWriter` (``writer.root`` is the trace directory).
+        capture_failures: exceptions caught while capturing (each also counts as a dropped step).
+    """
+
+    def __init__(self, trainer: Any, out_dir: str | os.PathLike, strict: bool = False,
+                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None) -> None:
+        missing = [name for name in _WRAPPED if not callable(getattr(trainer, name, None))]
+        if missing:
+            raise TraceError(
+                f"cannot trace a {type(trainer).__name__}: it lacks {missing}, which tracer wraps on TRL's "
+                "GRPOTrainer (TRL >= 1.0); pass a trl.GRPOTrainer, or record steps with TraceWriter yourself")
+        self.trainer = trainer
+        self.strict = strict
+        self.capture_failures = 0
+        self.writer = TraceWriter(out_dir, _algorithm(trainer), tokenizer=_tokenizer(trainer),
+                                  config=_run_config(trainer, config), hyperparameters=_hyperparameters(trainer),
+                                  strict=strict, keep_source_dtype=keep_source_dtype)
+        self._rollout: _Rollout | None = None
+        self._rollouts_seen = 0
+        self._rewards_per_func: torch.Tensor | None = None
+        self._in_loss = False
+        self._policy: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._loss_calls = 0
+        self._originals: dict[str, Callable] = {}
+        self._install()
+
+    # -- public verbs -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish the trace (manifest status ``finished``); idempotent. Called at train end."""
+        self.writer.close()
+
+    def detach(self) -> None:
+        """Restore the trainer's own methods (the trace stays open until :meth:`close`)."""
+        for name, original in self._originals.items():
+            if getattr(self.trainer.__dict__.get(name), "__tracer_wrapper__", False):
+                del self.trainer.__dict__[name]
+        self._originals.clear()
+
+    # -- installing ---------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        from transformers import TrainerCallback
+
+        hook = self
+
+        class _CloseTrace(TrainerCallback):
+            def on_train_end(self, args, state, control, **kwargs):
+                hook.close()
+
+        self._wrap("_calculate_rewards", after=self._on_rewards)
+        self._wrap("_generate_and_score_completions", after=self._on_rollout)
+        self._wrap("_get_per_token_logps_and_entropies", after=self._on_logps)
+        self._wrap_compute_loss()
+        self.trainer.add_callback(_CloseTrace())
+
+    def _wrap(self, name: str, after: Callable[[Any], None]) -> None:
+        original = getattr(self.trainer, name)
+        self._originals[name] = original
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self._guard(after, result)
+            return result
+
+        wrapper.__tracer_wrapper__ = True
+        setattr(self.trainer, name, wrapper)
+
+    def _wrap_compute_loss(self) -> None:
+        original = self.trainer.compute_loss
+        self._originals["compute_loss"] = original
+
+        @functools.wraps(original)
+        def compute_loss(model, inputs, *args, **kwargs):
+            self._in_loss, self._policy = True, None
+            try:
+                loss = original(model, inputs, *args, **kwargs)
+            finally:
+                self._in_loss = False
+            if self._training():
+                self._guard(self._record_micro_batch, inputs)
+                self._loss_calls += 1
+            self._policy = None
+            return loss
+
+        compute_loss.__tracer_wrapper__ = True
+        self.trainer.compute_loss = compute_loss
+
+    def _training(self) -> bool:
+        return bool(getattr(self.trainer.model, "training", True))
+
+    def _guard(self, fn: Callable[[Any], None], value: Any) -> None:
+        try:
+            fn(value)
+        except Exception as err:  # tracing must never stop training
+            if self.strict:
+                if isinstance(err, TraceError):
+                    raise
+                raise TraceError(f"tracer: capture failed in {fn.__name__}: {type(err).__name__}: {err}") from err
+            self._count_failure(fn.__name__, err)
+
+    def _count_failure(self, where: str, err: Exception) -> None:
+        self.capture_failures += 1
+        reason = f"capture in {where}: {type(err).__name__}: {err}"
+        writer = self.writer
+        writer.dropped_steps += 1  # public counters; the manifest is rewritten at close
+        if len(writer.drop_reasons) < _MAX_DROP_REASONS:
+            writer.drop_reasons.append(reason)
+        log.debug("tracer capture failure", exc_info=err)
+        warnings.warn(
+            f"tracer: could not record a step ({self.capture_failures} capture failures so far): {reason}. "
+            "Training continues; pass strict=True to tracer.attach to raise instead.",
+            RuntimeWarning, stacklevel=2)
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def _on_rewards(self, rewards_per_func: torch.Tensor) -> None:
+        self._rewards_per_func = rewards_per_func.detach().to("cpu", torch.float32)  # (B_global, F)
+
+    def _on_logps(self, result: Any) -> None:
+        if not self._in_loss or self._policy is not None:
+            return  # old / ref logprobs during the rollout, or a second call inside one loss
+        logps = result[0] if isinstance(result, tuple) else result
+        entropies = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+        self._policy = (logps.detach(), None if entropies is None else entropies.detach())
+
+    def _on_rollout(self, output: dict[str, Any]) -> None:
+        if not self._training():
+            return
+        trainer = self.trainer
+        B = output["completion_ids"].shape[0]
+        rewards_per_func, self._rewards_per_func = self._rewards_per_func, None
+        if rewards_per_func is None:
+            raise TraceError("tracer saw no call of _calculate_rewards during this rollout; rewards are unknown")
+        start = trainer.accelerator.process_index * B
+        components = rewards_per_func[start : start + B]  # (B, F)
+        weights = trainer.reward_weights.detach().to("cpu", torch.float32)  # (F,)
+        rewards = (components * weights.unsqueeze(0)).nansum(dim=1)  # (B,) as TRL logs it
+        rewards[torch.isnan(components).all(dim=1)] = float("nan")
+        global_rows = torch.arange(start, start + B, dtype=torch.int64)  # (B,)
+        index = self._rollouts_seen
+        self._rollouts_seen += 1
+        self._rollout = _Rollout(index, rewards, components, global_rows // trainer.num_generations, global_rows)
+        device = output["completion_ids"].device
+        output[ROW_ID_KEY] = torch.arange(B, dtype=torch.int64, device=device) + index * _ROW_STRIDE
+
+    def _record_micro_batch(self, inputs: Mapping[str, Any]) -> None:
+        rollout, row_ids = self._rollout, inputs.get(ROW_ID_KEY)
+        if row_ids is None or rollout is None:
+            raise TraceError(f"the loss inputs carry no {ROW_ID_KEY!r}: the rollout of these rows was not captured")
+        if self._policy is None:
+            raise TraceError("no policy logprobs were captured: compute_loss did not call "
+                             "_get_per_token_logps_and_entropies (a TRL version tracer does not know?)")
+        row_ids = row_ids.detach().cpu()
+        if bool((row_ids // _ROW_STRIDE != rollout.index).any()):
+            raise TraceError(f"loss rows come from another rollout than the last one captured ({rollout.index})")
+        local_rows = row_ids % _ROW_STRIDE  # (B,)
+        order = torch.argsort(local_rows)  # back to generation order: groups consecutive
+        rows = local_rows[order]
+        tensors = self._loss_tensors(inputs, order)
+        tensors.update({
+            "rewards": rollout.rewards[rows],
+            "reward_components": rollout.reward_components[rows],
+            "group_ids": rollout.group_ids[rows],
+            "generation_row_ids": rollout.global_rows[rows],
+        })
+        self.writer.record(self._step(), tensors, inner_step=self._inner_step(),
+                           micro_batch=self._micro_batch(), metadata=self._step_metadata(inputs, tensors, rollout))
+
+    def _loss_tensors(self, inputs: Mapping[str, Any], order: torch.Tensor) -> dict[str, torch.Tensor]:
+        def take(value: torch.Tensor) -> torch.Tensor:
+            return value.detach()[order.to(value.device)].cpu()
+
+        policy, entropy = self._policy
+        completion_mask = inputs["completion_mask"]
+        if inputs.get("tool_mask") is not None:
+            completion_mask = completion_mask * inputs["tool_mask"]
+        tensors = {
+            "prompt_ids": take(inputs["prompt_ids"]),
+            "prompt_mask": take(inputs["prompt_mask"]),
+            "completion_ids": take(inputs["completion_ids"]),
+            "completion_mask": take(completion_mask),
+            "policy_logprobs": take(policy),
+        }
+        optional = {"entropy": entropy, "old_logprobs": inputs.get("old_per_token_logps"),
+                    "ref_logprobs": inputs.get("ref_per_token_logps"),
+                    "sampler_logprobs": inputs.get("sampling_per_token_logps"), "tool_mask": inputs.get("tool_mask")}
+        tensors.update({name: take(value) for name, value in optional.items() if value is not None})
+        advantages = take(inputs["advantages"])
+        tensors["advantages" if advantages.dim() == 1 else "token_advantages"] = advantages
+        policy32 = tensors["policy_logprobs"].float()  # (B, T)
+        old32 = tensors["old_logprobs"].float() if "old_logprobs" in tensors else policy32  # TRL: policy.detach()
+        tensors["ratio"] = formulas.ratio(policy32, old32)
+        tensors["approx_kl_k2"] = formulas.approx_kl_k2(policy32, old32)
+        if "ref_logprobs" in tensors:
+            tensors["ref_kl_k3"] = formulas.ref_kl_k3(policy32, tensors["ref_logprobs"].float())
+        return tensors
+
+    # -- step bookkeeping ---------------------------------------------------------------------
+
+    def _micro_index(self) -> int:
+        step = getattr(self.trainer, "_step", None)  # TRL's count of training_step calls
+        return int(step) if isinstance(step, int) else self._loss_calls
+
+    def _step(self) -> int:
+        return int(self.trainer.state.global_step)  # optimizer steps completed = the one being computed
+
+    def _inner_step(self) -> int:
+        args = self.trainer.args
+        spg = int(args.steps_per_generation or 1)
+        return (self._micro_index() % (spg * int(self.trainer.num_iterations))) // spg
+
+    def _micro_batch(self) -> int:
+        accumulation = int(getattr(self.trainer, "current_gradient_accumulation_steps", 0)
+                           or self.trainer.args.gradient_accumulation_steps or 1)
+        return self._micro_index() % accumulation
+
+    def _step_metadata(self, inputs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                       rollout: _Rollout) -> dict[str, Any]:
+        B = tensors["completion_ids"].shape[0]
+        loss_type = getattr(self.trainer, "loss_type", None)
+        meta: dict[str, Any] = {
+            "old_logprobs_source": OLD_FROM_TRL if "old_logprobs" in tensors else OLD_IS_POLICY,
+            "rollout_index": rollout.index,
+            "generation_slice": self._micro_index() % int(self.trainer.args.steps_per_generation or 1),
+        }
+        if loss_type == "dr_grpo":
+            meta["loss_constant_divisor"] = B * int(self.trainer.max_completion_length)
+        elif loss_type == "luspo":
+            meta["loss_constant_divisor"] = B
+        num_items = inputs.get("num_items_in_batch")
+        if isinstance(num_items, torch.Tensor) and num_items.numel() == 1:
+            meta["num_items_in_batch"] = int(num_items.item())
+        return meta
+
+
+def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_source_dtype: bool = False,
+           config: Mapping[str, Any] | None = None) -> GRPOTraceHook:
+    """Trace a TRL ``GRPOTrainer`` into ``out_dir``; call before ``trainer.train()``.
+
+    Args:
+        trainer: a ``trl.GRPOTrainer`` (TRL 1.x), already constructed.
+        out_dir: the trace directory (must not already hold a trace).
+        strict: raise :class:`~tracer.errors.TraceError` when a step cannot be captured or written,
+            instead of warning, counting it in the manifest and training on.
+        keep_source_dtype: store logprobs in the trainer's dtype instead of float32.
+        config: extra run facts for the manifest's ``config`` (e.g. how the model was built).
+
+    Returns:
+        The :class:`GRPOTraceHook`; the trace is closed at train end (a ``TrainerCallback``).
+
+    Raises:
+        TraceError: ``trainer`` lacks the methods tracer wraps, or ``out_dir`` already holds a trace.
+    """
+    return GRPOTraceHook(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config)
