@@ -68,5 +68,8 @@ def test_demo_command_writes_a_trace_and_refuses_to_overwrite_it(tmp_path, capsy
     assert main(["info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["algorithm"] == "dpo" and info["steps"] == [0]
-    assert main(["demo", "--algo", "dpo", "--out", str(out), "--steps", "1"]) == 2
+    weights = out / "model" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert main(["demo", "--algo", "dpo", "--out", str(out), "--steps", "1", "--seed", "1"]) == 2
     assert "already holds a trace" in capsys.readouterr().err
+    assert weights.stat().st_mtime_ns == before  # the trace's model was not rebuilt over

@@ -105,6 +105,16 @@ def _producers() -> dict[str, str]:
     return versions
 
 
+def refuse_existing_trace(out_dir: str | os.PathLike) -> None:
+    """Raise TraceError when ``out_dir`` already holds step files (nothing the user had is overwritten)."""
+    steps_dir = Path(out_dir) / STEPS_DIR
+    if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")):
+        raise TraceError(
+            f"{out_dir} already holds a trace ({steps_dir} has step files); "
+            "choose a new output directory or move the old trace away"
+        )
+
+
 def _distributed_rank() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -152,12 +162,9 @@ class TraceWriter:
         self.dropped_steps = 0
         self.drop_reasons: list[str] = []
         self._closed = False
+        if self.rank == 0:
+            refuse_existing_trace(self.root)
         steps_dir = self.root / STEPS_DIR
-        if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")) and self.rank == 0:
-            raise TraceError(
-                f"{self.root} already holds a trace ({steps_dir} has step files); "
-                "choose a new output directory or move the old trace away"
-            )
         steps_dir.mkdir(parents=True, exist_ok=True)
         self._manifest: dict[str, Any] = {
             "format": FORMAT_NAME,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tracer.writer import refuse_existing_trace
+
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
 TRL = ("grpo-trl",)
 DEMO_ALGOS = HAND_WRITTEN + TRL
@@ -28,6 +30,7 @@ def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, prog
     """
     if algo not in DEMO_ALGOS:
         raise ValueError(f"unknown demo algorithm {algo!r}; choose one of {list(DEMO_ALGOS)}")
+    refuse_existing_trace(out_dir)
     if algo == "grpo-trl":
         from tracer.demo.grpo_trl import run_grpo_demo
 
