@@ -24,10 +24,15 @@ app: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
-# Regenerate the committed sample trace from a real TRL GRPO run (tiny local model, CPU).
+# Regenerate the committed sample traces: hand-written loops and a real TRL GRPO run (tiny local model, CPU).
+SAMPLES = ppo grpo cispo dpo
 sample-traces: $(STAMP)
+	for algo in $(SAMPLES); do \
+	  rm -rf sample_traces/$$algo-tiny; \
+	  HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo $$algo --out sample_traces/$$algo-tiny --steps 3 --seed 0 || exit 1; \
+	done
 	rm -rf sample_traces/grpo-trl-tiny
-	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
+	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -34,7 +34,7 @@ class PPOConfig:
     """B, prompts (= sequences) per rollout."""
     minibatch_size: int = 4
     """Rows per PPO minibatch."""
-    ppo_epochs: int = 2
+    ppo_epochs: int = 3
     """Passes over each rollout (inner steps)."""
     max_new_tokens: int = 8
     """T, the completion budget."""
@@ -44,7 +44,7 @@ class PPOConfig:
     """PPO clip."""
     kl_coef: float = 0.02
     """Coefficient of the masked mean ref_kl_k3 in the policy loss."""
-    target_kl: float = 0.5
+    target_kl: float = 0.1
     """Early stop: the epoch ends when a minibatch's mean approx_kl_k2 exceeds this."""
     gamma: float = 1.0
     """GAE discount."""
