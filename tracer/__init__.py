@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from tracer.diff import DiffReport, diff
 from tracer.errors import SchemaError, TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
 from tracer.writer import Tracer, TraceWriter
 
 __version__ = "0.1.0"
-__all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach"]
+__all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach",
+           "diff", "DiffReport"]
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:

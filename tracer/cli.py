@@ -1,6 +1,7 @@
-"""Command line: ``python -m tracer {demo, info, view}`` (also installed as ``tracer``).
+"""Command line: ``python -m tracer {demo, info, view, diff}`` (also installed as ``tracer``).
 
-Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments).
+Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments); ``diff`` exits 1
+when the traces differ beyond tolerance.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ def _parser() -> argparse.ArgumentParser:
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
                       help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+
+    diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)")
+    diff.add_argument("a", help="reference trace directory or step file (the baseline)")
+    diff.add_argument("b", help="candidate trace directory or step file")
+    diff.add_argument("--json", action="store_true", help="print the report as JSON")
+    diff.add_argument("--atol", action="append", default=[], metavar="[FIELD=]X",
+                      help="absolute tolerance for FIELD (or every float field); repeatable")
+    diff.add_argument("--rtol", action="append", default=[], metavar="[FIELD=]X",
+                      help="relative tolerance (of |a|) for FIELD (or every float field); repeatable")
+    diff.add_argument("--fields", action="append", default=[], metavar="F1,F2",
+                      help="compare only these fields (comma-separated; repeatable)")
+    diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
+                      help="step metadata key whose differences are not findings; repeatable")
+    diff.add_argument("--max-locations", type=int, default=10, help="differing positions shown per field")
     return parser
 
 
@@ -135,7 +150,28 @@ def _cmd_view(args: argparse.Namespace) -> int:
         return 0
 
 
-COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view}
+def _tolerances(values: list[str], flag: str) -> dict[str, float]:
+    out = {}
+    for text in values:
+        name, _, number = text.rpartition("=")
+        try:
+            out[name or "*"] = float(number)
+        except ValueError:
+            raise TraceError(f"{flag} {text!r}: expected FIELD=NUMBER or NUMBER, e.g. {flag} ratio=1e-4") from None
+    return out
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from tracer.diff import diff
+
+    fields = [f for group in args.fields for f in group.split(",") if f] or None
+    report = diff(args.a, args.b, atol=_tolerances(args.atol, "--atol"), rtol=_tolerances(args.rtol, "--rtol"),
+                  fields=fields, ignore_metadata=args.ignore_metadata)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations))
+    return 0 if report.equal else 1
+
+
+COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,451 @@
+"""Trace vs trace: ``diff(a, b) -> DiffReport``, mask-aware, streaming tensor by tensor.
+
+Rules (documented in docs/regression-testing.md):
+
+- Step files are matched by ``(step, inner_step, micro_batch, rank)``; two single step files are
+  compared with each other whatever their step numbers. Steps on one side only are findings.
+- Per-token fields are compared only where both sides keep the position: ``completion_mask`` for
+  ``[B, T]`` fields, ``chosen_mask``/``rejected_mask`` for ``chosen_*``/``rejected_*`` fields,
+  ``prompt_mask`` for ``[B, L]`` fields. Masks themselves are compared everywhere, exactly. Fields
+  outside the schema are compared at every position.
+- Integer and bool fields compare exactly. Float fields pass when ``|b - a| <= atol + rtol * |a|``
+  (``a`` is the reference), with defaults by the coarser dtype of the two sides (those of
+  ``torch.testing.assert_close``, see ``DEFAULT_TOLERANCES``), overridable per field.
+- Drift: with ``d = b - a`` over the compared finite positions of a float field, in the step pairs
+  where that field's values differ at all, a drift is reported when at least
+  ``DRIFT_MIN_POSITIONS`` positions are compared, ``|mean(d)| > DRIFT_FRACTION * (atol + rtol *
+  mean|a|)``, and at least ``DRIFT_SIGN_SHARE`` of all those positions have ``d`` of the sign of
+  the mean: a one-sided shift fails the diff even when every element is within tolerance, while a
+  few outliers (``d = 0`` elsewhere) or symmetric noise do not count as drift.
+- Shift: when a ``[B, T]``/``[B, L]`` field differs, ``b[t]`` is compared with ``a[t-1]`` (shift
+  +1) and ``a[t+1]`` (shift -1) where both neighbours are kept; a shift is reported when the
+  shifted comparison passes everywhere, or its mean ``|Δ|`` is under ``SHIFT_IMPROVEMENT`` times
+  the unshifted one.
+- Step pairs whose ``content_sha256`` (recorded by TraceWriter) agree are not read.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from tracer.diff_report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, Location, StepId, Tolerance, step_label
+from tracer.errors import TraceError, TraceFormatError
+from tracer.reader import StepKey, Trace
+from tracer.schema import FIELDS, decode_metadata
+
+__all__ = ["diff", "DiffReport", "FieldDiff", "Location", "Tolerance", "DiffInputError", "DEFAULT_TOLERANCES"]
+
+# Defaults of torch.testing.assert_close, keyed by the safetensors dtype name.
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
+    "F64": Tolerance(1e-7, 1e-7), "F32": Tolerance(1e-5, 1.3e-6),
+    "F16": Tolerance(1e-5, 1e-3), "BF16": Tolerance(1e-5, 1.6e-2),
+}
+FALLBACK_TOLERANCE = Tolerance(1e-5, 0.125)  # float8 and other narrow formats
+DRIFT_FRACTION, DRIFT_SIGN_SHARE, DRIFT_MIN_POSITIONS = 0.05, 0.9, 8
+SHIFT_IMPROVEMENT = 0.1
+MAX_LOCATIONS = 50  # differing positions kept per field
+PROGRESS_MIN_PAIRS = 20
+IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "step", "inner_step", "micro_batch", "rank"})
+_MASKS = ("completion_mask", "chosen_mask", "rejected_mask", "prompt_mask")
+
+
+class DiffInputError(TraceError):
+    """Two traces that cannot be compared: different algorithms or schema versions, a field whose
+    shape or kind differs, or a field name that neither trace has."""
+
+
+def diff(
+    a: str | Path,
+    b: str | Path,
+    *,
+    atol: float | Mapping[str, float] | None = None,
+    rtol: float | Mapping[str, float] | None = None,
+    fields: Iterable[str] | None = None,
+    ignore_metadata: Iterable[str] = (),
+    drift: bool = True,
+    labels: tuple[str, str] = ("a", "b"),
+    progress: bool | None = None,
+) -> DiffReport:
+    """Compare trace ``b`` with reference trace ``a`` (directories or single step files).
+
+    Args:
+        a, b: the reference (baseline, expected) and the candidate (actual).
+        atol, rtol: one number for every float field, or ``{field: number}`` (key ``"*"`` = every
+            other float field); unset fields get ``DEFAULT_TOLERANCES`` of their coarser dtype.
+        fields: compare only these fields (masks are still read to select positions).
+        ignore_metadata: step metadata keys whose differences are not findings.
+        drift: report one-sided drifts (see the module docstring for the rule).
+        labels: names of a and b in the report header, e.g. ``("expected", "actual")``.
+        progress: a tqdm bar over step pairs; default: on a TTY with ≥ 20 pairs.
+
+    Returns:
+        A DiffReport; ``report.equal`` is True when nothing differs beyond tolerance.
+
+    Raises:
+        TraceFormatError: a path is not a trace.
+        DiffInputError: different algorithms or schema versions, a field with different shapes or
+            kinds on the two sides, or ``fields``/tolerances naming a field that neither trace has.
+    """
+    trace_a, trace_b = Trace(a), Trace(b)
+    _check_compatible(trace_a, trace_b)
+    pairs, only_a, only_b = _pair_steps(trace_a, trace_b)
+    report = DiffReport(str(a), str(b), tuple(labels), trace_a.algorithm or trace_b.algorithm,
+                        step_pairs=len(pairs), only_in_a=only_a, only_in_b=only_b)
+    atols, rtols = _per_field(atol, "atol"), _per_field(rtol, "rtol")
+    wanted = None if fields is None else list(fields)
+    if pairs:
+        _check_names(pairs[0], wanted, atols, rtols)
+    engine = _Engine(report, trace_a, trace_b, atols, rtols, wanted,
+                     IGNORED_METADATA | set(ignore_metadata), drift)
+    show = progress if progress is not None else (len(pairs) >= PROGRESS_MIN_PAIRS and sys.stderr.isatty())
+    for key_a, key_b in tqdm(pairs, desc="tracer diff", unit="step", disable=not show, leave=False):
+        engine.diff_step(key_a, key_b)
+    report.fields = {name: acc.finish() for name, acc in engine.accs.items()}
+    return report
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def _schema_version(trace: Trace) -> str | None:
+    version = trace.manifest.get("schema_version")
+    if version is None and trace.steps():
+        version = trace.metadata(trace.steps()[0]).get("schema_version")
+    return None if version is None else str(version)
+
+
+def _check_compatible(trace_a: Trace, trace_b: Trace) -> None:
+    algo_a, algo_b = trace_a.algorithm, trace_b.algorithm
+    if algo_a and algo_b and algo_a != algo_b:
+        raise DiffInputError(
+            f"cannot diff a {algo_a} trace ({trace_a.path}) with a {algo_b} trace ({trace_b.path}): their "
+            "fields and metadata mean different things; compare two traces of the same algorithm")
+    ver_a, ver_b = _schema_version(trace_a), _schema_version(trace_b)
+    if ver_a and ver_b and ver_a != ver_b:
+        raise DiffInputError(
+            f"cannot diff schema version {ver_a} ({trace_a.path}) with schema version {ver_b} "
+            f"({trace_b.path}): field names and layouts can change between versions; re-record the "
+            "older trace with the current tracer")
+
+
+def _step_id(key: StepKey) -> StepId:
+    return (key.step, key.inner_step, key.micro_batch, key.rank)
+
+
+def _pair_steps(trace_a: Trace, trace_b: Trace):
+    keys_a, keys_b = trace_a.steps(), trace_b.steps()
+    if trace_a.path.is_file() and trace_b.path.is_file():
+        return [(keys_a[0], keys_b[0])], [], []
+    by_b = {_step_id(k): k for k in keys_b}
+    ids_a = {_step_id(k) for k in keys_a}
+    pairs = [(k, by_b[_step_id(k)]) for k in keys_a if _step_id(k) in by_b]
+    only_a = [_step_id(k) for k in keys_a if _step_id(k) not in by_b]
+    only_b = [_step_id(k) for k in keys_b if _step_id(k) not in ids_a]
+    return pairs, only_a, only_b
+
+
+def _per_field(value: float | Mapping[str, float] | None, what: str) -> dict[str, float]:
+    if value is None:
+        return {}
+    if isinstance(value, (int, float)):
+        value = {"*": value}
+    out = {}
+    for name, number in value.items():
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not number >= 0:
+            raise DiffInputError(f"{what} for {name!r} is {number!r}; pass a number >= 0")
+        out[str(name)] = float(number)
+    return out
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+
+
+def _check_names(pair: tuple[StepKey, StepKey], wanted, atols, rtols) -> None:
+    names: set[str] = set()
+    for key in pair:
+        with _open(key.path) as fh:
+            names |= set(fh.keys())
+    for what, asked in (("fields", wanted or []), ("atol", atols), ("rtol", rtols)):
+        unknown = sorted(set(asked) - names - {"*"})
+        if unknown:
+            raise DiffInputError(
+                f"{what} names {unknown}, which neither trace has (fields of the first step: "
+                f"{sorted(names)}); check the spelling")
+
+
+# -- comparison --------------------------------------------------------------------------------
+
+
+def _kind(name: str, dtype: str) -> str:
+    if dtype == "BOOL" or name.endswith("_mask"):
+        return MASK if name.endswith("_mask") else EXACT
+    return FLOAT if dtype.startswith(("F", "BF")) else EXACT
+
+
+def _mask_for(name: str, dims: tuple[str, ...]) -> str | None:
+    if name.endswith("_mask") or len(dims) != 2:
+        return None
+    if dims[1] == "L":
+        return "prompt_mask"
+    if dims[1] != "T":
+        return None
+    return next((f"{p}_mask" for p in ("chosen", "rejected") if name.startswith(p + "_")), "completion_mask")
+
+
+def _ids_for(name: str, dims: tuple[str, ...]) -> str | None:
+    if len(dims) != 2 or dims[1] not in ("T", "L"):
+        return None
+    return "prompt_ids" if dims[1] == "L" else next(
+        (f"{p}_ids" for p in ("chosen", "rejected") if name.startswith(p + "_")), "completion_ids")
+
+
+def _mismatch(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, tol: Tolerance):
+    """``|b - a|`` (0 where equal, NaN equal to NaN; inf where only one side is NaN) and the
+    positions in ``keep`` that fail ``tol``. a, b: float64 of one shape."""
+    same = (a == b) | (a.isnan() & b.isnan())
+    absd = (b - a).abs()
+    absd = torch.where(same, 0.0, torch.where(absd.isnan(), math.inf, absd))
+    finite = a.isfinite() & b.isfinite()
+    fail = keep & ~same & (~finite | (absd > tol.atol + tol.rtol * a.abs()))
+    return absd, fail
+
+
+class _Accumulator:
+    """Running statistics of one field over step pairs; ``finish`` gives its FieldDiff."""
+
+    def __init__(self, result: FieldDiff, dims: tuple[str, ...], drift: bool) -> None:
+        self.r, self.dims, self.check_drift = result, dims, drift
+        self.tol = result.tolerance or Tolerance(0.0, 0.0)
+        self.n, self.sum_d, self.sum_abs_a, self.n_pos, self.n_neg = 0, 0.0, 0.0, 0, 0
+        self.unshifted = [0, 0.0]  # positions, sum |Δ| over failing step pairs
+        self.shifted = {s: [0, 0, 0.0] for s in (1, -1)}  # positions, failing, sum |Δ|
+
+    def compare(self, step: StepId, ta: torch.Tensor, tb: torch.Tensor, keep: torch.Tensor | None):
+        r = self.r
+        a, b = ta.double(), tb.double()
+        keep = torch.ones(a.shape, dtype=torch.bool) if keep is None else keep
+        absd, fail = _mismatch(a, b, keep, self.tol)
+        r.compared += int(keep.sum())
+        kept_absd = absd[keep]
+        if kept_absd.numel():
+            r.max_abs_diff = max(r.max_abs_diff, float(kept_absd.max()))
+            rel = torch.where(absd == 0, 0.0, absd / a.abs())[keep]
+            r.min_rtol = max(r.min_rtol, float(rel.max()))
+        if r.kind == FLOAT and r.max_abs_diff > 0 and bool((kept_absd > 0).any()):
+            sel = keep & a.isfinite() & b.isfinite()  # drift statistics skip pairs equal on this field
+            d = (b - a)[sel]
+            self.n += d.numel()
+            self.sum_d += float(d.sum())
+            self.sum_abs_a += float(a[sel].abs().sum())
+            self.n_pos += int((d > 0).sum())
+            self.n_neg += int((d < 0).sum())
+        if r.kind == MASK:
+            r.kept_only_in_a += int((ta.bool() & ~tb.bool()).sum())
+            r.kept_only_in_b += int((tb.bool() & ~ta.bool()).sum())
+        n_fail = int(fail.sum())
+        if n_fail == 0:
+            return
+        r.differing += n_fail
+        r.step_pairs_differing += 1
+        if len(self.dims) == 2 and self.dims[1] in ("T", "L") and a.dim() == 2:
+            self._shift_stats(a, b, keep, absd)
+        self._locate(step, ta, tb, absd, fail)
+
+    def _shift_stats(self, a, b, keep, absd) -> None:
+        finite = keep & absd.isfinite()
+        self.unshifted[0] += int(finite.sum())
+        self.unshifted[1] += float(absd[finite].sum())
+        both = keep[:, 1:] & keep[:, :-1]
+        for s, (a_s, b_s) in {1: (a[:, :-1], b[:, 1:]), -1: (a[:, 1:], b[:, :-1])}.items():
+            absd_s, fail_s = _mismatch(a_s, b_s, both, self.tol)
+            acc = self.shifted[s]
+            acc[0] += int(both.sum())
+            acc[1] += int(fail_s.sum())
+            acc[2] += float(absd_s[both & absd_s.isfinite()].sum())
+
+    def _locate(self, step, ta, tb, absd, fail) -> None:
+        r = self.r
+        flat = fail.reshape(-1).nonzero().squeeze(1)
+        if r.kind == FLOAT:
+            flat_top = flat[absd.reshape(-1)[flat].argsort(descending=True, stable=True)[:MAX_LOCATIONS]]
+        else:
+            flat_top = flat[: max(0, MAX_LOCATIONS - len(r.worst))]
+        rows = fail.reshape(fail.shape[0], -1).sum(1).tolist() if fail.dim() else [int(fail)]
+        va, vb, vd = ta.reshape(-1), tb.reshape(-1), absd.reshape(-1)
+
+        def location(i: int) -> Location:
+            index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), tuple(ta.shape))) if ta.dim() else ()
+            return Location(step, index, self.dims, va[i].item(), vb[i].item(), float(vd[i]),
+                            rows[index[0]] if index else rows[0])
+
+        new = [location(int(i)) for i in flat_top]
+        if r.first is None:
+            r.first = location(int(flat[0]))
+        key = (lambda l: (-l.abs_diff, l.step, l.index)) if r.kind == FLOAT else (lambda l: (l.step, l.index))
+        r.worst = sorted(r.worst + new, key=key)[:MAX_LOCATIONS]
+
+    def finish(self) -> FieldDiff:
+        r = self.r
+        if r.kind == FLOAT and r.compared:
+            r.mean_diff = self.sum_d / self.n if self.n else 0.0
+            if self.n:
+                self._drift()
+        if r.differing and self.unshifted[0]:
+            self._shift()
+        return r
+
+    def _drift(self) -> None:
+        r, tol = self.r, self.tol
+        threshold = DRIFT_FRACTION * (tol.atol + tol.rtol * self.sum_abs_a / self.n)
+        same_sign = (self.n_pos if r.mean_diff > 0 else self.n_neg) / self.n
+        r.drift = (self.check_drift and self.n >= DRIFT_MIN_POSITIONS and abs(r.mean_diff) > threshold
+                   and same_sign >= DRIFT_SIGN_SHARE)
+        if r.drift:
+            where = "kept positions" if r.mask else "positions"
+            within = "" if r.differing else " although every element is within tolerance"
+            r.drift_detail = (
+                f"drift: mean(b-a)={r.mean_diff:+.1e} over {self.n} {where}, b-a "
+                f"{'> 0' if r.mean_diff > 0 else '< 0'} at {same_sign:.0%} of them{within} (rule: |mean| > "
+                f"{DRIFT_FRACTION:g}·(atol+rtol·mean|a|) = {threshold:.1e} with ≥ {DRIFT_SIGN_SHARE:.0%} "
+                "of one sign)")
+
+    def _shift(self) -> None:
+        r = self.r
+        base = self.unshifted[1] / self.unshifted[0]
+        for s in sorted(self.shifted, key=lambda s: tuple(self.shifted[s][1:])):
+            n, n_fail, total = self.shifted[s]
+            mean = total / n if n else math.inf
+            if n >= 2 and (n_fail == 0 or mean < SHIFT_IMPROVEMENT * base):
+                r.shift = s
+                rel = "b[t] = a[t-1]" if s == 1 else "b[t] = a[t+1]"
+                fit = ("within tolerance at all" if n_fail == 0 else f"mean |Δ| {base:.1e} -> {mean:.1e} over")
+                r.shift_detail = (f"shift: b looks like a shifted by {s:+d} along {self.dims[1]} ({rel}): "
+                                  f"{fit} {n} positions where both neighbours are kept; a misalignment, not noise")
+                return
+
+
+class _Engine:
+    """Reads one step pair at a time, tensor by tensor, and feeds the accumulators."""
+
+    def __init__(self, report, trace_a, trace_b, atols, rtols, wanted, ignored, drift) -> None:
+        self.report, self.trace_a, self.trace_b = report, trace_a, trace_b
+        self.atols, self.rtols, self.wanted, self.ignored, self.drift = atols, rtols, wanted, ignored, drift
+        self.algorithm = report.algorithm
+        self.accs: dict[str, _Accumulator] = {}
+
+    def diff_step(self, key_a: StepKey, key_b: StepKey) -> None:
+        step = _step_id(key_a)
+        with _open(key_a.path) as fa, _open(key_b.path) as fb:
+            meta_a, meta_b = decode_metadata(fa.metadata()), decode_metadata(fb.metadata())
+            self._diff_metadata(step, meta_a, meta_b)
+            sha = meta_a.get("content_sha256")
+            if sha and sha == meta_b.get("content_sha256"):
+                self.report.identical_by_checksum += 1
+                return
+            heads = {}
+            for side, fh in (("a", fa), ("b", fb)):
+                heads[side] = {n: (list(fh.get_slice(n).get_shape()), fh.get_slice(n).get_dtype()) for n in fh.keys()}
+            names = [n for n in _ordered(set(heads["a"]) | set(heads["b"])) if self.wanted is None or n in self.wanted]
+            for name in names:
+                if (name in heads["a"]) != (name in heads["b"]):
+                    self._missing(step, name, "a" if name in heads["a"] else "b")
+            common = [n for n in names if n in heads["a"] and n in heads["b"]]
+            for name in common:
+                _check_pair(name, step, heads["a"][name], heads["b"][name])
+            masks = {side: {m: fh.get_tensor(m) for m in _MASKS if m in heads[side]}
+                     for side, fh in (("a", fa), ("b", fb))}
+            for name in common:
+                acc = self._accumulator(name, heads["a"][name][1], heads["b"][name][1], len(heads["a"][name][0]))
+                ta = masks["a"][name] if name in masks["a"] else fa.get_tensor(name)
+                tb = masks["b"][name] if name in masks["b"] else fb.get_tensor(name)
+                acc.compare(step, ta, tb, _keep(acc.r.mask, masks, ta.shape))
+                self._token_text(acc, step, fa, fb)
+
+    def _accumulator(self, name: str, dtype_a: str, dtype_b: str, ndim: int) -> _Accumulator:
+        if name not in self.accs:
+            spec = FIELDS.get(name)
+            dims = spec.dims_for(self.algorithm) if spec else ()
+            dims = dims if len(dims) == ndim else ("?",) * ndim
+            kind = _kind(name, dtype_a if dtype_a == dtype_b else max(dtype_a, dtype_b, key=_coarseness))
+            tol = None
+            if kind == FLOAT:
+                default = max((DEFAULT_TOLERANCES.get(d, FALLBACK_TOLERANCE) for d in (dtype_a, dtype_b)),
+                              key=lambda t: t.rtol)
+                tol = Tolerance(self.atols.get(name, self.atols.get("*", default.atol)),
+                                self.rtols.get(name, self.rtols.get("*", default.rtol)))
+            result = FieldDiff(name, kind, dtype_a, dtype_b, tol, _mask_for(name, dims) if spec else None)
+            self.accs[name] = _Accumulator(result, dims, self.drift)
+        return self.accs[name]
+
+    def _token_text(self, acc: _Accumulator, step: StepId, fa, fb) -> None:
+        ids_name = _ids_for(acc.r.name, acc.dims)
+        todo = [loc for loc in [*acc.r.worst, acc.r.first] if loc and loc.step == step and loc.token_text is None]
+        if not todo or ids_name is None or ids_name not in fa.keys():
+            return
+        ids_a = fa.get_slice(ids_name)
+        ids_b = fb.get_slice(ids_name) if ids_name in fb.keys() else ids_a
+        for loc in todo:
+            s, t = loc.index[:2]
+            id_a, id_b = int(ids_a[s : s + 1, t : t + 1]), int(ids_b[s : s + 1, t : t + 1])
+            loc.token_text = self.trace_a.token_text([id_a])[0]
+            if id_b != id_a:
+                loc.token_text_b = self.trace_b.token_text([id_b])[0]
+
+    def _missing(self, step: StepId, name: str, side: str) -> None:
+        entry = self.report.missing_fields.setdefault(name, {"only_in": side, "step_pairs": 0, "first_step": step})
+        entry["step_pairs"] += 1
+
+    def _diff_metadata(self, step: StepId, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> None:
+        for key in sorted((set(meta_a) | set(meta_b)) - self.ignored):
+            if meta_a.get(key) != meta_b.get(key):
+                entry = self.report.metadata.setdefault(
+                    key, {"a": meta_a.get(key), "b": meta_b.get(key), "step_pairs": 0, "first_step": step})
+                entry["step_pairs"] += 1
+
+
+def _coarseness(dtype: str) -> float:
+    return DEFAULT_TOLERANCES.get(dtype, FALLBACK_TOLERANCE).rtol if dtype.startswith(("F", "BF")) else 0.0
+
+
+def _ordered(names: set[str]) -> list[str]:
+    """Masks, then ids, then schema order, then other fields by name (root causes first)."""
+    schema = list(FIELDS)
+    return sorted(names, key=lambda n: (not n.endswith("_mask"), not n.endswith("_ids"),
+                                        schema.index(n) if n in FIELDS else len(schema), n))
+
+
+def _check_pair(name: str, step: StepId, head_a, head_b) -> None:
+    (shape_a, dtype_a), (shape_b, dtype_b) = head_a, head_b
+    if shape_a != shape_b:
+        raise DiffInputError(
+            f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
+            "compares position by position, so both traces need the same B, T, L and F; re-run both with "
+            "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
+    kinds = {d: ("float" if _coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
+    if kinds[dtype_a] != kinds[dtype_b]:
+        raise DiffInputError(
+            f"field {name!r} is {kinds[dtype_a]} ({dtype_a}) in a but {kinds[dtype_b]} ({dtype_b}) in b at "
+            f"{step_label(step)}: values of different kinds cannot be compared; record the field with "
+            "the same dtype kind on both sides")
+
+
+def _keep(mask_name: str | None, masks: dict[str, dict[str, torch.Tensor]], shape) -> torch.Tensor | None:
+    """Positions both sides keep (a side without the mask keeps what the other keeps)."""
+    if mask_name is None:
+        return None
+    found = [masks[s][mask_name].bool() for s in ("a", "b") if mask_name in masks[s]]
+    found = [m for m in found if m.shape == shape]
+    if not found:
+        return None
+    return found[0] & found[-1]

@@ -1,0 +1,323 @@
+"""What ``tracer.diff`` returns: per-field statistics and differing positions with their token
+text, rendered as text (CLI, pytest failure message) and as JSON (``--json``, the app).
+
+Side ``a`` is the reference (the baseline, ``expected``) and side ``b`` the candidate (``actual``):
+differences are ``b - a`` and relative tolerances are relative to ``|a|``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+StepId = tuple[int, int, int, int]  # (step, inner_step, micro_batch, rank)
+FLOAT, EXACT, MASK = "float", "exact", "mask"  # how a field is compared
+_SHOWN_STEPS = 10
+
+
+def step_label(step: StepId) -> str:
+    """``step 3`` plus ``inner``/``mb``/``rank`` when they are not 0: ``step 3, inner 1``."""
+    s, inner, mb, rank = step
+    extra = [f"{n} {v}" for n, v in (("inner", inner), ("mb", mb), ("rank", rank)) if v]
+    return ", ".join([f"step {s}", *extra])
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.7g}"
+    return str(v)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """A position passes when ``|b - a| <= atol + rtol * |a|`` (both finite), or a and b are equal
+    (NaN equals NaN, inf equals inf of the same sign)."""
+
+    atol: float
+    rtol: float
+
+    def at(self, a: float) -> float:
+        """The allowed ``|b - a|`` at reference value ``a``."""
+        return self.atol + self.rtol * abs(a)
+
+
+@dataclass
+class Location:
+    """One differing position of one field.
+
+    Attributes:
+        step: ``(step, inner_step, micro_batch, rank)`` of the step pair.
+        index: position in the tensor, e.g. ``(sequence, token)`` for a ``[B, T]`` field.
+        dims: the dimension names of ``index`` (``("B", "T")``); ``"?"`` for fields outside the schema.
+        a, b: the two values (float, int or bool).
+        abs_diff: ``|b - a|`` (inf when exactly one side is NaN/inf).
+        row_differing: differing positions in the same sequence of the same step pair.
+        token_text: text of the token at this position in ``a`` (None for non-token fields).
+        token_text_b: text of the token in ``b`` when its id differs from ``a``'s.
+    """
+
+    step: StepId
+    index: tuple[int, ...]
+    dims: tuple[str, ...]
+    a: Any
+    b: Any
+    abs_diff: float
+    row_differing: int = 1
+    token_text: str | None = None
+    token_text_b: str | None = None
+
+    @property
+    def sequence(self) -> int | None:
+        return self.index[0] if self.dims[:1] == ("B",) else None
+
+    @property
+    def token(self) -> int | None:
+        return self.index[1] if len(self.dims) > 1 and self.dims[1] in ("T", "L") else None
+
+    def position(self) -> str:
+        """``seq 3, tok 17 'cat'`` (prompt tokens: ``prompt tok``; ``[B, F]``: ``component``)."""
+        if not self.index:
+            return ""
+        if self.dims[0] != "B":
+            return f"index {self.index}"
+        parts = [f"seq {self.index[0]}"]
+        if len(self.index) > 1:
+            name = {"T": "tok", "L": "prompt tok", "F": "component"}.get(self.dims[1], "index")
+            parts.append(f"{name} {', '.join(map(str, self.index[1:]))}")
+        text = f" {self.token_text!r}" if self.token_text is not None else ""
+        return ", ".join(parts) + text
+
+    def where(self) -> str:
+        """``step 12, seq 3, tok 17 'cat'``."""
+        pos = self.position()
+        return step_label(self.step) + (f", {pos}" if pos else "")
+
+    def values(self) -> str:
+        """``a=-0.25, b=0.25`` (with both token texts when token ids differ)."""
+        a, b = _value(self.a), _value(self.b)
+        if self.token_text_b is not None:
+            a, b = f"{a} {self.token_text!r}", f"{b} {self.token_text_b!r}"
+        return f"a={a}, b={b}"
+
+
+@dataclass
+class FieldDiff:
+    """How one field compares over all step pairs that were read.
+
+    Attributes:
+        kind: ``float`` (tolerance), ``exact`` (ids, group ids) or ``mask`` (``*_mask``, exact).
+        tolerance: the tolerance used (None for exact kinds).
+        mask: the mask whose kept positions (kept on both sides) are compared; None = every position.
+        compared, differing: positions compared and positions outside tolerance.
+        max_abs_diff: max ``|b - a|`` over compared positions = the smallest atol that passes at rtol 0.
+        min_rtol: smallest rtol that passes at atol 0 (``max |b - a| / |a|``; inf when a = 0 and b != 0).
+        mean_diff: mean of ``b - a`` over compared finite positions of the step pairs where the
+            field differs at all (floats only; 0.0 when it never differs).
+        drift: a one-sided shift (see ``tracer.diff`` for the rule); ``drift_detail`` says why.
+        shift: +1 when ``b[t] ≈ a[t-1]``, -1 when ``b[t] ≈ a[t+1]`` on kept positions, else None.
+        kept_only_in_a, kept_only_in_b: for masks, positions one side keeps and the other does not.
+        first: the first differing position (step order, then position).
+        worst: the worst differing positions (largest ``|b - a|`` first; exact kinds: first ones).
+    """
+
+    name: str
+    kind: str
+    dtype_a: str
+    dtype_b: str
+    tolerance: Tolerance | None
+    mask: str | None
+    compared: int = 0
+    differing: int = 0
+    step_pairs_differing: int = 0
+    max_abs_diff: float = 0.0
+    min_rtol: float = 0.0
+    mean_diff: float | None = None
+    drift: bool = False
+    drift_detail: str = ""
+    shift: int | None = None
+    shift_detail: str = ""
+    kept_only_in_a: int = 0
+    kept_only_in_b: int = 0
+    first: Location | None = None
+    worst: list[Location] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.differing == 0 and not self.drift
+
+    @property
+    def share(self) -> float:
+        """Share of compared positions that differ."""
+        return self.differing / self.compared if self.compared else 0.0
+
+    @property
+    def min_atol(self) -> float:
+        """Smallest atol that passes at rtol 0."""
+        return self.max_abs_diff
+
+    def severity(self) -> float:
+        """How many tolerances out the worst position is (for ordering fields worst first)."""
+        if self.kind != FLOAT or not self.worst or self.tolerance is None:
+            return math.inf
+        loc = self.worst[0]
+        allowed = self.tolerance.at(loc.a if isinstance(loc.a, float) else 0.0)
+        return loc.abs_diff / allowed if allowed > 0 else math.inf
+
+    def summary(self) -> str:
+        """One line in the style of TRL's invariant tests."""
+        n = f"{self.differing} of {self.compared} {'kept ' if self.mask else ''}positions"
+        if self.kind == MASK:
+            first = f", first at {self.first.where()} ({self.first.values()})" if self.first else ""
+            return (f"{self.name}: masks differ at {n} ({self.share:.2%}; kept only in a: "
+                    f"{self.kept_only_in_a}, kept only in b: {self.kept_only_in_b}){first}")
+        if self.kind == EXACT:
+            first = f", first at {self.first.where()} ({self.first.values()})" if self.first else ""
+            return f"{self.name}: {n} differ ({self.share:.2%}){first}"
+        if self.differing == 0:
+            return f"{self.name}: {self.drift_detail}"
+        loc, tol = self.worst[0], self.tolerance
+        allowed = tol.at(loc.a) if tol is not None and isinstance(loc.a, float) else 0.0
+        return (f"{self.name}: max |Δ|={self.max_abs_diff:.1e} at {loc.where()} "
+                f"({loc.values()}, tol={allowed:.1e}); {n} differ ({self.share:.2%})")
+
+    def details(self, max_locations: int) -> list[str]:
+        """Indented lines under the summary: tolerances, drift, shift, then positions grouped by
+        sequence (worst sequence first) and token (worst first)."""
+        lines = []
+        if self.kind == FLOAT and self.tolerance is not None:
+            mean = f"{self.mean_diff:+.1e}" if self.mean_diff is not None else "n/a"
+            lines.append(f"dtype a={self.dtype_a} b={self.dtype_b}, tol: atol={self.tolerance.atol:.1e} "
+                         f"rtol={self.tolerance.rtol:.1e}; mean(b-a)={mean}; would pass with "
+                         f"atol>={self.max_abs_diff:.1e} (rtol=0) or rtol>={self.min_rtol:.1e} (atol=0)")
+            if self.drift and self.differing:
+                lines.append(self.drift_detail)
+        if self.shift_detail:
+            lines.append(self.shift_detail)
+        groups: dict[tuple, list[Location]] = defaultdict(list)
+        for loc in self.worst[:max_locations]:
+            groups[(loc.step, loc.index[:1])].append(loc)
+        for (step, seq), locs in groups.items():
+            head = step_label(step) + (f", seq {seq[0]}" if seq and locs[0].sequence is not None else "")
+            lines.append(f"{head} ({locs[0].row_differing} differing)")
+            for loc in locs:
+                pos = loc.position().split(", ", 1)[-1] if loc.sequence is not None else loc.position()
+                delta = f" |Δ|={loc.abs_diff:.1e}" if self.kind == FLOAT else ""
+                lines.append(f"  {pos or 'value'}: {loc.values()}{delta}")
+        if self.differing > min(max_locations, len(self.worst)):
+            lines.append(f"… {self.differing - min(max_locations, len(self.worst))} more differing positions")
+        return lines
+
+
+@dataclass
+class DiffReport:
+    """The result of :func:`tracer.diff`. ``equal`` is True when nothing below is a finding.
+
+    Attributes:
+        a, b: the two paths; ``labels`` name them in messages (``("expected", "actual")``).
+        step_pairs: step files matched on both sides; ``identical_by_checksum`` of them were skipped
+            because their recorded ``content_sha256`` agree (statistics cover the other pairs).
+        only_in_a, only_in_b: steps ``(step, inner_step, micro_batch, rank)`` on one side only.
+        fields: every compared field, passing or not, in comparison order.
+        missing_fields: ``{field: {"only_in": "a"|"b", "step_pairs": n, "first_step": StepId}}``.
+        metadata: ``{key: {"a": .., "b": .., "step_pairs": n, "first_step": StepId}}`` for step
+            metadata that differs (``content_sha256``, ``source_dtype`` and step identity ignored).
+    """
+
+    a: str
+    b: str
+    labels: tuple[str, str] = ("a", "b")
+    algorithm: str | None = None
+    step_pairs: int = 0
+    identical_by_checksum: int = 0
+    only_in_a: list[StepId] = field(default_factory=list)
+    only_in_b: list[StepId] = field(default_factory=list)
+    fields: dict[str, FieldDiff] = field(default_factory=dict)
+    missing_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def differing_fields(self) -> list[FieldDiff]:
+        """Failing fields, worst first: masks, then exact fields, then floats by severity."""
+        order = {MASK: 0, EXACT: 1, FLOAT: 2}
+        bad = [f for f in self.fields.values() if not f.passed]
+        return sorted(bad, key=lambda f: (order[f.kind], f.differing == 0, -f.severity()))
+
+    @property
+    def equal(self) -> bool:
+        return not (self.only_in_a or self.only_in_b or self.missing_fields or self.metadata
+                    or self.differing_fields)
+
+    @property
+    def first_divergence(self) -> tuple[str, Location] | None:
+        """``(field, location)`` of the earliest differing position (step, then position; masks
+        and ids before values on a tie)."""
+        firsts = [(f.first.step, i, f.name, f.first) for i, f in enumerate(self.fields.values()) if f.first]
+        return min(firsts, key=lambda t: t[:2])[2:] if firsts else None
+
+    def findings(self) -> list[str]:
+        """One line per finding; empty when ``equal``."""
+        out = []
+        for side, steps in (("a", self.only_in_a), ("b", self.only_in_b)):
+            if steps:
+                shown = ", ".join(step_label(s) for s in steps[:_SHOWN_STEPS])
+                more = f" … and {len(steps) - _SHOWN_STEPS} more" if len(steps) > _SHOWN_STEPS else ""
+                out.append(f"steps only in {side}: {shown}{more}")
+        for name, m in self.missing_fields.items():
+            out.append(f"{name}: only in {m['only_in']} ({m['step_pairs']} step pairs, first at "
+                       f"{step_label(m['first_step'])})")
+        for key, m in self.metadata.items():
+            out.append(f"metadata {key}: a={m['a']!r}, b={m['b']!r} ({m['step_pairs']} step pairs, "
+                       f"first at {step_label(m['first_step'])})")
+        out.extend(f.summary() for f in self.differing_fields)
+        return out
+
+    def format(self, max_locations: int = 10) -> str:
+        """The readable report: header, findings, then each differing field's details."""
+        findings = self.findings()
+        verdict = "EQUAL within tolerance" if not findings else f"DIFFERENT ({len(findings)} findings)"
+        lines = [f"tracer diff: {verdict}"]
+        for side, label, path in (("a", self.labels[0], self.a), ("b", self.labels[1], self.b)):
+            lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
+        lines.append(f"  {self.algorithm or 'unknown algorithm'} · {self.step_pairs} step pairs "
+                     f"({self.identical_by_checksum} identical by checksum) · only in a: "
+                     f"{len(self.only_in_a)} · only in b: {len(self.only_in_b)}")
+        first = self.first_divergence
+        if first:
+            lines.append(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
+        if findings:
+            lines += ["", *findings]
+        for f in self.differing_fields:
+            lines += ["", f"{f.name} ({f.kind}, {f.differing} differing in {f.step_pairs_differing} step pairs):",
+                      *("  " + line for line in f.details(max_locations))]
+        return "\n".join(lines)
+
+    __str__ = format
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: everything above plus ``equal``, ``findings`` and ``first_divergence``;
+        non-finite floats become the strings ``"inf"``, ``"-inf"``, ``"nan"``."""
+        fields = {}
+        for name, f in self.fields.items():
+            fields[name] = {**asdict(f), "passed": f.passed, "share": f.share, "min_atol": f.min_atol}
+        first = self.first_divergence
+        out = {
+            "equal": self.equal, "findings": self.findings(), "a": self.a, "b": self.b,
+            "labels": list(self.labels), "algorithm": self.algorithm, "step_pairs": self.step_pairs,
+            "identical_by_checksum": self.identical_by_checksum, "only_in_a": self.only_in_a,
+            "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
+            "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
+            "fields": fields,
+        }
+        return _json_safe(out)
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
