@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ NUM_GENERATIONS = 4
 PROMPTS_PER_STEP = 2
 MAX_COMPLETION_LENGTH = 10
 BETA = 0.04
+# TRL 1.16 reads transformers 5's deprecated `is_gradient_checkpointing` on every step.
+_TRL_NOISE = r"`is_gradient_checkpointing` is deprecated"
 LEARNING_RATE = 1e-3  # large for RL: a 29k-parameter model moves visibly in one step (ratio ~0.3-1.5)
 
 
@@ -147,6 +150,8 @@ def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, pro
                  "reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
                  "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
         tracer.attach(trainer, out, config={"model_build": build, "demo": "tracer.demo.grpo_trl.run_grpo_demo"})
-        trainer.train()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_TRL_NOISE, category=FutureWarning)
+            trainer.train()
     log.info("GRPO demo trace written to %s", out)
     return out
