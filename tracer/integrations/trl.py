@@ -37,7 +37,7 @@ Facts from TRL 1.16's ``grpo_trainer.py`` that shape the trace:
   ``old_logprobs`` and says so in ``old_logprobs_source`` (``policy_detached``).
 - Group advantages use ``nanstd`` with Bessel's correction (sample std), unlike the seed's
   population std: recorded as ``advantage_std = "unbiased"``.
-- ``loss_type`` maps to ``loss_reduction`` (:data:`LOSS_REDUCTION_BY_LOSS_TYPE`).
+- ``loss_type`` maps to ``loss_reduction`` (:data:`~tracer.integrations.trl_metadata.LOSS_REDUCTION_BY_LOSS_TYPE`).
 
 Ratio and KL terms are computed inside TRL's ``_compute_loss`` and not kept; the hook recomputes
 ``ratio``, ``approx_kl_k2`` and ``ref_kl_k3`` with :mod:`tracer.formulas` in float32.
@@ -60,7 +60,16 @@ import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
+from tracer.integrations.trl_metadata import (
+    LOSS_REDUCTION_BY_LOSS_TYPE,
+    algorithm_of,
+    hyperparameters_of,
+    run_config_of,
+    tokenizer_of,
+)
 from tracer.writer import TraceWriter
+
+__all__ = ["attach", "GRPOTraceHook", "LOSS_REDUCTION_BY_LOSS_TYPE", "ROW_ID_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -68,33 +77,9 @@ ROW_ID_KEY = "tracer_row_ids"
 _ROW_STRIDE = 1 << 32  # row id = rollout index * _ROW_STRIDE + row within the local generation batch
 _MAX_DROP_REASONS = 20
 
-#: TRL ``loss_type`` -> canonical ``loss_reduction`` (SPEC section 4), from ``_compute_loss``:
-#: grpo/sapo: per-sequence masked mean, then mean over sequences.
-#: bnpo: masked mean over the micro-batch's tokens. dapo/cispo/vespo: masked token sum divided by
-#: the loss-token count of the generation batch (``num_items_in_batch``, recorded per step), i.e. a
-#: token mean over the generation batch. dr_grpo: masked sum / (B * max_completion_length).
-#: luspo: masked sum / B. The two constant divisors are recorded as ``loss_constant_divisor``.
-LOSS_REDUCTION_BY_LOSS_TYPE = {
-    "grpo": "sequence_mean",
-    "sapo": "sequence_mean",
-    "bnpo": "token_mean",
-    "dapo": "token_mean",
-    "cispo": "token_mean",
-    "vespo": "token_mean",
-    "dr_grpo": "constant",
-    "luspo": "constant",
-}
 OLD_FROM_TRL, OLD_IS_POLICY = "trl_old_per_token_logps", "policy_detached"
 _WRAPPED = ("_calculate_rewards", "_generate_and_score_completions",
             "_get_per_token_logps_and_entropies", "compute_loss")
-_CONFIG_KEYS = (
-    "seed", "learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-    "steps_per_generation", "generation_batch_size", "num_generations", "num_iterations",
-    "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "beta",
-    "epsilon", "epsilon_high", "delta", "loss_type", "scale_rewards", "importance_sampling_level",
-    "mask_truncated_completions", "top_entropy_quantile", "use_vllm", "bf16", "fp16",
-    "multi_objective_aggregation", "off_policy_mask_threshold", "shuffle_dataset",
-)
 
 
 @dataclass
@@ -106,58 +91,6 @@ class _Rollout:
     reward_components: torch.Tensor  # (B, F)
     group_ids: torch.Tensor  # (B,) int64
     global_rows: torch.Tensor  # (B,) int64, row in the all-process generation batch
-
-
-def _algorithm(trainer: Any) -> str:
-    if getattr(trainer, "loss_type", None) == "cispo":
-        return "cispo"
-    return "rloo" if "RLOO" in type(trainer).__name__ else "grpo"
-
-
-def _tokenizer(trainer: Any) -> Any:
-    tok = getattr(trainer, "_tokenizer", None) or getattr(trainer, "processing_class", None)
-    return getattr(tok, "tokenizer", tok)  # a multimodal processor holds its tokenizer
-
-
-def _hyperparameters(trainer: Any) -> dict[str, Any]:
-    """Step metadata that is the same for every step (SPEC section 4 keys + TRL extras)."""
-    args = trainer.args
-    loss_type = getattr(trainer, "loss_type", getattr(args, "loss_type", None))
-    return {
-        "num_generations": trainer.num_generations,
-        "beta": float(trainer.beta),
-        "clip_epsilon_low": float(trainer.epsilon_low),
-        "clip_epsilon_high": float(trainer.epsilon_high),
-        "temperature": float(trainer.temperature),
-        "top_p": float(args.top_p) if args.top_p is not None else None,
-        "top_k": int(args.top_k or 0),
-        "loss_reduction": LOSS_REDUCTION_BY_LOSS_TYPE.get(loss_type),
-        "loss_type": loss_type,
-        "reward_component_names": list(trainer.reward_func_names),
-        "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
-        "num_iterations": trainer.num_iterations,
-        "steps_per_generation": args.steps_per_generation,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "max_completion_length": trainer.max_completion_length,
-        "importance_sampling_level": getattr(trainer, "importance_sampling_level", None),
-        "scale_rewards": getattr(trainer, "scale_rewards", None),
-        "multi_objective_aggregation": getattr(trainer, "multi_objective_aggregation", None),
-        "advantage_std": "unbiased",  # trl.trainer.utils.nanstd applies Bessel's correction
-        "logprob_source": "trl_fused_lm_head",
-    }
-
-
-def _run_config(trainer: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    args = trainer.args
-    model_config = getattr(getattr(trainer, "model", None), "config", None)
-    config: dict[str, Any] = {
-        "trainer": type(trainer).__name__,
-        "model": getattr(model_config, "_name_or_path", None),
-        "trainer_args": {k: getattr(args, k) for k in _CONFIG_KEYS
-                         if isinstance(getattr(args, k, None), (str, int, float, bool))},
-    }
-    config.update(dict(extra or {}))
-    return config
 
 
 class GRPOTraceHook:
@@ -178,8 +111,8 @@ class GRPOTraceHook:
         self.trainer = trainer
         self.strict = strict
         self.capture_failures = 0
-        self.writer = TraceWriter(out_dir, _algorithm(trainer), tokenizer=_tokenizer(trainer),
-                                  config=_run_config(trainer, config), hyperparameters=_hyperparameters(trainer),
+        self.writer = TraceWriter(out_dir, algorithm_of(trainer), tokenizer=tokenizer_of(trainer),
+                                  config=run_config_of(trainer, config), hyperparameters=hyperparameters_of(trainer),
                                   strict=strict, keep_source_dtype=keep_source_dtype)
         self._rollout: _Rollout | None = None
         self._rollouts_seen = 0
@@ -198,7 +131,7 @@ class GRPOTraceHook:
 
     def detach(self) -> None:
         """Restore the trainer's own methods (the trace stays open until :meth:`close`)."""
-        for name, original in self._originals.items():
+        for name in self._originals:
             if getattr(self.trainer.__dict__.get(name), "__tracer_wrapper__", False):
                 del self.trainer.__dict__[name]
         self._originals.clear()
@@ -331,7 +264,7 @@ class GRPOTraceHook:
             "group_ids": rollout.group_ids[rows],
             "generation_row_ids": rollout.global_rows[rows],
         })
-        self.writer.record(self._step(), tensors, inner_step=self._inner_step(),
+        self.writer.record(self._optimizer_step(), tensors, inner_step=self._inner_step(),
                            micro_batch=self._micro_batch(), metadata=self._step_metadata(inputs, tensors, rollout))
 
     def _loss_tensors(self, inputs: Mapping[str, Any], order: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -369,7 +302,7 @@ class GRPOTraceHook:
         step = getattr(self.trainer, "_step", None)  # TRL's count of training_step calls
         return int(step) if isinstance(step, int) else self._loss_calls
 
-    def _step(self) -> int:
+    def _optimizer_step(self) -> int:
         return int(self.trainer.state.global_step)  # optimizer steps completed = the one being computed
 
     def _inner_step(self) -> int:
