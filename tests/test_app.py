@@ -338,7 +338,11 @@ def test_sample_trace_loads_from_the_default_root(monkeypatch):
     at = AppTest.from_file(str(APP), default_timeout=60).run()
     assert not at.exception
     at.selectbox(key="run").select(SAMPLE).run()
+    assert not at.exception
     df = token_dataframe(at)
     reasons = set(df.value["mask_reason"])
-    assert "kept" in reasons and reasons & {"prompt", "prompt_padding", "after_eos", "padding", "masked"}
-    assert any(css for css in [df.proto.arrow_data.styler.styles])
+    masked = reasons - {"kept"}
+    assert "kept" in reasons and masked
+    # each masked kind present in this sequence is greyed in the styler sent to the browser
+    assert all(MASK_BACKGROUND[r] in df.proto.arrow_data.styler.styles for r in masked)
+    assert len(at.get("plotly_chart")) == 1
