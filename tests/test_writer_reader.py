@@ -267,3 +267,12 @@ def test_unknown_algorithm_and_empty_record(tmp_path):
         TraceWriter(tmp_path / "a", "ppo2")
     with pytest.raises(TraceError, match=r"record\(step=0\) got no tensors"):
         TraceWriter(tmp_path / "b", "grpo").record(0)
+
+
+def test_fields_sharing_memory_are_written(tmp_path):
+    policy = torch.tensor([[-0.5, -1.0]])
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        # old aliases policy, and ratio is a view of the same storage: both must still be recorded
+        writer.record(0, policy_logprobs=policy, old_logprobs=policy, ratio=policy[:, :])
+    data = Trace(tmp_path / "run").load_step(Trace(tmp_path / "run").steps()[0])
+    assert torch.equal(data["old_logprobs"], policy) and torch.equal(data["ratio"], policy)

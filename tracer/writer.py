@@ -105,6 +105,19 @@ def _producers() -> dict[str, str]:
     return versions
 
 
+def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy tensors that share storage with an earlier one (safetensors refuses shared memory, and
+    two fields being the same tensor, e.g. old aliasing policy, is exactly what a trace must show)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
+        out[name] = tensor.clone() if ptr in seen else tensor
+        if ptr != -1:
+            seen.add(ptr)
+    return out
+
+
 def refuse_existing_trace(out_dir: str | os.PathLike) -> None:
     """Raise TraceError when ``out_dir`` already holds step files (nothing the user had is overwritten)."""
     steps_dir = Path(out_dir) / STEPS_DIR
@@ -219,7 +232,7 @@ class TraceWriter:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
         source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
                                 if isinstance(t, torch.Tensor) and t.is_floating_point()})
-        clean = validate_tensors(tensors, self.algorithm, keep_source_dtype=self.keep_source_dtype)
+        clean = _unshare(validate_tensors(tensors, self.algorithm, keep_source_dtype=self.keep_source_dtype))
         header = {
             **self.hyperparameters,
             **dict(metadata or {}),
@@ -234,10 +247,11 @@ class TraceWriter:
             "content_sha256": content_sha256(clean),
         }
         path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
+        encoded = encode_metadata(header)  # a non-JSON metadata value is the caller's mistake: raise
         try:
-            payload = safetensors_save(clean, metadata=encode_metadata(header))
+            payload = safetensors_save(clean, metadata=encoded)
             self._write_bytes_atomic(path, payload)
-        except OSError as err:
+        except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             return self._drop(path, err)
         self.steps_written += 1
         return path
@@ -266,7 +280,7 @@ class TraceWriter:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
 
-    def _drop(self, path: Path, err: OSError) -> None:
+    def _drop(self, path: Path, err: Exception) -> None:
         reason = f"{path.name}: {type(err).__name__}: {err}"
         if self.strict:
             raise TraceError(f"could not write trace step file {path}: {err}") from err

@@ -34,6 +34,10 @@ def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, prog
     if algo == "grpo-trl":
         from tracer.demo.grpo_trl import run_grpo_demo
 
+        if model_dir is None:
+            from tracer.demo.tiny_model import build_tiny_model
+
+            model_dir = build_tiny_model(Path(out_dir) / "model", seed=seed)
         return run_grpo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
     if model_dir is None:
         from tracer.demo.tiny_model import build_tiny_model
