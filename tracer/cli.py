@@ -1,7 +1,7 @@
-"""Command line: ``python -m tracer {demo, info, view, diff}`` (also installed as ``tracer``).
+"""Command line: ``python -m tracer {demo, info, view, diff, check}`` (also installed as ``tracer``).
 
 Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments); ``diff`` exits 1
-when the traces differ beyond tolerance.
+when the traces differ beyond tolerance, ``check`` when any finding is an error.
 """
 
 from __future__ import annotations
@@ -42,6 +42,15 @@ def _parser() -> argparse.ArgumentParser:
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
                       help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+
+    check = sub.add_parser("check", help="run the invariants of SPEC section 6 (exit 1 on any error, 2 unusable)")
+    check.add_argument("path", help="trace directory or one step .safetensors file")
+    check.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    check.add_argument("--select", action="extend", nargs="+", metavar="ID",
+                       help="check ids (masks.after_eos) or families (masks) to run; default all")
+    check.add_argument("--sampler-ratio-bound", type=float, default=2.0, metavar="C",
+                       help="sampler.mismatch counts tokens whose exp(old - sampler) is outside [1/C, C] (default 2)")
+    check.add_argument("--max-per-check", type=int, default=10, help="findings shown per check (default 10)")
 
     diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)")
     diff.add_argument("a", help="reference trace directory or step file (the baseline)")
@@ -171,7 +180,24 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff}
+def _cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tracer.checks import CheckOptions, has_errors, run_checks
+    from tracer.checks.report import render_findings
+
+    if not args.sampler_ratio_bound > 1:
+        raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
+    findings = run_checks(args.path, select=args.select,
+                          options=CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound))
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))
+    else:
+        Console().print(render_findings(findings, title=str(args.path), max_per_check=args.max_per_check))
+    return 1 if has_errors(findings) else 0
+
+
+COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff, "check": _cmd_check}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,44 @@
+"""``tracer check``: the invariants of SPEC section 6 as named checks that return located findings.
+
+Families, one module each: ``identity`` (first-step identity, old aliasing policy), ``alignment``
+(logprob shift, completion start), ``masks`` (after EOS, padding, empty rows, DPO mask rule),
+``kl`` (k3 sign, ref - policy gap, persistently negative k1), ``nonfinite`` (NaN/Inf by dependency
+order), ``advantages`` (group sum, zero-variance groups, z-score bound, masked positions, PPO reward
+placement), ``sampler`` (sampler vs trainer logprobs) and ``recompute`` (ratio, KL, advantages, clip
+fractions, DPO terms, per-token loss and the loss reduction).
+
+Public API::
+
+    findings = run_checks("runs/r1")                  # list[Finding], worst first
+    findings = run_checks(trace, select=["masks"])    # a family or check ids
+    has_errors(findings)                              # what `tracer check` turns into exit code 1
+    CHECKS["masks.after_eos"].description             # the registry
+"""
+
+from __future__ import annotations
+
+from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
+    advantages, alignment, identity, kl, masks, nonfinite, recompute, reduction, sampler,
+)
+from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
+from tracer.checks.finding import (
+    CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,
+)
+from tracer.checks.runner import run_checks, select_checks
+
+
+def has_errors(findings: list[Finding]) -> bool:
+    """True when any finding is an error (``tracer check`` then exits with 1)."""
+    return any(f.severity == ERROR for f in findings)
+
+
+def count_by_severity(findings: list[Finding]) -> dict[str, int]:
+    """``{"error": n, "warning": n, "info": n, "skipped": n}``."""
+    return {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+
+
+__all__ = [
+    "CHECKS", "ERROR", "FAMILIES", "INFO", "SEVERITIES", "SKIPPED", "TOLERANCES", "WARNING", "Check",
+    "CheckOptions", "Finding", "Skip", "StepContext", "Tolerance", "count_by_severity", "has_errors",
+    "register", "run_checks", "select_checks",
+]

@@ -1,0 +1,185 @@
+"""Advantages and rewards (SPEC section 6).
+
+Grouped algorithms (GRPO, CISPO, RLOO): advantages sum to ~0 within each group, zero-variance
+groups (no learning signal) are counted, and |A| stays within the bound a group z-score allows
+(|A| <= sqrt(G - 1) for a group of G). PPO: the sequence reward lands on the last kept token of
+``token_rewards``, and no reward or advantage sits on a masked position.
+
+Groups are read from ``group_ids`` when recorded (rows may be shuffled), else G consecutive rows
+(``num_generations``). Only complete groups of G rows in the step file are checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tracer import formulas
+from tracer.checks.context import StepContext
+from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
+
+GROUPED = {"grpo", "cispo", "rloo", ""}
+
+
+def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
+    """Row indices of every complete group in the step and G; Skip when groups cannot be formed."""
+    G = ctx.hyper("num_generations", None)
+    if "group_ids" in ctx.data:
+        by_id: dict[int, list[int]] = {}
+        for row, gid in enumerate(ctx.data["group_ids"].tolist()):
+            by_id.setdefault(gid, []).append(row)
+        if G is None:
+            sizes = [len(r) for r in by_id.values()]
+            G = max(set(sizes), key=sizes.count)
+        groups = [r for r in by_id.values() if len(r) == int(G)]
+    else:
+        if G is None:
+            raise Skip("needs field group_ids or metadata key 'num_generations' to form groups")
+        if rows % int(G):
+            raise Skip(f"B = {rows} rows is not a multiple of num_generations = {G} and no group_ids are recorded")
+        groups = [list(range(s, s + int(G))) for s in range(0, rows, int(G))]
+    if int(G) < 2 or not groups:
+        raise Skip(f"no complete group of G = {G} >= 2 rows in this step file")
+    return groups, int(G)
+
+
+def _sequence_advantages(ctx: StepContext) -> torch.Tensor:
+    (advantages,) = ctx.require("advantages")
+    if advantages.dim() != 1:
+        raise Skip("advantages are per token here; the group rules apply to per-sequence advantages [B]")
+    return advantages
+
+
+@register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)
+def check_group_sum(ctx: StepContext):
+    advantages = _sequence_advantages(ctx)
+    groups, G = full_groups(ctx, advantages.shape[0])
+    bad = []
+    for rows in groups:
+        a = advantages[rows]
+        total = float(a.sum())
+        tol = G * (10 * ctx.tol.atol + ctx.tol.rtol * float(a.abs().max()))
+        if abs(total) > tol:
+            bad.append((abs(total), total, rows))
+    if not bad:
+        return []
+    _, total, rows = max(bad)
+    message = (
+        f"advantages of the group of rows {rows} sum to {total:.4g} (mean {total / G:.4g}); {len(bad)} of "
+        f"{len(groups)} groups do not sum to 0. Group-relative advantages subtract the group's mean reward, so "
+        "they sum to 0 within each group of G. Why it matters: a non-zero group mean pushes every completion "
+        "of that prompt the same way, a bias unrelated to which answer was better. Likely fix: centre with "
+        "the mean of the same G rows (rewards.view(-1, G) with G consecutive completions per prompt), and "
+        "keep group order when rows are shuffled."
+    )
+    return [ctx.finding("advantages.group_sum", ERROR, message, rows[0], field="advantages",
+                        groups=len(bad), group_sum=total)]
+
+
+@register("advantages.zero_variance", "share of groups whose rewards are all equal (advantage 0, "
+          "no learning signal)", GROUPED)
+def check_zero_variance(ctx: StepContext):
+    (rewards,) = ctx.require("rewards")
+    groups, G = full_groups(ctx, rewards.shape[0])
+    zero = [rows for rows in groups if float(rewards[rows].max() - rewards[rows].min()) == 0.0]
+    if not zero:
+        return []
+    share = len(zero) / len(groups)
+    values = sorted({float(rewards[rows[0]]) for rows in zero})
+    if len(zero) < len(groups):
+        return [ctx.finding("advantages.zero_variance", INFO,
+                            f"{len(zero)} of {len(groups)} groups ({share:.0%}) have zero reward variance "
+                            "(all G rewards equal): their advantages are 0 and they add no policy-gradient signal.",
+                            zero[0][0], field="rewards", zero_variance_share=share)]
+    flat = rewards[[r for rows in groups for r in rows]]
+    message = (
+        f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), so every advantage is "
+        f"0 and the step carries no learning signal (only the KL term moves the policy). The batch std of the "
+        f"rewards is {float(flat.std(unbiased=False)):.4g} ({float(flat.std(unbiased=True)):.4g} with Bessel's "
+        "correction), which hides this in batch-level logs. Why it matters: the step costs a full rollout "
+        "and update for nothing. Likely fix: make the reward discriminate between completions of one prompt "
+        "(partial credit, prompts of the right difficulty), raise G, or skip zero-variance groups (DAPO's "
+        "dynamic sampling)."
+    )
+    return [ctx.finding("advantages.zero_variance", WARNING, message, zero[0][0], field="rewards",
+                        zero_variance_share=share, groups=len(groups))]
+
+
+@register("advantages.z_bound", "|A| <= sqrt(G - 1), the largest group z-score", {"grpo", "cispo", ""})
+def check_z_bound(ctx: StepContext):
+    scale = ctx.hyper("scale_rewards", "group")
+    if scale != "group":
+        raise Skip(f"scale_rewards = {scale!r}: advantages are not divided by the group std, no z-score bound")
+    if ctx.hyper("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
+        raise Skip("multi_objective_aggregation = 'normalize_then_sum': advantages are a batch z-score")
+    advantages = _sequence_advantages(ctx)
+    groups, G = full_groups(ctx, advantages.shape[0])
+    bound = math.sqrt(G - 1)
+    rows = [r for g in groups for r in g]
+    a = advantages[rows].abs()
+    worst = int(a.argmax())
+    value = float(a[worst])
+    if value <= bound * (1 + ctx.tol.rtol) + ctx.tol.atol:
+        return []
+    row = rows[worst]
+    n_over = int((a > bound * (1 + ctx.tol.rtol) + ctx.tol.atol).sum())
+    message = (
+        f"|A| = {value:.4g} at seq {row} exceeds sqrt(G - 1) = {bound:.4g}, the largest magnitude a z-score "
+        f"(r - mean_g) / std_g can take in a group of G = {G} (with Bessel's std it is (G-1)/sqrt(G)); "
+        f"{n_over} rows exceed it. Why it matters: the advantages were not normalised within the group, so "
+        "their scale (and the effective learning rate) depends on the batch. Likely fix: take mean and std "
+        "over the same G rows (rewards.view(-1, G)), not over the batch or the wrong axis (view(G, -1))."
+    )
+    return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
+
+
+@register("advantages.masked_positions", "per-token advantages are 0 on masked positions", {"ppo", ""})
+def check_masked_positions(ctx: StepContext):
+    (advantages,) = ctx.require("advantages")
+    if advantages.dim() != 2:
+        raise Skip("advantages are per sequence here; nothing per token to check")
+    keep = ctx.mask()
+    leak = (advantages != 0) & ~keep & torch.isfinite(advantages)
+    if not bool(leak.any()):
+        return []
+    b, t = (int(i) for i in leak.nonzero()[0])
+    message = (
+        f"advantages[{b}, {t}] = {float(advantages[b, t]):.4g} at a masked position; {int(leak.sum())} masked "
+        "positions carry a non-zero advantage. Why it matters: harmless only if every consumer masks it; "
+        "it also shows GAE ran across padding, so the last kept token may bootstrap from a padded value. "
+        "Likely fix: zero values and rewards at masked positions before GAE (tracer.formulas.gae does)."
+    )
+    return [ctx.finding("advantages.masked_positions", WARNING, message, b, t, field="advantages",
+                        positions=int(leak.sum()))]
+
+
+@register("advantages.reward_placement", "PPO: the sequence reward sits on the last kept token of "
+          "token_rewards, never on a masked position", {"ppo", ""})
+def check_reward_placement(ctx: StepContext):
+    (token_rewards,) = ctx.require("token_rewards")
+    keep = ctx.mask()
+    last = formulas.last_kept_index(keep)  # (B,)
+    why = ("Why it matters: a reward on a masked position never reaches the loss, so the policy learns "
+           "nothing from it. Likely fix: place the score at the last kept token, index mask.sum(1) - 1 for "
+           "right-padded rows (tracer.formulas.token_rewards_from_sequence).")
+    masked = (token_rewards != 0) & ~keep
+    if bool(masked.any()):
+        b, t = (int(i) for i in masked.nonzero()[0])
+        message = (f"token_rewards[{b}, {t}] = {float(token_rewards[b, t]):.4g} sits at a masked position; the last "
+                   f"kept token of seq {b} is {int(last[b])}. {int(masked.any(dim=1).sum())} rows put reward on "
+                   f"masked positions. {why}")
+        return [ctx.finding("advantages.reward_placement", ERROR, message, b, t, field="token_rewards",
+                            last_kept=int(last[b]))]
+    rewards = ctx.data.get("rewards")
+    if rewards is None:
+        return []
+    for b in range(token_rewards.shape[0]):
+        nonzero = token_rewards[b].nonzero().flatten().tolist()
+        if len(nonzero) == 1 and nonzero[0] != int(last[b]) and float(rewards[b]) != 0:
+            t = nonzero[0]
+            message = (f"the reward of seq {b} ({float(rewards[b]):.4g}) sits on token {t}, not on the last kept "
+                       f"token {int(last[b])}. {why}")
+            return [ctx.finding("advantages.reward_placement", ERROR, message, b, t, field="token_rewards",
+                                last_kept=int(last[b]))]
+    return []

@@ -1,0 +1,201 @@
+"""What a step check sees: one step file's tensors and metadata, the options of the run, the
+tolerances for the step's dtype, and a helper that builds a located :class:`Finding`.
+
+Hyperparameters come from the step metadata (SPEC section 4 keys), then from the manifest's
+``hyperparameters``. Tolerances follow the loosest float dtype the step went through: the
+``source_dtype`` metadata (comma-separated), an optional ``model_dtype`` key, and the stored dtypes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tracer.checks.finding import Finding, Skip
+from tracer.reader import StepKey, Trace
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Tolerances for one dtype.
+
+    Attributes:
+        identity_atol: per-token |policy - old| (nats) allowed at the first inner step.
+        mean_ratio: allowed |mean ratio - 1| at the first inner step (SPEC: 1e-3 for float32).
+        atol, rtol: recorded derived tensor vs its recomputation from recorded inputs.
+        loss_rtol: recorded scalar loss vs its recomputation (relative, plus ``atol``).
+    """
+
+    identity_atol: float
+    mean_ratio: float
+    atol: float
+    rtol: float
+    loss_rtol: float
+
+
+# Ordered from strictest to loosest; a step takes the loosest dtype it went through.
+TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(identity_atol=1e-6, mean_ratio=1e-6, atol=1e-9, rtol=1e-7, loss_rtol=1e-6),
+    "float32": Tolerance(identity_atol=1e-3, mean_ratio=1e-3, atol=1e-5, rtol=1e-4, loss_rtol=1e-3),
+    "float16": Tolerance(identity_atol=1e-2, mean_ratio=5e-3, atol=1e-3, rtol=1e-2, loss_rtol=1e-2),
+    "bfloat16": Tolerance(identity_atol=5e-2, mean_ratio=1e-2, atol=1e-2, rtol=2e-2, loss_rtol=2e-2),
+}
+_DTYPE_ALIASES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                  "double": "float64", "float": "float32", "half": "float16"}
+
+
+def loosest_dtype(names: list[str]) -> str:
+    """The loosest known float dtype among ``names`` (``float32`` when none is known)."""
+    order = list(TOLERANCES)
+    known = [_DTYPE_ALIASES.get(n, n.removeprefix("torch.")) for n in names]
+    known = [n for n in known if n in TOLERANCES] or ["float32"]
+    return max(known, key=order.index)
+
+
+@dataclass
+class CheckOptions:
+    """Options of one ``check`` run.
+
+    Attributes:
+        sampler_ratio_bound: C; a token whose ``exp(old - sampler)`` lies outside [1/C, C] counts
+            as a sampler/trainer mismatch.
+        worst_tokens: how many worst tokens a finding lists in its details.
+    """
+
+    sampler_ratio_bound: float = 2.0
+    worst_tokens: int = 5
+
+
+_REQUIRED = object()
+
+
+class StepContext:
+    """One step file opened for checking: ``data`` (all tensors), ``metadata``, ``options``."""
+
+    def __init__(self, trace: Trace, key: StepKey, options: CheckOptions | None = None) -> None:
+        self.trace = trace
+        self.key = key
+        self.options = options or CheckOptions()
+        self.metadata: dict[str, Any] = trace.metadata(key)
+        self.data: dict[str, torch.Tensor] = trace.load_step(key)
+        self.algorithm: str = str(self.metadata.get("algorithm") or trace.manifest.get("algorithm") or "")
+        stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
+        declared = [str(self.metadata.get(k, "")) for k in ("source_dtype", "model_dtype")]
+        self.dtype = loosest_dtype([p.strip() for d in declared for p in d.split(",") if p.strip()] + stored)
+        self.tol = TOLERANCES[self.dtype]
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def has(self, *fields: str) -> bool:
+        return all(f in self.data for f in fields)
+
+    def require(self, *fields: str) -> list[torch.Tensor]:
+        """The tensors ``fields`` (floats as float32 or wider); raises Skip naming those missing."""
+        missing = [f for f in fields if f not in self.data]
+        if missing:
+            raise Skip(f"needs field{'s' if len(missing) > 1 else ''} {', '.join(missing)}, "
+                       "which this step file does not record")
+        return [self.tensor(f) for f in fields]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self.data[name]
+        return t.float() if t.is_floating_point() and t.dtype != torch.float64 else t
+
+    def mask(self, name: str = "completion_mask") -> torch.Tensor:
+        """A ``[B, T]`` bool mask; raises Skip when absent."""
+        (m,) = self.require(name)
+        return m.bool()
+
+    def hyper(self, name: str, default: Any = _REQUIRED) -> Any:
+        """Hyperparameter ``name`` from step metadata, then the manifest; Skip when absent and no
+        default is given."""
+        if name in self.metadata and self.metadata[name] is not None:
+            return self.metadata[name]
+        manifest_h = self.trace.manifest.get("hyperparameters") or {}
+        if name in manifest_h and manifest_h[name] is not None:
+            return manifest_h[name]
+        if default is _REQUIRED:
+            raise Skip(f"needs metadata key {name!r} (SPEC section 4), which this step does not record")
+        return default
+
+    def old_logprobs(self) -> torch.Tensor:
+        """``old_logprobs``; ``policy_logprobs`` when metadata says old is the detached policy
+        (``old_logprobs_source == "policy_detached"``, ratio 1 by construction); else Skip."""
+        if "old_logprobs" in self.data:
+            return self.tensor("old_logprobs")
+        if self.metadata.get("old_logprobs_source") == "policy_detached" and "policy_logprobs" in self.data:
+            return self.tensor("policy_logprobs")
+        raise Skip("needs field old_logprobs (or metadata old_logprobs_source = 'policy_detached')")
+
+    def cispo_ratio_max(self) -> float:
+        """CISPO's upper bound on the ratio: metadata ``cispo_epsilon_high`` when recorded (the
+        hand-written loops, which store ``clip_epsilon_high`` = bound - 1), else ``clip_epsilon_high``
+        itself (SPEC section 3 ``clamp(ratio, max=ε_high)``, TRL ``clamp(coef_1, max=epsilon_high)``)."""
+        bound = self.hyper("cispo_epsilon_high", None)
+        return float(bound if bound is not None else self.hyper("clip_epsilon_high"))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.trace.eos_token_id
+        return int(eos) if eos is not None else self.metadata.get("eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        pad = self.trace.pad_token_id
+        return int(pad) if pad is not None else self.metadata.get("pad_token_id")
+
+    # -- output -------------------------------------------------------------------------------
+
+    def finding(
+        self,
+        check: str,
+        severity: str,
+        message: str,
+        sequence: int | None = None,
+        token: int | None = None,
+        field: str | None = None,
+        ids_field: str = "completion_ids",
+        **details: Any,
+    ) -> Finding:
+        """A Finding located in this step; token id and text are read from ``ids_field``."""
+        token_id = token_text = None
+        ids = self.data.get(ids_field)
+        if sequence is not None and token is not None and ids is not None and ids.dim() == 2:
+            if 0 <= sequence < ids.shape[0] and 0 <= token < ids.shape[1]:
+                token_id = int(ids[sequence, token])
+                if self.trace.tokens is not None:
+                    token_text = self.trace.token_text([token_id])[0]
+        k = self.key
+        return Finding(check=check, severity=severity, message=message, step=k.step, inner_step=k.inner_step,
+                       micro_batch=k.micro_batch, rank=k.rank, sequence=sequence, token=token,
+                       token_id=token_id, token_text=token_text, field=field, path=str(k.path),
+                       details=details)
+
+
+def where_text(sequence: int | None, token: int | None) -> str:
+    """``seq 1, token 3`` (the parts that are known)."""
+    parts = []
+    if sequence is not None:
+        parts.append(f"seq {sequence}")
+    if token is not None:
+        parts.append(f"token {token}")
+    return ", ".join(parts)
+
+
+def first_true(flags: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first True of a bool tensor in row-major order, or None."""
+    idx = flags.nonzero()
+    return tuple(int(i) for i in idx[0]) if len(idx) else None
+
+
+def worst_positions(score: torch.Tensor, keep: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    """(sequence, token) of the ``n`` largest ``score`` values among kept positions, largest first."""
+    flat = torch.where(keep, score, torch.full_like(score, float("-inf"))).reshape(-1)
+    count = min(n, int(keep.sum()))
+    if count == 0:
+        return []
+    top = torch.topk(flat, count).indices.tolist()
+    T = score.shape[1]
+    return [(i // T, i % T) for i in top]

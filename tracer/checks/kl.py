@@ -1,0 +1,108 @@
+"""KL sanity (SPEC section 6): the k3 estimator is finite and ≥ 0 per token, ``ref - policy`` stays
+far from the range where ``exp`` overflows, and k1 = policy - ref is not persistently negative.
+
+k3 = exp(d) - d - 1 with d = ref - policy grows like exp(d): d = 20 nats already gives
+k3 ≈ 4.85e8 per token, and in float32 exp overflows to inf past d ≈ 88.72 nats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tracer import formulas
+from tracer.checks.context import CheckOptions, StepContext, worst_positions
+from tracer.checks.finding import ERROR, RL_ALGORITHMS, WARNING, Finding, register
+from tracer.reader import Trace
+
+REF_GAP_WARNING = 10.0  # nats: k3 ≈ 2.2e4 per token
+REF_GAP_ERROR = 20.0  # nats: k3 ≈ 4.85e8 per token
+FLOAT32_EXP_MAX = math.log(torch.finfo(torch.float32).max)  # 88.72: exp overflows past it
+K1_MIN_STEPS = 3  # "persistently": at least this many step files, all significantly negative
+K1_Z = 3.0  # significantly negative: mean < -K1_Z standard errors
+
+
+@register("kl.k3_sign", "recorded ref_kl_k3 is >= 0 on every kept token", RL_ALGORITHMS)
+def check_k3_sign(ctx: StepContext):
+    (k3,) = ctx.require("ref_kl_k3")
+    keep = ctx.mask()
+    negative = (k3 < -ctx.tol.atol) & keep
+    if not bool(negative.any()):
+        return []
+    (b, t), = worst_positions(-k3, negative, 1)
+    message = (
+        f"ref_kl_k3 is {float(k3[b, t]):.6g} at seq {b}, token {t}; {int(negative.sum())} kept tokens are "
+        f"negative. k3 = exp(d) - d - 1 with d = ref - policy is >= 0 for every d. Why it matters: the "
+        "recorded value is not the k3 estimator (k1 = policy - ref stored under the k3 name, or a sign or "
+        "constant wrong), so the KL penalty rewards moving away from the reference. Likely fix: compute it "
+        "with tracer.formulas.ref_kl_k3(policy, ref)."
+    )
+    return [ctx.finding("kl.k3_sign", ERROR, message, b, t, field="ref_kl_k3", negative_tokens=int(negative.sum()))]
+
+
+@register("kl.ref_gap", "ref - policy stays below 20 nats (k3 = exp(ref - policy) explodes, "
+          "float32 overflows past 88.7)", RL_ALGORITHMS)
+def check_ref_gap(ctx: StepContext):
+    policy, ref = ctx.require("policy_logprobs", "ref_logprobs")
+    keep = ctx.mask()
+    gap = ref - policy  # (B, T)
+    finite = keep & torch.isfinite(gap)
+    if not bool(finite.any()):
+        return []
+    (b, t), = worst_positions(gap, finite, 1)
+    worst = float(gap[b, t])
+    if worst < REF_GAP_WARNING:
+        return []
+    k3 = float(formulas.ref_kl_k3(policy[b, t].float(), ref[b, t].float()))
+    n_harmful = int(((gap >= REF_GAP_ERROR) & finite).sum())
+    if worst > FLOAT32_EXP_MAX:
+        rule = (f"exp({worst:.4g}) overflows float32 (largest exp argument {FLOAT32_EXP_MAX:.2f}), so "
+                f"ref_kl_k3 = {k3:.4g} and the loss becomes inf/NaN")
+    else:
+        rule = f"k3 = exp({worst:.4g}) - {worst:.4g} - 1 = {k3:.4g} nats for this one token"
+    severity = ERROR if worst >= REF_GAP_ERROR else WARNING
+    message = (
+        f"ref - policy = {worst:.4g} nats at seq {b}, token {t} (ref {float(ref[b, t]):.4g}, policy "
+        f"{float(policy[b, t]):.4g}): {rule}; {n_harmful} kept tokens are at or past {REF_GAP_ERROR:g} nats, "
+        f"where k3 ≈ 4.85e8 is already harmful. Why it matters: one token the policy has all but ruled out "
+        "while the reference still likes it dominates the KL term and its gradient. Likely fix: clamp "
+        "ref - policy before exp (e.g. to ±20 nats), and check that policy and reference score the same "
+        "tokens with the same temperature."
+    )
+    return [ctx.finding("kl.ref_gap", severity, message, b, t, field="ref_logprobs", ref_minus_policy=worst,
+                        ref_kl_k3=k3, harmful_tokens=n_harmful)]
+
+
+def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:
+    data = trace.load_step(key, ["policy_logprobs", "ref_logprobs", "completion_mask"])
+    if len(data) < 3:
+        return None
+    keep = data["completion_mask"].bool()
+    k1 = formulas.kl_k1(data["policy_logprobs"].double(), data["ref_logprobs"].double())[keep]
+    k1 = k1[torch.isfinite(k1)]
+    if k1.numel() < 2:
+        return None
+    return float(k1.mean()), float(k1.std() / math.sqrt(k1.numel()))
+
+
+@register("kl.k1_negative", "mean k1 = policy - ref over kept tokens is not significantly negative in "
+          "every step", RL_ALGORITHMS, scope="trace")
+def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
+    stats = [(key, s) for key in keys if (s := _k1_stats(trace, key)) is not None]
+    moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
+    if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
+        return []
+    key, m, _ = min(moving, key=lambda x: x[1])
+    message = (
+        f"mean k1 = policy - ref over kept tokens is significantly negative in all {len(moving)} step files "
+        f"that moved (lowest {m:.4g} nats at step {key.step}, inner {key.inner_step}). Sampled from the "
+        "policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, the tokens were "
+        "not sampled from this policy (off-policy data, a temperature or top-p mismatch) or policy and "
+        "reference are swapped, and every KL estimate of the run is off. Likely fix: check which model "
+        "produced each logprob tensor and that all use the sampling temperature."
+    )
+    return [Finding("kl.k1_negative", WARNING, message, step=key.step, inner_step=key.inner_step,
+                    micro_batch=key.micro_batch, rank=key.rank, field="policy_logprobs", path=str(key.path),
+                    details={"mean_k1_by_step": {f"{k.step}.{k.inner_step}.{k.micro_batch}.{k.rank}": mean
+                                                 for k, mean, _ in moving}})]

@@ -1,0 +1,161 @@
+"""Masks (SPEC section 6): 0 after the first EOS, 0 on trailing padding, every row keeps at least
+one token, and DPO chosen/rejected masks built by the same rule.
+
+The EOS and pad ids come from the manifest's ``tokenizer`` (``eos_token_id``, ``pad_token_id``), or
+from step metadata keys of the same names for a single step file.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tracer import formulas
+from tracer.checks.context import StepContext
+from tracer.checks.finding import ERROR, INFO, Skip, register
+
+SIDES = (("completion_ids", "completion_mask"), ("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))
+
+
+def _sides(ctx: StepContext) -> list[tuple[str, str]]:
+    sides = [(i, m) for i, m in SIDES if ctx.has(i, m)]
+    if not sides:
+        raise Skip("needs completion_ids and completion_mask (or chosen_/rejected_ ids and masks)")
+    return sides
+
+
+def first_index(flags: torch.Tensor) -> torch.Tensor:
+    """Per row of a ``[B, T]`` bool tensor, the first True index; T where there is none."""
+    B, T = flags.shape
+    pos = torch.arange(T).expand(B, T)
+    return torch.where(flags, pos, torch.full_like(pos, T)).min(dim=1).values  # (B,)
+
+
+@register("masks.after_eos", "completion_mask is 0 after the first EOS token")
+def check_after_eos(ctx: StepContext):
+    eos = ctx.eos_token_id
+    if eos is None:
+        raise Skip("needs the EOS token id: manifest tokenizer.eos_token_id or metadata eos_token_id")
+    findings = []
+    for ids_name, mask_name in _sides(ctx):
+        ids, keep = ctx.data[ids_name], ctx.mask(mask_name)
+        B, T = ids.shape
+        first_eos = first_index(ids == eos)  # (B,)
+        after = torch.arange(T).expand(B, T) > first_eos.unsqueeze(1)  # (B, T)
+        leak = keep & after
+        if not bool(leak.any()):
+            continue
+        rows = leak.any(dim=1).nonzero().flatten().tolist()
+        b = rows[0]
+        t = int(first_index(leak[b : b + 1])[0])
+        shifted = all(int(leak[r].sum()) == 1 and bool(leak[r, int(first_eos[r]) + 1]) and not bool(keep[r, 0])
+                      for r in rows)
+        hint = (" Every affected row keeps exactly the token after its EOS and drops its first token: "
+                f"{mask_name} looks shifted right by one position." if shifted else "")
+        message = (
+            f"seq {b} keeps token {t} after its first EOS (id {eos}) at token {int(first_eos[b])}: "
+            f"{mask_name} must be 0 after the first EOS. {len(rows)} of {B} rows keep {int(leak.sum())} "
+            f"tokens after EOS.{hint} Why it matters: the loss trains on tokens that are not part of the "
+            "answer (padding or text after the end). Likely fix: mask = arange(T) <= index of the first "
+            "EOS, built at target positions (the same positions as the logprobs)."
+        )
+        findings.append(ctx.finding("masks.after_eos", ERROR, message, b, t, field=mask_name, ids_field=ids_name,
+                                    rows=rows[:50], tokens=int(leak.sum()), shifted_by_one=shifted))
+    return findings
+
+
+@register("masks.padding", "completion_mask is 0 on trailing padding tokens")
+def check_padding(ctx: StepContext):
+    pad, eos = ctx.pad_token_id, ctx.eos_token_id
+    if pad is None:
+        raise Skip("needs the pad token id: manifest tokenizer.pad_token_id or metadata pad_token_id")
+    if pad == eos:
+        return []  # padding after EOS is masks.after_eos's business
+    findings = []
+    for ids_name, mask_name in _sides(ctx):
+        ids, keep = ctx.data[ids_name], ctx.mask(mask_name)
+        B, T = ids.shape
+        is_pad = ids == pad
+        trailing = is_pad.flip(1).cumprod(dim=1).flip(1).bool()  # (B, T) True on the trailing pad run
+        leak = trailing & keep
+        if not bool(leak.any()):
+            continue
+        rows = leak.any(dim=1).nonzero().flatten().tolist()
+        b = rows[0]
+        t = int(first_index(leak[b : b + 1])[0])
+        message = (
+            f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding, "
+            f"yet {mask_name} keeps it; {len(rows)} of {B} rows keep {int(leak.sum())} pad tokens. Why it "
+            "matters: padding is trained as if the model had produced it and dilutes every masked mean. "
+            "Likely fix: build the mask from the real lengths (or ids != pad), not all ones."
+        )
+        findings.append(ctx.finding("masks.padding", ERROR, message, b, t, field=mask_name, ids_field=ids_name,
+                                    rows=rows[:50], tokens=int(leak.sum())))
+    return findings
+
+
+@register("masks.empty_row", "every row keeps at least one token")
+def check_empty_row(ctx: StepContext):
+    findings = []
+    for _, mask_name in _sides(ctx):
+        keep = ctx.mask(mask_name)
+        empty = (~keep.any(dim=1)).nonzero().flatten().tolist()
+        if not empty:
+            continue
+        truncation = bool(ctx.hyper("mask_truncated_completions", False))
+        severity = INFO if truncation else ERROR
+        because = (" (metadata mask_truncated_completions = true: truncated completions are dropped on "
+                   "purpose)" if truncation else "")
+        message = (
+            f"{len(empty)} of {keep.shape[0]} rows keep no token in {mask_name} (first: seq {empty[0]}){because}. "
+            "Why it matters: such a row adds nothing to the gradient yet still counts in a per-sequence mean, "
+            "and an unclamped masked mean divides by 0. Likely fix: check how the mask is built (lengths, "
+            "EOS position, prompt offset) or drop empty rows before the update."
+        )
+        findings.append(ctx.finding("masks.empty_row", severity, message, empty[0], field=mask_name, rows=empty[:50]))
+    return findings
+
+
+def _dpo_loss(ctx: StepContext, chosen_mask: torch.Tensor, rejected_mask: torch.Tensor) -> torch.Tensor | None:
+    names = ("chosen_policy_logprobs", "rejected_policy_logprobs", "chosen_ref_logprobs", "rejected_ref_logprobs")
+    beta = ctx.hyper("beta", None)
+    if beta is None or not ctx.has(*names):
+        return None
+    cp, rp, cr, rr = (ctx.tensor(n) for n in names)
+    terms = formulas.dpo_terms(formulas.sequence_logprobs(cp, chosen_mask), formulas.sequence_logprobs(rp, rejected_mask),
+                               formulas.sequence_logprobs(cr, chosen_mask), formulas.sequence_logprobs(rr, rejected_mask),
+                               float(beta))
+    return terms["dpo_loss"]  # (B,)
+
+
+@register("masks.dpo_rule", "chosen and rejected masks are built by the same rule (same first kept "
+          "position: the shared prompt is masked on both sides or on neither)", {"dpo"})
+def check_dpo_rule(ctx: StepContext):
+    chosen_ids, rejected_ids = ctx.require("chosen_ids", "rejected_ids")
+    chosen_mask, rejected_mask = ctx.mask("chosen_mask"), ctx.mask("rejected_mask")
+    start_c, start_r = first_index(chosen_mask), first_index(rejected_mask)  # (B,)
+    rows = (start_c != start_r).nonzero().flatten().tolist()
+    if not rows:
+        return []
+    b = rows[0]
+    sc, sr = int(start_c[b]), int(start_r[b])
+    side, other = ("rejected", "chosen") if sr < sc else ("chosen", "rejected")
+    lo, hi = min(sc, sr), max(sc, sr)
+    shared = chosen_ids[b, lo:hi].tolist() == rejected_ids[b, lo:hi].tolist()
+    start = torch.arange(chosen_mask.shape[1]) >= max(sc, sr)  # both sides by the later start
+    loss = _dpo_loss(ctx, chosen_mask, rejected_mask)
+    fixed = _dpo_loss(ctx, chosen_mask & start, rejected_mask & start)
+    loss_text = ("" if loss is None else
+                 f" DPO loss of pair {b}: {float(loss[b]):.4f} with the recorded masks, {float(fixed[b]):.4f} "
+                 f"with both masks starting at position {hi}.")
+    message = (
+        f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}: {side}_mask keeps "
+        f"positions {lo}..{hi - 1}{' (tokens shared by both sides: the prompt)' if shared else ''} that "
+        f"{other}_mask drops. {len(rows)} of {chosen_mask.shape[0]} pairs differ.{loss_text} Why it matters: "
+        "DPO compares summed logprobs of the two sides; extra prompt tokens on one side shift its sum, and "
+        "the logits measure mask construction instead of preference. Likely fix: build both masks with the "
+        "same function (prompt length and padding taken from the same tokenisation)."
+    )
+    return [ctx.finding("masks.dpo_rule", ERROR, message, b, lo, field=f"{side}_mask", ids_field=f"{side}_ids",
+                        pairs=rows[:50], chosen_start=sc, rejected_start=sr,
+                        loss=None if loss is None else float(loss[b]),
+                        loss_same_rule=None if fixed is None else float(fixed[b]))]

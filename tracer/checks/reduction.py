@@ -1,0 +1,147 @@
+"""Recompute the loss (SPEC section 6): the per-token loss from the recorded inputs, and the scalar
+loss under the three reductions, compared with the loss the trainer recorded.
+
+Where a recorded loss lives: the scalar tensor field ``loss`` (shape ``[]`` or ``[1]``, the value
+the trainer backpropagated for this step file), or, failing that, the metadata key ``loss`` (a
+float). The reductions (SPEC section 3):
+
+* ``sequence_mean``: per-sequence masked mean, then the mean over sequences (seed, TRL ``grpo``);
+* ``token_mean``: masked mean over all kept tokens (TRL ``bnpo``). For TRL's ``dapo`` / ``cispo`` /
+  ``vespo`` losses the count is the generation batch's (metadata ``num_items_in_batch``, scaled by
+  ``gradient_accumulation_steps / (world_size * steps_per_generation)`` as ``_compute_loss`` does);
+* ``constant``: masked sum / a constant: metadata ``loss_divisor`` or ``loss_constant_divisor``, else
+  B * ``max_completion_length`` (Dr. GRPO, TRL ``dr_grpo``), else B * T.
+
+The declared reduction is metadata ``loss_reduction``, else the one TRL's ``loss_type`` implies.
+Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every candidate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tracer import formulas
+from tracer.checks.context import StepContext
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
+from tracer.checks.recompute import compare
+
+TRL_LOSS_REDUCTION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "bnpo": "token_mean",
+                      "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant"}
+GRPO_STYLE_TRL_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo"}
+GENERATION_BATCH_TOKEN_MEAN = {"dapo", "cispo", "vespo"}  # TRL divides by num_items_in_batch
+
+
+def trl_loss_type(ctx: StepContext) -> str | None:
+    """TRL's ``loss_type`` as the TRL integration records it (``loss_type``, or ``trl_loss_type``)."""
+    return ctx.hyper("loss_type", None) or ctx.hyper("trl_loss_type", None)
+
+
+def recomputed_per_token_loss(ctx: StepContext) -> torch.Tensor:
+    """The per-token loss ``[B, T]`` from the recorded inputs (GRPO or CISPO rule); Skip otherwise."""
+    trl_loss = trl_loss_type(ctx)
+    if ctx.hyper("importance_sampling_level", "token") != "token":
+        raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
+    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
+        if ctx.hyper(key, off) not in (off,):
+            raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
+    cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
+    if not cispo and (ctx.algorithm not in ("grpo", "") or (trl_loss and trl_loss not in GRPO_STYLE_TRL_LOSSES)):
+        raise Skip(f"no per-token loss rule for algorithm {ctx.algorithm!r} (loss_type {trl_loss!r}); "
+                   "record per_token_loss")
+    policy, advantages = ctx.require("policy_logprobs", "advantages")
+    old = ctx.old_logprobs()
+    eps_high = float(ctx.hyper("clip_epsilon_high"))
+    beta = float(ctx.hyper("beta", 0.0) or 0.0)
+    ref = ctx.tensor("ref_logprobs") if beta and ctx.has("ref_logprobs") else None
+    if beta and ref is None:
+        raise Skip("beta > 0 but no ref_logprobs recorded")
+    if cispo:
+        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), beta, ref)
+    eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
+    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, beta, ref)
+
+
+@register("recompute.per_token_loss", "recorded per_token_loss == the GRPO/CISPO per-token loss from the "
+          "recorded inputs", RL_ALGORITHMS)
+def check_per_token_loss(ctx: StepContext):
+    (recorded,) = ctx.require("per_token_loss")
+    return compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
+                   ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
+
+
+def recorded_loss(ctx: StepContext) -> float:
+    """The trainer's scalar loss for this step file: tensor ``loss`` or metadata ``loss``; else Skip."""
+    if "loss" in ctx.data:
+        loss = ctx.data["loss"]
+        if loss.numel() != 1:
+            raise Skip(f"field loss has shape {list(loss.shape)}; expected a scalar [] or [1]")
+        return float(loss.reshape(()))
+    if isinstance(ctx.metadata.get("loss"), (int, float)):
+        return float(ctx.metadata["loss"])
+    raise Skip("needs the recorded scalar loss: tensor field 'loss' ([] or [1]) or metadata key 'loss'")
+
+
+def _declared(ctx: StepContext) -> str | None:
+    declared = ctx.hyper("loss_reduction", None)
+    if declared is None:
+        declared = TRL_LOSS_REDUCTION.get(trl_loss_type(ctx) or "")
+    return declared
+
+
+def candidate_losses(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch.Tensor) -> tuple[dict, float]:
+    """The scalar loss under each reduction (times ``loss_scale``) and the constant divisor used."""
+    B, T = per_token_loss.shape
+    divisor = ctx.hyper("loss_divisor", None) or ctx.hyper("loss_constant_divisor", None)
+    if divisor is None:
+        max_len = ctx.hyper("max_completion_length", None)
+        divisor = B * (int(max_len) if max_len is not None else T)
+    scale = float(ctx.hyper("loss_scale", 1.0))
+    ptl = per_token_loss.double()
+    token_mean = formulas.token_mean_loss(ptl, keep)
+    num_items = ctx.hyper("num_items_in_batch", None)
+    if trl_loss_type(ctx) in GENERATION_BATCH_TOKEN_MEAN and num_items:
+        count = (float(num_items) / float(ctx.hyper("world_size", 1)) * float(ctx.hyper("gradient_accumulation_steps", 1))
+                 / float(ctx.hyper("steps_per_generation", 1) or 1))
+        token_mean = formulas.constant_divisor_loss(ptl, keep, max(count, 1.0))
+    return {
+        "sequence_mean": scale * float(formulas.sequence_mean_loss(ptl, keep)),
+        "token_mean": scale * float(token_mean),
+        "constant": scale * float(formulas.constant_divisor_loss(ptl, keep, float(divisor))),
+    }, float(divisor)
+
+
+@register("recompute.loss", "the recorded loss equals the declared reduction (sequence-mean / token-mean "
+          "/ constant divisor) of the per-token loss", RL_ALGORITHMS)
+def check_loss(ctx: StepContext):
+    loss = recorded_loss(ctx)
+    keep = ctx.mask()
+    source = "recorded per_token_loss"
+    if "per_token_loss" in ctx.data:
+        per_token_loss = ctx.tensor("per_token_loss")
+    else:
+        per_token_loss, source = recomputed_per_token_loss(ctx), "per-token loss recomputed from the recorded inputs"
+    values, divisor = candidate_losses(ctx, per_token_loss, keep)
+    matches = [n for n, v in values.items() if abs(loss - v) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(v)]
+    declared = _declared(ctx)
+    listing = (f"sequence-mean {values['sequence_mean']:.6g}, token-mean {values['token_mean']:.6g}, constant "
+               f"divisor {divisor:g} {values['constant']:.6g}")
+    if declared in matches:
+        return []
+    if matches and declared is None:
+        return [ctx.finding("recompute.loss", INFO, f"recorded loss {loss:.6g} matches the {' = '.join(matches)} "
+                            f"reduction of the {source} ({listing}).", field="loss", matches=matches, **values)]
+    if not matches and trl_loss_type(ctx) in GENERATION_BATCH_TOKEN_MEAN and not ctx.hyper("num_items_in_batch", None):
+        raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
+                   "record metadata num_items_in_batch to compare")
+    said = f"metadata says {declared!r}" if declared else "no reduction is declared (metadata loss_reduction)"
+    found = f"it matches {' = '.join(matches)}" if matches else "it matches none of the three reductions"
+    message = (
+        f"recorded loss {loss:.6g}: {found}, but {said}. Reductions of the {source}: {listing}. Why it "
+        "matters: the reduction decides how much each token and each sequence weighs (token-mean favours "
+        "long completions, sequence-mean short ones), so a run trained with another reduction than "
+        "intended learns a different objective. Likely fix: reduce with the intended function "
+        "(tracer.formulas.sequence_mean_loss / token_mean_loss / constant_divisor_loss) or record the "
+        "loss_reduction the trainer really uses."
+    )
+    return [ctx.finding("recompute.loss", ERROR, message, field="loss", recorded=loss, declared=declared,
+                        matches=matches, divisor=divisor, **values)]

@@ -1,0 +1,56 @@
+"""Human-readable report of findings for ``tracer check``: grouped by check, worst check first, each
+finding with its location; a summary line of counts. Builds rich renderables; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+
+from rich.console import Group
+from rich.markup import escape
+from rich.text import Text
+
+from tracer.checks.finding import CHECKS, SEVERITIES, SEVERITY_RANK, Finding
+
+STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
+
+
+def location_text(f: Finding) -> str:
+    """``step 3 · inner 1 · mb 0 · rank 0 · seq 2 · token 5 (id 17 'the')``, the parts that are known."""
+    parts = []
+    for label, value in (("step", f.step), ("inner", f.inner_step), ("mb", f.micro_batch), ("rank", f.rank),
+                         ("seq", f.sequence), ("token", f.token)):
+        if value is not None:
+            parts.append(f"{label} {value}")
+    text = " · ".join(parts)
+    if f.token_id is not None:
+        shown = f" {f.token_text!r}" if f.token_text is not None else ""
+        text += f" (id {f.token_id}{shown})"
+    return text
+
+
+def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
+    """A rich Group: one block per check (worst severity first), then a summary of counts."""
+    worst = {}
+    for f in findings:
+        worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
+    ordered = sorted(findings, key=lambda f: (worst[f.check], f.check, SEVERITY_RANK[f.severity]))
+    blocks: list = [Text(title, style="bold")] if title else []
+    for check_id, group in groupby(ordered, key=lambda f: f.check):
+        items = list(group)
+        severity = SEVERITIES[worst[check_id]]
+        description = CHECKS[check_id].description if check_id in CHECKS else ""
+        head = Text.assemble((f"{severity.upper():8}", STYLE[severity]), (check_id, "bold"),
+                             (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
+                             (f"  — {description}", "dim"))
+        blocks.append(head)
+        for f in items[:max_per_check]:
+            blocks.append(Text.from_markup(f"  [{STYLE[f.severity]}]{f.severity}[/] [dim]{escape(location_text(f))}[/]"))
+            blocks.append(Text("    " + f.message))
+        if len(items) > max_per_check:
+            blocks.append(Text(f"    … {len(items) - max_per_check} more (use --json for all)", style="dim"))
+    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    verdict = ("FAIL" if counts["error"] else "PASS", "bold red" if counts["error"] else "bold green")
+    blocks.append(Text.assemble(verdict, f"  {summary}"))
+    return Group(*blocks)

@@ -1,0 +1,98 @@
+"""Run the registered checks over a trace: every step check on every step file, then the trace
+checks; skips are merged into one ``skipped`` finding per (check, reason); findings come back
+worst first (error, warning, info, skipped), then by check id and location.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable
+
+from tracer.checks.context import CheckOptions, StepContext
+from tracer.checks.finding import CHECKS, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip
+from tracer.errors import TraceError, TraceFormatError
+from tracer.reader import Trace
+
+log = logging.getLogger(__name__)
+
+
+def select_checks(select: Iterable[str] | None = None) -> list[Check]:
+    """The checks named by ``select`` (ids like ``masks.after_eos`` or whole families like ``masks``);
+    all when None. Raises TraceError for a name that is neither."""
+    if not select:
+        return list(CHECKS.values())
+    chosen: dict[str, Check] = {}
+    for name in select:
+        hits = [c for c in CHECKS.values() if c.id == name or c.family == name]
+        if not hits:
+            raise TraceError(f"unknown check {name!r}; known checks: {', '.join(sorted(CHECKS))} "
+                             f"(or a family: {', '.join(sorted({c.family for c in CHECKS.values()}))})")
+        chosen.update((c.id, c) for c in hits)
+    return [c for c in CHECKS.values() if c.id in chosen]
+
+
+def _sort_key(f: Finding):
+    loc = tuple(-1 if v is None else v for v in (f.step, f.inner_step, f.micro_batch, f.rank, f.sequence, f.token))
+    return (SEVERITY_RANK[f.severity], f.check, loc)
+
+
+def _crash(check: Check, err: Exception, key=None) -> Finding:
+    where = f" on {key.label}" if key is not None else ""
+    return Finding(check.id, WARNING, f"check {check.id} could not run{where}: {type(err).__name__}: {err}",
+                   step=getattr(key, "step", None), inner_step=getattr(key, "inner_step", None),
+                   micro_batch=getattr(key, "micro_batch", None), rank=getattr(key, "rank", None),
+                   path=str(key.path) if key is not None else None)
+
+
+def run_checks(
+    trace: Trace | str | Path,
+    select: Iterable[str] | None = None,
+    options: CheckOptions | None = None,
+) -> list[Finding]:
+    """Run the checks on every step file of ``trace`` (a Trace, a trace directory or a step file).
+
+    Args:
+        trace: what to check.
+        select: check ids or family names; all checks when None.
+        options: thresholds such as the sampler ratio bound C.
+    Returns:
+        Findings, worst first. A check that cannot run for lack of a field or metadata key yields one
+        ``skipped`` finding per reason (``details["steps"]`` lists the step files).
+    Raises:
+        TraceError: unusable input (not a trace, no step file, unreadable file) or an unknown check name.
+    """
+    trace = trace if isinstance(trace, Trace) else Trace(trace)
+    options = options or CheckOptions()
+    checks = select_checks(select)
+    keys = trace.steps()
+    if not keys:
+        raise TraceFormatError(f"{trace.path} holds no step file: nothing to check")
+    findings: list[Finding] = []
+    skips: dict[tuple[str, str], list] = {}
+    for key in keys:
+        ctx = StepContext(trace, key, options)
+        for check in checks:
+            if check.scope != "step" or ctx.algorithm not in check.algorithms:
+                continue
+            try:
+                findings.extend(check.run(ctx))
+            except Skip as skip:
+                skips.setdefault((check.id, str(skip)), []).append(key)
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
+                log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
+                findings.append(_crash(check, err, key))
+    algorithm = trace.algorithm or ""
+    for check in checks:
+        if check.scope == "trace" and algorithm in check.algorithms:
+            try:
+                findings.extend(check.run(trace, options, keys))
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
+                findings.append(_crash(check, err))
+    for (check_id, reason), where in skips.items():
+        first = where[0]
+        findings.append(Finding(check_id, SKIPPED, f"skipped on {len(where)} of {len(keys)} step files: {reason}",
+                                step=first.step, inner_step=first.inner_step, micro_batch=first.micro_batch,
+                                rank=first.rank, path=str(first.path),
+                                details={"steps": [k.label for k in where[:50]]}))
+    return sorted(findings, key=_sort_key)
