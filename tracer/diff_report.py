@@ -276,7 +276,8 @@ class DiffReport:
     def format(self, max_locations: int = 10) -> str:
         """The readable report: header, findings, then each differing field's details."""
         findings = self.findings()
-        verdict = "EQUAL within tolerance" if not findings else f"DIFFERENT ({len(findings)} findings)"
+        plural = "s" if len(findings) > 1 else ""
+        verdict = f"DIFFERENT ({len(findings)} finding{plural})" if findings else "EQUAL within tolerance"
         lines = [f"tracer diff: {verdict}"]
         for side, label, path in (("a", self.labels[0], self.a), ("b", self.labels[1], self.b)):
             lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
@@ -289,7 +290,8 @@ class DiffReport:
         if findings:
             lines += ["", *findings]
         for f in self.differing_fields:
-            lines += ["", f"{f.name} ({f.kind}, {f.differing} differing in {f.step_pairs_differing} step pairs):",
+            count = f"{f.differing} differing in {f.step_pairs_differing} step pairs" if f.differing else "drift only"
+            lines += ["", f"{f.name} ({f.kind}, {count}):",
                       *("  " + line for line in f.details(max_locations))]
         return "\n".join(lines)
 
