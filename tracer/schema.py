@@ -181,36 +181,45 @@ def required_fields(algorithm: str) -> list[str]:
     return [name for name, spec in FIELDS.items() if algorithm in spec.required_for]
 
 
+def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
+    """Dtype kind rules (no data read)."""
+    if spec.kind == INT64 and (tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex()):
+        raise SchemaError(
+            f"field {name!r}: expected an integer tensor (stored as int64), got dtype {tensor.dtype}; "
+            "pass the token ids / group ids as an integer tensor"
+        )
+    if spec.kind == FLOAT and not tensor.is_floating_point():
+        raise SchemaError(
+            f"field {name!r}: expected a floating-point tensor, got dtype {tensor.dtype}; "
+            "pass the float values (logprobs in nats), e.g. tensor.float()"
+        )
+
+
+def _check_mask_values(name: str, tensor: torch.Tensor) -> None:
+    """A float mask must hold only 0 and 1 (reads the data: call on CPU tensors)."""
+    if tensor.is_floating_point() and not bool(((tensor == 0) | (tensor == 1)).all()):
+        bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
+        raise SchemaError(
+            f"field {name!r}: a mask must hold only 0 and 1 (True = keep), got values {bad}; "
+            "pass a bool tensor or a 0/1 tensor"
+        )
+
+
 def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_source_dtype: bool):
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
     if spec is None:
         return tensor.contiguous()
+    _check_kind(name, spec, tensor)
     if spec.kind == BOOL:
         if tensor.dtype != torch.bool:
-            if tensor.is_floating_point() and not bool(((tensor == 0) | (tensor == 1)).all()):
-                bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
-                raise SchemaError(
-                    f"field {name!r}: a mask must hold only 0 and 1 (True = keep), got values {bad}; "
-                    "pass a bool tensor or a 0/1 tensor"
-                )
+            _check_mask_values(name, tensor)
             tensor = tensor != 0
     elif spec.kind == INT64:
-        if tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex():
-            raise SchemaError(
-                f"field {name!r}: expected an integer tensor (stored as int64), got dtype {tensor.dtype}; "
-                "pass the token ids / group ids as an integer tensor"
-            )
         tensor = tensor.to(torch.int64)
-    else:
-        if not tensor.is_floating_point():
-            raise SchemaError(
-                f"field {name!r}: expected a floating-point tensor, got dtype {tensor.dtype}; "
-                "pass the float values (logprobs in nats), e.g. tensor.float()"
-            )
-        if not keep_source_dtype:
-            tensor = tensor.to(torch.float32)
+    elif not keep_source_dtype:
+        tensor = tensor.to(torch.float32)
     return tensor.contiguous()
 
 
@@ -225,49 +234,72 @@ def _check_dpo_sides(tensors: Mapping[str, torch.Tensor]) -> None:
                         f"DPO record has {name!r} but not {twin!r}; record both sides of each pair")
 
 
+def check_tensors(
+    tensors: Mapping[str, torch.Tensor], algorithm: str | None, check_required: bool = False
+) -> None:
+    """Check names, ranks, shared dimension sizes and dtype kinds against the schema, without
+    moving data (a float mask's values are checked here only when it is on the CPU).
+
+    Raises:
+        SchemaError: a non-tensor value, wrong rank, a dimension that disagrees with an earlier
+            field (both fields named), a wrong dtype kind, a non-0/1 float mask, a DPO field without
+            its other side, or (``check_required``) a missing required field.
+    """
+    sizes: dict[str, tuple[int, str]] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise SchemaError(f"field {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        spec = FIELDS.get(name)
+        if spec is None:
+            continue
+        dims = spec.dims_for(algorithm)
+        if tensor.dim() != len(dims):
+            expected = "[" + ", ".join(dims) + "]"
+            raise SchemaError(
+                f"field {name!r}: expected shape {expected}, got {list(tensor.shape)}; "
+                f"record {name} as a {len(dims)}-d tensor {expected}"
+            )
+        for dim, size in zip(dims, tensor.shape):
+            if dim in sizes and sizes[dim][0] != size:
+                other_size, other = sizes[dim]
+                raise SchemaError(
+                    f"field {name!r}: dimension {dim} is {size}, but field {other!r} has {dim} = "
+                    f"{other_size}; all fields of one step must share B, T, L and F"
+                )
+            sizes.setdefault(dim, (int(size), name))
+        _check_kind(name, spec, tensor)
+        if spec.kind == BOOL and tensor.device.type == "cpu":
+            _check_mask_values(name, tensor)
+    if algorithm == "dpo":
+        _check_dpo_sides(tensors)
+    if check_required and algorithm:
+        missing = [f for f in required_fields(algorithm) if f not in tensors]
+        if missing:
+            raise SchemaError(f"algorithm {algorithm!r} requires fields {missing}, which were not recorded")
+
+
+def normalise_tensors(
+    tensors: Mapping[str, torch.Tensor], algorithm: str | None, keep_source_dtype: bool = False
+) -> dict[str, torch.Tensor]:
+    """Tensors as stored on disk: detached, on CPU, contiguous; masks bool; ids int64; floats
+    float32 unless ``keep_source_dtype``. Fields outside the schema are kept as they are.
+
+    Raises:
+        SchemaError: a dtype kind or mask value the schema refuses.
+    """
+    return {name: _normalise(name, FIELDS.get(name), t, keep_source_dtype) for name, t in tensors.items()}
+
+
 def validate_tensors(
     tensors: Mapping[str, torch.Tensor],
     algorithm: str | None,
     keep_source_dtype: bool = False,
     check_required: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Check ``tensors`` against the schema and return them normalised for disk.
-
-    Normalisation: detached, on CPU, contiguous; masks to bool (0/1 integer or float masks accepted);
-    ids to int64; floats to float32 unless ``keep_source_dtype``. Fields outside the schema are kept
-    as they are. Dimension sizes (B, T, L, F) must agree across fields.
+    """:func:`check_tensors`, then :func:`normalise_tensors`.
 
     Raises:
-        SchemaError: wrong rank, a dimension that disagrees with an earlier field (both fields named),
-            a wrong dtype kind, a non-0/1 float mask, or (``check_required``) a missing required field.
+        SchemaError: see :func:`check_tensors`.
     """
-    sizes: dict[str, tuple[int, str]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, torch.Tensor):
-            raise SchemaError(f"field {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        spec = FIELDS.get(name)
-        if spec is not None:
-            dims = spec.dims_for(algorithm)
-            if tensor.dim() != len(dims):
-                expected = "[" + ", ".join(dims) + "]"
-                raise SchemaError(
-                    f"field {name!r}: expected shape {expected}, got {list(tensor.shape)}; "
-                    f"record {name} as a {len(dims)}-d tensor {expected}"
-                )
-            for dim, size in zip(dims, tensor.shape):
-                if dim in sizes and sizes[dim][0] != size:
-                    other_size, other = sizes[dim]
-                    raise SchemaError(
-                        f"field {name!r}: dimension {dim} is {size}, but field {other!r} has {dim} = "
-                        f"{other_size}; all fields of one step must share B, T, L and F"
-                    )
-                sizes.setdefault(dim, (int(size), name))
-        out[name] = _normalise(name, spec, tensor, keep_source_dtype)
-    if algorithm == "dpo":
-        _check_dpo_sides(out)
-    if check_required and algorithm:
-        missing = [f for f in required_fields(algorithm) if f not in out]
-        if missing:
-            raise SchemaError(f"algorithm {algorithm!r} requires fields {missing}, which were not recorded")
-    return out
+    check_tensors(tensors, algorithm, check_required)
+    return normalise_tensors(tensors, algorithm, keep_source_dtype)
