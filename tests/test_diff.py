@@ -7,7 +7,7 @@ import torch
 
 from tracer import TraceWriter, diff
 from tracer.cli import main
-from tracer.diff import DEFAULT_TOLERANCES, DiffInputError
+from tracer.diff import DEFAULT_TOLERANCES, DiffInputError, token_diff_table
 
 B, T = 3, 6
 VOCAB = ["<pad>", " the", " cat", " sat", " on", " mat", "<eos>", " dog"]
@@ -281,3 +281,31 @@ def test_not_a_trace_bad_tolerance_and_unknown_field(tmp_path, base, capsys):
     assert err.startswith("tracer diff: error: fields names ['policy_logprob'], which neither trace has "
                           "(fields of the first step: ['advantages', 'completion_ids'")
     assert err.endswith("check the spelling\n")
+
+
+# -- what the app's Diff page uses -----------------------------------------------------------------
+
+
+def test_field_table_and_token_diff_table(tmp_path, base):
+    def edit(step, t):
+        t["policy_logprobs"][2, 1] += 0.5  # kept
+        t["policy_logprobs"][0, 5] += 0.5  # masked: not a difference
+        t["completion_mask"][0, 4] = True
+
+    other = write_trace(tmp_path / "b", edit=edit)
+    table = diff(base, other, progress=True).field_table()
+    assert list(table["field"][:2]) == ["completion_mask", "policy_logprobs"] and not table["passed"][1]
+    assert table.set_index("field").loc["policy_logprobs", "max_abs_diff"] == 0.5
+
+    tokens = token_diff_table(base, other, step=(1, 0, 0, 0))
+    assert len(tokens) == B * T
+    row = tokens.set_index(["sequence", "position"])
+    assert row.loc[(2, 1), "policy_logprobs_differs"] and row.loc[(2, 1), "token_text_a"] == " sat"
+    assert (row.loc[(2, 1), "policy_logprobs_a"], row.loc[(2, 1), "policy_logprobs_b"]) == (-0.234375, 0.265625)
+    assert not row.loc[(0, 5), "policy_logprobs_differs"]  # masked on both sides
+    assert row.loc[(0, 4), "mask_differs"] and not row.loc[(0, 4), "policy_logprobs_differs"]
+    assert tokens["policy_logprobs_differs"].sum() == 1 and tokens["mask_differs"].sum() == 1
+    one = token_diff_table(base, other, step=(1, 0, 0, 0), sequence=2)
+    assert list(one["sequence"].unique()) == [2] and one["policy_logprobs_differs"].sum() == 1
+    with pytest.raises(DiffInputError, match=r"step \(9, 0, 0, 0\) is not in both traces"):
+        token_diff_table(base, other, step=(9, 0, 0, 0))

@@ -26,31 +26,25 @@ Rules (documented in docs/regression-testing.md):
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import pandas as pd
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from tracer.diff_report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, Location, StepId, Tolerance, step_label
+from tracer.diff_stats import (DEFAULT_TOLERANCES, DRIFT_FRACTION, DRIFT_MIN_POSITIONS, DRIFT_SIGN_SHARE,
+                               SHIFT_IMPROVEMENT, FieldStats, coarseness, default_tolerance, mismatch)
 from tracer.errors import TraceError, TraceFormatError
-from tracer.reader import StepKey, Trace
+from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
 from tracer.schema import FIELDS, decode_metadata
 
-__all__ = ["diff", "DiffReport", "FieldDiff", "Location", "Tolerance", "DiffInputError", "DEFAULT_TOLERANCES"]
+__all__ = ["diff", "token_diff_table", "DiffReport", "FieldDiff", "Location", "Tolerance", "DiffInputError", "DEFAULT_TOLERANCES",
+           "DRIFT_FRACTION", "DRIFT_SIGN_SHARE", "DRIFT_MIN_POSITIONS", "SHIFT_IMPROVEMENT"]
 
-# Defaults of torch.testing.assert_close, keyed by the safetensors dtype name.
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "F64": Tolerance(1e-7, 1e-7), "F32": Tolerance(1e-5, 1.3e-6),
-    "F16": Tolerance(1e-5, 1e-3), "BF16": Tolerance(1e-5, 1.6e-2),
-}
-FALLBACK_TOLERANCE = Tolerance(1e-5, 0.125)  # float8 and other narrow formats
-DRIFT_FRACTION, DRIFT_SIGN_SHARE, DRIFT_MIN_POSITIONS = 0.05, 0.9, 8
-SHIFT_IMPROVEMENT = 0.1
-MAX_LOCATIONS = 50  # differing positions kept per field
 PROGRESS_MIN_PAIRS = 20
 IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "step", "inner_step", "micro_batch", "rank"})
 _MASKS = ("completion_mask", "chosen_mask", "rejected_mask", "prompt_mask")
@@ -109,6 +103,63 @@ def diff(
         engine.diff_step(key_a, key_b)
     report.fields = {name: acc.finish() for name, acc in engine.accs.items()}
     return report
+
+
+def token_diff_table(
+    a: str | Path,
+    b: str | Path,
+    step: StepId | None = None,
+    sequence: int | None = None,
+    *,
+    atol: float | Mapping[str, float] | None = None,
+    rtol: float | Mapping[str, float] | None = None,
+) -> pd.DataFrame:
+    """Completion tokens of one step pair side by side, for a token view (the app's Diff page).
+
+    Args:
+        a, b: the reference and the candidate trace.
+        step: ``(step, inner_step, micro_batch, rank)`` present in both (default: the first of a;
+            two single step files are paired whatever their step numbers).
+        sequence: one sequence (reads only that row), or None for the whole step.
+        atol, rtol: as for :func:`diff`.
+
+    Returns:
+        One row per ``(sequence, position)``: ``token_id_a/_b``, ``token_text_a/_b``, ``kept_a/_b``,
+        ``mask_reason_a/_b``, ``mask_differs``, ``id_differs``, and per value field present on both
+        sides ``<field>_a``, ``<field>_b``, ``<field>_differs`` (True only where both sides keep the
+        token and the values fail the field's tolerance). Masked positions: ``kept_a & kept_b`` False.
+
+    Raises:
+        TraceError: a path is not a trace, or ``step`` is not in both traces.
+    """
+    trace_a, trace_b = Trace(a), Trace(b)
+    _check_compatible(trace_a, trace_b)
+    pairs, _, _ = _pair_steps(trace_a, trace_b)
+    pair = next((p for p in pairs if step is None or _step_id(p[0]) == tuple(step)), None)
+    if pair is None:
+        have = [_step_id(p[0]) for p in pairs][:10]
+        raise DiffInputError(f"step {step} is not in both traces; steps in both: {have}")
+    frames = [t.token_table(k, sequence) for t, k in ((trace_a, pair[0]), (trace_b, pair[1]))]
+    frames = [f[f["section"] == "completion"].drop(columns=["section", "step", "inner_step", "rank"]) for f in frames]
+    table = frames[0].merge(frames[1], on=["sequence", "position"], how="outer", suffixes=("_a", "_b"))
+    table["mask_differs"] = table["kept_a"] != table["kept_b"]
+    table["id_differs"] = table["token_id_a"] != table["token_id_b"]
+    both = (table["kept_a"] == True) & (table["kept_b"] == True)  # noqa: E712 (NaN rows stay False)
+    heads = [trace_a.fields(pair[0]), trace_b.fields(pair[1])]
+    atols, rtols = _per_field(atol, "atol"), _per_field(rtol, "rtol")
+    for name in TOKEN_VALUE_FIELDS:
+        if f"{name}_a" in table and f"{name}_b" in table:
+            tol = _tolerance(name, heads[0][name][1], heads[1][name][1], atols, rtols)
+            va = torch.tensor(table[f"{name}_a"].to_numpy(dtype="float64"))
+            vb = torch.tensor(table[f"{name}_b"].to_numpy(dtype="float64"))
+            _, fail = mismatch(va, vb, torch.tensor(both.to_numpy(dtype=bool)), tol)
+            table[f"{name}_differs"] = fail.numpy()
+    return table
+
+
+def _tolerance(name: str, dtype_a: str, dtype_b: str, atols: dict[str, float], rtols: dict[str, float]) -> Tolerance:
+    default = default_tolerance(dtype_a, dtype_b)
+    return Tolerance(atols.get(name, atols.get("*", default.atol)), rtols.get(name, rtols.get("*", default.rtol)))
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -210,131 +261,6 @@ def _ids_for(name: str, dims: tuple[str, ...]) -> str | None:
         (f"{p}_ids" for p in ("chosen", "rejected") if name.startswith(p + "_")), "completion_ids")
 
 
-def _mismatch(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, tol: Tolerance):
-    """``|b - a|`` (0 where equal, NaN equal to NaN; inf where only one side is NaN) and the
-    positions in ``keep`` that fail ``tol``. a, b: float64 of one shape."""
-    same = (a == b) | (a.isnan() & b.isnan())
-    absd = (b - a).abs()
-    absd = torch.where(same, 0.0, torch.where(absd.isnan(), math.inf, absd))
-    finite = a.isfinite() & b.isfinite()
-    fail = keep & ~same & (~finite | (absd > tol.atol + tol.rtol * a.abs()))
-    return absd, fail
-
-
-class _Accumulator:
-    """Running statistics of one field over step pairs; ``finish`` gives its FieldDiff."""
-
-    def __init__(self, result: FieldDiff, dims: tuple[str, ...], drift: bool) -> None:
-        self.r, self.dims, self.check_drift = result, dims, drift
-        self.tol = result.tolerance or Tolerance(0.0, 0.0)
-        self.n, self.sum_d, self.sum_abs_a, self.n_pos, self.n_neg = 0, 0.0, 0.0, 0, 0
-        self.unshifted = [0, 0.0]  # positions, sum |Δ| over failing step pairs
-        self.shifted = {s: [0, 0, 0.0] for s in (1, -1)}  # positions, failing, sum |Δ|
-
-    def compare(self, step: StepId, ta: torch.Tensor, tb: torch.Tensor, keep: torch.Tensor | None):
-        r = self.r
-        a, b = ta.double(), tb.double()
-        keep = torch.ones(a.shape, dtype=torch.bool) if keep is None else keep
-        absd, fail = _mismatch(a, b, keep, self.tol)
-        r.compared += int(keep.sum())
-        kept_absd = absd[keep]
-        if kept_absd.numel():
-            r.max_abs_diff = max(r.max_abs_diff, float(kept_absd.max()))
-            rel = torch.where(absd == 0, 0.0, absd / a.abs())[keep]
-            r.min_rtol = max(r.min_rtol, float(rel.max()))
-        if r.kind == FLOAT and r.max_abs_diff > 0 and bool((kept_absd > 0).any()):
-            sel = keep & a.isfinite() & b.isfinite()  # drift statistics skip pairs equal on this field
-            d = (b - a)[sel]
-            self.n += d.numel()
-            self.sum_d += float(d.sum())
-            self.sum_abs_a += float(a[sel].abs().sum())
-            self.n_pos += int((d > 0).sum())
-            self.n_neg += int((d < 0).sum())
-        if r.kind == MASK:
-            r.kept_only_in_a += int((ta.bool() & ~tb.bool()).sum())
-            r.kept_only_in_b += int((tb.bool() & ~ta.bool()).sum())
-        n_fail = int(fail.sum())
-        if n_fail == 0:
-            return
-        r.differing += n_fail
-        r.step_pairs_differing += 1
-        if len(self.dims) == 2 and self.dims[1] in ("T", "L") and a.dim() == 2:
-            self._shift_stats(a, b, keep, absd)
-        self._locate(step, ta, tb, absd, fail)
-
-    def _shift_stats(self, a, b, keep, absd) -> None:
-        finite = keep & absd.isfinite()
-        self.unshifted[0] += int(finite.sum())
-        self.unshifted[1] += float(absd[finite].sum())
-        both = keep[:, 1:] & keep[:, :-1]
-        for s, (a_s, b_s) in {1: (a[:, :-1], b[:, 1:]), -1: (a[:, 1:], b[:, :-1])}.items():
-            absd_s, fail_s = _mismatch(a_s, b_s, both, self.tol)
-            acc = self.shifted[s]
-            acc[0] += int(both.sum())
-            acc[1] += int(fail_s.sum())
-            acc[2] += float(absd_s[both & absd_s.isfinite()].sum())
-
-    def _locate(self, step, ta, tb, absd, fail) -> None:
-        r = self.r
-        flat = fail.reshape(-1).nonzero().squeeze(1)
-        if r.kind == FLOAT:
-            flat_top = flat[absd.reshape(-1)[flat].argsort(descending=True, stable=True)[:MAX_LOCATIONS]]
-        else:
-            flat_top = flat[: max(0, MAX_LOCATIONS - len(r.worst))]
-        rows = fail.reshape(fail.shape[0], -1).sum(1).tolist() if fail.dim() else [int(fail)]
-        va, vb, vd = ta.reshape(-1), tb.reshape(-1), absd.reshape(-1)
-
-        def location(i: int) -> Location:
-            index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), tuple(ta.shape))) if ta.dim() else ()
-            return Location(step, index, self.dims, va[i].item(), vb[i].item(), float(vd[i]),
-                            rows[index[0]] if index else rows[0])
-
-        new = [location(int(i)) for i in flat_top]
-        if r.first is None:
-            r.first = location(int(flat[0]))
-        key = (lambda l: (-l.abs_diff, l.step, l.index)) if r.kind == FLOAT else (lambda l: (l.step, l.index))
-        r.worst = sorted(r.worst + new, key=key)[:MAX_LOCATIONS]
-
-    def finish(self) -> FieldDiff:
-        r = self.r
-        if r.kind == FLOAT and r.compared:
-            r.mean_diff = self.sum_d / self.n if self.n else 0.0
-            if self.n:
-                self._drift()
-        if r.differing and self.unshifted[0]:
-            self._shift()
-        return r
-
-    def _drift(self) -> None:
-        r, tol = self.r, self.tol
-        threshold = DRIFT_FRACTION * (tol.atol + tol.rtol * self.sum_abs_a / self.n)
-        same_sign = (self.n_pos if r.mean_diff > 0 else self.n_neg) / self.n
-        r.drift = (self.check_drift and self.n >= DRIFT_MIN_POSITIONS and abs(r.mean_diff) > threshold
-                   and same_sign >= DRIFT_SIGN_SHARE)
-        if r.drift:
-            where = "kept positions" if r.mask else "positions"
-            within = "" if r.differing else " although every element is within tolerance"
-            r.drift_detail = (
-                f"drift: mean(b-a)={r.mean_diff:+.1e} over {self.n} {where}, b-a "
-                f"{'> 0' if r.mean_diff > 0 else '< 0'} at {same_sign:.0%} of them{within} (rule: |mean| > "
-                f"{DRIFT_FRACTION:g}·(atol+rtol·mean|a|) = {threshold:.1e} with ≥ {DRIFT_SIGN_SHARE:.0%} "
-                "of one sign)")
-
-    def _shift(self) -> None:
-        r = self.r
-        base = self.unshifted[1] / self.unshifted[0]
-        for s in sorted(self.shifted, key=lambda s: tuple(self.shifted[s][1:])):
-            n, n_fail, total = self.shifted[s]
-            mean = total / n if n else math.inf
-            if n >= 2 and (n_fail == 0 or mean < SHIFT_IMPROVEMENT * base):
-                r.shift = s
-                rel = "b[t] = a[t-1]" if s == 1 else "b[t] = a[t+1]"
-                fit = ("within tolerance at all" if n_fail == 0 else f"mean |Δ| {base:.1e} -> {mean:.1e} over")
-                r.shift_detail = (f"shift: b looks like a shifted by {s:+d} along {self.dims[1]} ({rel}): "
-                                  f"{fit} {n} positions where both neighbours are kept; a misalignment, not noise")
-                return
-
-
 class _Engine:
     """Reads one step pair at a time, tensor by tensor, and feeds the accumulators."""
 
@@ -342,7 +268,7 @@ class _Engine:
         self.report, self.trace_a, self.trace_b = report, trace_a, trace_b
         self.atols, self.rtols, self.wanted, self.ignored, self.drift = atols, rtols, wanted, ignored, drift
         self.algorithm = report.algorithm
-        self.accs: dict[str, _Accumulator] = {}
+        self.accs: dict[str, FieldStats] = {}
 
     def diff_step(self, key_a: StepKey, key_b: StepKey) -> None:
         step = _step_id(key_a)
@@ -372,23 +298,18 @@ class _Engine:
                 acc.compare(step, ta, tb, _keep(acc.r.mask, masks, ta.shape))
                 self._token_text(acc, step, fa, fb)
 
-    def _accumulator(self, name: str, dtype_a: str, dtype_b: str, ndim: int) -> _Accumulator:
+    def _accumulator(self, name: str, dtype_a: str, dtype_b: str, ndim: int) -> FieldStats:
         if name not in self.accs:
             spec = FIELDS.get(name)
             dims = spec.dims_for(self.algorithm) if spec else ()
             dims = dims if len(dims) == ndim else ("?",) * ndim
-            kind = _kind(name, dtype_a if dtype_a == dtype_b else max(dtype_a, dtype_b, key=_coarseness))
-            tol = None
-            if kind == FLOAT:
-                default = max((DEFAULT_TOLERANCES.get(d, FALLBACK_TOLERANCE) for d in (dtype_a, dtype_b)),
-                              key=lambda t: t.rtol)
-                tol = Tolerance(self.atols.get(name, self.atols.get("*", default.atol)),
-                                self.rtols.get(name, self.rtols.get("*", default.rtol)))
+            kind = _kind(name, dtype_a if dtype_a == dtype_b else max(dtype_a, dtype_b, key=coarseness))
+            tol = _tolerance(name, dtype_a, dtype_b, self.atols, self.rtols) if kind == FLOAT else None
             result = FieldDiff(name, kind, dtype_a, dtype_b, tol, _mask_for(name, dims) if spec else None)
-            self.accs[name] = _Accumulator(result, dims, self.drift)
+            self.accs[name] = FieldStats(result, dims, self.drift)
         return self.accs[name]
 
-    def _token_text(self, acc: _Accumulator, step: StepId, fa, fb) -> None:
+    def _token_text(self, acc: FieldStats, step: StepId, fa, fb) -> None:
         ids_name = _ids_for(acc.r.name, acc.dims)
         todo = [loc for loc in [*acc.r.worst, acc.r.first] if loc and loc.step == step and loc.token_text is None]
         if not todo or ids_name is None or ids_name not in fa.keys():
@@ -414,10 +335,6 @@ class _Engine:
                 entry["step_pairs"] += 1
 
 
-def _coarseness(dtype: str) -> float:
-    return DEFAULT_TOLERANCES.get(dtype, FALLBACK_TOLERANCE).rtol if dtype.startswith(("F", "BF")) else 0.0
-
-
 def _ordered(names: set[str]) -> list[str]:
     """Masks, then ids, then schema order, then other fields by name (root causes first)."""
     schema = list(FIELDS)
@@ -432,7 +349,7 @@ def _check_pair(name: str, step: StepId, head_a, head_b) -> None:
             f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
             "compares position by position, so both traces need the same B, T, L and F; re-run both with "
             "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
-    kinds = {d: ("float" if _coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
+    kinds = {d: ("float" if coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
     if kinds[dtype_a] != kinds[dtype_b]:
         raise DiffInputError(
             f"field {name!r} is {kinds[dtype_a]} ({dtype_a}) in a but {kinds[dtype_b]} ({dtype_b}) in b at "

@@ -10,7 +10,10 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 StepId = tuple[int, int, int, int]  # (step, inner_step, micro_batch, rank)
 FLOAT, EXACT, MASK = "float", "exact", "mask"  # how a field is compared
@@ -197,12 +200,15 @@ class FieldDiff:
             lines.append(self.shift_detail)
         groups: dict[tuple, list[Location]] = defaultdict(list)
         for loc in self.worst[:max_locations]:
-            groups[(loc.step, loc.index[:1])].append(loc)
+            per_sequence = loc.sequence is not None and len(loc.index) > 1  # [B, T]: group by sequence
+            groups[(loc.step, loc.index[:1] if per_sequence else ())].append(loc)
         for (step, seq), locs in groups.items():
-            head = step_label(step) + (f", seq {seq[0]}" if seq and locs[0].sequence is not None else "")
-            lines.append(f"{head} ({locs[0].row_differing} differing)")
+            if seq:
+                lines.append(f"{step_label(step)}, seq {seq[0]} ({locs[0].row_differing} differing)")
+            else:
+                lines.append(step_label(step))
             for loc in locs:
-                pos = loc.position().split(", ", 1)[-1] if loc.sequence is not None else loc.position()
+                pos = loc.position().split(", ", 1)[-1] if seq else loc.position()
                 delta = f" |Δ|={loc.abs_diff:.1e}" if self.kind == FLOAT else ""
                 lines.append(f"  {pos or 'value'}: {loc.values()}{delta}")
         if self.differing > min(max_locations, len(self.worst)):
@@ -296,6 +302,22 @@ class DiffReport:
         return "\n".join(lines)
 
     __str__ = format
+
+    def field_table(self) -> "pd.DataFrame":
+        """One row per compared field, failing first (a summary table for the app): ``field, kind,
+        passed, dtype_a, dtype_b, atol, rtol, mask, compared, differing, share, max_abs_diff``
+        (= the smallest passing atol), ``min_rtol, mean_diff, drift, shift, first`` (where)."""
+        import pandas as pd
+
+        columns = ["field", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
+                   "differing", "share", "max_abs_diff", "min_rtol", "mean_diff", "drift", "shift", "first"]
+        failing = self.differing_fields
+        ordered = failing + [f for f in self.fields.values() if f.passed]
+        rows = [[f.name, f.kind, f.passed, f.dtype_a, f.dtype_b, f.tolerance.atol if f.tolerance else 0.0,
+                 f.tolerance.rtol if f.tolerance else 0.0, f.mask, f.compared, f.differing, f.share,
+                 f.max_abs_diff, f.min_rtol, f.mean_diff, f.drift, f.shift, f.first.where() if f.first else None]
+                for f in ordered]
+        return pd.DataFrame(rows, columns=columns)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict: everything above plus ``equal``, ``findings`` and ``first_divergence``;

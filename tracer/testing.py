@@ -23,7 +23,7 @@ import pytest
 from tracer.diff import DiffReport, diff
 from tracer.errors import TraceError
 from tracer.reader import Trace
-from tracer.writer import MANIFEST_NAME, STEPS_DIR
+from tracer.writer import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 REGEN_FLAG = "--tracer-regen"
 
@@ -78,7 +78,8 @@ def assert_traces_match(
 
 
 def _copy_trace(src: Path, dst: Path) -> None:
-    """Replace ``dst`` with a copy of trace ``src`` through a temporary name and a rename."""
+    """Replace ``dst`` with a copy of trace ``src`` (manifest, token strings, step files) through a
+    temporary name and a rename."""
     if dst.exists() and dst.is_dir() and any(dst.iterdir()) and not (
             (dst / MANIFEST_NAME).is_file() or (dst / STEPS_DIR).is_dir()):
         raise TraceError(f"refusing to replace {dst}: it exists and is not a trace; move it away or "
@@ -87,10 +88,16 @@ def _copy_trace(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".partial")
     if tmp.is_dir():
         shutil.rmtree(tmp)
+    elif tmp.exists():
+        tmp.unlink()
     if src.is_file():
         shutil.copyfile(src, tmp)
-    else:
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.partial"))
+    else:  # the trace files only: a run directory may hold more (a model, logs)
+        (tmp / STEPS_DIR).mkdir(parents=True)
+        for path in [src / MANIFEST_NAME, src / TOKENS_NAME, *src.glob("*.safetensors"),
+                     *(src / STEPS_DIR).glob("*.safetensors")]:
+            if path.is_file():
+                shutil.copyfile(path, tmp / path.relative_to(src))
     if dst.is_dir():
         shutil.rmtree(dst)
     os.replace(tmp, dst)
