@@ -10,7 +10,7 @@ from rich.console import Group
 from rich.markup import escape
 from rich.text import Text
 
-from tracer.checks.finding import CHECKS, SEVERITIES, SEVERITY_RANK, Finding
+from tracer.checks.finding import CHECKS, SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
 
 STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
 
@@ -30,11 +30,13 @@ def location_text(f: Finding) -> str:
 
 
 def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
-    """A rich Group: one block per check (worst severity first), then a summary of counts."""
+    """A rich Group: one block per check (worst severity first), one line per skipped check, then a
+    summary of counts."""
     worst = {}
     for f in findings:
         worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
-    ordered = sorted(findings, key=lambda f: (worst[f.check], f.check, SEVERITY_RANK[f.severity]))
+    ordered = sorted((f for f in findings if f.severity != SKIPPED),
+                     key=lambda f: (worst[f.check], f.check, SEVERITY_RANK[f.severity]))
     blocks: list = [Text(title, style="bold")] if title else []
     for check_id, group in groupby(ordered, key=lambda f: f.check):
         items = list(group)
@@ -49,6 +51,11 @@ def render_findings(findings: list[Finding], title: str = "", max_per_check: int
             blocks.append(Text("    " + f.message))
         if len(items) > max_per_check:
             blocks.append(Text(f"    … {len(items) - max_per_check} more (use --json for all)", style="dim"))
+    skipped = [f for f in findings if f.severity == SKIPPED]
+    if skipped:
+        blocks.append(Text(f"SKIPPED {len(skipped)} check{'s' if len(skipped) != 1 else ''} (missing field or "
+                           "metadata key)", style=STYLE[SKIPPED]))
+        blocks.extend(Text(f"  {f.check}: {f.message}", style=STYLE[SKIPPED]) for f in skipped)
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     verdict = ("FAIL" if counts["error"] else "PASS", "bold red" if counts["error"] else "bold green")

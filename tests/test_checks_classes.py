@@ -1,0 +1,321 @@
+"""`tracer check` beyond the ten cases: each check class on its own input, a clean GRPO trace with
+two inner steps (no error, no warning, nothing skipped), a deliberately broken hand-written GRPO
+loop, the CLI's exit codes, and every committed sample trace (no error, no warning)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from test_checks import EOS, PAD, cli_json, found, write_trace
+from tracer import formulas
+from tracer.checks import ERROR, INFO, SKIPPED, WARNING, count_by_severity, run_checks
+from tracer.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+HYPER = {"num_generations": 4, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.2, "beta": 0.04,
+         "temperature": 1.0, "top_p": 1.0, "top_k": 0, "loss_reduction": "sequence_mean"}
+
+
+def clean_grpo_step(inner: int, seed: int = 0) -> dict:
+    """A correct GRPO step: P = 2, G = 4, B = 8, T = 6, prompts left-padded to L = 3."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 8, 6
+    lengths = torch.tensor([6, 3, 4, 2, 5, 6, 1, 3])  # kept tokens per row, EOS last unless 6 (truncated)
+    pos = torch.arange(T).expand(B, T)
+    completion_mask = pos < lengths.unsqueeze(1)  # (B, T)
+    completion_ids = torch.randint(3, 60, (B, T), generator=g)
+    completion_ids[torch.arange(B), lengths - 1] = torch.where(lengths < T, EOS, completion_ids[:, -1])
+    completion_ids = completion_ids.masked_fill(~completion_mask, PAD)
+    prompt_ids = torch.randint(3, 60, (B, 3), generator=g)
+    prompt_mask = torch.ones(B, 3, dtype=torch.bool)
+    prompt_mask[::2, 0] = False  # every other row is left-padded by one
+    prompt_ids = prompt_ids.masked_fill(~prompt_mask, PAD)
+    old = -torch.rand(B, T, generator=g) * 3 - 0.05  # (B, T) nats
+    sampler = old + 0.01 * torch.randn(B, T, generator=g)
+    ref = old + 0.05 * torch.randn(B, T, generator=g)
+    policy = old.clone() if inner == 0 else old + 0.05 * torch.randn(B, T, generator=g)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.2, 0.9, 0.1])
+    advantages = formulas.group_advantages(rewards, 4)
+    per_token_loss = formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2, 0.04, ref)
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "policy_logprobs": policy, "old_logprobs": old,
+        "ref_logprobs": ref, "sampler_logprobs": sampler, "ratio": formulas.ratio(policy, old),
+        "ref_kl_k3": formulas.ref_kl_k3(policy, ref), "approx_kl_k2": formulas.approx_kl_k2(policy, old),
+        "rewards": rewards, "advantages": advantages, "group_ids": torch.arange(2).repeat_interleave(4),
+        "per_token_loss": per_token_loss, "loss": formulas.sequence_mean_loss(per_token_loss, completion_mask),
+    }
+
+
+@pytest.fixture
+def clean_trace(tmp_path):
+    return write_trace(tmp_path / "clean", "grpo", [(0, 0, clean_grpo_step(0)), (0, 1, clean_grpo_step(1)),
+                                                    (1, 0, clean_grpo_step(0, 1)), (1, 1, clean_grpo_step(1, 1))],
+                       HYPER)
+
+
+def test_clean_grpo_trace_with_two_inner_steps_has_no_error_or_warning(clean_trace, capsys):
+    findings = run_checks(clean_trace)
+    counts = count_by_severity(findings)
+    assert counts["error"] == counts["warning"] == 0, [f.message for f in findings if f.severity in (ERROR, WARNING)]
+    assert counts["skipped"] == 0, [f.message for f in findings if f.severity == SKIPPED]  # every check ran
+    # the sampler report is an info with its numbers: noise of std 0.01 nats, nothing outside [1/2, 2]
+    sampler = found(findings, "sampler.mismatch")
+    assert sampler and all(f.severity == INFO and f.details["share_outside"] == 0.0 for f in sampler)
+    assert main(["check", str(clean_trace)]) == 0
+    assert "PASS  0 error, 0 warning" in capsys.readouterr().out
+
+
+def test_mask_shifted_by_one_in_the_hand_written_grpo_loop(tmp_path, monkeypatch):
+    """A deliberately broken variant of the real hand-written GRPO loop: its completion mask is
+    shifted right by one (drops the first token, keeps the one after EOS)."""
+    from tracer.demo import grpo_loop
+    from tracer.demo import rollout as ro
+    from tracer.demo.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    right_mask = ro._mask_after_eos
+
+    def shifted_mask(completion_ids, eos_token_id):
+        keep = right_mask(completion_ids, eos_token_id)  # (B, T)
+        return torch.cat([torch.zeros_like(keep[:, :1]), keep[:, :-1]], dim=1)
+
+    monkeypatch.setattr(ro, "_mask_after_eos", shifted_mask)
+    run = grpo_loop.run(tmp_path / "run", grpo_loop.GRPOConfig(steps=1, num_iterations=1), model_dir)
+    from tracer import Trace
+
+    trace = Trace(run)
+    key = trace.steps()[0]
+    ids, keep = (trace.load_step(key)[n] for n in ("completion_ids", "completion_mask"))
+    # independently: the first row that keeps a token after its first EOS, and that token (EOS + 1)
+    eos_at = [row.index(trace.eos_token_id) if trace.eos_token_id in row else None for row in ids.tolist()]
+    leaks = [(b, e + 1) for b, e in enumerate(eos_at) if e is not None and e + 1 < ids.shape[1] and keep[b, e + 1]]
+    assert leaks, "the tiny model produced no EOS before the last position; pick another seed"
+    (f,) = found(run_checks(run), "masks.after_eos")
+    assert (f.severity, f.step, f.inner_step, (f.sequence, f.token)) == (ERROR, 0, 0, leaks[0])
+    assert "looks shifted right by one position" in f.message
+    assert cli_json(run, "--select", "masks")[0] == 1
+
+
+SAMPLE_TRACES = sorted(p.parent for p in (REPO / "sample_traces").glob("*/manifest.json"))
+
+
+@pytest.mark.parametrize("trace_dir", SAMPLE_TRACES, ids=[p.name for p in SAMPLE_TRACES])
+def test_committed_sample_traces_pass_with_no_error_and_no_warning(trace_dir):
+    findings = run_checks(trace_dir)
+    bad = [f"{f.check} {f.severity} {f.step}/{f.inner_step}: {f.message}" for f in findings
+           if f.severity in (ERROR, WARNING)]
+    assert bad == []
+
+
+# -- identity ---------------------------------------------------------------------------------------
+
+def test_ppo_minibatch_after_an_optimizer_step_is_not_a_first_step(tmp_path):
+    # PPO: each minibatch is an optimizer step, so at epoch 0 minibatch 1 policy has already moved.
+    policy, old = torch.tensor([[-1.0, -0.5]]), torch.tensor([[-1.3, -0.5]])
+    tensors = {"completion_mask": torch.ones(1, 2, dtype=torch.bool), "policy_logprobs": policy, "old_logprobs": old}
+    from tracer import TraceWriter
+
+    with TraceWriter(tmp_path / "r", "ppo") as writer:
+        writer.record(0, tensors, inner_step=0, micro_batch=0)
+        writer.record(0, tensors, inner_step=0, micro_batch=1)
+    (f,) = found(run_checks(tmp_path / "r"), "identity.first_step")
+    assert (f.micro_batch, f.sequence, f.token) == (0, 0, 0)
+
+
+# -- advantages -------------------------------------------------------------------------------------
+
+def grpo_rows(rewards, advantages, **extra):
+    return {"rewards": torch.tensor(rewards), "advantages": torch.tensor(advantages), **extra}
+
+
+def test_group_sum_and_z_bound(tmp_path):
+    # Batch z-score of group-constant rewards [1]*4 + [-1]*4: mean 0, std 1, so A = r; each group sums
+    # to +4 or -4 instead of 0. Group [3, -1, -1, -1] sums to 0 but |3| > sqrt(4 - 1) = 1.732.
+    write_trace(tmp_path / "sum", "grpo", [(0, 0, grpo_rows([1.0] * 4 + [-1.0] * 4, [1.0] * 4 + [-1.0] * 4))],
+                {"num_generations": 4})
+    write_trace(tmp_path / "z", "grpo", [(0, 0, grpo_rows([0.0] * 4, [3.0, -1.0, -1.0, -1.0]))],
+                {"num_generations": 4})
+    (f,) = found(run_checks(tmp_path / "sum"), "advantages.group_sum")
+    assert (f.severity, f.sequence) == (ERROR, 0) and "rows [0, 1, 2, 3] sum to 4 (mean 1)" in f.message
+    assert "2 of 2 groups do not sum to 0" in f.message
+    (f,) = found(run_checks(tmp_path / "z"), "advantages.z_bound")
+    assert (f.severity, f.sequence) == (ERROR, 0) and "|A| = 3 at seq 0 exceeds sqrt(G - 1) = 1.732" in f.message
+
+
+def test_partly_zero_variance_is_an_info_with_the_share(tmp_path):
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
+    write_trace(tmp_path / "r", "grpo", [(0, 0, grpo_rows(rewards.tolist(), formulas.group_advantages(rewards, 4).tolist()))],
+                {"num_generations": 4})
+    (f,) = found(run_checks(tmp_path / "r"), "advantages.zero_variance")
+    assert f.severity == INFO and "1 of 2 groups (50%) have zero reward variance" in f.message
+
+
+@pytest.mark.parametrize("declared, expected", [
+    ({"advantage_std": "unbiased", "scale_rewards": "group"}, None),  # what TRL records: matches
+    ({}, (INFO, "advantages follow the 'trl_group' rule")),  # undeclared: say which rule
+    ({"advantage_std": "population"}, (ERROR, "differ from the 'seed' rule recomputed from rewards (metadata "
+                                              "declares 'seed'); the recorded values match ['trl_group'] instead")),
+])
+def test_advantage_rule_follows_metadata(tmp_path, declared, expected):
+    # G = 4, group 0 rewards [1, 0, 0, 0]: mean 0.25, population std 0.433, Bessel's std 0.5.
+    # TRL: A_0 = 0.75 / (0.5 + 1e-4) = 1.4997; the seed's rule would give 0.75 / 0.4331 = 1.7317.
+    # (Group 1, [0, 0, 1, 1], makes the batch std differ from the group stds: trl_batch does not match.)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    advantages = formulas.trl_group_advantages(rewards, 4)
+    assert math.isclose(float(advantages[0]), 0.75 / 0.5001, rel_tol=1e-5)
+    write_trace(tmp_path / "r", "grpo", [(0, 0, grpo_rows(rewards.tolist(), advantages.tolist()))],
+                {"num_generations": 4, **declared})
+    findings = found(run_checks(tmp_path / "r"), "recompute.advantages")
+    if expected is None:
+        assert findings == []
+    else:
+        (f,) = findings
+        assert f.severity == expected[0] and expected[1] in f.message
+
+
+def test_ppo_gae_recompute_catches_bootstrapping_from_padding(tmp_path):
+    # Row 1 keeps 2 of 4 tokens; its padded values are 5.0. Unmasked GAE (gamma = lam = 1) gives the
+    # last kept token A = r + V_pad - V = 1 + 5 - 0.5 = 5.5; masked GAE gives 1 - 0.5 = 0.5.
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    values = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.2, 0.5, 5.0, 5.0]])
+    token_rewards = formulas.token_rewards_from_sequence(torch.tensor([1.0, 1.0]), mask)
+    right, returns = formulas.gae(token_rewards, values, mask, 1.0, 1.0)
+    wrong = right.clone()
+    wrong[1, 1] = 1.0 + 5.0 - 0.5
+    hyper = {"gamma": 1.0, "lam": 1.0}
+    base = {"completion_mask": mask, "values": values, "token_rewards": token_rewards, "returns": returns}
+    write_trace(tmp_path / "good", "ppo", [(0, 0, {**base, "advantages": right})], hyper)
+    write_trace(tmp_path / "bad", "ppo", [(0, 0, {**base, "advantages": wrong})], hyper)
+    assert found(run_checks(tmp_path / "good"), "recompute.advantages") == []
+    (f,) = found(run_checks(tmp_path / "bad"), "recompute.advantages")
+    assert (f.severity, f.sequence, f.token) == (ERROR, 1, 1)
+    assert "worst at seq 1, token 1: recorded 5.5, recomputed 0.5" in f.message
+
+
+# -- recompute ----------------------------------------------------------------------------------------
+
+def test_recorded_ratio_inverted(tmp_path):
+    policy, old = torch.tensor([[-1.0, -0.4]]), torch.tensor([[-1.2, -0.4]])
+    tensors = {"completion_mask": torch.ones(1, 2, dtype=torch.bool), "policy_logprobs": policy,
+               "old_logprobs": old, "ratio": formulas.ratio(old, policy)}  # exp(old - policy): the bug
+    write_trace(tmp_path / "r", "grpo", [(0, 1, tensors)])
+    (f,) = found(run_checks(tmp_path / "r"), "recompute.ratio")
+    # token 0: recorded exp(-0.2) = 0.818731, recomputed exp(0.2) = 1.22140
+    assert (f.severity, f.inner_step, f.sequence, f.token) == (ERROR, 1, 0, 0)
+    assert "recorded 0.818731, recomputed 1.2214" in f.message and "at 1 of 2 kept positions" in f.message
+
+
+def test_dpo_recompute(tmp_path):
+    from test_checks import case9_tensors
+
+    tensors = case9_tensors([0, 0, 1, 1])
+    tensors["dpo_loss"] = torch.tensor([0.6982])  # the loss of the rejected-keeps-prompt masks, not 0.6733
+    write_trace(tmp_path / "r", "dpo", [(0, 0, tensors)], {"beta": 0.1})
+    (f,) = found(run_checks(tmp_path / "r"), "recompute.dpo")
+    assert (f.severity, f.sequence, f.field) == (ERROR, 0, "dpo_loss") and "recomputed 0.6733" in f.message
+
+
+def test_clip_fractions_compared_with_recorded_metadata(tmp_path):
+    # ratio e^0.3 = 1.35 (A > 0: high clip binds), e^-0.3 = 0.74 (A > 0: outside the region, no clip),
+    # 1, 1. low 0, high 1/4, region 2/4; the trainer logged high = 0.5.
+    policy, old = torch.tensor([[0.3, -0.3, 0.0, 0.0]]) - 1.0, torch.full((1, 4), -1.0)
+    tensors = {"completion_mask": torch.ones(1, 4, dtype=torch.bool), "policy_logprobs": policy,
+               "old_logprobs": old, "advantages": torch.tensor([1.0])}
+    meta = {"clip_epsilon_low": 0.2, "clip_epsilon_high": 0.2, "clip_fraction_high": 0.5}
+    write_trace(tmp_path / "r", "grpo", [(0, 1, tensors, meta)])
+    (f,) = found(run_checks(tmp_path / "r"), "recompute.clip_fractions")
+    assert f.severity == ERROR and "high: recorded 0.5000, recomputed 0.2500" in f.message
+    assert (f.details["low"], f.details["high"], f.details["region"]) == (0.0, 0.25, 0.5)
+
+
+# -- KL -----------------------------------------------------------------------------------------------
+
+def test_k3_sign_and_persistent_negative_k1(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    steps = []
+    for step in range(3):
+        ref = -torch.rand(4, 8, generator=g) * 2
+        policy = ref - 0.5 + 0.05 * torch.randn(4, 8, generator=g)  # k1 = policy - ref ≈ -0.5 everywhere
+        steps.append((step, 0, {"completion_mask": torch.ones(4, 8, dtype=torch.bool), "policy_logprobs": policy,
+                                "ref_logprobs": ref, "ref_kl_k3": formulas.kl_k1(policy, ref)}))  # k1 as k3: bug
+    findings = run_checks(write_trace(tmp_path / "r", "grpo", steps))
+    (f,) = found(findings, "kl.k1_negative")
+    assert f.severity == WARNING and "significantly negative in all 3 step files" in f.message
+    k3 = found(findings, "kl.k3_sign")
+    assert len(k3) == 3 and all(x.severity == ERROR and "k3 = exp(d) - d - 1" in x.message for x in k3)
+
+
+# -- sampler ------------------------------------------------------------------------------------------
+
+def sampler_step(old, sampler):
+    B, T = old.shape
+    return {"completion_mask": torch.ones(B, T, dtype=torch.bool), "old_logprobs": old,
+            "policy_logprobs": old.clone(), "sampler_logprobs": sampler}
+
+
+def test_sampler_temperature_and_truncation_patterns(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 16, generator=g) * 4 - 0.1
+    # temperature: the sampler's logprobs are 0.7 x the trainer's -> slope 0.7, mean gap -0.3 * mean(old)
+    write_trace(tmp_path / "temp", "grpo", [(0, 0, sampler_step(old, 0.7 * old), {"temperature": 0.7})])
+    (f,) = found(run_checks(tmp_path / "temp"), "sampler.mismatch")
+    assert f.severity in (WARNING, ERROR) and "sampler logprobs ≈ 0.700 × trainer logprobs" in f.message
+    # top-p: the sampler renormalised over the nucleus -> trainer below sampler by 0.3 nats everywhere
+    write_trace(tmp_path / "topp", "grpo", [(0, 0, sampler_step(old, old + 0.3), {"top_p": 0.9})])
+    (f,) = found(run_checks(tmp_path / "topp"), "sampler.mismatch")
+    assert f.severity == WARNING and "mean -0.3000 nats" in f.message
+    assert "below the sampler's on 100% of tokens" in f.message and "top_p = 0.9" in f.message
+
+
+def test_sampler_ratio_bound_is_configurable(tmp_path):
+    # 16 of 64 tokens (25%) differ by 0.5 nats: exp(0.5) = 1.65 is inside [1/2, 2] but outside [1/1.5, 1.5].
+    old = torch.full((4, 16), -1.0)
+    sampler = old.clone()
+    sampler[0] -= 0.5
+    write_trace(tmp_path / "r", "grpo", [(0, 0, sampler_step(old, sampler))])
+    code, rows = cli_json(tmp_path / "r", "--select", "sampler")
+    assert code == 0 and rows[0]["details"]["share_outside"] == 0.0
+    code, rows = cli_json(tmp_path / "r", "--select", "sampler", "--sampler-ratio-bound", "1.5")
+    assert code == 1 and rows[0]["severity"] == "error" and "16 tokens (25.00%)" in rows[0]["message"]
+    assert rows[0]["details"]["worst_tokens"][0]["old_minus_sampler"] == 0.5
+
+
+# -- masks ----------------------------------------------------------------------------------------------
+
+def test_empty_row_and_kept_padding(tmp_path):
+    ids = torch.tensor([[5, 6, EOS, PAD], [7, 8, 9, PAD]])  # row 1 has no EOS; its padding is kept
+    mask = torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    write_trace(tmp_path / "r", "grpo", [(0, 0, {"completion_ids": ids, "completion_mask": mask})])
+    write_trace(tmp_path / "t", "grpo", [(0, 0, {"completion_ids": ids, "completion_mask": mask})],
+                {"mask_truncated_completions": True})
+    findings = run_checks(tmp_path / "r")
+    (empty,) = found(findings, "masks.empty_row")
+    assert (empty.severity, empty.sequence) == (ERROR, 0) and "1 of 2 rows keep no token" in empty.message
+    (pad,) = found(findings, "masks.padding")
+    assert (pad.severity, pad.sequence, pad.token, pad.token_text) == (ERROR, 1, 3, "<pad>")
+    assert found(run_checks(tmp_path / "t"), "masks.empty_row")[0].severity == INFO
+
+
+# -- non-finite and the CLI -----------------------------------------------------------------------------
+
+def test_nan_loss_and_bare_step_file_without_metadata(tmp_path):
+    path = tmp_path / "step.safetensors"
+    save_file({"completion_mask": torch.ones(1, 2, dtype=torch.bool), "policy_logprobs": torch.zeros(1, 2),
+               "loss": torch.tensor(float("nan"))}, str(path))  # no metadata at all
+    code, rows = cli_json(path)
+    assert code == 1
+    (row,) = [r for r in rows if r["check"] == "nonfinite.values"]
+    assert row["severity"] == "error" and row["field"] == "loss" and "nan at the scalar" in row["message"]
+    assert {"check", "severity", "message", "step", "sequence", "token"} <= set(row)
+
+
+def test_cli_unusable_input_and_unknown_check(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    root = write_trace(tmp_path / "r", "grpo", [(0, 0, {"completion_mask": torch.ones(1, 2, dtype=torch.bool)})])
+    assert main(["check", str(root), "--select", "masks.nope"]) == 2
+    assert "unknown check 'masks.nope'" in capsys.readouterr().err
