@@ -126,6 +126,16 @@ def test_ppo_minibatch_after_an_optimizer_step_is_not_a_first_step(tmp_path):
     assert (f.micro_batch, f.sequence, f.token) == (0, 0, 0)
 
 
+@pytest.mark.parametrize("accumulation, fresh", [(1, False), (2, True)])
+def test_trl_generation_slice_after_an_optimizer_step_is_not_fresh(tmp_path, accumulation, fresh):
+    # TRL: generation slice 1 is used after 1 // accumulation optimizer steps on this rollout.
+    policy, old = torch.tensor([[-1.0, -0.5]]), torch.tensor([[-1.3, -0.5]])
+    tensors = {"completion_mask": torch.ones(1, 2, dtype=torch.bool), "policy_logprobs": policy, "old_logprobs": old}
+    meta = {"generation_slice": 1, "gradient_accumulation_steps": accumulation}
+    write_trace(tmp_path / "r", "grpo", [(0, 0, tensors, meta)])
+    assert bool(found(run_checks(tmp_path / "r"), "identity.first_step")) == fresh
+
+
 # -- advantages -------------------------------------------------------------------------------------
 
 def grpo_rows(rewards, advantages, **extra):
@@ -217,6 +227,11 @@ def test_dpo_recompute(tmp_path):
     write_trace(tmp_path / "r", "dpo", [(0, 0, tensors)], {"beta": 0.1})
     (f,) = found(run_checks(tmp_path / "r"), "recompute.dpo")
     assert (f.severity, f.sequence, f.field) == (ERROR, 0, "dpo_loss") and "recomputed 0.6733" in f.message
+    # the step's scalar loss is the mean of dpo_loss over pairs: 0.6733 for this one pair
+    tensors = {**case9_tensors([0, 0, 1, 1]), "loss": torch.tensor(0.7)}
+    write_trace(tmp_path / "s", "dpo", [(0, 0, tensors)], {"beta": 0.1})
+    (f,) = found(run_checks(tmp_path / "s"), "recompute.dpo")
+    assert (f.severity, f.field) == (ERROR, "loss") and "recorded 0.7, recomputed 0.673" in f.message
 
 
 def test_clip_fractions_compared_with_recorded_metadata(tmp_path):

@@ -4,7 +4,8 @@ nothing is clipped. After an optimizer step the policy has moved, so a ratio of 
 token means ``old_logprobs`` alias the policy.
 
 A step is on fresh rollouts when metadata ``fresh_rollouts`` says so, otherwise when
-``inner_step == 0`` (and, for PPO, ``micro_batch == 0``: each PPO minibatch is an optimizer step).
+``inner_step == 0`` (and, for PPO, ``micro_batch == 0``: each PPO minibatch is an optimizer step; for
+TRL, a ``generation_slice`` consumed before the first optimizer step), see :func:`is_fresh`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ POLICY_DETACHED = "policy_detached"
 
 
 def is_fresh(ctx: StepContext) -> bool:
-    """True when no optimizer step has used this step's rollouts yet."""
+    """True when no optimizer step has used this step's rollouts yet.
+
+    Metadata ``fresh_rollouts`` decides when present. Otherwise inner step 0, and: for PPO the first
+    minibatch (each minibatch is an optimizer step); for TRL, whose generation batch may span several
+    optimizer steps, a ``generation_slice`` within the first ``gradient_accumulation_steps`` slices.
+    """
     declared = ctx.metadata.get("fresh_rollouts")
     if declared is not None:
         return bool(declared)
     if ctx.key.inner_step != 0:
         return False
+    generation_slice = ctx.metadata.get("generation_slice")
+    if generation_slice is not None:
+        accumulation = int(ctx.hyper("gradient_accumulation_steps", 1) or 1)
+        return int(generation_slice) // accumulation == 0
     return ctx.key.micro_batch == 0 or ctx.algorithm != "ppo"
 
 

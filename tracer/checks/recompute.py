@@ -94,9 +94,13 @@ def _group_rules(ctx: StepContext, rows: list[int]):
     if ctx.algorithm == "rloo":
         rules = {"rloo": lambda r, G: formulas.rloo_advantages(r, G)}
         beta = float(ctx.hyper("beta", 0.0) or 0.0)
-        if beta and ctx.has("old_logprobs", "ref_logprobs", "completion_mask"):
-            k1_sum = formulas.masked_sum(formulas.kl_k1(ctx.tensor("old_logprobs"), ctx.tensor("ref_logprobs")),
-                                         ctx.mask(), dim=1)[rows]  # (N,)
+        if beta and ctx.has("ref_logprobs", "completion_mask"):
+            try:
+                old = ctx.old_logprobs()
+            except Skip:
+                return rules
+            # TRL RLOO: rewards - beta * sum over kept tokens of k1(old, ref), before leave-one-out
+            k1_sum = formulas.masked_sum(formulas.kl_k1(old, ctx.tensor("ref_logprobs")), ctx.mask(), dim=1)[rows]  # (N,)
             rules["rloo_kl"] = lambda r, G: formulas.rloo_advantages(r - beta * k1_sum, G)
         return rules
     return {"seed": formulas.group_advantages,
@@ -199,8 +203,8 @@ def check_dpo(ctx: StepContext):
     cp, rp, cr, rr = ctx.require("chosen_policy_logprobs", "rejected_policy_logprobs", "chosen_ref_logprobs",
                                  "rejected_ref_logprobs")
     recorded = [n for n in ("dpo_logits", "dpo_loss", "chosen_rewards", "rejected_rewards") if n in ctx.data]
-    if not recorded:
-        raise Skip("needs at least one of dpo_logits, dpo_loss, chosen_rewards, rejected_rewards to compare")
+    if not recorded and "loss" not in ctx.data:
+        raise Skip("needs at least one of dpo_logits, dpo_loss, chosen_rewards, rejected_rewards, loss to compare")
     beta = float(ctx.hyper("beta"))
     cm, rm = ctx.mask("chosen_mask"), ctx.mask("rejected_mask")
     terms = formulas.dpo_terms(formulas.sequence_logprobs(cp, cm), formulas.sequence_logprobs(rp, rm),
@@ -210,4 +214,7 @@ def check_dpo(ctx: StepContext):
     for name in recorded:
         findings += compare(ctx, "recompute.dpo", name, ctx.tensor(name), terms[name], keep,
                             f"tracer.formulas.dpo_terms (beta {beta:g})", ids_field="chosen_ids")
+    if "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
+        findings += compare(ctx, "recompute.dpo", "loss", ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1),
+                            torch.ones(1, dtype=torch.bool), f"the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
     return findings
