@@ -138,6 +138,7 @@ def test_step_file_appears_only_when_complete(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", spy)
     path = writer.record(0, grpo_tensors())
+    writer.flush()  # the background thread has written the file
     (existed, size, listed), = seen
     assert not existed and listed == []  # the reader saw nothing while the bytes were being written
     assert size == os.path.getsize(path)
@@ -182,18 +183,23 @@ def test_dtype_errors(tmp_path):
 def test_unwritable_directory_drops_steps_and_training_goes_on(tmp_path):
     writer = TraceWriter(tmp_path / "run", "grpo")
     writer.record(0, grpo_tensors())
+    writer.flush()  # step 0 is on disk before the directory goes away
     steps_dir = tmp_path / "run" / STEPS_DIR
     os.rename(steps_dir, tmp_path / "moved")  # works as root too, unlike chmod
     steps_dir.write_text("not a directory")
     with pytest.warns(RuntimeWarning, match=r"dropped a step \(1 so far\)"):
-        assert writer.record(1, grpo_tensors()) is None
+        writer.record(1, grpo_tensors())
+        writer.flush()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         writer.record(2, grpo_tensors())
+        writer.flush()
     writer.close()
     manifest = json.loads((tmp_path / "run" / MANIFEST_NAME).read_text())
     assert manifest["dropped_steps"] == 2 and len(manifest["drop_reasons"]) == 2
     assert manifest["status"] == "finished"
+    moved = Trace(tmp_path / "moved" / "step_00000000.inner_0.mb_0.rank_0.safetensors")
+    assert moved.load_step(moved.steps()[0])["rewards"].tolist() == [1.0, 0.0, 0.5, 0.5]  # not damaged
 
 
 def test_strict_mode_raises_on_write_failure(tmp_path):
@@ -201,8 +207,14 @@ def test_strict_mode_raises_on_write_failure(tmp_path):
     steps_dir = tmp_path / "run" / STEPS_DIR
     steps_dir.rmdir()
     steps_dir.write_text("not a directory")
-    with pytest.raises(TraceError, match="could not write trace step file"):
-        writer.record(0, grpo_tensors())
+    writer.record(0, grpo_tensors())  # staged; the background write fails
+    with pytest.raises(TraceError, match=r"writing .* failed: .*step_00000000"):
+        writer.flush()
+    sync = TraceWriter(tmp_path / "sync", "grpo", strict=True, async_write=False)
+    (tmp_path / "sync" / STEPS_DIR).rmdir()
+    (tmp_path / "sync" / STEPS_DIR).write_text("not a directory")
+    with pytest.raises(TraceError, match=r"writing .* failed"):  # writing inside record raises at once
+        sync.record(0, grpo_tensors())
 
 
 def test_existing_trace_is_not_overwritten(tmp_path):

@@ -13,13 +13,17 @@ partial file.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import platform
+import threading
 import time
 import warnings
+import weakref
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,8 +31,9 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save as safetensors_save
 
+from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import TraceError
-from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, validate_tensors
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, normalise_tensors
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +140,12 @@ def _distributed_rank() -> tuple[int, int]:
 
 
 class TraceWriter:
-    """Writes the steps of one run into a trace directory.
+    """Writes the steps of one run into a trace directory, off the training thread.
+
+    ``record`` validates shapes, stages the tensors (a host copy the loop cannot mutate) and
+    returns; a background thread normalises, serialises and writes them (:mod:`tracer.capture`).
+    ``flush()`` waits for the queue to drain; ``close()`` (or leaving a ``with`` block, or normal
+    interpreter exit) flushes and marks the trace finished.
 
     Args:
         out_dir: the trace directory; created when missing. A directory that already holds a trace
@@ -145,9 +155,14 @@ class TraceWriter:
         config: run configuration (JSON-able dict) kept in the manifest.
         hyperparameters: step metadata written into every step file (``num_generations``, ``beta``,
             ``clip_epsilon_low``... SPEC section 4 keys).
-        strict: when True, a failed write raises TraceError; otherwise the step is dropped, counted,
-            and a warning is issued, and training goes on.
+        strict: when True, a failed write raises TraceError (from the next ``record``, ``flush`` or
+            ``close`` when writing in the background); otherwise the step is dropped, counted in the
+            manifest, a warning is issued, and training goes on.
         keep_source_dtype: store floats in their source dtype instead of float32.
+        sampling: which steps and sequences to write (:class:`tracer.capture.SamplingPolicy`).
+        async_write: write on a background thread (default); False writes inside ``record``.
+        max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
+        when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count).
 
     Raises:
         TraceError: unknown algorithm, or ``out_dir`` already holds a trace.
@@ -162,6 +177,11 @@ class TraceWriter:
         hyperparameters: Mapping[str, Any] | None = None,
         strict: bool = False,
         keep_source_dtype: bool = False,
+        sampling: SamplingPolicy | None = None,
+        async_write: bool = True,
+        max_queue_steps: int = 16,
+        max_queue_bytes: int = 512 * 2**20,
+        when_full: str = "block",
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
@@ -170,10 +190,14 @@ class TraceWriter:
         self.strict = strict
         self.keep_source_dtype = keep_source_dtype
         self.hyperparameters = dict(hyperparameters or {})
+        self.sampling = sampling or SamplingPolicy()
         self.rank, self.world_size = _distributed_rank()
         self.steps_written = 0
         self.dropped_steps = 0
+        self.skipped_steps = 0  # not selected by the sampling policy (not an error)
         self.drop_reasons: list[str] = []
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
         self._closed = False
         if self.rank == 0:
             refuse_existing_trace(self.root)
@@ -188,6 +212,9 @@ class TraceWriter:
             "world_size": self.world_size,
             "hyperparameters": self.hyperparameters,
             "config": dict(config or {}),
+            "sampling": dataclasses.asdict(self.sampling),
+            "capture": {"async_write": async_write, "max_queue_steps": max_queue_steps,
+                        "max_queue_bytes": max_queue_bytes, "when_full": when_full},
             "status": "running",
         }
         if tokenizer is not None:
@@ -195,6 +222,12 @@ class TraceWriter:
             if self.rank == 0:
                 write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
         self._write_manifest()
+        self._pool = PinnedPool()
+        self._background = BackgroundWriter(
+            self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
+            max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
+            self._pool) if async_write else None
+        _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
 
@@ -207,33 +240,99 @@ class TraceWriter:
         metadata: Mapping[str, Any] | None = None,
         **named_tensors: torch.Tensor,
     ) -> Path | None:
-        """Validate and write one step file; returns its path, or None when the write was dropped.
+        """Validate and stage one step; returns the path its file will have, or None when the step
+        is not written (not sampled, or dropped because the queue was full).
 
         Both call styles work: ``record(3, {"policy_logprobs": lp, ...})`` and
-        ``record(step=3, inner_step=1, policy_logprobs=lp, ...)``.
+        ``record(step=3, inner_step=1, policy_logprobs=lp, ...)``. Tensors may be on any device,
+        of any float dtype, with bool or 0/1 masks; they are copied, so the loop may reuse them.
 
         Args:
             step: optimizer step (≥ 0).
-            tensors: canonical fields (SPEC section 4) and any extra tensors, on any device.
+            tensors: canonical fields (SPEC section 4) and any extra tensors.
             inner_step: PPO epoch / GRPO iteration, 0 on fresh rollouts.
             micro_batch: micro-batch index within the step.
-            metadata: extra step metadata; overrides the writer's hyperparameters key by key.
+            metadata: extra step metadata (JSON-able); overrides the writer's hyperparameters.
             **named_tensors: more tensors by keyword (merged with ``tensors``).
 
         Raises:
-            SchemaError: a tensor disagrees with the schema (raised whatever ``strict`` says: it is
-                the caller's mistake, not a disk failure).
-            TraceError: in strict mode, when the file cannot be written.
+            SchemaError: a tensor disagrees with the schema, or metadata is not JSON (the caller's
+                mistake: raised whatever ``strict`` says).
+            TraceError: the writer is closed; in strict mode, an earlier write failed.
         """
+        self._raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
         tensors = {**dict(tensors or {}), **named_tensors}
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
+        check_tensors(tensors, self.algorithm)
+        sampled = self.sampling.sampled(step)
+        if not sampled and not self.sampling.anomaly_ring:
+            self.skipped_steps += 1
+            return None
+        header = self._header(step, inner_step, micro_batch, metadata, tensors)
+        encode_metadata(header)  # a non-JSON metadata value raises here, on the caller's thread
+        if self.sampling.first_k_sequences is not None:
+            tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
+        staged, event, pinned, nbytes = stage(tensors, self._pool)
+        item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
+        path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
+        if self._background is None:
+            item.wait()
+            try:
+                self._normalise_staged(item)
+            except Exception as err:
+                self._on_normalise_error(item, err)
+                self._raise_pending()
+                return None
+            self._write_staged(item, None)
+            self._raise_pending()
+            return path if path.exists() else None
+        if not sampled:
+            self.skipped_steps += 1  # unless an anomaly brings it out of the ring
+        return path if self._background.put(item) and sampled else None
+
+    def flush(self) -> None:
+        """Wait until every recorded step is on disk (or dropped). Raises TraceError in strict mode
+        when a write failed."""
+        if self._background is not None:
+            self._background.flush()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Flush, stop the writer thread and mark the trace finished in the manifest (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN_WRITERS.discard(self)
+        if self._background is not None:
+            self._background.stop()
+        self._manifest["status"] = "finished"
+        self._write_manifest()
+        self._raise_pending()
+
+    def count_drop(self, reason: str) -> None:
+        """Count a step lost outside the writer (e.g. an integration failed to capture it)."""
+        self._count_drop(reason, warn=False)
+
+    @property
+    def peak_queued_bytes(self) -> int:
+        """Most bytes the background queue held at once (0 when writing synchronously)."""
+        return self._background.peak_bytes if self._background is not None else 0
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- private: training thread -------------------------------------------------------------
+
+    def _header(self, step, inner_step, micro_batch, metadata, tensors) -> dict[str, Any]:
         source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
-                                if isinstance(t, torch.Tensor) and t.is_floating_point()})
-        clean = _unshare(validate_tensors(tensors, self.algorithm, keep_source_dtype=self.keep_source_dtype))
-        header = {
+                                if t.is_floating_point()})
+        return {
             **self.hyperparameters,
             **dict(metadata or {}),
             "schema_version": SCHEMA_VERSION,
@@ -244,73 +343,98 @@ class TraceWriter:
             "rank": self.rank,
             "world_size": self.world_size,
             "source_dtype": ",".join(source_dtypes),
-            "content_sha256": content_sha256(clean),
         }
-        path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
-        encoded = encode_metadata(header)  # a non-JSON metadata value is the caller's mistake: raise
+
+    def _raise_pending(self) -> None:
+        if self._error is not None and self.strict:
+            err, self._error = self._error, None
+            raise TraceError(f"tracer: writing {self.root} failed: {err}") from err
+
+    # -- private: writer thread ---------------------------------------------------------------
+
+    def _normalise_staged(self, item: StagedStep) -> None:
+        item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
+        nonfinite = [n for n, t in item.tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if nonfinite:
+            item.metadata["nonfinite_fields"] = nonfinite
+        item.metadata["content_sha256"] = content_sha256(item.tensors)
+
+    def _on_normalise_error(self, item: StagedStep, err: Exception) -> None:
+        self._fail(f"step {item.step}: {type(err).__name__}: {err}", err)
+
+    def _write_staged(self, item: StagedStep, anomaly: str | None) -> None:
+        if anomaly is not None:
+            item.metadata["anomaly"] = anomaly
+        path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
         try:
-            payload = safetensors_save(clean, metadata=encoded)
-            self._write_bytes_atomic(path, payload)
+            payload = safetensors_save(item.tensors, metadata=encode_metadata(item.metadata))
+            _write_bytes_atomic(path, payload)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
-            return self._drop(path, err)
-        self.steps_written += 1
-        return path
-
-    def close(self) -> None:
-        """Mark the trace finished in the manifest (idempotent)."""
-        if self._closed:
+            self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return
-        self._closed = True
-        self._manifest["status"] = "finished"
-        self._write_manifest()
+        with self._lock:
+            self.steps_written += 1
+            if not item.sampled:
+                self.skipped_steps -= 1
 
-    def __enter__(self) -> "TraceWriter":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- private ------------------------------------------------------------------------------
-
-    def _write_bytes_atomic(self, path: Path, payload: bytes) -> None:
-        tmp = path.with_name(path.name + ".partial")
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-
-    def _drop(self, path: Path, err: Exception) -> None:
-        reason = f"{path.name}: {type(err).__name__}: {err}"
+    def _fail(self, reason: str, err: Exception) -> None:
         if self.strict:
-            raise TraceError(f"could not write trace step file {path}: {err}") from err
-        self.dropped_steps += 1
-        if len(self.drop_reasons) < 20:
-            self.drop_reasons.append(reason)
-        warnings.warn(
-            f"tracer: dropped a step ({self.dropped_steps} so far) because the file could not be "
-            f"written: {reason}. Training continues; pass strict=True to raise instead.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+            self._error = self._error or err
+            return
+        self._count_drop(reason)
+
+    def _count_drop(self, reason: str, warn: bool = True) -> None:
+        with self._lock:
+            self.dropped_steps += 1
+            if len(self.drop_reasons) < 20:
+                self.drop_reasons.append(reason)
+            dropped = self.dropped_steps
+        if warn:
+            warnings.warn(
+                f"tracer: dropped a step ({dropped} so far): {reason}. "
+                "Training continues; pass strict=True to raise instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         try:
             self._write_manifest()
         except OSError:
             pass
-        return None
 
     def _write_manifest(self) -> None:
         if self.rank != 0:
             return
-        self._manifest["steps_written"] = self.steps_written
-        self._manifest["dropped_steps"] = self.dropped_steps
-        self._manifest["drop_reasons"] = self.drop_reasons
+        with self._lock:
+            self._manifest.update(steps_written=self.steps_written, dropped_steps=self.dropped_steps,
+                                  skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons))
+            try:
+                write_json_atomic(self.root / MANIFEST_NAME, self._manifest)
+            except OSError as err:
+                if self.strict:
+                    raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
+                log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
+
+
+def _write_bytes_atomic(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as fh:
+        fh.write(payload)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+_OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    """On normal interpreter exit, flush and close writers the program left open."""
+    for writer in list(_OPEN_WRITERS):
         try:
-            write_json_atomic(self.root / MANIFEST_NAME, self._manifest)
-        except OSError as err:
-            if self.strict:
-                raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
-            log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
+            writer.close()
+        except Exception as err:  # never turn a clean exit into a crash
+            log.warning("tracer: closing %s at exit failed: %s", writer.root, err)
 
 
 Tracer = TraceWriter

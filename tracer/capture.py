@@ -1,0 +1,284 @@
+"""Capture off the critical path: stage tensors on the training thread, write them on a background
+thread (the recipe of PyTorch's async checkpointing: stage, then serialise and write elsewhere).
+
+Staging:
+    * CPU tensors are copied (``clone``): the loop may mutate them in place right after ``record``.
+    * CUDA tensors are copied into reusable pinned host buffers on a side stream; a CUDA event is
+      recorded after the copies and the writer thread waits on it before touching the data. The
+      source tensor is marked with ``record_stream`` so the allocator cannot reuse its memory while
+      the copy is in flight. No non-blocking copy is ever read without that synchronisation.
+
+The queue is bounded by steps and by bytes. When it is full, ``when_full="block"`` makes the training
+thread wait for room (no data lost), ``when_full="drop"`` drops the step and counts it.
+
+Sampling (:class:`SamplingPolicy`): every N steps, the first K sequences of a step, and an anomaly
+ring that keeps the last N unsampled steps in memory and writes them when a step shows NaN/Inf or a
+KL spike, so the steps before a blow-up reach the disk.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tracer import formulas
+from tracer.schema import FIELDS
+
+
+@dataclass(frozen=True)
+class SamplingPolicy:
+    """Which steps and sequences reach the disk.
+
+    Attributes:
+        every_n_steps: write steps whose ``step % every_n_steps == 0`` (1 = every step).
+        first_k_sequences: keep only the first K rows of every ``[B, ...]`` field (None = all).
+        anomaly_ring: hold the last N unsampled steps in memory; write them when a step shows
+            NaN/Inf in a float field or a KL spike (0 = off).
+        kl_spike: a step whose masked mean ``ref_kl_k3`` or ``approx_kl_k2`` exceeds this (nats) is
+            an anomaly (None = only NaN/Inf count).
+    """
+
+    every_n_steps: int = 1
+    first_k_sequences: int | None = None
+    anomaly_ring: int = 0
+    kl_spike: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.first_k_sequences is not None and self.first_k_sequences < 1:
+            raise ValueError(f"first_k_sequences must be >= 1 or None, got {self.first_k_sequences}")
+        if self.anomaly_ring < 0:
+            raise ValueError(f"anomaly_ring must be >= 0, got {self.anomaly_ring}")
+
+    def sampled(self, step: int) -> bool:
+        return step % self.every_n_steps == 0
+
+
+@dataclass
+class StagedStep:
+    """One step's tensors, staged on the host, waiting for the writer thread."""
+
+    step: int
+    inner_step: int
+    micro_batch: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+    nbytes: int
+    sampled: bool = True  # False: only kept in the anomaly ring
+    event: Any = None  # torch.cuda.Event to wait on before reading the tensors
+    pinned: list[torch.Tensor] = field(default_factory=list)  # buffers to hand back to the pool
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str | None) -> dict[str, torch.Tensor]:
+    """Keep the first ``k`` rows of every field whose first dim is B (other tensors as they are)."""
+    out = {}
+    for name, t in tensors.items():
+        spec = FIELDS.get(name)
+        dims = spec.dims_for(algorithm) if spec else ()
+        out[name] = t[:k] if dims[:1] == ("B",) else t
+    return out
+
+
+class PinnedPool:
+    """Reusable pinned host buffers keyed by (shape, dtype); at most ``per_key`` idle buffers each."""
+
+    def __init__(self, per_key: int = 4) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+        self._per_key = per_key
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def give(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            for buf in buffers:
+                free = self._free[(tuple(buf.shape), buf.dtype)]
+                if len(free) < self._per_key:
+                    free.append(buf)
+
+
+def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None) -> tuple[dict, Any, list, int]:
+    """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, pinned, nbytes).
+
+    CPU tensors are cloned (contiguous). CUDA tensors go to pinned buffers through a side stream;
+    ``event`` must be waited on before the staged tensors are read.
+    """
+    staged, pinned, nbytes = {}, [], 0
+    cuda = [(n, t) for n, t in tensors.items() if t.is_cuda]
+    for name, t in tensors.items():
+        if not t.is_cuda:
+            staged[name] = t.detach().clone(memory_format=torch.contiguous_format)
+            nbytes += t.numel() * t.element_size()
+    event = None
+    if cuda:
+        pool = pool or PinnedPool()
+        device = cuda[0][1].device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the values are final when the copy starts
+        with torch.cuda.stream(side):
+            for name, t in cuda:
+                src = t.detach().contiguous()
+                buf = pool.take(src.shape, src.dtype)
+                buf.copy_(src, non_blocking=True)
+                src.record_stream(side)
+                staged[name], nbytes = buf, nbytes + buf.numel() * buf.element_size()
+                pinned.append(buf)
+            event = torch.cuda.Event()
+            event.record(side)
+    return staged, event, pinned, nbytes
+
+
+def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None) -> str | None:
+    """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None."""
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        return f"non-finite values in {bad}"
+    mask = tensors.get("completion_mask")
+    if kl_spike is not None and mask is not None:
+        for name in ("ref_kl_k3", "approx_kl_k2"):
+            if name in tensors:
+                value = float(formulas.masked_mean(tensors[name], mask))
+                if value > kl_spike or math.isnan(value):
+                    return f"{name} masked mean {value:.4g} > kl_spike {kl_spike:g}"
+    return None
+
+
+class BackgroundWriter:
+    """A bounded queue of :class:`StagedStep` drained by one daemon thread calling ``write_fn``.
+
+    Args:
+        write_fn: called on the writer thread with each step to write and a reason string (None,
+            or why an anomaly forced it out); it handles its own I/O errors.
+        normalise: turns a staged step's tensors into the tensors to write (writer thread).
+        on_error: called when ``normalise`` raises; the step is not written.
+        max_steps, max_bytes: the bound: at most ``max_steps`` steps wait in the queue, and the
+            bytes held (queued steps + the step being written) stay <= ``max_bytes``; a step larger
+            than ``max_bytes`` is still accepted when nothing else is queued. The anomaly ring holds
+            its N steps on top of this.
+        when_full: ``"block"`` or ``"drop"``.
+        on_drop: called with a reason when a step is dropped because the queue is full.
+        ring: the anomaly ring's size (0 = off); ``kl_spike`` as in :class:`SamplingPolicy`.
+    """
+
+    def __init__(self, write_fn: Callable[[StagedStep, str | None], None], normalise: Callable[[StagedStep], None],
+                 on_error: Callable[[StagedStep, Exception], None], on_drop: Callable[[str], None],
+                 max_steps: int, max_bytes: int, when_full: str = "block",
+                 ring: int = 0, kl_spike: float | None = None, pool: PinnedPool | None = None) -> None:
+        if when_full not in ("block", "drop"):
+            raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
+        self._write_fn, self._normalise, self._on_drop, self._on_error = write_fn, normalise, on_drop, on_error
+        self.max_steps, self.max_bytes, self.when_full = max(1, max_steps), max(1, max_bytes), when_full
+        self._ring: collections.deque[StagedStep] = collections.deque(maxlen=ring)
+        self._kl_spike = kl_spike
+        self._pool = pool
+        self._queue: collections.deque[StagedStep | None] = collections.deque()
+        self._bytes = 0
+        self.peak_bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tracer-writer", daemon=True)
+        self._thread.start()
+
+    # -- training thread ----------------------------------------------------------------------
+
+    def put(self, item: StagedStep) -> bool:
+        """Enqueue; False when the step was dropped because the queue was full (``drop`` policy)."""
+        with self._cond:
+            while self._full(item.nbytes):
+                if self.when_full == "drop":
+                    self._on_drop(f"step {item.step}: queue full ({len(self._queue)} steps, "
+                                  f"{self._bytes} bytes; bounds {self.max_steps} steps, {self.max_bytes} bytes)")
+                    self._release(item)
+                    return False
+                self._cond.wait()
+            self._queue.append(item)
+            self._bytes += item.nbytes
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+            self._cond.notify_all()
+        return True
+
+    def flush(self) -> None:
+        """Block until every queued step has been written (or dropped)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def stop(self) -> None:
+        """Flush, then end the thread."""
+        with self._cond:
+            self._queue.append(None)
+            self._cond.notify_all()
+        self._thread.join()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def _full(self, nbytes: int) -> bool:
+        if not self._queue:  # one step alone always fits, however large (no deadlock)
+            return False
+        return len(self._queue) >= self.max_steps or self._bytes + nbytes > self.max_bytes
+
+    # -- writer thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                item = self._queue.popleft()
+                self._busy = item is not None
+            if item is None:
+                return
+            try:
+                self._handle(item)
+            finally:
+                with self._cond:
+                    self._bytes -= item.nbytes
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _handle(self, item: StagedStep) -> None:
+        item.wait()
+        try:
+            self._normalise(item)
+        except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5)
+            self._on_error(item, err)
+            self._release(item)
+            return
+        reason = anomaly_reason(item.tensors, self._kl_spike) if self._ring.maxlen else None
+        if reason is not None:
+            while self._ring:
+                before = self._ring.popleft()
+                self._write_fn(before, f"before anomaly at step {item.step}: {reason}")
+                self._release(before)
+            self._write_fn(item, reason)
+        elif item.sampled:
+            self._write_fn(item, None)
+        else:  # held in memory; its buffers are released when it leaves the ring
+            if len(self._ring) == self._ring.maxlen:
+                self._release(self._ring.popleft())
+            self._ring.append(item)
+            return
+        self._release(item)
+
+    def _release(self, item: StagedStep) -> None:
+        if item.pinned and self._pool is not None:
+            self._pool.give(item.pinned)
+            item.pinned = []
