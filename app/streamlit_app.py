@@ -15,6 +15,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the repository root
     sys.path.insert(0, str(_REPO))
 
+from app.components import trace_cache  # noqa: E402
+from app.components.navigation import DEFAULT_PAGE, hidden_pages_note, pages_for  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 
 st.set_page_config(page_title="tracer", layout="wide")
@@ -27,9 +29,10 @@ if selection is None:
     st.stop()
 store_selection(selection)
 
-page = st.navigation([
-    st.Page("app_pages/tokens.py", title="Tokens", icon=":material/table_rows:", default=True),
-    st.Page("app_pages/steps.py", title="Steps", icon=":material/show_chart:"),
-    st.Page("app_pages/overview.py", title="Overview", icon=":material/info:"),
-])
+algorithm = trace_cache.open_trace(str(selection.trace_path)).algorithm
+page = st.navigation([st.Page(spec.path, title=spec.title, icon=spec.icon, default=spec.path == DEFAULT_PAGE)
+                      for spec in pages_for(algorithm)])
+note = hidden_pages_note(algorithm)
+if note:
+    st.sidebar.text(note)
 page.run()

@@ -23,7 +23,13 @@ table = trace_cache.token_table(str(selection.trace_path), str(key.path), select
                                 trace_cache.mtime_ns(key.path))
 st.text(f"{key.label} · sequence {selection.sequence} · {key.path.name}")
 if table.empty:
-    st.info("This step file has neither prompt_ids nor completion_ids (a DPO trace?): no tokens to show.")
+    fields = trace_cache.step_fields(str(selection.trace_path), str(key.path), trace_cache.mtime_ns(key.path))
+    if "chosen_ids" in fields:
+        st.info("A DPO step holds chosen / rejected pairs rather than completions: the pair view shows their "
+                "tokens side by side with policy and reference logprobs.")
+        st.page_link("app_pages/dpo.py", label="Open the DPO pairs page", icon=":material/compare_arrows:")
+    else:
+        st.info("This step file has neither prompt_ids nor completion_ids: no tokens to show.")
     st.stop()
 
 if "section" in table and (table["section"] == "prompt").any():

@@ -44,7 +44,7 @@ def masked_runs(positions: list[int], kept: list[bool]) -> list[tuple[int, int]]
     return runs
 
 
-def _empty_figure(message: str) -> go.Figure:
+def empty_figure(message: str) -> go.Figure:
     fig = go.Figure()
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     fig.update_xaxes(visible=False)
@@ -68,7 +68,7 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     panels = [(title, [c for c in cols if c in rows and rows[c].notna().any()]) for title, cols in TOKEN_PANELS]
     panels = [(title, cols) for title, cols in panels if cols]
     if rows.empty or not panels:
-        return _empty_figure("no per-token values in this sequence")
+        return empty_figure("no per-token values in this sequence")
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[title for title, _ in panels])
     positions = rows["position"].tolist()
@@ -91,15 +91,23 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
 
 def _shade_masked(fig: go.Figure, rows: pd.DataFrame, positions: list[int], n_panels: int) -> None:
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(positions)
+    shade_masked(fig, positions, kept)
+
+
+def shade_masked(fig: go.Figure, positions: list[int], kept: list[bool], row: int | str = "all") -> None:
+    """Shade the positions that do not enter the loss on subplot ``row`` (every row by default):
+    one grey rectangle per contiguous run, or one ``masked`` marker trace past
+    :data:`MAX_SHADED_RUNS` runs. ``fig`` must come from ``make_subplots``."""
     runs = masked_runs(positions, kept)
     if len(runs) > MAX_SHADED_RUNS:
         masked_x = [p for p, k in zip(positions, kept) if not k]
         fig.add_trace(go.Scatter(x=masked_x, y=[0] * len(masked_x), mode="markers", name="masked",
-                                 marker={"symbol": "x", "color": "grey", "size": 5}), row=1, col=1)
+                                 marker={"symbol": "x", "color": "grey", "size": 5}),
+                      row=1 if row == "all" else row, col=1)
         return
     for first, last in runs:
         fig.add_vrect(x0=first - 0.5, x1=last + 0.5, fillcolor=MASK_FILL, line_width=0, layer="below",
-                      row="all", col=1)
+                      row=row, col=1)
 
 
 def step_curves_figure(summary: pd.DataFrame) -> go.Figure:
@@ -111,10 +119,10 @@ def step_curves_figure(summary: pd.DataFrame) -> go.Figure:
     is absent or all NaN are left out.
     """
     if summary.empty or "step" not in summary:
-        return _empty_figure("no steps in this trace yet")
+        return empty_figure("no steps in this trace yet")
     panels = [(col, title) for col, title in STEP_PANELS if col in summary and summary[col].notna().any()]
     if not panels:
-        return _empty_figure("the steps record none of ratio, ref_kl_k3, rewards, clip fraction")
+        return empty_figure("the steps record none of ratio, ref_kl_k3, rewards, clip fraction")
     ncols = 2 if len(panels) > 1 else 1
     nrows = (len(panels) + ncols - 1) // ncols
     fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=0.12,

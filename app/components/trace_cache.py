@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from tracer import views
 from tracer.reader import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
@@ -91,7 +92,85 @@ def step_summary(trace_path: str, step_files: tuple[str, ...]) -> pd.DataFrame:
     return open_trace(trace_path).step_summary()
 
 
+def step_files(trace: Trace) -> tuple[str, ...]:
+    """The names of the trace's step files: the cache key of whole-trace tables."""
+    return tuple(k.path.name for k in trace.steps())
+
+
+# -- algorithm views (tracer.views) ------------------------------------------------------------------
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def rollout_rows(trace_path: str, step: int, inner_step: int, files: tuple[str, ...]) -> list[views.RolloutRow]:
+    """``views.rollout_rows``: where each rollout row of a PPO step and epoch lies."""
+    return views.rollout_rows(open_trace(trace_path), step, inner_step)
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def ppo_minibatch_table(trace_path: str, step: int, files: tuple[str, ...]) -> pd.DataFrame:
+    """``views.ppo_minibatch_table``: epochs x minibatches of one PPO step."""
+    return views.ppo_minibatch_table(open_trace(trace_path), step)
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def ppo_early_stops(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
+    """``views.ppo_early_stops``: one row per PPO step (headers only)."""
+    return views.ppo_early_stops(open_trace(trace_path))
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def group_frame(trace_path: str, step_path: str, mtime: int) -> pd.DataFrame:
+    """``views.group_frame``: one row per group of one step file."""
+    trace = open_trace(trace_path)
+    return views.group_frame(trace, step_key(trace, step_path))
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def group_completions(trace_path: str, step_path: str, group: int, mtime: int) -> pd.DataFrame:
+    """``views.group_completions``: the completions of one group."""
+    trace = open_trace(trace_path)
+    return views.group_completions(trace, step_key(trace, step_path), group)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def prompt_text(trace_path: str, step_path: str, sequence: int, mtime: int) -> str:
+    """``views.group_prompt_text``: the prompt of one row as text."""
+    trace = open_trace(trace_path)
+    return views.group_prompt_text(trace, step_key(trace, step_path), sequence)
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def zero_variance_shares(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
+    """``views.zero_variance_shares``: share of zero-variance groups per step."""
+    return views.zero_variance_shares(open_trace(trace_path))
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def dpo_pair_tokens(trace_path: str, step_path: str, pair: int, mtime: int) -> pd.DataFrame:
+    """``views.dpo_pair_tokens``: one DPO pair, token by token."""
+    trace = open_trace(trace_path)
+    return views.dpo_pair_tokens(trace, step_key(trace, step_path), pair)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def dpo_pair_terms(trace_path: str, step_path: str, pair: int, mtime: int) -> pd.DataFrame:
+    """``views.dpo_pair_terms``: sums and DPO terms of one pair, recorded and recomputed."""
+    trace = open_trace(trace_path)
+    return views.dpo_pair_terms(trace, step_key(trace, step_path), pair)
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
+    """``views.dpo_step_summary``: margin and preference accuracy per step."""
+    return views.dpo_step_summary(open_trace(trace_path))
+
+
+_CACHED = (open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
+           ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
+           zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary)
+
+
 def clear_caches() -> None:
     """Forget every cached trace and table (new steps, a finished manifest, new token strings)."""
-    for cached in (open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary):
+    for cached in _CACHED:
         cached.clear()

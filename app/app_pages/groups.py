@@ -1,0 +1,61 @@
+"""Groups (GRPO / CISPO / RLOO): the G completions of one prompt side by side with reward, reward
+components, group mean / std and advantage; zero-variance groups marked; their share over steps."""
+
+import streamlit as st
+
+from app.components import trace_cache
+from app.components.groups import group_label, group_rewards_figure, style_group_table, zero_variance_figure
+from app.components.sidebar import current_selection
+from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
+
+selection = current_selection()
+trace = trace_cache.open_trace(str(selection.trace_path))
+st.title("Groups")
+if trace.algorithm is not None and trace.algorithm not in GROUPED_ALGORITHMS:
+    st.info("This page shows group-based runs (GRPO, CISPO, RLOO: G completions per prompt); the chosen "
+            "run is not one. Its own view is in the navigation.")
+    st.stop()
+if selection.key is None:
+    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
+    st.stop()
+
+trace_path, key = str(selection.trace_path), selection.key
+step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
+if "rewards" not in trace_cache.step_fields(trace_path, step_path, mtime):
+    st.info("This step file has no rewards field: a group view needs rewards [B].")
+    st.stop()
+groups = trace_cache.group_frame(trace_path, step_path, mtime)
+estimator = group_std_estimator(trace_cache.step_metadata(trace_path, step_path, mtime))
+zero = int(groups["zero_variance"].sum())
+st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance · group std: {estimator} "
+        f"({'Bessel-corrected, as TRL' if estimator == 'unbiased' else 'unbiased=False, as the seed'})")
+if zero:
+    st.warning(f"{zero} of {len(groups)} groups have zero reward variance: every completion got the same "
+               "reward, every advantage is 0, and the group adds no policy gradient.", icon=":material/warning:")
+
+labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
+group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
+completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
+st.header(f"Group {group}: {len(completions)} completions")
+prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)
+if prompt:
+    st.subheader("Prompt")
+    st.code(prompt, language=None, wrap_lines=True)
+if bool(completions["zero_variance"].iloc[0]):
+    st.warning("Zero-variance group: all rewards are equal, so every advantage is 0.", icon=":material/block:")
+st.dataframe(style_group_table(completions), hide_index=True, width="stretch", column_config={
+    "completion_text": st.column_config.TextColumn("completion", help="token strings shown literally; padding "
+                                                   "and positions after EOS left out", width="large"),
+    "advantage": st.column_config.NumberColumn("advantage", help="as recorded by the trainer")})
+st.plotly_chart(group_rewards_figure(completions), width="stretch")
+st.caption("Bars: reward of each completion; dashed line: group mean, band: ± one group std; diamonds: "
+           "recorded advantage (right axis). Pick a row in the sidebar's Sequence to read its tokens.")
+
+with st.expander(f"All {len(groups)} groups of this step file"):
+    st.dataframe(style_group_table(groups), hide_index=True, width="stretch")
+
+st.header("Share of zero-variance groups over steps")
+shares = trace_cache.zero_variance_shares(trace_path, trace_cache.step_files(trace))
+st.plotly_chart(zero_variance_figure(shares), width="stretch")
+with st.expander("Per-step table"):
+    st.dataframe(shares, hide_index=True, width="stretch")

@@ -1,0 +1,103 @@
+"""Pure builders of the DPO page: the pair table with each side's masked cells greyed, the text of a
+side, the per-position logprobs of both sides, and margin / preference accuracy over steps.
+No Streamlit and no RL maths: the numbers come from ``tracer.views``."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from pandas.io.formats.style import Styler
+from plotly.subplots import make_subplots
+
+from app.components.figures import empty_figure, shade_masked
+from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR
+from tracer.reader import MASKED
+
+SIDES = ("chosen", "rejected")
+MASKED_CELL = f"background-color: {MASK_BACKGROUND[MASKED]}; color: {MASKED_TEXT_COLOUR}"
+# Panels of the per-step figure: (summary column, title, y-axis format).
+DPO_STEP_PANELS = (("margin", "margin (chosen_rewards − rejected_rewards)", None),
+                   ("preference_accuracy", "preference accuracy", ".0%"),
+                   ("mean_dpo_loss", "mean dpo_loss", None))
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+
+
+def _kept(value: object) -> bool:
+    """True only for a true mask value (a NaN-padded slot of the shorter side is not kept)."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
+
+
+def style_pair_table(frame: pd.DataFrame) -> Styler:
+    """``views.dpo_pair_tokens`` with each side's cells greyed where that side's mask drops the
+    position (``chosen_kept`` / ``rejected_kept`` False); floats to 4 significant digits."""
+    def side_styles(col: pd.Series) -> list[str]:
+        side = next((s for s in SIDES if col.name.startswith(f"{s}_")), None)
+        if side is None or f"{side}_kept" not in frame:
+            return [""] * len(col)
+        return ["" if _kept(k) else MASKED_CELL for k in frame[f"{side}_kept"]]
+
+    floats = [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]
+    return frame.style.apply(side_styles, axis=0).format("{:.4g}", subset=floats, na_rep="")
+
+
+def side_text(pair_tokens: pd.DataFrame, side: str) -> str:
+    """The kept tokens of one side (``chosen`` or ``rejected``) concatenated: what the loss sums over."""
+    texts, kept = pair_tokens.get(f"{side}_token_text"), pair_tokens.get(f"{side}_kept")
+    if texts is None:
+        return ""
+    return "".join(str(t) for t, k in zip(texts, kept if kept is not None else [True] * len(texts)) if _kept(k))
+
+
+def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
+    """Policy and reference logprobs of each side against position, one panel per side, each
+    side's masked positions shaded grey in its own panel.
+
+    Args:
+        pair_tokens: ``views.dpo_pair_tokens`` of one pair.
+    """
+    sides = [s for s in SIDES if f"{s}_policy_logprobs" in pair_tokens or f"{s}_ref_logprobs" in pair_tokens]
+    if pair_tokens.empty or not sides:
+        return empty_figure("no chosen / rejected logprobs in this pair")
+    fig = make_subplots(rows=len(sides), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=[f"{s} (nats)" for s in sides])
+    positions = pair_tokens["position"].tolist()
+    for i, side in enumerate(sides, start=1):
+        texts = [html.escape(str(t)) for t in pair_tokens.get(f"{side}_token_text", [""] * len(positions))]
+        for model, dash in (("policy", "solid"), ("ref", "dot")):
+            col = f"{side}_{model}_logprobs"
+            if col not in pair_tokens:
+                continue
+            fig.add_trace(go.Scatter(
+                x=positions, y=pair_tokens[col].tolist(), mode="lines+markers", name=col, customdata=texts,
+                line={"dash": dash}, marker={"size": 5},
+                hovertemplate=f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata}}<extra></extra>"),
+                row=i, col=1)
+        kept = pair_tokens[f"{side}_kept"].tolist() if f"{side}_kept" in pair_tokens else [True] * len(positions)
+        shade_masked(fig, positions, [_kept(k) for k in kept], row=i)
+    fig.update_xaxes(title_text="position", row=len(sides), col=1)
+    fig.update_layout(height=250 * len(sides) + 80, margin={"t": 40, "b": 40}, legend={"orientation": "h", "y": -0.15})
+    return fig
+
+
+def dpo_curves_figure(summary: pd.DataFrame) -> go.Figure:
+    """Margin, preference accuracy and mean loss against step (``views.dpo_step_summary``), one
+    line per inner step; panels whose column is absent or all NaN are left out."""
+    panels = [p for p in DPO_STEP_PANELS if p[0] in summary and summary[p[0]].notna().any()]
+    if summary.empty or not panels:
+        return empty_figure("no step with chosen_rewards and rejected_rewards yet")
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[title for _, title, _ in panels])
+    for n, (inner_step, part) in enumerate(summary.groupby("inner_step")):
+        for i, (col, title, fmt) in enumerate(panels, start=1):
+            fig.add_trace(go.Scatter(
+                x=part["step"], y=part[col], mode="lines+markers", name=f"inner step {inner_step}",
+                legendgroup=str(inner_step), showlegend=i == 1, line={"color": _PALETTE[n % len(_PALETTE)]},
+                customdata=part["pairs"], hovertemplate=f"{col}=%{{y:.4g}}<br>step %{{x}} · %{{customdata}} pairs<extra></extra>"),
+                row=1, col=i)
+            fig.update_xaxes(title_text="step", row=1, col=i)
+            if fmt:
+                fig.update_yaxes(tickformat=fmt, range=[-0.05, 1.05], row=1, col=i)
+    fig.update_layout(height=320, margin={"t": 40, "b": 40})
+    return fig

@@ -1,0 +1,79 @@
+"""Pure builders of the group page (GRPO / CISPO / RLOO): group labels, the completions table with
+zero-variance groups marked, a reward picture of one group, and the zero-variance share over steps.
+No Streamlit and no RL maths: the numbers come from ``tracer.views``."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+from pandas.io.formats.style import Styler
+
+from app.components.figures import empty_figure
+
+ZERO_VARIANCE_BACKGROUND = "#fff3cd"
+ZERO_VARIANCE_MARK = "zero variance"
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+
+def group_label(group: pd.Series) -> str:
+    """Selectbox label of one row of ``views.group_frame``: ``group 1 · 4 rows · mean 1 · zero variance``."""
+    label = f"group {group['group']} · {group['size']} rows · mean {group['reward_mean']:.4g}"
+    return label + f" · {ZERO_VARIANCE_MARK}" if group["zero_variance"] else label
+
+
+def style_group_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
+    """Rows of zero-variance groups on an amber background, floats to 4 significant digits. Works
+    on ``views.group_frame`` and ``views.group_completions`` (both carry ``zero_variance``)."""
+    if "zero_variance" not in frame:
+        return frame
+    styles = frame["zero_variance"].map(lambda z: f"background-color: {ZERO_VARIANCE_BACKGROUND}" if z else "")
+    floats = [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]
+    return frame.style.apply(lambda col: styles, axis=0).format("{:.4g}", subset=floats, na_rep="")
+
+
+def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
+    """The completions of one group side by side: reward bars with the group mean (dashed) and
+    ± one std band, and the recorded advantage of each completion as a marker on a second axis.
+
+    Args:
+        completions: ``views.group_completions`` (``sequence, reward, advantage, group_mean, group_std``).
+    """
+    if completions.empty:
+        return empty_figure("no completions in this group")
+    x = [f"seq {s}" for s in completions["sequence"]]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=x, y=completions["reward"].tolist(), name="reward", marker={"color": "#1f77b4"},
+                         hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=completions["advantage"].tolist(), name="advantage", yaxis="y2",
+                             mode="markers", marker={"size": 11, "symbol": "diamond", "color": "#d62728"},
+                             hovertemplate="%{x}<br>advantage=%{y:.4g}<extra></extra>"))
+    mean, std = float(completions["group_mean"].iloc[0]), float(completions["group_std"].iloc[0])
+    fig.add_hline(y=mean, line_dash="dash", line_color="#444", annotation_text=f"group mean {mean:.4g}")
+    if std == std and std > 0:  # not NaN
+        fig.add_hrect(y0=mean - std, y1=mean + std, fillcolor="rgba(68, 68, 68, 0.1)", line_width=0)
+    fig.update_layout(height=320, margin={"t": 30, "b": 40}, yaxis_title="reward",
+                      yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True},
+                      legend={"orientation": "h", "y": -0.2})
+    return fig
+
+
+def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
+    """Share of zero-variance groups against step, one line per inner step.
+
+    Args:
+        shares: ``views.zero_variance_shares`` (``step, inner_step, groups, zero_variance_groups,
+            zero_variance_share``).
+    """
+    if shares.empty:
+        return empty_figure("no step with rewards and groups yet")
+    fig = go.Figure()
+    for n, (inner_step, part) in enumerate(shares.groupby("inner_step")):
+        fig.add_trace(go.Scatter(
+            x=part["step"], y=part["zero_variance_share"], mode="lines+markers", name=f"inner step {inner_step}",
+            line={"color": _PALETTE[n % len(_PALETTE)]},
+            customdata=list(zip(part["zero_variance_groups"], part["groups"])),
+            hovertemplate=("step %{x}: %{customdata[0]} of %{customdata[1]} groups"
+                           f" (%{{y:.0%}}) · inner step {inner_step}<extra></extra>")))
+    fig.update_layout(height=300, margin={"t": 30, "b": 40}, xaxis_title="step",
+                      yaxis={"title": "share of zero-variance groups", "range": [-0.05, 1.05], "tickformat": ".0%"})
+    return fig
