@@ -7,25 +7,17 @@ trace. Offline: nothing is downloaded (set ``HF_HUB_OFFLINE=1``).
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import random
-import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
-from tracer.demo.tiny_model import build_tiny_model, torch_threads
-
-log = logging.getLogger(__name__)
+from tracer.demo.trl_demo import cpu_config, run_traced, silence_printer
 
 NUM_GENERATIONS = 4
 PROMPTS_PER_STEP = 2
 MAX_COMPLETION_LENGTH = 10
 BETA = 0.04
-# TRL 1.16 reads transformers 5's deprecated `is_gradient_checkpointing` on every step.
-_TRL_NOISE = r"`is_gradient_checkpointing` is deprecated"
 LEARNING_RATE = 1e-3  # large for RL: a 29k-parameter model moves visibly in one step (ratio ~0.3-1.5)
 
 
@@ -66,17 +58,10 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
     ``output_dir`` is TRL's scratch directory: nothing is saved there (no checkpoints, no logs).
     ``config_overrides`` go to ``GRPOConfig`` as they are.
     """
-    from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    config = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        report_to=[],
-        seed=seed,
-        max_steps=steps,
+    fields = dict(
         per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP,
-        gradient_accumulation_steps=1,
         num_generations=NUM_GENERATIONS,
         num_iterations=num_iterations,
         max_completion_length=MAX_COMPLETION_LENGTH,
@@ -84,39 +69,15 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         beta=BETA,
         learning_rate=LEARNING_RATE,
         loss_type="grpo",  # the seed's reduction (sequence mean); TRL 1.16 defaults to "dapo"
-        bf16=False,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=not progress,
-        dataloader_num_workers=0,
     )
-    # TRL defaults to checkpointing on; transformers 5.x renamed the flag to activation_checkpointing.
-    checkpointing = "activation_checkpointing" if "activation_checkpointing" in GRPOConfig.__dataclass_fields__ \
-        else "gradient_checkpointing"
-    config[checkpointing] = False
-    config.update(config_overrides)
+    args = cpu_config(GRPOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
     trainer = GRPOTrainer(
         model=str(model_dir),
         reward_funcs=[correct_answer, brevity],
-        args=GRPOConfig(**config),
+        args=args,
         train_dataset=make_dataset(seed),
     )
-    trainer.remove_callback(PrinterCallback)  # with the progress bar off, nothing is printed
-    return trainer
-
-
-@contextlib.contextmanager
-def _quiet_loading():
-    """Hide transformers' "Loading weights" / "Writing model shards" bars (not the training bar)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
+    return silence_printer(trainer)
 
 
 def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,
@@ -137,21 +98,7 @@ def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, pro
     Returns:
         ``Path(out_dir)``.
     """
-    import tracer
-
-    out = Path(out_dir)
-    with tempfile.TemporaryDirectory(prefix="tracer-grpo-demo-") as scratch, torch_threads(1):
-        with _quiet_loading():
-            model_path = build_tiny_model(model_dir if model_dir is not None else Path(scratch) / "model", seed=seed)
-            trainer = make_trainer(model_path, Path(scratch) / "trl", steps=steps, seed=seed, progress=progress,
-                                   num_iterations=num_iterations)
-        build = {"builder": "tracer.demo.tiny_model.build_tiny_model", "seed": seed,
-                 "path": str(model_path) if model_dir is not None else None,
-                 "reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
-                 "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
-        tracer.attach(trainer, out, config={"model_build": build, "demo": "tracer.demo.grpo_trl.run_grpo_demo"})
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_TRL_NOISE, category=FutureWarning)
-            trainer.train()
-    log.info("GRPO demo trace written to %s", out)
-    return out
+    build = {"reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
+             "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
+    return run_traced(out_dir, make_trainer, build, "tracer.demo.grpo_trl.run_grpo_demo", steps, seed, progress,
+                      model_dir, num_iterations=num_iterations)

@@ -42,40 +42,28 @@ Facts from TRL 1.16's ``grpo_trainer.py`` that shape the trace:
 Ratio and KL terms are computed inside TRL's ``_compute_loss`` and not kept; the hook recomputes
 ``ratio``, ``approx_kl_k2`` and ``ref_kl_k3`` with :mod:`tracer.formulas` in float32.
 
-Tracing never stops training: an exception while capturing is caught, counted in the manifest's
-``dropped_steps`` / ``drop_reasons`` and reported with ``warnings.warn``; pass ``strict=True`` to
-raise :class:`tracer.errors.TraceError` instead.
+Tracing never stops training (:mod:`tracer.integrations.trl_base`). ``trl_rloo.py`` builds the
+RLOO hook on this one: TRL's ``RLOOTrainer`` has the same four methods.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
-from tracer.integrations.trl_metadata import (
-    LOSS_REDUCTION_BY_LOSS_TYPE,
-    algorithm_of,
-    hyperparameters_of,
-    run_config_of,
-    tokenizer_of,
-)
-from tracer.writer import TraceWriter
+from tracer.integrations.trl_base import TrainerTraceHook, require_methods
+from tracer.integrations.trl_metadata import algorithm_of, hyperparameters_of, run_config_of, tokenizer_of
 
-__all__ = ["attach", "GRPOTraceHook", "LOSS_REDUCTION_BY_LOSS_TYPE", "ROW_ID_KEY"]
-
-log = logging.getLogger(__name__)
+__all__ = ["GRPOTraceHook", "ROW_ID_KEY"]
 
 ROW_ID_KEY = "tracer_row_ids"
 _ROW_STRIDE = 1 << 32  # row id = rollout index * _ROW_STRIDE + row within the local generation batch
-_MAX_DROP_REASONS = 20
 
 OLD_FROM_TRL, OLD_IS_POLICY = "trl_old_per_token_logps", "policy_detached"
 _WRAPPED = ("_calculate_rewards", "_generate_and_score_completions",
@@ -93,7 +81,7 @@ class _Rollout:
     global_rows: torch.Tensor  # (B,) int64, row in the all-process generation batch
 
 
-class GRPOTraceHook:
+class GRPOTraceHook(TrainerTraceHook):
     """Records every micro-batch of a TRL ``GRPOTrainer`` into a trace; see the module docstring.
 
     Attributes:
@@ -101,74 +89,34 @@ class GRPOTraceHook:
         capture_failures: exceptions caught while capturing (each also counts as a dropped step).
     """
 
+    trainer_name = "GRPOTrainer"
+
     def __init__(self, trainer: Any, out_dir: str | os.PathLike, strict: bool = False,
                  keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None) -> None:
-        missing = [name for name in _WRAPPED if not callable(getattr(trainer, name, None))]
-        if missing:
-            raise TraceError(
-                f"cannot trace a {type(trainer).__name__}: it lacks {missing}, which tracer wraps on TRL's "
-                "GRPOTrainer (TRL >= 1.0); pass a trl.GRPOTrainer, or record steps with TraceWriter yourself")
-        self.trainer = trainer
-        self.strict = strict
-        self.capture_failures = 0
-        self.writer = TraceWriter(out_dir, algorithm_of(trainer), tokenizer=tokenizer_of(trainer),
-                                  config=run_config_of(trainer, config), hyperparameters=hyperparameters_of(trainer),
-                                  strict=strict, keep_source_dtype=keep_source_dtype)
+        require_methods(trainer, _WRAPPED, self.trainer_name)
+        super().__init__(trainer, out_dir, algorithm_of(trainer), self._hyperparameters(trainer),
+                         run_config_of(trainer, config), tokenizer=tokenizer_of(trainer), strict=strict,
+                         keep_source_dtype=keep_source_dtype)
         self._rollout: _Rollout | None = None
         self._rollouts_seen = 0
         self._rewards_per_func: torch.Tensor | None = None
         self._in_loss = False
         self._policy: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self._loss_calls = 0
-        self._originals: dict[str, Callable] = {}
-        self._install()
-
-    # -- public verbs -------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Finish the trace (manifest status ``finished``); idempotent. Called at train end."""
-        self.writer.close()
-
-    def detach(self) -> None:
-        """Restore the trainer's own methods (the trace stays open until :meth:`close`)."""
-        for name in self._originals:
-            if getattr(self.trainer.__dict__.get(name), "__tracer_wrapper__", False):
-                del self.trainer.__dict__[name]
-        self._originals.clear()
-
-    # -- installing ---------------------------------------------------------------------------
-
-    def _install(self) -> None:
-        from transformers import TrainerCallback
-
-        hook = self
-
-        class _CloseTrace(TrainerCallback):
-            def on_train_end(self, args, state, control, **kwargs):
-                hook.close()
-
+        self._loss: torch.Tensor | None = None
         self._wrap("_calculate_rewards", after=self._on_rewards)
         self._wrap("_generate_and_score_completions", after=self._on_rollout)
         self._wrap("_get_per_token_logps_and_entropies", after=self._on_logps)
         self._wrap_compute_loss()
-        self.trainer.add_callback(_CloseTrace())
+        self._close_at_train_end()
 
-    def _wrap(self, name: str, after: Callable[[Any], None]) -> None:
-        original = getattr(self.trainer, name)
-        self._originals[name] = original
+    @staticmethod
+    def _hyperparameters(trainer: Any) -> dict[str, Any]:
+        return hyperparameters_of(trainer)
 
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            result = original(*args, **kwargs)
-            self._guard(after, result)
-            return result
-
-        wrapper.__tracer_wrapper__ = True
-        setattr(self.trainer, name, wrapper)
+    # -- installing ---------------------------------------------------------------------------
 
     def _wrap_compute_loss(self) -> None:
         original = self.trainer.compute_loss
-        self._originals["compute_loss"] = original
 
         @functools.wraps(original)
         def compute_loss(model, inputs, *args, **kwargs):
@@ -178,39 +126,13 @@ class GRPOTraceHook:
             finally:
                 self._in_loss = False
             if self._training():
+                self._loss = loss.detach() if isinstance(loss, torch.Tensor) else None
                 self._guard(self._record_micro_batch, inputs)
                 self._loss_calls += 1
-            self._policy = None
+            self._policy = self._loss = None
             return loss
 
-        compute_loss.__tracer_wrapper__ = True
-        self.trainer.compute_loss = compute_loss
-
-    def _training(self) -> bool:
-        return bool(getattr(self.trainer.model, "training", True))
-
-    def _guard(self, fn: Callable[[Any], None], value: Any) -> None:
-        try:
-            fn(value)
-        except Exception as err:  # tracing must never stop training
-            if self.strict:
-                if isinstance(err, TraceError):
-                    raise
-                raise TraceError(f"tracer: capture failed in {fn.__name__}: {type(err).__name__}: {err}") from err
-            self._count_failure(fn.__name__, err)
-
-    def _count_failure(self, where: str, err: Exception) -> None:
-        self.capture_failures += 1
-        reason = f"capture in {where}: {type(err).__name__}: {err}"
-        writer = self.writer
-        writer.dropped_steps += 1  # public counters; the manifest is rewritten at close
-        if len(writer.drop_reasons) < _MAX_DROP_REASONS:
-            writer.drop_reasons.append(reason)
-        log.debug("tracer capture failure", exc_info=err)
-        warnings.warn(
-            f"tracer: could not record a step ({self.capture_failures} capture failures so far): {reason}. "
-            "Training continues; pass strict=True to tracer.attach to raise instead.",
-            RuntimeWarning, stacklevel=2)
+        self._install("compute_loss", compute_loss)
 
     # -- capture ------------------------------------------------------------------------------
 
@@ -258,16 +180,13 @@ class GRPOTraceHook:
         order = torch.argsort(local_rows)  # back to generation order: groups consecutive
         rows = local_rows[order]
         tensors = self._loss_tensors(inputs, order)
-        tensors.update({
-            "rewards": rollout.rewards[rows],
-            "reward_components": rollout.reward_components[rows],
-            "group_ids": rollout.group_ids[rows],
-            "generation_row_ids": rollout.global_rows[rows],
-        })
+        tensors.update(self._rollout_tensors(rollout, rows))
+        tensors.update(self._derived_tensors(tensors))
         self.writer.record(self._optimizer_step(), tensors, inner_step=self._inner_step(),
                            micro_batch=self._micro_batch(), metadata=self._step_metadata(inputs, tensors, rollout))
 
     def _loss_tensors(self, inputs: Mapping[str, Any], order: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The loss-time tensors of the micro-batch, rows put in generation ``order``."""
         def take(value: torch.Tensor) -> torch.Tensor:
             return value.detach()[order.to(value.device)].cpu()
 
@@ -288,13 +207,25 @@ class GRPOTraceHook:
         tensors.update({name: take(value) for name, value in optional.items() if value is not None})
         advantages = take(inputs["advantages"])
         tensors["advantages" if advantages.dim() == 1 else "token_advantages"] = advantages
+        return tensors
+
+    def _rollout_tensors(self, rollout: _Rollout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the rollout kept for the micro-batch's ``rows`` (local generation-batch indices)."""
+        return {
+            "rewards": rollout.rewards[rows],
+            "reward_components": rollout.reward_components[rows],
+            "group_ids": rollout.group_ids[rows],
+            "generation_row_ids": rollout.global_rows[rows],
+        }
+
+    def _derived_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """ratio, approx_kl_k2 and ref_kl_k3, recomputed in float32 with :mod:`tracer.formulas`."""
         policy32 = tensors["policy_logprobs"].float()  # (B, T)
         old32 = tensors["old_logprobs"].float() if "old_logprobs" in tensors else policy32  # TRL: policy.detach()
-        tensors["ratio"] = formulas.ratio(policy32, old32)
-        tensors["approx_kl_k2"] = formulas.approx_kl_k2(policy32, old32)
+        derived = {"ratio": formulas.ratio(policy32, old32), "approx_kl_k2": formulas.approx_kl_k2(policy32, old32)}
         if "ref_logprobs" in tensors:
-            tensors["ref_kl_k3"] = formulas.ref_kl_k3(policy32, tensors["ref_logprobs"].float())
-        return tensors
+            derived["ref_kl_k3"] = formulas.ref_kl_k3(policy32, tensors["ref_logprobs"].float())
+        return derived
 
     # -- step bookkeeping ---------------------------------------------------------------------
 
@@ -302,18 +233,13 @@ class GRPOTraceHook:
         step = getattr(self.trainer, "_step", None)  # TRL's count of training_step calls
         return int(step) if isinstance(step, int) else self._loss_calls
 
-    def _optimizer_step(self) -> int:
-        return int(self.trainer.state.global_step)  # optimizer steps completed = the one being computed
-
     def _inner_step(self) -> int:
         args = self.trainer.args
         spg = int(args.steps_per_generation or 1)
         return (self._micro_index() % (spg * int(self.trainer.num_iterations))) // spg
 
     def _micro_batch(self) -> int:
-        accumulation = int(getattr(self.trainer, "current_gradient_accumulation_steps", 0)
-                           or self.trainer.args.gradient_accumulation_steps or 1)
-        return self._micro_index() % accumulation
+        return self._micro_index() % self._accumulation_steps()
 
     def _step_metadata(self, inputs: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                        rollout: _Rollout) -> dict[str, Any]:
@@ -332,24 +258,3 @@ class GRPOTraceHook:
         if isinstance(num_items, torch.Tensor) and num_items.numel() == 1:
             meta["num_items_in_batch"] = int(num_items.item())
         return meta
-
-
-def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_source_dtype: bool = False,
-           config: Mapping[str, Any] | None = None) -> GRPOTraceHook:
-    """Trace a TRL ``GRPOTrainer`` into ``out_dir``; call before ``trainer.train()``.
-
-    Args:
-        trainer: a ``trl.GRPOTrainer`` (TRL 1.x), already constructed.
-        out_dir: the trace directory (must not already hold a trace).
-        strict: raise :class:`~tracer.errors.TraceError` when a step cannot be captured or written,
-            instead of warning, counting it in the manifest and training on.
-        keep_source_dtype: store logprobs in the trainer's dtype instead of float32.
-        config: extra run facts for the manifest's ``config`` (e.g. how the model was built).
-
-    Returns:
-        The :class:`GRPOTraceHook`; the trace is closed at train end (a ``TrainerCallback``).
-
-    Raises:
-        TraceError: ``trainer`` lacks the methods tracer wraps, or ``out_dir`` already holds a trace.
-    """
-    return GRPOTraceHook(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config)

@@ -1,6 +1,7 @@
 """What a TRL trainer's configuration means in trace terms: algorithm, step metadata (SPEC.md
 section 4 keys plus TRL's own) and the run config kept in the manifest. Read off TRL 1.16's
-``GRPOTrainer`` attributes (``grpo_trainer.py``, ``__init__``)."""
+``GRPOTrainer``, ``RLOOTrainer`` and ``DPOTrainer`` attributes (``grpo_trainer.py``,
+``rloo_trainer.py``, ``dpo_trainer.py``, each ``__init__``)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,13 @@ _CONFIG_KEYS = (
     "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "beta",
     "epsilon", "epsilon_high", "delta", "loss_type", "scale_rewards", "importance_sampling_level",
     "mask_truncated_completions", "top_entropy_quantile", "use_vllm", "bf16", "fp16",
-    "multi_objective_aggregation", "off_policy_mask_threshold", "shuffle_dataset",
+    "multi_objective_aggregation", "off_policy_mask_threshold", "shuffle_dataset", "normalize_advantages",
+)
+# DPOConfig fields copied into the manifest (JSON scalars only; ``loss_type`` is a list, kept in metadata).
+DPO_CONFIG_KEYS = (
+    "seed", "learning_rate", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
+    "max_length", "truncation_mode", "precompute_ref_log_probs", "f_divergence_type", "f_alpha_divergence_coef",
+    "label_smoothing", "ld_alpha", "use_weighting", "sync_ref_model", "bf16", "fp16", "shuffle_dataset",
 )
 
 
@@ -46,10 +53,9 @@ def tokenizer_of(trainer: Any) -> Any:
     return getattr(tok, "tokenizer", tok)  # a multimodal processor holds its tokenizer
 
 
-def hyperparameters_of(trainer: Any) -> dict[str, Any]:
-    """Step metadata that is the same for every step (SPEC section 4 keys + TRL extras)."""
+def _policy_gradient_hyperparameters(trainer: Any) -> dict[str, Any]:
+    """Step metadata shared by TRL's GRPO and RLOO trainers: group size, β, clipping, sampling."""
     args = trainer.args
-    loss_type = getattr(trainer, "loss_type", getattr(args, "loss_type", None))
     return {
         "num_generations": trainer.num_generations,
         "beta": float(trainer.beta),
@@ -58,14 +64,30 @@ def hyperparameters_of(trainer: Any) -> dict[str, Any]:
         "temperature": float(trainer.temperature),
         "top_p": float(args.top_p) if args.top_p is not None else None,
         "top_k": int(args.top_k or 0),
-        "loss_reduction": LOSS_REDUCTION_BY_LOSS_TYPE.get(loss_type),
-        "loss_type": loss_type,
+    }
+
+
+def _batching_hyperparameters(trainer: Any) -> dict[str, Any]:
+    """Step metadata shared by TRL's GRPO and RLOO trainers: reward functions, reuse of a rollout, batching."""
+    args = trainer.args
+    return {
         "reward_component_names": list(trainer.reward_func_names),
         "reward_weights": [float(w) for w in trainer.reward_weights.tolist()],
         "num_iterations": trainer.num_iterations,
         "steps_per_generation": args.steps_per_generation,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "max_completion_length": trainer.max_completion_length,
+    }
+
+
+def hyperparameters_of(trainer: Any) -> dict[str, Any]:
+    """Step metadata of a ``GRPOTrainer`` that is the same for every step (SPEC section 4 keys + TRL extras)."""
+    loss_type = getattr(trainer, "loss_type", getattr(trainer.args, "loss_type", None))
+    return {
+        **_policy_gradient_hyperparameters(trainer),
+        "loss_reduction": LOSS_REDUCTION_BY_LOSS_TYPE.get(loss_type),
+        "loss_type": loss_type,
+        **_batching_hyperparameters(trainer),
         "importance_sampling_level": getattr(trainer, "importance_sampling_level", None),
         "scale_rewards": getattr(trainer, "scale_rewards", None),
         "multi_objective_aggregation": getattr(trainer, "multi_objective_aggregation", None),
@@ -74,15 +96,62 @@ def hyperparameters_of(trainer: Any) -> dict[str, Any]:
     }
 
 
-def run_config_of(trainer: Any, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The manifest's ``config``: trainer class, model path, the TRL arguments that shape the
-    trace (JSON scalars only), then ``extra`` on top."""
+def rloo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
+    """Step metadata of an ``RLOOTrainer`` (TRL 1.16 ``rloo_trainer.py``).
+
+    ``advantage_rule``: ``rloo_kl`` when β > 0 (leave-one-out on ``rewards - β·Σ_t(old - ref)``, the
+    k1 KL of the rollout-time policy against the reference summed over the completion mask), else
+    ``rloo``; the rewards are clipped to ``reward_clip_range`` first and the advantages re-normalised
+    over the generation batch when ``normalize_advantages``. ``importance_ratio = "sequence_sum"``:
+    the loss clips one ratio per sequence, ``exp(Σ_t policy - Σ_t old)`` (field ``sequence_ratio``);
+    ``loss_reduction = "sequence_mean"``: the per-sequence loss is averaged over the micro-batch.
+    """
+    clip_range = getattr(trainer, "reward_clip_range", None)
+    return {
+        **_policy_gradient_hyperparameters(trainer),
+        "loss_reduction": "sequence_mean",
+        **_batching_hyperparameters(trainer),
+        "advantage_rule": "rloo_kl" if float(trainer.beta) != 0.0 else "rloo",
+        "reward_kl_estimator": "k1_old_ref_sum",
+        "normalize_advantages": bool(getattr(trainer, "normalize_advantages", False)),
+        "reward_clip_range": [float(x) for x in clip_range] if clip_range else None,
+        "importance_ratio": "sequence_sum",
+        "mask_truncated_completions": bool(getattr(trainer, "mask_truncated_completions", False)),
+        "logprob_source": "trl_fused_lm_head",
+    }
+
+
+def dpo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
+    """Step metadata of a ``DPOTrainer`` (TRL 1.16 ``dpo_trainer.py``): ``beta``, ``loss_type`` (TRL's
+    list joined with commas, e.g. ``"sigmoid"``), ``loss_weights``, ``loss_reduction``
+    (``sequence_mean``: the per-pair loss is averaged over the micro-batch's pairs) and the options
+    that change which sequence logprobs the loss sees."""
+    loss_types = list(getattr(trainer, "loss_types", None) or getattr(trainer.args, "loss_type", None) or [])
+    weights = getattr(trainer, "loss_weights", None)
+    return {
+        "beta": float(trainer.beta),
+        "loss_type": ",".join(str(t) for t in loss_types),
+        "loss_weights": [float(w) for w in weights] if weights else None,
+        "loss_reduction": "sequence_mean",
+        "f_divergence_type": str(getattr(trainer, "f_divergence_type", "reverse_kl")),
+        "label_smoothing": float(getattr(trainer, "label_smoothing", 0.0) or 0.0),
+        "ld_alpha": getattr(trainer, "ld_alpha", None),
+        "use_weighting": bool(getattr(trainer, "use_weighting", False)),
+        "precompute_ref_log_probs": bool(getattr(trainer, "precompute_ref_logps", False)),
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+        "logprob_source": "trl_fused_lm_head",
+    }
+
+
+def run_config_of(trainer: Any, extra: Mapping[str, Any] | None, keys: tuple[str, ...] = _CONFIG_KEYS) -> dict[str, Any]:
+    """The manifest's ``config``: trainer class, model path, the TRL arguments ``keys`` that shape
+    the trace (JSON scalars only), then ``extra`` on top."""
     args = trainer.args
     model_config = getattr(getattr(trainer, "model", None), "config", None)
     config: dict[str, Any] = {
         "trainer": type(trainer).__name__,
         "model": getattr(model_config, "_name_or_path", None),
-        "trainer_args": {k: getattr(args, k) for k in _CONFIG_KEYS
+        "trainer_args": {k: getattr(args, k) for k in keys
                          if isinstance(getattr(args, k, None), (str, int, float, bool))},
     }
     config.update(dict(extra or {}))

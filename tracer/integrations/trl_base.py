@@ -1,0 +1,138 @@
+"""What every TRL trainer hook shares: the trace writer, wrapping methods on the trainer *instance*
+(the class is left untouched), closing the trace at train end, and the rule that tracing never
+stops training.
+
+An exception while capturing is caught, counted in the manifest's ``dropped_steps`` /
+``drop_reasons`` and reported with ``warnings.warn``; ``strict=True`` raises
+:class:`tracer.errors.TraceError` instead. The trainer-specific hooks live in ``trl_grpo.py``
+(GRPO, and RLOO through ``trl_rloo.py``) and ``trl_dpo.py``; :func:`tracer.integrations.trl.attach`
+picks one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from typing import Any, Callable, Iterable, Mapping
+
+from tracer.errors import TraceError
+from tracer.writer import TraceWriter
+
+log = logging.getLogger(__name__)
+
+_MAX_DROP_REASONS = 20
+
+
+def require_methods(trainer: Any, names: Iterable[str], expected: str) -> None:
+    """Raise TraceError naming the methods ``trainer`` lacks (the ones the hook wraps)."""
+    missing = [name for name in names if not callable(getattr(trainer, name, None))]
+    if missing:
+        raise TraceError(
+            f"cannot trace a {type(trainer).__name__}: it lacks {missing}, which tracer wraps on TRL's {expected} "
+            f"(TRL >= 1.0); pass a trl.{expected} (tracer.attach also knows GRPOTrainer, RLOOTrainer and "
+            "DPOTrainer), or record steps with TraceWriter yourself")
+
+
+class TrainerTraceHook:
+    """Base of the TRL hooks: owns the :class:`~tracer.writer.TraceWriter` and the wrapped methods.
+
+    Attributes:
+        trainer: the traced trainer.
+        writer: the :class:`~tracer.writer.TraceWriter` (``writer.root`` is the trace directory).
+        capture_failures: exceptions caught while capturing (each also counts as a dropped step).
+    """
+
+    def __init__(self, trainer: Any, out_dir: str | os.PathLike, algorithm: str, hyperparameters: Mapping[str, Any],
+                 run_config: Mapping[str, Any], tokenizer: Any = None, strict: bool = False,
+                 keep_source_dtype: bool = False) -> None:
+        self.trainer = trainer
+        self.strict = strict
+        self.capture_failures = 0
+        self.writer = TraceWriter(out_dir, algorithm, tokenizer=tokenizer, config=run_config,
+                                  hyperparameters=hyperparameters, strict=strict, keep_source_dtype=keep_source_dtype)
+        self._originals: dict[str, Callable] = {}
+        self._loss_calls = 0
+
+    # -- public verbs -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finish the trace (manifest status ``finished``); idempotent. Called at train end."""
+        self.writer.close()
+
+    def detach(self) -> None:
+        """Restore the trainer's own methods (the trace stays open until :meth:`close`)."""
+        for name in self._originals:
+            if getattr(self.trainer.__dict__.get(name), "__tracer_wrapper__", False):
+                del self.trainer.__dict__[name]
+        self._originals.clear()
+
+    # -- installing ---------------------------------------------------------------------------
+
+    def _close_at_train_end(self) -> None:
+        from transformers import TrainerCallback
+
+        hook = self
+
+        class _CloseTrace(TrainerCallback):
+            def on_train_end(self, args, state, control, **kwargs):
+                hook.close()
+
+        self.trainer.add_callback(_CloseTrace())
+
+    def _wrap(self, name: str, after: Callable[[Any], None]) -> None:
+        """Replace ``trainer.<name>`` by a wrapper that calls the original, then ``after(result)``
+        under :meth:`_guard`."""
+        original = getattr(self.trainer, name)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self._guard(after, result)
+            return result
+
+        self._install(name, wrapper)
+
+    def _install(self, name: str, wrapper: Callable) -> None:
+        """Set ``trainer.<name> = wrapper`` (an instance attribute, undone by :meth:`detach`)."""
+        self._originals[name] = getattr(self.trainer, name)
+        wrapper.__tracer_wrapper__ = True
+        setattr(self.trainer, name, wrapper)
+
+    def _training(self) -> bool:
+        return bool(getattr(self.trainer.model, "training", True))
+
+    # -- failures -----------------------------------------------------------------------------
+
+    def _guard(self, fn: Callable[[Any], None], value: Any) -> None:
+        try:
+            fn(value)
+        except Exception as err:  # tracing must never stop training
+            if self.strict:
+                if isinstance(err, TraceError):
+                    raise
+                raise TraceError(f"tracer: capture failed in {fn.__name__}: {type(err).__name__}: {err}") from err
+            self._count_failure(fn.__name__, err)
+
+    def _count_failure(self, where: str, err: Exception) -> None:
+        self.capture_failures += 1
+        reason = f"capture in {where}: {type(err).__name__}: {err}"
+        writer = self.writer
+        writer.dropped_steps += 1  # public counters; the manifest is rewritten at close
+        if len(writer.drop_reasons) < _MAX_DROP_REASONS:
+            writer.drop_reasons.append(reason)
+        log.debug("tracer capture failure", exc_info=err)
+        warnings.warn(
+            f"tracer: could not record a step ({self.capture_failures} capture failures so far): {reason}. "
+            "Training continues; pass strict=True to tracer.attach to raise instead.",
+            RuntimeWarning, stacklevel=2)
+
+    # -- step bookkeeping ---------------------------------------------------------------------
+
+    def _optimizer_step(self) -> int:
+        return int(self.trainer.state.global_step)  # optimizer steps completed = the one being computed
+
+    def _accumulation_steps(self) -> int:
+        return int(getattr(self.trainer, "current_gradient_accumulation_steps", 0)
+                   or self.trainer.args.gradient_accumulation_steps or 1)
