@@ -20,7 +20,8 @@ def test_differential_against_a_plain_loop(tmp_path, seed):
     steps = {}
     for step in range(2):
         a = -torch.rand(B, T, generator=g) * 3
-        noise = torch.randn(B, T, generator=g) * torch.tensor([0.0, 1e-6, 1e-3])[torch.randint(0, 3, (B, T), generator=g)]
+        scale = torch.tensor([0.0, 1e-6, 1e-3])[torch.randint(0, 3, (B, T), generator=g)]  # (B, T)
+        noise = torch.randn(B, T, generator=g) * scale
         mask_a = torch.rand(B, T, generator=g) < 0.8
         mask_b = mask_a ^ (torch.rand(B, T, generator=g) < 0.1)
         steps[step] = (a, a + noise, mask_a, mask_b)

@@ -85,6 +85,7 @@ def test_trace_regression_records_the_baseline_only_when_asked(pytester, monkeyp
 
     result = run(pytester, "--tracer-regen")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*re-recorded the trace baseline *test_loop/test_loop (--tracer-regen); it differed:*"])
+    result.stdout.fnmatch_lines(["*re-recorded the trace baseline *test_loop/test_loop (--tracer-regen); "
+                                 "it differed:*"])
     run(pytester).assert_outcomes(passed=1)
     assert not list(baseline.parent.glob("*.partial"))

@@ -42,8 +42,8 @@ from tracer.errors import TraceError, TraceFormatError
 from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
 from tracer.schema import FIELDS, decode_metadata
 
-__all__ = ["diff", "token_diff_table", "DiffReport", "FieldDiff", "Location", "Tolerance", "DiffInputError", "DEFAULT_TOLERANCES",
-           "DRIFT_FRACTION", "DRIFT_SIGN_SHARE", "DRIFT_MIN_POSITIONS", "SHIFT_IMPROVEMENT"]
+__all__ = ["diff", "token_diff_table", "DiffReport", "FieldDiff", "Location", "Tolerance", "DiffInputError",
+           "DEFAULT_TOLERANCES", "DRIFT_FRACTION", "DRIFT_SIGN_SHARE", "DRIFT_MIN_POSITIONS", "SHIFT_IMPROVEMENT"]
 
 PROGRESS_MIN_PAIRS = 20
 IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "step", "inner_step", "micro_batch", "rank"})
@@ -316,8 +316,11 @@ class _Engine:
             return
         ids_a = fa.get_slice(ids_name)
         ids_b = fb.get_slice(ids_name) if ids_name in fb.keys() else ids_a
+        rows, cols = ids_a.get_shape()[:2]
         for loc in todo:
             s, t = loc.index[:2]
+            if s >= rows or t >= cols:  # ids of another shape (a step file not written by tracer)
+                continue
             id_a, id_b = int(ids_a[s : s + 1, t : t + 1]), int(ids_b[s : s + 1, t : t + 1])
             loc.token_text = self.trace_a.token_text([id_a])[0]
             if id_b != id_a:
