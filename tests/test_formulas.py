@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tracer import formulas
@@ -80,6 +80,7 @@ def test_ref_kl_k3_by_hand_zero_when_equal():
 
 
 @settings(max_examples=200, deadline=None)
+@example([-5.596421979718679e-11], [0.0])  # exp(d) - d - 1 cancels to a negative number here
 @given(st.lists(st.floats(-20, 0), min_size=1, max_size=16), st.lists(st.floats(-20, 0), min_size=1, max_size=16))
 def test_ref_kl_k3_is_non_negative(policy, ref):
     n = min(len(policy), len(ref))

@@ -61,7 +61,7 @@ def ref_kl_k3(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torc
     ``[B, T]`` nats, ≥ 0, 0 where the two agree. Source: seed section 2.4; Schulman (2020).
     """
     delta = ref_logprobs - policy_logprobs
-    return torch.exp(delta) - delta - 1.0
+    return torch.expm1(delta) - delta  # = exp(d) - 1 - d, without cancellation for small d
 
 
 def approx_kl_k2(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
