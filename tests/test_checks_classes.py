@@ -187,6 +187,24 @@ def test_advantage_rule_follows_metadata(tmp_path, declared, expected):
         assert f.severity == expected[0] and expected[1] in f.message
 
 
+@pytest.mark.parametrize("advantages, expected", [([0.8, -0.8], None), ([1.0, -1.0], ERROR)])
+def test_rloo_advantages_with_the_kl_penalty_in_the_reward(tmp_path, advantages, expected):
+    # TRL RLOO, G = 2, beta 0.5: k1 sums over kept tokens (old - ref) = [0.2 + 0.2, 0] = [0.4, 0], so
+    # r' = [1 - 0.5 * 0.4, 0] = [0.8, 0] and leave-one-out A = [0.8 - 0, 0 - 0.8] = [0.8, -0.8].
+    # [1, -1] is the leave-one-out of the raw rewards: the KL penalty was forgotten.
+    old = torch.tensor([[-1.0, -1.0], [-0.5, -0.5]])
+    ref = torch.tensor([[-1.2, -1.2], [-0.5, -0.5]])
+    tensors = {"completion_mask": torch.ones(2, 2, dtype=torch.bool), "old_logprobs": old, "ref_logprobs": ref,
+               "policy_logprobs": old.clone(), "rewards": torch.tensor([1.0, 0.0]),
+               "advantages": torch.tensor(advantages), "group_ids": torch.tensor([0, 0])}
+    write_trace(tmp_path / "r", "rloo", [(0, 0, tensors)], {"num_generations": 2, "beta": 0.5,
+                                                            "advantage_rule": "rloo_kl"})
+    findings = found(run_checks(tmp_path / "r"), "recompute.advantages")
+    assert [f.severity for f in findings] == ([] if expected is None else [expected])
+    if findings:
+        assert "the recorded values match ['rloo'] instead" in findings[0].message
+
+
 def test_ppo_gae_recompute_catches_bootstrapping_from_padding(tmp_path):
     # Row 1 keeps 2 of 4 tokens; its padded values are 5.0. Unmasked GAE (gamma = lam = 1) gives the
     # last kept token A = r + V_pad - V = 1 + 5 - 0.5 = 5.5; masked GAE gives 1 - 0.5 = 0.5.

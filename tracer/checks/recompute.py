@@ -92,7 +92,9 @@ def _declared_rule(ctx: StepContext) -> str | None:
 
 def _group_rules(ctx: StepContext, rows: list[int]):
     if ctx.algorithm == "rloo":
-        rules = {"rloo": lambda r, G: formulas.rloo_advantages(r, G)}
+        clip = ctx.hyper("reward_clip_range", None)  # TRL RLOO clamps rewards before the baseline
+        lo, hi = (float(clip[0]), float(clip[1])) if clip else (None, None)
+        rules = {"rloo": lambda r, G: formulas.rloo_advantages(r.clamp(lo, hi) if clip else r, G)}
         beta = float(ctx.hyper("beta", 0.0) or 0.0)
         if beta and ctx.has("ref_logprobs", "completion_mask"):
             try:
@@ -101,7 +103,7 @@ def _group_rules(ctx: StepContext, rows: list[int]):
                 return rules
             # TRL RLOO: rewards - beta * sum over kept tokens of k1(old, ref), before leave-one-out
             k1_sum = formulas.masked_sum(formulas.kl_k1(old, ctx.tensor("ref_logprobs")), ctx.mask(), dim=1)[rows]  # (N,)
-            rules["rloo_kl"] = lambda r, G: formulas.rloo_advantages(r - beta * k1_sum, G)
+            rules["rloo_kl"] = lambda r, G: formulas.rloo_advantages((r.clamp(lo, hi) if clip else r) - beta * k1_sum, G)
         return rules
     return {"seed": formulas.group_advantages,
             **{f"trl_{s}": (lambda r, G, s=s: formulas.trl_group_advantages(r, G, s)) for s in ("group", "batch", "none")}}
