@@ -1,7 +1,7 @@
 """``python -m tracer demo --algo ALGO``: one entry for every demo trainer.
 
 Hand-written loops (the seed's, traced through ``tracer.Tracer``): ``ppo``, ``grpo``, ``cispo``,
-``dpo``. TRL trainers (traced through ``tracer.attach``): ``grpo-trl`` (and more as they land).
+``dpo``. TRL trainers (traced through ``tracer.attach``): ``grpo-trl``, ``rloo-trl``, ``dpo-trl``.
 All run on CPU in seconds on a tiny model built locally (``tracer.demo.tiny_model``).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from tracer.writer import refuse_existing_trace
 
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
-TRL = ("grpo-trl",)
+TRL = ("grpo-trl", "rloo-trl", "dpo-trl")
 DEMO_ALGOS = HAND_WRITTEN + TRL
 
 
@@ -31,19 +31,27 @@ def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, prog
     if algo not in DEMO_ALGOS:
         raise ValueError(f"unknown demo algorithm {algo!r}; choose one of {list(DEMO_ALGOS)}")
     refuse_existing_trace(out_dir)
-    if algo == "grpo-trl":
-        from tracer.demo.grpo_trl import run_grpo_demo
-
-        if model_dir is None:
-            from tracer.demo.tiny_model import build_tiny_model
-
-            model_dir = build_tiny_model(Path(out_dir) / "model", seed=seed)
-        return run_grpo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
     if model_dir is None:
         from tracer.demo.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model(Path(out_dir) / "model", seed=seed)
+    if algo in TRL:
+        return _run_trl(algo, out_dir, steps, seed, progress, model_dir)
     return _run_loop(algo, out_dir, steps, seed, progress, model_dir)
+
+
+def _run_trl(algo: str, out_dir, steps: int, seed: int, progress: bool, model_dir) -> Path:
+    if algo == "grpo-trl":
+        from tracer.demo.grpo_trl import run_grpo_demo
+
+        return run_grpo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
+    if algo == "rloo-trl":
+        from tracer.demo.rloo_trl import run_rloo_demo
+
+        return run_rloo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
+    from tracer.demo.dpo_trl import run_dpo_demo
+
+    return run_dpo_demo(out_dir, steps=steps, seed=seed, progress=progress, model_dir=model_dir)
 
 
 def _run_loop(algo: str, out_dir, steps: int, seed: int, progress: bool, model_dir) -> Path:

@@ -1,0 +1,72 @@
+"""A real TRL ``RLOOTrainer`` run on CPU with the tracer attached: the GRPO demo's task (the tiny
+local model of :mod:`tracer.demo.tiny_model` learns small sums, ``"3 + 4 ="`` -> ``" 7"``), its
+dataset and reward functions, trained with RLOO's leave-one-out baseline for a few steps.
+
+Used by ``python -m tracer demo --algo rloo-trl``, by the tests, and to make the committed sample
+trace. Offline: nothing is downloaded (set ``HF_HUB_OFFLINE=1``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tracer.demo.grpo_trl import (LEARNING_RATE, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, PROMPTS_PER_STEP, brevity,
+                                  correct_answer, make_dataset)
+from tracer.demo.trl_demo import cpu_config, run_traced, silence_printer
+
+BETA = 0.05  # RLOOConfig's default: the KL penalty enters the rewards, so advantages use the rloo_kl rule
+
+__all__ = ["BETA", "NUM_GENERATIONS", "PROMPTS_PER_STEP", "make_trainer", "run_rloo_demo"]
+
+
+def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, steps: int = 3, seed: int = 0,
+                 progress: bool = True, num_iterations: int = 2, **config_overrides: Any):
+    """A ``trl.RLOOTrainer`` on CPU for the tiny model at ``model_dir`` (passed as a path).
+
+    ``output_dir`` is TRL's scratch directory: nothing is saved there (no checkpoints, no logs).
+    ``config_overrides`` go to ``RLOOConfig`` as they are.
+    """
+    from trl import RLOOConfig, RLOOTrainer
+
+    fields = dict(
+        per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP,
+        num_generations=NUM_GENERATIONS,
+        num_iterations=num_iterations,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+        temperature=1.0,
+        beta=BETA,
+        learning_rate=LEARNING_RATE,
+    )
+    args = cpu_config(RLOOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
+    trainer = RLOOTrainer(
+        model=str(model_dir),
+        reward_funcs=[correct_answer, brevity],
+        args=args,
+        train_dataset=make_dataset(seed),
+    )
+    return silence_printer(trainer)
+
+
+def run_rloo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,
+                  model_dir: str | os.PathLike | None = None, *, num_iterations: int = 2) -> Path:
+    """Build the tiny model, train it with ``RLOOTrainer`` for ``steps`` optimizer steps with the
+    tracer attached, and return the trace directory.
+
+    Args:
+        out_dir: the trace directory to write (must not already hold a trace).
+        steps: optimizer steps (``max_steps``). With ``num_iterations = 2`` a rollout is used for
+            two steps: inner step 0 (policy == old) then inner step 1 (policy moved).
+        seed: seeds the model build, the dataset, sampling and TRL.
+        progress: show the trainer's tqdm progress bar.
+        model_dir: where to build the tiny model (kept); a temporary directory when None.
+        num_iterations: TRL's ``num_iterations``.
+
+    Returns:
+        ``Path(out_dir)``.
+    """
+    build = {"reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
+             "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
+    return run_traced(out_dir, make_trainer, build, "tracer.demo.rloo_trl.run_rloo_demo", steps, seed, progress,
+                      model_dir, num_iterations=num_iterations)
