@@ -352,3 +352,10 @@ def test_cli_unusable_input_and_unknown_check(tmp_path, capsys):
     root = write_trace(tmp_path / "r", "grpo", [(0, 0, {"completion_mask": torch.ones(1, 2, dtype=torch.bool)})])
     assert main(["check", str(root), "--select", "masks.nope"]) == 2
     assert "unknown check 'masks.nope'" in capsys.readouterr().err
+
+
+def test_every_check_is_documented():
+    from tracer.checks import CHECKS
+
+    doc = (REPO / "docs" / "checks.md").read_text(encoding="utf-8")
+    assert [c for c in CHECKS if f"`{c}`" not in doc] == []
