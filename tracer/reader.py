@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tracer import formulas
 from tracer.errors import TraceFormatError
 from tracer.schema import decode_metadata
-from tracer.writer import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 _STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
 # Per-token float fields shown in token tables, in display order.

@@ -23,7 +23,7 @@ import pytest
 from tracer.diff import DiffReport, diff
 from tracer.errors import TraceError
 from tracer.reader import Trace
-from tracer.writer import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 REGEN_FLAG = "--tracer-regen"
 

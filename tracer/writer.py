@@ -1,11 +1,5 @@
 """Write traces: one safetensors file per (step, inner step, micro-batch, rank), atomic, plus a
-manifest and the token strings at the trace root (SPEC.md section 5).
-
-Layout of a trace directory::
-
-    manifest.json          run-level facts (schema version, algorithm, producers, tokenizer, config, status)
-    tokens.json            {"tokens": [text of id 0, text of id 1, ...]}, stored once per trace
-    steps/step_00000003.inner_0.mb_0.rank_0.safetensors
+manifest and the token strings at the trace root (SPEC.md section 5; layout in :mod:`tracer.layout`).
 
 A step file is written to ``<name>.partial``, flushed to disk, then renamed: readers never see a
 partial file.
@@ -15,100 +9,37 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import platform
 import threading
 import time
 import warnings
 import weakref
-from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save as safetensors_save
 
+from tracer.layout import (  # noqa: F401  (re-exported: the writer's public names)
+    FORMAT_NAME,
+    MANIFEST_NAME,
+    STEPS_DIR,
+    TOKENS_NAME,
+    content_sha256,
+    producers,
+    refuse_existing_trace,
+    step_file_name,
+    token_strings,
+    tokenizer_identity,
+    write_json_atomic,
+)
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import TraceError
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, normalise_tensors
 
 log = logging.getLogger(__name__)
-
-MANIFEST_NAME = "manifest.json"
-TOKENS_NAME = "tokens.json"
-STEPS_DIR = "steps"
-FORMAT_NAME = "tracer-trace"
-
-
-def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
-    """The file name of one step file, sortable by step."""
-    return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
-
-
-def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over each tensor's name, dtype, shape and raw bytes, in name order.
-
-    Stored in step metadata as ``content_sha256`` so that ``tracer.diff`` can skip step files with
-    equal tensor data without reading it (a safetensors header cannot hold a hash of the file that
-    contains it). Tensors must be contiguous and on CPU, as ``validate_tensors`` returns them.
-    """
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name]
-        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
-    tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1, ensure_ascii=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def token_strings(tokenizer: Any) -> list[str]:
-    """Text of every token id of ``tokenizer`` (a transformers tokenizer or a ``tokenizers.Tokenizer``).
-
-    Each id is decoded on its own with special tokens kept, so ``tokens[i]`` is what id i shows as.
-    """
-    if hasattr(tokenizer, "batch_decode"):  # transformers PreTrainedTokenizer(Fast)
-        n = len(tokenizer)
-        return tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False)
-    if hasattr(tokenizer, "decode_batch"):  # tokenizers.Tokenizer
-        n = tokenizer.get_vocab_size(with_added_tokens=True)
-        return tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
-    raise TraceError(
-        f"tokenizer of type {type(tokenizer).__name__} has neither batch_decode nor decode_batch; "
-        "pass a transformers tokenizer or a tokenizers.Tokenizer"
-    )
-
-
-def _tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
-    ident: dict[str, Any] = {"class": type(tokenizer).__name__}
-    for key in ("name_or_path", "eos_token_id", "pad_token_id", "bos_token_id", "padding_side"):
-        value = getattr(tokenizer, key, None)
-        if isinstance(value, (str, int)):
-            ident[key] = value
-    return ident
-
-
-def _producers() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for pkg in ("tracer", "torch", "transformers", "trl", "safetensors"):
-        try:
-            versions[pkg] = importlib_metadata.version(pkg)
-        except importlib_metadata.PackageNotFoundError:
-            pass
-    return versions
-
 
 def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copy tensors that share storage with an earlier one (safetensors refuses shared memory, and
@@ -121,16 +52,6 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if ptr != -1:
             seen.add(ptr)
     return out
-
-
-def refuse_existing_trace(out_dir: str | os.PathLike) -> None:
-    """Raise TraceError when ``out_dir`` already holds step files (nothing the user had is overwritten)."""
-    steps_dir = Path(out_dir) / STEPS_DIR
-    if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")):
-        raise TraceError(
-            f"{out_dir} already holds a trace ({steps_dir} has step files); "
-            "choose a new output directory or move the old trace away"
-        )
 
 
 def _distributed_rank() -> tuple[int, int]:
@@ -208,7 +129,7 @@ class TraceWriter:
             "schema_version": SCHEMA_VERSION,
             "algorithm": algorithm,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "producers": _producers(),
+            "producers": producers(),
             "world_size": self.world_size,
             "hyperparameters": self.hyperparameters,
             "config": dict(config or {}),
@@ -218,7 +139,7 @@ class TraceWriter:
             "status": "running",
         }
         if tokenizer is not None:
-            self._manifest["tokenizer"] = _tokenizer_identity(tokenizer)
+            self._manifest["tokenizer"] = tokenizer_identity(tokenizer)
             if self.rank == 0:
                 write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
         self._write_manifest()

@@ -1,0 +1,107 @@
+"""The on-disk layout of a trace (SPEC.md section 5): file names, the manifest and token strings,
+atomic JSON, the content checksum. Shared by the writer (which produces it) and the reader.
+
+    manifest.json          run-level facts (schema version, algorithm, producers, tokenizer, config, status)
+    tokens.json            {"tokens": [text of id 0, text of id 1, ...]}, stored once per trace
+    steps/step_00000003.inner_0.mb_0.rank_0.safetensors
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from tracer.errors import TraceError
+
+MANIFEST_NAME = "manifest.json"
+TOKENS_NAME = "tokens.json"
+STEPS_DIR = "steps"
+FORMAT_NAME = "tracer-trace"
+
+
+def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
+    """The file name of one step file, sortable by step."""
+    return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
+
+
+def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over each tensor's name, dtype, shape and raw bytes, in name order.
+
+    Stored in step metadata as ``content_sha256`` so that ``tracer.diff`` can skip step files with
+    equal tensor data without reading it (a safetensors header cannot hold a hash of the file that
+    contains it). Tensors must be contiguous and on CPU, as ``validate_tensors`` returns them.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        digest.update(f"{name}\0{tensor.dtype}\0{list(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1, ensure_ascii=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def token_strings(tokenizer: Any) -> list[str]:
+    """Text of every token id of ``tokenizer`` (a transformers tokenizer or a ``tokenizers.Tokenizer``).
+
+    Each id is decoded on its own with special tokens kept, so ``tokens[i]`` is what id i shows as.
+    """
+    if hasattr(tokenizer, "batch_decode"):  # transformers PreTrainedTokenizer(Fast)
+        n = len(tokenizer)
+        return tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+    if hasattr(tokenizer, "decode_batch"):  # tokenizers.Tokenizer
+        n = tokenizer.get_vocab_size(with_added_tokens=True)
+        return tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    raise TraceError(
+        f"tokenizer of type {type(tokenizer).__name__} has neither batch_decode nor decode_batch; "
+        "pass a transformers tokenizer or a tokenizers.Tokenizer"
+    )
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """Class, name and special token ids of ``tokenizer`` (kept in the manifest)."""
+    ident: dict[str, Any] = {"class": type(tokenizer).__name__}
+    for key in ("name_or_path", "eos_token_id", "pad_token_id", "bos_token_id", "padding_side"):
+        value = getattr(tokenizer, key, None)
+        if isinstance(value, (str, int)):
+            ident[key] = value
+    return ident
+
+
+def producers() -> dict[str, str]:
+    """Versions of the packages that produced a trace."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("tracer", "torch", "transformers", "trl", "safetensors"):
+        try:
+            versions[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def refuse_existing_trace(out_dir: str | os.PathLike) -> None:
+    """Raise TraceError when ``out_dir`` already holds step files (nothing the user had is overwritten)."""
+    steps_dir = Path(out_dir) / STEPS_DIR
+    if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")):
+        raise TraceError(
+            f"{out_dir} already holds a trace ({steps_dir} has step files); "
+            "choose a new output directory or move the old trace away"
+        )
+
+
