@@ -185,6 +185,8 @@ def test_case5_ref_minus_policy_too_large(tmp_path, policy_1, gap, severity, tex
     (f,) = found(findings, "kl.ref_gap")
     assert (f.severity, f.sequence, f.token, f.token_id) == (severity, 0, 1, 6)
     assert f"ref - policy = {gap} nats at seq 0, token 1" in f.message and text in f.message
+    assert json.loads(json.dumps(f.to_dict(), allow_nan=False))["details"]["ref_kl_k3"] == (
+        "inf" if gap == "90" else f.details["ref_kl_k3"])  # --json stays strict JSON
     nonfinite = found(findings, "nonfinite.values", ERROR)
     assert bool(nonfinite) == (gap == "90")  # the recorded inf k3 is also a kept non-finite value
     if nonfinite:

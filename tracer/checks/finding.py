@@ -8,6 +8,8 @@ the token's id and text. ``token_text`` is filled only when the trace stores tok
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 from typing import Any, Callable, Iterable
@@ -56,10 +58,22 @@ class Finding:
         return self.check.split(".", 1)[0]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict with every attribute plus ``family``."""
+        """Strict-JSON-able dict with every attribute plus ``family``; non-finite floats in
+        ``details`` become the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
         out = asdict(self)
         out["family"] = self.family
+        out["details"] = _finite_json(out["details"])
         return out
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
 
 
 class Skip(Exception):

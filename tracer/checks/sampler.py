@@ -52,6 +52,8 @@ def check_sampler_mismatch(ctx: StepContext):
     name = "old_logprobs" if ctx.has("old_logprobs") else "policy_logprobs"
     if name == "policy_logprobs" and not is_fresh(ctx):
         return []  # after an update the policy differs from the sampler for a good reason
+    if name == "old_logprobs" and ctx.key.inner_step != 0:
+        return []  # old and sampler logprobs of a rollout are the same at every inner step: report once
     trainer, sampler = ctx.require(name, "sampler_logprobs")
     keep = ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler)
     n = int(keep.sum())
