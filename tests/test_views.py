@@ -216,7 +216,8 @@ def dpo_step(with_terms: bool = True) -> dict[str, torch.Tensor]:
     chosen_ref = torch.tensor([[-1.5, -2.0, -9.0], [-1.0, -1.0, -9.0]])
     rejected_ref = torch.tensor([[-1.0, -1.5, -1.0], [-1.0, -1.0, -9.0]])
     out = {
-        "chosen_ids": torch.tensor([[2, 4, PAD], [2, 3, PAD]]), "rejected_ids": torch.tensor([[3, 3, EOS], [2, 3, PAD]]),
+        "chosen_ids": torch.tensor([[2, 4, PAD], [2, 3, PAD]]),
+        "rejected_ids": torch.tensor([[3, 3, EOS], [2, 3, PAD]]),
         "chosen_mask": chosen_mask, "rejected_mask": rejected_mask,
         "chosen_policy_logprobs": chosen_policy, "rejected_policy_logprobs": rejected_policy,
         "chosen_ref_logprobs": chosen_ref, "rejected_ref_logprobs": rejected_ref,

@@ -42,6 +42,13 @@ def _hyperparameter(trace: Trace, meta: dict[str, Any], name: str) -> Any:
     return value if value is not None else (trace.manifest.get("hyperparameters") or {}).get(name)
 
 
+def _flag(value: Any) -> bool:
+    """A metadata flag: True for ``true`` (bool, or the strings true / 1 / yes in any case)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes")
+    return bool(value)
+
+
 def _batch_size(trace: Trace, key: StepKey) -> int:
     fields = trace.fields(key)
     sizes = [fields[name][0][0] for name in _B_FIELDS if name in fields and fields[name][0]]
@@ -122,8 +129,8 @@ def ppo_minibatch_table(trace: Trace, step: int) -> pd.DataFrame:
                     meta = trace.metadata(key)
                     target = _hyperparameter(trace, meta, "target_kl")
                     row_ids = trace.load_step(key, ["row_ids"]).get("row_ids")
-                    rec.update(status=EARLY_STOP if meta.get("early_stop") else RAN,
-                               early_stop=bool(meta.get("early_stop", False)),
+                    early_stop = _flag(meta.get("early_stop", False))
+                    rec.update(status=EARLY_STOP if early_stop else RAN, early_stop=early_stop,
                                mean_approx_kl_k2=_mean_approx_kl_k2(trace, key),
                                target_kl=float(target) if target is not None else math.nan,
                                rows=_batch_size(trace, key),
@@ -148,7 +155,7 @@ def ppo_early_stops(trace: Trace) -> pd.DataFrame:
         target = _hyperparameter(trace, meta, "target_kl")
         if target is not None:
             rec["target_kl"] = float(target)
-        if meta.get("early_stop") and not rec["early_stop"]:
+        if _flag(meta.get("early_stop", False)) and not rec["early_stop"]:
             rec.update(early_stop=True, stop_epoch=key.inner_step, stop_minibatch=key.micro_batch)
     frame = pd.DataFrame.from_records(list(records.values()),
                                       columns=["step", "epochs", "files", "early_stop", "stop_epoch",

@@ -36,7 +36,8 @@ for column, name in zip(columns, ("dpo_logits", "dpo_loss", "chosen_rewards", "r
 st.caption("As recorded in the step file (recomputed from the per-token fields where the file lacks them).")
 st.dataframe(terms.reset_index(), hide_index=True, width="stretch", column_config={
     "recorded": st.column_config.NumberColumn(format="%.6g", help="what the step file holds"),
-    "recomputed": st.column_config.NumberColumn(format="%.6g", help="tracer.formulas on the recorded logprobs and masks, beta from the metadata")})
+    "recomputed": st.column_config.NumberColumn(
+        format="%.6g", help="tracer.formulas on the recorded logprobs and masks, beta from the metadata")})
 
 left, right = st.columns(2)
 for column, side in ((left, "chosen"), (right, "rejected")):

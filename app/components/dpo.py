@@ -94,7 +94,8 @@ def dpo_curves_figure(summary: pd.DataFrame) -> go.Figure:
             fig.add_trace(go.Scatter(
                 x=part["step"], y=part[col], mode="lines+markers", name=f"inner step {inner_step}",
                 legendgroup=str(inner_step), showlegend=i == 1, line={"color": _PALETTE[n % len(_PALETTE)]},
-                customdata=part["pairs"], hovertemplate=f"{col}=%{{y:.4g}}<br>step %{{x}} · %{{customdata}} pairs<extra></extra>"),
+                customdata=part["pairs"],
+                hovertemplate=f"{col}=%{{y:.4g}}<br>step %{{x}} · %{{customdata}} pairs<extra></extra>"),
                 row=1, col=i)
             fig.update_xaxes(title_text="step", row=1, col=i)
             if fmt:

@@ -49,7 +49,8 @@ def gae_figure(table: pd.DataFrame) -> go.Figure:
     if rows.empty or not present:
         return empty_figure("no token_rewards, values, returns or advantages in this sequence")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
-                        subplot_titles=["reward and value: where the reward lands", "advantage (GAE): how it flows back"])
+                        subplot_titles=["reward and value: where the reward lands",
+                                        "advantage (GAE): how it flows back"])
     positions = rows["position"].tolist()
     texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
     for col in present:
@@ -112,7 +113,8 @@ def early_stop_figure(minibatch_table: pd.DataFrame) -> go.Figure:
     labels = [f"e{e} · mb{m}" + (f" · r{r}" if t["rank"].nunique() > 1 else "")
               for e, m, r in zip(t["epoch"], t["minibatch"], t["rank"])]
     fig = go.Figure(go.Bar(
-        x=labels, y=t["mean_approx_kl_k2"].fillna(0).tolist(), marker={"color": [STATUS_COLOUR[s] for s in t["status"]]},
+        x=labels, y=t["mean_approx_kl_k2"].fillna(0).tolist(),
+        marker={"color": [STATUS_COLOUR[s] for s in t["status"]]},
         text=t["status"].tolist(), textposition="outside", name="mean approx_kl_k2",
         customdata=t["rows"].tolist(),
         hovertemplate="%{x}<br>mean approx_kl_k2=%{y:.4g} nats<br>%{text} · %{customdata} rows<extra></extra>"))
