@@ -172,8 +172,10 @@ def check_advantages(ctx: StepContext):
 
 
 @register("recompute.clip_fractions", "clip fractions (low / high / region, sign-aware) recomputed and "
-          "compared with metadata clip_fraction_* when recorded", {"ppo", "grpo", "rloo", ""})
+          "compared with metadata clip_fraction_* when recorded", {"ppo", "grpo", ""})
 def check_clip_fractions(ctx: StepContext):
+    if ctx.hyper("importance_sampling_level", "token") != "token":
+        raise Skip("importance_sampling_level is not 'token': the trainer clips one ratio per sequence")
     (policy,) = ctx.require("policy_logprobs")
     (advantages,) = ctx.require("advantages")
     eps_high = float(ctx.hyper("clip_epsilon_high"))
