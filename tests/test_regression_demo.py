@@ -1,0 +1,31 @@
+"""Trace regression tests of the hand-written demo loops (fixed seeds, 2 steps) against committed
+baselines in tests/test_regression_demo/. Re-record after an intended change with
+``pytest tests/test_regression_demo.py --tracer-regen`` and commit the baselines."""
+
+import pytest
+
+from tracer.demo.runner import run_demo
+from tracer.demo.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "grpo", "cispo", "dpo"])
+def test_demo_loop_matches_baseline(algo, model_dir, tmp_path, trace_regression):
+    trace = run_demo(algo, tmp_path / algo, steps=2, seed=0, progress=False, model_dir=model_dir)
+    # float32 on CPU: allow for kernel differences between machines, nothing more
+    trace_regression.check(trace, atol=1e-4, rtol=1e-4)
+
+
+def test_the_baseline_catches_a_changed_loop(model_dir, tmp_path):
+    from pathlib import Path
+
+    from tracer.testing import assert_traces_match
+
+    baseline = Path(__file__).parent / "test_regression_demo" / "test_demo_loop_matches_baseline_grpo"
+    changed = run_demo("grpo", tmp_path / "grpo", steps=2, seed=1, progress=False, model_dir=model_dir)
+    with pytest.raises(AssertionError, match="completion_ids"):
+        assert_traces_match(changed, baseline, atol=1e-4, rtol=1e-4)
