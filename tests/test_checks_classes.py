@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from test_checks import EOS, PAD, cli_json, found, write_trace
+from test_checks import EOS, PAD, case1_tensors, cli_json, found, write_trace
 from tracer import formulas
 from tracer.checks import ERROR, INFO, SKIPPED, WARNING, count_by_severity, run_checks
 from tracer.cli import main
@@ -67,6 +67,16 @@ def test_clean_grpo_trace_with_two_inner_steps_has_no_error_or_warning(clean_tra
     assert sampler and all(f.severity == INFO and f.details["share_outside"] == 0.0 for f in sampler)
     assert main(["check", str(clean_trace)]) == 0
     assert "PASS  0 error, 0 warning" in capsys.readouterr().out
+
+
+def test_checking_one_step_file_only(tmp_path):
+    from tracer import Trace
+
+    root = write_trace(tmp_path / "r", "grpo", [(0, 0, case1_tensors()), (1, 0, case1_tensors())],
+                       {"clip_epsilon_low": 0.2, "clip_epsilon_high": 0.2})
+    trace = Trace(root)
+    findings = found(run_checks(trace, select=["identity"], steps=trace.steps()[1:]), "identity.first_step")
+    assert [f.step for f in findings] == [1]
 
 
 def test_mask_shifted_by_one_in_the_hand_written_grpo_loop(tmp_path, monkeypatch):

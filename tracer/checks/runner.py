@@ -12,7 +12,7 @@ from typing import Iterable
 from tracer.checks.context import CheckOptions, StepContext
 from tracer.checks.finding import CHECKS, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip
 from tracer.errors import TraceError, TraceFormatError
-from tracer.reader import Trace
+from tracer.reader import StepKey, Trace
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ def run_checks(
     trace: Trace | str | Path,
     select: Iterable[str] | None = None,
     options: CheckOptions | None = None,
+    steps: Iterable[StepKey] | None = None,
 ) -> list[Finding]:
     """Run the checks on every step file of ``trace`` (a Trace, a trace directory or a step file).
 
@@ -56,6 +57,7 @@ def run_checks(
         trace: what to check.
         select: check ids or family names; all checks when None.
         options: thresholds such as the sampler ratio bound C.
+        steps: only these step files (``trace.steps()`` items), e.g. the one a UI page shows.
     Returns:
         Findings, worst first. A check that cannot run for lack of a field or metadata key yields one
         ``skipped`` finding per reason (``details["steps"]`` lists the step files).
@@ -65,7 +67,7 @@ def run_checks(
     trace = trace if isinstance(trace, Trace) else Trace(trace)
     options = options or CheckOptions()
     checks = select_checks(select)
-    keys = trace.steps()
+    keys = trace.steps() if steps is None else list(steps)
     if not keys:
         raise TraceFormatError(f"{trace.path} holds no step file: nothing to check")
     findings: list[Finding] = []
