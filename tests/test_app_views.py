@@ -388,3 +388,30 @@ def test_group_page_renders_an_rloo_run_and_keeps_token_text_literal(monkeypatch
     assert rows["reward"].tolist() == [1.0, 0.0]
     assert not any("<script>" in text for text in markup_values(at))
     assert "1 with zero variance" in " ".join(t.value for t in at.text)
+
+
+# -- runs that are not (yet) what a view needs --------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm, page", [("ppo", "ppo"), ("grpo", "groups"), ("rloo", "groups"), ("dpo", "dpo")])
+def test_algorithm_pages_wait_for_the_first_step(monkeypatch, tmp_path, algorithm, page):
+    run = tmp_path / "starting"
+    TraceWriter(run, algorithm, async_write=False)  # the trainer has not written a step yet
+    at = open_page(monkeypatch, run, run, page)
+    assert "no step files" in at.info[0].value
+
+
+def test_bare_step_file_gets_every_page_and_each_says_what_it_lacks(monkeypatch, tmp_path):
+    from safetensors.torch import save_file
+
+    step_file = tmp_path / "step.safetensors"  # no metadata: algorithm unknown, no group_ids, no G
+    save_file({"completion_ids": torch.tensor([[2, 1], [3, 1]]), "completion_mask": torch.ones(2, 2, dtype=torch.bool),
+               "rewards": torch.tensor([1.0, 0.0])}, str(step_file))
+    at = open_page(monkeypatch, step_file, step_file, "groups")
+    assert "cannot be told apart" in at.info[0].value
+    assert any("record group_ids" in t.value for t in at.text)
+    at.switch_page("app_pages/dpo.py").run()
+    assert not at.exception and "no chosen_ids" in at.info[0].value
+    at.switch_page("app_pages/ppo.py").run()
+    assert not at.exception
+    assert frame_with(at, {"epoch", "mb 0"}).loc[0, "mb 0"] == "ran"

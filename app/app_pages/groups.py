@@ -6,6 +6,7 @@ import streamlit as st
 from app.components import trace_cache
 from app.components.groups import group_label, group_rewards_figure, style_group_table, zero_variance_figure
 from app.components.sidebar import current_selection
+from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
 
 selection = current_selection()
@@ -24,7 +25,12 @@ step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
 if "rewards" not in trace_cache.step_fields(trace_path, step_path, mtime):
     st.info("This step file has no rewards field: a group view needs rewards [B].")
     st.stop()
-groups = trace_cache.group_frame(trace_path, step_path, mtime)
+try:
+    groups = trace_cache.group_frame(trace_path, step_path, mtime)
+except TraceError as err:
+    st.info("The groups of this step file cannot be told apart.")
+    st.text(str(err))
+    st.stop()
 estimator = group_std_estimator(trace_cache.step_metadata(trace_path, step_path, mtime))
 zero = int(groups["zero_variance"].sum())
 st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance · group std: {estimator} "

@@ -72,6 +72,8 @@ def gae_figure(table: pd.DataFrame) -> go.Figure:
 def _cell_text(rec: pd.Series) -> str:
     if rec["status"] in (NOT_RUN, NO_FILE):
         return rec["status"]
+    if math.isnan(rec["mean_approx_kl_k2"]):  # the file has neither approx_kl_k2 nor both logprobs
+        return "EARLY STOP" if rec["status"] == EARLY_STOP else "ran"
     k2 = f"k2 {rec['mean_approx_kl_k2']:.4g}"
     if rec["status"] == EARLY_STOP:
         comparison = ">" if rec["above_target_kl"] else "≤"
