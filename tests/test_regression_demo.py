@@ -23,9 +23,11 @@ def test_demo_loop_matches_baseline(algo, model_dir, tmp_path, trace_regression)
 def test_the_baseline_catches_a_changed_loop(model_dir, tmp_path):
     from pathlib import Path
 
+    from tracer.demo import grpo_loop
     from tracer.testing import assert_traces_match
 
     baseline = Path(__file__).parent / "test_regression_demo" / "test_demo_loop_matches_baseline_grpo"
-    changed = run_demo("grpo", tmp_path / "grpo", steps=2, seed=1, progress=False, model_dir=model_dir)
-    with pytest.raises(AssertionError, match="completion_ids"):
-        assert_traces_match(changed, baseline, atol=1e-4, rtol=1e-4)
+    # the same rollouts at step 0, but a larger learning rate: the policy differs from inner step 1 on
+    changed = grpo_loop.run(tmp_path / "grpo", grpo_loop.GRPOConfig(steps=1, learning_rate=1e-2), model_dir)
+    with pytest.raises(AssertionError, match=r"policy_logprobs: max \|Δ\|=.* at step 0"):
+        assert_traces_match(changed, baseline, atol=1e-4, rtol=1e-4, fields=["policy_logprobs", "completion_ids"])
