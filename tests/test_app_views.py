@@ -329,6 +329,7 @@ def test_dpo_page_shows_the_files_logits_and_the_pair(monkeypatch):
     assert terms.loc["dpo_logits", "recorded"] == float(data["dpo_logits"][2])
     assert terms.loc["dpo_loss", "recorded"] == float(data["dpo_loss"][2])
     assert terms.loc["dpo_logits", "recomputed"] == pytest.approx(float(data["dpo_logits"][2]), abs=1e-5)
+    assert at.selectbox(key="sequence").options[2] == "pair 2"
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["dpo_logits"] == f"{float(data['dpo_logits'][2]):.4g}"
     assert metrics["chosen_rewards"] == f"{float(data['chosen_rewards'][2]):.4g}"

@@ -63,8 +63,8 @@ def step_metadata(trace_path: str, step_path: str, mtime: int) -> dict:
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def sequence_labels(trace_path: str, step_path: str, mtime: int) -> list[str]:
-    """One label per sequence of a step (``seq 3 · group 1 · reward 0.5``); empty when no field
-    has a B dim. Reads only the ``[B]`` fields ``group_ids`` and ``rewards``."""
+    """One label per sequence of a step (``seq 3 · group 1 · reward 0.5``; ``pair 2`` for DPO); empty
+    when no field has a B dim. Reads only the ``[B]`` fields ``group_ids`` and ``rewards``."""
     trace = open_trace(trace_path)
     key = step_key(trace, step_path)
     fields = trace.fields(key)
@@ -74,9 +74,10 @@ def sequence_labels(trace_path: str, step_path: str, mtime: int) -> list[str]:
     per_seq = {name: t.tolist() for name, t in trace.load_step(key, ["group_ids", "rewards"]).items()
                if t.dim() == 1 and t.shape[0] == sizes[0]}
     group_ids, rewards = per_seq.get("group_ids"), per_seq.get("rewards")
+    noun = "pair" if "chosen_ids" in fields else "seq"  # a DPO row is a chosen / rejected pair
     labels = []
     for b in range(sizes[0]):
-        parts = [f"seq {b}"]
+        parts = [f"{noun} {b}"]
         if group_ids is not None:
             parts.append(f"group {group_ids[b]}")
         if rewards is not None:
