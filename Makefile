@@ -24,8 +24,8 @@ app: $(STAMP)
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
-# Regenerate the committed sample traces: hand-written loops and a real TRL GRPO run (tiny local model, CPU).
-SAMPLES = ppo grpo cispo dpo
+# Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
+SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl
 sample-traces: $(STAMP)
 	for algo in $(SAMPLES); do \
 	  rm -rf sample_traces/$$algo-tiny; \

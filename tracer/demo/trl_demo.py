@@ -63,19 +63,19 @@ def silence_printer(trainer: Any) -> Any:
 def quiet_loading():
     """Hide transformers' "Loading weights" / "Writing model shards" bars and datasets' ``map``
     bars (TRL tokenizes the preference data in ``DPOTrainer.__init__``); not the training bar."""
-    from datasets.utils import logging as ds_logging
+    import datasets
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled(), ds_logging.is_progress_bar_enabled()
+    was_enabled = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    ds_logging.disable_progress_bars()
+    datasets.disable_progress_bars()
     try:
         yield
     finally:
         if was_enabled[0]:
             hf_logging.enable_progress_bar()
         if was_enabled[1]:
-            ds_logging.enable_progress_bars()
+            datasets.enable_progress_bars()
 
 
 def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], build: Mapping[str, Any], demo: str,
