@@ -90,7 +90,7 @@ def check_zero_variance(ctx: StepContext):
     if len(zero) < len(groups):
         return [ctx.finding("advantages.zero_variance", INFO,
                             f"{len(zero)} of {len(groups)} groups ({share:.0%}) have zero reward variance "
-                            "(all G rewards equal): their advantages are 0 and they add no policy-gradient signal.",
+                            "(all G rewards equal): the reward gives their completions no advantage over each other.",
                             zero[0][0], field="rewards", zero_variance_share=share)]
     flat = rewards[[r for rows in groups for r in rows]]
     message = (
