@@ -95,13 +95,14 @@ def producers() -> dict[str, str]:
     return versions
 
 
-def refuse_existing_trace(out_dir: str | os.PathLike) -> None:
-    """Raise TraceError when ``out_dir`` already holds step files (nothing the user had is overwritten)."""
+def refuse_existing_trace(out_dir: str | os.PathLike, rank: int | None = None) -> None:
+    """Raise TraceError when ``out_dir`` already holds step files (of ``rank``, or of any rank when
+    None): nothing the user had is overwritten. Checking only the own rank's files lets ranks
+    start in any order."""
     steps_dir = Path(out_dir) / STEPS_DIR
-    if steps_dir.is_dir() and any(steps_dir.glob("*.safetensors")):
+    pattern = "*.safetensors" if rank is None else f"*.rank_{rank}.safetensors"
+    if steps_dir.is_dir() and any(steps_dir.glob(pattern)):
         raise TraceError(
             f"{out_dir} already holds a trace ({steps_dir} has step files); "
             "choose a new output directory or move the old trace away"
         )
-
-

@@ -300,6 +300,18 @@ class Trace:
             frame[name] = value.reshape(-1).numpy()
         return frame
 
+    def merged_token_table(self, step: int, inner_step: int = 0, micro_batch: int | None = None) -> pd.DataFrame:
+        """Token tables of every rank (and micro-batch, unless one is given) of one step, stacked;
+        the ``rank`` column tells them apart (``sequence`` is the row within its own file)."""
+        keys = [k for k in self.steps() if k.step == step and k.inner_step == inner_step
+                and (micro_batch is None or k.micro_batch == micro_batch)]
+        frames = [self.token_table(k).assign(micro_batch=k.micro_batch) for k in keys]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def ranks(self) -> list[int]:
+        """Ranks that wrote step files."""
+        return sorted({k.rank for k in self.steps()})
+
     def step_summary(self) -> pd.DataFrame:
         """One row per step file with the step's masked means: ``mean_ratio``, ``mean_ref_kl_k3``,
         ``mean_approx_kl_k2``, ``mean_reward``, ``clip_fraction`` (sign-aware, from the step's clip

@@ -120,8 +120,7 @@ class TraceWriter:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
-        if self.rank == 0:
-            refuse_existing_trace(self.root)
+        refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
         steps_dir.mkdir(parents=True, exist_ok=True)
         self._manifest: dict[str, Any] = {

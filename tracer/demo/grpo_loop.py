@@ -75,7 +75,8 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
     for step in range(cfg.steps):
         prompts = ro.arithmetic_prompts(cfg.num_prompts, rng)
         model.eval()
-        batch = ro.rollout(model, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
+        policy = getattr(model, "module", model)  # sample with the bare model under DistributedDataParallel
+        batch = ro.rollout(policy, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
         completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
         components = ro.reward_components(batch.prompts, completions)  # (B, F)
         rewards = components.sum(dim=1)  # (B,)
