@@ -288,3 +288,14 @@ def test_fields_sharing_memory_are_written(tmp_path):
         writer.record(0, policy_logprobs=policy, old_logprobs=policy, ratio=policy[:, :])
     data = Trace(tmp_path / "run").load_step(Trace(tmp_path / "run").steps()[0])
     assert torch.equal(data["old_logprobs"], policy) and torch.equal(data["ratio"], policy)
+
+
+def test_step_key_finds_a_step_without_listing(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        writer.record(3, grpo_tensors(), inner_step=1)
+    trace = Trace(tmp_path / "run")
+    key = trace.step_key(3, inner_step=1)
+    assert key == trace.steps()[0]
+    assert trace.load_sequence(key, 0)["rewards"].item() == 1.0
+    with pytest.raises(TraceFormatError, match="no step file for step 4, inner step 0"):
+        trace.step_key(4)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tracer import formulas
 from tracer.errors import TraceFormatError
 from tracer.schema import decode_metadata
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 _STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
 # Per-token float fields shown in token tables, in display order.
@@ -146,6 +146,22 @@ class Trace:
                 keys.append(StepKey(int(meta.get("step", 0)), int(meta.get("inner_step", 0)),
                                     int(meta.get("micro_batch", 0)), int(meta.get("rank", 0)), p))
         return sorted(keys)
+
+    def step_key(self, step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> StepKey:
+        """The key of one step file by its coordinates, without listing the directory (O(1) in the
+        number of steps). Raises TraceFormatError when that step file does not exist."""
+        if self._single:
+            key = self.steps()[0]
+            if (key.step, key.inner_step, key.micro_batch, key.rank) == (step, inner_step, micro_batch, rank):
+                return key
+            path = self.path
+        else:
+            path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, rank)
+            if path.is_file():
+                return StepKey(step, inner_step, micro_batch, rank, path)
+        raise TraceFormatError(
+            f"{path}: no step file for step {step}, inner step {inner_step}, micro-batch {micro_batch}, "
+            f"rank {rank} in {self.path}")
 
     @property
     def algorithm(self) -> str | None:
