@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +29,9 @@ import torch
 
 from tracer import formulas
 from tracer.schema import FIELDS
+
+
+WRITER_NICENESS = 10  # added to the writer thread's nice value (lower CPU priority than training)
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,10 @@ class BackgroundWriter:
     # -- writer thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:  # Linux: a nice value per thread; the training threads keep the CPU when it is scarce
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
         while True:
             with self._cond:
                 while not self._queue:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import save_file
 
 from tracer.layout import (  # noqa: F401  (re-exported: the writer's public names)
     FORMAT_NAME,
@@ -117,7 +117,7 @@ class TraceWriter:
         self.dropped_steps = 0
         self.skipped_steps = 0  # not selected by the sampling policy (not an error)
         self.drop_reasons: list[str] = []
-        self._error: BaseException | None = None
+        self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure
         self._lock = threading.Lock()
         self._closed = False
         refuse_existing_trace(self.root, self.rank)
@@ -267,8 +267,8 @@ class TraceWriter:
 
     def _raise_pending(self) -> None:
         if self._error is not None and self.strict:
-            err, self._error = self._error, None
-            raise TraceError(f"tracer: writing {self.root} failed: {err}") from err
+            (reason, err), self._error = self._error, None
+            raise TraceError(f"tracer: writing {self.root} failed: {reason}") from err
 
     # -- private: writer thread ---------------------------------------------------------------
 
@@ -287,8 +287,7 @@ class TraceWriter:
             item.metadata["anomaly"] = anomaly
         path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
         try:
-            payload = safetensors_save(item.tensors, metadata=encode_metadata(item.metadata))
-            _write_bytes_atomic(path, payload)
+            _save_atomic(path, item.tensors, encode_metadata(item.metadata))
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return
@@ -299,7 +298,7 @@ class TraceWriter:
 
     def _fail(self, reason: str, err: Exception) -> None:
         if self.strict:
-            self._error = self._error or err
+            self._error = self._error or (reason, err)
             return
         self._count_drop(reason)
 
@@ -335,12 +334,16 @@ class TraceWriter:
                 log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
 
 
-def _write_bytes_atomic(path: Path, payload: bytes) -> None:
+def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """safetensors ``save_file`` to ``<path>.partial``, fsync, then rename: the file appears complete
+    or not at all, and survives a power loss once renamed."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as fh:
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
+    save_file(tensors, str(tmp), metadata=metadata)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

@@ -1,0 +1,60 @@
+"""Shared pieces of the benchmarks: the machine description, timing helpers, a GRPO-shaped step."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def machine() -> str:
+    """One line describing where the numbers were measured."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}, {gpu}")
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(fn, *args, **kwargs) -> float:
+    t0 = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - t0
+
+
+def grpo_step_tensors(B: int, T: int, L: int = 32, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors a GRPO step records (13 fields, [B, T] float32 mostly)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    policy = -torch.rand(B, T, generator=g)
+    t = {
+        "prompt_ids": torch.randint(0, 1000, (B, L), generator=g),
+        "prompt_mask": torch.ones(B, L, dtype=torch.bool),
+        "completion_ids": torch.randint(0, 1000, (B, T), generator=g),
+        "completion_mask": torch.ones(B, T, dtype=torch.bool),
+        "policy_logprobs": policy,
+        "old_logprobs": policy - 0.01,
+        "ref_logprobs": policy - 0.02,
+        "ratio": torch.ones(B, T),
+        "ref_kl_k3": torch.zeros(B, T),
+        "approx_kl_k2": torch.zeros(B, T),
+        "per_token_loss": torch.zeros(B, T),
+        "rewards": torch.rand(B, generator=g),
+        "advantages": torch.randn(B, generator=g),
+        "group_ids": torch.arange(B) // 8,
+    }
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
