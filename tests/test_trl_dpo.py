@@ -162,7 +162,9 @@ def test_dpo_terms_and_loss_equal_a_recomputation_and_trls_logged_loss(run):
         data = trace.load_step(key)
         sums = {(side, model): _masked_sum(data[f"{side}_{model}_logprobs"], data[f"{side}_mask"])
                 for side in SIDES for model in ("policy", "ref")}  # (B,) each
-        logits = (sums["chosen", "policy"] - sums["rejected", "policy"]) - (sums["chosen", "ref"] - sums["rejected", "ref"])
+        policy_logratio = sums["chosen", "policy"] - sums["rejected", "policy"]  # (B,)
+        ref_logratio = sums["chosen", "ref"] - sums["rejected", "ref"]  # (B,)
+        logits = policy_logratio - ref_logratio
         torch.testing.assert_close(data["dpo_logits"], logits)
         torch.testing.assert_close(data["dpo_loss"], -F.logsigmoid(BETA * logits))
         for side in SIDES:
@@ -204,3 +206,13 @@ def test_capture_failure_is_counted_not_raised_and_strict_raises(tmp_path, model
     monkeypatch.setattr(strict.writer, "record", lambda *a, **k: 1 / 0)
     with pytest.raises(TraceError, match="capture failed in _record_micro_batch: ZeroDivisionError"):
         trainer.compute_loss(trainer.model, next(iter(trainer.get_train_dataloader())))
+
+
+def test_demo_runner_keeps_the_model_inside_the_trace(tmp_path):
+    from tracer.demo.runner import run_demo
+
+    out = run_demo("dpo-trl", tmp_path / "run", steps=1, seed=0, progress=False)
+    trace = Trace(out)
+    assert trace.algorithm == "dpo" and [k.step for k in trace.steps()] == [0]
+    assert (out / "model" / "model.safetensors").is_file()
+    assert trace.manifest["config"]["model"] == str(out / "model")

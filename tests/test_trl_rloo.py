@@ -146,7 +146,8 @@ def test_old_and_ref_are_the_models_they_claim_to_be(trace, model_dir):
             diff = _max_masked_diff(data[name], expected, mask)
             assert diff < 1e-5, f"step {step} {name}: max |recorded - recomputed| = {diff:.2e}"
     data, meta = _step(trace, 2)
-    assert _max_masked_diff(data["old_logprobs"], _completion_logprobs(model_dir, data, 1.0), data["completion_mask"]) > 1e-3
+    initial = _completion_logprobs(model_dir, data, meta["temperature"])
+    assert _max_masked_diff(data["old_logprobs"], initial, data["completion_mask"]) > 1e-3
     moved, _ = _step(trace, 1)
     assert _max_masked_diff(moved["policy_logprobs"], moved["old_logprobs"], moved["completion_mask"]) > 1e-3
 
@@ -161,3 +162,13 @@ def test_attach_picks_the_rloo_hook_and_detach_restores_the_trainer(tmp_path, mo
                                                          "_generate_and_score_completions",
                                                          "_get_per_token_logps_and_entropies"))
     hook.close()
+
+
+def test_demo_runner_keeps_the_model_inside_the_trace(tmp_path):
+    from tracer.demo.runner import run_demo
+
+    out = run_demo("rloo-trl", tmp_path / "run", steps=1, seed=0, progress=False)
+    trace = Trace(out)
+    assert trace.algorithm == "rloo" and [k.step for k in trace.steps()] == [0]
+    assert (out / "model" / "model.safetensors").is_file()
+    assert trace.manifest["config"]["model"] == str(out / "model")

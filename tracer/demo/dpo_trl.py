@@ -66,7 +66,8 @@ def run_dpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, prog
         steps: optimizer steps (``max_steps``), ``PAIRS_PER_STEP`` pairs each.
         seed: seeds the model build, the dataset and TRL (which shuffles the pairs).
         progress: show the trainer's tqdm progress bar.
-        model_dir: where to build the tiny model (kept); a temporary directory when None.
+        model_dir: a tiny model saved by ``build_tiny_model`` (used as it is), or where to build
+            one (kept); a temporary directory when None.
 
     Returns:
         ``Path(out_dir)``.

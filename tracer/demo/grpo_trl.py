@@ -91,8 +91,8 @@ def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, pro
             two steps: inner step 0 (policy == old) then inner step 1 (policy moved).
         seed: seeds the model build, the dataset, sampling and TRL.
         progress: show the trainer's tqdm progress bar.
-        model_dir: where to build the tiny model (kept); a temporary directory when None. Either
-            way the manifest's ``config.model_build`` says how to rebuild it bit for bit.
+        model_dir: a tiny model saved by ``build_tiny_model`` (used as it is), or where to build
+            one (kept); a temporary directory when None.
         num_iterations: TRL's ``num_iterations`` (1 = no old logprobs; ratio 1 by construction).
 
     Returns:

@@ -88,8 +88,9 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
         build: facts about the model and data for the manifest's ``config.model_build`` (the
             builder, seed and path are added here).
         demo: the dotted name of the demo function, for the manifest.
-        model_dir: where to build the tiny model (kept); a temporary directory when None. Either
-            way the manifest's ``config.model_build`` says how to rebuild it bit for bit.
+        model_dir: a tiny model saved by ``build_tiny_model`` (used as it is), or where to build
+            one (kept); a temporary directory when None. The manifest's ``config.model_build`` says
+            how to rebuild it bit for bit.
 
     Returns:
         ``Path(out_dir)``.
@@ -99,7 +100,9 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="tracer-trl-demo-") as scratch, torch_threads(1):
         with quiet_loading():
-            model_path = build_tiny_model(model_dir if model_dir is not None else Path(scratch) / "model", seed=seed)
+            model_path = Path(model_dir) if model_dir is not None else Path(scratch) / "model"
+            if not (model_path / "config.json").is_file():  # a model saved there already is used as it is
+                build_tiny_model(model_path, seed=seed)
             trainer = make_trainer(model_path, Path(scratch) / "trl", steps=steps, seed=seed, progress=progress,
                                    **trainer_kwargs)
         model_build = {"builder": "tracer.demo.tiny_model.build_tiny_model", "seed": seed,

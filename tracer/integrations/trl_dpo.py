@@ -141,7 +141,8 @@ class DPOTraceHook(TrainerTraceHook):
         ref_calls = [lp for role, lp in self._forwards if role == _REF]
         if not policy_calls or policy_calls[0] is None:
             raise TraceError("no policy log_probs were captured in compute_loss: the policy forward did not run "
-                             "through the fused LM head (TRL 1.16's model(..., fused_lm_head=True)); is this TRL >= 1.x?")
+                             "through TRL's fused LM head (model(..., fused_lm_head=True), TRL >= 1.x), or the "
+                             "trainer replaced trainer.model after tracer.attach; attach right before train()")
         ref = ref_calls[0] if ref_calls else (policy_calls[1] if len(policy_calls) > 1 else None)
         return policy_calls[0], ref
 

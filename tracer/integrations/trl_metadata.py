@@ -143,7 +143,8 @@ def dpo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
     }
 
 
-def run_config_of(trainer: Any, extra: Mapping[str, Any] | None, keys: tuple[str, ...] = _CONFIG_KEYS) -> dict[str, Any]:
+def run_config_of(trainer: Any, extra: Mapping[str, Any] | None,
+                  keys: tuple[str, ...] = _CONFIG_KEYS) -> dict[str, Any]:
     """The manifest's ``config``: trainer class, model path, the TRL arguments ``keys`` that shape
     the trace (JSON scalars only), then ``extra`` on top."""
     args = trainer.args
