@@ -34,23 +34,29 @@ def timed(fn, *args, **kwargs) -> float:
 
 
 def grpo_step_tensors(B: int, T: int, L: int = 32, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
-    """The tensors a GRPO step records (13 fields, [B, T] float32 mostly)."""
+    """The tensors a GRPO step records (14 fields, [B, T] float32 mostly), with realistic values:
+    logprobs in [-3, 0], derived fields computed from them by tracer.formulas."""
+    from tracer import formulas
+
     g = torch.Generator(device="cpu").manual_seed(seed)
-    policy = -torch.rand(B, T, generator=g)
+    policy = -3 * torch.rand(B, T, generator=g)
+    old = policy + 0.05 * torch.randn(B, T, generator=g)
+    ref = policy + 0.1 * torch.randn(B, T, generator=g)
+    advantages = torch.randn(B, generator=g)
     t = {
-        "prompt_ids": torch.randint(0, 1000, (B, L), generator=g),
+        "prompt_ids": torch.randint(0, 32000, (B, L), generator=g),
         "prompt_mask": torch.ones(B, L, dtype=torch.bool),
-        "completion_ids": torch.randint(0, 1000, (B, T), generator=g),
+        "completion_ids": torch.randint(0, 32000, (B, T), generator=g),
         "completion_mask": torch.ones(B, T, dtype=torch.bool),
         "policy_logprobs": policy,
-        "old_logprobs": policy - 0.01,
-        "ref_logprobs": policy - 0.02,
-        "ratio": torch.ones(B, T),
-        "ref_kl_k3": torch.zeros(B, T),
-        "approx_kl_k2": torch.zeros(B, T),
-        "per_token_loss": torch.zeros(B, T),
+        "old_logprobs": old,
+        "ref_logprobs": ref,
+        "ratio": formulas.ratio(policy, old),
+        "ref_kl_k3": formulas.ref_kl_k3(policy, ref),
+        "approx_kl_k2": formulas.approx_kl_k2(policy, old),
+        "per_token_loss": formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2, 0.04, ref),
         "rewards": torch.rand(B, generator=g),
-        "advantages": torch.randn(B, generator=g),
+        "advantages": advantages,
         "group_ids": torch.arange(B) // 8,
     }
     return {k: v.to(device) for k, v in t.items()}

@@ -1,0 +1,41 @@
+"""Run every CPU benchmark once and print a Markdown table for BENCHMARKS.md.
+
+    python -m bench.run_all            # ~3 minutes on 2 cores; bench/gpu_check.py needs a GPU
+"""
+
+from __future__ import annotations
+
+from bench import blocked_time, memory_budget, open_scale, overhead, write_throughput
+from bench.common import machine
+
+
+def main() -> None:
+    print(f"Machine: {machine()}\n")
+    rows = []
+    o = overhead.measure()
+    rows.append(("overhead: GRPO-shaped CPU loop, B=32 T=256, every step traced", f"{o['step_ms_on']:.1f} vs {o['step_ms_off']:.1f} ms/step",
+                 f"{o['ratio']:.3f}", "<= 1.03"))
+    b = blocked_time.measure()
+    rows.append(("blocked time: inside record() vs a plain copy of the same bytes", f"{b['record_us']:.0f} vs {b['copy_us']:.0f} us",
+                 f"{b['ratio']:.2f}x", "<= 2x"))
+    w = write_throughput.measure()
+    rows.append(("write throughput: writer (checksum + fsync) vs save_file", f"{w['ours_mb_s']:.0f} vs {w['save_file_mb_s']:.0f} MB/s",
+                 f"{w['ratio']:.2f}x", "(reported)"))
+    s = open_scale.measure()
+    rows.append(("open + load one sequence: 10,000 vs 10 steps", f"{s['big_ms']:.2f} vs {s['small_ms']:.2f} ms",
+                 f"{s['scale_ratio']:.2f}x", "<= 2x"))
+    rows.append(("... vs JSON lines (same data, one file)", f"{s['big_ms']:.2f} vs {s['jsonl_ms']:.0f} ms",
+                 f"{s['speedup_vs_jsonl']:.0f}x faster", ">= 20x"))
+    rows.append(("... file size vs JSON lines", f"{s['trace_mb']:.0f} vs {s['jsonl_mb']:.0f} MB",
+                 f"{s['size_ratio']:.1f}x smaller", ">= 3x"))
+    m = memory_budget.measure()
+    rows.append(("peak memory queued vs budget (slow disk, block policy)", f"{m['peak_mb']:.2f} vs {m['budget_mb']:.2f} MiB",
+                 f"{m['peak_mb'] / m['budget_mb']:.2f}", "<= 1"))
+    print("| benchmark | measured | ratio | target |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
