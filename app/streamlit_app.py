@@ -27,6 +27,12 @@ if selection is None:
     st.title("No trace found")
     st.warning(no_trace_message(root))
     st.stop()
+if selection.error is not None:
+    st.title("Cannot open this run")
+    st.error("The chosen run is not a readable trace. Pick another run in the sidebar, or fix the file "
+             "named below and press Reload.", icon=":material/error:")
+    st.text(selection.error)
+    st.stop()
 store_selection(selection)
 
 algorithm = trace_cache.open_trace(str(selection.trace_path)).algorithm

@@ -1,13 +1,14 @@
 """Tokens: one sequence of one step, its prompt and completion as text, the token table with
-masked positions greyed, and the per-token values against position."""
+masked positions greyed (and the token of a finding chosen on the Health page marked), and the
+per-token values against position."""
 
 import streamlit as st
 
-from app.components import trace_cache
+from app.components import token_jump, trace_cache
 from app.components.figures import token_values_figure
 from app.components.sidebar import current_selection
 from app.components.token_table import (
-    legend_frame, reason_counts, section_text, style_token_table, token_display_frame)
+    highlighted_rows, legend_frame, reason_counts, section_text, style_token_table, token_display_frame)
 
 selection = current_selection()
 st.title("Tokens")
@@ -44,10 +45,23 @@ st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, paddin
 st.subheader("Token table")
 counts = reason_counts(table)
 st.text(" · ".join(f"{reason}: {n}" for reason, n in counts.items()))
+target = token_jump.highlight_for(selection.trace_path, key, selection.sequence)
+if target is not None:
+    left, right = st.columns([4, 1])
+    left.caption(target.caption())  # a check id and a number: no token text in Markdown
+    if right.button("Clear highlight", key="clear_highlight"):
+        token_jump.clear_highlight()
+        st.rerun()
 include_prompt = st.toggle("Show prompt rows", value=True)
 frame = token_display_frame(table, include_prompt=include_prompt)
+highlight = target.token if target is not None else None
+hits = frame.index[highlighted_rows(frame, highlight)]
+if len(hits):  # the marked row with 3 neighbours each side, for sequences longer than the table's height
+    near = frame.iloc[max(hits[0] - 3, 0): hits[0] + 4]
+    st.dataframe(style_token_table(near, highlight=highlight), hide_index=True, width="stretch",
+                 key="finding_context")
 st.dataframe(
-    style_token_table(frame), hide_index=True, width="stretch", height=480,
+    style_token_table(frame, highlight=highlight), hide_index=True, width="stretch", height=480, key="token_table",
     column_config={
         "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
         "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),

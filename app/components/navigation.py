@@ -24,6 +24,8 @@ PAGES: tuple[PageSpec, ...] = (
     PageSpec("app_pages/groups.py", "Groups", ":material/group_work:", GROUPED_ALGORITHMS),
     PageSpec("app_pages/dpo.py", "DPO pairs", ":material/compare_arrows:", ("dpo",)),
     PageSpec("app_pages/steps.py", "Steps", ":material/show_chart:"),
+    PageSpec("app_pages/health.py", "Health", ":material/health_and_safety:"),
+    PageSpec("app_pages/diff.py", "Diff", ":material/difference:"),
     PageSpec("app_pages/overview.py", "Overview", ":material/info:"),
 )
 DEFAULT_PAGE = PAGES[0].path

@@ -1,5 +1,11 @@
-"""The shared sidebar: where traces are looked for (the root), and the run / step file / sequence
-choosers. Every page reads the choice with :func:`current_selection`."""
+"""The shared sidebar: where traces are looked for (the root), and the run / rank / step file /
+sequence choosers, the run's status and auto-refresh. Every page reads the choice with
+:func:`current_selection`.
+
+Only traces that resolve inside the root are listed or opened; ``?run=`` in the URL selects a run
+and is refused when it leaves the root. A finding chosen on the Health page sets the choosers
+through :mod:`app.components.token_jump` before they are drawn.
+"""
 
 from __future__ import annotations
 
@@ -11,25 +17,32 @@ from typing import Mapping, Sequence
 
 import streamlit as st
 
-from app.components import trace_cache
+from app.components import token_jump, trace_cache
+from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
+from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import StepKey, find_traces
-from tracer.writer import MANIFEST_NAME, STEPS_DIR
 
 ROOT_ENV = "TRACER_ROOT"
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
 _SELECTION_STATE = "_tracer_selection"
+_URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run selectbox
+RUN_PARAM = "run"
+REFRESH_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
 class Selection:
     """What the sidebar chose: a trace, one of its step files (None while it has none) and a
-    sequence of that step (None when no field has a B dim)."""
+    sequence of that step (None when no field has a B dim); ``rank`` is the rank filter (None = all
+    ranks); ``error`` says why the trace cannot be opened (then ``key`` and ``sequence`` are None)."""
 
     root: Path
     trace_path: Path
     key: StepKey | None
     sequence: int | None
+    rank: int | None = None
+    error: str | None = None
 
 
 def resolve_root(argv: Sequence[str], environ: Mapping[str, str]) -> Path:
@@ -49,9 +62,7 @@ def resolve_root(argv: Sequence[str], environ: Mapping[str, str]) -> Path:
     return DEFAULT_ROOT
 
 
-def discover_traces(root: Path) -> list[Path]:
-    """Traces at or under ``root`` (``find_traces``); ``root`` itself counts when it is a trace,
-    including a step directory without manifest or a single ``.safetensors`` step file."""
+def _candidates(root: Path) -> list[Path]:
     found = find_traces(root) if root.is_dir() else []
     if found:
         return found
@@ -60,6 +71,17 @@ def discover_traces(root: Path) -> list[Path]:
     except TraceError:
         return []
     return [root]
+
+
+def discover_traces(root: Path) -> list[Path]:
+    """Traces at or under ``root`` (``find_traces``) that resolve inside it; ``root`` itself counts
+    when it is a trace, including a step directory without manifest or a single step file."""
+    return [p for p in _candidates(root) if inside(p, root)]
+
+
+def refused_traces(root: Path) -> list[Path]:
+    """Traces found under ``root`` through a link that leaves it: never listed, never opened."""
+    return [p for p in _candidates(root) if not inside(p, root)]
 
 
 def no_trace_message(root: Path) -> str:
@@ -96,25 +118,129 @@ def render_sidebar(root: Path) -> Selection | None:
     sb.text(f"root: {root}")
     if sb.button("Reload", help="read the trace again: new steps, manifest status, token strings"):
         trace_cache.clear_caches()
-    traces = discover_traces(root)
+    candidates = _candidates(root)
+    traces = [p for p in candidates if inside(p, root)]
+    refused = [p for p in candidates if not inside(p, root)]
+    if refused:
+        sb.warning(f"{len(refused)} trace(s) under the root are links that leave it: not listed.")
+        sb.text("\n".join(str(p) for p in refused[:10]))
     if not traces:
         return None
-    run = sb.selectbox("Run", traces, format_func=lambda p: _run_label(root, p), key="run")
-    trace = trace_cache.open_trace(str(run))
-    keys = trace.steps()
+    _apply_url_run(root, traces)
+    jump = token_jump.pending()
+    if jump is not None:
+        token_jump.select_run(jump, traces)
+    run = sb.selectbox("Run", traces, format_func=lambda p: _run_label(root, p), key="run",
+                       on_change=_remember_run, args=(root,))
+    try:
+        trace = trace_cache.open_trace(str(run))
+        keys = trace.steps()
+        problems = trace.problems()
+    except TraceError as err:
+        sb.error("This run cannot be opened; pick another one.")
+        return Selection(root, run, None, None, error=str(err))
     sb.text(f"{trace.algorithm or 'unknown algorithm'} · {trace.status} · {len(keys)} step files")
+    _render_status_notes(trace, problems)
+    _render_auto_refresh(str(run))
+    if jump is not None:
+        token_jump.select_step(jump, run, keys, _step_labels)
+    ranks = sorted({k.rank for k in keys})
+    rank = None
+    if len(ranks) > 1:
+        rank = sb.selectbox("Rank", [None, *ranks], key="rank", format_func=_rank_label,
+                            help="show the step files of one rank, or of all ranks")
+        keys = [k for k in keys if k.rank == rank] if rank is not None else keys
     if not keys:
-        return Selection(root, run, None, None)
+        return Selection(root, run, None, None, rank)
     labels = _step_labels(keys)
     label = sb.selectbox("Step file", labels, key="step_file",
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
     key = keys[labels.index(label)]
-    seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.mtime_ns(key.path))
+    try:
+        seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.mtime_ns(key.path))
+    except TraceError as err:
+        sb.error("This step file cannot be read; pick another one.")
+        sb.text(str(err))
+        seq_labels = []
     sequence = None
     if seq_labels:
         sequence = sb.selectbox("Sequence", range(len(seq_labels)), format_func=seq_labels.__getitem__,
                                 key="sequence")
-    return Selection(root, run, key, sequence)
+    return Selection(root, run, key, sequence, rank)
+
+
+def _rank_label(rank: int | None) -> str:
+    return "all ranks" if rank is None else f"rank {rank}"
+
+
+def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
+    sb = st.sidebar
+    if trace.path.is_dir() and not (trace.path / MANIFEST_NAME).is_file():
+        sb.warning(f"No {MANIFEST_NAME} in this run: status, tokenizer and token strings are unknown; "
+                   "the step files are shown with what their headers say.")
+    if trace.status == "running":
+        sb.caption("The trainer is still writing this run: new steps appear on Reload or with auto-refresh.")
+    if problems:
+        sb.warning(f"{len(problems)} step file(s) set aside: they cannot be read or leave the trace "
+                   "directory. The other steps are shown.")
+        with sb.expander("Step files set aside"):
+            st.text("\n\n".join(f"{path.name}\n{reason}" for path, reason in problems.items()))
+
+
+def live_signature(trace_path: str) -> tuple:
+    """What auto-refresh watches: the manifest's modification time and the step file names."""
+    try:
+        names = trace_cache.step_files(trace_cache.open_trace(trace_path))
+    except TraceError as err:
+        names = (str(err),)
+    return trace_cache.manifest_mtime(trace_path), names
+
+
+def _render_auto_refresh(trace_path: str) -> None:
+    on = st.sidebar.toggle("Auto-refresh", key="auto_refresh",
+                           help=f"check every {REFRESH_SECONDS:g} s for new step files and a changed manifest "
+                                "(status), and rerun the app when there are")
+    if on:
+        with st.sidebar:
+            _watch(trace_path, live_signature(trace_path))
+
+
+@st.fragment(run_every=REFRESH_SECONDS)
+def _watch(trace_path: str, shown: tuple) -> None:
+    if live_signature(trace_path) != shown:
+        st.rerun()
+    st.caption(f"auto-refresh on: checking every {REFRESH_SECONDS:g} s")
+
+
+def _apply_url_run(root: Path, traces: list[Path]) -> None:
+    """Select the run named by ``?run=`` in the URL (relative to the root, or absolute) once per
+    new value; a path that resolves outside the root is refused with a message."""
+    requested = st.query_params.get(RUN_PARAM)
+    if requested is None:
+        return
+    try:
+        path = resolve_request(root, requested)
+    except OutsideRootError as err:
+        st.error("Refused the run named in the URL: it lies outside the directory this app was started "
+                 "with.", icon=":material/block:")
+        st.text(str(err))
+        return
+    match = next((t for t in traces if t.resolve() == path), None)
+    if match is None:
+        st.error("The run named in the URL is not a trace under the root.", icon=":material/block:")
+        st.text(f"{RUN_PARAM}={requested!r}")
+        return
+    if st.session_state.get(_URL_APPLIED) != requested:
+        st.session_state[_URL_APPLIED] = requested
+        st.session_state["run"] = match
+
+
+def _remember_run(root: Path) -> None:
+    """The run selectbox's on_change: put the chosen run in the URL (``?run=``) to share it."""
+    label = _run_label(root, st.session_state["run"]).removesuffix(" (the root)")
+    label = "." if st.session_state["run"] == root else label
+    st.query_params[RUN_PARAM] = label
+    st.session_state[_URL_APPLIED] = label
 
 
 def store_selection(selection: Selection) -> None:

@@ -30,6 +30,8 @@ MASK_BACKGROUND: dict[str, str] = {
     MASKED: "#e0e0e0",
 }
 MASKED_TEXT_COLOUR = "#6e6e6e"
+# The token a finding points at (Health page -> Tokens page): amber, bold, a left border.
+HIGHLIGHT_STYLE = "background-color: #ffd54f; color: #000000; font-weight: bold; border-left: 3px solid #e65100"
 # Columns first in the table, in this order; other value columns follow in reader order.
 LEAD_COLUMNS = ("section", "position", "token_id", "token_text", "mask_reason")
 VALUE_COLUMNS = ("old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio",
@@ -62,16 +64,28 @@ def _row_style(reason: str) -> str:
     return f"background-color: {background}; color: {MASKED_TEXT_COLOUR}"
 
 
-def style_token_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
-    """Grey the rows that do not enter the loss and format the values.
+def highlighted_rows(frame: pd.DataFrame, token: int | None) -> pd.Series:
+    """Boolean per row: the completion token at position ``token`` (all False when None)."""
+    if token is None or "position" not in frame:
+        return pd.Series(False, index=frame.index)
+    hit = frame["position"] == token
+    if "section" in frame:
+        hit &= frame["section"] == "completion"
+    return hit
 
-    Rows are coloured by ``mask_reason`` (:data:`MASK_BACKGROUND`); kept rows stay white. Floats
-    show 4 significant digits, NaN (a value the position does not have) as an empty cell.
-    Returns ``frame`` itself, unstyled, when it has more than :data:`MAX_STYLED_CELLS` cells.
+
+def style_token_table(frame: pd.DataFrame, highlight: int | None = None) -> Styler | pd.DataFrame:
+    """Grey the rows that do not enter the loss, mark the highlighted token, format the values.
+
+    Rows are coloured by ``mask_reason`` (:data:`MASK_BACKGROUND`); kept rows stay white. The
+    completion token at position ``highlight`` (a finding's token) gets :data:`HIGHLIGHT_STYLE`
+    whatever its mask. Floats show 4 significant digits, NaN (a value the position does not have)
+    as an empty cell. Returns ``frame`` itself, unstyled, when it has more than
+    :data:`MAX_STYLED_CELLS` cells.
     """
     if frame.size > MAX_STYLED_CELLS or "mask_reason" not in frame:
         return frame
-    styles = frame["mask_reason"].map(_row_style)
+    styles = frame["mask_reason"].map(_row_style).where(~highlighted_rows(frame, highlight), HIGHLIGHT_STYLE)
     float_columns = [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]
     return (frame.style
             .apply(lambda col: styles, axis=0)

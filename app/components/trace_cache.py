@@ -1,10 +1,11 @@
 """Cached access to traces for the pages.
 
-``st.cache_resource`` holds one :class:`tracer.reader.Trace` per path (it keeps no open file: the
-reader opens a step file per call). ``st.cache_data`` with bounded ``max_entries`` holds the small
-frames. Keys include the step file's modification time or the list of step files, so a new or
-rewritten step is read again; :func:`clear_caches` (the Reload button) drops everything, including
-the manifest and token strings of an open trace.
+``st.cache_resource`` holds one :class:`app.components.safe_trace.SafeTrace` per path and manifest
+modification time (it keeps no open file: the reader opens a step file per call), so a manifest
+rewritten by the trainer (status ``finished``) is read again. ``st.cache_data`` with bounded
+``max_entries`` holds the small frames. Keys include the step file's modification time or the list
+of step files, so a new or rewritten step is read again; :func:`clear_caches` (the Reload button)
+drops everything, including the token strings of an open trace.
 """
 
 from __future__ import annotations
@@ -14,17 +15,36 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
+from app.components.health import findings_frame
+from app.components.safe_trace import SafeTrace
 from tracer import views
+from tracer.checks import run_checks
+from tracer.diff import DiffReport, diff, token_diff_table
+from tracer.errors import TraceError
+from tracer.layout import MANIFEST_NAME
 from tracer.reader import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")
 
 
+def open_trace(path: str) -> SafeTrace:
+    """The trace at ``path`` (a trace directory or a single step file), read again when its
+    manifest changes. Never mutate it. Raises TraceError (OutsideRootError, TraceFormatError)."""
+    return _open_trace(path, manifest_mtime(path))
+
+
 @st.cache_resource(max_entries=16, show_spinner=False)
-def open_trace(path: str) -> Trace:
-    """The trace at ``path`` (a trace directory or a single step file). Never mutate it."""
-    return Trace(path)
+def _open_trace(path: str, manifest_mtime: int) -> SafeTrace:
+    return SafeTrace(path)
+
+
+def manifest_mtime(trace_path: str | Path) -> int:
+    """Modification time of the trace's manifest; 0 when there is none (a step file, no manifest)."""
+    try:
+        return (Path(trace_path) / MANIFEST_NAME).stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def step_key(trace: Trace, step_path: str) -> StepKey:
@@ -166,8 +186,48 @@ def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
     return views.dpo_step_summary(open_trace(trace_path))
 
 
-_CACHED = (open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
-           ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
+# -- health (tracer.checks) and diff (tracer.diff) ------------------------------------------------------
+
+
+@st.cache_data(max_entries=8, show_spinner="Running the checks…")
+def findings(trace_path: str, files: tuple[str, ...]) -> tuple[pd.DataFrame, dict[str, str]]:
+    """``run_checks`` on the step files named ``files`` (names on disk) as a findings frame
+    (:func:`app.components.health.findings_frame`), plus ``{file: TraceError message}`` for files
+    whose data could not be read (checked one by one so that the others are still checked)."""
+    trace = open_trace(trace_path)
+    keys = [k for k in trace.steps() if k.path.name in set(files)]
+    if not keys:
+        return findings_frame([]), {}
+    try:
+        return findings_frame(run_checks(trace, steps=keys)), {}
+    except TraceError:
+        pass
+    failed: dict[str, str] = {}
+    for key in keys:
+        try:
+            run_checks(trace, steps=[key])
+        except TraceError as err:
+            failed[key.path.name] = str(err)
+    good = [k for k in keys if k.path.name not in failed]
+    return findings_frame(run_checks(trace, steps=good) if good else []), failed
+
+
+@st.cache_data(max_entries=4, show_spinner="Comparing the traces…")
+def diff_report(a: str, b: str, files_a: tuple[str, ...], files_b: tuple[str, ...]) -> DiffReport:
+    """``tracer.diff(a, b)``; the step file names of both sides key the cache. Raises TraceError."""
+    return diff(a, b, progress=False)
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
+               mtimes: tuple[int, int]) -> pd.DataFrame:
+    """``tracer.diff.token_diff_table`` of one step pair and sequence; ``mtimes`` are the two step
+    files' modification times. Raises TraceError."""
+    return token_diff_table(a, b, step=step, sequence=sequence)
+
+
+_CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
+           findings, diff_report, token_diff, ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
            zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary)
 
 

@@ -1,0 +1,127 @@
+"""What the app may open: traces under the root it was started with, and within a trace only the
+files inside its own directory; step files that cannot be read are set aside with the reason.
+
+- :func:`inside` and :func:`resolve_request`: a path (from the sidebar, the URL's ``?run=``) is
+  resolved (``..`` and symlinks followed) and refused unless it lies under the root.
+- :class:`SafeTrace`: a :class:`tracer.reader.Trace` whose manifest, token strings and step files
+  must resolve inside the trace directory, and whose ``steps()`` leave out step files whose
+  safetensors header does not open (truncated file, garbage header); :meth:`SafeTrace.problems`
+  says which files were left out and why, so that the app keeps serving the other steps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+
+from tracer.errors import TraceError, TraceFormatError
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.reader import Trace
+
+OUTSIDE = "outside"  # problems(): the file resolves outside the trace directory
+UNREADABLE = "unreadable"  # problems(): the safetensors header does not open
+
+
+class OutsideRootError(TraceError):
+    """A path that resolves outside the directory the app may read."""
+
+
+def inside(path: str | os.PathLike, base: str | os.PathLike) -> bool:
+    """True when ``path`` resolves (symlinks and ``..`` followed) to ``base`` or below it."""
+    try:
+        return Path(path).resolve().is_relative_to(Path(base).resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
+def resolve_request(root: Path, requested: str) -> Path:
+    """The path a user asked for (``?run=`` in the URL), relative to ``root`` or absolute, resolved.
+
+    Raises:
+        OutsideRootError: it resolves outside ``root`` (``..``, a symlink, another absolute path).
+    """
+    candidate = Path(requested).expanduser()
+    candidate = candidate if candidate.is_absolute() else root / candidate
+    if not inside(candidate, root):
+        raise OutsideRootError(
+            f"refused to open {requested!r}: it resolves to {_resolved(candidate)}, outside the root "
+            f"{_resolved(root)} that the app was started with. The app opens only traces under its "
+            "root; start it with another --root to browse elsewhere.")
+    return candidate.resolve()
+
+
+def _resolved(path: Path) -> str:
+    try:
+        return str(path.resolve())
+    except (OSError, RuntimeError):
+        return str(path)
+
+
+def header_problem(path: Path) -> str | None:
+    """Why the safetensors header of ``path`` cannot be read (the reader's TraceFormatError
+    message), or None when it opens. Reads the header only; safetensors also checks there that
+    the file covers every tensor's bytes (a truncated file fails here)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            fh.metadata()
+            list(fh.keys())
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        return str(TraceFormatError(f"{path}: not a readable safetensors step file ({err})"))
+    return None
+
+
+class SafeTrace(Trace):
+    """A trace that reads only files inside its own directory and skips unreadable step files.
+
+    Args:
+        path: a trace directory or a single step file (as for :class:`Trace`).
+
+    Raises:
+        OutsideRootError: ``manifest.json``, ``tokens.json`` or ``steps/`` is a link leaving the
+            trace directory.
+        TraceFormatError: as :class:`Trace` (no trace there, unreadable or malformed manifest).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._base = Path(path).resolve()
+        self._header_memo: dict[str, tuple[int, int, str | None]] = {}
+        if Path(path).is_dir():
+            for name in (MANIFEST_NAME, TOKENS_NAME, STEPS_DIR):
+                part = Path(path) / name
+                if (part.exists() or part.is_symlink()) and not inside(part, self._base):
+                    raise OutsideRootError(
+                        f"{part} resolves to {_resolved(part)}, outside the trace directory {self._base}; "
+                        "refusing to read it (a trace's files must lie inside its directory)")
+        super().__init__(path)
+
+    def _all_step_paths(self) -> list[Path]:
+        return super()._step_paths()
+
+    def _step_paths(self) -> list[Path]:  # Trace lists step files through this method
+        return [p for p in self._all_step_paths() if self._problem(p) is None]
+
+    def _problem(self, path: Path) -> str | None:
+        if not inside(path, self._base):
+            return f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
+        try:
+            st = path.stat()
+        except OSError as err:
+            return f"{UNREADABLE}: {path}: {err}"
+        memo = self._header_memo.get(str(path))
+        if memo is None or memo[:2] != (st.st_mtime_ns, st.st_size):
+            problem = header_problem(path)
+            memo = (st.st_mtime_ns, st.st_size, None if problem is None else f"{UNREADABLE}: {problem}")
+            self._header_memo[str(path)] = memo
+        return memo[2]
+
+    def problems(self) -> dict[Path, str]:
+        """``{step file: reason}`` for the step files ``steps()`` leaves out: ``outside: ...``
+        (a link leaving the trace directory) or ``unreadable: ...`` (the TraceFormatError message)."""
+        out = {}
+        for path in self._all_step_paths():
+            problem = self._problem(path)
+            if problem is not None:
+                out[path] = problem
+        return out
