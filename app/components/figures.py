@@ -112,11 +112,12 @@ def shade_masked(fig: go.Figure, positions: list[int], kept: list[bool], row: in
 
 def step_curves_figure(summary: pd.DataFrame) -> go.Figure:
     """Per-step curves from ``Trace.step_summary()``: mean ratio, mean ref KL (k3), mean reward
-    and clip fraction against step, one line per inner step (colour shared across panels).
+    and clip fraction against step, one line per inner step (colour shared across panels), and
+    per (inner step, rank) when the summary holds several ranks (``inner step 0 · rank 1``).
 
-    Step files of the same (step, inner step) from several micro-batches or ranks are shown as
-    the plain mean of their per-file values (the hover says how many files). Panels whose column
-    is absent or all NaN are left out.
+    Step files of the same line and step from several micro-batches are shown as the plain mean of
+    their per-file values (the hover says how many files). Panels whose column is absent or all
+    NaN are left out.
     """
     if summary.empty or "step" not in summary:
         return empty_figure("no steps in this trace yet")
@@ -127,18 +128,22 @@ def step_curves_figure(summary: pd.DataFrame) -> go.Figure:
     nrows = (len(panels) + ncols - 1) // ncols
     fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=[title for _, title in panels])
-    inner = summary["inner_step"] if "inner_step" in summary else pd.Series(0, index=summary.index)
+    frame = summary.assign(inner_step=summary["inner_step"] if "inner_step" in summary else 0,
+                           rank=summary["rank"] if "rank" in summary else 0)
+    per_rank = frame["rank"].nunique() > 1
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-    for n, (inner_step, group) in enumerate(summary.assign(inner_step=inner).groupby("inner_step")):
+    for n, ((inner_step, rank), group) in enumerate(frame.groupby(["inner_step", "rank"] if per_rank
+                                                                  else ["inner_step", lambda _: 0])):
         agg = group.groupby("step").agg(
             **{col: (col, "mean") for col, _ in panels}, files=("step", "size")).reset_index()
+        name = f"inner step {inner_step}" + (f" · rank {rank}" if per_rank else "")
         colour = palette[n % len(palette)]
         for i, (col, title) in enumerate(panels):
             fig.add_trace(go.Scatter(
-                x=agg["step"], y=agg[col], mode="lines+markers", name=f"inner step {inner_step}",
-                legendgroup=f"inner {inner_step}", showlegend=i == 0, line={"color": colour},
+                x=agg["step"], y=agg[col], mode="lines+markers", name=name,
+                legendgroup=name, showlegend=i == 0, line={"color": colour},
                 customdata=agg["files"],
-                hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · inner {inner_step}"
+                hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · {name}"
                                "<br>%{customdata} file(s)<extra></extra>")),
                 row=i // ncols + 1, col=i % ncols + 1)
     for c in range(1, ncols + 1):
