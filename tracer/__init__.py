@@ -12,11 +12,12 @@ from typing import Any
 from tracer.diff import DiffReport, diff
 from tracer.errors import SchemaError, TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
+from tracer.watch import watch
 from tracer.writer import Tracer, TraceWriter
 
 __version__ = "0.1.0"
 __all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach",
-           "diff", "DiffReport"]
+           "diff", "DiffReport", "watch"]
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:

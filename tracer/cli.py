@@ -1,7 +1,8 @@
-"""Command line: ``python -m tracer {demo, info, view, diff, check}`` (also installed as ``tracer``).
+"""Command line: ``python -m tracer {demo, info, view, diff, check, run}`` (also installed as ``tracer``).
 
 Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments); ``diff`` exits 1
-when the traces differ beyond tolerance, ``check`` when any finding is an error.
+when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
+the script's own exit code, or 3 when the script succeeded but nothing was traced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Sequence
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.reader import Trace, find_traces
+from tracer.schema import ALGORITHMS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -65,6 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
                       help="step metadata key whose differences are not findings; repeatable")
     diff.add_argument("--max-locations", type=int, default=10, help="differing positions shown per field")
+
+    run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
+                         usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")
+    run.add_argument("--algo", choices=ALGORITHMS, required=True, help="the script's algorithm")
+    run.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
+    run.add_argument("--map", help="name map: a .toml/.yaml file or a shipped map name (default minimind)")
+    run.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                     help="step metadata for every step (JSON value, else a string), e.g. loss_reduction=token_mean")
+    run.add_argument("--strict", action="store_true", help="a failed capture raises in the script instead of a warning")
+    run.add_argument("script", help="the training script, run as `python SCRIPT ARGS...`")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
 
 
@@ -197,7 +210,30 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if has_errors(findings) else 0
 
 
-COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff, "check": _cmd_check}
+def _cmd_run(args: argparse.Namespace) -> int:
+    from tracer.watch import Watcher, run_script
+
+    meta = {}
+    for text in args.meta:
+        key, sep, value = text.partition("=")
+        if not sep or not key:
+            raise TraceError(f"--meta {text!r}: expected KEY=VALUE, e.g. --meta loss_reduction=token_mean")
+        try:
+            meta[key] = json.loads(value)
+        except ValueError:
+            meta[key] = value
+    watcher = Watcher(args.algo, args.out, args.map, strict=args.strict, hyperparameters=meta, nothing_traced="ignore",
+                      config={"script": args.script, "script_args": args.script_args})
+    code = run_script(args.script, args.script_args, watcher)
+    print(watcher.summary(), file=sys.stderr)
+    if code == 0 and watcher.steps_recorded == 0:
+        print(watcher.nothing_traced_message(), file=sys.stderr)
+        return 3
+    return code
+
+
+COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff, "check": _cmd_check,
+            "run": _cmd_run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

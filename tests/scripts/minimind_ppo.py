@@ -1,0 +1,115 @@
+"""PPO written the way MiniMind's trainer/train_ppo.py is (seed lesson 25): actor + critic + frozen
+reference, the seed's variable names, minibatches drawn by `inds` from the whole rollout. It knows
+nothing of tracer: tests trace it with `python -m tracer run --algo ppo ... -- minimind_ppo.py`.
+
+Numerically it is tracer/demo/ppo_loop.py (same seed, same order of random draws), so its zero-edit
+trace can be compared with the demo's explicit-API trace.
+"""
+
+import argparse
+import copy
+import random
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tracer.demo import rollout as ro
+from tracer.demo.ppo_loop import Critic
+
+
+def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
+    rng = random.Random(args.seed)
+    for step in range(args.steps):
+        actor.eval()
+        prompts = ro.arithmetic_prompts(args.batch_size, rng)
+        rollout_result = ro.rollout(actor, tokenizer, prompts, 1, args.max_new_tokens, args.temperature)
+        gen_out, full_mask = rollout_result.input_ids, rollout_result.attention_mask  # (B, L + R)
+        prompt_ids, prompt_mask = rollout_result.prompt_ids, rollout_result.prompt_mask  # (B, L)
+        completion_ids = rollout_result.completion_ids  # (B, R)
+        resp_policy_mask = rollout_result.completion_mask  # (B, R)
+        old_resp_logp = rollout_result.old_logprobs  # (B, R), saved at sampling time
+        prompt_len = prompt_ids.size(1)
+
+        responses = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        reward_components = ro.reward_components(rollout_result.prompts, responses)  # (B, F)
+        rewards = reward_components.sum(dim=1)  # (B,)
+        with torch.no_grad():
+            ref_resp_logp = ro.completion_logprobs(ref_model, gen_out, full_mask, prompt_len, args.temperature)
+            old_resp_values = critic(gen_out, full_mask, prompt_len) * resp_policy_mask  # (B, R)
+
+        B, gen_len = old_resp_logp.shape
+        resp_lengths = resp_policy_mask.sum(dim=1)
+        valid_resp = resp_lengths > 0
+        last_idx = resp_lengths - 1
+        token_rewards = torch.zeros_like(old_resp_logp)
+        token_rewards[torch.arange(B)[valid_resp], last_idx[valid_resp]] += rewards[valid_resp]
+        lastgaelam = torch.zeros(B)
+        advs_rev = []
+        for t in reversed(range(gen_len)):
+            nv = old_resp_values[:, t + 1] if t < gen_len - 1 else 0.0
+            delta = token_rewards[:, t] + args.gamma * nv - old_resp_values[:, t]
+            lastgaelam = delta + args.gamma * args.lam * lastgaelam
+            advs_rev.append(lastgaelam)
+        advantages = torch.stack(advs_rev[::-1], dim=1) * resp_policy_mask  # (B, R)
+        returns = (advantages + old_resp_values) * resp_policy_mask
+
+        actor.train()
+        early_stop = False
+        for ppo_epoch in range(args.ppo_update_iters):
+            perm = torch.randperm(B)
+            for mb_start in range(0, B, args.mini_batch_size):
+                inds = perm[mb_start : mb_start + args.mini_batch_size]
+                mb_resp_logp = ro.completion_logprobs(actor, gen_out[inds], full_mask[inds], prompt_len,
+                                                      args.temperature)  # (b, R)
+                mask = resp_policy_mask[inds]
+                log_ratio = mb_resp_logp - old_resp_logp[inds]
+                approx_kl = (0.5 * (log_ratio**2) * mask).sum() / mask.sum().clamp(min=1)
+                if approx_kl > args.target_kl:
+                    early_stop = True
+                    break
+                ratio = torch.exp(log_ratio)
+                clipped_ratio = torch.clamp(ratio, 1 - args.clip_epsilon, 1 + args.clip_epsilon)
+                per_token_loss = -torch.min(ratio * advantages[inds], clipped_ratio * advantages[inds])
+                kl_ref = torch.exp(ref_resp_logp[inds] - mb_resp_logp) - (ref_resp_logp[inds] - mb_resp_logp) - 1.0
+                per_token_loss = per_token_loss + args.kl_coef * kl_ref
+                policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
+                mb_values = critic(gen_out[inds], full_mask[inds], prompt_len)
+                value_loss = (((mb_values - returns[inds]) ** 2) * mask).sum() / mask.sum().clamp(min=1)
+                loss = policy_loss + args.vf_coef * value_loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+            if early_stop:
+                break
+        print(f"step {step}: reward {rewards.mean().item():.3f}")
+
+
+def main(args):
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    actor = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    ref_model = copy.deepcopy(actor).eval().requires_grad_(False)
+    critic = Critic(actor)
+    optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=args.learning_rate)
+    ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="MiniMind-style PPO on the tiny model")
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--mini_batch_size", type=int, default=4)
+    parser.add_argument("--ppo_update_iters", type=int, default=3)
+    parser.add_argument("--max_new_tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--clip_epsilon", type=float, default=0.2)
+    parser.add_argument("--kl_coef", type=float, default=0.02)
+    parser.add_argument("--target_kl", type=float, default=0.1)
+    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--lam", type=float, default=0.95)
+    parser.add_argument("--vf_coef", type=float, default=0.5)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    main(args)

@@ -1,0 +1,280 @@
+"""Read canonical fields out of a training loop's frame through a name map (zero-edit tracing).
+
+Rules (documented in README "Zero-edit"):
+
+* The calling frame is the first frame, walking out from ``backward``, whose module is not part of
+  torch, accelerate, deepspeed or tracer (``tracer.demo`` counts as user code).
+* Tensors and hyperparameters are read from that frame's locals, then its globals (``args.beta``
+  finds a module-level ``args``). Indices (step, epoch, inner step, micro-batch) are read from the
+  calling frame, then from up to ``INDEX_DEPTH`` callers.
+* For each field the map's candidates are tried in order; the first that is a tensor of the field's
+  rank and agrees with the fields already read (the schema's B, T, L, F) wins. The policy logprobs
+  are read first: without them the frame holds nothing to trace.
+* Fields the loop lacks are computed only when the map's ``derive`` lists them, with
+  :mod:`tracer.formulas`, from fields that were read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import operator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from tracer import formulas
+from tracer.errors import SchemaError
+from tracer.name_maps import STACKED_STEMS, Expression, NameMap
+from tracer.schema import check_tensors
+
+LIBRARY_ROOTS = frozenset({"torch", "accelerate", "deepspeed", "tracer"})
+RUNNER_ROOTS = frozenset({"runpy", "tracer", "IPython", "ipykernel", "_pytest", "pytest", "pluggy"})
+INDEX_DEPTH = 4
+GROUPED = ("grpo", "cispo", "rloo")
+_MISSING = object()
+
+
+def _module_root(frame: FrameType) -> tuple[str, str]:
+    name = frame.f_globals.get("__name__") or ""
+    return name, name.split(".")[0]
+
+
+def is_library_frame(frame: FrameType) -> bool:
+    """True for frames of torch / accelerate / deepspeed / tracer itself (not ``tracer.demo``)."""
+    name, root = _module_root(frame)
+    return root in LIBRARY_ROOTS and not name.startswith("tracer.demo")
+
+
+def calling_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` outwards that is not library code (see the module rules)."""
+    while frame is not None and is_library_frame(frame):
+        frame = frame.f_back
+    return frame
+
+
+def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:
+    """``frame`` and up to ``depth - 1`` callers, stopping at a runner (runpy, tracer, pytest...)."""
+    for _ in range(depth):
+        if frame is None or (frame.f_back is not None and _module_root(frame)[1] in RUNNER_ROOTS
+                             and not _module_root(frame)[0].startswith("tracer.demo")):
+            return
+        yield frame
+        frame = frame.f_back
+
+
+def resolve(expr: Expression, frame: FrameType) -> Any:
+    """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``."""
+    scopes = (frame.f_locals, frame.f_globals)
+    value = next((s[expr.path[0]] for s in scopes if expr.path[0] in s), _MISSING)
+    for attr in expr.path[1:]:
+        if value is _MISSING:
+            return _MISSING
+        if isinstance(value, Mapping) and attr in value:
+            value = value[attr]
+        else:
+            value = getattr(value, attr, _MISSING)
+    if value is _MISSING or expr.index is None:
+        return value
+    index = next((s[expr.index] for s in scopes if expr.index in s), _MISSING)
+    if not isinstance(value, torch.Tensor) or not isinstance(index, torch.Tensor) or index.dim() != 1:
+        return _MISSING
+    if index.dtype == torch.bool or index.is_floating_point():
+        return _MISSING
+    try:
+        return value[index.to(value.device)]
+    except (IndexError, RuntimeError):
+        return _MISSING
+
+
+@dataclass
+class FrameCapture:
+    """What one backward's frame gave: fields ready for ``record``, indices, hyperparameters."""
+
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # field -> expression or "derived"
+    indices: dict[str, int] = field(default_factory=dict)
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    rejected: dict[tuple[str, str], str] = field(default_factory=dict)  # (field, expression) -> why
+    anchor: torch.Tensor | None = None  # the policy logprobs tensor as the loop holds it
+
+
+def anchor_field(algorithm: str) -> str:
+    """The field whose presence makes a backward traceable."""
+    return "chosen_policy_logprobs" if algorithm == "dpo" else "policy_logprobs"
+
+
+def _candidates(key: str, name_map: NameMap, frame: FrameType, algorithm: str) -> Iterator[tuple[str, dict]]:
+    """``(expression, {field: tensor})`` for ``key`` (a field, or ``stacked:<stem>`` for DPO)."""
+    if key.startswith("stacked:"):
+        stem = key.split(":", 1)[1]
+        for expr in name_map.stacked.get(stem, ()):
+            value = resolve(expr, frame)
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] % 2 == 0 and value.shape[0]:
+                half = value.shape[0] // 2
+                yield expr.text, {f"chosen_{stem}": value[:half], f"rejected_{stem}": value[half:]}
+        return
+    for expr in name_map.fields.get(key, ()):
+        value = resolve(expr, frame)
+        if isinstance(value, torch.Tensor):
+            yield expr.text, {key: value}
+
+
+def _order(name_map: NameMap, algorithm: str) -> tuple[list[str], list[str]]:
+    """Keys read first (those that can give the policy logprobs), then the others, in map order."""
+    keys = list(name_map.fields)
+    if algorithm == "dpo":
+        keys += [f"stacked:{s}" for s in STACKED_STEMS if s in name_map.stacked]
+        first = ("chosen_policy_logprobs", "rejected_policy_logprobs", "stacked:policy_logprobs")
+    else:
+        first = ("policy_logprobs",)
+    return [k for k in first if k in keys], [k for k in keys if k not in first]
+
+
+def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture: FrameCapture) -> None:
+    """Add the first candidate of ``key`` that agrees with the fields already read."""
+    picked = capture.fields
+    check_algo = None if algorithm == "dpo" else algorithm  # DPO sides are paired at the end
+    for text, produced in _candidates(key, name_map, frame, algorithm):
+        produced = {k: v for k, v in produced.items() if k not in picked}
+        if not produced:
+            return
+        try:
+            check_tensors({**picked, **produced}, check_algo)
+        except SchemaError as err:
+            capture.rejected[(key, text)] = str(err)
+            continue
+        picked.update(produced)
+        capture.sources.update({k: text for k in produced})
+        return
+
+
+def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: FrameCapture) -> None:
+    """Fill ``capture.fields`` from ``frame``; leaves them empty when the policy logprobs are absent."""
+    anchor, picked = anchor_field(algorithm), capture.fields
+    first, rest = _order(name_map, algorithm)
+    for key in first:
+        _pick(key, name_map, frame, algorithm, capture)
+    if anchor not in picked:
+        picked.clear()
+        return
+    for key in rest:
+        _pick(key, name_map, frame, algorithm, capture)
+    if algorithm == "dpo":
+        for name in [n for n in picked if n.startswith(("chosen_", "rejected_"))]:
+            side, other = ("chosen_", "rejected_") if name.startswith("chosen_") else ("rejected_", "chosen_")
+            if other + name[len(side):] not in picked:
+                capture.rejected[(name, capture.sources.get(name, ""))] = "its other side was not found"
+                del picked[name]
+    capture.anchor = picked.get(anchor)
+    if capture.anchor is None:
+        picked.clear()
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool) or value is _MISSING:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def read_indices(frame: FrameType, name_map: NameMap) -> dict[str, int]:
+    """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers."""
+    out: dict[str, int] = {}
+    for key, exprs in name_map.indices.items():
+        for f in _user_frames(frame, INDEX_DEPTH):
+            found = next((v for v in (_as_int(resolve(e, f)) for e in exprs) if v is not None), None)
+            if found is not None:
+                out[key] = found
+                break
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able scalar for step metadata, or ``_MISSING``."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else _MISSING
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        try:
+            return _plain(value.item())
+        except (TypeError, ValueError):
+            return _MISSING
+    return _MISSING
+
+
+def read_hyperparameters(frame: FrameType, name_map: NameMap) -> dict[str, Any]:
+    """Step metadata keys (``beta``, ``num_generations``...) found in the frame."""
+    out = {}
+    for key, exprs in name_map.hyperparameters.items():
+        value = next((v for v in (_plain(resolve(e, frame)) for e in exprs) if v is not _MISSING), _MISSING)
+        if value is not _MISSING:
+            out[key] = value
+    return out
+
+
+def read_objects(frame: FrameType, name_map: NameMap) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizer or None, config dict)``: the first candidate that looks like a tokenizer
+    (has ``convert_ids_to_tokens``) and the JSON-able entries of an argparse Namespace or dict."""
+    tokenizer = next((v for v in (resolve(e, frame) for e in name_map.objects.get("tokenizer", ()))
+                      if hasattr(v, "convert_ids_to_tokens")), None)
+    config: dict[str, Any] = {}
+    for expr in name_map.objects.get("config", ()):
+        value = resolve(expr, frame)
+        items = vars(value) if isinstance(value, argparse.Namespace) else value if isinstance(value, Mapping) else None
+        if items is not None:
+            config = {str(k): v for k, v in items.items() if _plain(v) is not _MISSING or v is None}
+            break
+    return tokenizer, config
+
+
+def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> None:
+    """Compute the map's ``derive`` fields the frame lacked, from fields that were read."""
+    d = {k: v.detach() for k, v in capture.fields.items()}
+    new: dict[str, torch.Tensor] = {}
+    wanted = set(name_map.derive)
+    pairs = {"ratio": ("old_logprobs", formulas.ratio), "approx_kl_k2": ("old_logprobs", formulas.approx_kl_k2),
+             "ref_kl_k3": ("ref_logprobs", formulas.ref_kl_k3)}
+    for name, (other, fn) in pairs.items():
+        if name in wanted and name not in d and "policy_logprobs" in d and other in d:
+            new[name] = fn(d["policy_logprobs"], d[other])
+    G = capture.hyperparameters.get("num_generations")
+    if ("group_ids" in wanted and "group_ids" not in d and algorithm in GROUPED and "row_ids" not in d
+            and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
+        new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
+    new.update(_dpo_terms(d, capture.hyperparameters.get("beta")) if "dpo_terms" in wanted and algorithm == "dpo" else {})
+    for name, tensor in new.items():
+        capture.fields[name] = tensor
+        capture.sources[name] = "derived"
+
+
+def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]:
+    needed = [f"{side}_{what}" for side in ("chosen", "rejected") for what in ("policy_logprobs", "ref_logprobs", "mask")]
+    terms = ("dpo_logits", "dpo_loss", "chosen_rewards", "rejected_rewards")
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or any(n not in d for n in needed):
+        return {}
+    seq = {n: formulas.sequence_logprobs(d[n], d[n.split("_")[0] + "_mask"]) for n in needed if not n.endswith("mask")}
+    out = formulas.dpo_terms(seq["chosen_policy_logprobs"], seq["rejected_policy_logprobs"],
+                             seq["chosen_ref_logprobs"], seq["rejected_ref_logprobs"], float(beta))
+    return {k: v for k, v in out.items() if k in terms and k not in d}
+
+
+def read_frame(frame: FrameType, name_map: NameMap, algorithm: str) -> FrameCapture:
+    """Everything one backward's frame gives (fields empty when the policy logprobs are absent)."""
+    capture = FrameCapture()
+    read_fields(frame, name_map, algorithm, capture)
+    if capture.anchor is None:
+        return capture
+    capture.indices = read_indices(frame, name_map)
+    capture.hyperparameters = read_hyperparameters(frame, name_map)
+    derive_fields(capture, name_map, algorithm)
+    return capture
+
+
+def tensor_variables(frame: FrameType) -> list[str]:
+    """``name [shape]`` of the tensors among the frame's locals (for the 'nothing matched' message)."""
+    return [f"{k} {list(v.shape)}" for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)][:30]

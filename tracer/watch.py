@@ -1,0 +1,346 @@
+"""Zero-edit tracing: record a hand-written training loop's tensors at each backward, by name.
+
+``python -m tracer run --algo grpo --out runs/x -- train_grpo.py --lr 1e-6`` runs the script as
+``python train_grpo.py --lr 1e-6`` would (same ``__main__``, ``sys.argv``, ``sys.path[0]``) with
+:class:`Watcher` installed; from Python (a notebook)::
+
+    with tracer.watch(algo="grpo", out="runs/x") as w:
+        train()                                  # any loop that calls loss.backward()
+    print(w.summary())
+
+How it works: ``torch.Tensor.backward`` and ``torch.autograd.backward`` are wrapped (and restored
+on exit). Before the real backward runs, the calling frame's variables are read through a name map
+(:mod:`tracer.name_maps`, rules in :mod:`tracer.frames`), so the tensors recorded are the ones the
+loss was built from. Steps are numbered from the frame's indices (:class:`StepClock`). The trace
+writer is created at the first traced backward, so a script that never traces leaves no empty
+trace behind, and ``torch.distributed`` ranks (initialised by the script) are known by then.
+
+Tracing never stops the script: a failed capture is warned about and counted (``strict=True``
+raises instead).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import threading
+import traceback
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from tracer import frames
+from tracer.errors import TraceError
+from tracer.layout import refuse_existing_trace
+from tracer.name_maps import NameMap, load_name_map
+from tracer.schema import ALGORITHMS
+from tracer.writer import TraceWriter
+
+MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
+_state = threading.local()
+_installed: dict[str, Any] = {}  # the original backward functions while a Watcher is active
+
+
+class StepClock:
+    """Turns the indices found in the frame into unique ``(step, inner_step, micro_batch)`` keys.
+
+    * ``step``: the frame's step; when it goes back (a counter that restarts each data epoch) an
+      offset keeps the trace's steps increasing. Without one: a new step whenever the frame's
+      ``(inner_step, micro_batch)`` does not advance (every backward when neither is found).
+    * ``inner_step``: the frame's, else 0. ``micro_batch``: the frame's, else 0, 1, ... within each
+      ``(step, inner_step)``; a key already used moves to the next free micro-batch.
+    """
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._auto_step = -1
+        self._last: tuple[int, int, int] | None = None
+        self._last_order: tuple[int, ...] = ()
+        self._seen: set[tuple[int, int, int]] = set()
+
+    def key(self, indices: Mapping[str, int]) -> tuple[int, int, int]:
+        step, inner, mb = indices.get("step"), indices.get("inner_step"), indices.get("micro_batch")
+        if step is None:
+            order = tuple(v for v in (inner, mb) if v is not None)
+            if self._last is None or not order or order <= self._last_order:
+                self._auto_step += 1
+            self._last_order, step = order, self._auto_step
+        else:
+            step += self.offset
+            if self._last is not None and step < self._last[0]:
+                self.offset += self._last[0] + 1 - step
+                step = self._last[0] + 1
+        inner = 0 if inner is None else inner
+        if mb is None:
+            mb = self._last[2] + 1 if self._last is not None and self._last[:2] == (step, inner) else 0
+        while (step, inner, mb) in self._seen:
+            mb += 1
+        self._last = (step, inner, mb)
+        self._seen.add(self._last)
+        return self._last
+
+
+class Watcher:
+    """Traces every backward of a training loss run while it is active (a context manager).
+
+    Args:
+        algo: ``ppo | grpo | cispo | rloo | dpo``.
+        out: the trace directory (refused when it already holds a trace).
+        name_map: a :class:`NameMap`, a shipped map's name, a ``.toml``/``.yaml`` path, or None
+            for the shipped MiniMind-style map.
+        strict: raise TraceError from ``backward`` when a capture fails; default: warn, count, go on.
+        hyperparameters: step metadata for every step; wins over values read from the frame.
+        config: run configuration for the manifest (merged with the frame's ``args``).
+        tokenizer: for ``tokens.json``; default: the frame's ``tokenizer`` variable.
+        nothing_traced: what leaving the block without an error does when no step was traced:
+            ``"warn"`` (RuntimeWarning; the default), ``"raise"`` (TraceError; the default when
+            ``strict``) or ``"ignore"`` (the caller reads ``nothing_traced_message()``).
+        **writer_kwargs: passed to :class:`tracer.TraceWriter` (``sampling``, ``async_write``...).
+
+    Attributes:
+        backward_calls, steps_recorded, unmatched_calls (frame without policy logprobs),
+        repeated_calls (same policy tensor as the previous record, e.g. a second loss), failures.
+    """
+
+    def __init__(self, algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None, *,
+                 strict: bool = False, hyperparameters: Mapping[str, Any] | None = None,
+                 config: Mapping[str, Any] | None = None, tokenizer: Any = None,
+                 nothing_traced: str | None = None, **writer_kwargs: Any) -> None:
+        if algo not in ALGORITHMS:
+            raise TraceError(f"algo {algo!r} is not one of {list(ALGORITHMS)}")
+        self.algorithm, self.out, self.strict = algo, Path(out), strict
+        self.name_map = name_map if isinstance(name_map, NameMap) else load_name_map(name_map, algo)
+        self.hyperparameters = dict(hyperparameters or {})
+        self.config, self.tokenizer, self.writer_kwargs = dict(config or {}), tokenizer, writer_kwargs
+        self.nothing_traced = nothing_traced or ("raise" if strict else "warn")
+        if self.nothing_traced not in ("warn", "raise", "ignore"):
+            raise TraceError(f"nothing_traced={nothing_traced!r}; choose 'warn', 'raise' or 'ignore'")
+        self.writer: TraceWriter | None = None
+        self.backward_calls = self.steps_recorded = self.unmatched_calls = self.repeated_calls = self.failures = 0
+        self.clock = StepClock()
+        self.last_unmatched: str | None = None
+        self._last_anchor: tuple[weakref.ref, int] | None = None
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- context manager ----------------------------------------------------------------------
+
+    def __enter__(self) -> "Watcher":
+        refuse_existing_trace(self.out, int(os.environ.get("RANK", "0")))
+        _install(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _uninstall(self)
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except TraceError as err:
+                if exc_type is None and self.strict:
+                    raise
+                warnings.warn(f"tracer.watch: closing the trace failed: {err}", RuntimeWarning, stacklevel=2)
+        if self.steps_recorded == 0 and exc_type is None:
+            if self.nothing_traced == "raise":
+                raise TraceError(self.nothing_traced_message())
+            if self.nothing_traced == "warn":
+                warnings.warn(self.nothing_traced_message(), RuntimeWarning, stacklevel=2)
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """One line: step files traced, backward calls, and what was not traced."""
+        where = f" into {self.out}" if self.steps_recorded else ""
+        return (f"tracer: traced {self.steps_recorded} step file(s){where} from {self.backward_calls} backward call(s)"
+                f" ({self.unmatched_calls} without policy logprobs in the frame, {self.repeated_calls} repeated, "
+                f"{self.failures} failed)")
+
+    def nothing_traced_message(self) -> str:
+        """Why no step was traced, and what to do."""
+        if self.backward_calls == 0:
+            return ("tracer: nothing was traced: the code never called backward() (torch.Tensor.backward or "
+                    "torch.autograd.backward), and zero-edit tracing records the loss's tensors at each backward; "
+                    f"no trace was written to {self.out}. Is this the training script, and does it reach its "
+                    "training loop with these arguments?")
+        anchor = frames.anchor_field(self.algorithm)
+        names = self.name_map.names("fields", anchor) + [
+            f"{n} (stacked)" for n in self.name_map.names("stacked", "policy_logprobs")]
+        return (f"tracer: nothing was traced: backward() ran {self.backward_calls} time(s), but no calling frame "
+                f"held the policy logprobs under a name the map knows ({anchor}: {names}; map: "
+                f"{self.name_map.source}). Last backward: {self.last_unmatched}. Write a map file naming your "
+                f"variables (see tracer/maps/minimind.toml) and pass --map FILE (tracer.watch(name_map=FILE)).")
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def on_backward(self, loss: Any) -> None:
+        """Called before each backward runs (from the wrapped functions)."""
+        frame = frames.calling_frame(sys._getframe(2))
+        if frame is None:  # a backward from library code only (e.g. inside the autograd engine)
+            return
+        self.backward_calls += 1
+        try:
+            self._capture(frame)
+        except Exception as err:  # never break the user's training because tracing failed
+            self.failures += 1
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
+            reason = f"backward at {where}: {type(err).__name__}: {err}"
+            if self.strict:
+                raise TraceError(f"tracer.watch: {reason}") from err
+            if self.writer is not None:
+                self.writer.count_drop(reason)
+            if self.failures <= MAX_WARNINGS:
+                warnings.warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
+                              "continues; strict=True (--strict) raises instead.", RuntimeWarning, stacklevel=4)
+        finally:
+            del frame
+
+    def _capture(self, frame) -> None:
+        capture = frames.read_frame(frame, self.name_map, self.algorithm)
+        self._warn_rejected(capture)
+        if capture.anchor is None:
+            self.unmatched_calls += 1
+            self.last_unmatched = (f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}(), "
+                                   f"tensor variables {frames.tensor_variables(frame)}")
+            return
+        base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
+        if self._last_anchor is not None and self._last_anchor[0]() is base and self._last_anchor[1] == base._version:
+            self.repeated_calls += 1
+            return
+        step, inner, mb = self.clock.key(capture.indices)
+        metadata = {k: v for k, v in capture.hyperparameters.items() if k not in self.hyperparameters}
+        if "epoch" in capture.indices:
+            metadata["epoch"] = capture.indices["epoch"]
+        if self.clock.offset and "step" in capture.indices:
+            metadata["source_step"] = capture.indices["step"]
+        writer = self.writer or self._open_writer(frame, capture)
+        writer.record(step=step, inner_step=inner, micro_batch=mb, metadata=metadata, **capture.fields)
+        self._last_anchor = (weakref.ref(base), base._version)
+        self.steps_recorded += 1
+
+    def _open_writer(self, frame, capture: frames.FrameCapture) -> TraceWriter:
+        tokenizer, frame_config = frames.read_objects(frame, self.name_map)
+        config = {**frame_config, **self.config, "trainer": "tracer.watch", "name_map": self.name_map.source,
+                  "field_sources": dict(capture.sources)}
+        self.writer = TraceWriter(self.out, self.algorithm, tokenizer=self.tokenizer or tokenizer, config=config,
+                                  hyperparameters=self.hyperparameters, strict=self.strict, **self.writer_kwargs)
+        return self.writer
+
+    def _warn_rejected(self, capture: frames.FrameCapture) -> None:
+        for (key, text), why in capture.rejected.items():
+            if (key, text) not in self._warned:
+                self._warned.add((key, text))
+                warnings.warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}",
+                              RuntimeWarning, stacklevel=6)
+
+
+def watch(algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None,
+          **kwargs: Any) -> Watcher:
+    """Trace every backward run inside ``with tracer.watch(algo=..., out=...):`` (see :class:`Watcher`)."""
+    return Watcher(algo, out, name_map, **kwargs)
+
+
+# -- the backward wrappers ------------------------------------------------------------------------
+
+
+def _install(watcher: Watcher) -> None:
+    if _installed:
+        raise TraceError("tracer.watch is already active; nest no watchers (one trace per run)")
+    _installed.update(watcher=watcher, tensor_backward=torch.Tensor.backward, autograd_backward=torch.autograd.backward)
+
+    def tensor_backward(self, *args, **kwargs):
+        _before_backward(self)
+        return _call_original("tensor_backward", self, *args, **kwargs)
+
+    def autograd_backward(tensors, *args, **kwargs):
+        _before_backward(tensors)
+        return _call_original("autograd_backward", tensors, *args, **kwargs)
+
+    tensor_backward.__wrapped__ = _installed["tensor_backward"]
+    autograd_backward.__wrapped__ = _installed["autograd_backward"]
+    torch.Tensor.backward = tensor_backward
+    torch.autograd.backward = autograd_backward
+
+
+def _uninstall(watcher: Watcher) -> None:
+    if _installed.get("watcher") is watcher:
+        torch.Tensor.backward = _installed["tensor_backward"]
+        torch.autograd.backward = _installed["autograd_backward"]
+        _installed.clear()
+
+
+def _before_backward(loss: Any) -> None:
+    watcher = _installed.get("watcher")
+    if watcher is None or getattr(_state, "busy", False):
+        return  # Tensor.backward calls torch.autograd.backward: trace the outer call only
+    watcher.on_backward(loss)
+
+
+def _call_original(name: str, *args, **kwargs):
+    outer = not getattr(_state, "busy", False)
+    _state.busy = True
+    try:
+        return _installed.get(name, _ORIGINALS[name])(*args, **kwargs)
+    finally:
+        if outer:
+            _state.busy = False
+
+
+_ORIGINALS = {"tensor_backward": torch.Tensor.backward, "autograd_backward": torch.autograd.backward}
+
+
+# -- running a script -----------------------------------------------------------------------------
+
+
+def _exit_code(code: Any) -> int:
+    """What ``python SCRIPT`` exits with for ``sys.exit(code)``."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_script_traceback(err: BaseException, script: Path) -> None:
+    """The traceback as ``python SCRIPT`` prints it: from the script's own frame down."""
+    tb = err.__traceback__
+    while tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve() != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(err), err, tb or err.__traceback__)
+
+
+def run_script(script: str | os.PathLike, argv: list[str], watcher: Watcher) -> int:
+    """Run ``script`` like ``python SCRIPT ARGV...`` with ``watcher`` active; returns its exit code.
+
+    ``sys.argv`` is ``[SCRIPT, *argv]``, ``sys.path[0]`` the script's directory, ``__name__`` is
+    ``"__main__"`` (all restored after). A script that raises has its traceback printed and exits 1
+    (130 on KeyboardInterrupt); the steps traced before the error are flushed to disk.
+
+    Raises:
+        TraceError: the script does not exist, or the trace directory already holds a trace.
+    """
+    path = Path(script).resolve()
+    if not path.is_file():
+        raise TraceError(f"script {script} does not exist; pass the training script after `--`, e.g. "
+                         "`python -m tracer run --algo grpo --out runs/x -- train_grpo.py --lr 1e-6`")
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(script), *argv]
+    sys.path[:1] = [str(path.parent)]
+    code = 0
+    try:
+        with watcher:
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except SystemExit as exit_:
+                code = _exit_code(exit_.code)
+            except KeyboardInterrupt as err:
+                _print_script_traceback(err, path)
+                code = 130
+            except Exception as err:
+                _print_script_traceback(err, path)
+                code = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return code
