@@ -176,8 +176,12 @@ def _rank_label(rank: int | None) -> str:
 def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
     sb = st.sidebar
     if trace.path.is_dir() and not (trace.path / MANIFEST_NAME).is_file():
-        sb.warning(f"No {MANIFEST_NAME} in this run: status, tokenizer and token strings are unknown; "
-                   "the step files are shown with what their headers say.")
+        sb.warning(f"No {MANIFEST_NAME} in this run: its status and tokenizer (EOS and pad ids) are unknown, "
+                   "so masked positions cannot say why; the step files are shown with what their headers say.")
+    notes = [*getattr(trace, "manifest_notes", []), *filter(None, [getattr(trace, "tokens_problem", None)])]
+    if notes:  # a manifest or tokens.json the reader could use only in part (file names inside: plain text)
+        sb.warning(f"Part of this run's {MANIFEST_NAME} / token strings was ignored; the steps are still shown.")
+        sb.text("\n".join(notes))
     if trace.status == "running":
         sb.caption("The trainer is still writing this run: new steps appear on Reload or with auto-refresh.")
     if problems:
