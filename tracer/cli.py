@@ -225,10 +225,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     watcher = Watcher(args.algo, args.out, args.map, strict=args.strict, hyperparameters=meta, nothing_traced="ignore",
                       config={"script": args.script, "script_args": args.script_args})
     code = run_script(args.script, args.script_args, watcher)
-    print(watcher.summary(), file=sys.stderr)
     if code == 0 and watcher.steps_recorded == 0:
         print(watcher.nothing_traced_message(), file=sys.stderr)
         return 3
+    print(watcher.summary(), file=sys.stderr)
     return code
 
 
