@@ -12,6 +12,7 @@ files inside its own directory; step files that cannot be read are set aside wit
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from safetensors import safe_open
@@ -86,7 +87,7 @@ class SafeTrace(Trace):
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._base = Path(path).resolve()
-        self._header_memo: dict[str, tuple[int, int, str | None]] = {}
+        self._header_memo: dict[str, tuple[tuple[int, ...], str | None]] = {}
         if Path(path).is_dir():
             for name in (MANIFEST_NAME, TOKENS_NAME, STEPS_DIR):
                 part = Path(path) / name
@@ -100,28 +101,39 @@ class SafeTrace(Trace):
         return super()._step_paths()
 
     def _step_paths(self) -> list[Path]:  # Trace lists step files through this method
-        return [p for p in self._all_step_paths() if self._problem(p) is None]
+        paths = self._all_step_paths()
+        problems = self._problems(paths)
+        return [p for p in paths if p not in problems] if problems else paths
 
-    def _problem(self, path: Path) -> str | None:
-        if not inside(path, self._base):
-            return f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
-        try:
-            st = path.stat()
-        except OSError as err:
-            return f"{UNREADABLE}: {path}: {err}"
-        memo = self._header_memo.get(str(path))
-        if memo is None or memo[:2] != (st.st_mtime_ns, st.st_size):
-            problem = header_problem(path)
-            memo = (st.st_mtime_ns, st.st_size, None if problem is None else f"{UNREADABLE}: {problem}")
-            self._header_memo[str(path)] = memo
-        return memo[2]
+    def _problems(self, paths: list[Path]) -> dict[Path, str]:
+        """Why each of ``paths`` is set aside (files absent from the result are fine). A file is
+        resolved only when it is a symlink or its folder leaves the trace directory; its header is
+        checked once per (l)stat signature, so listing a trace of many steps costs one lstat per
+        file once the headers have been checked."""
+        names = [str(p) for p in paths]
+        folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
+        out = {}
+        for path, name in zip(paths, names):
+            try:
+                link = os.lstat(name)
+                target = os.stat(name) if stat.S_ISLNK(link.st_mode) else link
+            except OSError as err:
+                out[path] = f"{UNREADABLE}: {path}: {err}"
+                continue
+            if not folders[os.path.dirname(name)] or (link is not target and not inside(path, self._base)):
+                out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
+                continue
+            signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
+            memo = self._header_memo.get(name)
+            if memo is None or memo[0] != signature:
+                problem = header_problem(path)
+                memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
+                self._header_memo[name] = memo
+            if memo[1] is not None:
+                out[path] = memo[1]
+        return out
 
     def problems(self) -> dict[Path, str]:
         """``{step file: reason}`` for the step files ``steps()`` leaves out: ``outside: ...``
         (a link leaving the trace directory) or ``unreadable: ...`` (the TraceFormatError message)."""
-        out = {}
-        for path in self._all_step_paths():
-            problem = self._problem(path)
-            if problem is not None:
-                out[path] = problem
-        return out
+        return self._problems(self._all_step_paths())
