@@ -24,7 +24,7 @@ from tracer.watch import StepClock
 SCRIPTS = Path(__file__).parent / "scripts"
 REWARD_NAMES = json.dumps(["accuracy", "length", "scorer"])
 # step metadata the demo loops write that a script's frame cannot tell (given with --meta below where it can)
-NOT_IN_FRAME = ["top_p", "top_k", "old_logprobs_source", "early_stop"]
+NOT_IN_FRAME = ["top_p", "top_k", "old_logprobs_source"]
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_watch_from_python_equals_the_explicit_api_in_the_same_run(model_dir, tm
     demo_names = {"fields": {"old_logprobs": ["batch.old_logprobs"], "completion_mask": ["batch.completion_mask"],
                              "completion_ids": ["batch.completion_ids"], "group_ids": ["batch.group_ids"],
                              "reward_components": ["components"]},
-                  "indices": {"inner_step": ["inner"]}, "hyperparameters": {"num_generations": ["cfg.num_generations"]}}
+                  "indices": {"inner_step": ["inner"]}, "metadata": {"num_generations": ["cfg.num_generations"]}}
     original = torch.Tensor.backward
     with tracer.Tracer(tmp_path / "explicit", algorithm="grpo", tokenizer=tokenizer) as tr:
         with tracer.watch(algo="grpo", out=tmp_path / "watched", name_map=demo_names) as w:

@@ -4,7 +4,7 @@ Rules (documented in README "Zero-edit"):
 
 * The calling frame is the first frame, walking out from ``backward``, whose module is not part of
   torch, accelerate, deepspeed or tracer (``tracer.demo`` counts as user code).
-* Tensors and hyperparameters are read from that frame's locals, then its globals (``args.beta``
+* Tensors and step metadata are read from that frame's locals, then its globals (``args.beta``
   finds a module-level ``args``). Indices (step, epoch, inner step, micro-batch) are read from the
   calling frame, then from up to ``INDEX_DEPTH`` callers.
 * For each field the map's candidates are tried in order; the first that is a tensor of the field's
@@ -54,14 +54,19 @@ def calling_frame(frame: FrameType | None) -> FrameType | None:
     return frame
 
 
+def _is_runner(frame: FrameType) -> bool:
+    name, root = _module_root(frame)
+    return root in RUNNER_ROOTS and not name.startswith("tracer.demo")
+
+
 def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:
-    """``frame`` and up to ``depth - 1`` callers, stopping at a runner (runpy, tracer, pytest...)."""
-    for _ in range(depth):
-        if frame is None or (frame.f_back is not None and _module_root(frame)[1] in RUNNER_ROOTS
-                             and not _module_root(frame)[0].startswith("tracer.demo")):
+    """``frame`` and up to ``depth - 1`` of its callers, up to the first runner (runpy, pytest...)."""
+    yield frame
+    for _ in range(depth - 1):
+        frame = frame.f_back
+        if frame is None or _is_runner(frame):
             return
         yield frame
-        frame = frame.f_back
 
 
 def resolve(expr: Expression, frame: FrameType) -> Any:
@@ -90,12 +95,12 @@ def resolve(expr: Expression, frame: FrameType) -> Any:
 
 @dataclass
 class FrameCapture:
-    """What one backward's frame gave: fields ready for ``record``, indices, hyperparameters."""
+    """What one backward's frame gave: fields ready for ``record``, indices, step metadata."""
 
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # field -> expression or "derived"
     indices: dict[str, int] = field(default_factory=dict)
-    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # step metadata read from the frame
     rejected: dict[tuple[str, str], str] = field(default_factory=dict)  # (field, expression) -> why
     anchor: torch.Tensor | None = None  # the policy logprobs tensor as the loop holds it
 
@@ -105,7 +110,7 @@ def anchor_field(algorithm: str) -> str:
     return "chosen_policy_logprobs" if algorithm == "dpo" else "policy_logprobs"
 
 
-def _candidates(key: str, name_map: NameMap, frame: FrameType, algorithm: str) -> Iterator[tuple[str, dict]]:
+def _candidates(key: str, name_map: NameMap, frame: FrameType) -> Iterator[tuple[str, dict]]:
     """``(expression, {field: tensor})`` for ``key`` (a field, or ``stacked:<stem>`` for DPO)."""
     if key.startswith("stacked:"):
         stem = key.split(":", 1)[1]
@@ -136,7 +141,7 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
     """Add the first candidate of ``key`` that agrees with the fields already read."""
     picked = capture.fields
     check_algo = None if algorithm == "dpo" else algorithm  # DPO sides are paired at the end
-    for text, produced in _candidates(key, name_map, frame, algorithm):
+    for text, produced in _candidates(key, name_map, frame):
         produced = {k: v for k, v in produced.items() if k not in picked}
         if not produced:
             return
@@ -207,10 +212,10 @@ def _plain(value: Any) -> Any:
     return _MISSING
 
 
-def read_hyperparameters(frame: FrameType, name_map: NameMap) -> dict[str, Any]:
-    """Step metadata keys (``beta``, ``num_generations``...) found in the frame."""
+def read_metadata(frame: FrameType, name_map: NameMap) -> dict[str, Any]:
+    """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame."""
     out = {}
-    for key, exprs in name_map.hyperparameters.items():
+    for key, exprs in name_map.metadata.items():
         value = next((v for v in (_plain(resolve(e, frame)) for e in exprs) if v is not _MISSING), _MISSING)
         if value is not _MISSING:
             out[key] = value
@@ -242,11 +247,11 @@ def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> N
     for name, (other, fn) in pairs.items():
         if name in wanted and name not in d and "policy_logprobs" in d and other in d:
             new[name] = fn(d["policy_logprobs"], d[other])
-    G = capture.hyperparameters.get("num_generations")
+    G = capture.metadata.get("num_generations")
     if ("group_ids" in wanted and "group_ids" not in d and algorithm in GROUPED and "row_ids" not in d
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
         new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
-    new.update(_dpo_terms(d, capture.hyperparameters.get("beta")) if "dpo_terms" in wanted and algorithm == "dpo" else {})
+    new.update(_dpo_terms(d, capture.metadata.get("beta")) if "dpo_terms" in wanted and algorithm == "dpo" else {})
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
@@ -270,7 +275,7 @@ def read_frame(frame: FrameType, name_map: NameMap, algorithm: str) -> FrameCapt
     if capture.anchor is None:
         return capture
     capture.indices = read_indices(frame, name_map)
-    capture.hyperparameters = read_hyperparameters(frame, name_map)
+    capture.metadata = read_metadata(frame, name_map)
     derive_fields(capture, name_map, algorithm)
     return capture
 

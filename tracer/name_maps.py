@@ -28,7 +28,7 @@ from tracer.schema import ALGORITHMS, FIELDS
 
 MAPS_DIR = Path(__file__).with_name("maps")
 DEFAULT_MAP = "minimind"
-CANDIDATE_SECTIONS = ("fields", "stacked", "indices", "hyperparameters", "objects")
+CANDIDATE_SECTIONS = ("fields", "stacked", "indices", "metadata", "objects")
 INDEX_KEYS = ("step", "epoch", "inner_step", "micro_batch")
 STACKED_STEMS = ("ids", "mask", "policy_logprobs", "ref_logprobs")
 OBJECT_KEYS = ("tokenizer", "config")
@@ -57,7 +57,7 @@ class NameMap:
     fields: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
     stacked: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
     indices: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
-    hyperparameters: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
+    metadata: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
     objects: Mapping[str, tuple[Expression, ...]] = field(default_factory=dict)
     derive: tuple[str, ...] = ()
 
@@ -119,7 +119,7 @@ def _allowed_keys(section: str) -> tuple[str, ...] | None:
         return INDEX_KEYS
     if section == "objects":
         return OBJECT_KEYS
-    return None  # hyperparameters: any metadata key
+    return None  # metadata: any key
 
 
 def _section(raw: Mapping[str, Any], name: str, where: str) -> dict[str, tuple[Expression, ...]]:
@@ -203,4 +203,4 @@ def load_name_map(spec: str | Path | Mapping[str, Any] | None = None, algorithm:
         parsed = _merge(parsed, _parse(_read_file(base_path), str(base_path), algorithm))
         sources.append(str(base_path))
     return NameMap(" + ".join(sources), parsed["fields"], parsed["stacked"], parsed["indices"],
-                   parsed["hyperparameters"], parsed["objects"], parsed.get("derive", ()))
+                   parsed["metadata"], parsed["objects"], parsed.get("derive", ()))

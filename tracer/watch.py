@@ -209,7 +209,7 @@ class Watcher:
             self.repeated_calls += 1
             return
         step, inner, mb = self.clock.key(capture.indices)
-        metadata = {k: v for k, v in capture.hyperparameters.items() if k not in self.hyperparameters}
+        metadata = {k: v for k, v in capture.metadata.items() if k not in self.hyperparameters}
         if "epoch" in capture.indices:
             metadata["epoch"] = capture.indices["epoch"]
         if self.clock.offset and "step" in capture.indices:
