@@ -111,6 +111,9 @@ class SafeTrace(Trace):
         checked once per (l)stat signature, so listing a trace of many steps costs one lstat per
         file once the headers have been checked."""
         names = [str(p) for p in paths]
+        if self.path.is_file():  # a single step file is the whole trace (and its own directory)
+            problems = {p: header_problem(p) for p in paths}
+            return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
         folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
         out = {}
         for path, name in zip(paths, names):
