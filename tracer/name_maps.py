@@ -18,7 +18,6 @@ Expressions are ``name``, ``name.attr...`` (attribute, or key of a dict-like) an
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -76,6 +75,18 @@ def parse_expression(text: str, where: str) -> Expression:
     return Expression(text.strip(), tuple(match["path"].split(".")), match["index"])
 
 
+def _toml_module():
+    """``tomllib`` (Python 3.11+), else its backport ``tomli``."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise NameMapError("reading TOML name maps on Python 3.10 needs tomli (pip install tomli)") from None
+    return tomllib
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise NameMapError(f"name map {path} does not exist; pass a .toml (or .yaml) file, or a shipped map name "
@@ -88,6 +99,7 @@ def _read_file(path: Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh) or {}
     else:
+        tomllib = _toml_module()
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
