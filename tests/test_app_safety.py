@@ -170,6 +170,7 @@ def test_corrupt_step_files_are_named_and_the_others_served(monkeypatch, corrupt
 
 def test_diff_with_a_corrupt_trace_names_the_file(monkeypatch, corrupt_root):
     at = start(monkeypatch, corrupt_root)
+    at.selectbox(key="run").select(corrupt_root / "good").run()  # (bad_manifest, listed first, may not open)
     at.switch_page("app_pages/diff.py").run()
     at.selectbox(key="diff_a").select(corrupt_root / "good").run()
     at.selectbox(key="diff_b").select(corrupt_root / "corrupt").run()
