@@ -10,7 +10,6 @@ through :mod:`app.components.token_jump` before they are drawn.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -79,11 +78,6 @@ def discover_traces(root: Path) -> list[Path]:
     return [p for p in _candidates(root) if inside(p, root)]
 
 
-def refused_traces(root: Path) -> list[Path]:
-    """Traces found under ``root`` through a link that leaves it: never listed, never opened."""
-    return [p for p in _candidates(root) if not inside(p, root)]
-
-
 def no_trace_message(root: Path) -> str:
     """What the app says when ``root`` holds no trace (Markdown; the path is in a code span)."""
     where = "does not exist" if not root.exists() else "holds no trace"
@@ -118,12 +112,7 @@ def render_sidebar(root: Path) -> Selection | None:
     sb.text(f"root: {root}")
     if sb.button("Reload", help="read the trace again: new steps, manifest status, token strings"):
         trace_cache.clear_caches()
-    candidates = _candidates(root)
-    traces = [p for p in candidates if inside(p, root)]
-    refused = [p for p in candidates if not inside(p, root)]
-    if refused:
-        sb.warning(f"{len(refused)} trace(s) under the root are links that leave it: not listed.")
-        sb.text("\n".join(str(p) for p in refused[:10]))
+    traces = _listed_traces(root)
     if not traces:
         return None
     _apply_url_run(root, traces)
@@ -144,6 +133,23 @@ def render_sidebar(root: Path) -> Selection | None:
     _render_auto_refresh(str(run))
     if jump is not None:
         token_jump.select_step(jump, run, keys, _step_labels)
+    return _choose_step(root, run, keys)
+
+
+def _listed_traces(root: Path) -> list[Path]:
+    """The traces under ``root`` (:func:`discover_traces`); a warning names those reached through
+    a link that leaves the root (never listed, never opened)."""
+    candidates = _candidates(root)
+    refused = [p for p in candidates if not inside(p, root)]
+    if refused:
+        st.sidebar.warning(f"{len(refused)} trace(s) under the root are links that leave it: not listed.")
+        st.sidebar.text("\n".join(str(p) for p in refused[:10]))
+    return [p for p in candidates if p not in refused]
+
+
+def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
+    """The Rank (with several ranks), Step file and Sequence choosers of ``run``."""
+    sb = st.sidebar
     ranks = sorted({k.rank for k in keys})
     rank = None
     if len(ranks) > 1:
