@@ -20,6 +20,7 @@ LOCATION_COLUMNS = ("step", "inner_step", "micro_batch", "rank", "sequence", "to
 FINDING_COLUMNS = ("severity", "check", *LOCATION_COLUMNS, "token_text", "field", "message", "path")
 SEVERITY_BACKGROUND = {ERROR: "#f8d0d0", WARNING: "#fbe9c2"}
 NO_PROBLEMS = "no errors or warnings"
+MAX_STYLED_ROWS = 5_000
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,11 @@ def target_of(frame: pd.DataFrame, row: int, trace_path: str) -> FindingTarget |
 
 
 def style_findings(frame: pd.DataFrame):
-    """Rows coloured by severity (errors red, warnings amber); info and skipped stay white."""
+    """Rows coloured by severity (errors red, warnings amber); info and skipped stay white. Past
+    :data:`MAX_STYLED_ROWS` rows the frame is returned unstyled (the severity column says it all)."""
+    if len(frame) > MAX_STYLED_ROWS:
+        return frame
+
     def row_style(row: pd.Series) -> list[str]:
         colour = SEVERITY_BACKGROUND.get(str(row["severity"]))
         return [f"background-color: {colour}" if colour else ""] * len(row)
