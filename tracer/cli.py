@@ -81,10 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or still running)",
+               "finished": "finished", "unknown": "unknown (no readable manifest)"}
+
+
 def trace_info(path: str | Path) -> dict[str, Any]:
-    """The facts ``info`` prints, as a JSON-able dict."""
+    """The facts ``info`` prints, as a JSON-able dict. Every step file's header is read once
+    (``Trace.scan``): ``unreadable`` maps each file that cannot be used to the reason, and the
+    step lists count only readable step files."""
     trace = Trace(path)
-    keys = trace.steps()
+    unreadable = {str(p): why for p, why in trace.scan().items()}
+    keys = [k for k in trace.steps() if str(k.path) not in unreadable]
+    if not keys and trace.path.is_file():
+        raise TraceError(unreadable.get(str(trace.path), f"{trace.path}: no readable step file"))
     fields: dict[str, dict[str, Any]] = {}
     metadata: dict[str, Any] = {}
     if keys:
@@ -95,6 +104,7 @@ def trace_info(path: str | Path) -> dict[str, Any]:
         "path": str(trace.path),
         "algorithm": trace.algorithm,
         "status": trace.status,
+        "status_text": STATUS_TEXT.get(trace.status, trace.status),
         "schema_version": trace.manifest.get("schema_version", metadata.get("schema_version")),
         "num_step_files": len(keys),
         "steps": sorted({k.step for k in keys}),
@@ -102,6 +112,8 @@ def trace_info(path: str | Path) -> dict[str, Any]:
         "micro_batches": sorted({k.micro_batch for k in keys}),
         "ranks": sorted({k.rank for k in keys}),
         "dropped_steps": trace.manifest.get("dropped_steps", 0),
+        "drop_reasons": trace.manifest.get("drop_reasons", []),
+        "unreadable": unreadable,
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
         "first_step_metadata": metadata,
@@ -111,24 +123,35 @@ def trace_info(path: str | Path) -> dict[str, Any]:
 def _print_info(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = Console()
+
+    def say(text: str, **kw: Any) -> None:  # text from the trace's files is data, never rich markup
+        console.print(text, markup=False, highlight=False, soft_wrap=True, **kw)
+
     steps = info["steps"]
     span = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
-    console.print(f"[bold]{info['path']}[/bold]")
-    console.print(f"algorithm: {info['algorithm']}   status: {info['status']}   "
-                  f"schema: {info['schema_version']}")
-    console.print(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
-                  f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
-    table = Table(title="fields (first step file)")
+    console.print(info["path"], style="bold", markup=False)
+    say(f"algorithm: {info['algorithm']}   status: {info['status_text']}   schema: {info['schema_version']}")
+    say(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
+        f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
+    for reason in info["drop_reasons"][:5]:
+        say(f"  dropped: {reason}")
+    table = Table(title="fields (first readable step file)")
     for col in ("field", "shape", "dtype"):
         table.add_column(col)
     for name, spec in info["fields"].items():
-        table.add_row(name, str(spec["shape"]), spec["dtype"])
+        table.add_row(Text(name), str(spec["shape"]), Text(spec["dtype"]))
     console.print(table)
     if info["first_step_metadata"]:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
-        console.print(f"metadata: {meta}", soft_wrap=True)
+        say(f"metadata: {meta}")
+    if info["unreadable"]:
+        console.print(f"problems ({len(info['unreadable'])} files; unreadable step files are left out above):",
+                      style="bold red")
+        for reason in info["unreadable"].values():
+            say(f"  {reason}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -27,18 +27,19 @@ Rules (documented in docs/regression-testing.md):
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import pandas as pd
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from tracer.diff_report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, Location, StepId, Tolerance, step_label
 from tracer.diff_stats import (DEFAULT_TOLERANCES, DRIFT_FRACTION, DRIFT_MIN_POSITIONS, DRIFT_SIGN_SHARE,
                                SHIFT_IMPROVEMENT, FieldStats, coarseness, default_tolerance, mismatch)
 from tracer.errors import TraceError, TraceFormatError
+from tracer.integrity import check_step_header, open_step_file
 from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
 from tracer.schema import FIELDS, decode_metadata
 
@@ -95,12 +96,15 @@ def diff(
     atols, rtols = _per_field(atol, "atol"), _per_field(rtol, "rtol")
     wanted = None if fields is None else list(fields)
     if pairs:
-        _check_names(pairs[0], wanted, atols, rtols)
+        _check_names(pairs, wanted, atols, rtols)
     engine = _Engine(report, trace_a, trace_b, atols, rtols, wanted,
                      IGNORED_METADATA | set(ignore_metadata), drift)
     show = progress if progress is not None else (len(pairs) >= PROGRESS_MIN_PAIRS and sys.stderr.isatty())
     for key_a, key_b in tqdm(pairs, desc="tracer diff", unit="step", disable=not show, leave=False):
-        engine.diff_step(key_a, key_b)
+        try:
+            engine.diff_step(key_a, key_b)
+        except TraceFormatError as err:  # a corrupt step file: say which and why, diff the others
+            report.unreadable[step_label(_step_id(key_a))] = str(err)
     report.fields = {name: acc.finish() for name, acc in engine.accs.items()}
     return report
 
@@ -167,8 +171,12 @@ def _tolerance(name: str, dtype_a: str, dtype_b: str, atols: dict[str, float], r
 
 def _schema_version(trace: Trace) -> str | None:
     version = trace.manifest.get("schema_version")
-    if version is None and trace.steps():
-        version = trace.metadata(trace.steps()[0]).get("schema_version")
+    for key in trace.steps() if version is None else []:
+        try:
+            version = trace.metadata(key).get("schema_version")
+        except TraceFormatError:
+            continue
+        break
     return None if version is None else str(version)
 
 
@@ -193,6 +201,9 @@ def _step_id(key: StepKey) -> StepId:
 def _pair_steps(trace_a: Trace, trace_b: Trace):
     keys_a, keys_b = trace_a.steps(), trace_b.steps()
     if trace_a.path.is_file() and trace_b.path.is_file():
+        for trace, keys in ((trace_a, keys_a), (trace_b, keys_b)):
+            if not keys:  # a single step file whose header does not open
+                raise TraceFormatError(next(iter(trace.scan().values()), f"{trace.path}: no readable step file"))
         return [(keys_a[0], keys_b[0])], [], []
     by_b = {_step_id(k): k for k in keys_b}
     ids_a = {_step_id(k) for k in keys_a}
@@ -215,18 +226,28 @@ def _per_field(value: float | Mapping[str, float] | None, what: str) -> dict[str
     return out
 
 
-def _open(path: Path):
-    try:
-        return safe_open(str(path), framework="pt", device="cpu")
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+@contextmanager
+def _open(path: Path, trace: Trace | None = None):
+    """Open a step file (bounded header read); with ``trace``, also check its header against the
+    schema. Raises TraceFormatError naming the file."""
+    with open_step_file(path) as fh:
+        if trace is not None:
+            algorithm = decode_metadata(fh.metadata()).get("algorithm", trace.manifest.get("algorithm"))
+            check_step_header(path, fh, algorithm if isinstance(algorithm, str) else None)
+        yield fh
 
 
-def _check_names(pair: tuple[StepKey, StepKey], wanted, atols, rtols) -> None:
+def _check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> None:
     names: set[str] = set()
-    for key in pair:
-        with _open(key.path) as fh:
-            names |= set(fh.keys())
+    for pair in pairs:  # the first pair whose files open
+        try:
+            for key in pair:
+                with _open(key.path) as fh:
+                    names |= set(fh.keys())
+        except TraceFormatError:
+            names = set()
+            continue
+        break
     for what, asked in (("fields", wanted or []), ("atol", atols), ("rtol", rtols)):
         unknown = sorted(set(asked) - names - {"*"})
         if unknown:
@@ -272,7 +293,7 @@ class _Engine:
 
     def diff_step(self, key_a: StepKey, key_b: StepKey) -> None:
         step = _step_id(key_a)
-        with _open(key_a.path) as fa, _open(key_b.path) as fb:
+        with _open(key_a.path, self.trace_a) as fa, _open(key_b.path, self.trace_b) as fb:
             meta_a, meta_b = decode_metadata(fa.metadata()), decode_metadata(fb.metadata())
             self._diff_metadata(step, meta_a, meta_b)
             sha = meta_a.get("content_sha256")

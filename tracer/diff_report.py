@@ -229,6 +229,8 @@ class DiffReport:
         missing_fields: ``{field: {"only_in": "a"|"b", "step_pairs": n, "first_step": StepId}}``.
         metadata: ``{key: {"a": .., "b": .., "step_pairs": n, "first_step": StepId}}`` for step
             metadata that differs (``content_sha256``, ``source_dtype`` and step identity ignored).
+        unreadable: ``{step label: reason}`` for step pairs not compared because a file on either
+            side cannot be read (the reason names the file); such a pair makes the traces unequal.
     """
 
     a: str
@@ -242,6 +244,7 @@ class DiffReport:
     fields: dict[str, FieldDiff] = field(default_factory=dict)
     missing_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -253,7 +256,7 @@ class DiffReport:
     @property
     def equal(self) -> bool:
         return not (self.only_in_a or self.only_in_b or self.missing_fields or self.metadata
-                    or self.differing_fields)
+                    or self.differing_fields or self.unreadable)
 
     @property
     def first_divergence(self) -> tuple[str, Location] | None:
@@ -264,7 +267,7 @@ class DiffReport:
 
     def findings(self) -> list[str]:
         """One line per finding; empty when ``equal``."""
-        out = []
+        out = [f"unreadable at {label}: {reason}" for label, reason in self.unreadable.items()]
         for side, steps in (("a", self.only_in_a), ("b", self.only_in_b)):
             if steps:
                 shown = ", ".join(step_label(s) for s in steps[:_SHOWN_STEPS])
@@ -331,6 +334,7 @@ class DiffReport:
             "labels": list(self.labels), "algorithm": self.algorithm, "step_pairs": self.step_pairs,
             "identical_by_checksum": self.identical_by_checksum, "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
+            "unreadable": self.unreadable,
             "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
             "fields": fields,
         }

@@ -49,11 +49,18 @@ def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
 def write_json_atomic(path: Path, payload: Any) -> None:
     """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(payload, fh, indent=1, ensure_ascii=False)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1, ensure_ascii=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:  # a full disk must not also keep the half-written bytes
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def token_strings(tokenizer: Any) -> list[str]:

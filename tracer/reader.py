@@ -7,7 +7,6 @@ step file with canonical field names (metadata optional).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -16,11 +15,11 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from safetensors import safe_open
-
 from tracer import formulas
 from tracer.errors import TraceFormatError
-from tracer.schema import decode_metadata
+from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKENS_BYTES, check_mask_values, check_step_header,
+                              clean_manifest, clean_tokens, open_step_file, read_json)
+from tracer.schema import FIELDS, decode_metadata
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 _STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
@@ -80,12 +79,11 @@ def mask_reasons(
     return out
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError) as err:
-        raise TraceFormatError(f"{path}: could not read the {what} ({type(err).__name__}: {err})") from err
+def _int_or(value: Any, default: int = 0) -> int:
+    """``value`` as an int when it is a JSON number, else ``default`` (hostile metadata)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 2**62:
+        return int(value)
+    return default
 
 
 class Trace:
@@ -94,6 +92,12 @@ class Trace:
     Args:
         path: a trace directory (with ``manifest.json`` and ``steps/``) or one step file.
 
+    A trace may hold files that cannot be read (truncated by a crash, corrupt, hostile): opening
+    it still works, ``steps()`` lists the step files by name, and reading a bad one raises
+    TraceFormatError naming the file and the reason; :meth:`scan` lists every such file.
+    A manifest that is not JSON, or has wrong-typed keys, is ignored in whole or in part and noted
+    in ``manifest_notes`` when step files exist.
+
     Raises:
         TraceFormatError: the path does not exist or holds no trace; the message says what was
             expected there.
@@ -101,6 +105,7 @@ class Trace:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.manifest_notes: list[str] = []  # why (parts of) the manifest were ignored
         if self.path.is_file():
             if self.path.suffix != ".safetensors":
                 raise TraceFormatError(
@@ -113,10 +118,8 @@ class Trace:
             self.root = self.path
             self._single = False
             manifest_path = self.root / MANIFEST_NAME
-            if manifest_path.is_file():
-                self.manifest = _read_json(manifest_path, "trace manifest")
-                if not isinstance(self.manifest, dict):
-                    raise TraceFormatError(f"{manifest_path}: expected a JSON object, got {type(self.manifest).__name__}")
+            if manifest_path.exists():
+                self.manifest = self._read_manifest(manifest_path)
             elif self._step_paths():
                 self.manifest = {}
             else:
@@ -125,6 +128,19 @@ class Trace:
                     "(written by tracer), or pass a single .safetensors step file")
         else:
             raise TraceFormatError(f"{self.path} does not exist: expected a trace directory or a step file")
+
+    def _read_manifest(self, manifest_path: Path) -> dict[str, Any]:
+        """The cleaned manifest; {} with a note when it is unreadable but step files exist."""
+        try:
+            manifest, self.manifest_notes = clean_manifest(
+                read_json(manifest_path, "trace manifest", MAX_MANIFEST_BYTES), manifest_path)
+        except TraceFormatError as err:
+            if not self._step_paths():
+                raise
+            manifest, self.manifest_notes = {}, [f"{err}; manifest ignored"]
+        if self.manifest_notes and not self._step_paths() and not manifest:
+            raise TraceFormatError(self.manifest_notes[0])
+        return manifest
 
     # -- listing ------------------------------------------------------------------------------
 
@@ -142,10 +158,35 @@ class Trace:
             if m:
                 keys.append(StepKey(*(int(g) for g in m.groups()), path=p))
             else:  # a step file named by the user: its header says which step it is
-                meta = self._header(p)
-                keys.append(StepKey(int(meta.get("step", 0)), int(meta.get("inner_step", 0)),
-                                    int(meta.get("micro_batch", 0)), int(meta.get("rank", 0)), p))
+                try:
+                    meta = self._header(p)
+                except TraceFormatError:
+                    continue  # unreadable and nameless: scan() reports it
+                keys.append(StepKey(*(_int_or(meta.get(k)) for k in ("step", "inner_step", "micro_batch", "rank")),
+                                    path=p))
         return sorted(keys)
+
+    def scan(self) -> dict[Path, str]:
+        """``{file: why it cannot be used}`` for the manifest, the token strings and every step
+        file whose header does not open or disagrees with the schema. Reads every step file's
+        header (no tensor data): O(step files)."""
+        problems: dict[Path, str] = {}
+        if self.manifest_notes:
+            problems[self.root / MANIFEST_NAME] = "; ".join(self.manifest_notes)
+        if self.tokens_problem is not None:
+            problems[self.root / TOKENS_NAME] = self.tokens_problem
+        named = {k.path for k in self.steps()}
+        for path in self._step_paths():
+            try:
+                with self._open(path) as fh:
+                    meta = decode_metadata(fh.metadata())
+                    check_step_header(path, fh, self._algorithm_of(meta))
+            except TraceFormatError as err:
+                problems[path] = str(err)
+                continue
+            if path not in named:
+                problems[path] = f"{path}: not listed as a step"
+        return problems
 
     def step_key(self, step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> StepKey:
         """The key of one step file by its coordinates, without listing the directory (O(1) in the
@@ -165,11 +206,20 @@ class Trace:
 
     @property
     def algorithm(self) -> str | None:
+        """The manifest's algorithm, else that of the first step file whose header opens."""
         algo = self.manifest.get("algorithm")
         if algo is None:
-            keys = self.steps()
-            algo = self.metadata(keys[0]).get("algorithm") if keys else None
-        return algo
+            for key in self.steps():
+                try:
+                    algo = self.metadata(key).get("algorithm")
+                except TraceFormatError:
+                    continue
+                break
+        return algo if isinstance(algo, str) or algo is None else str(algo)
+
+    def _algorithm_of(self, meta: dict[str, Any]) -> str | None:
+        algo = meta.get("algorithm", self.manifest.get("algorithm"))
+        return algo if isinstance(algo, str) else None
 
     @property
     def status(self) -> str:
@@ -178,13 +228,25 @@ class Trace:
     # -- tokens -------------------------------------------------------------------------------
 
     @cached_property
-    def tokens(self) -> list[str] | None:
-        """Text of each token id (``tokens.json``), or None when the trace stores none."""
+    def _tokens(self) -> tuple[list[str] | None, str | None]:
         path = self.root / TOKENS_NAME
-        if self._single or not path.is_file():
-            return None
-        tokens = _read_json(path, "token strings").get("tokens")
-        return tokens if isinstance(tokens, list) else None
+        if self._single or not path.exists():
+            return None, None
+        try:
+            return clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES), path), None
+        except TraceFormatError as err:
+            return None, f"{err}; token ids are shown as <id N>"
+
+    @property
+    def tokens_problem(self) -> str | None:
+        """Why ``tokens.json`` cannot be used (then ``tokens`` is None), or None."""
+        return self._tokens[1]
+
+    @property
+    def tokens(self) -> list[str] | None:
+        """Text of each token id (``tokens.json``), or None when the trace stores none or the file
+        is unusable (then :meth:`scan` says why)."""
+        return self._tokens[0]
 
     def token_text(self, ids: Iterable[int]) -> list[str]:
         """Text of each id; ``<id N>`` when the trace has no token strings or the id is unknown."""
@@ -206,10 +268,11 @@ class Trace:
     # -- one step -----------------------------------------------------------------------------
 
     def _open(self, path: Path):
-        try:
-            return safe_open(str(path), framework="pt", device="cpu")
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+        return open_step_file(path)
+
+    def _checked(self, key: StepKey, fh) -> None:
+        """Schema check of an open step file's header (TraceFormatError naming the field)."""
+        check_step_header(key.path, fh, self._algorithm_of(decode_metadata(fh.metadata())))
 
     def _header(self, path: Path) -> dict[str, Any]:
         with self._open(path) as fh:
@@ -231,25 +294,34 @@ class Trace:
     def load_step(self, key: StepKey, fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors of one step file (all fields, or only ``fields`` that are present)."""
         with self._open(key.path) as fh:
+            self._checked(key, fh)
             names = list(fh.keys()) if fields is None else [f for f in fields if f in fh.keys()]
             try:
-                return {name: fh.get_tensor(name) for name in names}
+                tensors = {name: fh.get_tensor(name) for name in names}
             except Exception as err:
                 raise TraceFormatError(f"{key.path}: could not read tensor data ({err})") from err
+        check_mask_values(key.path, tensors)
+        return tensors
 
     def load_sequence(self, key: StepKey, sequence: int) -> dict[str, torch.Tensor]:
         """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
-        row's bytes). Fields without a B dim are skipped. Raises IndexError for a row out of range."""
+        row's bytes). Fields without a B dim are skipped (a field outside the schema counts as
+        having one when its first dim equals the canonical fields' B). Raises IndexError for a row
+        out of range."""
         out = {}
         with self._open(key.path) as fh:
-            for name in fh.keys():
-                sl = fh.get_slice(name)
-                shape = sl.get_shape()
-                if not shape:
+            self._checked(key, fh)
+            algorithm = self._algorithm_of(decode_metadata(fh.metadata()))
+            shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+            canonical_b = [shape[0] for name, shape in shapes.items()
+                           if name in FIELDS and FIELDS[name].dims_for(algorithm)[:1] == ("B",) and shape]
+            for name, shape in shapes.items():
+                if not shape or (canonical_b and name not in FIELDS and shape[0] != canonical_b[0]):
                     continue
                 if not 0 <= sequence < shape[0]:
                     raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
-                out[name] = sl[sequence : sequence + 1][0]
+                out[name] = fh.get_slice(name)[sequence : sequence + 1][0]
+        check_mask_values(key.path, out)
         return out
 
     # -- tables for the app -------------------------------------------------------------------
@@ -263,7 +335,10 @@ class Trace:
         """
         data = self.load_step(key) if sequence is None else {
             k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence).items()}
-        rows = list(range(next(iter(data.values())).shape[0])) if sequence is None else [sequence]
+        ids = data.get("completion_ids", data.get("prompt_ids"))
+        if ids is None:
+            return pd.DataFrame()
+        rows = list(range(ids.shape[0])) if sequence is None else [sequence]
         frames = []
         if "prompt_ids" in data:
             frames.append(self._prompt_frame(data, rows))
@@ -331,29 +406,38 @@ class Trace:
     def step_summary(self) -> pd.DataFrame:
         """One row per step file with the step's masked means: ``mean_ratio``, ``mean_ref_kl_k3``,
         ``mean_approx_kl_k2``, ``mean_reward``, ``clip_fraction`` (sign-aware, from the step's clip
-        epsilons), ``kept_tokens``. Values a step lacks are NaN."""
+        epsilons), ``kept_tokens``. Values a step lacks are NaN. When a step file cannot be read,
+        its row has only its coordinates and a ``problem`` column says why."""
         records = []
         for key in self.steps():
-            meta = self.metadata(key)
-            data = self.load_step(key, ["completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2",
-                                        "rewards", "advantages"])
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
-            completion_mask = data.get("completion_mask")
-            if completion_mask is not None:
-                rec["kept_tokens"] = int(completion_mask.sum())
-                for name in ("ratio", "ref_kl_k3", "approx_kl_k2"):
-                    if name in data:
-                        rec[f"mean_{name}"] = float(formulas.masked_mean(data[name], completion_mask))
-                eps_low, eps_high = meta.get("clip_epsilon_low"), meta.get("clip_epsilon_high")
-                if "ratio" in data and "advantages" in data and eps_low is not None and eps_high is not None:
-                    fr = formulas.clip_fractions(data["ratio"], data["advantages"], completion_mask,
-                                                 float(eps_low), float(eps_high))
-                    rec["clip_fraction"] = float(fr["low"] + fr["high"])
-            if "rewards" in data:
-                rec["mean_reward"] = float(data["rewards"].float().mean())
+            try:
+                rec.update(self._summary_values(key))
+            except TraceFormatError as err:
+                rec["problem"] = str(err)
             records.append(rec)
         return pd.DataFrame.from_records(records)
+
+    def _summary_values(self, key: StepKey) -> dict[str, Any]:
+        meta = self.metadata(key)
+        data = self.load_step(key, ["completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "rewards", "advantages"])
+        rec: dict[str, Any] = {}
+        completion_mask = data.get("completion_mask")
+        if completion_mask is not None:
+            completion_mask = completion_mask.bool()
+            rec["kept_tokens"] = int(completion_mask.sum())
+            for name in ("ratio", "ref_kl_k3", "approx_kl_k2"):
+                if name in data:
+                    rec[f"mean_{name}"] = float(formulas.masked_mean(data[name].float(), completion_mask))
+            eps_low, eps_high = meta.get("clip_epsilon_low"), meta.get("clip_epsilon_high")
+            if "ratio" in data and "advantages" in data and isinstance(eps_low, float) and isinstance(eps_high, float):
+                fr = formulas.clip_fractions(data["ratio"].float(), data["advantages"].float(), completion_mask,
+                                             eps_low, eps_high)
+                rec["clip_fraction"] = float(fr["low"] + fr["high"])
+        if "rewards" in data:
+            rec["mean_reward"] = float(data["rewards"].float().mean())
+        return rec
 
 
 def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:

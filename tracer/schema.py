@@ -165,7 +165,7 @@ def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
             continue
         try:
             value = json.loads(text)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):  # RecursionError: hostile nesting like [[[[...
             out[key] = text
             continue
         if kind is int and isinstance(value, (int, float)) and not isinstance(value, bool):

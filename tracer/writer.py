@@ -195,7 +195,12 @@ class TraceWriter:
         encode_metadata(header)  # a non-JSON metadata value raises here, on the caller's thread
         if self.sampling.first_k_sequences is not None:
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
-        staged, event, pinned, nbytes = stage(tensors, self._pool)
+        try:
+            staged, event, pinned, nbytes = stage(tensors, self._pool)
+        except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
+            self._fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
+            self._raise_pending()
+            return None
         item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
         path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._background is None:
@@ -338,13 +343,24 @@ def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     """safetensors ``save_file`` to ``<path>.partial``, fsync, then rename: the file appears complete
     or not at all, and survives a power loss once renamed."""
     tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata=metadata)
-    fd = os.open(tmp, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        save_file(tensors, str(tmp), metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
+        raise
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()

@@ -10,11 +10,13 @@ from pathlib import Path
 from typing import Iterable
 
 from tracer.checks.context import CheckOptions, StepContext
-from tracer.checks.finding import CHECKS, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip
+from tracer.checks.finding import CHECKS, ERROR, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip
 from tracer.errors import TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
 
 log = logging.getLogger(__name__)
+UNREADABLE = "trace.unreadable"  # finding id of a step file that cannot be read (not a registered check)
+TRACE_FILES = "trace.files"  # finding id of a manifest or token-strings file that is (partly) ignored
 
 
 def select_checks(select: Iterable[str] | None = None) -> list[Check]:
@@ -45,6 +47,19 @@ def _crash(check: Check, err: Exception, key=None) -> Finding:
                    path=str(key.path) if key is not None else None)
 
 
+def _unreadable(key: StepKey, err: TraceFormatError) -> Finding:
+    return Finding(UNREADABLE, ERROR, f"step file not checked: {err}", step=key.step, inner_step=key.inner_step,
+                   micro_batch=key.micro_batch, rank=key.rank, path=str(key.path))
+
+
+def _file_notes(trace: Trace) -> list[Finding]:
+    """Warnings for a manifest or token strings the reader had to ignore (in whole or in part)."""
+    notes = [(trace.root / "manifest.json", note) for note in trace.manifest_notes]
+    if trace.tokens_problem is not None:
+        notes.append((trace.root / "tokens.json", trace.tokens_problem))
+    return [Finding(TRACE_FILES, WARNING, note, path=str(path)) for path, note in notes]
+
+
 def run_checks(
     trace: Trace | str | Path,
     select: Iterable[str] | None = None,
@@ -60,20 +75,31 @@ def run_checks(
         steps: only these step files (``trace.steps()`` items), e.g. the one a UI page shows.
     Returns:
         Findings, worst first. A check that cannot run for lack of a field or metadata key yields one
-        ``skipped`` finding per reason (``details["steps"]`` lists the step files).
+        ``skipped`` finding per reason (``details["steps"]`` lists the step files). A step file that
+        cannot be read yields a ``trace.unreadable`` error naming the file and the reason, and the
+        other step files are checked; an ignored manifest or token strings file a ``trace.files``
+        warning.
     Raises:
-        TraceError: unusable input (not a trace, no step file, unreadable file) or an unknown check name.
+        TraceError: unusable input (not a trace, no step file) or an unknown check name.
     """
     trace = trace if isinstance(trace, Trace) else Trace(trace)
     options = options or CheckOptions()
     checks = select_checks(select)
     keys = trace.steps() if steps is None else list(steps)
     if not keys:
-        raise TraceFormatError(f"{trace.path} holds no step file: nothing to check")
-    findings: list[Finding] = []
+        why = list(trace.scan().values())[:3]
+        raise TraceFormatError(f"{trace.path} holds no step file: nothing to check"
+                               + (f" (unreadable: {'; '.join(why)})" if why else ""))
+    findings: list[Finding] = _file_notes(trace)
     skips: dict[tuple[str, str], list] = {}
+    readable = []
     for key in keys:
-        ctx = StepContext(trace, key, options)
+        try:
+            ctx = StepContext(trace, key, options)
+        except TraceFormatError as err:
+            findings.append(_unreadable(key, err))
+            continue
+        readable.append(key)
         for check in checks:
             if check.scope != "step" or ctx.algorithm not in check.algorithms:
                 continue
@@ -88,7 +114,7 @@ def run_checks(
     for check in checks:
         if check.scope == "trace" and algorithm in check.algorithms:
             try:
-                findings.extend(check.run(trace, options, keys))
+                findings.extend(check.run(trace, options, readable))
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():

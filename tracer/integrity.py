@@ -1,0 +1,219 @@
+"""Open files from a trace that may be truncated, corrupt or hostile, with bounded reads.
+
+Every file of a trace can come from a stranger or be cut short by a crash. Before anything is
+parsed:
+
+* a step file must be a regular file (a FIFO or a device would block or never end), at least
+  8 bytes long, and the header length in its first 8 bytes (little-endian, the safetensors
+  layout) must fit in the file and stay under :data:`MAX_HEADER_BYTES`;
+* JSON files (manifest, token strings) must be regular files under a size cap, and parse to the
+  types the reader uses (wrong-typed manifest keys are dropped, each with a note).
+
+A step file's header is then checked against the schema (ranks, shared B/T/L/F sizes, dtype kinds
+of the canonical fields) without reading tensor data. Every refusal is a :class:`TraceFormatError`
+whose message names the file and says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tracer.errors import SchemaError, TraceFormatError
+from tracer.schema import ALGORITHMS, BOOL, FIELDS, FLOAT, INT64, check_tensors
+
+MAX_HEADER_BYTES = 16 * 2**20  # a step file's JSON header (tensor table + metadata); real ones are a few KB
+MAX_MANIFEST_BYTES = 16 * 2**20
+MAX_TOKENS_BYTES = 256 * 2**20  # token strings of a 250k vocabulary take a few MB
+
+# safetensors dtype names -> torch dtypes that canonical fields of each kind may have on disk.
+_INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES, BOOL: {"BOOL": torch.bool, **_INT_DTYPES, **_FLOAT_DTYPES}}
+
+# Manifest keys the reader uses -> the JSON type they must have.
+_MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "schema_version": (str, int), "algorithm": (str,), "status": (str,), "created": (str,),
+    "tokenizer": (dict,), "hyperparameters": (dict,), "config": (dict,), "producers": (dict,),
+    "sampling": (dict,), "capture": (dict,), "world_size": (int,), "steps_written": (int,),
+    "dropped_steps": (int,), "skipped_steps": (int,), "drop_reasons": (list,),
+}
+_JSON_NAMES = {dict: "a JSON object", list: "a JSON list", str: "a string", int: "an integer"}
+
+
+def _regular_size(path: Path, what: str) -> int:
+    """Size of ``path``; TraceFormatError when it cannot be stat'ed or is not a regular file."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise TraceFormatError(f"{path}: cannot read the {what} ({err.strerror or err})") from err
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceFormatError(f"{path}: the {what} is not a regular file (a directory, FIFO or device); "
+                               "refusing to read it")
+    return st.st_size
+
+
+def check_step_file_bounds(path: Path) -> None:
+    """Refuse a step file whose 8-byte header length does not fit the file or the cap.
+
+    Raises:
+        TraceFormatError: not a regular file, shorter than 8 bytes, or a header length larger
+            than the rest of the file or than :data:`MAX_HEADER_BYTES`.
+    """
+    size = _regular_size(path, "step file")
+    if size < 8:
+        raise TraceFormatError(f"{path}: {size} bytes, too short for a safetensors step file "
+                               "(8-byte header length, JSON header, tensor data): truncated or empty")
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+    except OSError as err:
+        raise TraceFormatError(f"{path}: cannot read the step file ({err.strerror or err})") from err
+    if header_len > size - 8:
+        raise TraceFormatError(f"{path}: the header claims {header_len} bytes but only {size - 8} follow the "
+                               "8-byte length: the file is truncated or not a safetensors file")
+    if header_len > MAX_HEADER_BYTES:
+        raise TraceFormatError(f"{path}: a header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} bytes "
+                               "any step file needs; refusing to parse it")
+
+
+def open_step_file(path: Path):
+    """``safe_open`` a step file after :func:`check_step_file_bounds` (use as a context manager).
+
+    Raises:
+        TraceFormatError: the bounds check fails or safetensors refuses the header (the message
+            carries its reason).
+    """
+    check_step_file_bounds(path)
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+
+
+def check_step_header(path: Path, handle: Any, algorithm: str | None) -> None:
+    """Check the canonical fields of an open step file against the schema, from the header only.
+
+    Ranks, shared dimension sizes (B, T, L, F agree across fields) and the on-disk dtype of each
+    canonical field (integers for ids, floats for logprobs, bool/integer/float for masks).
+
+    Raises:
+        TraceFormatError: naming the file, the field and the rule.
+    """
+    try:
+        meta_tensors = {}
+        for name in handle.keys():
+            spec = FIELDS.get(name)
+            if spec is None:
+                continue
+            sl = handle.get_slice(name)
+            dtype_name, shape = sl.get_dtype(), list(sl.get_shape())
+            allowed = _ALLOWED[spec.kind]
+            if dtype_name not in allowed:
+                raise TraceFormatError(f"{path}: field {name!r} is stored as {dtype_name}; {spec.kind} fields "
+                                       f"are stored as one of {sorted(allowed)}")
+            meta_tensors[name] = torch.empty(shape, dtype=allowed[dtype_name], device="meta")
+        _check_schema(meta_tensors, algorithm)
+    except SchemaError as err:
+        raise TraceFormatError(f"{path}: {err}") from err
+    except TraceFormatError:
+        raise
+    except Exception as err:  # a header safetensors accepted but torch cannot describe
+        raise TraceFormatError(f"{path}: unusable tensor table ({type(err).__name__}: {err})") from err
+
+
+def check_mask_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A mask stored as integers or floats must hold only 0 and 1 (reads the loaded data).
+
+    Raises:
+        TraceFormatError: naming the file, the field and a few offending values.
+    """
+    for name, tensor in tensors.items():
+        spec = FIELDS.get(name)
+        if spec is None or spec.kind != BOOL or tensor.dtype == torch.bool:
+            continue
+        bad = tensor[(tensor != 0) & (tensor != 1)]
+        if bad.numel():
+            raise TraceFormatError(f"{path}: field {name!r} is a mask but holds {bad[:3].tolist()} "
+                                   "(a mask holds only 0 and 1, True = keep)")
+
+
+def _check_schema(meta_tensors: dict[str, torch.Tensor], algorithm: str | None) -> None:
+    """check_tensors; with no known algorithm, any algorithm whose dims fit (PPO's [B, T] advantages)."""
+    if algorithm in ALGORITHMS:
+        check_tensors(meta_tensors, algorithm)
+        return
+    overrides = sorted({a for n in meta_tensors for a in FIELDS[n].dims_by_algorithm})
+    try:
+        check_tensors(meta_tensors, None)
+    except SchemaError:
+        for candidate in overrides:
+            try:
+                check_tensors(meta_tensors, candidate)
+                return
+            except SchemaError:
+                continue
+        raise
+
+
+def read_json(path: Path, what: str, max_bytes: int) -> Any:
+    """Parse a JSON file of at most ``max_bytes``.
+
+    Raises:
+        TraceFormatError: not a regular file, too large, not UTF-8, not JSON, or nested too deep.
+    """
+    size = _regular_size(path, what)
+    if size > max_bytes:
+        raise TraceFormatError(f"{path}: the {what} is {size} bytes, over the {max_bytes}-byte cap; "
+                               "refusing to parse it")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.loads(fh.read(max_bytes + 1))
+    except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        reason = "nested too deep" if isinstance(err, RecursionError) else f"{type(err).__name__}: {err}"
+        raise TraceFormatError(f"{path}: could not read the {what} ({reason})") from err
+
+
+def clean_manifest(raw: Any, path: Path) -> tuple[dict[str, Any], list[str]]:
+    """The manifest with wrong-typed keys dropped, and one note per dropped key.
+
+    Keys the reader uses must have their JSON type (``tokenizer`` an object, ``dropped_steps`` an
+    integer...); the tokenizer's special token ids must be integers. Unknown keys are kept.
+    """
+    if not isinstance(raw, dict):
+        return {}, [f"{path}: expected a JSON object, got {type(raw).__name__}; manifest ignored"]
+    manifest, notes = {}, []
+    for key, value in raw.items():
+        types = _MANIFEST_TYPES.get(key)
+        if types and (not isinstance(value, types) or isinstance(value, bool)):
+            notes.append(f"{path}: key {key!r} should be {_JSON_NAMES[types[0]]}, got {type(value).__name__}; "
+                         "ignored")
+            continue
+        manifest[key] = value
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer:
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            value = tokenizer.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                notes.append(f"{path}: tokenizer.{key} should be an integer, got {type(value).__name__}; ignored")
+                manifest["tokenizer"] = tokenizer = {k: v for k, v in tokenizer.items() if k != key}
+    return manifest, notes
+
+
+def clean_tokens(raw: Any, path: Path) -> list[str]:
+    """The ``tokens`` list of ``tokens.json``, every entry a string (others become ``<not a string>``).
+
+    Raises:
+        TraceFormatError: not an object with a ``tokens`` list.
+    """
+    tokens = raw.get("tokens") if isinstance(raw, dict) else None
+    if not isinstance(tokens, list):
+        raise TraceFormatError(f"{path}: expected {{\"tokens\": [text of id 0, ...]}}, got "
+                               f"{type(tokens if isinstance(raw, dict) else raw).__name__}")
+    return [t if isinstance(t, str) else "<not a string>" for t in tokens]
