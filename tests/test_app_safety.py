@@ -10,6 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from toy_traces import (
     BOLD, SCRIPT, ToyTokenizer, assert_no_raw_markup, frame_with, largest_frame_with, start, write_trace)
@@ -69,12 +71,16 @@ def test_safe_trace_sets_aside_links_and_corrupt_files(tmp_path):
     (steps / step_file_name(5)).symlink_to(outside_file)
     truncated = steps / step_file_name(6)
     truncated.write_bytes((steps / step_file_name(0)).read_bytes()[:200])
+    save_file({"completion_ids": torch.zeros(4, 6, dtype=torch.int64),  # T = 6 here, 5 in the mask
+               "completion_mask": torch.ones(4, 5, dtype=torch.bool)}, str(steps / step_file_name(7)))
     trace = SafeTrace(run)
     assert sorted(k.path.name for k in trace.steps()) == good
     problems = {p.name: reason for p, reason in trace.problems().items()}
+    assert set(problems) == {step_file_name(n) for n in (5, 6, 7)}
     assert problems[step_file_name(5)].startswith("outside: ")
-    assert problems[step_file_name(6)].startswith("unreadable: ") and "not a readable safetensors step file" in problems[
-        step_file_name(6)]
+    assert problems[step_file_name(6)].startswith("unreadable: ") and str(truncated) in problems[step_file_name(6)]
+    assert "truncated" in problems[step_file_name(6)]
+    assert problems[step_file_name(7)].startswith("unreadable: ") and "completion_mask" in problems[step_file_name(7)]
     # a manifest that is a link leaving the trace: the trace is refused
     (run / MANIFEST_NAME).rename(tmp_path / "manifest.json")
     (run / MANIFEST_NAME).symlink_to(tmp_path / "manifest.json")
@@ -153,8 +159,9 @@ def test_corrupt_step_files_are_named_and_the_others_served(monkeypatch, corrupt
     listed = at.selectbox(key="step_file").options
     assert len(listed) == 4 and not any(label.startswith(("step 1 · inner 0", "step 2 · inner 0")) for label in listed)
     reasons = "\n".join(t.value for t in at.sidebar.text)
-    assert step_file_name(1) in reasons and step_file_name(2) in reasons
-    assert reasons.count("not a readable safetensors step file") == 2
+    for n in (1, 2):  # each file named, with the reader's reason
+        assert str(corrupt_root / "corrupt" / "steps" / step_file_name(n)) in reasons
+    assert reasons.count("unreadable: ") == 2 and reasons.count("not a safetensors file") == 2
     assert len(largest_frame_with(at, {"token_text", "mask_reason"}).value) == 11  # L + T of sequence 0
     for page in ("steps", "groups", "overview"):
         at.switch_page(f"app_pages/{page}.py").run()

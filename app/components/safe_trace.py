@@ -15,11 +15,11 @@ import os
 import stat
 from pathlib import Path
 
-from safetensors import safe_open
-
-from tracer.errors import TraceError, TraceFormatError
+from tracer.errors import TraceError
+from tracer.integrity import check_step_header, open_step_file
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 from tracer.reader import Trace
+from tracer.schema import decode_metadata
 
 OUTSIDE = "outside"  # problems(): the file resolves outside the trace directory
 UNREADABLE = "unreadable"  # problems(): the safetensors header does not open
@@ -60,16 +60,20 @@ def _resolved(path: Path) -> str:
         return str(path)
 
 
-def header_problem(path: Path) -> str | None:
-    """Why the safetensors header of ``path`` cannot be read (the reader's TraceFormatError
-    message), or None when it opens. Reads the header only; safetensors also checks there that
-    the file covers every tensor's bytes (a truncated file fails here)."""
+def header_problem(path: Path, algorithm: str | None = None) -> str | None:
+    """Why the header of step file ``path`` cannot be used (the reader's TraceFormatError message),
+    or None. Reads the header only, with the reader's bounded open (a regular file whose header
+    length fits in it; a FIFO or a truncated file fails here) and schema check (shapes and dtype
+    kinds of the canonical fields of the step's algorithm, else ``algorithm``)."""
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            fh.metadata()
-            list(fh.keys())
-    except Exception as err:  # safetensors raises its own error types for corrupt headers
-        return str(TraceFormatError(f"{path}: not a readable safetensors step file ({err})"))
+        with open_step_file(path) as fh:
+            meta = decode_metadata(fh.metadata())
+            named = meta.get("algorithm")
+            check_step_header(path, fh, named if isinstance(named, str) else algorithm)
+    except TraceError as err:
+        return str(err)
+    except Exception as err:  # anything else a hostile header provokes: set the file aside, say why
+        return f"{path}: not a readable step file ({type(err).__name__}: {err})"
     return None
 
 
@@ -112,7 +116,7 @@ class SafeTrace(Trace):
         file once the headers have been checked."""
         names = [str(p) for p in paths]
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)
-            problems = {p: header_problem(p) for p in paths}
+            problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
         folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
         out = {}
@@ -129,12 +133,16 @@ class SafeTrace(Trace):
             signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
             memo = self._header_memo.get(name)
             if memo is None or memo[0] != signature:
-                problem = header_problem(path)
+                problem = header_problem(path, self._manifest_algorithm())
                 memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
                 self._header_memo[name] = memo
             if memo[1] is not None:
                 out[path] = memo[1]
         return out
+
+    def _manifest_algorithm(self) -> str | None:
+        algorithm = getattr(self, "manifest", {}).get("algorithm")  # no manifest yet while Trace.__init__ lists
+        return algorithm if isinstance(algorithm, str) else None
 
     def problems(self) -> dict[Path, str]:
         """``{step file: reason}`` for the step files ``steps()`` leaves out: ``outside: ...``
