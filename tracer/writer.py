@@ -345,6 +345,7 @@ def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     tmp = path.with_name(path.name + ".partial")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, _FILE_MODE)  # save_file creates 0600 files; others must read a shared trace
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -354,6 +355,20 @@ def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
     except BaseException:
         _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
         raise
+
+
+def _new_file_mode() -> int:
+    """0o666 less the process umask (what ``open()`` gives a new file), read without changing the
+    umask (``os.umask`` would race with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            umask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = 0o022
+    return 0o666 & ~umask
+
+
+_FILE_MODE = _new_file_mode()
 
 
 def _remove_quietly(path: Path) -> None:
