@@ -18,6 +18,7 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the
 from app.components import trace_cache  # noqa: E402
 from app.components.navigation import DEFAULT_PAGE, hidden_pages_note, pages_for  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
+from tracer.errors import TraceError  # noqa: E402
 
 st.set_page_config(page_title="tracer", layout="wide")
 
@@ -41,4 +42,10 @@ page = st.navigation([st.Page(spec.path, title=spec.title, icon=spec.icon, defau
 note = hidden_pages_note(algorithm)
 if note:
     st.sidebar.text(note)
-page.run()
+try:
+    page.run()
+except TraceError as err:  # a step file whose header opened but whose data cannot be used
+    st.error("This view could not read a step file of the run; the other step files and pages still work. "
+             "Pick another step in the sidebar, or fix the file named below and press Reload.",
+             icon=":material/error:")
+    st.text(str(err))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from toy_traces import (
@@ -254,3 +255,30 @@ def test_markup_tokens_never_become_markup_on_any_page(monkeypatch, tree):
     assert any(SCRIPT in t.value for t in at.text if t.value.startswith("first divergence"))
     assert SCRIPT in set(frame_with(at, {"token_text_a", "differs"}).value["token_text_a"])
     assert_no_raw_markup(at)
+
+
+def test_step_file_with_unusable_data_is_named_on_the_page(monkeypatch, tmp_path):
+    """A header that opens but a completion_mask of 0.5s (neither keep nor drop): the reader refuses
+    the data when it is loaded; the page names the file, the other steps and the Health page work."""
+    run = write_trace(tmp_path / "run", tokenizer=ToyTokenizer(), steps=2)
+    bad = run / "steps" / step_file_name(1)
+    with safe_open(str(bad), framework="pt") as fh:
+        tensors, metadata = {k: fh.get_tensor(k) for k in fh.keys()}, fh.metadata()
+    tensors["completion_mask"] = torch.full(tensors["completion_mask"].shape, 0.5)
+    metadata.pop("content_sha256", None)
+    save_file(tensors, str(bad), metadata=metadata)
+    at = start(monkeypatch, run)
+    at.selectbox(key="step_file").select("step 1 · inner 0 · mb 0 · rank 0").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.error[0].value.startswith("This view could not read a step file")
+    assert any(str(bad) in t.value for t in at.text)
+    at.selectbox(key="step_file").select("step 0 · inner 0 · mb 0 · rank 0").run()
+    assert not at.error and len(largest_frame_with(at, {"token_text"}).value) == 11
+
+    at.switch_page("app_pages/health.py").run()  # run_checks reports the file and checks the others
+    assert not at.exception
+    assert at.error[0].value == "4 step file(s) checked: 1 error."
+    findings = frame_with(at, {"check", "path", "message"}).value
+    unreadable = findings[findings["severity"] == "error"]
+    assert unreadable["check"].tolist() == ["trace.unreadable"] and unreadable["path"].tolist() == [str(bad)]
+    assert "completion_mask" in unreadable["message"].iloc[0]

@@ -39,12 +39,7 @@ scope = st.radio("Check", [ALL_FILES, CHOSEN_FILE], horizontal=True,
                  index=0 if len(keys) <= MAX_DEFAULT_FILES else 1,
                  help="every step file of the run (trace-level checks included), or only the one chosen in the sidebar")
 checked = keys if scope == ALL_FILES else [selection.key]
-frame, failed = trace_cache.findings(trace_path, tuple(k.path.name for k in checked))
-if failed:
-    st.error(f"{len(failed)} step file(s) could not be read while checking; the others were checked.",
-             icon=":material/error:")
-    st.dataframe(pd.DataFrame({"step file": list(failed), "reason": list(failed.values())}),
-                 hide_index=True, width="stretch")
+frame = trace_cache.findings(trace_path, tuple(k.path.name for k in checked))
 
 counts = severity_counts(frame)
 for column, severity in zip(st.columns(len(SEVERITIES)), SEVERITIES):

@@ -20,7 +20,6 @@ from app.components.safe_trace import SafeTrace
 from tracer import views
 from tracer.checks import run_checks
 from tracer.diff import DiffReport, diff, token_diff_table
-from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME
 from tracer.reader import StepKey, Trace
 
@@ -190,26 +189,13 @@ def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(max_entries=8, show_spinner="Running the checks…")
-def findings(trace_path: str, files: tuple[str, ...]) -> tuple[pd.DataFrame, dict[str, str]]:
+def findings(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
     """``run_checks`` on the step files named ``files`` (names on disk) as a findings frame
-    (:func:`app.components.health.findings_frame`), plus ``{file: TraceError message}`` for files
-    whose data could not be read (checked one by one so that the others are still checked)."""
+    (:func:`app.components.health.findings_frame`). A step file whose data cannot be read is a
+    ``trace.unreadable`` error finding naming the file; the others are checked."""
     trace = open_trace(trace_path)
     keys = [k for k in trace.steps() if k.path.name in set(files)]
-    if not keys:
-        return findings_frame([]), {}
-    try:
-        return findings_frame(run_checks(trace, steps=keys)), {}
-    except TraceError:
-        pass
-    failed: dict[str, str] = {}
-    for key in keys:
-        try:
-            run_checks(trace, steps=[key])
-        except TraceError as err:
-            failed[key.path.name] = str(err)
-    good = [k for k in keys if k.path.name not in failed]
-    return findings_frame(run_checks(trace, steps=good) if good else []), failed
+    return findings_frame(run_checks(trace, steps=keys) if keys else [])
 
 
 @st.cache_data(max_entries=4, show_spinner="Comparing the traces…")
