@@ -1,0 +1,34 @@
+"""Per-algorithm views of a trace: small pandas tables that the app's PPO, group and DPO pages show.
+
+Pure reading and pandas over :class:`tracer.reader.Trace`; every reduction that is RL maths
+(masked means, logprob sums, DPO terms) comes from :mod:`tracer.formulas`. Each function reads only
+what it needs: headers for the early-stop overview, ``[B]`` fields for the group shares, one row
+(``get_slice``) for a DPO pair.
+
+- PPO: :func:`rollout_rows` (where each rollout row lies among the minibatch files of an epoch),
+  :func:`ppo_minibatch_table` (epochs x minibatches of one step: which ran, which stopped early,
+  mean ``approx_kl_k2`` against ``target_kl``), :func:`ppo_early_stops` (one row per step).
+- GRPO / CISPO / RLOO: :func:`group_frame` (one row per group of a step file),
+  :func:`group_completions` (the G completions of one group), :func:`zero_variance_shares`
+  (share of zero-variance groups per step).
+- DPO: :func:`dpo_pair_tokens` and :func:`dpo_pair_terms` (one pair, token by token and summed),
+  :func:`dpo_step_summary` (margin and preference accuracy per step).
+"""
+
+from tracer.views.dpo import dpo_pair_terms, dpo_pair_tokens, dpo_step_summary
+from tracer.views.groups import (
+    GROUPED_ALGORITHMS,
+    group_completions,
+    group_frame,
+    group_ids_of,
+    group_prompt_text,
+    group_std_estimator,
+    zero_variance_shares,
+)
+from tracer.views.ppo import EARLY_STOP, NO_FILE, NOT_RUN, RAN, RolloutRow, ppo_early_stops, ppo_minibatch_table, rollout_rows
+
+__all__ = [
+    "GROUPED_ALGORITHMS", "RAN", "EARLY_STOP", "NOT_RUN", "NO_FILE", "RolloutRow", "rollout_rows", "ppo_minibatch_table",
+    "ppo_early_stops", "group_std_estimator", "group_ids_of", "group_frame", "group_completions", "group_prompt_text",
+    "zero_variance_shares", "dpo_pair_tokens", "dpo_pair_terms", "dpo_step_summary",
+]

@@ -1,0 +1,155 @@
+"""GRPO / CISPO / RLOO group views: the G completions of one prompt, zero-variance groups."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+import torch
+
+from tracer.errors import TraceFormatError
+from tracer.reader import AFTER_EOS, PADDING, StepKey, Trace, mask_reasons
+
+GROUPED_ALGORITHMS = ("grpo", "cispo", "rloo")
+
+
+# -- GRPO / CISPO / RLOO groups ---------------------------------------------------------------------
+
+
+def group_std_estimator(meta: dict[str, Any]) -> str:
+    """``"unbiased"`` when the step says its advantages used the Bessel-corrected std
+    (``advantage_std = "unbiased"``, TRL), else ``"population"`` (the seed's ``unbiased=False``)."""
+    return "unbiased" if meta.get("advantage_std") == "unbiased" else "population"
+
+
+def group_ids_of(data: dict[str, torch.Tensor], meta: dict[str, Any], path: Any = "") -> torch.Tensor:
+    """The group of each row, ``[B]`` int64: ``group_ids`` when recorded, else G consecutive rows
+    per group from ``num_generations``.
+
+    Raises:
+        TraceFormatError: neither is there (or B is not a multiple of G); the message says which
+            field or metadata key to record.
+    """
+    if "group_ids" in data:
+        return data["group_ids"].long()
+    B = data["rewards"].shape[0]
+    G = meta.get("num_generations")
+    if not G or B % int(G):
+        raise TraceFormatError(
+            f"{path}: cannot tell the groups apart: no group_ids field and num_generations = {G!r} "
+            f"does not divide B = {B}; record group_ids [B] or set num_generations in the metadata")
+    return torch.arange(B) // int(G)  # (B,)
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor, std: str) -> dict[int, dict[str, Any]]:
+    """Per group: sequences, reward mean / std (population or unbiased) / min / max, zero variance
+    (every reward of the group equal, so every advantage is 0)."""
+    stats = {}
+    for g in torch.unique(group_ids).tolist():
+        rows = (group_ids == g).nonzero().flatten()  # (G,)
+        r = rewards[rows].double()  # (G,)
+        unbiased = std == "unbiased"
+        std_value = float(r.std(unbiased=unbiased)) if r.numel() > int(unbiased) else math.nan
+        stats[int(g)] = {"sequences": rows.tolist(), "size": r.numel(), "reward_mean": float(r.mean()),
+                         "reward_std": std_value, "reward_min": float(r.min()), "reward_max": float(r.max()),
+                         "zero_variance": bool((r == r[0]).all())}
+    return stats
+
+
+def _load_group_step(trace: Trace, key: StepKey) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    data = trace.load_step(key, ["rewards", "group_ids", "advantages", "reward_components"])
+    if "rewards" not in data:
+        raise TraceFormatError(f"{key.path}: no rewards field: a group view needs rewards [B]")
+    return data, trace.metadata(key)
+
+
+def group_frame(trace: Trace, key: StepKey) -> pd.DataFrame:
+    """One row per group of one step file: ``group, size, sequences`` (row indices, text),
+    ``reward_mean, reward_std, reward_min, reward_max, zero_variance``. The std estimator is
+    :func:`group_std_estimator` of the file's metadata. Reads only ``[B]`` fields."""
+    data, meta = _load_group_step(trace, key)
+    stats = _group_stats(data["rewards"], group_ids_of(data, meta, key.path), group_std_estimator(meta))
+    return pd.DataFrame([{"group": g, **s, "sequences": " ".join(map(str, s["sequences"]))}
+                         for g, s in stats.items()],
+                        columns=["group", "size", "sequences", "reward_mean", "reward_std", "reward_min",
+                                 "reward_max", "zero_variance"])
+
+
+def _visible_text(trace: Trace, ids: torch.Tensor, mask: torch.Tensor) -> tuple[str, int]:
+    """A completion's text without its filler (padding, after EOS) and its count of kept tokens."""
+    reasons = mask_reasons(ids.unsqueeze(0), mask.unsqueeze(0), trace.eos_token_id, trace.pad_token_id)[0]
+    shown = [i for i, reason in zip(ids.tolist(), reasons) if reason not in (PADDING, AFTER_EOS)]
+    return trace.decode(shown), int(mask.bool().sum())
+
+
+def group_completions(trace: Trace, key: StepKey, group: int) -> pd.DataFrame:
+    """The completions of one group of one step file, one row each, in row order.
+
+    Columns: ``sequence`` (row in the file), ``completion_text`` (token strings concatenated,
+    padding and positions after EOS left out; literal text, never markup), ``kept_tokens``,
+    ``reward``, one column per reward component (names from ``reward_component_names``, else
+    ``component_<f>``), ``advantage`` (as recorded), ``group_mean``, ``group_std``,
+    ``zero_variance``. Raises KeyError for a group the file does not hold.
+    """
+    data, meta = _load_group_step(trace, key)
+    stats = _group_stats(data["rewards"], group_ids_of(data, meta, key.path), group_std_estimator(meta))
+    if group not in stats:
+        raise KeyError(f"{key.path}: no group {group}; groups here: {sorted(stats)}")
+    s = stats[group]
+    components = data.get("reward_components")
+    names = list(meta.get("reward_component_names") or [])
+    if components is not None and len(names) != components.shape[1]:
+        names = [f"component_{f}" for f in range(components.shape[1])]
+    records = []
+    for b in s["sequences"]:
+        row = trace.load_sequence(key, b)
+        ids = row.get("completion_ids", torch.zeros(0, dtype=torch.long))  # (T,)
+        text, kept = _visible_text(trace, ids, row.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)))
+        rec: dict[str, Any] = {"sequence": b, "completion_text": text, "kept_tokens": kept,
+                               "reward": float(data["rewards"][b])}
+        if components is not None:
+            rec.update({name: float(components[b, f]) for f, name in enumerate(names)})
+        adv = data.get("advantages")
+        rec["advantage"] = float(adv[b]) if adv is not None and adv.dim() == 1 else math.nan
+        rec.update(group_mean=s["reward_mean"], group_std=s["reward_std"], zero_variance=s["zero_variance"])
+        records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def group_prompt_text(trace: Trace, key: StepKey, sequence: int) -> str:
+    """The prompt of one row as text (real prompt tokens only); ``""`` without ``prompt_ids``."""
+    row = trace.load_sequence(key, sequence)
+    if "prompt_ids" not in row:
+        return ""
+    ids = row["prompt_ids"]  # (L,)
+    keep = row.get("prompt_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    return trace.decode(ids[keep].tolist())
+
+
+def zero_variance_shares(trace: Trace) -> pd.DataFrame:
+    """Share of zero-variance groups per (step, inner_step): ``step, inner_step, groups,
+    zero_variance_groups, zero_variance_share``.
+
+    Micro-batch files of one (step, inner_step, rank) are pooled by ``group_ids`` (a group split
+    across micro-batches counts once); without ``group_ids`` each file's G consecutive rows form
+    its groups. Counts are summed over ranks. Files without rewards are skipped. Reads ``[B]``
+    fields only.
+    """
+    pooled: dict[tuple[int, int], dict[Any, list[torch.Tensor]]] = {}
+    for n, key in enumerate(trace.steps()):
+        data = trace.load_step(key, ["rewards", "group_ids"])
+        if "rewards" not in data:
+            continue
+        group_ids = group_ids_of(data, trace.metadata(key), key.path)
+        groups = pooled.setdefault((key.step, key.inner_step), {})
+        for g in torch.unique(group_ids).tolist():
+            where = (key.rank, g) if "group_ids" in data else (n, g)
+            groups.setdefault(where, []).append(data["rewards"][group_ids == g])
+    records = []
+    for (step, inner_step), groups in sorted(pooled.items()):
+        zero = sum(bool((r := torch.cat(parts)).eq(r[0]).all()) for parts in groups.values())
+        records.append({"step": step, "inner_step": inner_step, "groups": len(groups),
+                        "zero_variance_groups": zero, "zero_variance_share": zero / len(groups)})
+    return pd.DataFrame.from_records(records, columns=["step", "inner_step", "groups", "zero_variance_groups",
+                                                       "zero_variance_share"])
