@@ -35,4 +35,4 @@ sample-traces: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache tests/output

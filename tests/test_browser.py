@@ -1,0 +1,213 @@
+"""The web UI in a real browser: ``python -m tracer view`` on a free port of 127.0.0.1, driven by
+headless Chromium (Debian's /usr/bin/chromium) through Playwright.
+
+Picks a step and a sequence in the sidebar, reads the token table through the data grid's
+accessible DOM (glide-data-grid draws on a canvas and mirrors the visible cells into a
+``role=grid`` table), checks masked positions are marked, and that tokens ``<script>alert(1)</script>``
+and ``<b>`` show as literal text: no dialog opens, no element is injected. Saves screenshots under
+$TRACER_TEST_OUTPUT (set by .ci/run to tests/output/) or tmp_path.
+
+Without Chromium or the playwright package the test is skipped, except under CI (CI set), where
+it fails: CI installs both (.ci/run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tracer import TraceWriter
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+SCRIPT = "<script>alert(1)</script>"
+VOCAB = ["<pad>", "<eos>", "Hello", " world", SCRIPT, "<b>", " yes", " no", "=", "4"]
+PAD, EOS = 0, 1
+START_TIMEOUT_S = 90
+UI_TIMEOUT_MS = 60_000
+
+
+def _browser_or_skip():
+    """Playwright's sync API; skip (fail under CI) when it or Chromium is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as err:
+        missing = f"the playwright package is not installed ({err})"
+    else:
+        if CHROMIUM.is_file():
+            return sync_playwright
+        missing = f"{CHROMIUM} is missing (apt-get install -y chromium)"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the browser test, but {missing}; .ci/run installs both")
+    pytest.skip(f"real-browser test needs Chromium and playwright: {missing}")
+
+
+class ToyTokenizer:
+    """What TraceWriter reads from a tokenizer: ids decoded one by one, special token ids."""
+
+    name_or_path = "toy"
+    eos_token_id = EOS
+    pad_token_id = PAD
+    padding_side = "left"
+
+    def __len__(self) -> int:
+        return len(VOCAB)
+
+    def batch_decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
+        return ["".join(VOCAB[i] for i in row) for row in ids]
+
+
+def step_tensors(step: int) -> dict[str, torch.Tensor]:
+    """GRPO, B = 4, L = 3, T = 5. Row 0: ``4 <script>… <eos>`` then 2 after EOS; row 2:
+    ``yes <b> <eos>`` then 2 after EOS; row 1 and 3 end in padding."""
+    prompt_ids = torch.tensor([[PAD, 2, 3], [PAD, 2, 3], [2, 3, 8], [2, 3, 8]])  # (B, L)
+    completion_ids = torch.tensor([[9, 4, EOS, PAD, PAD], [7, 8, PAD, PAD, PAD],
+                                   [6, 5, EOS, PAD, PAD], [7, 9, 5, EOS, PAD]])  # (B, T)
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]],
+                                   dtype=torch.bool)
+    policy = -0.1 * (torch.arange(20, dtype=torch.float32).reshape(4, 5) + 1) - step  # (B, T) nats
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_ids != PAD, "completion_ids": completion_ids,
+            "completion_mask": completion_mask, "policy_logprobs": policy, "old_logprobs": policy.clone(),
+            "rewards": rewards, "advantages": torch.tensor([1.0, -1.0, 1.0, -1.0]),
+            "group_ids": torch.tensor([0, 0, 1, 1])}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    """``python -m tracer view`` on a trace of 2 steps; yields the URL; stops the server after."""
+    root = tmp_path / "traces"
+    with TraceWriter(root / "toy-run", "grpo", tokenizer=ToyTokenizer(), hyperparameters={"num_generations": 2}) as w:
+        for step in range(2):
+            w.record(step, step_tensors(step))
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tracer view exited with {proc.returncode}:\n{(tmp_path / 'server.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tracer view did not answer in {START_TIMEOUT_S} s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the CLI and the streamlit process it started
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def choose(page, label: str, option: str) -> None:
+    """Pick the option that starts with ``option`` in the sidebar selectbox labelled ``label``."""
+    page.get_by_role("combobox", name=label).click()
+    page.get_by_role("option").filter(has_text=option).first.click()
+
+
+def token_grid(page):
+    """The token table's accessible DOM (the grid holding a ``token text`` column)."""
+    return page.locator("[data-testid=stDataFrame]").filter(
+        has=page.locator("th", has_text="token text")).last.locator("table[role=grid]")
+
+
+def grid_rows(page) -> list[dict[str, str]]:
+    """The token table's visible rows, ``{column header: cell text}``, from its accessible DOM."""
+    grid = token_grid(page)
+    headers = grid.locator("thead th").all_inner_texts()
+    return [dict(zip(headers, row.locator("td").all_inner_texts())) for row in grid.locator("tbody tr").all()]
+
+
+@pytest.fixture
+def sync_playwright():
+    """Playwright's entry point; skip (fail under CI) before the server starts when the browser is missing."""
+    return _browser_or_skip()
+
+
+def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
+    from playwright.sync_api import expect
+
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    dialogs: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1200})
+            page.set_default_timeout(UI_TIMEOUT_MS)
+            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+            page.goto(server)
+            expect(page.get_by_role("heading", name="Tokens")).to_be_visible()
+
+            main = page.locator("[data-testid=stMain]")
+            choose(page, "Step file", "step 1 · inner 0 · mb 0 · rank 0")
+            expect(main).to_contain_text("step 1 · inner 0 · mb 0 · rank 0 · sequence 0")
+            choose(page, "Sequence", "seq 0")
+            check_sequence(page, main, SCRIPT, "4" + SCRIPT + "<eos>", -1.1)  # step 1, row 0: -0.1 - 1
+            page.screenshot(path=str(shots / "tokens_step1_seq0.png"), full_page=True)
+
+            choose(page, "Sequence", "seq 2")
+            expect(main).to_contain_text("step 1 · inner 0 · mb 0 · rank 0 · sequence 2")
+            check_sequence(page, main, "<b>", " yes<b><eos>", -2.1)  # step 1, row 2: -0.1 * 11 - 1
+            page.screenshot(path=str(shots / "tokens_step1_seq2.png"), full_page=True)
+        finally:
+            browser.close()
+    assert dialogs == [], f"a token ran as script: {dialogs}"
+    assert (shots / "tokens_step1_seq2.png").stat().st_size > 10_000
+
+
+def check_sequence(page, main, token: str, completion_text: str, first_policy: float) -> None:
+    """The completion shows ``token`` literally, in the code block and in the token table, which
+    marks masked positions (after_eos) apart from kept ones; the first completion token's
+    policy logprob is ``first_policy`` (the table is that of the chosen step and sequence)."""
+    from playwright.sync_api import expect
+
+    code = main.locator("[data-testid=stCode]").last
+    expect(code).to_contain_text(completion_text)
+    expect(token_grid(page)).to_contain_text(token)  # the grid is redrawn after the rerun
+    expect(page.locator("[data-stale=true]")).to_have_count(0)
+    assert code.locator("script, b").count() == 0  # text, not markup
+    assert page.locator("script", has_text="alert(1)").count() == 0
+    expect(main.locator("[data-testid=stText]").filter(has_text="kept: 3")).to_contain_text("after_eos: 2")
+    rows = grid_rows(page)
+    completion = [r for r in rows if r.get("section") == "completion"]
+    assert [r["mask_reason"] for r in completion] == ["kept", "kept", "kept", "after_eos", "after_eos"], rows
+    assert completion[1]["token text"] == token
+    assert float(completion[0]["policy_logprobs"]) == pytest.approx(first_policy, abs=1e-5)  # float32 as stored
+    assert [r["mask_reason"] for r in rows if r.get("section") == "prompt"][:1] in (["prompt"], ["prompt_padding"])
+
+
+def test_a_missing_browser_skips_locally_and_fails_under_ci(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", Path("/nonexistent/chromium"))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="needs Chromium and playwright: /nonexistent/chromium is missing"):
+        _browser_or_skip()
+    monkeypatch.setenv("CI", "1")
+    with pytest.raises(pytest.fail.Exception, match="CI must run the browser test"):
+        _browser_or_skip()
