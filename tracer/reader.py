@@ -15,22 +15,16 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from tracer import formulas
+from tracer import tables
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKENS_BYTES, check_mask_values, check_step_header,
                               clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
+    AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
 _STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
-# Per-token float fields shown in token tables, in display order.
-TOKEN_VALUE_FIELDS = (
-    "old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio", "ref_kl_k3",
-    "approx_kl_k2", "entropy", "advantages", "values", "returns", "token_rewards", "per_token_loss",
-)
-# Why a position is (not) in the loss.
-KEPT, PROMPT, PROMPT_PADDING, AFTER_EOS, PADDING, MASKED = (
-    "kept", "prompt", "prompt_padding", "after_eos", "padding", "masked")
 
 
 @dataclass(frozen=True, order=True)
@@ -46,37 +40,6 @@ class StepKey:
     @property
     def label(self) -> str:
         return f"step {self.step} · inner {self.inner_step} · mb {self.micro_batch} · rank {self.rank}"
-
-
-def mask_reasons(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_id: int | None,
-    pad_token_id: int | None = None,
-) -> list[list[str]]:
-    """Why each completion position is kept or masked, ``[B][T]`` strings.
-
-    ``kept`` when the mask keeps it; otherwise ``after_eos`` when an EOS token appears earlier in
-    the row, ``padding`` when the token is the pad token, ``masked`` for any other reason
-    (truncation, tool output, a trainer's own rule).
-    """
-    B, T = completion_ids.shape
-    ids = completion_ids.tolist()
-    keep = completion_mask.bool().tolist()
-    out: list[list[str]] = []
-    for b in range(B):
-        row, seen_eos = [], False
-        for t in range(T):
-            if keep[b][t]:
-                row.append(KEPT)
-            elif seen_eos:
-                row.append(AFTER_EOS)
-            elif pad_token_id is not None and ids[b][t] == pad_token_id:
-                row.append(PADDING)
-            else:
-                row.append(MASKED)
-            if eos_token_id is not None and ids[b][t] == eos_token_id:
-                seen_eos = True
-        out.append(row)
-    return out
 
 
 def _int_or(value: Any, default: int = 0) -> int:
@@ -341,9 +304,9 @@ class Trace:
         rows = list(range(ids.shape[0])) if sequence is None else [sequence]
         frames = []
         if "prompt_ids" in data:
-            frames.append(self._prompt_frame(data, rows))
+            frames.append(tables.prompt_frame(data, rows, self.token_text))
         if "completion_ids" in data:
-            frames.append(self._completion_frame(data, rows))
+            frames.append(tables.completion_frame(data, rows, self.token_text, self.eos_token_id, self.pad_token_id))
         if not frames:
             return pd.DataFrame()
         table = pd.concat(frames, ignore_index=True)
@@ -351,45 +314,6 @@ class Trace:
         table.insert(0, "inner_step", key.inner_step)
         table.insert(0, "step", key.step)
         return table
-
-    def _prompt_frame(self, data: dict[str, torch.Tensor], rows: list[int]) -> pd.DataFrame:
-        ids = data["prompt_ids"]
-        B, L = ids.shape
-        prompt_mask = data.get("prompt_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
-        flat = ids.reshape(-1).tolist()
-        return pd.DataFrame({
-            "sequence": [r for r in rows for _ in range(L)],
-            "section": "prompt",
-            "position": list(range(L)) * B,
-            "token_id": flat,
-            "token_text": self.token_text(flat),
-            "kept": False,
-            "mask_reason": [PROMPT if k else PROMPT_PADDING for k in prompt_mask.reshape(-1).tolist()],
-        })
-
-    def _completion_frame(self, data: dict[str, torch.Tensor], rows: list[int]) -> pd.DataFrame:
-        ids = data["completion_ids"]
-        B, T = ids.shape
-        completion_mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
-        flat = ids.reshape(-1).tolist()
-        reasons = mask_reasons(ids, completion_mask, self.eos_token_id, self.pad_token_id)
-        frame = pd.DataFrame({
-            "sequence": [r for r in rows for _ in range(T)],
-            "section": "completion",
-            "position": list(range(T)) * B,
-            "token_id": flat,
-            "token_text": self.token_text(flat),
-            "kept": completion_mask.reshape(-1).tolist(),
-            "mask_reason": [r for row in reasons for r in row],
-        })
-        for name in TOKEN_VALUE_FIELDS:
-            if name not in data:
-                continue
-            value = data[name].float()
-            if value.dim() == 1:  # [B] -> broadcast over T
-                value = value.unsqueeze(1).expand(B, T)
-            frame[name] = value.reshape(-1).numpy()
-        return frame
 
     def merged_token_table(self, step: int, inner_step: int = 0, micro_batch: int | None = None) -> pd.DataFrame:
         """Token tables of every rank (and micro-batch, unless one is given) of one step, stacked;
@@ -413,31 +337,12 @@ class Trace:
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             try:
-                rec.update(self._summary_values(key))
+                rec.update(tables.summary_values(self.metadata(key), self.load_step(key, tables.SUMMARY_FIELDS)))
             except TraceFormatError as err:
                 rec["problem"] = str(err)
             records.append(rec)
         return pd.DataFrame.from_records(records)
 
-    def _summary_values(self, key: StepKey) -> dict[str, Any]:
-        meta = self.metadata(key)
-        data = self.load_step(key, ["completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "rewards", "advantages"])
-        rec: dict[str, Any] = {}
-        completion_mask = data.get("completion_mask")
-        if completion_mask is not None:
-            completion_mask = completion_mask.bool()
-            rec["kept_tokens"] = int(completion_mask.sum())
-            for name in ("ratio", "ref_kl_k3", "approx_kl_k2"):
-                if name in data:
-                    rec[f"mean_{name}"] = float(formulas.masked_mean(data[name].float(), completion_mask))
-            eps_low, eps_high = meta.get("clip_epsilon_low"), meta.get("clip_epsilon_high")
-            if "ratio" in data and "advantages" in data and isinstance(eps_low, float) and isinstance(eps_high, float):
-                fr = formulas.clip_fractions(data["ratio"].float(), data["advantages"].float(), completion_mask,
-                                             eps_low, eps_high)
-                rec["clip_fraction"] = float(fr["low"] + fr["high"])
-        if "rewards" in data:
-            rec["mean_reward"] = float(data["rewards"].float().mean())
-        return rec
 
 
 def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:
