@@ -14,6 +14,7 @@ it fails: CI installs both (.ci/run).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -88,13 +89,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def server(tmp_path):
-    """``python -m tracer view`` on a trace of 2 steps; yields the URL; stops the server after."""
-    root = tmp_path / "traces"
-    with TraceWriter(root / "toy-run", "grpo", tokenizer=ToyTokenizer(), hyperparameters={"num_generations": 2}) as w:
+def write_toy_trace(path: Path) -> None:
+    with TraceWriter(path, "grpo", tokenizer=ToyTokenizer(), hyperparameters={"num_generations": 2}) as writer:
         for step in range(2):
-            w.record(step, step_tensors(step))
+            writer.record(step, step_tensors(step))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``python -m tracer view`` on a root holding a trace of 2 steps (``toy-run``) and a copy of
+    the corrupt corpus trace (``mixed``); a trace lies outside the root (``outside``). Yields the
+    URL; stops the server after."""
+    tmp_path = tmp_path_factory.mktemp("view")
+    root = tmp_path / "traces"
+    write_toy_trace(root / "toy-run")
+    write_toy_trace(tmp_path / "outside")
+    shutil.copytree(Path(__file__).parent / "data" / "bad_traces" / "mixed", root / "mixed")
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
@@ -144,10 +154,18 @@ def grid_rows(page) -> list[dict[str, str]]:
     return [dict(zip(headers, row.locator("td").all_inner_texts())) for row in grid.locator("tbody tr").all()]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sync_playwright():
     """Playwright's entry point; skip (fail under CI) before the server starts when the browser is missing."""
     return _browser_or_skip()
+
+
+def open_page(pw, dialogs: list[str]):
+    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    page = browser.new_page(viewport={"width": 1600, "height": 1200})
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    return browser, page
 
 
 def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
@@ -157,12 +175,9 @@ def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
     shots.mkdir(parents=True, exist_ok=True)
     dialogs: list[str] = []
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser, page = open_page(pw, dialogs)
         try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1200})
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-            page.goto(server)
+            page.goto(f"{server}/?run=toy-run")
             expect(page.get_by_role("heading", name="Tokens")).to_be_visible()
 
             main = page.locator("[data-testid=stMain]")
@@ -193,6 +208,7 @@ def check_sequence(page, main, token: str, completion_text: str, first_policy: f
     expect(token_grid(page)).to_contain_text(token)  # the grid is redrawn after the rerun
     expect(page.locator("[data-stale=true]")).to_have_count(0)
     assert code.locator("script, b").count() == 0  # text, not markup
+    check_no_error(page)
     assert page.locator("script", has_text="alert(1)").count() == 0
     expect(main.locator("[data-testid=stText]").filter(has_text="kept: 3")).to_contain_text("after_eos: 2")
     rows = grid_rows(page)
@@ -211,3 +227,42 @@ def test_a_missing_browser_skips_locally_and_fails_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "1")
     with pytest.raises(pytest.fail.Exception, match="CI must run the browser test"):
         _browser_or_skip()
+
+
+def test_hostile_root_in_chromium(sync_playwright, server, tmp_path):
+    """A URL naming a run outside the root is refused; in a trace with corrupt step files the
+    readable steps are served and a bad one is named with the reason; nothing raises."""
+    from playwright.sync_api import expect
+
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    dialogs: list[str] = []
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs)
+        try:
+            page.goto(f"{server}/?run=../outside")
+            expect(page.locator("[data-testid=stMain]")).to_contain_text("refused to open '../outside'")
+            assert "outside" not in page.get_by_role("combobox", name="Run").input_value()
+            page.screenshot(path=str(shots / "refused_outside_root.png"), full_page=True)
+
+            page.goto(f"{server}/?run=mixed")
+            expect(page.locator("[data-testid=stSidebar]")).to_contain_text("running · 7 step files")
+            choose(page, "Step file", "step 30 · inner 0")  # a good step after 13 unreadable ones
+            check_no_error(page)
+            expect(page.locator("[data-testid=stMain]")).to_contain_text("step 30 · inner 0 · mb 0 · rank 0")
+            choose(page, "Step file", "step 17 · inner 0")  # header fine, mask data 0.5
+            expect(page.locator("[data-testid=stMain]")).to_contain_text(
+                "step_00000017.inner_0.mb_0.rank_0.safetensors: field 'completion_mask' is a mask but holds [0.5]")
+            page.screenshot(path=str(shots / "corrupt_step_named.png"), full_page=True)
+            assert page.locator("[data-testid=stException]").count() == 0
+        finally:
+            browser.close()
+    assert dialogs == []
+
+
+def check_no_error(page) -> None:
+    from playwright.sync_api import expect
+
+    expect(page.locator("[data-stale=true]")).to_have_count(0)
+    assert page.locator("[data-testid=stException]").count() == 0
+    assert "Traceback" not in page.locator("body").inner_text()

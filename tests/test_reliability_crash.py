@@ -28,7 +28,7 @@ _spec = importlib.util.spec_from_file_location("crash_loop", SCRIPT)
 crash_loop = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(crash_loop)
 
-RUNS = 30
+RUNS = int(os.environ.get("TRACER_CRASH_RUNS", "30"))  # more for a longer campaign
 STEPS = 40
 LINE_TIMEOUT_S = 60
 
