@@ -1,9 +1,12 @@
 """The command line: info (text and JSON), errors on unusable paths, python -m tracer."""
 
+import importlib.util
 import json
+import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tracer import TraceWriter
@@ -52,6 +55,27 @@ def test_info_and_view_on_a_missing_or_non_trace_directory(tmp_path, capsys):
     assert main(["view", str(tmp_path / "empty")]) == 2
     assert "holds no trace: expected a directory with manifest.json" in capsys.readouterr().err
     assert main(["view", str(tmp_path / "nope")]) == 2
+
+
+def test_view_on_a_busy_port_says_so_before_starting_streamlit(tmp_path, capsys, monkeypatch):
+    root = write_trace(tmp_path / "run")
+    monkeypatch.setattr("tracer.cli.subprocess.call", lambda cmd: pytest.fail("streamlit was started"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["view", str(root), "--port", str(port)]) == 2
+    assert f"port {port} is in use; pass --port, e.g. --port {port + 1}" in capsys.readouterr().err
+
+
+def test_view_without_streamlit_names_the_extra(tmp_path, capsys, monkeypatch):
+    root = write_trace(tmp_path / "run")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr("tracer.cli.importlib.util.find_spec",
+                        lambda name, *a: None if name == "streamlit" else real_find_spec(name, *a))
+    assert main(["view", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "the web UI needs streamlit" in err and "pip install 'tracer[app]'" in err
 
 
 def test_python_dash_m_tracer(tmp_path):

@@ -8,8 +8,11 @@ the script's own exit code, or 3 when the script succeeded but nothing was trace
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
-    info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields")
+    info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
+                          description="Summarise a trace: algorithm, steps, ranks, fields. "
+                                      "Exit code: 0 success, 2 unusable input.")
     info.add_argument("path", help="trace directory or one step .safetensors file")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -45,7 +50,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
 
-    check = sub.add_parser("check", help="run the invariants of SPEC section 6 (exit 1 on any error, 2 unusable)")
+    check = sub.add_parser("check", help="run the invariants of SPEC.md section 6, listed in docs/checks.md "
+                                  "(exit 1 on any error, 2 unusable)",
+                           description="Find the known RL tensor bugs in a trace (SPEC.md section 6; the checks "
+                                       "are listed in docs/checks.md). Exit code: 0 no error finding, 1 at least "
+                                       "one error finding, 2 unusable input.")
     check.add_argument("path", help="trace directory or one step .safetensors file")
     check.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     check.add_argument("--select", action="extend", nargs="+", metavar="ID",
@@ -54,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="sampler.mismatch counts tokens whose exp(old - sampler) is outside [1/C, C] (default 2)")
     check.add_argument("--max-per-check", type=int, default=10, help="findings shown per check (default 10)")
 
-    diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)")
+    diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)",
+                          description="Compare two traces field by field, mask-aware (docs/regression-testing.md). "
+                                      "Exit code: 0 equal within tolerance, 1 different, 2 unusable input.")
     diff.add_argument("a", help="reference trace directory or step file (the baseline)")
     diff.add_argument("b", help="candidate trace directory or step file")
     diff.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -174,7 +185,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_app_dependencies() -> None:
+    missing = [name for name in ("streamlit", "plotly") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise TraceError(f"the web UI needs {' and '.join(missing)}, which this environment lacks; "
+                         "install the app extra: pip install 'tracer[app]' (from a checkout: pip install -e '.[app]')")
+    if not APP_ENTRY.is_file():
+        raise TraceError(f"the web UI's files are not installed ({APP_ENTRY} is missing): the app lives in the "
+                         "repository's app/ folder; install tracer from a checkout in editable mode: "
+                         "pip install -e '/path/to/tracer[app]'")
+
+
+def _require_free_port(port: int) -> None:
+    """Fail before starting Streamlit when 127.0.0.1:``port`` is taken (Streamlit would otherwise
+    print a traceback, or silently move to another port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Streamlit's server does
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise TraceError(f"port {port} is in use; pass --port, e.g. --port {port + 1}") from None
+            raise TraceError(f"cannot listen on 127.0.0.1:{port} ({err.strerror}); pass another --port") from None
+
+
 def _cmd_view(args: argparse.Namespace) -> int:
+    _require_app_dependencies()
     root = Path(args.path)
     if not root.exists():
         raise TraceError(f"{root} does not exist: expected a trace directory or a directory of traces")
@@ -184,6 +220,7 @@ def _cmd_view(args: argparse.Namespace) -> int:
             "(written by tracer), or a directory of such directories")
     if root.is_file():
         Trace(root)  # validates a single step file
+    _require_free_port(args.port)
     cmd = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
            "--server.address", "127.0.0.1", "--server.port", str(args.port),
            "--server.headless", "true", "--browser.gatherUsageStats", "false",
