@@ -51,7 +51,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
     tmp = path.with_name(path.name + ".partial")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1, ensure_ascii=False)
+            json.dump(payload, fh, indent=1, ensure_ascii=False, default=repr)  # non-JSON config values: repr
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -113,3 +113,36 @@ def refuse_existing_trace(out_dir: str | os.PathLike, rank: int | None = None) -
             f"{out_dir} already holds a trace ({steps_dir} has step files); "
             "choose a new output directory or move the old trace away"
         )
+
+
+def lock_rank(out_dir: str | os.PathLike, rank: int) -> int | None:
+    """Take the writer lock of (trace, rank): an exclusive ``flock`` on ``.writer.rank_N.lock``,
+    released by :func:`unlock_rank` or when the process dies (no stale locks after a crash).
+
+    Returns the lock's file descriptor (None where ``fcntl`` does not exist).
+    Raises:
+        TraceError: another writer (in this or another process) holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        return None
+    path = Path(out_dir) / f".writer.rank_{rank}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        raise TraceError(
+            f"{out_dir}: another writer is already writing rank {rank} of this trace ({path} is locked); "
+            "give each run its own output directory (and each process its own rank)") from err
+    return fd
+
+
+def unlock_rank(fd: int | None) -> None:
+    """Release a lock taken by :func:`lock_rank` (idempotent for None)."""
+    if fd is not None:
+        try:
+            os.close(fd)  # closing the descriptor releases the flock
+        except OSError:
+            pass

@@ -24,7 +24,7 @@ from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
-_STEP_RE = re.compile(r"^step_(\d+)\.inner_(\d+)\.mb_(\d+)\.rank_(\d+)\.safetensors$")
+_STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
 
 
 @dataclass(frozen=True, order=True)

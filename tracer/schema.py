@@ -9,7 +9,10 @@ the caller asks to keep the source dtype.
 
 from __future__ import annotations
 
+import enum
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -131,16 +134,41 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
 LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 
 
+def jsonable(value: Any) -> Any:
+    """``value`` with the common non-JSON scalars of training configs made JSON: numpy and torch
+    scalars (``.item()``), paths (``str``), tuples and sets (lists), enums (their value); nested
+    dicts and lists are converted throughout. Anything else is returned as it is."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((jsonable(v) for v in value), key=repr)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, enum.Enum):
+        return jsonable(value.value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy scalar
+        return value.item()
+    return value
+
+
 def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     """Encode step metadata as the ``dict[str, str]`` a safetensors header holds.
 
-    Strings are stored as they are; every other value as JSON. Raises SchemaError for a value that
-    JSON cannot hold (the message names the key).
+    Strings are stored as they are; every other value as JSON (numpy/torch scalars, paths and
+    tuples are converted first, see :func:`jsonable`). Raises SchemaError for a value that JSON
+    cannot hold (the message names the key).
     """
     out: dict[str, str] = {}
     for key, value in metadata.items():
         if value is None:
             continue
+        value = jsonable(value)
         if isinstance(value, str):
             out[str(key)] = value
             continue
@@ -168,8 +196,9 @@ def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
         except (ValueError, TypeError, RecursionError):  # RecursionError: hostile nesting like [[[[...
             out[key] = text
             continue
-        if kind is int and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = int(value)
+        if kind is int and isinstance(value, float):
+            # a hostile or odd header ("NaN", "1e400", 2.5): keep the text rather than invent an int
+            value = int(value) if math.isfinite(value) and value.is_integer() and abs(value) < 2**62 else text
         elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
         out[key] = value
@@ -196,8 +225,8 @@ def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
 
 
 def _check_mask_values(name: str, tensor: torch.Tensor) -> None:
-    """A float mask must hold only 0 and 1 (reads the data: call on CPU tensors)."""
-    if tensor.is_floating_point() and not bool(((tensor == 0) | (tensor == 1)).all()):
+    """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors)."""
+    if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
         bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
         raise SchemaError(
             f"field {name!r}: a mask must hold only 0 and 1 (True = keep), got values {bad}; "
@@ -247,6 +276,10 @@ def check_tensors(
     """
     sizes: dict[str, tuple[int, str]] = {}
     for name, tensor in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise SchemaError(
+                f"field name {name!r} is not allowed: '__metadata__' is reserved by safetensors for the "
+                "header and names must be non-empty strings; rename the field")
         if not isinstance(tensor, torch.Tensor):
             raise SchemaError(f"field {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         spec = FIELDS.get(name)

@@ -29,15 +29,17 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     TOKENS_NAME,
     content_sha256,
     producers,
+    lock_rank,
     refuse_existing_trace,
     step_file_name,
     token_strings,
     tokenizer_identity,
+    unlock_rank,
     write_json_atomic,
 )
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
-from tracer.errors import TraceError
-from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, normalise_tensors
+from tracer.errors import SchemaError, TraceError
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, jsonable, normalise_tensors
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,32 @@ def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _distributed_rank() -> tuple[int, int]:
+    """(rank, world_size) from torch.distributed, else from torchrun's RANK / WORLD_SIZE variables
+    (a writer created before ``init_process_group`` still knows its rank), else (0, 1)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+
+
+# Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
+WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
+                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly"})
+MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
+
+
+def _coordinate(name: str, value: Any) -> int:
+    """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        value = value.__index__()
+        if value >= 0:
+            return value
+    raise SchemaError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__}); "
+                      f"pass the {name.replace('_', ' ')} counter as an int")
 
 
 class TraceWriter:
@@ -120,9 +145,12 @@ class TraceWriter:
         self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure
         self._lock = threading.Lock()
         self._closed = False
+        encode_metadata(self.hyperparameters)  # a non-JSON hyperparameter raises SchemaError now, naming it
+        self._recorded: set[tuple[int, int, int]] = set()
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
         steps_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
         self._manifest: dict[str, Any] = {
             "format": FORMAT_NAME,
             "schema_version": SCHEMA_VERSION,
@@ -130,8 +158,8 @@ class TraceWriter:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "producers": producers(),
             "world_size": self.world_size,
-            "hyperparameters": self.hyperparameters,
-            "config": dict(config or {}),
+            "hyperparameters": jsonable(self.hyperparameters),
+            "config": jsonable(dict(config or {})),
             "sampling": dataclasses.asdict(self.sampling),
             "capture": {"async_write": async_write, "max_queue_steps": max_queue_steps,
                         "max_queue_bytes": max_queue_bytes, "when_full": when_full},
@@ -140,7 +168,13 @@ class TraceWriter:
         if tokenizer is not None:
             self._manifest["tokenizer"] = tokenizer_identity(tokenizer)
             if self.rank == 0:
-                write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
+                try:
+                    write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
+                except OSError as err:  # the trace stays usable: ids show as <id N>
+                    if strict:
+                        raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
+                    warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
+                                  "will show without text. Training continues.", RuntimeWarning, stacklevel=2)
         self._write_manifest()
         self._pool = PinnedPool()
         self._background = BackgroundWriter(
@@ -186,13 +220,30 @@ class TraceWriter:
         tensors = {**dict(tensors or {}), **named_tensors}
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
+        step, inner_step, micro_batch = (_coordinate("step", step), _coordinate("inner_step", inner_step),
+                                         _coordinate("micro_batch", micro_batch))
+        reserved = WRITER_KEYS.intersection(metadata or {})
+        if reserved:
+            raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
+                              "micro_batch= as arguments and leave the others out")
         check_tensors(tensors, self.algorithm)
+        coordinates = (step, inner_step, micro_batch)
+        if coordinates in self._recorded:
+            raise SchemaError(
+                f"step {step}, inner step {inner_step}, micro-batch {micro_batch} was already recorded by this "
+                "writer (its file would be replaced); record each (step, inner_step, micro_batch) once, e.g. pass "
+                "micro_batch= for each micro-batch of a step")
+        self._recorded.add(coordinates)
         sampled = self.sampling.sampled(step)
         if not sampled and not self.sampling.anomaly_ring:
             self.skipped_steps += 1
             return None
         header = self._header(step, inner_step, micro_batch, metadata, tensors)
-        encode_metadata(header)  # a non-JSON metadata value raises here, on the caller's thread
+        encoded = encode_metadata(header)  # a non-JSON metadata value raises here, on the caller's thread
+        size = sum(len(k) + len(v) for k, v in encoded.items())
+        if size > MAX_METADATA_BYTES:
+            raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
+                              "headers that large: keep metadata to hyperparameters and small values")
         if self.sampling.first_k_sequences is not None:
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
         try:
@@ -235,6 +286,7 @@ class TraceWriter:
             self._background.stop()
         self._manifest["status"] = "finished"
         self._write_manifest()
+        unlock_rank(self._lock_fd)
         self._raise_pending()
 
     def count_drop(self, reason: str) -> None:
