@@ -200,8 +200,8 @@ def clean_manifest(raw: Any, path: Path) -> tuple[dict[str, Any], list[str]]:
     if tokenizer:
         for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = tokenizer.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                notes.append(f"{path}: tokenizer.{key} should be an integer, got {type(value).__name__}; ignored")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62):
+                notes.append(f"{path}: tokenizer.{key} should be an integer in [0, 2**62), got {value!r:.40}; ignored")
                 manifest["tokenizer"] = tokenizer = {k: v for k, v in tokenizer.items() if k != key}
     return manifest, notes
 

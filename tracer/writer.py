@@ -172,6 +172,7 @@ class TraceWriter:
                     write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
                 except OSError as err:  # the trace stays usable: ids show as <id N>
                     if strict:
+                        unlock_rank(self._lock_fd)
                         raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
                     warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
                                   "will show without text. Training continues.", RuntimeWarning, stacklevel=2)

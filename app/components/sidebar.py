@@ -143,7 +143,7 @@ def _listed_traces(root: Path) -> list[Path]:
     refused = [p for p in candidates if not inside(p, root)]
     if refused:
         st.sidebar.warning(f"{len(refused)} trace(s) under the root are links that leave it: not listed.")
-        st.sidebar.text("\n".join(str(p) for p in refused[:10]))
+        st.sidebar.text(printable("\n".join(str(p) for p in refused[:10])))
     return [p for p in candidates if p not in refused]
 
 
@@ -179,6 +179,12 @@ def _rank_label(rank: int | None) -> str:
     return "all ranks" if rank is None else f"rank {rank}"
 
 
+def printable(text: str) -> str:
+    """``text`` safe to send to the browser: a file name that is not valid UTF-8 reaches Python as
+    lone surrogates, which cannot be encoded; show those bytes as ``\\xff`` escapes instead."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
     sb = st.sidebar
     if trace.path.is_dir() and not (trace.path / MANIFEST_NAME).is_file():
@@ -187,14 +193,14 @@ def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
     notes = [*getattr(trace, "manifest_notes", []), *filter(None, [getattr(trace, "tokens_problem", None)])]
     if notes:  # a manifest or tokens.json the reader could use only in part (file names inside: plain text)
         sb.warning(f"Part of this run's {MANIFEST_NAME} / token strings was ignored; the steps are still shown.")
-        sb.text("\n".join(notes))
+        sb.text(printable("\n".join(notes)))
     if trace.status == "running":
         sb.caption("The trainer is still writing this run: new steps appear on Reload or with auto-refresh.")
     if problems:
         sb.warning(f"{len(problems)} step file(s) set aside: they cannot be read or leave the trace "
                    "directory. The other steps are shown.")
         with sb.expander("Step files set aside"):
-            st.text("\n\n".join(f"{path.name}\n{reason}" for path, reason in problems.items()))
+            st.text(printable("\n\n".join(f"{path.name}\n{reason}" for path, reason in problems.items())))
 
 
 def live_signature(trace_path: str) -> tuple:

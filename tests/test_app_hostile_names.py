@@ -1,0 +1,16 @@
+"""A step file whose name is not valid UTF-8 is set aside and named with escapes; the app keeps
+working (it used to fail to encode the name)."""
+
+import os
+
+from tests.toy_traces import start, write_trace
+
+
+def test_a_non_utf8_step_file_name_does_not_take_the_app_down(tmp_path, monkeypatch):
+    run = write_trace(tmp_path / "root" / "run")
+    with open(os.path.join(os.fsencode(run / "steps"), b"\xff.safetensors"), "wb") as fh:
+        fh.write(b"x" * 10)
+    at = start(monkeypatch, tmp_path / "root")
+    assert not at.exception
+    shown = "\n".join(t.value for t in at.sidebar.text)
+    assert "\\xff.safetensors" in shown  # named, with the odd byte escaped
