@@ -369,3 +369,33 @@ def test_every_check_is_documented():
 
     doc = (REPO / "docs" / "checks.md").read_text(encoding="utf-8")
     assert [c for c in CHECKS if f"`{c}`" not in doc] == []
+
+
+def test_group_ids_that_disagree_with_num_generations_are_reported_and_checked(tmp_path):
+    # B = 8 in groups of 4 by group_ids, but metadata says G = 3: the group checks must still run on
+    # the recorded groups (they used to be skipped, hiding the mistake) and the disagreement is a warning
+    from tracer import TraceWriter
+    from tracer.checks import run_checks
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    advantages = torch.tensor([3.0, -1.0, -1.0, -1.0, 0.0, 0.0, 0.0, 0.0]) * 0.5  # group 0 sums to 0
+    advantages[0] += 1.0  # ... not any more: group 0 sums to 1
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"num_generations": 3}) as w:
+        w.record(0, completion_ids=torch.ones(8, 2, dtype=torch.long), completion_mask=torch.ones(8, 2),
+                 policy_logprobs=torch.zeros(8, 2), rewards=rewards, advantages=advantages,
+                 group_ids=torch.arange(8) // 4)
+    findings = {f.check: f for f in run_checks(tmp_path / "run")}
+    assert findings["advantages.group_size"].severity == "warning"
+    assert "num_generations = 3, but group_ids give groups of sizes [4]" in findings["advantages.group_size"].message
+    assert findings["advantages.group_sum"].severity == "error"  # checked on the groups of 4
+    assert findings["advantages.zero_variance"].severity == "info"  # group 1 (all 2.0)
+
+
+def test_a_trace_whose_step_files_are_all_unreadable_is_unusable(tmp_path, capsys):
+    from tracer.cli import main
+
+    steps = tmp_path / "run" / "steps"
+    steps.mkdir(parents=True)
+    (steps / "step_00000000.inner_0.mb_0.rank_0.safetensors").write_bytes(b"\x00" * 64)
+    assert main(["check", str(tmp_path / "run")]) == 2
+    assert "none of its 1 step file(s) can be read" in capsys.readouterr().err

@@ -304,6 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TraceError as err:
         print(f"tracer {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tracer diff A B | head`: the reader went away; exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+        return 1
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Public API::
 from __future__ import annotations
 
 from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
-    advantages, alignment, identity, kl, masks, nonfinite, recompute, reduction, sampler,
+    advantages, alignment, fields, identity, kl, masks, nonfinite, recompute, reduction, sampler,
 )
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
 from tracer.checks.finding import (

@@ -29,8 +29,11 @@ def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
         by_id: dict[int, list[int]] = {}
         for row, gid in enumerate(ctx.data["group_ids"].tolist()):
             by_id.setdefault(gid, []).append(row)
-        if G is None:
-            sizes = [len(r) for r in by_id.values()]
+        sizes = [len(r) for r in by_id.values()]
+        # group_ids are the recorded truth: when they form groups larger than num_generations, use their
+        # size (advantages.group_size reports the disagreement); groups smaller than G are partial groups of
+        # a micro-batch and are left out as before
+        if G is None or (int(G) not in sizes and max(sizes) > int(G)):
             G = max(set(sizes), key=sizes.count)
         groups = [r for r in by_id.values() if len(r) == int(G)]
     else:
@@ -49,6 +52,31 @@ def _sequence_advantages(ctx: StepContext) -> torch.Tensor:
     if advantages.dim() != 1:
         raise Skip("advantages are per token here; the group rules apply to per-sequence advantages [B]")
     return advantages
+
+
+@register("advantages.group_size", "group sizes in group_ids agree with num_generations", GROUPED)
+def check_group_size(ctx: StepContext):
+    G = ctx.hyper("num_generations", None)
+    if G is None or "group_ids" not in ctx.data:
+        raise Skip("needs field group_ids and metadata key 'num_generations'")
+    ids = ctx.data["group_ids"].tolist()
+    sizes = {gid: ids.count(gid) for gid in dict.fromkeys(ids)}
+    wrong = {gid: n for gid, n in sizes.items() if n != int(G)}
+    if not wrong:
+        return []
+    gid, n = next(iter(wrong.items()))
+    message = (
+        f"num_generations = {G}, but group_ids give groups of sizes {sorted(set(sizes.values()))} "
+        f"({len(wrong)} of {len(sizes)} groups differ; group {gid} has {n} rows). The group checks below use "
+        "the groups of group_ids. Why it matters: if the trainer normalised advantages over G consecutive "
+        "rows while prompts have a different number of completions, advantages mix completions of different "
+        "prompts. Likely fix: make num_generations match the completions sampled per prompt (or record the "
+        "group_ids the trainer really used); a micro-batch holding part of a group is fine (info only)."
+    )
+    partial = all(n < int(G) for n in wrong.values())  # micro-batches split groups: expected, not a bug
+    rows = [r for r, g in enumerate(ids) if g == gid]
+    return [ctx.finding("advantages.group_size", INFO if partial else WARNING, message, rows[0], field="group_ids",
+                        group_sizes=sorted(set(sizes.values())), num_generations=int(G))]
 
 
 @register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)

@@ -110,6 +110,9 @@ def run_checks(
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
                 log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
                 findings.append(_crash(check, err, key))
+    if not readable:
+        raise TraceFormatError(f"{trace.path}: none of its {len(keys)} step file(s) can be read: "
+                               + "; ".join(f.message for f in findings if f.check == "trace.unreadable")[:2000])
     algorithm = trace.algorithm or ""
     for check in checks:
         if check.scope == "trace" and algorithm in check.algorithms:
