@@ -309,13 +309,16 @@ class _Engine:
                     self._missing(step, name, "a" if name in heads["a"] else "b")
             common = [n for n in names if n in heads["a"] and n in heads["b"]]
             for name in common:
-                _check_pair(name, step, heads["a"][name], heads["b"][name])
+                _check_pair(name, step, heads["a"][name], heads["b"][name], self.algorithm)
             masks = {side: {m: fh.get_tensor(m) for m in _MASKS if m in heads[side]}
                      for side, fh in (("a", fa), ("b", fb))}
+            for m in set(masks["a"]) & set(masks["b"]):  # completions of different widths: pad, not kept
+                masks["a"][m], masks["b"][m] = _pad_pair(masks["a"][m], masks["b"][m])
             for name in common:
                 acc = self._accumulator(name, heads["a"][name][1], heads["b"][name][1], len(heads["a"][name][0]))
                 ta = masks["a"][name] if name in masks["a"] else fa.get_tensor(name)
                 tb = masks["b"][name] if name in masks["b"] else fb.get_tensor(name)
+                ta, tb = _pad_pair(ta, tb)
                 acc.compare(step, ta, tb, _keep(acc.r.mask, masks, ta.shape))
                 self._token_text(acc, step, fa, fb)
 
@@ -337,15 +340,18 @@ class _Engine:
             return
         ids_a = fa.get_slice(ids_name)
         ids_b = fb.get_slice(ids_name) if ids_name in fb.keys() else ids_a
-        rows, cols = ids_a.get_shape()[:2]
+        rows_a, cols_a = ids_a.get_shape()[:2]
+        rows_b, cols_b = ids_b.get_shape()[:2]
         for loc in todo:
             s, t = loc.index[:2]
-            if s >= rows or t >= cols:  # ids of another shape (a step file not written by tracer)
+            # a position past one side's width (completions of different lengths) has no token there
+            id_a = int(ids_a[s : s + 1, t : t + 1]) if s < rows_a and t < cols_a else None
+            id_b = int(ids_b[s : s + 1, t : t + 1]) if s < rows_b and t < cols_b else None
+            if id_a is None and id_b is None:
                 continue
-            id_a, id_b = int(ids_a[s : s + 1, t : t + 1]), int(ids_b[s : s + 1, t : t + 1])
-            loc.token_text = self.trace_a.token_text([id_a])[0]
+            loc.token_text = self.trace_a.token_text([id_a])[0] if id_a is not None else "<no token>"
             if id_b != id_a:
-                loc.token_text_b = self.trace_b.token_text([id_b])[0]
+                loc.token_text_b = self.trace_b.token_text([id_b])[0] if id_b is not None else "<no token>"
 
     def _missing(self, step: StepId, name: str, side: str) -> None:
         entry = self.report.missing_fields.setdefault(name, {"only_in": side, "step_pairs": 0, "first_step": step})
@@ -366,9 +372,28 @@ def _ordered(names: set[str]) -> list[str]:
                                         schema.index(n) if n in FIELDS else len(schema), n))
 
 
-def _check_pair(name: str, step: StepId, head_a, head_b) -> None:
+def _pad_pair(ta: torch.Tensor, tb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[B, T]`` tensors of different widths T, right-padded to the wider one: masks with
+    False (not kept), ids with -1 (no token), floats with 0 (never compared: not kept)."""
+    if ta.shape == tb.shape or ta.dim() != 2 or ta.shape[0] != tb.shape[0]:
+        return ta, tb
+    width = max(ta.shape[1], tb.shape[1])
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        value = False if t.dtype == torch.bool else (-1 if not t.is_floating_point() else 0.0)
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    return pad(ta), pad(tb)
+
+
+def _check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None = None) -> None:
     (shape_a, dtype_a), (shape_b, dtype_b) = head_a, head_b
-    if shape_a != shape_b:
+    spec = FIELDS.get(name)
+    dims = spec.dims_for(algorithm) if spec else ()
+    if (shape_a != shape_b and tuple(dims) == ("B", "T") and len(shape_a) == len(shape_b) == 2
+            and shape_a[0] == shape_b[0]):
+        pass  # completions of different widths: compared over the wider one, the extra positions not kept
+    elif shape_a != shape_b:
         raise DiffInputError(
             f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
             "compares position by position, so both traces need the same B, T, L and F; re-run both with "
