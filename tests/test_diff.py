@@ -253,16 +253,19 @@ def test_different_schema_versions(tmp_path, base, capsys):
 
 
 def test_a_field_with_different_shapes(tmp_path, base, capsys):
-    def wider(step, t):
-        for name in ("completion_ids", "completion_mask", "policy_logprobs", "old_logprobs"):
-            t[name] = torch.cat([t[name], t[name][:, :1]], dim=1)  # T = 7
+    # a different number of sequences B cannot be compared position by position (different widths T
+    # can: see test_diff_widths.py)
+    def more_rows(step, t):
+        for name, value in list(t.items()):
+            if value.dim() >= 1 and value.shape[0] == 3:
+                t[name] = torch.cat([value, value[:1]], dim=0)  # B = 4
 
-    other = write_trace(tmp_path / "b", edit=wider)
+    other = write_trace(tmp_path / "b", edit=more_rows)
     assert main(["diff", str(base), str(other)]) == 2
     assert capsys.readouterr().err == (
-        "tracer diff: error: field 'completion_mask' has shape [3, 6] in a but [3, 7] in b at step 0: diff "
-        "compares position by position, so both traces need the same B, T, L and F; re-run both with the same "
-        "batch size and maximum completion length, or leave the field out (fields=/--fields)\n")
+        "tracer diff: error: field 'completion_mask' has shape [3, 6] in a but [4, 6] in b at step 0: diff "
+        "compares position by position, so both traces need the same B, L and F (widths T may differ); re-run both "
+        "with the same batch size and maximum completion length, or leave the field out (fields=/--fields)\n")
     with pytest.raises(DiffInputError, match="'completion_mask' has shape"):
         diff(base, other)
 

@@ -396,7 +396,7 @@ def _check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None =
     elif shape_a != shape_b:
         raise DiffInputError(
             f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
-            "compares position by position, so both traces need the same B, T, L and F; re-run both with "
+            "compares position by position, so both traces need the same B, L and F (widths T may differ); re-run both with "
             "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
     kinds = {d: ("float" if coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
     if kinds[dtype_a] != kinds[dtype_b]:
