@@ -264,7 +264,7 @@ def test_a_field_with_different_shapes(tmp_path, base, capsys):
     assert main(["diff", str(base), str(other)]) == 2
     assert capsys.readouterr().err == (
         "tracer diff: error: field 'completion_mask' has shape [3, 6] in a but [4, 6] in b at step 0: diff "
-        "compares position by position, so both traces need the same B, L and F (widths T may differ); re-run both "
+        "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both "
         "with the same batch size and maximum completion length, or leave the field out (fields=/--fields)\n")
     with pytest.raises(DiffInputError, match="'completion_mask' has shape"):
         diff(base, other)

@@ -33,3 +33,18 @@ def test_a_longer_completion_is_a_mask_difference_at_the_extra_token(tmp_path, c
     assert main(["diff", str(a), str(b)]) == 1
     out = capsys.readouterr().out
     assert "kept only in b: 1" in out and "<no token>" in out
+
+
+def test_left_padded_prompts_of_different_widths_align_on_the_right(tmp_path):
+    def run(root, prompt_ids, prompt_mask):
+        with TraceWriter(root, "grpo") as w:
+            w.record(0, prompt_ids=torch.tensor(prompt_ids), prompt_mask=torch.tensor(prompt_mask),
+                     completion_ids=torch.tensor([[5, 1]]), completion_mask=torch.ones(1, 2))
+        return root
+
+    a = run(tmp_path / "a", [[0, 3, 4]], [[0, 1, 1]])  # one more pad on the left
+    b = run(tmp_path / "b", [[3, 4]], [[1, 1]])
+    assert diff(a, b).equal
+    c = run(tmp_path / "c", [[3, 9]], [[1, 1]])
+    report = diff(b, c)
+    assert not report.equal and report.fields["prompt_ids"].first.index[:2] == (0, 1)

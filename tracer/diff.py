@@ -313,12 +313,12 @@ class _Engine:
             masks = {side: {m: fh.get_tensor(m) for m in _MASKS if m in heads[side]}
                      for side, fh in (("a", fa), ("b", fb))}
             for m in set(masks["a"]) & set(masks["b"]):  # completions of different widths: pad, not kept
-                masks["a"][m], masks["b"][m] = _pad_pair(masks["a"][m], masks["b"][m])
+                masks["a"][m], masks["b"][m] = _pad_pair(masks["a"][m], masks["b"][m], left=_is_prompt(m))
             for name in common:
                 acc = self._accumulator(name, heads["a"][name][1], heads["b"][name][1], len(heads["a"][name][0]))
                 ta = masks["a"][name] if name in masks["a"] else fa.get_tensor(name)
                 tb = masks["b"][name] if name in masks["b"] else fb.get_tensor(name)
-                ta, tb = _pad_pair(ta, tb)
+                ta, tb = _pad_pair(ta, tb, left=_is_prompt(name))
                 acc.compare(step, ta, tb, _keep(acc.r.mask, masks, ta.shape))
                 self._token_text(acc, step, fa, fb)
 
@@ -372,31 +372,37 @@ def _ordered(names: set[str]) -> list[str]:
                                         schema.index(n) if n in FIELDS else len(schema), n))
 
 
-def _pad_pair(ta: torch.Tensor, tb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``[B, T]`` tensors of different widths T, right-padded to the wider one: masks with
-    False (not kept), ids with -1 (no token), floats with 0 (never compared: not kept)."""
+def _pad_pair(ta: torch.Tensor, tb: torch.Tensor, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[B, T]`` (or left-padded ``[B, L]``, ``left=True``) tensors of different widths, padded
+    to the wider one: masks with False (not kept), ids with -1 (no token), floats with 0 (never
+    compared: not kept)."""
     if ta.shape == tb.shape or ta.dim() != 2 or ta.shape[0] != tb.shape[0]:
         return ta, tb
     width = max(ta.shape[1], tb.shape[1])
 
     def pad(t: torch.Tensor) -> torch.Tensor:
         value = False if t.dtype == torch.bool else (-1 if not t.is_floating_point() else 0.0)
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+        extra = width - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra), value=value)
 
     return pad(ta), pad(tb)
+
+
+def _is_prompt(name: str) -> bool:
+    return FIELDS[name].dims == ("B", "L") if name in FIELDS else False
 
 
 def _check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None = None) -> None:
     (shape_a, dtype_a), (shape_b, dtype_b) = head_a, head_b
     spec = FIELDS.get(name)
     dims = spec.dims_for(algorithm) if spec else ()
-    if (shape_a != shape_b and tuple(dims) == ("B", "T") and len(shape_a) == len(shape_b) == 2
+    if (shape_a != shape_b and tuple(dims) in (("B", "T"), ("B", "L")) and len(shape_a) == len(shape_b) == 2
             and shape_a[0] == shape_b[0]):
-        pass  # completions of different widths: compared over the wider one, the extra positions not kept
+        pass  # completions (prompts) of different widths: compared over the wider one, extra positions not kept
     elif shape_a != shape_b:
         raise DiffInputError(
             f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
-            "compares position by position, so both traces need the same B, L and F (widths T may differ); re-run both with "
+            "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both with "
             "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
     kinds = {d: ("float" if coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
     if kinds[dtype_a] != kinds[dtype_b]:
