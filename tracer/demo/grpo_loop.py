@@ -107,7 +107,7 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
 
 
 def hyperparameters(cfg: GRPOConfig) -> dict:
-    """Step metadata (SPEC section 4 keys) of this loop."""
+    """Step metadata (SPEC.md section 4 keys) of this loop."""
     # clip_epsilon_high means "ratio clipped at 1 + eps"; CISPO's epsilon_high is the bound itself.
     eps_high = cfg.epsilon_high - 1.0 if cfg.loss_type == "cispo" else cfg.clip_epsilon
     return {

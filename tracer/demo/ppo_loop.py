@@ -138,7 +138,7 @@ def train(actor, critic, ref_model, tokenizer, cfg: PPOConfig, tr: Tracer, progr
 
 
 def hyperparameters(cfg: PPOConfig) -> dict:
-    """Step metadata (SPEC section 4 keys) of this loop."""
+    """Step metadata (SPEC.md section 4 keys) of this loop."""
     return {
         "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": cfg.clip_epsilon, "kl_coef": cfg.kl_coef,
         "gamma": cfg.gamma, "lam": cfg.lam, "temperature": cfg.temperature, "top_p": 1.0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-#: TRL ``loss_type`` -> canonical ``loss_reduction`` (SPEC section 4), from ``_compute_loss``:
+#: TRL ``loss_type`` -> canonical ``loss_reduction`` (SPEC.md section 4), from ``_compute_loss``:
 #: grpo/sapo: per-sequence masked mean, then mean over sequences.
 #: bnpo: masked mean over the micro-batch's tokens. dapo/cispo/vespo: masked token sum divided by
 #: the loss-token count of the generation batch (``num_items_in_batch``, recorded per step), i.e. a
@@ -81,7 +81,7 @@ def _batching_hyperparameters(trainer: Any) -> dict[str, Any]:
 
 
 def hyperparameters_of(trainer: Any) -> dict[str, Any]:
-    """Step metadata of a ``GRPOTrainer`` that is the same for every step (SPEC section 4 keys + TRL extras)."""
+    """Step metadata of a ``GRPOTrainer`` that is the same for every step (SPEC.md section 4 keys + TRL extras)."""
     loss_type = getattr(trainer, "loss_type", getattr(trainer.args, "loss_type", None))
     return {
         **_policy_gradient_hyperparameters(trainer),
