@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the app is not an installed package; import it from the checkout
@@ -21,62 +20,9 @@ from app.components.overview import fields_table, manifest_facts  # noqa: E402
 from app.components.sidebar import DEFAULT_ROOT, resolve_root  # noqa: E402
 from app.components.token_table import (  # noqa: E402
     MASK_BACKGROUND, filler_marker, section_text, style_token_table, token_display_frame)
-from tracer import formulas  # noqa: E402
 from tracer.writer import TraceWriter  # noqa: E402
 
-APP = REPO / "app" / "streamlit_app.py"
-SCRIPT = "<script>alert(1)</script>"
-# Token strings of the toy vocabulary: id -> text.
-VOCAB = ["<pad>", "<eos>", "Hello", " world", SCRIPT, " 2+2", "=", "4", "<b>", " yes", " no", "\n"]
-PAD, EOS = 0, 1
-
-
-class ToyTokenizer:
-    """The part of a transformers tokenizer that TraceWriter reads (ids decoded one by one)."""
-
-    name_or_path = "toy-tokenizer"
-    eos_token_id = EOS
-    pad_token_id = PAD
-    padding_side = "left"
-
-    def __len__(self) -> int:
-        return len(VOCAB)
-
-    def batch_decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-        return ["".join(VOCAB[i] for i in row) for row in ids]
-
-
-def grpo_step_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """One GRPO step: P = 2 prompts, G = 2 generations, B = 4, L = 5 (left-padded), T = 6.
-
-    Completion rows, by the reason of each masked position:
-      row 0: 7 <script> <eos> | pad pad pad     -> after_eos at 3..5
-      row 1: " no" "=" | pad pad pad pad        -> padding at 2..5 (no EOS: truncated by padding)
-      row 2: " yes" "4" "<b>" "<eos>" | pad pad -> after_eos at 4..5
-      row 3: " yes" [" no"] "<b>" "<eos>" | pad pad -> masked at 1 (tool output), after_eos 4..5
-    """
-    gen = torch.Generator().manual_seed(seed)
-    prompt_ids = torch.tensor([[PAD, PAD, 2, 3, 5], [PAD, PAD, 2, 3, 5],
-                               [PAD, 2, 3, 6, 5], [PAD, 2, 3, 6, 5]])  # (B, L)
-    prompt_mask = prompt_ids != PAD  # (B, L) left padding
-    completion_ids = torch.tensor([[7, 4, EOS, PAD, PAD, PAD], [10, 6, PAD, PAD, PAD, PAD],
-                                   [9, 7, 8, EOS, PAD, PAD], [9, 10, 8, EOS, PAD, PAD]])  # (B, T)
-    completion_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0],
-                                    [1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 0, 0]], dtype=torch.bool)
-    old = -torch.rand(4, 6, generator=gen) * 3  # (B, T) nats
-    policy = old + 0.05 * torch.randn(4, 6, generator=gen)
-    ref = old + 0.1 * torch.randn(4, 6, generator=gen)
-    sampler = old + 0.01 * torch.randn(4, 6, generator=gen)
-    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25]) + seed
-    return {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids, "completion_mask": completion_mask,
-        "old_logprobs": old, "policy_logprobs": policy, "ref_logprobs": ref, "sampler_logprobs": sampler,
-        "ratio": formulas.ratio(policy, old), "ref_kl_k3": formulas.ref_kl_k3(policy, ref),
-        "approx_kl_k2": formulas.approx_kl_k2(policy, old),
-        "rewards": rewards, "advantages": formulas.group_advantages(rewards, 2),
-        "group_ids": torch.tensor([0, 0, 1, 1]),
-    }
+from tests.toy_traces import APP, EOS, PAD, SCRIPT, VOCAB, ToyTokenizer, grpo_step_tensors  # noqa: E402,F401
 
 
 def write_trace(out: Path, tokenizer=None, steps: int = 3) -> Path:
