@@ -182,3 +182,10 @@ def test_sampling_policy_rejects_nonsense():
         SamplingPolicy(every_n_steps=0)
     with pytest.raises(ValueError, match="when_full must be 'block' or 'drop', got 'wait'"):
         BackgroundWriter(lambda *a: None, lambda it: None, lambda *a: None, lambda r: None, 1, 1, "wait")
+
+
+def test_the_anomaly_ring_needs_the_background_writer(tmp_path):
+    from tracer import TraceError
+
+    with pytest.raises(TraceError, match="use async_write=True"):
+        TraceWriter(tmp_path / "run", "grpo", sampling=SamplingPolicy(anomaly_ring=2), async_write=False)

@@ -122,7 +122,8 @@ def token_diff_table(
 
     Args:
         a, b: the reference and the candidate trace.
-        step: ``(step, inner_step, micro_batch, rank)`` present in both (default: the first of a;
+        step: ``(step, inner_step, micro_batch, rank)`` present in both, or a step number (inner step,
+            micro-batch and rank 0) (default: the first of a;
             two single step files are paired whatever their step numbers).
         sequence: one sequence (reads only that row), or None for the whole step.
         atol, rtol: as for :func:`diff`.
@@ -139,6 +140,8 @@ def token_diff_table(
     trace_a, trace_b = Trace(a), Trace(b)
     _check_compatible(trace_a, trace_b)
     pairs, _, _ = _pair_steps(trace_a, trace_b)
+    if isinstance(step, int):  # a bare step number: its first inner step, micro-batch and rank
+        step = (step, 0, 0, 0)
     pair = next((p for p in pairs if step is None or _step_id(p[0]) == tuple(step)), None)
     if pair is None:
         have = [_step_id(p[0]) for p in pairs][:10]

@@ -131,6 +131,9 @@ class TraceWriter:
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
+        if sampling is not None and sampling.anomaly_ring and not async_write:
+            raise TraceError("the anomaly ring (sampling.anomaly_ring > 0) holds steps on the writer thread; "
+                             "use async_write=True (the default) with it")
         self.root = Path(out_dir)
         self.algorithm = algorithm
         self.strict = strict

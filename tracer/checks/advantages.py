@@ -1,4 +1,4 @@
-"""Advantages and rewards (SPEC section 6).
+"""Advantages and rewards (SPEC.md section 6).
 
 Grouped algorithms (GRPO, CISPO, RLOO): advantages sum to ~0 within each group, zero-variance
 groups (no learning signal) are counted, and |A| stays within the bound a group z-score allows

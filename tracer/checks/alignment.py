@@ -1,4 +1,4 @@
-"""Alignment (SPEC section 6): logprobs scored for the right token, completions cut at the padded
+"""Alignment (SPEC.md section 6): logprobs scored for the right token, completions cut at the padded
 prompt width.
 
 * ``alignment.logprob_shift``: compare the trainer's logprobs with the sampler's at shifts -1, 0, +1

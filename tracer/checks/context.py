@@ -1,7 +1,7 @@
 """What a step check sees: one step file's tensors and metadata, the options of the run, the
 tolerances for the step's dtype, and a helper that builds a located :class:`Finding`.
 
-Hyperparameters come from the step metadata (SPEC section 4 keys), then from the manifest's
+Hyperparameters come from the step metadata (SPEC.md section 4 keys), then from the manifest's
 ``hyperparameters``. Tolerances follow the loosest float dtype the step went through: the
 ``source_dtype`` metadata (comma-separated), an optional ``model_dtype`` key, and the stored dtypes.
 """
@@ -117,7 +117,7 @@ class StepContext:
         if name in manifest_h and manifest_h[name] is not None:
             return manifest_h[name]
         if default is _REQUIRED:
-            raise Skip(f"needs metadata key {name!r} (SPEC section 4), which this step does not record")
+            raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
         return default
 
     def old_logprobs(self) -> torch.Tensor:

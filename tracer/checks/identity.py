@@ -1,4 +1,4 @@
-"""First-step identity (SPEC section 6): on fresh rollouts, before any optimizer step, the policy
+"""First-step identity (SPEC.md section 6): on fresh rollouts, before any optimizer step, the policy
 is the behaviour policy, so ``policy_logprobs == old_logprobs`` token by token, the ratio is 1 and
 nothing is clipped. After an optimizer step the policy has moved, so a ratio of exactly 1 on every
 token means ``old_logprobs`` alias the policy.

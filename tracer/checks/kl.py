@@ -1,4 +1,4 @@
-"""KL sanity (SPEC section 6): the k3 estimator is finite and ≥ 0 per token, ``ref - policy`` stays
+"""KL sanity (SPEC.md section 6): the k3 estimator is finite and ≥ 0 per token, ``ref - policy`` stays
 far from the range where ``exp`` overflows, and k1 = policy - ref is not persistently negative.
 
 k3 = exp(d) - d - 1 with d = ref - policy grows like exp(d): d = 20 nats already gives

@@ -1,4 +1,4 @@
-"""Masks (SPEC section 6): 0 after the first EOS, 0 on trailing padding, every row keeps at least
+"""Masks (SPEC.md section 6): 0 after the first EOS, 0 on trailing padding, every row keeps at least
 one token, and DPO chosen/rejected masks built by the same rule.
 
 The EOS and pad ids come from the manifest's ``tokenizer`` (``eos_token_id``, ``pad_token_id``), or

@@ -1,4 +1,4 @@
-"""Non-finite values (SPEC section 6): no NaN/Inf anywhere, even at masked slots.
+"""Non-finite values (SPEC.md section 6): no NaN/Inf anywhere, even at masked slots.
 
 At a kept position a NaN/Inf reaches the loss: error. At a masked position it is a warning: a
 guarded masked mean (``torch.where``) ignores it, but ``(x * mask).sum()`` gives NaN because

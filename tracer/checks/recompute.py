@@ -1,4 +1,4 @@
-"""Recompute (SPEC section 6): derived tensors recomputed with :mod:`tracer.formulas` from the
+"""Recompute (SPEC.md section 6): derived tensors recomputed with :mod:`tracer.formulas` from the
 recorded inputs and compared with what the trainer recorded: ratio, ref_kl_k3, approx_kl_k2,
 advantages (group rules, RLOO, GAE), clip fractions and DPO terms. The loss is in ``reduction.py``.
 

@@ -1,9 +1,9 @@
-"""Recompute the loss (SPEC section 6): the per-token loss from the recorded inputs, and the scalar
+"""Recompute the loss (SPEC.md section 6): the per-token loss from the recorded inputs, and the scalar
 loss under the three reductions, compared with the loss the trainer recorded.
 
 Where a recorded loss lives: the scalar tensor field ``loss`` (shape ``[]`` or ``[1]``, the value
 the trainer backpropagated for this step file), or, failing that, the metadata key ``loss`` (a
-float). The reductions (SPEC section 3):
+float). The reductions (SPEC.md section 3):
 
 * ``sequence_mean``: per-sequence masked mean, then the mean over sequences (seed, TRL ``grpo``);
 * ``token_mean``: masked mean over all kept tokens (TRL ``bnpo``). For TRL's ``dapo`` / ``cispo`` /

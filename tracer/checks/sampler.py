@@ -1,4 +1,4 @@
-"""Sampler vs trainer (SPEC section 6): when the inference engine reported its own logprobs,
+"""Sampler vs trainer (SPEC.md section 6): when the inference engine reported its own logprobs,
 compare them with the trainer's for the same tokens.
 
 Reports, over kept tokens, the mean and quantiles of ``old - sampler`` (nats), the share of tokens
