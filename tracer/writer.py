@@ -148,7 +148,8 @@ class TraceWriter:
         self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure
         self._lock = threading.Lock()
         self._closed = False
-        encode_metadata(self.hyperparameters)  # a non-JSON hyperparameter raises SchemaError now, naming it
+        # a non-JSON hyperparameter raises SchemaError now, naming it
+        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
@@ -243,8 +244,9 @@ class TraceWriter:
             self.skipped_steps += 1
             return None
         header = self._header(step, inner_step, micro_batch, metadata, tensors)
-        encoded = encode_metadata(header)  # a non-JSON metadata value raises here, on the caller's thread
-        size = sum(len(k) + len(v) for k, v in encoded.items())
+        # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
+        encoded = encode_metadata(metadata) if metadata else {}
+        size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
