@@ -122,3 +122,10 @@ def test_hostile_integer_metadata_never_crashes_the_reader(tmp_path, meta, capsy
     assert main(["info", str(path)]) == 0
     assert main(["check", str(path)]) in (0, 1)
     assert main(["diff", str(path), str(path)]) == 0
+
+
+def test_a_closed_trace_keeps_no_lock_file(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo") as w:
+        assert (tmp_path / "run" / ".writer.rank_0.lock").exists()
+        w.record(0, tensors())
+    assert not (tmp_path / "run" / ".writer.rank_0.lock").exists()

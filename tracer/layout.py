@@ -139,10 +139,17 @@ def lock_rank(out_dir: str | os.PathLike, rank: int) -> int | None:
     return fd
 
 
-def unlock_rank(fd: int | None) -> None:
-    """Release a lock taken by :func:`lock_rank` (idempotent for None)."""
-    if fd is not None:
+def unlock_rank(fd: int | None, out_dir: str | os.PathLike | None = None, rank: int = 0) -> None:
+    """Release a lock taken by :func:`lock_rank` (idempotent for None); with ``out_dir``, also remove
+    the lock file so a finished trace holds only its own files."""
+    if fd is None:
+        return
+    if out_dir is not None:
         try:
-            os.close(fd)  # closing the descriptor releases the flock
+            os.unlink(Path(out_dir) / f".writer.rank_{rank}.lock")
         except OSError:
             pass
+    try:
+        os.close(fd)  # closing the descriptor releases the flock
+    except OSError:
+        pass

@@ -292,7 +292,8 @@ class TraceWriter:
             self._background.stop()
         self._manifest["status"] = "finished"
         self._write_manifest()
-        unlock_rank(self._lock_fd)
+        unlock_rank(self._lock_fd, self.root, self.rank)
+        self._lock_fd = None
         self._raise_pending()
 
     def count_drop(self, reason: str) -> None:
