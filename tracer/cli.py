@@ -28,6 +28,17 @@ APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
 DEFAULT_VIEW_ROOT = REPO_ROOT / "sample_traces"
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracer", description="Trace, browse, check and diff RL training tensors.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="check ids (masks.after_eos) or families (masks) to run; default all")
     check.add_argument("--sampler-ratio-bound", type=float, default=2.0, metavar="C",
                        help="sampler.mismatch counts tokens whose exp(old - sampler) is outside [1/C, C] (default 2)")
-    check.add_argument("--max-per-check", type=int, default=10, help="findings shown per check (default 10)")
+    check.add_argument("--max-per-check", type=_positive_int, default=10, help="findings shown per check (default 10)")
 
     diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)",
                           description="Compare two traces field by field, mask-aware (docs/regression-testing.md). "
@@ -77,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="compare only these fields (comma-separated; repeatable)")
     diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
                       help="step metadata key whose differences are not findings; repeatable")
-    diff.add_argument("--max-locations", type=int, default=10, help="differing positions shown per field")
+    diff.add_argument("--max-locations", type=_positive_int, default=10, help="differing positions shown per field")
 
     run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
                          usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")

@@ -322,6 +322,9 @@ def run_script(script: str | os.PathLike, argv: list[str], watcher: Watcher) -> 
         TraceError: the script does not exist, or the trace directory already holds a trace.
     """
     path = Path(script).resolve()
+    if path.is_dir():
+        raise TraceError(f"script {script} is a directory; pass the training script's file after `--`, e.g. "
+                         "`python -m tracer run --algo grpo --out runs/x -- train_grpo.py --lr 1e-6`")
     if not path.is_file():
         raise TraceError(f"script {script} does not exist; pass the training script after `--`, e.g. "
                          "`python -m tracer run --algo grpo --out runs/x -- train_grpo.py --lr 1e-6`")
