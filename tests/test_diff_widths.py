@@ -1,6 +1,7 @@
 """Two runs whose longest completion differs have different widths T: diff compares them over the
 wider width, the extra positions not kept, instead of refusing them as unusable input."""
 
+import pytest
 import torch
 
 from tracer import TraceWriter, diff
@@ -48,3 +49,34 @@ def test_left_padded_prompts_of_different_widths_align_on_the_right(tmp_path):
     c = run(tmp_path / "c", [[3, 9]], [[1, 1]])
     report = diff(b, c)
     assert not report.equal and report.fields["prompt_ids"].first.index[:2] == (0, 1)
+
+
+def test_prompt_token_text_is_read_at_each_sides_own_position(tmp_path, capsys):
+    def run(root, prompt_ids, prompt_mask):
+        with TraceWriter(root, "grpo") as w:
+            w.record(0, prompt_ids=torch.tensor(prompt_ids), prompt_mask=torch.tensor(prompt_mask),
+                     completion_ids=torch.tensor([[5, 1]]), completion_mask=torch.ones(1, 2))
+        return root
+
+    a = run(tmp_path / "a", [[3, 4]], [[1, 1]])
+    b = run(tmp_path / "b", [[0, 0, 3, 9]], [[0, 0, 1, 1]])  # wider by two pads; last token changed
+    report = diff(a, b)
+    loc = report.fields["prompt_ids"].first
+    # ids: a's 4 (its column 1) against b's 9 (its column 3), both at common column 3; no tokens.json,
+    # so the texts are the ids' placeholders
+    assert (loc.token_text, loc.token_text_b) == ("<id 4>", "<id 9>")
+
+
+def test_the_token_view_of_dpo_traces_says_it_is_not_available(tmp_path):
+    from tracer.diff import DiffInputError, token_diff_table
+
+    def run(root):
+        with TraceWriter(root, "dpo") as w:
+            side = torch.ones(1, 2)
+            w.record(0, chosen_ids=torch.tensor([[5, 1]]), rejected_ids=torch.tensor([[6, 1]]), chosen_mask=side,
+                     rejected_mask=side, chosen_policy_logprobs=-side, rejected_policy_logprobs=-side,
+                     chosen_ref_logprobs=-side, rejected_ref_logprobs=-side)
+        return root
+
+    with pytest.raises(DiffInputError, match="a DPO trace records chosen_"):
+        token_diff_table(run(tmp_path / "a"), run(tmp_path / "b"), step=0, sequence=0)

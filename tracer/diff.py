@@ -140,13 +140,19 @@ def token_diff_table(
     trace_a, trace_b = Trace(a), Trace(b)
     _check_compatible(trace_a, trace_b)
     pairs, _, _ = _pair_steps(trace_a, trace_b)
-    if isinstance(step, int):  # a bare step number: its first inner step, micro-batch and rank
+    if isinstance(step, StepKey):
+        step = (step.step, step.inner_step, step.micro_batch, step.rank)
+    elif isinstance(step, int):  # a bare step number: its first inner step, micro-batch and rank
         step = (step, 0, 0, 0)
     pair = next((p for p in pairs if step is None or _step_id(p[0]) == tuple(step)), None)
     if pair is None:
         have = [_step_id(p[0]) for p in pairs][:10]
         raise DiffInputError(f"step {step} is not in both traces; steps in both: {have}")
     frames = [t.token_table(k, sequence) for t, k in ((trace_a, pair[0]), (trace_b, pair[1]))]
+    if any("section" not in f for f in frames):
+        raise DiffInputError(
+            "the side-by-side token view shows completion tokens (completion_ids); these step files have "
+            "none (a DPO trace records chosen_* / rejected_* fields): use the per-field report instead")
     frames = [f[f["section"] == "completion"].drop(columns=["section", "step", "inner_step", "rank"]) for f in frames]
     table = frames[0].merge(frames[1], on=["sequence", "position"], how="outer", suffixes=("_a", "_b"))
     table["mask_differs"] = table["kept_a"] != table["kept_b"]
@@ -345,11 +351,14 @@ class _Engine:
         ids_b = fb.get_slice(ids_name) if ids_name in fb.keys() else ids_a
         rows_a, cols_a = ids_a.get_shape()[:2]
         rows_b, cols_b = ids_b.get_shape()[:2]
+        width = max(cols_a, cols_b)
+        left = _is_prompt(ids_name)  # prompts were left-padded to the common width: shift back per side
         for loc in todo:
             s, t = loc.index[:2]
+            ta, tb = (t - (width - cols_a), t - (width - cols_b)) if left else (t, t)
             # a position past one side's width (completions of different lengths) has no token there
-            id_a = int(ids_a[s : s + 1, t : t + 1]) if s < rows_a and t < cols_a else None
-            id_b = int(ids_b[s : s + 1, t : t + 1]) if s < rows_b and t < cols_b else None
+            id_a = int(ids_a[s : s + 1, ta : ta + 1]) if s < rows_a and 0 <= ta < cols_a else None
+            id_b = int(ids_b[s : s + 1, tb : tb + 1]) if s < rows_b and 0 <= tb < cols_b else None
             if id_a is None and id_b is None:
                 continue
             loc.token_text = self.trace_a.token_text([id_a])[0] if id_a is not None else "<no token>"

@@ -200,7 +200,10 @@ def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
             # a hostile or odd header ("NaN", "1e400", 2.5): keep the text rather than invent an int
             value = int(value) if math.isfinite(value) and value.is_integer() and abs(value) < 2**62 else text
         elif kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:  # an integer too large for a float: keep the text
+                value = text
         out[key] = value
     return out
 

@@ -79,9 +79,9 @@ def _coordinate(name: str, value: Any) -> int:
         value = value.item()
     if hasattr(value, "__index__") and not isinstance(value, bool):
         value = value.__index__()
-        if value >= 0:
+        if 0 <= value < 2**62:
             return value
-    raise SchemaError(f"{name} must be an integer >= 0, got {value!r} ({type(value).__name__}); "
+    raise SchemaError(f"{name} must be an integer in [0, 2**62), got {value!r:.40} ({type(value).__name__}); "
                       f"pass the {name.replace('_', ' ')} counter as an int")
 
 
@@ -148,6 +148,7 @@ class TraceWriter:
         self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         # a non-JSON hyperparameter raises SchemaError now, naming it
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
@@ -288,6 +289,8 @@ class TraceWriter:
             return
         self._closed = True
         _OPEN_WRITERS.discard(self)
+        if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
+            return
         if self._background is not None:
             self._background.stop()
         self._manifest["status"] = "finished"
