@@ -279,3 +279,30 @@ def test_dpo_step_summary_margin_and_accuracy(tmp_path):
         assert summary["preference_accuracy"].tolist() == pytest.approx([0.5, 0.5])
         assert summary["mean_dpo_logits"].tolist() == pytest.approx([0.5, 0.5])
         assert summary["mean_dpo_loss"].iloc[0] == pytest.approx((math.log1p(math.exp(-0.5)) + math.log(2)) / 2)
+
+
+def test_hostile_metadata_is_treated_as_unknown_not_a_crash(tmp_path):
+    # beta = "x", target_kl = "x", reward_component_names = 5: the views show unknowns, never raise
+    from tracer.views import dpo_pair_terms, group_frame, ppo_minibatch_table
+
+    side = torch.ones(1, 2)
+    with TraceWriter(tmp_path / "dpo", "dpo", hyperparameters={"beta": "x"}) as w:
+        w.record(0, chosen_ids=torch.tensor([[5, 1]]), rejected_ids=torch.tensor([[6, 1]]), chosen_mask=side,
+                 rejected_mask=side, chosen_policy_logprobs=-side, rejected_policy_logprobs=-2 * side,
+                 chosen_ref_logprobs=-side, rejected_ref_logprobs=-side)
+    trace = Trace(tmp_path / "dpo")
+    dpo_pair_terms(trace, trace.steps()[0], 0)
+    with TraceWriter(tmp_path / "ppo", "ppo", hyperparameters={"target_kl": "x"}) as w:
+        w.record(0, completion_ids=torch.ones(2, 2, dtype=torch.long), completion_mask=torch.ones(2, 2),
+                 policy_logprobs=-torch.ones(2, 2), old_logprobs=-torch.ones(2, 2), row_ids=torch.tensor([0, 1]))
+    table = ppo_minibatch_table(Trace(tmp_path / "ppo"), 0)
+    assert table["target_kl"].isna().all()
+    with TraceWriter(tmp_path / "grpo", "grpo", hyperparameters={"reward_component_names": 5,
+                                                                 "num_generations": 2}) as w:
+        w.record(0, rewards=torch.tensor([1.0, 0.0]), reward_components=torch.tensor([[1.0], [0.0]]),
+                 group_ids=torch.tensor([0, 0]), advantages=torch.tensor([1.0, -1.0]))
+    grpo = Trace(tmp_path / "grpo")
+    assert len(group_frame(grpo, grpo.steps()[0])) == 1
+    from tracer.views import group_completions
+
+    assert len(group_completions(grpo, grpo.steps()[0], 0)) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tracer.reader import StepKey, Trace
@@ -10,10 +11,15 @@ from tracer.reader import StepKey, Trace
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages", "row_ids")
 
 
-def hyperparameter(trace: Trace, meta: dict[str, Any], name: str) -> Any:
-    """A step's metadata value, else the manifest's hyperparameter of that name, else None."""
-    value = meta.get(name)
-    return value if value is not None else (trace.manifest.get("hyperparameters") or {}).get(name)
+def hyperparameter(trace: Trace, meta: dict[str, Any], name: str) -> float | None:
+    """A numeric hyperparameter (``beta``, ``target_kl``...): the step's metadata value, else the
+    manifest's, else None. A value that is not a finite number (hostile or odd metadata) counts as
+    absent, so a view shows "unknown" instead of failing."""
+    for source in (meta, trace.manifest.get("hyperparameters") or {}):
+        value = source.get(name) if isinstance(source, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
 
 
 def flag(value: Any) -> bool:

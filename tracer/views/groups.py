@@ -98,7 +98,8 @@ def group_completions(trace: Trace, key: StepKey, group: int) -> pd.DataFrame:
         raise KeyError(f"{key.path}: no group {group}; groups here: {sorted(stats)}")
     s = stats[group]
     components = data.get("reward_components")
-    names = list(meta.get("reward_component_names") or [])
+    raw_names = meta.get("reward_component_names")
+    names = [str(n) for n in raw_names] if isinstance(raw_names, list) else []
     if components is not None and len(names) != components.shape[1]:
         names = [f"component_{f}" for f in range(components.shape[1])]
     records = []
