@@ -399,3 +399,15 @@ def test_a_trace_whose_step_files_are_all_unreadable_is_unusable(tmp_path, capsy
     (steps / "step_00000000.inner_0.mb_0.rank_0.safetensors").write_bytes(b"\x00" * 64)
     assert main(["check", str(tmp_path / "run")]) == 2
     assert "none of its 1 step file(s) can be read" in capsys.readouterr().err
+
+
+def test_an_unknown_algorithm_is_a_warning_not_a_silent_pass(tmp_path):
+    from safetensors.torch import save_file
+
+    from tracer.checks import run_checks
+
+    path = tmp_path / "one.safetensors"
+    save_file({"completion_ids": torch.ones(1, 2, dtype=torch.long), "completion_mask": torch.ones(1, 2, dtype=torch.bool),
+               "policy_logprobs": torch.zeros(1, 2)}, path, metadata={"algorithm": "bogus"})
+    (f,) = [f for f in run_checks(path) if f.severity == "warning"]
+    assert f.check == "fields.required" and "unknown algorithm 'bogus'" in f.message

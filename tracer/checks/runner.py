@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Iterable
 
 from tracer.checks.context import CheckOptions, StepContext
-from tracer.checks.finding import CHECKS, ERROR, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip
+from tracer.checks.finding import (
+    ALL_ALGORITHMS, CHECKS, ERROR, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
+)
 from tracer.errors import TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
 
@@ -100,6 +102,13 @@ def run_checks(
             findings.append(_unreadable(key, err))
             continue
         readable.append(key)
+        if ctx.algorithm not in ALL_ALGORITHMS:
+            findings.append(Finding(
+                "fields.required", WARNING,
+                f"unknown algorithm {ctx.algorithm!r} in this step's metadata (expected one of "
+                f"{sorted(a for a in ALL_ALGORITHMS if a)}): no algorithm-specific check ran on it",
+                step=key.step, inner_step=key.inner_step, micro_batch=key.micro_batch, rank=key.rank,
+                path=str(key.path)))
         for check in checks:
             if check.scope != "step" or ctx.algorithm not in check.algorithms:
                 continue
