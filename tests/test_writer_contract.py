@@ -163,3 +163,10 @@ def test_a_float_key_holding_a_huge_integer_is_kept_as_text(tmp_path, capsys):
     trace = Trace(path)
     assert trace.metadata(trace.steps()[0])["beta"] == "1" + "0" * 400
     assert main(["info", str(path)]) == 0
+
+
+def test_a_numpy_array_hyperparameter_becomes_a_list(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"reward_weights": np.arange(3) / 2}) as w:
+        w.record(0, tensors())
+    trace = Trace(tmp_path / "run")
+    assert trace.metadata(trace.steps()[0])["reward_weights"] == [0.0, 0.5, 1.0]

@@ -136,7 +136,8 @@ LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 
 def jsonable(value: Any) -> Any:
     """``value`` with the common non-JSON scalars of training configs made JSON: numpy and torch
-    scalars (``.item()``), paths (``str``), tuples and sets (lists), enums (their value); nested
+    scalars (``.item()``), numpy arrays and tensors (``.tolist()``), paths (``str``), tuples and sets
+    (lists), enums (their value); nested
     dicts and lists are converted throughout. Anything else is returned as it is."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
@@ -154,6 +155,8 @@ def jsonable(value: Any) -> Any:
         return value.item()
     if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy scalar
         return value.item()
+    if hasattr(value, "tolist") and hasattr(value, "shape"):  # numpy arrays, small tensors
+        return jsonable(value.tolist())
     return value
 
 
