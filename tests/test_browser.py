@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import toy_traces
 from tracer import TraceWriter
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -52,19 +53,8 @@ def _browser_or_skip():
     pytest.skip(f"real-browser test needs Chromium and playwright: {missing}")
 
 
-class ToyTokenizer:
-    """What TraceWriter reads from a tokenizer: ids decoded one by one, special token ids."""
-
-    name_or_path = "toy"
-    eos_token_id = EOS
-    pad_token_id = PAD
-    padding_side = "left"
-
-    def __len__(self) -> int:
-        return len(VOCAB)
-
-    def batch_decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-        return ["".join(VOCAB[i] for i in row) for row in ids]
+def ToyTokenizer():  # noqa: N802  (the shared toy tokenizer, over this file's vocabulary)
+    return toy_traces.ToyTokenizer(VOCAB)
 
 
 def step_tensors(step: int) -> dict[str, torch.Tensor]:

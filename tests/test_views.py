@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests import toy_traces
 from tracer import views
 from tracer.errors import TraceFormatError
 from tracer.reader import Trace
@@ -16,17 +17,8 @@ PAD, EOS = 0, 1
 VOCAB = ["<pad>", "<eos>", "a", "b", "<script>", "c"]
 
 
-class ToyTokenizer:
-    name_or_path = "toy"
-    eos_token_id = EOS
-    pad_token_id = PAD
-    padding_side = "left"
-
-    def __len__(self) -> int:
-        return len(VOCAB)
-
-    def batch_decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-        return ["".join(VOCAB[i] for i in row) for row in ids]
+def ToyTokenizer():  # noqa: N802  (the shared toy tokenizer, over this file's vocabulary)
+    return toy_traces.ToyTokenizer(VOCAB)
 
 
 # -- PPO ------------------------------------------------------------------------------------------

@@ -31,18 +31,22 @@ HYPERPARAMETERS = {"num_generations": 2, "clip_epsilon_low": 0.2, "clip_epsilon_
 
 
 class ToyTokenizer:
-    """The part of a transformers tokenizer that TraceWriter reads (ids decoded one by one)."""
+    """The part of a transformers tokenizer that TraceWriter reads (ids decoded one by one); the
+    vocabulary is ``VOCAB`` unless another list is given (id 0 = pad, id 1 = EOS)."""
 
     name_or_path = "toy-tokenizer"
     eos_token_id = EOS
     pad_token_id = PAD
     padding_side = "left"
 
+    def __init__(self, vocab: list[str] | None = None) -> None:
+        self.vocab = VOCAB if vocab is None else vocab
+
     def __len__(self) -> int:
-        return len(VOCAB)
+        return len(self.vocab)
 
     def batch_decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=False):
-        return ["".join(VOCAB[i] for i in row) for row in ids]
+        return ["".join(self.vocab[i] for i in row) for row in ids]
 
 
 def grpo_step_tensors(seed: int) -> dict[str, torch.Tensor]:
