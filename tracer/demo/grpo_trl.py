@@ -60,23 +60,22 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
     """
     from trl import GRPOConfig, GRPOTrainer
 
-    fields = dict(
-        per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP,
-        num_generations=NUM_GENERATIONS,
-        num_iterations=num_iterations,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=1.0,
-        beta=BETA,
-        learning_rate=LEARNING_RATE,
-        loss_type="grpo",  # the seed's reduction (sequence mean); TRL 1.16 defaults to "dapo"
-    )
-    args = cpu_config(GRPOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
-    trainer = GRPOTrainer(
-        model=str(model_dir),
-        reward_funcs=[correct_answer, brevity],
-        args=args,
-        train_dataset=make_dataset(seed),
-    )
+    fields = dict(num_iterations=num_iterations, beta=BETA,
+                  loss_type="grpo")  # the seed's reduction (sequence mean); TRL 1.16 defaults to "dapo"
+    return make_group_trainer(GRPOConfig, GRPOTrainer, model_dir, output_dir, steps, seed, progress,
+                              **{**fields, **config_overrides})
+
+
+def make_group_trainer(config_class: type, trainer_class: type, model_dir: str | os.PathLike,
+                       output_dir: str | os.PathLike, steps: int, seed: int, progress: bool, **fields: Any):
+    """A TRL trainer of the GRPO family (``GRPOTrainer``, ``RLOOTrainer``) on CPU, on the demo's sum
+    task: G = ``NUM_GENERATIONS`` completions of ``PROMPTS_PER_STEP`` prompts per step, the two
+    reward functions, the model passed as a path. ``fields`` go to ``config_class`` (and win)."""
+    base = dict(per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP, num_generations=NUM_GENERATIONS,
+                max_completion_length=MAX_COMPLETION_LENGTH, temperature=1.0, learning_rate=LEARNING_RATE)
+    args = cpu_config(config_class, output_dir, steps, seed, progress, **{**base, **fields})
+    trainer = trainer_class(model=str(model_dir), reward_funcs=[correct_answer, brevity], args=args,
+                            train_dataset=make_dataset(seed))
     return silence_printer(trainer)
 
 

@@ -12,9 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracer.demo.grpo_trl import (LEARNING_RATE, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, PROMPTS_PER_STEP, brevity,
-                                  correct_answer, make_dataset)
-from tracer.demo.trl_demo import cpu_config, run_traced, silence_printer
+from tracer.demo.grpo_trl import NUM_GENERATIONS, PROMPTS_PER_STEP, make_group_trainer
+from tracer.demo.trl_demo import run_traced
 
 BETA = 0.05  # RLOOConfig's default: the KL penalty enters the rewards, so advantages use the rloo_kl rule
 
@@ -30,23 +29,8 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
     """
     from trl import RLOOConfig, RLOOTrainer
 
-    fields = dict(
-        per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP,
-        num_generations=NUM_GENERATIONS,
-        num_iterations=num_iterations,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        temperature=1.0,
-        beta=BETA,
-        learning_rate=LEARNING_RATE,
-    )
-    args = cpu_config(RLOOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
-    trainer = RLOOTrainer(
-        model=str(model_dir),
-        reward_funcs=[correct_answer, brevity],
-        args=args,
-        train_dataset=make_dataset(seed),
-    )
-    return silence_printer(trainer)
+    return make_group_trainer(RLOOConfig, RLOOTrainer, model_dir, output_dir, steps, seed, progress,
+                              **{"num_iterations": num_iterations, "beta": BETA, **config_overrides})
 
 
 def run_rloo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,
