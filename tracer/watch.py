@@ -299,7 +299,7 @@ def _exit_code(code: Any) -> int:
         return 0
     if isinstance(code, int):
         return code
-    print(code, file=sys.stderr)
+    sys.stderr.write(f"{code}\n")  # what the interpreter does for sys.exit("message")
     return 1
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import save_file
 
 from tracer.layout import (  # noqa: F401  (re-exported: the writer's public names)
     FORMAT_NAME,
@@ -31,10 +29,12 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     producers,
     lock_rank,
     refuse_existing_trace,
+    save_atomic as _save_atomic,
     step_file_name,
     token_strings,
     tokenizer_identity,
     unlock_rank,
+    unshare as _unshare,
     write_json_atomic,
 )
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
@@ -43,17 +43,7 @@ from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_meta
 
 log = logging.getLogger(__name__)
 
-def _unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy tensors that share storage with an earlier one (safetensors refuses shared memory, and
-    two fields being the same tensor, e.g. old aliasing policy, is exactly what a trace must show)."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in tensors.items():
-        ptr = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
-        out[name] = tensor.clone() if ptr in seen else tensor
-        if ptr != -1:
-            seen.add(ptr)
-    return out
+
 
 
 def _distributed_rank() -> tuple[int, int]:
@@ -401,43 +391,9 @@ class TraceWriter:
                 log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
 
 
-def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors ``save_file`` to ``<path>.partial``, fsync, then rename: the file appears complete
-    or not at all, and survives a power loss once renamed."""
-    tmp = path.with_name(path.name + ".partial")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, _FILE_MODE)  # save_file creates 0600 files; others must read a shared trace
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
-        raise
 
 
-def _new_file_mode() -> int:
-    """0o666 less the process umask (what ``open()`` gives a new file), read without changing the
-    umask (``os.umask`` would race with other threads creating files)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            umask = next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        umask = 0o022
-    return 0o666 & ~umask
 
-
-_FILE_MODE = _new_file_mode()
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()

@@ -220,5 +220,5 @@ def check_dpo(ctx: StepContext):
                             f"tracer.formulas.dpo_terms (beta {beta:g})", ids_field="chosen_ids")
     if "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
         findings += compare(ctx, "recompute.dpo", "loss", ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1),
-                            torch.ones(1, dtype=torch.bool), f"the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
+                            torch.ones(1, dtype=torch.bool), "the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
     return findings
