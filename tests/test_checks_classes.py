@@ -34,9 +34,10 @@ def clean_grpo_step(inner: int, seed: int = 0) -> dict:
     prompt_mask[::2, 0] = False  # every other row is left-padded by one
     prompt_ids = prompt_ids.masked_fill(~prompt_mask, PAD)
     old = -torch.rand(B, T, generator=g) * 3 - 0.05  # (B, T) nats
-    sampler = old + 0.01 * torch.randn(B, T, generator=g)
-    ref = old + 0.05 * torch.randn(B, T, generator=g)
-    policy = old.clone() if inner == 0 else old + 0.05 * torch.randn(B, T, generator=g)
+    # logprobs are <= 0 (logprobs.positive): the noisy copies are clamped below 0
+    sampler = (old + 0.01 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    ref = (old + 0.05 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
+    policy = old.clone() if inner == 0 else (old + 0.05 * torch.randn(B, T, generator=g)).clamp(max=-1e-3)
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.2, 0.9, 0.1])
     advantages = formulas.group_advantages(rewards, 4)
     per_token_loss = formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2, 0.04, ref)
@@ -176,14 +177,15 @@ def test_partly_zero_variance_is_an_info_with_the_share(tmp_path):
 
 @pytest.mark.parametrize("declared, expected", [
     ({"advantage_std": "unbiased", "scale_rewards": "group"}, None),  # what TRL records: matches
-    ({}, (INFO, "advantages follow the 'trl_group' rule")),  # undeclared: say which rule
-    ({"advantage_std": "population"}, (ERROR, "differ from the 'seed' rule recomputed from rewards (metadata "
-                                              "declares 'seed'); the recorded values match ['trl_group'] instead")),
+    ({}, (INFO, "advantages follow the 'group_zscore_unbiased' rule")),  # undeclared: say which rule
+    ({"advantage_std": "population"}, (ERROR, "differ from the 'group_zscore' rule recomputed from rewards (metadata "
+                                              "declares 'group_zscore'); the recorded values match "
+                                              "['group_zscore_unbiased'] instead")),
 ])
 def test_advantage_rule_follows_metadata(tmp_path, declared, expected):
     # G = 4, group 0 rewards [1, 0, 0, 0]: mean 0.25, population std 0.433, Bessel's std 0.5.
     # TRL: A_0 = 0.75 / (0.5 + 1e-4) = 1.4997; the seed's rule would give 0.75 / 0.4331 = 1.7317.
-    # (Group 1, [0, 0, 1, 1], makes the batch std differ from the group stds: trl_batch does not match.)
+    # (Group 1, [0, 0, 1, 1], makes the batch std differ from the group stds: batch_zscore_unbiased does not match.)
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
     advantages = formulas.trl_group_advantages(rewards, 4)
     assert math.isclose(float(advantages[0]), 0.75 / 0.5001, rel_tol=1e-5)

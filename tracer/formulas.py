@@ -335,3 +335,95 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     grouped = rewards.float().view(-1, num_generations)  # (P, G)
     baselines = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)  # (P, G)
     return (grouped - baselines).reshape(-1)  # (B,)
+
+
+WHITEN_EPS = 1e-8  # MiniMind train_ppo.py and verl masked_whiten: (A - mean) * rsqrt(var + 1e-8)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = False, eps: float = WHITEN_EPS,
+           zero_masked: bool = True) -> torch.Tensor:
+    """Standardise ``values`` over the kept positions of the whole batch: ``(x - mean) * rsqrt(var + eps)``.
+
+    Mean and variance are taken over every kept position of ``values`` (all rows together), the
+    variance with Bessel's correction when ``unbiased``. ``zero_masked`` sets masked positions to 0
+    afterwards (MiniMind multiplies by the mask; verl leaves them at ``-mean * rsqrt(var + eps)``).
+
+    Args:
+        values: ``[B, T]`` float (e.g. raw GAE advantages). mask: ``[B, T]`` True = kept.
+    Returns:
+        ``[B, T]`` float64 whitened values.
+    Source: MiniMind ``trainer/train_ppo.py`` (``adv_mean``, ``adv_var`` over ``resp_policy_mask``,
+    population variance, ``torch.rsqrt(adv_var + 1e-8) * resp_policy_mask``); verl
+    ``verl/utils/torch_functional.py:masked_whiten`` (``masked_var(unbiased=True)``); OpenRLHF.
+    """
+    keep = mask.bool()
+    x = values.double()
+    n = int(keep.sum())
+    mean = masked_mean(x, keep)
+    var = masked_mean((x - mean) ** 2, keep)
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    return torch.where(keep, out, torch.zeros_like(out)) if zero_masked else out
+
+
+def group_mean_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Group-centred advantages without any std scaling, ``A = r - mean_g``, ``[B]``.
+
+    G consecutive rows form one group. Source: Liu et al., "Understanding R1-Zero-Like Training"
+    (Dr. GRPO, 2025); TRL ``scale_rewards="none"``. Raises ValueError when B is not a multiple of G.
+    """
+    return trl_group_advantages(rewards, num_generations, scale_rewards="none")
+
+
+def ppo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+    kl_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO's policy loss per token with the reference-KL penalty folded in, ``[B, T]``:
+    ``-min(r*A, clip(r, 1-εl, 1+εh)*A) + kl_coef * ref_kl_k3``.
+
+    ``advantages`` is ``[B, T]`` (GAE). Reduced by the token mean over the kept tokens this equals
+    MiniMind's ``masked_ppo_loss + kl_coef * kl_ref_penalty`` (both are masked means over the same
+    tokens). It is :func:`grpo_per_token_loss` with β = ``kl_coef``.
+    Source: MiniMind ``trainer/train_ppo.py`` (``policy_loss``); SPEC.md section 3.
+    """
+    return grpo_per_token_loss(policy_logprobs, old_logprobs, advantages, clip_epsilon_low, clip_epsilon_high,
+                               kl_coef, ref_logprobs)
+
+
+# The advantage rules tracer knows (SPEC.md section 10): name -> what it computes and where it comes from.
+# A trace declares one with metadata ``advantage_rule``; tracer.checks.recompute names the one that matches.
+ADVANTAGE_RULES: dict[str, str] = {
+    "gae": "raw GAE(γ, λ) from token_rewards and values (tracer.formulas.gae; the seed)",
+    "gae_whitened": "GAE(γ, λ), then whitened over the batch's kept tokens, (A - mean) * rsqrt(var + 1e-8) "
+                    "(tracer.formulas.whiten; MiniMind train_ppo.py, OpenRLHF, verl)",
+    "group_zscore": "(r - mean_g) / (std_g + 1e-4), population std (tracer.formulas.group_advantages; "
+                    "the seed, MiniMind train_grpo.py)",
+    "group_zscore_unbiased": "(r - mean_g) / (std_g + 1e-4), Bessel's std per group "
+                             "(tracer.formulas.trl_group_advantages; TRL scale_rewards='group')",
+    "batch_zscore_unbiased": "(r - mean_g) / (std_batch + 1e-4), Bessel's std over the batch (TRL scale_rewards='batch')",
+    "group_mean": "r - mean_g, no std (tracer.formulas.group_mean_advantages; Dr. GRPO, TRL scale_rewards='none')",
+    "rloo": "r_i - mean of the other G - 1 rewards of the group (tracer.formulas.rloo_advantages)",
+    "rloo_kl": "leave-one-out on rewards - β·Σ_t(old - ref) (TRL RLOOTrainer with β > 0)",
+}
+# Older and trainer-specific spellings of the same rules.
+ADVANTAGE_RULE_ALIASES: dict[str, str] = {
+    "seed": "group_zscore", "grpo": "group_zscore", "trl_group": "group_zscore_unbiased",
+    "trl_batch": "batch_zscore_unbiased", "trl_none": "group_mean", "dr_grpo": "group_mean",
+    "gae_raw": "gae", "whitened_gae": "gae_whitened",
+}
+
+
+def advantage_rule_name(name: str) -> str:
+    """The canonical name of an advantage rule (aliases resolved); ValueError for an unknown one."""
+    canonical = ADVANTAGE_RULE_ALIASES.get(name, name)
+    if canonical not in ADVANTAGE_RULES:
+        raise ValueError(f"unknown advantage rule {name!r}; known rules: {', '.join(ADVANTAGE_RULES)} "
+                         f"(aliases: {', '.join(ADVANTAGE_RULE_ALIASES)})")
+    return canonical

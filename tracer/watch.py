@@ -21,6 +21,7 @@ raises instead).
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -41,6 +42,19 @@ from tracer.schema import ALGORITHMS
 from tracer.writer import TraceWriter
 
 MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
+log = logging.getLogger("tracer.watch")
+
+
+def _report_to_stderr() -> logging.Logger:
+    """``log``, with a stderr handler when logging is not configured at all, so the end-of-run summary
+    is shown even by scripts that silence ``warnings`` (MiniMind calls ``warnings.filterwarnings('ignore')``)."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 _state = threading.local()
 _installed: dict[str, Any] = {}  # the original backward functions while a Watcher is active
 
@@ -124,7 +138,8 @@ class Watcher:
         self.clock = StepClock()
         self.last_unmatched: str | None = None
         self._last_anchor: tuple[weakref.ref, int] | None = None
-        self._warned: set[tuple[str, str]] = set()
+        self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
+        self.sources: dict[str, str] = {}  # field -> the variable it was read from
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -136,12 +151,14 @@ class Watcher:
     def __exit__(self, exc_type, exc, tb) -> None:
         _uninstall(self)
         if self.writer is not None:
+            self.writer.annotate_manifest("capture_report", self.report())
             try:
                 self.writer.close()
             except TraceError as err:
                 if exc_type is None and self.strict:
                     raise
                 warnings.warn(f"tracer.watch: closing the trace failed: {err}", RuntimeWarning, stacklevel=2)
+        self._log_summary()
         if self.steps_recorded == 0 and exc_type is None:
             if self.nothing_traced == "raise":
                 raise TraceError(self.nothing_traced_message())
@@ -156,6 +173,48 @@ class Watcher:
         return (f"tracer: traced {self.steps_recorded} step file(s){where} from {self.backward_calls} backward call(s)"
                 f" ({self.unmatched_calls} without policy logprobs in the frame, {self.repeated_calls} repeated, "
                 f"{self.failures} failed)")
+
+    def report(self) -> dict[str, Any]:
+        """What was and was not captured (kept in the manifest as ``capture_report``, shown by ``tracer
+        info``): backward calls, step files recorded, steps dropped and why, the variable each field
+        was read from, and the map entries that could not be used, with the reason."""
+        writer = self.writer
+        return {
+            "backward_calls": self.backward_calls,
+            "steps_recorded": self.steps_recorded,
+            "unmatched_calls": self.unmatched_calls,
+            "repeated_calls": self.repeated_calls,
+            "failures": self.failures,
+            "dropped_steps": writer.dropped_steps if writer is not None else self.failures,
+            "drop_reasons": list(writer.drop_reasons[:5]) if writer is not None else [],
+            "fields_mapped": dict(sorted(self.sources.items())),
+            "map_entries_unused": [f"{key} <- `{text}`: {why}" for (key, text), why in sorted(self.rejected.items())],
+            "name_map": self.name_map.source,
+        }
+
+    def summary_lines(self) -> list[str]:
+        """The end-of-run summary, a few lines of text (``tracer run`` and ``tracer.watch`` log it)."""
+        r = self.report()
+        lines = [self.summary()]
+        if r["dropped_steps"]:
+            why = "; ".join(r["drop_reasons"][:3]) or "see the manifest's drop_reasons"
+            lines.append(f"tracer: {r['dropped_steps']} step(s) dropped: {why}")
+        if r["fields_mapped"]:
+            lines.append("tracer: fields mapped: " + ", ".join(f"{f} <- {v}" for f, v in r["fields_mapped"].items()))
+        for entry in r["map_entries_unused"][:10]:
+            lines.append(f"tracer: not recorded: {entry}")
+        if len(r["map_entries_unused"]) > 10:
+            lines.append(f"tracer: ... and {len(r['map_entries_unused']) - 10} more map entries not recorded "
+                         "(manifest capture_report)")
+        return lines
+
+    def _log_summary(self) -> None:
+        if self.backward_calls == 0 and self.writer is None:
+            return  # nothing_traced_message() says it
+        logger = _report_to_stderr()
+        incomplete = bool(self.failures or self.rejected or (self.writer is not None and self.writer.dropped_steps))
+        for line in self.summary_lines():
+            logger.log(logging.WARNING if incomplete else logging.INFO, line)
 
     def nothing_traced_message(self) -> str:
         """Why no step was traced, and what to do."""
@@ -216,6 +275,7 @@ class Watcher:
             metadata["source_step"] = capture.indices["step"]
         writer = self.writer or self._open_writer(frame, capture)
         writer.record(step=step, inner_step=inner, micro_batch=mb, metadata=metadata, **capture.fields)
+        self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1
 
@@ -229,8 +289,8 @@ class Watcher:
 
     def _warn_rejected(self, capture: frames.FrameCapture) -> None:
         for (key, text), why in capture.rejected.items():
-            if (key, text) not in self._warned:
-                self._warned.add((key, text))
+            if (key, text) not in self.rejected:
+                self.rejected[(key, text)] = str(why)
                 warnings.warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}",
                               RuntimeWarning, stacklevel=6)
 

@@ -293,6 +293,15 @@ class TraceWriter:
         """Count a step lost outside the writer (e.g. an integration failed to capture it)."""
         self._count_drop(reason, warn=False)
 
+    def annotate_manifest(self, key: str, value: Any) -> None:
+        """Keep ``value`` (JSON-able) under ``key`` in the manifest; written at the next manifest update
+        (at the latest by :meth:`close`). Used for the capture report of zero-edit tracing.
+        Raises TraceError for a key the writer owns."""
+        if key in _MANIFEST_OWN_KEYS:
+            raise TraceError(f"manifest key {key!r} is written by the trace writer itself; choose another key")
+        with self._lock:
+            self._manifest[key] = value
+
     @property
     def peak_queued_bytes(self) -> int:
         """Most bytes the background queue held at once (0 when writing synchronously)."""
@@ -397,6 +406,8 @@ class TraceWriter:
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()
+_MANIFEST_OWN_KEYS = frozenset({"schema_version", "algorithm", "status", "steps_written", "dropped_steps",
+                                "skipped_steps", "drop_reasons", "tokenizer", "producer"})
 
 
 @atexit.register

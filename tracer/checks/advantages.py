@@ -172,6 +172,15 @@ def check_masked_positions(ctx: StepContext):
     if not bool(leak.any()):
         return []
     b, t = (int(i) for i in leak.nonzero()[0])
+    offsets = advantages[leak]
+    if offsets.numel() > 1 and bool(((offsets - offsets[0]).abs() <= ctx.tol.atol + ctx.tol.rtol * offsets[0].abs()).all()):
+        # one constant on every masked slot: GAE was 0 there and the batch was whitened afterwards
+        # without re-masking (verl's masked_whiten gives -mean * rsqrt(var + eps)); consumers mask it
+        return [ctx.finding("advantages.masked_positions", INFO,
+                            f"all {int(leak.sum())} masked positions carry the same advantage "
+                            f"{float(offsets[0]):.4g} (first: seq {b}, token {t}): whitened after masking, "
+                            "as verl's masked_whiten leaves them; harmless where the loss masks them.",
+                            b, t, field="advantages", positions=int(leak.sum()))]
     message = (
         f"advantages[{b}, {t}] = {float(advantages[b, t]):.4g} at a masked position; {int(leak.sum())} masked "
         "positions carry a non-zero advantage. Why it matters: harmless only if every consumer masks it; "

@@ -11,17 +11,23 @@ TRL, a ``generation_slice`` consumed before the first optimizer step), see :func
 from __future__ import annotations
 
 from tracer import formulas
+from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
+# Largest |policy - old| (nats) that still counts as "the same model" after an optimizer step: the noise of
+# recomputing logprobs from the same weights (another batch shape, kernel or eval/train pass). Half-precision
+# noise is as large as a real small-learning-rate update, so only an exact match counts there.
+ALIAS_NOISE = {"float64": 1e-9, "float32": 1e-5, "float16": 0.0, "bfloat16": 0.0}
 
 
 def is_fresh(ctx: StepContext) -> bool:
     """True when no optimizer step has used this step's rollouts yet.
 
     Metadata ``fresh_rollouts`` decides when present. Otherwise inner step 0, and: for PPO the first
-    minibatch (each minibatch is an optimizer step); for TRL, whose generation batch may span several
+    minibatch (each minibatch is an optimizer step), or the first ``gradient_accumulation_steps``
+    minibatches when gradients accumulate; for TRL, whose generation batch may span several
     optimizer steps, a ``generation_slice`` within the first ``gradient_accumulation_steps`` slices.
     """
     declared = ctx.metadata.get("fresh_rollouts")
@@ -33,7 +39,11 @@ def is_fresh(ctx: StepContext) -> bool:
     if generation_slice is not None:
         accumulation = int(ctx.hyper("gradient_accumulation_steps", 1) or 1)
         return int(generation_slice) // accumulation == 0
-    return ctx.key.micro_batch == 0 or ctx.algorithm != "ppo"
+    if ctx.algorithm != "ppo":
+        return True
+    # PPO: each minibatch is an optimizer step, unless gradients accumulate over several of them
+    accumulation = int(ctx.hyper("gradient_accumulation_steps", 1) or 1)
+    return ctx.key.micro_batch // max(accumulation, 1) == 0
 
 
 def _clip_region(ctx: StepContext) -> tuple[float, float] | None:
@@ -46,6 +56,41 @@ def _clip_region(ctx: StepContext) -> tuple[float, float] | None:
     if eps_low is None or eps_high is None:
         return None
     return 1.0 - float(eps_low), 1.0 + float(eps_high)
+
+
+def _shift_evidence(ctx: StepContext, policy, old, keep):
+    """An error finding when policy and old logprobs (or policy and ref) agree once one of them is
+    shifted by one position, where unshifted they disagree: a logprob window read at ``prompt_len``
+    instead of ``prompt_len - 1`` (or the reverse) on one side; else None."""
+    pairs = [("old_logprobs", old)] + ([("ref_logprobs", ctx.tensor("ref_logprobs"))] if ctx.has("ref_logprobs") else [])
+    for name, other in pairs:
+        mae0, n0 = shifted_mae(policy, other, keep, 0)
+        fits = {s: shifted_mae(policy, other, keep, s) for s in (-1, 1)}
+        best = min((s for s in fits if fits[s][1] > 0), key=lambda s: fits[s][0], default=None)
+        if best is None or n0 == 0 or not mae0 > ctx.tol.identity_atol:
+            continue
+        mae, n = fits[best]
+        if not (mae <= ctx.tol.identity_atol and mae < SHIFT_RATIO * mae0):
+            continue
+        T = policy.shape[1]
+        lo = max(0, -best)
+        ok = keep[:, lo : min(T, T - best)]
+        b = int(ok.any(dim=1).float().argmax())
+        t = lo + int(ok[b].float().argmax())
+        side = f"{name}[:, j + {best}]" if best > 0 else f"{name}[:, j - 1]"
+        message = (
+            f"policy_logprobs and {name} are shifted by one position: policy_logprobs[:, j] equals {side} "
+            f"(mean |Δ| {mae:.3g} nats over {n} kept tokens) while unshifted they differ by {mae0:.4g} nats "
+            f"on average over {n0} tokens. At seq {b}, token {t}: policy {float(policy[b, t]):.6g}, "
+            f"{name}[{b}, {t + best}] {float(other[b, t + best]):.6g}, {name}[{b}, {t}] {float(other[b, t]):.6g}. "
+            "Why it matters: one side scores each completion token with its neighbour's logprob, so ratio, KL "
+            "and loss compare different tokens. Likely fix: read completion token j at logits position "
+            "prompt_len - 1 + j on both sides (logits[:, k] predicts input_ids[:, k + 1]); a window starting "
+            "at prompt_len is one token late."
+        )
+        return ctx.finding("identity.first_step", ERROR, message, b, t, field="policy_logprobs", shift=best,
+                           shifted_against=name, mae_shifted=mae, mae_unshifted=mae0)
+    return None
 
 
 @register("identity.first_step", "on fresh rollouts policy == old per token (dtype tolerance), "
@@ -64,6 +109,9 @@ def check_first_step(ctx: StepContext):
     mean_ratio = float(formulas.masked_mean(ratio, keep))
     if not bool(beyond.any()) and abs(mean_ratio - 1.0) <= ctx.tol.mean_ratio:
         return []
+    shifted = _shift_evidence(ctx, policy, old, keep)
+    if shifted is not None:
+        return [shifted]
     b, t = divmod(int(delta.masked_fill(~keep, -1.0).argmax()), delta.shape[1])
     region = _clip_region(ctx)
     clip_text = ""
@@ -89,8 +137,8 @@ def check_first_step(ctx: StepContext):
                         tolerance=ctx.tol.identity_atol, dtype=ctx.dtype)]
 
 
-@register("identity.old_aliases_policy", "after an optimizer step the ratio is not exactly 1 on "
-          "every token (old must not alias policy)", RL_ALGORITHMS)
+@register("identity.old_aliases_policy", "after an optimizer step the ratio is not 1 to float precision "
+          "on every token (old must not alias policy, nor be recomputed from the updated model)", RL_ALGORITHMS)
 def check_old_aliases_policy(ctx: StepContext):
     if is_fresh(ctx):
         return []
@@ -109,16 +157,19 @@ def check_old_aliases_policy(ctx: StepContext):
     n_kept = int(keep.sum())
     if n_kept == 0:
         raise Skip("no kept token in completion_mask")
-    ratio = formulas.ratio(policy, old)  # (B, T)
-    if not bool(((ratio == 1.0) | ~keep).all()):
+    gap = float((policy.double() - old.double()).abs().masked_fill(~keep, 0.0).max())
+    noise = ALIAS_NOISE.get(ctx.dtype, 0.0)
+    if gap > noise:
         return []
     advantages = ctx.data.get("advantages")
     if advantages is not None and not bool(advantages.bool().any()):
         return [ctx.finding("identity.old_aliases_policy", INFO,
-                            f"ratio is exactly 1 on all {n_kept} kept tokens at {where}, but every advantage "
+                            f"ratio is 1 to float precision on all {n_kept} kept tokens at {where}, but every advantage "
                             "is 0, so the previous update may have had no gradient to move the policy",
                             field="ratio")]
     return [ctx.finding("identity.old_aliases_policy", ERROR,
-                        f"ratio exp(policy - old) is exactly 1.000000 on all {n_kept} kept tokens at {where}, "
-                        f"after an optimizer step on these rollouts: old_logprobs alias policy_logprobs. {why}",
-                        field="ratio", kept_tokens=n_kept)]
+                        f"policy and old logprobs agree on all {n_kept} kept tokens at {where} (max |policy - old| "
+                        f"{gap:.3g} nats, at most the {noise:g} of float noise for {ctx.dtype}: ratio 1 to float "
+                        f"precision), after an optimizer step on these rollouts: old_logprobs alias "
+                        f"policy_logprobs, or were recomputed from the already-updated model. {why}",
+                        field="ratio", kept_tokens=n_kept, max_abs_gap=gap, noise_floor=noise)]

@@ -13,7 +13,8 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import CheckOptions, StepContext, worst_positions
-from tracer.checks.finding import ERROR, RL_ALGORITHMS, WARNING, Finding, register
+from tracer.checks.finding import ERROR, RL_ALGORITHMS, WARNING, Finding, Skip, register
+from tracer.checks.identity import is_fresh
 from tracer.reader import Trace
 
 REF_GAP_WARNING = 10.0  # nats: k3 ≈ 2.2e4 per token
@@ -21,6 +22,8 @@ REF_GAP_ERROR = 20.0  # nats: k3 ≈ 4.85e8 per token
 FLOAT32_EXP_MAX = math.log(torch.finfo(torch.float32).max)  # 88.72: exp overflows past it
 K1_MIN_STEPS = 3  # "persistently": at least this many step files, all significantly negative
 K1_Z = 3.0  # significantly negative: mean < -K1_Z standard errors
+K1_STEP_Z = 10.0  # within one step file: mean < -K1_STEP_Z standard errors ...
+K1_STEP_MIN_TOKENS = 256  # ... over at least this many kept tokens
 
 
 @register("kl.k3_sign", "recorded ref_kl_k3 is >= 0 on every kept token", RL_ALGORITHMS)
@@ -72,6 +75,46 @@ def check_ref_gap(ctx: StepContext):
     )
     return [ctx.finding("kl.ref_gap", severity, message, b, t, field="ref_logprobs", ref_minus_policy=worst,
                         ref_kl_k3=k3, harmful_tokens=n_harmful)]
+
+
+def _untruncated_sampling(ctx: StepContext) -> bool:
+    """True unless metadata says sampling was truncated (top_p < 1 or top_k > 0): under a truncated
+    distribution E[policy - ref] over the sampled tokens may be negative legitimately."""
+    top_p, top_k = ctx.hyper("top_p", None), ctx.hyper("top_k", None)
+    try:
+        return (top_p is None or float(top_p) >= 1.0) and (top_k is None or int(top_k) <= 0)
+    except (TypeError, ValueError):
+        return False
+
+
+@register("kl.k1_negative_step", "on fresh rollouts, mean k1 = policy - ref over a large step's kept tokens "
+          "is not negative by many standard errors", RL_ALGORITHMS)
+def check_k1_negative_step(ctx: StepContext):
+    if not is_fresh(ctx):
+        return []  # after an update the tokens were sampled from old, not from this policy
+    if not _untruncated_sampling(ctx):
+        raise Skip("sampling was truncated (metadata top_p < 1 or top_k > 0): k1 may average below 0")
+    policy, ref = ctx.require("policy_logprobs", "ref_logprobs")
+    keep = ctx.mask()
+    k1 = formulas.kl_k1(policy.double(), ref.double())[keep]
+    k1 = k1[torch.isfinite(k1)]
+    n = k1.numel()
+    if n < K1_STEP_MIN_TOKENS:
+        return []
+    mean, se = float(k1.mean()), float(k1.std() / math.sqrt(n))
+    if not (mean < 0 and mean < -K1_STEP_Z * se):
+        return []
+    share = float((k1 < 0).double().mean())
+    message = (
+        f"mean k1 = policy - ref over the {n} kept tokens of this step is {mean:.4g} nats, {abs(mean) / se if se else float('inf'):.1f} "
+        f"standard errors below 0 ({share:.0%} of tokens negative). On fresh rollouts the tokens are sampled "
+        "from this policy, so k1 averages to KL(policy || ref) >= 0. Why it matters: the tokens were not "
+        "sampled from this policy (another temperature, off-policy data), or policy and reference logprobs "
+        "are swapped, so every KL estimate and penalty of the step is off. Likely fix: check which model "
+        "produced each logprob tensor and that all use the sampling temperature."
+    )
+    return [ctx.finding("kl.k1_negative_step", WARNING, message, field="policy_logprobs", mean_k1=mean,
+                        standard_error=se, tokens=n)]
 
 
 def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:

@@ -1,6 +1,9 @@
 """Masks (SPEC.md section 6): 0 after the first EOS, 0 on trailing padding, every row keeps at least
 one token, and DPO chosen/rejected masks built by the same rule.
 
+"First EOS" is positional (SPEC.md section 10): the first EOS inside the answer, at or after where it
+starts (:func:`answer_start`), never an EOS-like token of the prompt or of an earlier chat turn.
+
 The EOS and pad ids come from the manifest's ``tokenizer`` (``eos_token_id``, ``pad_token_id``), or
 from step metadata keys of the same names for a single step file.
 """
@@ -30,7 +33,18 @@ def first_index(flags: torch.Tensor) -> torch.Tensor:
     return torch.where(flags, pos, torch.full_like(pos, T)).min(dim=1).values  # (B,)
 
 
-@register("masks.after_eos", "completion_mask is 0 after the first EOS token")
+def answer_start(ids_name: str, keep: torch.Tensor) -> torch.Tensor:
+    """Per row, where the answer starts: 0 for ``completion_ids`` (the completion is the answer,
+    SPEC.md section 4); for DPO's ``chosen_ids`` / ``rejected_ids``, which hold prompt + answer, the
+    first position the side's mask keeps (T for a row that keeps nothing). An EOS before it belongs to
+    the prompt or an earlier chat turn (a chat template's ``<|im_end|>``), never the answer's end."""
+    if ids_name == "completion_ids":
+        return torch.zeros(keep.shape[0], dtype=torch.long)
+    return first_index(keep)
+
+
+@register("masks.after_eos", "completion_mask is 0 after the first EOS token of the answer (EOS tokens of "
+          "the prompt or earlier chat turns do not count)")
 def check_after_eos(ctx: StepContext):
     eos = ctx.eos_token_id
     if eos is None:
@@ -39,8 +53,10 @@ def check_after_eos(ctx: StepContext):
     for ids_name, mask_name in _sides(ctx):
         ids, keep = ctx.data[ids_name], ctx.mask(mask_name)
         B, T = ids.shape
-        first_eos = first_index(ids == eos)  # (B,)
-        after = torch.arange(T).expand(B, T) > first_eos.unsqueeze(1)  # (B, T)
+        pos = torch.arange(T).expand(B, T)
+        start = answer_start(ids_name, keep)  # (B,)
+        first_eos = first_index((ids == eos) & (pos >= start.unsqueeze(1)))  # (B,)
+        after = pos > first_eos.unsqueeze(1)  # (B, T)
         leak = keep & after
         if not bool(leak.any()):
             continue

@@ -2,12 +2,11 @@
 recorded inputs and compared with what the trainer recorded: ratio, ref_kl_k3, approx_kl_k2,
 advantages (group rules, RLOO, GAE), clip fractions and DPO terms. The loss is in ``reduction.py``.
 
-Advantage rules (metadata ``advantage_rule`` names one; ``advantage_std`` = population | unbiased
-and ``scale_rewards`` name one too, see ``_declared_rule``):
-``seed`` (population std, the seed/MiniMind rule), ``trl_group`` / ``trl_batch`` / ``trl_none``
-(TRL: Bessel's std per group / over the batch / centring only), ``rloo`` (leave-one-out),
-``rloo_kl`` (leave-one-out on rewards - β·Σ(old - ref), TRL's RLOO with β > 0), and ``gae`` (PPO).
-With no rule declared, any known rule that matches passes (info when it is not the seed's).
+Advantage rules: :data:`tracer.formulas.ADVANTAGE_RULES` (``gae``, ``gae_whitened``, ``group_zscore``,
+``group_zscore_unbiased``, ``batch_zscore_unbiased``, ``group_mean``, ``rloo``, ``rloo_kl``). Metadata
+``advantage_rule`` declares one (``advantage_std`` = population | unbiased and ``scale_rewards`` imply
+one too, see ``_declared_rule``). A declared rule the values do not follow is an error; with no rule
+declared, any known rule that matches passes (an info names it when it is not the default).
 """
 
 from __future__ import annotations
@@ -76,21 +75,32 @@ def check_approx_kl_k2(ctx: StepContext):
                    formulas.approx_kl_k2(policy, ctx.old_logprobs()), ctx.mask(), "tracer.formulas.approx_kl_k2")
 
 
+SCALE_TO_RULE = {"group": "group_zscore_unbiased", "batch": "batch_zscore_unbiased", "none": "group_mean"}
+
+
 def _declared_rule(ctx: StepContext) -> str | None:
-    """Metadata ``advantage_rule``; else ``advantage_std`` (``population`` -> seed, ``unbiased`` ->
-    TRL with ``scale_rewards``, default group); else ``scale_rewards`` alone implies TRL."""
+    """The canonical rule the trace declares (:data:`tracer.formulas.ADVANTAGE_RULES`): metadata
+    ``advantage_rule`` (aliases resolved); else ``advantage_std`` (``population`` -> ``group_zscore``,
+    ``unbiased`` -> the TRL rule of ``scale_rewards``, default group); else ``scale_rewards`` alone
+    implies TRL's Bessel std. None when nothing is declared. Raises Skip for an unknown name."""
     rule = ctx.hyper("advantage_rule", None)
-    if rule is not None or ctx.algorithm == "rloo":
-        return rule
+    if rule is not None:
+        try:
+            return formulas.advantage_rule_name(str(rule))
+        except ValueError as err:
+            raise Skip(str(err)) from None
+    if ctx.algorithm in ("rloo", "ppo"):
+        return None
     std, scale = ctx.hyper("advantage_std", None), ctx.hyper("scale_rewards", None)
     if std == "population":
-        return "seed"
+        return "group_zscore"
     if std == "unbiased" or scale is not None:
-        return f"trl_{scale or 'group'}"
+        return SCALE_TO_RULE.get(str(scale or "group"))
     return None
 
 
 def _group_rules(ctx: StepContext, rows: list[int]):
+    """Candidate rules ``{canonical name: fn(rewards [N], G) -> advantages [N]}``, the default first."""
     if ctx.algorithm == "rloo":
         clip = ctx.hyper("reward_clip_range", None)  # TRL RLOO clamps rewards before the baseline
         lo, hi = (float(clip[0]), float(clip[1])) if clip else (None, None)
@@ -105,25 +115,68 @@ def _group_rules(ctx: StepContext, rows: list[int]):
             k1_sum = formulas.masked_sum(formulas.kl_k1(old, ctx.tensor("ref_logprobs")), ctx.mask(), dim=1)[rows]  # (N,)
             rules["rloo_kl"] = lambda r, G: formulas.rloo_advantages((r.clamp(lo, hi) if clip else r) - beta * k1_sum, G)
         return rules
-    return {"seed": formulas.group_advantages,
-            **{f"trl_{s}": (lambda r, G, s=s: formulas.trl_group_advantages(r, G, s)) for s in ("group", "batch", "none")}}
+    return {"group_zscore": formulas.group_advantages,
+            "group_zscore_unbiased": lambda r, G: formulas.trl_group_advantages(r, G, "group"),
+            "batch_zscore_unbiased": lambda r, G: formulas.trl_group_advantages(r, G, "batch"),
+            "group_mean": formulas.group_mean_advantages}
+
+
+def _whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):
+    """Does ``recorded`` equal ``a * raw + b`` (a > 0) on the kept tokens, as whitening GAE with the
+    statistics of the whole rollout gives (a step file may hold one minibatch of it)? Returns
+    ``(matches, a, b, max residual)``."""
+    y, x = recorded.double()[keep], raw.double()[keep]  # (N,)
+    if y.numel() == 0:
+        return False, float("nan"), float("nan"), float("nan")
+    xc = x - x.mean()
+    spread = float((xc ** 2).sum())
+    a = float((xc * (y - y.mean())).sum()) / spread if spread > 0 else 1.0
+    b = float(y.mean()) - a * float(x.mean())
+    residual = (y - (a * x + b)).abs()
+    tol = 10 * ctx.tol.atol + 10 * ctx.tol.rtol * y.abs()
+    return bool(a > 0 and (residual <= tol).all()), a, b, float(residual.max())
 
 
 def _check_gae(ctx: StepContext):
     advantages, token_rewards, values = ctx.require("advantages", "token_rewards", "values")
     gamma, lam = float(ctx.hyper("gamma")), float(ctx.hyper("lam"))
     keep = ctx.mask()
-    expected_adv, expected_ret = formulas.gae(token_rewards, values, keep, gamma, lam)
-    findings = compare(ctx, "recompute.advantages", "advantages", advantages, expected_adv, keep,
-                       f"tracer.formulas.gae (gamma {gamma:g}, lam {lam:g})")
-    if "returns" in ctx.data:
+    raw, expected_ret = formulas.gae(token_rewards, values, keep, gamma, lam)
+    formula = f"tracer.formulas.gae (gamma {gamma:g}, lam {lam:g})"
+    findings = []
+    if "returns" in ctx.data:  # returns = raw GAE + values, before any whitening (MiniMind, verl)
         findings += compare(ctx, "recompute.advantages", "returns", ctx.tensor("returns"), expected_ret, keep,
                             "advantages + values (tracer.formulas.gae)")
-    return findings
+    declared = _declared_rule(ctx)
+    if declared not in (None, "gae", "gae_whitened"):
+        raise Skip(f"advantage rule {declared!r} is not a PPO rule (gae, gae_whitened)")
+    raw_findings = compare(ctx, "recompute.advantages", "advantages", advantages, raw, keep, formula)
+    if declared == "gae" or (declared is None and not raw_findings):
+        return findings + raw_findings
+    whitened, a, b, residual = _whitened_fit(advantages, raw, keep, ctx)
+    detail = (f"recorded = {a:.6g} * raw GAE {b:+.6g} on every kept token (max residual {residual:.3g}): "
+              f"whitened with mean {-b / a if a else float('nan'):.6g} and std {1 / a if a else float('nan'):.6g} "
+              "of the rollout's kept raw advantages")
+    if whitened and declared == "gae_whitened":
+        return findings
+    if whitened:
+        return findings + [ctx.finding("recompute.advantages", INFO, f"advantages follow the 'gae_whitened' rule "
+                                       f"({formulas.ADVANTAGE_RULES['gae_whitened']}): {detail}.",
+                                       field="advantages", rule="gae_whitened", scale=a, shift=b)]
+    if declared is None:
+        return findings + raw_findings  # neither raw nor whitened GAE: the raw comparison says where
+    return findings + [ctx.finding(
+        "recompute.advantages", ERROR,
+        f"metadata declares advantage_rule 'gae_whitened', but the recorded advantages are no affine "
+        f"image a * raw + b (a > 0) of the GAE recomputed with {formula} (best fit a {a:.6g}, b {b:+.6g}, "
+        f"max residual {residual:.3g} over {int(keep.sum())} kept tokens). Why it matters: the advantages are "
+        "not the whitened GAE the configuration says (wrong γ/λ, reward on the wrong token, values from "
+        "another critic pass). Likely fix: compute raw GAE with tracer.formulas.gae, then whiten over the "
+        "kept tokens (tracer.formulas.whiten).", field="advantages", rule="gae_whitened", scale=a, shift=b)]
 
 
-@register("recompute.advantages", "recorded advantages == the group rule (seed / TRL / RLOO) or GAE (PPO) "
-          "recomputed from rewards", RL_ALGORITHMS)
+@register("recompute.advantages", "recorded advantages == the declared or a known advantage rule "
+          "(group z-score / group mean / RLOO / GAE raw or whitened) recomputed from rewards", RL_ALGORITHMS)
 def check_advantages(ctx: StepContext):
     if ctx.algorithm == "ppo":
         return _check_gae(ctx)
@@ -140,7 +193,8 @@ def check_advantages(ctx: StepContext):
     rules = _group_rules(ctx, rows)
     declared = _declared_rule(ctx)
     if declared is not None and declared not in rules:
-        raise Skip(f"advantage rule {declared!r} is not one the checks know ({', '.join(rules)})")
+        raise Skip(f"advantage rule {declared!r} does not apply to algorithm {ctx.algorithm!r} "
+                   f"(rules here: {', '.join(rules)})")
     diffs = {}
     for name, rule in rules.items():
         expected = rule(rewards[rows], G).double()
@@ -152,7 +206,9 @@ def check_advantages(ctx: StepContext):
         return []
     if matches and declared is None:
         return [ctx.finding("recompute.advantages", INFO, f"advantages follow the {matches[0]!r} rule "
-                            f"(not the seed's population-std rule): {', '.join(matches)} match the recorded values.",
+                            f"({formulas.ADVANTAGE_RULES[matches[0]]}), not the seed's population-std z-score; "
+                            f"matching rules: {', '.join(matches)}. Declare it with metadata advantage_rule = "
+                            f"{matches[0]!r} so that a change of rule is caught.",
                             field="advantages", rule=matches[0])]
     expected, d, _ = diffs[default]
     i = int(d.argmax())
@@ -165,7 +221,7 @@ def check_advantages(ctx: StepContext):
         "matters: the trainer does not compute the advantages its configuration says (std with or without "
         "Bessel's correction, group vs batch scaling, a missing eps), so the update differs from the one "
         "intended. Likely fix: compute them with tracer.formulas (group_advantages, trl_group_advantages, "
-        "rloo_advantages) or record metadata advantage_rule / scale_rewards that matches the trainer."
+        "group_mean_advantages, rloo_advantages) or declare the metadata advantage_rule the trainer uses."
     )
     return [ctx.finding("recompute.advantages", ERROR, message, rows[i], field="advantages", rule=default,
                         matching_rules=matches)]

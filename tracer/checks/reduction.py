@@ -36,37 +36,74 @@ def trl_loss_type(ctx: StepContext) -> str | None:
     return ctx.hyper("loss_type", None) or ctx.hyper("trl_loss_type", None)
 
 
-def recomputed_per_token_loss(ctx: StepContext) -> torch.Tensor:
-    """The per-token loss ``[B, T]`` from the recorded inputs (GRPO or CISPO rule); Skip otherwise."""
+def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.Tensor:
+    """The per-token loss ``[B, T]`` from the recorded inputs (GRPO, CISPO or PPO rule); Skip otherwise.
+
+    PPO: ``-min(r*A, clip(r)*A) + kl_coef * ref_kl_k3`` with per-token GAE advantages
+    (:func:`tracer.formulas.ppo_per_token_loss`). ``kl_sign = -1`` flips the KL term (used to name a
+    flipped sign when the recorded loss disagrees)."""
     trl_loss = trl_loss_type(ctx)
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
-    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
+    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
+                     ("use_bias_correction_kl", False), ("vllm_importance_sampling_correction", False)):
         if ctx.hyper(key, off) not in (off,):
             raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
     cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
-    if not cispo and (ctx.algorithm not in ("grpo", "") or (trl_loss and trl_loss not in GRPO_STYLE_TRL_LOSSES)):
+    ppo = ctx.algorithm == "ppo"
+    if not (cispo or ppo) and (ctx.algorithm not in ("grpo", "") or (trl_loss and trl_loss not in GRPO_STYLE_TRL_LOSSES)):
         raise Skip(f"no per-token loss rule for algorithm {ctx.algorithm!r} (loss_type {trl_loss!r}); "
                    "record per_token_loss")
     policy, advantages = ctx.require("policy_logprobs", "advantages")
     old = ctx.old_logprobs()
-    eps_high = float(ctx.hyper("clip_epsilon_high"))
-    beta = float(ctx.hyper("beta", 0.0) or 0.0)
+    beta = float(ctx.hyper("kl_coef" if ppo else "beta", 0.0) or 0.0)
     ref = ctx.tensor("ref_logprobs") if beta and ctx.has("ref_logprobs") else None
     if beta and ref is None:
-        raise Skip("beta > 0 but no ref_logprobs recorded")
+        raise Skip(f"{'kl_coef' if ppo else 'beta'} > 0 but no ref_logprobs recorded")
     if cispo:
-        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), beta, ref)
+        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref)
+    eps_high = float(ctx.hyper("clip_epsilon_high"))
     eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
-    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, beta, ref)
+    if ppo:
+        if advantages.dim() != 2:
+            raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
+        return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
+    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
 
 
-@register("recompute.per_token_loss", "recorded per_token_loss == the GRPO/CISPO per-token loss from the "
+def _kl_term_name(ctx: StepContext) -> str:
+    return "kl_coef * ref_kl_k3" if ctx.algorithm == "ppo" else "beta * ref_kl_k3"
+
+
+def _flipped_kl_matches(ctx: StepContext, reduce, recorded: torch.Tensor) -> bool:
+    """True when ``recorded`` equals ``reduce(per-token loss with the KL term's sign flipped)``."""
+    beta = float(ctx.hyper("kl_coef" if ctx.algorithm == "ppo" else "beta", 0.0) or 0.0)
+    if not beta:
+        return False
+    try:
+        flipped = reduce(recomputed_per_token_loss(ctx, kl_sign=-1.0)).double()
+    except Skip:
+        return False
+    recorded = recorded.double()
+    tol = ctx.tol.atol + ctx.tol.loss_rtol * flipped.abs()
+    keep = ctx.mask() if recorded.dim() == 2 else torch.ones_like(recorded, dtype=torch.bool)
+    return bool((((recorded - flipped).abs() <= tol) | ~keep).all())
+
+
+FLIPPED_KL = ("The recorded values match the loss with the KL term's sign flipped ({term} subtracted from "
+              "the loss instead of added): the penalty rewards moving away from the reference. ")
+
+
+@register("recompute.per_token_loss", "recorded per_token_loss == the GRPO/CISPO/PPO per-token loss from the "
           "recorded inputs", RL_ALGORITHMS)
 def check_per_token_loss(ctx: StepContext):
     (recorded,) = ctx.require("per_token_loss")
-    return compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
-                   ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
+    findings = compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
+                       ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
+    if findings and _flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
+        findings[0].message = FLIPPED_KL.format(term=_kl_term_name(ctx)) + findings[0].message
+        findings[0].details["kl_sign_flipped"] = True
+    return findings
 
 
 def recorded_loss(ctx: StepContext) -> float:
@@ -114,6 +151,8 @@ def candidate_losses(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch
           "/ constant divisor) of the per-token loss", RL_ALGORITHMS)
 def check_loss(ctx: StepContext):
     loss = recorded_loss(ctx)
+    if ctx.algorithm == "rloo" and ctx.hyper("importance_ratio", None) == "sequence_sum":
+        return _check_sequence_level_loss(ctx, loss)
     keep = ctx.mask()
     source = "recorded per_token_loss"
     if "per_token_loss" in ctx.data:
@@ -133,9 +172,12 @@ def check_loss(ctx: StepContext):
     if not matches and trl_loss_type(ctx) in GENERATION_BATCH_TOKEN_MEAN and not ctx.hyper("num_items_in_batch", None):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
+    reduce_declared = (lambda ptl: torch.tensor(candidate_losses(ctx, ptl, keep)[0][declared or "token_mean"]))
+    flipped = ("per_token_loss" not in ctx.data and _flipped_kl_matches(ctx, reduce_declared, torch.tensor(loss)))
     said = f"metadata says {declared!r}" if declared else "no reduction is declared (metadata loss_reduction)"
     found = f"it matches {' = '.join(matches)}" if matches else "it matches none of the three reductions"
     message = (
+        (FLIPPED_KL.format(term=_kl_term_name(ctx)) if flipped else "") +
         f"recorded loss {loss:.6g}: {found}, but {said}. Reductions of the {source}: {listing}. Why it "
         "matters: the reduction decides how much each token and each sequence weighs (token-mean favours "
         "long completions, sequence-mean short ones), so a run trained with another reduction than "
@@ -144,4 +186,18 @@ def check_loss(ctx: StepContext):
         "loss_reduction the trainer really uses."
     )
     return [ctx.finding("recompute.loss", ERROR, message, field="loss", recorded=loss, declared=declared,
-                        matches=matches, divisor=divisor, **values)]
+                        matches=matches, divisor=divisor, kl_sign_flipped=flipped, **values)]
+
+
+def _check_sequence_level_loss(ctx: StepContext, loss: float):
+    """TRL RLOO: one clipped ratio per sequence, ``-min(sr*A, clip(sr, 1-εl, 1+εh)*A)``, mean over the
+    micro-batch (``rloo_trainer.py:_compute_loss``), times metadata ``loss_scale``."""
+    sequence_ratio, advantages = ctx.require("sequence_ratio", "advantages")
+    eps_high = float(ctx.hyper("clip_epsilon_high"))
+    eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
+    sr, adv = sequence_ratio.double(), advantages.double()  # (B,), (B,)
+    per_sequence = -torch.min(sr * adv, torch.clamp(sr, 1 - eps_low, 1 + eps_high) * adv)  # (B,)
+    expected = float(ctx.hyper("loss_scale", 1.0)) * per_sequence.mean()
+    return compare(ctx, "recompute.loss", "loss", torch.tensor([loss]), expected.reshape(1),
+                   torch.ones(1, dtype=torch.bool), "the mean over sequences of RLOO's clipped sequence-ratio loss "
+                   f"(eps_low {eps_low:g}, eps_high {eps_high:g})")

@@ -40,7 +40,11 @@ Facts from TRL 1.16's ``grpo_trainer.py`` that shape the trace:
 - ``loss_type`` maps to ``loss_reduction`` (:data:`~tracer.integrations.trl_metadata.LOSS_REDUCTION_BY_LOSS_TYPE`).
 
 Ratio and KL terms are computed inside TRL's ``_compute_loss`` and not kept; the hook recomputes
-``ratio``, ``approx_kl_k2`` and ``ref_kl_k3`` with :mod:`tracer.formulas` in float32.
+``ratio``, ``approx_kl_k2`` and ``ref_kl_k3`` with :mod:`tracer.formulas` in float32, and
+``per_token_loss`` where the loss type follows the plain GRPO/CISPO rule. ``loss`` is the scalar
+``compute_loss`` returned (after TRL's division by the gradient-accumulation steps, recorded as
+``loss_scale``), so ``tracer check``'s ``recompute.loss`` compares TRL's real loss with the reduction
+of the per-token loss.
 
 Tracing never stops training (:mod:`tracer.integrations.trl_base`). ``trl_rloo.py`` builds the
 RLOO hook on this one: TRL's ``RLOOTrainer`` has the same four methods.
@@ -66,6 +70,7 @@ ROW_ID_KEY = "tracer_row_ids"
 _ROW_STRIDE = 1 << 32  # row id = rollout index * _ROW_STRIDE + row within the local generation batch
 
 OLD_FROM_TRL, OLD_IS_POLICY = "trl_old_per_token_logps", "policy_detached"
+_LOSS_DIVIDED_BY_ACCUMULATION = {"grpo", "sapo", "bnpo", "dr_grpo", "luspo"}  # TRL 1.16 _compute_loss
 _WRAPPED = ("_calculate_rewards", "_generate_and_score_completions",
             "_get_per_token_logps_and_entropies", "compute_loss")
 
@@ -182,8 +187,12 @@ class GRPOTraceHook(TrainerTraceHook):
         tensors = self._loss_tensors(inputs, order)
         tensors.update(self._rollout_tensors(rollout, rows))
         tensors.update(self._derived_tensors(tensors))
+        metadata = self._step_metadata(inputs, tensors, rollout)
+        loss_tensors, loss_metadata = self._loss_fields(tensors)
+        tensors.update(loss_tensors)
+        metadata.update(loss_metadata)
         self.writer.record(self._optimizer_step(), tensors, inner_step=self._inner_step(),
-                           micro_batch=self._micro_batch(), metadata=self._step_metadata(inputs, tensors, rollout))
+                           micro_batch=self._micro_batch(), metadata=metadata)
 
     def _loss_tensors(self, inputs: Mapping[str, Any], order: torch.Tensor) -> dict[str, torch.Tensor]:
         """The loss-time tensors of the micro-batch, rows put in generation ``order``."""
@@ -226,6 +235,55 @@ class GRPOTraceHook(TrainerTraceHook):
         if "ref_logprobs" in tensors:
             derived["ref_kl_k3"] = formulas.ref_kl_k3(policy32, tensors["ref_logprobs"].float())
         return derived
+
+    def _loss_fields(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``loss`` (the scalar ``compute_loss`` returned, which TRL backpropagates) with its scale in
+        metadata ``loss_scale``, and ``per_token_loss`` recomputed with :mod:`tracer.formulas` from TRL's
+        own tensors and config where TRL 1.16's ``_compute_loss`` uses the plain GRPO/CISPO rule.
+
+        TRL divides the ``grpo``/``sapo``/``bnpo``/``dr_grpo``/``luspo`` loss by
+        ``current_gradient_accumulation_steps`` (``loss_scale`` = its inverse); ``dapo``/``cispo``/
+        ``vespo`` divide by the generation batch's token count (metadata ``num_items_in_batch``). An
+        entropy bonus or router aux loss changes the returned value: then ``loss`` is not recorded and
+        metadata ``loss_not_recorded`` says why."""
+        trainer = self.trainer
+        out: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {}
+        loss_type = getattr(trainer, "loss_type", None)
+        extra = [name for name, on in (("entropy bonus", getattr(trainer, "_entropy_bonus_enabled", False)),
+                                       ("router aux loss", getattr(trainer, "aux_loss_enabled", False))) if on]
+        if extra:
+            meta["loss_not_recorded"] = f"TRL adds the {' and '.join(extra)} to the loss it returns"
+        elif self._loss is not None and self._loss.numel() == 1:
+            out["loss"] = self._loss.detach().float().cpu().reshape(())
+            if loss_type in _LOSS_DIVIDED_BY_ACCUMULATION:
+                meta["loss_scale"] = 1.0 / float(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1)
+        per_token_loss = self._per_token_loss(tensors, loss_type)
+        if per_token_loss is not None:
+            out["per_token_loss"] = per_token_loss
+            meta["per_token_loss_source"] = "tracer.formulas from TRL's tensors and config"
+        return out, meta
+
+    def _per_token_loss(self, tensors: Mapping[str, torch.Tensor], loss_type: str | None) -> torch.Tensor | None:
+        trainer, args = self.trainer, self.trainer.args
+        plain = (loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+                 and getattr(trainer, "importance_sampling_level", "token") == "token"
+                 and getattr(args, "delta", None) is None
+                 and getattr(trainer, "off_policy_mask_threshold", None) is None
+                 and float(getattr(trainer, "top_entropy_quantile", 1.0)) >= 1.0
+                 and not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+                 and not getattr(args, "use_bias_correction_kl", False))
+        beta = float(trainer.beta)
+        if not plain or (beta and "ref_logprobs" not in tensors):
+            return None
+        policy = tensors["policy_logprobs"].float()  # (B, T)
+        old = tensors["old_logprobs"].float() if "old_logprobs" in tensors else policy
+        ref = tensors["ref_logprobs"].float() if beta else None
+        advantages = tensors["advantages"].float()  # (B,)
+        if loss_type == "cispo":  # TRL: clamp(coef_1, max=epsilon_high), the bound itself
+            return formulas.cispo_per_token_loss(policy, old, advantages, float(trainer.epsilon_high), beta, ref)
+        return formulas.grpo_per_token_loss(policy, old, advantages, float(trainer.epsilon_low),
+                                            float(trainer.epsilon_high), beta, ref)
 
     # -- step bookkeeping ---------------------------------------------------------------------
 

@@ -92,6 +92,10 @@ def hyperparameters_of(trainer: Any) -> dict[str, Any]:
         "scale_rewards": getattr(trainer, "scale_rewards", None),
         "multi_objective_aggregation": getattr(trainer, "multi_objective_aggregation", None),
         "advantage_std": "unbiased",  # trl.trainer.utils.nanstd applies Bessel's correction
+        "entropy_coef": float(getattr(trainer, "entropy_coef", 0.0) or 0.0),
+        "use_bias_correction_kl": bool(getattr(trainer.args, "use_bias_correction_kl", False)),
+        "vllm_importance_sampling_correction": bool(getattr(trainer, "use_vllm", False)
+                                                    and getattr(trainer, "vllm_importance_sampling_correction", False)),
         "logprob_source": "trl_fused_lm_head",
     }
 

@@ -27,7 +27,8 @@ hook with the row-id join unchanged. What differs, and how the trace records it:
 - Ratio: TRL clips one ratio per sequence, ``exp(sum_t policy*mask - old_logps)``, recorded as
   ``sequence_ratio`` ``[B]`` (metadata ``importance_ratio = "sequence_sum"``); the canonical
   per-token ``ratio`` is ``exp(policy - old)``. The loss is the mean over sequences of the clipped
-  per-sequence loss; ``loss`` holds the value ``compute_loss`` returned.
+  per-sequence loss; ``loss`` holds the value ``compute_loss`` returned (TRL 1.16 does not divide it
+  by the accumulation steps inside), which ``recompute.loss`` compares with that mean.
 
 ``old_logprobs`` is real here (never ``policy_detached``): TRL always recomputes it at rollout time.
 """
@@ -95,9 +96,7 @@ class RLOOTraceHook(GRPOTraceHook):
         old_logps = inputs.get("old_logps")
         if old_logps is not None:
             tensors["old_sequence_logprobs"] = old_logps.detach()[order.to(old_logps.device)].cpu()  # (B,)
-        if self._loss is not None and self._loss.numel() == 1:
-            tensors["loss"] = self._loss.reshape(()).cpu()
-        return tensors
+        return tensors  # loss: GRPOTraceHook._loss_fields (not when an aux loss is added)
 
     def _rollout_tensors(self, rollout: _Rollout, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         tensors = super()._rollout_tensors(rollout, rows)
