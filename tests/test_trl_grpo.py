@@ -234,3 +234,24 @@ def test_strict_mode_raises_on_a_capture_failure(tmp_path, model_dir, monkeypatc
 def test_attach_refuses_a_trainer_it_cannot_trace(tmp_path):
     with pytest.raises(TraceError, match=r"cannot trace a object: it lacks \['_calculate_rewards'"):
         tracer.attach(object(), tmp_path / "trace")
+
+
+def test_check_recomputes_trl_s_own_loss_and_per_token_loss(trace):
+    """TRL returns the loss it backpropagates; the trace records it with its scale, and recompute.loss
+    and recompute.per_token_loss run (not skipped) and agree with it."""
+    from tracer.checks import ERROR, SKIPPED, run_checks
+
+    findings = run_checks(trace)
+    for check in ("recompute.loss", "recompute.per_token_loss"):
+        mine = [f for f in findings if f.check == check]
+        assert not [f for f in mine if f.severity in (SKIPPED, ERROR)], [f.message for f in mine]
+    assert not [f for f in findings if f.severity == ERROR], [f.message for f in findings if f.severity == ERROR]
+    for key in trace.steps():
+        data, meta = trace.load_step(key), trace.metadata(key)
+        assert meta["loss_type"] == "grpo" and data["loss"].shape == ()
+        # TRL's grpo loss by hand: per-sequence masked mean, mean over sequences, / accumulation steps
+        keep = data["completion_mask"].double()
+        ptl = data["per_token_loss"].double()
+        by_hand = ((ptl * keep).sum(1) / keep.sum(1).clamp(min=1)).mean() * meta["loss_scale"]
+        assert meta["loss_scale"] == 1.0 / meta["gradient_accumulation_steps"]
+        assert abs(float(data["loss"]) - float(by_hand)) <= 1e-6 + 1e-4 * abs(float(by_hand))

@@ -172,3 +172,17 @@ def test_demo_runner_keeps_the_model_inside_the_trace(tmp_path):
     assert trace.algorithm == "rloo" and [k.step for k in trace.steps()] == [0]
     assert (out / "model" / "model.safetensors").is_file()
     assert trace.manifest["config"]["model"] == str(out / "model")
+
+
+def test_check_recomputes_trl_s_rloo_loss(trace):
+    """RLOO's loss (one clipped ratio per sequence, mean over the micro-batch) is recomputed, not skipped."""
+    from tracer.checks import ERROR, SKIPPED, run_checks
+
+    mine = [f for f in run_checks(trace) if f.check == "recompute.loss"]
+    assert not [f for f in mine if f.severity in (SKIPPED, ERROR)], [f.message for f in mine]
+    for key in trace.steps():
+        data, meta = trace.load_step(key), trace.metadata(key)
+        sr, adv = data["sequence_ratio"].double(), data["advantages"].double()
+        lo, hi = 1 - meta["clip_epsilon_low"], 1 + meta["clip_epsilon_high"]
+        by_hand = (-torch.min(sr * adv, sr.clamp(lo, hi) * adv)).mean()
+        assert abs(float(data["loss"]) - float(by_hand)) <= 1e-6 + 1e-4 * abs(float(by_hand))

@@ -135,6 +135,7 @@ def trace_info(path: str | Path) -> dict[str, Any]:
         "ranks": sorted({k.rank for k in keys}),
         "dropped_steps": trace.manifest.get("dropped_steps", 0),
         "drop_reasons": trace.manifest.get("drop_reasons", []),
+        "capture_report": trace.manifest.get("capture_report"),
         "unreadable": unreadable,
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
@@ -160,6 +161,15 @@ def _print_info(info: dict[str, Any]) -> None:
         f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
     for reason in info["drop_reasons"][:5]:
         say(f"  dropped: {reason}")
+    report = info.get("capture_report")
+    if isinstance(report, dict):  # zero-edit tracing: what was and was not captured
+        say(f"capture: {report.get('steps_recorded')} step file(s) from {report.get('backward_calls')} backward "
+            f"call(s), {report.get('unmatched_calls')} without policy logprobs, {report.get('failures')} failed")
+        mapped = report.get("fields_mapped")
+        if isinstance(mapped, dict) and mapped:
+            say("  fields mapped: " + ", ".join(f"{k} <- {v}" for k, v in mapped.items()))
+        for entry in (report.get("map_entries_unused") or [])[:10]:
+            say(f"  not recorded: {entry}")
     table = Table(title="fields (first readable step file)")
     for col in ("field", "shape", "dtype"):
         table.add_column(col)
@@ -282,7 +292,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from tracer.watch import Watcher, run_script
+    from tracer.watch import Watcher, run_script, summary_logger
 
     meta = {}
     for text in args.meta:
@@ -295,11 +305,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             meta[key] = value
     watcher = Watcher(args.algo, args.out, args.map, strict=args.strict, hyperparameters=meta, nothing_traced="ignore",
                       config={"script": args.script, "script_args": args.script_args})
+    summary_logger(always=True)  # the end-of-run summary reaches stderr whatever the script does with warnings
     code = run_script(args.script, args.script_args, watcher)
     if code == 0 and watcher.steps_recorded == 0:
         print(watcher.nothing_traced_message(), file=sys.stderr)
         return 3
-    print(watcher.summary(), file=sys.stderr)
     return code
 
 

@@ -45,16 +45,34 @@ MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are onl
 log = logging.getLogger("tracer.watch")
 
 
-def _report_to_stderr() -> logging.Logger:
-    """``log``, with a stderr handler when logging is not configured at all, so the end-of-run summary
-    is shown even by scripts that silence ``warnings`` (MiniMind calls ``warnings.filterwarnings('ignore')``)."""
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stderr`` is at the time of each record (it may be replaced
+    after the handler is made: pytest's capture, a notebook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def summary_logger(always: bool = False) -> logging.Logger:
+    """``log``, writing to stderr at INFO when logging is not configured (or ``always``, as ``tracer run``
+    asks), so the end-of-run summary is shown even by scripts that silence ``warnings`` (MiniMind calls
+    ``warnings.filterwarnings('ignore')``)."""
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers) and (always or not logging.getLogger().handlers):
+        log.addHandler(_StderrHandler())
         log.setLevel(logging.INFO)
         log.propagate = False
     return log
+
+
 _state = threading.local()
 _installed: dict[str, Any] = {}  # the original backward functions while a Watcher is active
 
@@ -211,7 +229,7 @@ class Watcher:
     def _log_summary(self) -> None:
         if self.backward_calls == 0 and self.writer is None:
             return  # nothing_traced_message() says it
-        logger = _report_to_stderr()
+        logger = summary_logger()
         incomplete = bool(self.failures or self.rejected or (self.writer is not None and self.writer.dropped_steps))
         for line in self.summary_lines():
             logger.log(logging.WARNING if incomplete else logging.INFO, line)

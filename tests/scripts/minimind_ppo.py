@@ -9,6 +9,7 @@ trace can be compared with the demo's explicit-API trace.
 import argparse
 import copy
 import random
+import warnings
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,10 +53,17 @@ def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
             advs_rev.append(lastgaelam)
         advantages = torch.stack(advs_rev[::-1], dim=1) * resp_policy_mask  # (B, R)
         returns = (advantages + old_resp_values) * resp_policy_mask
+        if args.whiten_advantages:  # MiniMind's real train_ppo.py: whiten over the rollout's kept tokens
+            adv_mean = (advantages * resp_policy_mask).sum() / resp_policy_mask.sum().clamp(min=1)
+            adv_var = ((advantages - adv_mean) ** 2 * resp_policy_mask).sum() / resp_policy_mask.sum().clamp(min=1)
+            advantages = (advantages - adv_mean) * torch.rsqrt(adv_var + 1e-8) * resp_policy_mask
 
         actor.train()
         early_stop = False
         for ppo_epoch in range(args.ppo_update_iters):
+            if args.bug == "recompute_old":  # bug: old logprobs recomputed from the (already updated) actor
+                with torch.no_grad():
+                    old_resp_logp = ro.completion_logprobs(actor, gen_out, full_mask, prompt_len, args.temperature)
             perm = torch.randperm(B)
             for mb_start in range(0, B, args.mini_batch_size):
                 inds = perm[mb_start : mb_start + args.mini_batch_size]
@@ -71,7 +79,8 @@ def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
                 clipped_ratio = torch.clamp(ratio, 1 - args.clip_epsilon, 1 + args.clip_epsilon)
                 per_token_loss = -torch.min(ratio * advantages[inds], clipped_ratio * advantages[inds])
                 kl_ref = torch.exp(ref_resp_logp[inds] - mb_resp_logp) - (ref_resp_logp[inds] - mb_resp_logp) - 1.0
-                per_token_loss = per_token_loss + args.kl_coef * kl_ref
+                kl_sign = -1.0 if args.bug == "flip_kl" else 1.0  # bug: the KL penalty subtracted
+                per_token_loss = per_token_loss + kl_sign * args.kl_coef * kl_ref
                 policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
                 mb_values = critic(gen_out[inds], full_mask[inds], prompt_len)
                 value_loss = (((mb_values - returns[inds]) ** 2) * mask).sum() / mask.sum().clamp(min=1)
@@ -85,6 +94,8 @@ def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
 
 
 def main(args):
+    if args.ignore_warnings:  # as MiniMind's trainers do
+        warnings.filterwarnings("ignore")
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     actor = AutoModelForCausalLM.from_pretrained(args.model_dir)
@@ -111,5 +122,8 @@ if __name__ == "__main__":
     parser.add_argument("--vf_coef", type=float, default=0.5)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--whiten_advantages", action="store_true", help="MiniMind's whitening of the GAE advantages")
+    parser.add_argument("--ignore_warnings", action="store_true", help="warnings.filterwarnings('ignore'), as MiniMind")
+    parser.add_argument("--bug", choices=["flip_kl", "recompute_old"], default=None, help="inject a known bug")
     args = parser.parse_args()
     main(args)

@@ -151,9 +151,14 @@ def _check_gae(ctx: StepContext):
     if declared not in (None, "gae", "gae_whitened"):
         raise Skip(f"advantage rule {declared!r} is not a PPO rule (gae, gae_whitened)")
     raw_findings = compare(ctx, "recompute.advantages", "advantages", advantages, raw, keep, formula)
-    if declared == "gae" or (declared is None and not raw_findings):
-        return findings + raw_findings
+    if declared is None and not raw_findings:
+        return findings
     whitened, a, b, residual = _whitened_fit(advantages, raw, keep, ctx)
+    if declared == "gae":
+        if raw_findings and whitened:
+            raw_findings[0].message = ("the values follow the 'gae_whitened' rule instead of the declared 'gae'. "
+                                       + raw_findings[0].message)
+        return findings + raw_findings
     detail = (f"recorded = {a:.6g} * raw GAE {b:+.6g} on every kept token (max residual {residual:.3g}): "
               f"whitened with mean {-b / a if a else float('nan'):.6g} and std {1 / a if a else float('nan'):.6g} "
               "of the rollout's kept raw advantages")

@@ -114,7 +114,7 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
         "num_generations": cfg.num_generations, "beta": cfg.beta, "temperature": cfg.temperature,
         "top_p": 1.0, "top_k": 0, "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": eps_high,
         "loss_reduction": "sequence_mean", "old_logprobs_source": "sampler_forward",
-        "reward_component_names": ro.REWARD_COMPONENT_NAMES,
+        "advantage_rule": "group_zscore", "reward_component_names": ro.REWARD_COMPONENT_NAMES,
         **({"cispo_epsilon_high": cfg.epsilon_high} if cfg.loss_type == "cispo" else {}),
     }
 

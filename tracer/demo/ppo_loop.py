@@ -142,7 +142,7 @@ def hyperparameters(cfg: PPOConfig) -> dict:
     return {
         "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": cfg.clip_epsilon, "kl_coef": cfg.kl_coef,
         "gamma": cfg.gamma, "lam": cfg.lam, "temperature": cfg.temperature, "top_p": 1.0,
-        "top_k": 0, "loss_reduction": "token_mean", "target_kl": cfg.target_kl,
+        "top_k": 0, "loss_reduction": "token_mean", "target_kl": cfg.target_kl, "advantage_rule": "gae",
         "old_logprobs_source": "sampler_forward", "reward_component_names": ro.REWARD_COMPONENT_NAMES,
     }
 
