@@ -24,7 +24,7 @@ from tracer.watch import StepClock
 SCRIPTS = Path(__file__).parent / "scripts"
 REWARD_NAMES = json.dumps(["accuracy", "length", "scorer"])
 # step metadata the demo loops write that a script's frame cannot tell (given with --meta below where it can)
-NOT_IN_FRAME = ["top_p", "top_k", "old_logprobs_source"]
+NOT_IN_FRAME = ["top_p", "top_k", "old_logprobs_source", "advantage_rule"]
 
 
 @pytest.fixture(scope="module")

@@ -66,10 +66,11 @@ def grpo_step_tensors(seed: int) -> dict[str, torch.Tensor]:
                                    [9, 7, 8, EOS, PAD, PAD], [9, 10, 8, EOS, PAD, PAD]])  # (B, T)
     completion_mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0],
                                     [1, 1, 1, 1, 0, 0], [1, 0, 1, 1, 0, 0]], dtype=torch.bool)
-    old = -torch.rand(4, 6, generator=gen) * 3  # (B, T) nats
-    policy = old + 0.05 * torch.randn(4, 6, generator=gen)
-    ref = old + 0.1 * torch.randn(4, 6, generator=gen)
-    sampler = old + 0.01 * torch.randn(4, 6, generator=gen)
+    old = -torch.rand(4, 6, generator=gen) * 3 - 0.05  # (B, T) nats
+    # noisy copies, clamped below 0: a logprob is <= 0 (tracer check's logprobs.positive)
+    policy = (old + 0.05 * torch.randn(4, 6, generator=gen)).clamp(max=-1e-3)
+    ref = (old + 0.1 * torch.randn(4, 6, generator=gen)).clamp(max=-1e-3)
+    sampler = (old + 0.01 * torch.randn(4, 6, generator=gen)).clamp(max=-1e-3)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25]) + seed
     return {
         "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,

@@ -169,16 +169,20 @@ def grpo_per_token_loss(
     clip_epsilon_high: float,
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    kl_importance_weighted: bool = False,
 ) -> torch.Tensor:
     """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
 
-    ``advantages`` is ``[B]`` (broadcast over T). Source: MiniMind ``train_grpo.py:132-143``.
+    ``advantages`` is ``[B]`` (broadcast over T). ``kl_importance_weighted`` multiplies k3 by the
+    ratio r (TRL's ``use_bias_correction_kl``: the KL of tokens sampled from old, reweighted to the policy).
+    Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     surrogate = torch.min(r * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
     if beta and ref_logprobs is not None:
-        surrogate = surrogate - beta * ref_kl_k3(policy_logprobs, ref_logprobs)
+        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
+        surrogate = surrogate - beta * (k3 * r if kl_importance_weighted else k3)
     return -surrogate
 
 
@@ -189,18 +193,23 @@ def cispo_per_token_loss(
     clip_epsilon_high: float,
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    kl_importance_weighted: bool = False,
 ) -> torch.Tensor:
     """CISPO per token ``-(clamp(r, max=ε_high).detach() * A * policy - β*k3)``, ``[B, T]``.
+
+    ``kl_importance_weighted``: k3 times the ratio, as in :func:`grpo_per_token_loss`.
 
     The clamped ratio is detached: the gradient reaches only ``policy_logprobs`` (and the KL term).
     ``clip_epsilon_high`` is the ratio's upper bound itself, as in MiniMind (``max=args.epsilon_high``).
     Source: MiniMind ``train_grpo.py:132-143`` (``loss_type == "cispo"``); MiniMax-M1 report (2025).
     """
-    clamped = torch.clamp(ratio(policy_logprobs, old_logprobs), max=clip_epsilon_high).detach()  # (B, T)
+    r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    clamped = torch.clamp(r, max=clip_epsilon_high).detach()  # (B, T)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     objective = clamped * adv * policy_logprobs
     if beta and ref_logprobs is not None:
-        objective = objective - beta * ref_kl_k3(policy_logprobs, ref_logprobs)
+        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
+        objective = objective - beta * (k3 * r if kl_importance_weighted else k3)
     return -objective
 
 

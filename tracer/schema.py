@@ -130,6 +130,9 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
     "source_dtype": (str, "dtype of the float tensors before they were stored"),
     "reward_component_names": (list, "names of the F columns of reward_components"),
     "old_logprobs_source": (str, "where old_logprobs came from; 'policy_detached' = ratio is 1 by construction"),
+    "advantage_rule": (str, "the advantage rule (tracer.formulas.ADVANTAGE_RULES): gae | gae_whitened | "
+                            "group_zscore | group_zscore_unbiased | batch_zscore_unbiased | group_mean | rloo | rloo_kl"),
+    "gradient_accumulation_steps": (int, "micro-batches per optimizer step (the first ones see fresh weights)"),
 }
 LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 

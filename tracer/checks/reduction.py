@@ -46,7 +46,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
     for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
-                     ("use_bias_correction_kl", False), ("vllm_importance_sampling_correction", False)):
+                     ("vllm_importance_sampling_correction", False)):
         if ctx.hyper(key, off) not in (off,):
             raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
     cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
@@ -60,15 +60,17 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
     ref = ctx.tensor("ref_logprobs") if beta and ctx.has("ref_logprobs") else None
     if beta and ref is None:
         raise Skip(f"{'kl_coef' if ppo else 'beta'} > 0 but no ref_logprobs recorded")
+    weighted = bool(ctx.hyper("use_bias_correction_kl", False))  # TRL: k3 times the ratio
     if cispo:
-        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref)
+        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref,
+                                             weighted)
     eps_high = float(ctx.hyper("clip_epsilon_high"))
     eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
     if ppo:
         if advantages.dim() != 2:
             raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
         return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
-    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
+    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted)
 
 
 def _kl_term_name(ctx: StepContext) -> str:

@@ -271,8 +271,7 @@ class GRPOTraceHook(TrainerTraceHook):
                  and getattr(args, "delta", None) is None
                  and getattr(trainer, "off_policy_mask_threshold", None) is None
                  and float(getattr(trainer, "top_entropy_quantile", 1.0)) >= 1.0
-                 and not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
-                 and not getattr(args, "use_bias_correction_kl", False))
+                 and not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)))
         beta = float(trainer.beta)
         if not plain or (beta and "ref_logprobs" not in tensors):
             return None
@@ -280,10 +279,12 @@ class GRPOTraceHook(TrainerTraceHook):
         old = tensors["old_logprobs"].float() if "old_logprobs" in tensors else policy
         ref = tensors["ref_logprobs"].float() if beta else None
         advantages = tensors["advantages"].float()  # (B,)
+        weighted = bool(getattr(args, "use_bias_correction_kl", False))  # TRL: per_token_kl * coef_1
         if loss_type == "cispo":  # TRL: clamp(coef_1, max=epsilon_high), the bound itself
-            return formulas.cispo_per_token_loss(policy, old, advantages, float(trainer.epsilon_high), beta, ref)
+            return formulas.cispo_per_token_loss(policy, old, advantages, float(trainer.epsilon_high), beta, ref,
+                                                 weighted)
         return formulas.grpo_per_token_loss(policy, old, advantages, float(trainer.epsilon_low),
-                                            float(trainer.epsilon_high), beta, ref)
+                                            float(trainer.epsilon_high), beta, ref, weighted)
 
     # -- step bookkeeping ---------------------------------------------------------------------
 
