@@ -255,3 +255,25 @@ def test_check_recomputes_trl_s_own_loss_and_per_token_loss(trace):
         by_hand = ((ptl * keep).sum(1) / keep.sum(1).clamp(min=1)).mean() * meta["loss_scale"]
         assert meta["loss_scale"] == 1.0 / meta["gradient_accumulation_steps"]
         assert abs(float(data["loss"]) - float(by_hand)) <= 1e-6 + 1e-4 * abs(float(by_hand))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"loss_type": "dapo"},  # TRL 1.16's default: divided by the generation batch's token count
+    {"loss_type": "dr_grpo", "scale_rewards": "none"},  # constant divisor, group-mean advantages
+    {"loss_type": "cispo", "epsilon_high": 5.0},  # CISPO: the clamp bound is epsilon_high itself
+    {"loss_type": "bnpo", "gradient_accumulation_steps": 2, "per_device_train_batch_size": B // 2},
+    {"loss_type": "grpo", "use_bias_correction_kl": False, "scale_rewards": "batch"},
+], ids=["dapo", "dr_grpo", "cispo", "bnpo-accumulation", "grpo-batch-scale"])
+def test_healthy_trl_variants_pass_check_with_the_loss_recomputed(tmp_path, model_dir, overrides):
+    """Healthy TRL runs of other loss types, reductions, advantage scalings and gradient accumulation:
+    `tracer check` finds no error or warning, and recompute.loss ran on TRL's own loss."""
+    from tracer.checks import ERROR, SKIPPED, WARNING, run_checks
+
+    trainer = grpo_trl.make_trainer(model_dir, tmp_path / "scratch", steps=2, seed=0, progress=False, **overrides)
+    tracer.attach(trainer, tmp_path / "trace")
+    trainer.train()
+    findings = run_checks(tmp_path / "trace")
+    assert [f.message for f in findings if f.severity in (ERROR, WARNING)] == []
+    loss = [f for f in findings if f.check in ("recompute.loss", "recompute.per_token_loss")]
+    assert not [f for f in loss if f.severity == SKIPPED], [f.message for f in loss]
+    assert all("loss" in Trace(tmp_path / "trace").load_step(k) for k in Trace(tmp_path / "trace").steps())
