@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 __all__ = ["PREFIX", "ROW_ID_KEY", "TRACE_DIR_ENV", "install", "register_tracing_losses", "trace_dir"]
 
 TRACE_DIR_ENV = "TRACER_DIR"
+TOKENIZER_ENV = "TRACER_TOKENIZER"  # a tokenizer path (the model's): token text and EOS/pad ids in the trace
 STRICT_ENV = "TRACER_STRICT"
 PREFIX = "tracer_"
 ROW_ID_KEY = verl_record.ROW_ID_KEY
@@ -201,8 +202,18 @@ def _driver_recorder() -> verl_record.DriverRecorder | None:
         return None
     with _lock:
         if _state["driver"] is None:
-            _state["driver"] = verl_record.DriverRecorder(root / verl_record.ROLLOUT_DIR, strict=_strict())
+            _state["driver"] = verl_record.DriverRecorder(root / verl_record.ROLLOUT_DIR, strict=_strict(),
+                                                          tokenizer=_tokenizer())
         return _state["driver"]
+
+
+def _tokenizer() -> Any:
+    """``install(tokenizer=...)``, else the tokenizer at ``$TRACER_TOKENIZER`` (loaded once), else None."""
+    if _state.get("tokenizer") is None and os.environ.get(TOKENIZER_ENV):
+        from transformers import AutoTokenizer
+
+        _state["tokenizer"] = AutoTokenizer.from_pretrained(os.environ[TOKENIZER_ENV])
+    return _state.get("tokenizer")
 
 
 def _failed(side: str, err: Exception) -> None:
@@ -263,14 +274,17 @@ class _PatchingLoader(importlib.abc.Loader):
         self._patch(module)
 
 
-def install(out_dir: str | os.PathLike | None = None) -> None:
+def install(out_dir: str | os.PathLike | None = None, tokenizer: Any = None) -> None:
     """Register the tracing losses and the driver hook (idempotent; runs when this module is imported).
 
     Args:
         out_dir: trace root when ``$TRACER_DIR`` is not set (the environment wins).
+        tokenizer: the run's tokenizer, for token text and EOS/pad ids (else ``$TRACER_TOKENIZER``).
     """
     if out_dir is not None:
         _state["out_dir"] = os.fspath(out_dir)
+    if tokenizer is not None:
+        _state["tokenizer"] = tokenizer
     with _lock:
         if _state["installed"]:
             return

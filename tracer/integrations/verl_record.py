@@ -64,15 +64,15 @@ def _fit(tensor: torch.Tensor, T: int, fill: float | int = 0) -> torch.Tensor:
 class _Recorder:
     """A lazily created :class:`TraceWriter` (the algorithm is known at the first record) and failure counting."""
 
-    def __init__(self, out_dir: os.PathLike, strict: bool) -> None:
-        self.out_dir, self.strict = out_dir, strict
+    def __init__(self, out_dir: os.PathLike, strict: bool, tokenizer: Any = None) -> None:
+        self.out_dir, self.strict, self.tokenizer = out_dir, strict, tokenizer
         self.writer: TraceWriter | None = None
         self.failures = 0
 
     def _writer(self, algorithm: str, hyperparameters: Mapping[str, Any], config: Mapping[str, Any]) -> TraceWriter:
         if self.writer is None:
             self.writer = TraceWriter(self.out_dir, algorithm, hyperparameters=hyperparameters, config=config,
-                                      strict=self.strict)
+                                      strict=self.strict, tokenizer=self.tokenizer)
         return self.writer
 
     def count_failure(self, err: Exception) -> None:
@@ -98,8 +98,8 @@ class DriverRecorder(_Recorder):
     ``sampler_logprobs``, ``values`` / ``returns`` (PPO), ``group_ids`` and ``row_ids`` ``[B]`` int64.
     """
 
-    def __init__(self, out_dir: os.PathLike, strict: bool = False) -> None:
-        super().__init__(out_dir, strict)
+    def __init__(self, out_dir: os.PathLike, strict: bool = False, tokenizer: Any = None) -> None:
+        super().__init__(out_dir, strict, tokenizer)
         self.step = 0
 
     def record(self, data: Any, arguments: Mapping[str, Any]) -> None:
