@@ -8,7 +8,8 @@ A trace check over every step file that is on fresh rollouts (metadata ``fresh_r
 ``micro_batch_in_mini_batch`` (the verl hook records it), else its ``micro_batch`` coordinate. Per
 position it counts the files whose kept tokens differ (``|policy - old|`` beyond the dtype's
 identity tolerance) and reports the positions and ranks that deviate next to those that are exact.
-Silent when every fresh file is exact; ``identity.first_step`` reports each file on its own.
+Silent when every fresh file is exact, and when every position deviates (then nothing depends on the
+position; ``identity.first_step`` reports each file on its own).
 """
 
 from __future__ import annotations
@@ -54,15 +55,14 @@ def check_micro_batch_position(trace, options: CheckOptions, keys) -> list[Findi
         if beyond:
             slot["bad"].append((key, beyond, kept))
     bad = {p: s for p, s in by_position.items() if s["bad"]}
-    if not bad:
-        return []
     exact = sorted(p for p in by_position if p not in bad)
+    if not bad or not exact:
+        return []  # all exact, or every position deviates: identity.first_step's per-file errors say it all
     first_key = min(k for s in bad.values() for k, _, _ in s["bad"])
     ranks = sorted({k.rank for s in bad.values() for k, _, _ in s["bad"]})
     parts = [f"position {p}: {len(s['bad'])} of {s['files']} files, max |policy - old| {s['worst']:.3g} nats"
              for p, s in sorted(bad.items())]
-    where = (f"positions {exact} are exact, so the log-probabilities depend on where a row lands in the mini-batch"
-             if exact else "every position deviates")
+    where = f"positions {exact} are exact, so the log-probabilities depend on where a row lands in the mini-batch"
     message = (
         f"on fresh rollouts (no optimizer step yet) policy_logprobs differ from old_logprobs by micro-batch "
         f"position — {'; '.join(parts)}; ranks {ranks}; {where}. Rule: ratio = 1 on every kept token of every "
