@@ -221,12 +221,14 @@ def test_import_registers_a_tracing_twin_of_every_policy_loss():
 
 def test_verl_imports_the_module_named_in_its_environment_variable(tmp_path):
     code = ("import verl.trainer.ppo.core_algos as c, verl.workers.utils.losses as l, verl.trainer.ppo.ray_trainer as r;"
+            "c.register_policy_loss('mine')(lambda **kw: (0, {}));"  # a loss registered after tracer's import
             "print(sorted(n for n in c.POLICY_LOSS_REGISTRY if n.startswith('tracer_'))[:2],"
-            " l.ppo_loss.__tracer_wrapper__, r.compute_advantage.__tracer_wrapper__)")
+            " l.ppo_loss.__tracer_wrapper__, r.compute_advantage.__tracer_wrapper__,"
+            " l.get_policy_loss_fn('tracer_mine').__tracer_wrapper__)")
     env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "tracer.integrations.verl", "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
                          timeout=300, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "['tracer_bypass_mode', 'tracer_cispo'] True True"
+    assert out.stdout.strip().splitlines()[-1] == "['tracer_bypass_mode', 'tracer_cispo'] True True True"
 
 
 def test_untraced_loss_and_tracing_loss_return_the_same(traced):
@@ -432,8 +434,10 @@ def test_a_tracing_failure_never_stops_training(tmp_path, monkeypatch):
     tv.finish()
     model = tiny_model()
     data = rollout(model, seed=100)
-    with pytest.warns(RuntimeWarning, match="could not record"):
+    with pytest.warns(RuntimeWarning, match="could not record") as caught:
         data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig())
         results = update_actor(model, data, actor_config("tracer_vanilla"))
     assert len(results) == B // MICRO * EPOCHS and all(torch.isfinite(r["loss"]) for r in results)
+    # one warning per side (the trace cannot be opened), not one per micro-batch
+    assert len([w for w in caught if "could not record" in str(w.message)]) == 2
     tv.finish()

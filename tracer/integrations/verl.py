@@ -125,6 +125,22 @@ def register_tracing_losses() -> list[str]:
     return added
 
 
+def _lazy_lookup(original: Callable) -> Callable:
+    """``core_algos.get_policy_loss_fn`` that creates ``tracer_<name>`` for a loss registered after import."""
+
+    @functools.wraps(original)
+    def get_policy_loss_fn(name):
+        from verl.trainer.ppo import core_algos
+
+        registry = core_algos.POLICY_LOSS_REGISTRY
+        if isinstance(name, str) and name.startswith(PREFIX) and name not in registry and name[len(PREFIX):] in registry:
+            register_tracing_losses()
+        return original(name)
+
+    get_policy_loss_fn.__tracer_wrapper__ = True
+    return get_policy_loss_fn
+
+
 def _tracing_loss(name: str, fn: Callable) -> Callable:
     """``fn`` wrapped: call it with the arguments verl passes, record, return its result unchanged."""
 
@@ -290,6 +306,10 @@ def install(out_dir: str | os.PathLike | None = None, tokenizer: Any = None) -> 
             return
         _state["installed"] = True
     register_tracing_losses()
+    from verl.trainer.ppo import core_algos
+
+    if not getattr(core_algos.get_policy_loss_fn, "__tracer_wrapper__", False):  # before losses.py binds it
+        core_algos.get_policy_loss_fn = _lazy_lookup(core_algos.get_policy_loss_fn)
     for name, patch in _PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

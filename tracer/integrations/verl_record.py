@@ -68,11 +68,16 @@ class _Recorder:
         self.out_dir, self.strict, self.tokenizer = out_dir, strict, tokenizer
         self.writer: TraceWriter | None = None
         self.failures = 0
+        self.disabled: str | None = None  # why the trace could not be opened: nothing more is recorded
 
     def _writer(self, algorithm: str, hyperparameters: Mapping[str, Any], config: Mapping[str, Any]) -> TraceWriter:
         if self.writer is None:
-            self.writer = TraceWriter(self.out_dir, algorithm, hyperparameters=hyperparameters, config=config,
-                                      strict=self.strict, tokenizer=self.tokenizer)
+            try:
+                self.writer = TraceWriter(self.out_dir, algorithm, hyperparameters=hyperparameters, config=config,
+                                          strict=self.strict, tokenizer=self.tokenizer)
+            except Exception as err:  # e.g. the directory holds an earlier run: one warning, then quiet
+                self.disabled = f"{type(err).__name__}: {err}"
+                raise
         return self.writer
 
     def count_failure(self, err: Exception) -> None:
@@ -104,6 +109,8 @@ class DriverRecorder(_Recorder):
 
     def record(self, data: Any, arguments: Mapping[str, Any]) -> None:
         """Record ``data`` (the DataProto compute_advantage returns) and add ``tracer_row_ids`` to it."""
+        if self.disabled:
+            return
         batch, non_tensor = data.batch, getattr(data, "non_tensor_batch", {}) or {}
         step, B = self.step, int(batch["responses"].shape[0])
         self.step += 1
@@ -183,6 +190,8 @@ class WorkerRecorder(_Recorder):
     def record(self, loss_mode: str, arguments: Mapping[str, Any], result: Any, data: Any) -> None:
         """Record one policy-loss call: ``arguments`` as the loss received them, ``result`` = (pg_loss, metrics),
         ``data`` the micro-batch TensorDict of ``ppo_loss`` (None when the loss was called directly)."""
+        if self.disabled:
+            return
         policy, old = arguments["log_prob"].detach(), arguments["old_log_prob"].detach()  # (B, T)
         mask = arguments["response_mask"].bool()
         B, T = policy.shape
