@@ -2,6 +2,9 @@
 
 import importlib.util
 import os
+import sys
+import types
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -15,3 +18,18 @@ def pytest_report_header(config):
     if collect_ignore:
         return "tests/test_verl.py not collected: verl is not installed here; it runs in .venv-verl (make test-verl)"
     return None
+
+
+def _claim_tests_package() -> None:
+    """verl's wheel installs a top-level ``tests`` package into site-packages, which would shadow this
+    directory for ``from tests.toy_traces import ...``; make ``tests`` name this directory."""
+    here = Path(__file__).resolve().parent
+    spec = importlib.util.find_spec("tests")
+    locations = [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else [here]
+    if here not in locations or len(locations) > 1:
+        package = types.ModuleType("tests")
+        package.__path__ = [str(here)]
+        sys.modules["tests"] = package
+
+
+_claim_tests_package()
