@@ -6,7 +6,23 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: app test install clean sample-traces
+# verl (tracer.integrations.verl) pins its own transformers, so its tests run in a venv of their own,
+# built from nothing: torch first, then verl 0.9.1 with torch held at 2.13.0, then the packages some
+# verl modules import without declaring them, then tracer with its app and test extras.
+VERL_VENV  ?= .venv-verl
+VERL_PY     = $(VERL_VENV)/bin/python
+VERL_STAMP  = $(VERL_VENV)/.installed
+
+$(VERL_STAMP): constraints-verl.txt pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install --upgrade pip
+	$(VERL_PY) -m pip install torch==2.13.0
+	$(VERL_PY) -m pip install -c constraints-verl.txt verl==0.9.1
+	$(VERL_PY) -m pip install -c constraints-verl.txt cachetools fastapi uvicorn pyzmq msgspec
+	$(VERL_PY) -m pip install -c constraints-verl.txt -e '.[verl,app,test]'
+	touch $(VERL_STAMP)
+
+.PHONY: app test install clean sample-traces test-verl
 
 install: $(STAMP)
 
@@ -21,8 +37,12 @@ $(STAMP): requirements.txt pyproject.toml
 app: $(STAMP)
 	$(PY) -m tracer view sample_traces
 
-test: $(STAMP)
+test: $(STAMP) $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(MAKE) test-verl
+
+test-verl: $(VERL_STAMP)
+	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl
@@ -35,4 +55,4 @@ sample-traces: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache tests/output
+	rm -rf $(VENV) $(VERL_VENV) .pytest_cache tests/output

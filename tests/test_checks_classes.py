@@ -180,7 +180,7 @@ def test_partly_zero_variance_is_an_info_with_the_share(tmp_path):
     ({}, (INFO, "advantages follow the 'group_zscore_unbiased' rule")),  # undeclared: say which rule
     ({"advantage_std": "population"}, (ERROR, "differ from the 'group_zscore' rule recomputed from rewards (metadata "
                                               "declares 'group_zscore'); the recorded values match "
-                                              "['group_zscore_unbiased'] instead")),
+                                              "['group_zscore_unbiased', 'verl_grpo'] instead")),  # eps 1e-4 ~ 1e-6 here
 ])
 def test_advantage_rule_follows_metadata(tmp_path, declared, expected):
     # G = 4, group 0 rewards [1, 0, 0, 0]: mean 0.25, population std 0.433, Bessel's std 0.5.

@@ -418,6 +418,8 @@ ADVANTAGE_RULES: dict[str, str] = {
                              "(tracer.formulas.trl_group_advantages; TRL scale_rewards='group')",
     "batch_zscore_unbiased": "(r - mean_g) / (std_batch + 1e-4), Bessel's std over the batch (TRL scale_rewards='batch')",
     "group_mean": "r - mean_g, no std (tracer.formulas.group_mean_advantages; Dr. GRPO, TRL scale_rewards='none')",
+    "verl_grpo": "(r - mean_g) / (std_g + 1e-6), Bessel's std per uid (tracer.formulas.verl_grpo_advantages; "
+                 "verl core_algos.compute_grpo_outcome_advantage)",
     "rloo": "r_i - mean of the other G - 1 rewards of the group (tracer.formulas.rloo_advantages)",
     "rloo_kl": "leave-one-out on rewards - β·Σ_t(old - ref) (TRL RLOOTrainer with β > 0)",
 }
@@ -436,3 +438,47 @@ def advantage_rule_name(name: str) -> str:
         raise ValueError(f"unknown advantage rule {name!r}; known rules: {', '.join(ADVANTAGE_RULES)} "
                          f"(aliases: {', '.join(ADVANTAGE_RULE_ALIASES)})")
     return canonical
+
+
+VERL_GRPO_EPS = 1e-6  # verl core_algos.compute_grpo_outcome_advantage: epsilon=1e-6
+
+
+def verl_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
+                         eps: float = VERL_GRPO_EPS) -> torch.Tensor:
+    """GRPO advantages as verl computes them, ``[B]``: rows sharing a ``group_ids`` value form a group
+    (in any order); ``A = (r - mean_g) / (std_g + eps)`` with Bessel's std (``torch.std``), or only
+    ``r - mean_g`` when ``norm_by_std`` is False (Dr. GRPO); a group of one row gets mean 0, std 1.
+
+    Args:
+        rewards: ``[B]`` sequence rewards (verl: ``token_level_rewards.sum(-1)``).
+        group_ids: ``[B]`` int64 (verl's ``uid`` strings numbered).
+    Source: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` ``compute_grpo_outcome_advantage``.
+    """
+    rewards = rewards.double()
+    out = torch.empty_like(rewards)
+    for gid in torch.unique(group_ids).tolist():
+        rows = group_ids == gid
+        scores = rewards[rows]
+        mean, std = (scores.mean(), scores.std()) if scores.numel() > 1 else (scores.new_tensor(0.0), scores.new_tensor(1.0))
+        out[rows] = (scores - mean) / (std + eps) if norm_by_std else scores - mean
+    return out.float()
+
+
+def probability_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, float]:
+    """Rollout vs trainer in probability space, as verl logs it (``training/rollout_probs_diff_*``):
+    over kept tokens, ``|exp(trainer) - exp(sampler)|`` max / mean / std (Bessel) and the Pearson
+    correlation of the two probabilities. Unitless (probabilities in [0, 1]); NaN when no token is kept.
+
+    Source: verl 0.9.1 ``verl/utils/debug/metrics.py`` ``calculate_debug_metrics``; Pearson as in
+    https://arxiv.org/abs/2506.13585.
+    """
+    keep = mask.bool()
+    if not bool(keep.any()):
+        return {"max": float("nan"), "mean": float("nan"), "std": float("nan"), "pearson": float("nan")}
+    p_trainer = torch.exp(trainer_logprobs.double())[keep]  # (N,)
+    p_sampler = torch.exp(sampler_logprobs.double())[keep]  # (N,)
+    gap = (p_trainer - p_sampler).abs()
+    pearson = torch.corrcoef(torch.stack([p_trainer, p_sampler]))[0, 1] if gap.numel() > 1 else gap.new_tensor(float("nan"))
+    return {"max": float(gap.max()), "mean": float(gap.mean()), "std": float(gap.std()) if gap.numel() > 1 else float("nan"),
+            "pearson": float(pearson)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
     advantages, alignment, fields, identity, kl, logprobs, masks, nonfinite, recompute, reduction, sampler,
 )
+from tracer.checks import micro_batches, probability  # noqa: F401,E402  (verl's checks, issue 17)
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
 from tracer.checks.finding import (
     CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,

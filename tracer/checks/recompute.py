@@ -118,7 +118,9 @@ def _group_rules(ctx: StepContext, rows: list[int]):
     return {"group_zscore": formulas.group_advantages,
             "group_zscore_unbiased": lambda r, G: formulas.trl_group_advantages(r, G, "group"),
             "batch_zscore_unbiased": lambda r, G: formulas.trl_group_advantages(r, G, "batch"),
-            "group_mean": formulas.group_mean_advantages}
+            "group_mean": formulas.group_mean_advantages,
+            # rows arrive group by group (full_groups), so consecutive runs of G are the uids
+            "verl_grpo": lambda r, G: formulas.verl_grpo_advantages(r, torch.arange(r.shape[0] // G).repeat_interleave(G))}
 
 
 def _whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):
