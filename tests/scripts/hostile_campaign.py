@@ -124,10 +124,10 @@ def b_zero(out: Path) -> None:
 
 
 def tokens_dense(out: Path) -> None:
-    """tokens.json of ~1 MB: 330k one-character strings."""
+    """tokens.json of ~1 MB: 240k one-character strings."""
     _manifest(out)
     _step(out, _healthy())
-    (out / TOKENS_NAME).write_text('{"tokens": [' + ",".join(['"a"'] * 330_000) + "]}")
+    (out / TOKENS_NAME).write_text('{"tokens": [' + ",".join(['"a"'] * 240_000) + "]}")
 
 
 def tokens_nested(out: Path) -> None:
