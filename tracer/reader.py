@@ -17,8 +17,8 @@ import pandas as pd
 import torch
 from tracer import tables
 from tracer.errors import TraceFormatError
-from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values, check_step_header,
-                              clean_manifest, clean_tokens, open_step_file, read_json)
+from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
+                              check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
