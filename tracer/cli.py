@@ -347,7 +347,7 @@ COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cm
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = _parser().parse_args(argv)
-    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 prints as \xff, never a traceback
+    for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 file name prints escaped, not as a traceback
         try:
             stream.reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError, OSError):

@@ -8,6 +8,7 @@ from app.components.groups import group_label, group_rewards_figure, style_group
 from app.components.sidebar import current_selection
 from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
+from tracer.views.common import EMPTY_STEP
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -63,7 +64,7 @@ def _show_group(groups) -> None:
 
 
 if groups.empty:
-    st.info("Empty step: this step file holds no sequences (B = 0), so it has no groups.")
+    st.info(f"{EMPTY_STEP} It has no groups.")
 else:
     _show_group(groups)
 
