@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from bench import blocked_time, memory_budget, open_scale, overhead, write_throughput
+from bench import blocked_time, memory_budget, open_scale, overhead, slow_disk_drop, write_throughput
 from bench.common import machine
 
 
@@ -35,6 +35,10 @@ def main() -> None:
     m = memory_budget.measure()
     rows.append(("peak memory queued vs budget (slow disk, block policy)", f"{m['peak_mb']:.2f} vs {m['budget_mb']:.2f} MiB",
                  f"{m['peak_mb'] / m['budget_mb']:.2f}", "<= 1"))
+    d = slow_disk_drop.measure(30.0)
+    rows.append(("record() p99 with a 30 ms fsync, when_full=drop, vs a plain copy",
+                 f"{d['record_p99_ms']:.2f} vs {d['copy_p99_ms']:.2f} ms", f"{d['record_p99_ms'] / d['copy_p99_ms']:.1f}x",
+                 "p99 a few ms"))
     print("| benchmark | measured | ratio | target |")
     print("|---|---|---|---|")
     for row in rows:

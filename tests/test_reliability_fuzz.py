@@ -71,3 +71,36 @@ def test_swapped_dtype_names(trace_dir, k, new):
 def test_any_length_prefix_and_truncation(trace_dir, length, cut):
     payload = length.to_bytes(8, "little") + PAYLOAD[8:]
     outcome(trace_dir, payload[:cut] if cut < len(PAYLOAD) else payload)
+
+
+# -- hostile shapes: zero-byte tensors with huge dims (issue 13) -------------------------------------
+
+_SHAPED_FIELDS = ("completion_ids", "completion_mask", "policy_logprobs", "prompt_ids", "rewards",
+                  "advantages", "reward_components", "my_extra")
+_HUGE = st.sampled_from([0, 1, 3, 10**3, 10**6, 10**8, 10**9, 2**40])
+
+
+def _peak_rss_kb() -> int:
+    return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0])
+
+
+@settings(max_examples=150, deadline=5000, derandomize=True, database=None,  # 5 s per example
+          suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=st.dictionaries(st.sampled_from(_SHAPED_FIELDS),
+                              st.lists(_HUGE, min_size=1, max_size=3).filter(lambda s: 0 in s), min_size=1))
+def test_zero_byte_tensors_of_any_shape_cost_little(trace_dir, shapes):
+    """Every reader, the checks and info on a step file of zero-byte tensors with huge dims: within
+    5 s (hypothesis' deadline) and 500 MB of resident memory above the start."""
+    import json
+    import struct
+
+    dtype = {"completion_ids": "I64", "prompt_ids": "I64", "completion_mask": "BOOL"}
+    header = {n: {"dtype": dtype.get(n, "F32"), "shape": s, "data_offsets": [0, 0]} for n, s in shapes.items()}
+    header["__metadata__"] = {"algorithm": "grpo", "num_generations": "2", "step": "3"}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    fuzz.write_step(trace_dir, struct.pack("<Q", len(text)) + text)  # a safetensors file of zero-byte tensors
+    start_kb = int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0])
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak
+    fuzz.exercise(trace_dir)
+    assert _peak_rss_kb() - start_kb < 500 * 1024

@@ -19,6 +19,7 @@ KL spike, so the steps before a blow-up reach the disk.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import os
 import threading
@@ -31,6 +32,8 @@ from tracer import formulas
 from tracer.schema import FIELDS
 
 
+log = logging.getLogger(__name__)
+_IDLE = object()  # the writer thread woke without a step (time for a tick)
 WRITER_NICENESS = 10  # added to the writer thread's nice value (lower CPU priority than training)
 
 
@@ -179,12 +182,16 @@ class BackgroundWriter:
         when_full: ``"block"`` or ``"drop"``.
         on_drop: called with a reason when a step is dropped because the queue is full.
         ring: the anomaly ring's size (0 = off); ``kl_spike`` as in :class:`SamplingPolicy`.
+        tick: called on the writer thread after each step and every ``tick_interval`` seconds while
+            idle (the writer updates the manifest's live counts there, off the training thread);
+            its exceptions are logged, never raised.
     """
 
     def __init__(self, write_fn: Callable[[StagedStep, str | None], None], normalise: Callable[[StagedStep], None],
                  on_error: Callable[[StagedStep, Exception], None], on_drop: Callable[[str], None],
                  max_steps: int, max_bytes: int, when_full: str = "block",
-                 ring: int = 0, kl_spike: float | None = None, pool: PinnedPool | None = None) -> None:
+                 ring: int = 0, kl_spike: float | None = None, pool: PinnedPool | None = None,
+                 tick: Callable[[], None] | None = None, tick_interval: float = 1.0) -> None:
         if when_full not in ("block", "drop"):
             raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
         self._write_fn, self._normalise, self._on_drop, self._on_error = write_fn, normalise, on_drop, on_error
@@ -192,6 +199,7 @@ class BackgroundWriter:
         self._ring: collections.deque[StagedStep] = collections.deque(maxlen=ring)
         self._kl_spike = kl_spike
         self._pool = pool
+        self._tick, self._tick_interval = tick, tick_interval
         self._queue: collections.deque[StagedStep | None] = collections.deque()
         self._bytes = 0
         self.peak_bytes = 0
@@ -249,19 +257,25 @@ class BackgroundWriter:
             pass
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                item = self._queue.popleft()
-                self._busy = item is not None
+                if not self._queue:
+                    self._cond.wait(timeout=self._tick_interval if self._tick is not None else None)
+                item = self._queue.popleft() if self._queue else _IDLE
+                self._busy = item is not None and item is not _IDLE
             if item is None:
                 return
-            try:
-                self._handle(item)
-            finally:
-                with self._cond:
-                    self._bytes -= item.nbytes
-                    self._busy = False
-                    self._cond.notify_all()
+            if item is not _IDLE:
+                try:
+                    self._handle(item)
+                finally:
+                    with self._cond:
+                        self._bytes -= item.nbytes
+                        self._busy = False
+                        self._cond.notify_all()
+            if self._tick is not None:
+                try:
+                    self._tick()
+                except Exception as err:  # the writer thread must survive a failing manifest update
+                    log.warning("tracer: updating the manifest failed: %s", err)
 
     def _handle(self, item: StagedStep) -> None:
         item.wait()

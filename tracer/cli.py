@@ -12,6 +12,7 @@ import errno
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -247,10 +248,46 @@ def _cmd_view(args: argparse.Namespace) -> int:
            "--server.headless", "true", "--browser.gatherUsageStats", "false",
            "--", "--root", str(root.resolve())]
     print(f"tracer: serving {root} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
+    return _serve(cmd)
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` for the Streamlit child (Linux): the child gets SIGTERM when ``tracer view``
+    dies, even by SIGKILL, so no server is left holding the port. None where prctl is missing."""
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:
-        return 0
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def _serve(cmd: list[str], grace_s: float = 10.0) -> int:
+    """Run the Streamlit server ``cmd`` until it ends; SIGTERM, SIGINT or SIGHUP sent to ``tracer
+    view`` (``kill``, systemd, ``docker stop``, Ctrl+C) is passed on to the server, which is waited
+    for (killed after ``grace_s`` seconds), so the port is free when ``tracer view`` exits."""
+    proc = subprocess.Popen(cmd, preexec_fn=_parent_death_signal() if sys.platform.startswith("linux") else None)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+
+    handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=grace_s if received else None)
+                break
+            except subprocess.TimeoutExpired:  # the server ignored the signal: end it
+                proc.kill()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0 if received else code
 
 
 def _tolerances(values: list[str], flag: str) -> dict[str, float]:
@@ -320,6 +357,11 @@ COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cm
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = _parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 file name prints escaped, not as a traceback
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
     try:
         return COMMANDS[args.command](args)
     except TraceError as err:

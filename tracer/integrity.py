@@ -17,6 +17,7 @@ whose message names the file and says why.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -26,11 +27,18 @@ import torch
 from safetensors import safe_open
 
 from tracer.errors import SchemaError, TraceFormatError
+from tracer.text import clean_text, may_hold_surrogates
 from tracer.schema import ALGORITHMS, BOOL, FIELDS, FLOAT, INT64, check_tensors
 
 MAX_HEADER_BYTES = 16 * 2**20  # a step file's JSON header (tensor table + metadata); real ones are a few KB
 MAX_MANIFEST_BYTES = 16 * 2**20
-MAX_TOKENS_BYTES = 256 * 2**20  # token strings of a 250k vocabulary take a few MB
+MAX_TOKENS_BYTES = 64 * 2**20  # token strings of a 256k vocabulary take 2 to 4 MB
+# What a header may make a reader allocate or loop over: the elements of all its tensors, a dim of
+# length 0 counted as 1 (a [1e8, 0] tensor holds no bytes but a loop over its rows runs 1e8 times).
+# Real tensors hold >= 1 byte per element, so only zero-byte tensors can exceed the file's size.
+EMPTY_ELEMENT_BUDGET = 2**20
+MAX_TOKEN_ENTRIES = 2**21  # 8 x the largest vocabularies in use (256k)
+MAX_JSON_VALUES = 2**20  # values (and keys) a manifest may hold; real ones hold a few hundred
 
 # safetensors dtype names -> torch dtypes that canonical fields of each kind may have on disk.
 _INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
@@ -59,8 +67,9 @@ def _regular_size(path: Path, what: str) -> int:
     return st.st_size
 
 
-def check_step_file_bounds(path: Path) -> None:
-    """Refuse a step file whose 8-byte header length does not fit the file or the cap.
+def check_step_file_bounds(path: Path) -> int:
+    """Refuse a step file whose 8-byte header length does not fit the file or the cap; returns
+    the file's size in bytes.
 
     Raises:
         TraceFormatError: not a regular file, shorter than 8 bytes, or a header length larger
@@ -81,20 +90,50 @@ def check_step_file_bounds(path: Path) -> None:
     if header_len > MAX_HEADER_BYTES:
         raise TraceFormatError(f"{path}: a header of {header_len} bytes exceeds the {MAX_HEADER_BYTES} bytes "
                                "any step file needs; refusing to parse it")
+    return size
+
+
+def check_element_budget(path: Path, handle: Any, size: int) -> None:
+    """Refuse a header whose shapes would cost far more than the file holds.
+
+    Every tensor counts ``prod(max(d, 1) for d in shape)`` elements (what a loop over its dims
+    visits); the sum over the file must stay <= ``size + EMPTY_ELEMENT_BUDGET``. A real tensor holds
+    at least one byte per element, so only zero-byte tensors with huge dims (``[1e8, 0]``) exceed
+    it: those would make tables, checks and views loop or allocate gigabytes for a tiny file.
+
+    Raises:
+        TraceFormatError: naming the file, the field, its shape and the limit.
+    """
+    limit, total = size + EMPTY_ELEMENT_BUDGET, 0
+    for name in handle.keys():
+        shape = list(handle.get_slice(name).get_shape())
+        total += math.prod(max(int(d), 1) for d in shape)
+        if total > limit:
+            raise TraceFormatError(
+                f"{path}: field {name!r} has shape {shape}: the header's shapes span {total} elements, over "
+                f"the limit of {limit} for a file of {size} bytes (its size + {EMPTY_ELEMENT_BUDGET} for "
+                "empty tensors); refusing a header that would cost far more to read than the file holds")
 
 
 def open_step_file(path: Path):
-    """``safe_open`` a step file after :func:`check_step_file_bounds` (use as a context manager).
+    """``safe_open`` a step file after :func:`check_step_file_bounds`, then
+    :func:`check_element_budget` (use as a context manager).
 
     Raises:
-        TraceFormatError: the bounds check fails or safetensors refuses the header (the message
-            carries its reason).
+        TraceFormatError: the bounds check or the element budget fails, or safetensors refuses the
+            header (the message carries its reason).
     """
-    check_step_file_bounds(path)
+    size = check_step_file_bounds(path)
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
+        handle = safe_open(str(path), framework="pt", device="cpu")
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
+    try:
+        check_element_budget(path, handle, size)
+    except BaseException:
+        handle.__exit__(None, None, None)
+        raise
+    return handle
 
 
 def check_step_header(path: Path, handle: Any, algorithm: str | None) -> None:
@@ -162,19 +201,33 @@ def _check_schema(meta_tensors: dict[str, torch.Tensor], algorithm: str | None) 
         raise
 
 
-def read_json(path: Path, what: str, max_bytes: int) -> Any:
-    """Parse a JSON file of at most ``max_bytes``.
+def read_json(path: Path, what: str, max_bytes: int, max_values: int = MAX_JSON_VALUES,
+              field: str | None = None) -> Any:
+    """Parse a JSON file of at most ``max_bytes`` and at most ``max_values`` values, with every
+    string made printable (:func:`tracer.text.clean_text`: lone surrogates become U+FFFD).
+
+    The value count is bounded before parsing (commas, ``[`` and ``{`` bound the number of values
+    and keys from above), so the parse costs memory proportional to the file, whatever it holds.
+    ``field`` names the part of the file the values make up in the error (``tokens``).
 
     Raises:
-        TraceFormatError: not a regular file, too large, not UTF-8, not JSON, or nested too deep.
+        TraceFormatError: not a regular file, too large, too many values, not UTF-8, not JSON, or
+            nested too deep.
     """
     size = _regular_size(path, what)
     if size > max_bytes:
         raise TraceFormatError(f"{path}: the {what} is {size} bytes, over the {max_bytes}-byte cap; "
                                "refusing to parse it")
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.loads(fh.read(max_bytes + 1))
+        with open(path, "rb") as fh:
+            raw = fh.read(max_bytes + 1)
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1  # >= the number of values and keys
+        if values > max_values:
+            where = f"field {field!r}" if field else "the file"
+            raise TraceFormatError(f"{path}: {where} of the {what} holds up to {values} values, over the limit "
+                                   f"of {max_values}; refusing to parse it")
+        parsed = json.loads(raw.decode("utf-8"))
+        return clean_text(parsed) if may_hold_surrogates(raw) else parsed
     except (OSError, ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         reason = "nested too deep" if isinstance(err, RecursionError) else f"{type(err).__name__}: {err}"
         raise TraceFormatError(f"{path}: could not read the {what} ({reason})") from err

@@ -17,8 +17,8 @@ import pandas as pd
 import torch
 from tracer import tables
 from tracer.errors import TraceFormatError
-from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKENS_BYTES, check_mask_values, check_step_header,
-                              clean_manifest, clean_tokens, open_step_file, read_json)
+from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
+                              check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
@@ -115,8 +115,13 @@ class Trace:
 
     def steps(self) -> list[StepKey]:
         """Every step file, sorted by (step, inner_step, micro_batch, rank). Reads no tensor data."""
+        return self._keys(self._step_paths())
+
+    def _keys(self, paths: list[Path]) -> list[StepKey]:
+        """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
+        meanwhile is either in both or in neither)."""
         keys = []
-        for p in self._step_paths():
+        for p in paths:
             m = _STEP_RE.match(p.name)
             if m:
                 keys.append(StepKey(*(int(g) for g in m.groups()), path=p))
@@ -138,8 +143,9 @@ class Trace:
             problems[self.root / MANIFEST_NAME] = "; ".join(self.manifest_notes)
         if self.tokens_problem is not None:
             problems[self.root / TOKENS_NAME] = self.tokens_problem
-        named = {k.path for k in self.steps()}
-        for path in self._step_paths():
+        paths = self._step_paths()
+        named = {k.path for k in self._keys(paths)}
+        for path in paths:
             try:
                 with self._open(path) as fh:
                     meta = decode_metadata(fh.metadata())
@@ -196,7 +202,8 @@ class Trace:
         if self._single or not path.exists():
             return None, None
         try:
-            return clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES), path), None
+            return clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES, MAX_TOKEN_ENTRIES, "tokens"),
+                                path), None
         except TraceFormatError as err:
             return None, f"{err}; token ids are shown as <id N>"
 

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import SchemaError
+from tracer.text import clean_text, may_hold_surrogates
 
 SCHEMA_VERSION = "1"
 ALGORITHMS = ("ppo", "grpo", "cispo", "rloo", "dpo")
@@ -190,7 +191,8 @@ def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
 
 def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
     """Decode a safetensors header's metadata; known keys get their schema type, unknown keys are
-    JSON-decoded when they parse and kept as strings otherwise (nothing is dropped)."""
+    JSON-decoded when they parse and kept as strings otherwise (nothing is dropped); lone
+    surrogates in decoded strings become U+FFFD (:mod:`tracer.text`)."""
     out: dict[str, Any] = {}
     for key, text in (raw or {}).items():
         kind = METADATA_KEYS.get(key, (None, ""))[0]
@@ -211,7 +213,7 @@ def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:
             except OverflowError:  # an integer too large for a float: keep the text
                 value = text
         out[key] = value
-    return out
+    return clean_text(out) if any(may_hold_surrogates(t) for t in (raw or {}).values() if isinstance(t, str)) else out
 
 
 def required_fields(algorithm: str) -> list[str]:

@@ -44,8 +44,6 @@ from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_meta
 log = logging.getLogger(__name__)
 
 
-
-
 def _distributed_rank() -> tuple[int, int]:
     """(rank, world_size) from torch.distributed, else from torchrun's RANK / WORLD_SIZE variables
     (a writer created before ``init_process_group`` still knows its rank), else (0, 1)."""
@@ -61,6 +59,7 @@ def _distributed_rank() -> tuple[int, int]:
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
                          "source_dtype", "content_sha256", "nonfinite_fields", "anomaly"})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
+MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 
 
 def _coordinate(name: str, value: Any) -> int:
@@ -92,13 +91,22 @@ class TraceWriter:
         hyperparameters: step metadata written into every step file (``num_generations``, ``beta``,
             ``clip_epsilon_low``... SPEC section 4 keys).
         strict: when True, a failed write raises TraceError (from the next ``record``, ``flush`` or
-            ``close`` when writing in the background); otherwise the step is dropped, counted in the
-            manifest, a warning is issued, and training goes on.
+            ``close`` when writing in the background: the first pending failure, with the count of
+            all failures since the last one raised); otherwise a warning is issued and training goes
+            on. Either way every failed write is counted in the manifest's ``dropped_steps``.
         keep_source_dtype: store floats in their source dtype instead of float32.
         sampling: which steps and sequences to write (:class:`tracer.capture.SamplingPolicy`).
         async_write: write on a background thread (default); False writes inside ``record``.
         max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
-        when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count).
+        when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
+            count is kept in memory and written to the manifest by the writer thread, so ``record``
+            never waits on the disk).
+
+    The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
+    by the writer thread at most every :data:`MANIFEST_INTERVAL_S` seconds, by ``flush()``, and at
+    ``close()``. A writer belongs to the process that created it: a child made by ``fork()`` that
+    calls ``record``, ``flush`` or ``count_drop`` on an inherited writer gets a TraceError at once
+    (the writer thread and the file lock stayed in the parent); create a new writer in the child.
 
     Raises:
         TraceError: unknown algorithm, or ``out_dir`` already holds a trace.
@@ -135,8 +143,12 @@ class TraceWriter:
         self.dropped_steps = 0
         self.skipped_steps = 0  # not selected by the sampling policy (not an error)
         self.drop_reasons: list[str] = []
-        self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure
-        self._lock = threading.Lock()
+        self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure not yet raised
+        self._failures_pending = 0  # strict mode: failures since the last one raised
+        self._lock = threading.Lock()  # counts; held briefly, never during I/O
+        self._manifest_lock = threading.Lock()  # one manifest write at a time (writer thread, flush, close)
+        self._dirty = False  # counts changed since the manifest was last written
+        self._manifest_written_at = 0.0
         self._closed = False
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         # a non-JSON hyperparameter raises SchemaError now, naming it
@@ -171,12 +183,18 @@ class TraceWriter:
                         raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
                     warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
                                   "will show without text. Training continues.", RuntimeWarning, stacklevel=2)
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except OSError as err:
+            if strict:
+                unlock_rank(self._lock_fd)
+                raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
+            log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
         self._pool = PinnedPool()
         self._background = BackgroundWriter(
             self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
             max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
-            self._pool) if async_write else None
+            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S) if async_write else None
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
@@ -208,8 +226,10 @@ class TraceWriter:
         Raises:
             SchemaError: a tensor disagrees with the schema, or metadata is not JSON (the caller's
                 mistake: raised whatever ``strict`` says).
-            TraceError: the writer is closed; in strict mode, an earlier write failed.
+            TraceError: the writer is closed or was inherited through fork(); in strict mode, an
+                earlier write failed.
         """
+        self._check_process()
         self._raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
@@ -260,6 +280,7 @@ class TraceWriter:
                 self._raise_pending()
                 return None
             self._write_staged(item, None)
+            self._update_manifest()  # writing synchronously: this thread is the writer thread
             self._raise_pending()
             return path if path.exists() else None
         if not sampled:
@@ -268,9 +289,12 @@ class TraceWriter:
 
     def flush(self) -> None:
         """Wait until every recorded step is on disk (or dropped). Raises TraceError in strict mode
-        when a write failed."""
+        when a write failed, or when the writer was inherited through fork(). The manifest's live
+        counts are brought up to date."""
+        self._check_process()
         if self._background is not None:
             self._background.flush()
+        self._update_manifest(force=True)
         self._raise_pending()
 
     def close(self) -> None:
@@ -283,14 +307,20 @@ class TraceWriter:
             return
         if self._background is not None:
             self._background.stop()
-        self._manifest["status"] = "finished"
-        self._write_manifest()
+        with self._lock:
+            self._manifest["status"] = "finished"
+        try:
+            self._write_manifest()
+        except OSError as err:
+            self._manifest_failed(err)
         unlock_rank(self._lock_fd, self.root, self.rank)
         self._lock_fd = None
         self._raise_pending()
 
     def count_drop(self, reason: str) -> None:
-        """Count a step lost outside the writer (e.g. an integration failed to capture it)."""
+        """Count a step lost outside the writer (e.g. an integration failed to capture it). Raises
+        TraceError in a process that inherited the writer through fork()."""
+        self._check_process()
         self._count_drop(reason, warn=False)
 
     def annotate_manifest(self, key: str, value: Any) -> None:
@@ -331,10 +361,23 @@ class TraceWriter:
             "source_dtype": ",".join(source_dtypes),
         }
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise TraceError(
+                f"tracer: this TraceWriter for {self.root} was created by process {self._pid} and inherited "
+                f"through fork() by process {os.getpid()}, which cannot use it (its writer thread and file "
+                "lock stayed in the parent, so records here would be lost or wait forever); create a new "
+                "TraceWriter in the child (its own out_dir, or its own rank) or record only in the parent")
+
     def _raise_pending(self) -> None:
-        if self._error is not None and self.strict:
+        if self._error is None or not self.strict:
+            return
+        with self._lock:
             (reason, err), self._error = self._error, None
-            raise TraceError(f"tracer: writing {self.root} failed: {reason}") from err
+            count, self._failures_pending = self._failures_pending, 0
+        more = (f" ({count} writes failed since the last error raised; all are counted in the manifest's "
+                "dropped_steps)") if count > 1 else ""
+        raise TraceError(f"tracer: writing {self.root} failed: {reason}{more}") from err
 
     # -- private: writer thread ---------------------------------------------------------------
 
@@ -361,19 +404,33 @@ class TraceWriter:
             self.steps_written += 1
             if not item.sampled:
                 self.skipped_steps -= 1
+            self._dirty = True
 
     def _fail(self, reason: str, err: Exception) -> None:
+        """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""
         if self.strict:
-            self._error = self._error or (reason, err)
+            with self._lock:
+                self._error = self._error or (reason, err)
+                self._failures_pending += 1
+        self._count_drop(reason, warn=not self.strict)
+
+    def _manifest_failed(self, err: OSError) -> None:
+        """The manifest could not be rewritten: strict mode raises it from the next call."""
+        if not self.strict:
+            log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
             return
-        self._count_drop(reason)
+        with self._lock:
+            self._error = self._error or (f"{MANIFEST_NAME}: {type(err).__name__}: {err}", err)
+            self._failures_pending += 1
 
     def _count_drop(self, reason: str, warn: bool = True) -> None:
+        """Count a dropped step in memory (any thread; no I/O: the writer thread writes the count)."""
         with self._lock:
             self.dropped_steps += 1
             if len(self.drop_reasons) < 20:
                 self.drop_reasons.append(reason)
             dropped = self.dropped_steps
+            self._dirty = True
         if warn:
             warnings.warn(
                 f"tracer: dropped a step ({dropped} so far): {reason}. "
@@ -381,28 +438,34 @@ class TraceWriter:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _update_manifest(self, force: bool = False) -> None:
+        """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
+        unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
+        to raise from the next call), never raised here."""
+        if not self._dirty or (not force and time.monotonic() - self._manifest_written_at < MANIFEST_INTERVAL_S):
+            return
         try:
             self._write_manifest()
-        except OSError:
-            pass
+        except OSError as err:
+            self._manifest_failed(err)
 
     def _write_manifest(self) -> None:
+        """Write the manifest with the current counts (rank 0 only). Raises OSError."""
         if self.rank != 0:
             return
-        with self._lock:
-            self._manifest.update(steps_written=self.steps_written, dropped_steps=self.dropped_steps,
-                                  skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons))
+        with self._manifest_lock:
+            with self._lock:
+                self._manifest.update(steps_written=self.steps_written, dropped_steps=self.dropped_steps,
+                                      skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons))
+                payload, self._dirty = dict(self._manifest), False
             try:
-                write_json_atomic(self.root / MANIFEST_NAME, self._manifest)
-            except OSError as err:
-                if self.strict:
-                    raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
-                log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
-
-
-
-
-
+                write_json_atomic(self.root / MANIFEST_NAME, payload)
+            except OSError:
+                self._dirty = True
+                raise
+            finally:
+                self._manifest_written_at = time.monotonic()
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()

@@ -8,6 +8,7 @@ from app.components.groups import group_label, group_rewards_figure, style_group
 from app.components.sidebar import current_selection
 from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
+from tracer.views.common import EMPTY_STEP
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -39,26 +40,33 @@ if zero:
     st.warning(f"{zero} of {len(groups)} groups have zero reward variance: every completion got the same "
                "reward, every advantage is 0, and the group adds no policy gradient.", icon=":material/warning:")
 
-labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
-group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
-completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
-st.header(f"Group {group}: {len(completions)} completions")
-prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)
-if prompt:
-    st.subheader("Prompt")
-    st.code(prompt, language=None, wrap_lines=True)
-if bool(completions["zero_variance"].iloc[0]):
-    st.warning("Zero-variance group: all rewards are equal, so every advantage is 0.", icon=":material/block:")
-st.dataframe(style_group_table(completions), hide_index=True, width="stretch", column_config={
-    "completion_text": st.column_config.TextColumn("completion", help="token strings shown literally; padding "
-                                                   "and positions after EOS left out", width="large"),
-    "advantage": st.column_config.NumberColumn("advantage", help="as recorded by the trainer")})
-st.plotly_chart(group_rewards_figure(completions), width="stretch")
-st.caption("Bars: reward of each completion; dashed line: group mean, band: ± one group std; diamonds: "
-           "recorded advantage (right axis). Pick a row in the sidebar's Sequence to read its tokens.")
 
-with st.expander(f"All {len(groups)} groups of this step file"):
-    st.dataframe(style_group_table(groups), hide_index=True, width="stretch")
+def _show_group(groups) -> None:
+    labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
+    group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
+    completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
+    st.header(f"Group {group}: {len(completions)} completions")
+    prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)
+    if prompt:
+        st.subheader("Prompt")
+        st.code(prompt, language=None, wrap_lines=True)
+    if bool(completions["zero_variance"].iloc[0]):
+        st.warning("Zero-variance group: all rewards are equal, so every advantage is 0.", icon=":material/block:")
+    st.dataframe(style_group_table(completions), hide_index=True, width="stretch", column_config={
+        "completion_text": st.column_config.TextColumn("completion", help="token strings shown literally; "
+                                                       "padding and positions after EOS left out", width="large"),
+        "advantage": st.column_config.NumberColumn("advantage", help="as recorded by the trainer")})
+    st.plotly_chart(group_rewards_figure(completions), width="stretch")
+    st.caption("Bars: reward of each completion; dashed line: group mean, band: ± one group std; diamonds: "
+               "recorded advantage (right axis). Pick a row in the sidebar's Sequence to read its tokens.")
+    with st.expander(f"All {len(groups)} groups of this step file"):
+        st.dataframe(style_group_table(groups), hide_index=True, width="stretch")
+
+
+if groups.empty:
+    st.info(f"{EMPTY_STEP} It has no groups.")
+else:
+    _show_group(groups)
 
 st.header("Share of zero-variance groups over steps")
 shares = trace_cache.zero_variance_shares(trace_path, trace_cache.step_files(trace))

@@ -7,6 +7,7 @@ import streamlit as st
 from app.components import token_jump, trace_cache
 from app.components.figures import token_values_figure
 from app.components.sidebar import current_selection
+from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
     highlighted_rows, legend_frame, reason_counts, section_text, style_token_table, token_display_frame)
 
@@ -16,7 +17,10 @@ if selection.key is None:
     st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
     st.stop()
 if selection.sequence is None:
-    st.info("This step file has no per-sequence field (no completion_ids, prompt_ids or rewards) to show.")
+    fields = trace_cache.step_fields(str(selection.trace_path), str(selection.key.path),
+                                     trace_cache.mtime_ns(selection.key.path))
+    st.info(EMPTY_STEP if is_empty_step(fields) else
+            "This step file has no per-sequence field (no completion_ids, prompt_ids or rewards) to show.")
     st.stop()
 
 key = selection.key

@@ -29,28 +29,39 @@ class OutsideRootError(TraceError):
     """A path that resolves outside the directory the app may read."""
 
 
+class BadRequestError(TraceError):
+    """A requested path that is no path at all (a null byte, an unknown ``~user``, an OS refusal)."""
+
+
 def inside(path: str | os.PathLike, base: str | os.PathLike) -> bool:
     """True when ``path`` resolves (symlinks and ``..`` followed) to ``base`` or below it."""
     try:
         return Path(path).resolve().is_relative_to(Path(base).resolve())
-    except (OSError, RuntimeError):  # a symlink loop
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long, a null byte
         return False
 
 
 def resolve_request(root: Path, requested: str) -> Path:
     """The path a user asked for (``?run=`` in the URL), relative to ``root`` or absolute, resolved.
+    ``~`` is not expanded: a URL names a run under the root, not in someone's home directory.
 
     Raises:
+        BadRequestError: it holds a null byte (no path can), or the OS refuses to resolve it.
         OutsideRootError: it resolves outside ``root`` (``..``, a symlink, another absolute path).
     """
-    candidate = Path(requested).expanduser()
+    if "\0" in requested:
+        raise BadRequestError(f"refused to open {requested!r}: a path cannot hold a null byte")
+    candidate = Path(requested)
     candidate = candidate if candidate.is_absolute() else root / candidate
     if not inside(candidate, root):
         raise OutsideRootError(
             f"refused to open {requested!r}: it resolves to {_resolved(candidate)}, outside the root "
             f"{_resolved(root)} that the app was started with. The app opens only traces under its "
             "root; start it with another --root to browse elsewhere.")
-    return candidate.resolve()
+    try:
+        return candidate.resolve()
+    except (OSError, RuntimeError, ValueError) as err:
+        raise BadRequestError(f"refused to open {requested!r}: {type(err).__name__}: {err}") from err
 
 
 def _resolved(path: Path) -> str:

@@ -241,10 +241,14 @@ def _apply_url_run(root: Path, traces: list[Path]) -> None:
                  "with.", icon=":material/block:")
         st.text(str(err))
         return
-    match = next((t for t in traces if t.resolve() == path), None)
+    except TraceError as err:  # a null byte, an unknown ~user...: no path, so no trace under the root
+        path, why = None, str(err)
+    else:
+        why = f"{RUN_PARAM}={requested!r}"
+    match = next((t for t in traces if t.resolve() == path), None) if path is not None else None
     if match is None:
         st.error("The run named in the URL is not a trace under the root.", icon=":material/block:")
-        st.text(f"{RUN_PARAM}={requested!r}")
+        st.text(printable(why))
         return
     if st.session_state.get(_URL_APPLIED) != requested:
         st.session_state[_URL_APPLIED] = requested

@@ -34,3 +34,13 @@ def batch_size(trace: Trace, key: StepKey) -> int:
     fields = trace.fields(key)
     sizes = [fields[name][0][0] for name in _B_FIELDS if name in fields and fields[name][0]]
     return sizes[0] if sizes else 0
+
+
+EMPTY_STEP = "Empty step: this step file holds no sequences (B = 0)."
+
+
+def is_empty_step(fields: dict[str, tuple[list[int], str]]) -> bool:
+    """True when a step file's fields (``Trace.fields``: ``{name: (shape, dtype)}``) have a B
+    field of length 0: nothing to tabulate, shown as :data:`EMPTY_STEP` rather than as a
+    missing field."""
+    return any(fields[name][0][:1] == [0] for name in _B_FIELDS if name in fields)

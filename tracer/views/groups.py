@@ -88,8 +88,8 @@ def group_completions(trace: Trace, key: StepKey, group: int) -> pd.DataFrame:
 
     Columns: ``sequence`` (row in the file), ``completion_text`` (token strings concatenated,
     padding and positions after EOS left out; literal text, never markup), ``kept_tokens``,
-    ``reward``, one column per reward component (names from ``reward_component_names``, else
-    ``component_<f>``), ``advantage`` (as recorded), ``group_mean``, ``group_std``,
+    ``reward``, one column per reward component (:func:`component_columns`: names from
+    ``reward_component_names``, else ``component_<f>``; a name that collides is prefixed), ``advantage`` (as recorded), ``group_mean``, ``group_std``,
     ``zero_variance``. Raises KeyError for a group the file does not hold.
     """
     data, meta = _load_group_step(trace, key)
@@ -98,10 +98,7 @@ def group_completions(trace: Trace, key: StepKey, group: int) -> pd.DataFrame:
         raise KeyError(f"{key.path}: no group {group}; groups here: {sorted(stats)}")
     s = stats[group]
     components = data.get("reward_components")
-    raw_names = meta.get("reward_component_names")
-    names = [str(n) for n in raw_names] if isinstance(raw_names, list) else []
-    if components is not None and len(names) != components.shape[1]:
-        names = [f"component_{f}" for f in range(components.shape[1])]
+    names = component_columns(meta.get("reward_component_names"), components.shape[1]) if components is not None else []
     records = []
     for b in s["sequences"]:
         row = trace.load_sequence(key, b)
@@ -116,6 +113,29 @@ def group_completions(trace: Trace, key: StepKey, group: int) -> pd.DataFrame:
         rec.update(group_mean=s["reward_mean"], group_std=s["reward_std"], zero_variance=s["zero_variance"])
         records.append(rec)
     return pd.DataFrame.from_records(records)
+
+
+# The columns group_completions sets itself: a reward component may not take one of these names.
+COMPLETION_COLUMNS = ("sequence", "completion_text", "kept_tokens", "reward", "advantage", "group_mean",
+                      "group_std", "zero_variance")
+COMPONENT_PREFIX = "component: "
+
+
+def component_columns(raw_names: Any, count: int) -> list[str]:
+    """Column names of ``count`` reward components: ``reward_component_names`` when it is a list of
+    that length, else ``component_<f>``. A name that collides with a column of the view
+    (:data:`COMPLETION_COLUMNS`: ``reward_component_names = ["reward"]`` would overwrite the recorded
+    reward) or with an earlier component is shown under :data:`COMPONENT_PREFIX` (``component:
+    reward``), with the component's index added if that is taken too."""
+    names = [str(n) for n in raw_names] if isinstance(raw_names, list) and len(raw_names) == count else \
+        [f"component_{f}" for f in range(count)]
+    taken, out = set(COMPLETION_COLUMNS), []
+    for f, name in enumerate(names):
+        column = name if name not in taken else f"{COMPONENT_PREFIX}{name}"
+        column = column if column not in taken else f"{COMPONENT_PREFIX}{f} {name}"
+        taken.add(column)
+        out.append(column)
+    return out
 
 
 def group_prompt_text(trace: Trace, key: StepKey, sequence: int) -> str:
@@ -134,8 +154,8 @@ def zero_variance_shares(trace: Trace) -> pd.DataFrame:
 
     Micro-batch files of one (step, inner_step, rank) are pooled by ``group_ids`` (a group split
     across micro-batches counts once); without ``group_ids`` each file's G consecutive rows form
-    its groups. Counts are summed over ranks. Files without rewards are skipped. Reads ``[B]``
-    fields only.
+    its groups. Counts are summed over ranks. Files without rewards are skipped; a step whose files
+    hold no rows (B = 0) has 0 groups and a NaN share. Reads ``[B]`` fields only.
     """
     pooled: dict[tuple[int, int], dict[Any, list[torch.Tensor]]] = {}
     for n, key in enumerate(trace.steps()):
@@ -150,7 +170,8 @@ def zero_variance_shares(trace: Trace) -> pd.DataFrame:
     records = []
     for (step, inner_step), groups in sorted(pooled.items()):
         zero = sum(bool((r := torch.cat(parts)).eq(r[0]).all()) for parts in groups.values())
+        share = zero / len(groups) if groups else math.nan  # an empty step (B = 0) has no groups
         records.append({"step": step, "inner_step": inner_step, "groups": len(groups),
-                        "zero_variance_groups": zero, "zero_variance_share": zero / len(groups)})
+                        "zero_variance_groups": zero, "zero_variance_share": share})
     return pd.DataFrame.from_records(records, columns=["step", "inner_step", "groups", "zero_variance_groups",
                                                        "zero_variance_share"])
