@@ -88,7 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="compare only these fields (comma-separated; repeatable)")
     diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
                       help="step metadata key whose differences are not findings; repeatable")
-    diff.add_argument("--max-locations", type=_positive_int, default=10, help="differing positions shown per field")
+    diff.add_argument("--verbose", "-v", action="store_true",
+                      help="every finding and each differing field's positions (default: the short report)")
+    diff.add_argument("--max-locations", type=_positive_int, default=10,
+                      help="differing positions shown per field with --verbose")
 
     run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
                          usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")
@@ -243,24 +246,13 @@ def _cmd_view(args: argparse.Namespace) -> int:
         return 0
 
 
-def _tolerances(values: list[str], flag: str) -> dict[str, float]:
-    out = {}
-    for text in values:
-        name, _, number = text.rpartition("=")
-        try:
-            out[name or "*"] = float(number)
-        except ValueError:
-            raise TraceError(f"{flag} {text!r}: expected FIELD=NUMBER or NUMBER, e.g. {flag} ratio=1e-4") from None
-    return out
-
-
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from tracer.diff import diff
+    from tracer.diff import diff, parse_tolerances
 
     fields = [f for group in args.fields for f in group.split(",") if f] or None
-    report = diff(args.a, args.b, atol=_tolerances(args.atol, "--atol"), rtol=_tolerances(args.rtol, "--rtol"),
-                  fields=fields, ignore_metadata=args.ignore_metadata)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations))
+    report = diff(args.a, args.b, atol=parse_tolerances(args.atol, "--atol"),
+                  rtol=parse_tolerances(args.rtol, "--rtol"), fields=fields, ignore_metadata=args.ignore_metadata)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations, args.verbose))
     return 0 if report.equal else 1
 
 

@@ -9,7 +9,7 @@ from app.components.diff_view import common_steps, side_by_side_frame, style_sid
 from app.components.safe_trace import OUTSIDE
 from app.components.sidebar import current_selection, discover_traces
 from tracer.diff import DiffInputError
-from tracer.diff_report import step_label
+from tracer.diff.report import step_label
 from tracer.errors import TraceError
 
 selection = current_selection()

@@ -10,7 +10,7 @@ import pandas as pd
 from pandas.io.formats.style import Styler
 
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS
-from tracer.diff_report import StepId
+from tracer.diff.report import StepId
 from tracer.reader import MASKED, TOKEN_VALUE_FIELDS, StepKey
 
 DIFF_STYLE = "background-color: #ffb3b3; color: #000000; font-weight: bold"

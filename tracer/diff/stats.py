@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from tracer.diff_report import FLOAT, MASK, FieldDiff, Location, StepId, Tolerance
+from tracer.diff.report import FLOAT, MASK, FieldDiff, Location, StepId, Tolerance
 
 # Defaults of torch.testing.assert_close, keyed by the safetensors dtype name.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
