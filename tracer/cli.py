@@ -1,6 +1,7 @@
 """Command line: ``python -m tracer {demo, info, view, diff, check, run}`` (also installed as ``tracer``).
 
-Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments); ``diff`` exits 1
+Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, a step file whose
+bytes disagree with its recorded checksum in ``diff`` and ``info --verify``); ``diff`` exits 1
 when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
 the script's own exit code, or 3 when the script succeeded but nothing was traced.
 """
@@ -52,9 +53,11 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
                           description="Summarise a trace: algorithm, steps, ranks, fields. "
-                                      "Exit code: 0 success, 2 unusable input.")
+                                      "Exit code: 0 success, 2 unusable input (with --verify: or a corrupt step file).")
     info.add_argument("path", help="trace directory or one step .safetensors file")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument("--verify", action="store_true",
+                      help="read every step file and check its bytes against its recorded checksum (exit 2 if corrupt)")
 
     view = sub.add_parser("view", help="open the web UI (Streamlit, bound to 127.0.0.1)")
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
@@ -110,10 +113,30 @@ STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or stil
                "finished": "finished", "unknown": "unknown (no readable manifest)"}
 
 
-def trace_info(path: str | Path) -> dict[str, Any]:
+def verify_trace(trace: Trace, keys: list) -> dict[str, Any]:
+    """``info --verify``: every step file's bytes against its recorded checksum
+    (``tracer.integrity.verify_step_file``). Returns ``{"verified": n, "no_checksum": [paths],
+    "corrupt": {path: reason}}``."""
+    from tracer.errors import ChecksumError
+    from tracer.integrity import verify_step_file
+
+    out: dict[str, Any] = {"verified": 0, "no_checksum": [], "corrupt": {}}
+    for key in keys:
+        try:
+            if verify_step_file(key.path) is None:
+                out["no_checksum"].append(str(key.path))
+            else:
+                out["verified"] += 1
+        except (ChecksumError, TraceError) as err:
+            out["corrupt"][str(key.path)] = str(err)
+    return out
+
+
+def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """The facts ``info`` prints, as a JSON-able dict. Every step file's header is read once
     (``Trace.scan``): ``unreadable`` maps each file that cannot be used to the reason, and the
-    step lists count only readable step files."""
+    step lists count only readable step files. With ``verify``, ``integrity`` holds
+    :func:`verify_trace` of the readable step files (reads every byte)."""
     trace = Trace(path)
     unreadable = {str(p): why for p, why in trace.scan().items()}
     keys = [k for k in trace.steps() if str(k.path) not in unreadable]
@@ -142,6 +165,7 @@ def trace_info(path: str | Path) -> dict[str, Any]:
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
         "first_step_metadata": metadata,
+        **({"integrity": verify_trace(trace, keys)} if verify else {}),
     }
 
 
@@ -172,6 +196,14 @@ def _print_info(info: dict[str, Any]) -> None:
     if info["first_step_metadata"]:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
         say(f"metadata: {meta}")
+    integrity = info.get("integrity")
+    if integrity is not None:
+        bad, unverifiable = integrity["corrupt"], integrity["no_checksum"]
+        style = "bold red" if bad else "bold green"
+        console.print(f"verify: {integrity['verified']} step files match their checksum, {len(bad)} corrupt, "
+                      f"{len(unverifiable)} without a checksum", style=style, markup=False)
+        for reason in bad.values():
+            say(f"  {reason}")
     if info["unreadable"]:
         console.print(f"problems ({len(info['unreadable'])} files; unreadable step files are left out above):",
                       style="bold red")
@@ -191,12 +223,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    info = trace_info(args.path)
+    info = trace_info(args.path, verify=args.verify)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
         _print_info(info)
-    return 0
+    return 2 if info.get("integrity", {}).get("corrupt") else 0
 
 
 def _require_app_dependencies() -> None:

@@ -4,7 +4,7 @@ Families, one module each: ``identity`` (first-step identity, old aliasing polic
 (logprob shift, completion start), ``masks`` (after EOS, padding, empty rows, DPO mask rule),
 ``kl`` (k3 sign, ref - policy gap, persistently negative k1), ``nonfinite`` (NaN/Inf by dependency
 order), ``advantages`` (group sum, zero-variance groups, z-score bound, masked positions, PPO reward
-placement), ``sampler`` (sampler vs trainer logprobs) and ``recompute`` (ratio, KL, advantages, clip
+placement), ``sampler`` (sampler vs trainer logprobs), ``integrity`` (bytes vs recorded checksum) and ``recompute`` (ratio, KL, advantages, clip
 fractions, DPO terms, per-token loss and the loss reduction).
 
 Public API::
@@ -18,7 +18,7 @@ Public API::
 from __future__ import annotations
 
 from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
-    advantages, alignment, fields, identity, kl, masks, nonfinite, recompute, reduction, sampler,
+    advantages, alignment, fields, identity, integrity, kl, masks, nonfinite, recompute, reduction, sampler,
 )
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
 from tracer.checks.finding import (

@@ -105,7 +105,8 @@ class Check:
 
 
 CHECKS: dict[str, Check] = {}
-FAMILIES = ("fields", "identity", "alignment", "masks", "kl", "nonfinite", "advantages", "sampler", "recompute")
+FAMILIES = ("fields", "identity", "alignment", "masks", "kl", "nonfinite", "advantages", "sampler", "recompute",
+            "integrity")
 ALL_ALGORITHMS = frozenset({"ppo", "grpo", "cispo", "rloo", "dpo", ""})
 RL_ALGORITHMS = frozenset({"ppo", "grpo", "cispo", "rloo", ""})  # "" = unknown algorithm
 

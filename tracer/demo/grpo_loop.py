@@ -47,6 +47,9 @@ class GRPOConfig:
     """Coefficient of ref_kl_k3 in the loss."""
     learning_rate: float = 1e-3
     """AdamW learning rate."""
+    scorer_clip: float = 3.0
+    """The scorer's reward is clipped to [-scorer_clip, scorer_clip] (the seed clips its reward model at 3;
+    the bundled diff pair changes it: ``tracer.demo.diff_pair``)."""
     seed: int = 0
     """Seeds prompts, sampling and the model build."""
 
@@ -78,7 +81,7 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
         policy = getattr(model, "module", model)  # sample with the bare model under DistributedDataParallel
         batch = ro.rollout(policy, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
         completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
-        components = ro.reward_components(batch.prompts, completions)  # (B, F)
+        components = ro.reward_components(batch.prompts, completions, cfg.scorer_clip)  # (B, F)
         rewards = components.sum(dim=1)  # (B,)
         advantages = formulas.group_advantages(rewards, cfg.num_generations)  # (B,)
         L = batch.prompt_ids.shape[1]
