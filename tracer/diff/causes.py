@@ -28,8 +28,10 @@ def round_up(x: float) -> float:
     """``x`` rounded up to two significant digits (a tolerance that passes where ``x`` does)."""
     if not x > 0 or not math.isfinite(x):
         return x
-    unit = 10.0 ** (math.floor(math.log10(x)) - 1)
-    return float(f"{math.ceil(x / unit - 1e-9) * unit:.2g}")
+    rounded = float(f"{x:.2g}")
+    if rounded < x:  # rounded down: one unit of the second digit more
+        rounded = float(f"{rounded + 10.0 ** (math.floor(math.log10(x)) - 1):.2g}")
+    return rounded
 
 
 def passes_with(f: FieldDiff) -> str:

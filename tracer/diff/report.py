@@ -247,7 +247,7 @@ class TokenAlignment:
         if not (self.differing_tokens or self.prompt_rows_differing):
             return f"{self.ids}: the same tokens at all {self.kept_both} kept positions"
         first = f" (first at {self.first.where()}: {self.first.values()})" if self.first else ""
-        prompts = (f"; {self.prompt_rows_differing} sequence pairs have different prompts"
+        prompts = (f"; {self.prompt_rows_differing} sequences (summed over step pairs) have another prompt"
                    if self.prompt_rows_differing else "")
         compared = self.kept_both - self.not_compared
         return (f"{self.ids}: different tokens at {self.differing_tokens} of {self.kept_both} positions both "
