@@ -147,3 +147,48 @@ def test_step_choice_changes_the_token_view(monkeypatch, root):
     assert not at.exception
     view = frame_with(at, {"token_text_a", "differs"}).value
     assert (view["differs"] == "").all()
+
+
+# -- the bundled pair ---------------------------------------------------------------------------------
+
+
+def test_the_page_opens_on_the_bundled_pair_and_takes_fields_and_tolerances(monkeypatch):
+    from toy_traces import SAMPLES
+
+    from tracer import Trace
+    from tracer.demo.diff_pair import BASELINE, VARIANT
+
+    a, b = Trace(SAMPLES / BASELINE), Trace(SAMPLES / VARIANT)
+    step0 = a.load_step(a.steps()[0])
+    seq = int((step0["reward_components"][:, 2] > 2).nonzero()[0])  # the first reward the new clip lowers
+    # independently: the largest reward change over all step pairs
+    max_reward_change = max(float((b.load_step(kb)["rewards"] - a.load_step(ka)["rewards"]).abs().max())
+                            for ka, kb in zip(a.steps(), b.steps()))
+
+    at = start(monkeypatch, SAMPLES)
+    at.switch_page("app_pages/diff.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.selectbox(key="diff_a").value, at.selectbox(key="diff_b").value) == (SAMPLES / BASELINE,
+                                                                                     SAMPLES / VARIANT)
+    assert at.error[0].value.startswith("different: ")
+    texts = [t.value for t in at.text]
+    assert any(t.startswith(f"first divergence: rewards at step 0, seq {seq} (") for t in texts), texts
+    assert any(t.startswith("follows from rewards: reward_components, advantages") for t in texts), texts
+    table = frame_with(at, {"field", "role", "passed"}).value
+    assert table.iloc[0]["field"] == "rewards" and table.iloc[0]["role"] == "cause"
+    assert set(table.loc[table["role"] == "follows", "field"]) >= {"advantages", "per_token_loss"}
+    # the token view opens on the cause's step and sequence
+    assert at.selectbox(key="diff_step").value == (0, 0, 0, 0) and at.selectbox(key="diff_sequence").value == seq
+
+    # only the rewards, within a tolerance of their largest change: equal; just under it: different
+    at.multiselect(key="diff_fields_pick").select("rewards").run()
+    at.text_input(key="diff_atol").input(f"rewards={max_reward_change}").run()
+    assert not at.exception and at.success[0].value.startswith("equal within tolerance")
+    assert frame_with(at, {"field", "role"}).value["field"].tolist() == ["rewards"]
+    command = next(c.value for c in at.code if "tracer diff" in c.value)
+    assert command.endswith(f"--fields rewards --atol rewards={max_reward_change}")
+    at.text_input(key="diff_atol").input(f"rewards={max_reward_change * 0.99}").run()
+    assert at.error[0].value.startswith("different: 1 finding")
+    at.text_input(key="diff_atol").input("rewards=loose").run()
+    assert at.error[0].value == "A tolerance cannot be read; nothing was diffed."
+    assert any("atol 'rewards=loose': expected FIELD=NUMBER or NUMBER" in t.value for t in at.text)

@@ -12,7 +12,8 @@ of the completions the scorer rated above 2 (and their components); everything d
 from them: those groups' advantages, the per-token loss, and from step 0's first update on, the
 weights, so the policy logprobs of the next pass and the later steps' completions.
 ``tracer diff sample_traces/grpo-diff-baseline sample_traces/grpo-diff-scorer-clip`` names
-``rewards`` as the cause.
+``rewards`` as the cause. The variant's manifest config names its baseline (``diff_baseline``, a
+path relative to the trace) and the change (``diff_change``): the app's Diff page opens on such a pair.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ def write_pair(root: str | Path, steps: int = 3, seed: int = 0, progress: bool =
 
     root = Path(root)
     out = []
-    for name, change in ((BASELINE, {}), (VARIANT, CHANGE)):
+    declared = {"diff_baseline": f"../{BASELINE}", "diff_change": "scorer_clip 3.0 -> 2.0 (the reward function)"}
+    for name, change, config in ((BASELINE, {}, {}), (VARIANT, CHANGE, declared)):
         refuse_existing_trace(root / name)
         model_dir = build_tiny_model(root / name / "model", seed=seed)
         cfg = grpo_loop.GRPOConfig(steps=steps, seed=seed, **change)
-        out.append(grpo_loop.run(root / name, cfg, model_dir))
+        out.append(grpo_loop.run(root / name, cfg, model_dir, config=config))
     return out[0], out[1]
 
 

@@ -122,8 +122,9 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
     }
 
 
-def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None) -> Path:
-    """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``."""
+def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None, config: dict | None = None) -> Path:
+    """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``; ``config``
+    adds keys to the manifest's run config (e.g. ``diff_baseline``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(cfg.seed)
@@ -131,7 +132,7 @@ def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     with Tracer(out_dir, algorithm=cfg.loss_type, tokenizer=tokenizer,
-                config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop"},
+                config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop", **(config or {})},
                 hyperparameters=hyperparameters(cfg)) as tr:
         train(model, ref_model, tokenizer, cfg, tr, progress)
     return Path(out_dir)

@@ -381,16 +381,20 @@ class DiffReport:
         return self.format()
 
     def field_table(self) -> "pd.DataFrame":
-        """One row per compared field, failing first (a summary table for the app): ``field, kind,
-        passed, dtype_a, dtype_b, atol, rtol, mask, compared, differing, share, max_abs_diff``
-        (= the smallest passing atol), ``min_rtol, mean_diff, drift, shift, first`` (where)."""
+        """One row per compared field, the cause first, then what follows from it (data-flow
+        order), then the passing fields (a summary table for the app): ``field, role`` (``cause``,
+        ``follows`` or ``""``), ``kind, passed, dtype_a, dtype_b, atol, rtol, mask, compared,
+        differing, share, max_abs_diff`` (= the smallest passing atol), ``min_rtol, mean_diff,
+        drift, shift, first`` (where)."""
         import pandas as pd
 
-        columns = ["field", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
+        columns = ["field", "role", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
                    "differing", "share", "max_abs_diff", "min_rtol", "mean_diff", "drift", "shift", "first"]
-        failing = self.differing_fields
+        cause = self.cause
+        failing = ([cause] if cause else []) + self.downstream
         ordered = failing + [f for f in self.fields.values() if f.passed]
-        rows = [[f.name, f.kind, f.passed, f.dtype_a, f.dtype_b, f.tolerance.atol if f.tolerance else 0.0,
+        rows = [[f.name, "cause" if f is cause else ("follows" if not f.passed else ""), f.kind, f.passed,
+                 f.dtype_a, f.dtype_b, f.tolerance.atol if f.tolerance else 0.0,
                  f.tolerance.rtol if f.tolerance else 0.0, f.mask, f.compared, f.differing, f.share,
                  f.max_abs_diff, f.min_rtol, f.mean_diff, f.drift, f.shift, f.first.where() if f.first else None]
                 for f in ordered]
