@@ -192,3 +192,24 @@ def test_the_page_opens_on_the_bundled_pair_and_takes_fields_and_tolerances(monk
     at.text_input(key="diff_atol").input("rewards=loose").run()
     assert at.error[0].value == "A tolerance cannot be read; nothing was diffed."
     assert any("atol 'rewards=loose': expected FIELD=NUMBER or NUMBER" in t.value for t in at.text)
+
+
+def test_default_pair_prefers_a_declared_baseline_then_a_comparable_pair(tmp_path):
+    from app.components.diff_view import cli_command, declared_baseline, default_pair, split_tolerances
+
+    t = [tmp_path / n for n in ("a_dpo", "b_dpo", "c_base", "d_variant", "e_other")]
+    manifest = {"config": {"diff_baseline": "../c_base"}}
+    assert declared_baseline(t[3], manifest, t) == t[2]
+    assert declared_baseline(t[3], {"config": {"diff_baseline": "../nowhere"}}, t) is None
+    assert declared_baseline(t[3], {"config": "not a dict"}, t) is None
+    assert declared_baseline(t[3], {"config": {"diff_baseline": "."}}, t) is None  # itself
+    baselines = {t[3]: t[2]}
+    same_algo = lambda x, y: {x.name[2:], y.name[2:]} <= {"dpo"} or {x.name, y.name} <= {"c_base", "e_other"}  # noqa: E731
+    assert default_pair(t, t[0], baselines, same_algo) == (2, 3)  # the declared pair, wherever the selection is
+    assert default_pair(t, t[3], baselines, same_algo) == (2, 3)
+    assert default_pair(t, t[4], {}, same_algo) == (4, 2)  # the selection and a trace it can be compared with
+    assert default_pair(t, t[3], {}, same_algo) == (0, 1)  # else the first comparable pair
+    assert default_pair(t, t[3], {}, lambda x, y: False) == (3, 4)  # else the selection and the next one
+    assert split_tolerances(" 1e-4, ratio=1e-3  rewards=0.5,") == ["1e-4", "ratio=1e-3", "rewards=0.5"]
+    assert cli_command(Path("a b"), Path("c"), ["rewards", "ratio"], ["1e-4"], ["ratio=0.1"]) == (
+        "python -m tracer diff 'a b' c --fields rewards,ratio --atol 1e-4 --rtol ratio=0.1")
