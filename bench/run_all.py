@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from bench import blocked_time, memory_budget, open_scale, overhead, write_throughput
+from bench import blocked_time, memory_budget, open_scale, overhead, verify_cost, write_throughput
 from bench.common import machine
 
 
@@ -35,6 +35,11 @@ def main() -> None:
     m = memory_budget.measure()
     rows.append(("peak memory queued vs budget (slow disk, block policy)", f"{m['peak_mb']:.2f} vs {m['budget_mb']:.2f} MiB",
                  f"{m['peak_mb'] / m['budget_mb']:.2f}", "<= 1"))
+    v = verify_cost.measure()
+    rows.append(("checksum verification vs diff, per GB of step files (page cache warm)",
+                 f"{v['verify_s_per_gb']:.2f} vs {v['diff_s_per_gb']:.1f} s/GB", f"{v['verify_vs_diff']:.2f}", "<= 0.5"))
+    rows.append(("... verification vs reading the same bytes", f"{v['verify_s_per_gb']:.2f} vs {v['read_s_per_gb']:.2f} s/GB",
+                 f"{v['verify_vs_read']:.1f}x", "(reported)"))
     print("| benchmark | measured | ratio | target |")
     print("|---|---|---|---|")
     for row in rows:

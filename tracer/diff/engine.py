@@ -252,16 +252,20 @@ class _Engine:
             for m in set(masks["a"]) & set(masks["b"]):  # completions of different widths: pad, not kept
                 masks["a"][m], masks["b"][m] = _pad_pair(masks["a"][m], masks["b"][m], left=_is_prompt(m))
             contexts = self._contexts(step, fa, fb, heads, masks)
+            keeps: dict[tuple, torch.Tensor | None] = {}  # (mask, token-aligned, shape) -> positions compared
             for name in common:
                 acc = self._accumulator(name, heads["a"][name][1], heads["b"][name][1], len(heads["a"][name][0]))
                 ta = masks["a"][name] if name in masks["a"] else fa.get_tensor(name)
                 tb = masks["b"][name] if name in masks["b"] else fb.get_tensor(name)
                 ta, tb = _pad_pair(ta, tb, left=_is_prompt(name))
-                keep = _keep(acc.r.mask, masks, ta.shape)
-                context = contexts.get(acc.r.mask) if _token_aligned(name, acc.dims) else None
-                if context is not None and context.shape == ta.shape:
-                    keep = context if keep is None else keep & context
-                acc.compare(step, ta, tb, keep)
+                which = (acc.r.mask, _token_aligned(name, acc.dims), tuple(ta.shape))
+                if which not in keeps:
+                    keep = _keep(acc.r.mask, masks, ta.shape)
+                    context = contexts.get(acc.r.mask) if which[1] else None
+                    if context is not None and context.shape == ta.shape:
+                        keep = context if keep is None else keep & context
+                    keeps[which] = keep
+                acc.compare(step, ta, tb, keeps[which])
                 self._token_text(acc, step, fa, fb)
 
     def _contexts(self, step: StepId, fa, fb, heads, masks) -> dict[str, torch.Tensor]:
