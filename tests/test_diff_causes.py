@@ -159,3 +159,33 @@ def test_the_earliest_step_wins_over_upstream_fields_of_later_steps(tmp_path):
     report = diff(write_trace(tmp_path / "c"), write_trace(tmp_path / "d", edit=same_step))
     assert report.cause.name == "rewards" and [f.name for f in report.downstream] == ["advantages"]
     assert report.to_dict()["cause"] == "rewards" and report.to_dict()["downstream"] == ["advantages"]
+
+
+def test_the_token_view_compares_only_where_the_tokens_so_far_agree(tmp_path):
+    from tracer.diff import token_diff_table
+
+    def edit(step, t):
+        if step == 1:
+            t["completion_ids"][1, 2] = 2  # seq 1: ' sat' -> ' cat' at tok 2
+            t["policy_logprobs"][1, 3] -= 2.0  # after it: another context, not compared
+
+    a, b = write_trace(tmp_path / "a"), write_trace(tmp_path / "b", edit=edit)
+    table = token_diff_table(a, b, step=1, sequence=1).set_index("position")
+    assert table["compared"].tolist() == [True, True, False, False, False, False]  # seq 1 keeps all 6
+    assert table["id_differs"].tolist() == [False, False, True, False, False, False]
+    assert not table["policy_logprobs_differs"].any()
+    same = token_diff_table(a, b, step=1, sequence=0)
+    assert same["compared"].tolist() == same["kept_a"].tolist()  # seq 0: the same tokens, kept ones compared
+
+
+def test_the_documented_command_writes_the_pair(tmp_path):
+    # `python -m tracer.demo.diff_pair ROOT` (make sample-diff-pair), one step here
+    from tracer.demo.diff_pair import main as write_pair_main
+
+    assert write_pair_main([str(tmp_path), "--steps", "1"]) == 0
+    variant = Trace(tmp_path / VARIANT)
+    assert variant.manifest["config"]["diff_baseline"] == f"../{BASELINE}"
+    assert variant.manifest["config"]["scorer_clip"] == 2.0
+    assert Trace(tmp_path / BASELINE).manifest["config"]["scorer_clip"] == 3.0
+    report = diff(tmp_path / BASELINE, tmp_path / VARIANT)
+    assert report.cause.name == "rewards" and report.cause.first.step == (0, 0, 0, 0)

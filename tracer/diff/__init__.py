@@ -41,7 +41,8 @@ Rules (documented in docs/regression-testing.md):
 
 from tracer.diff.engine import IGNORED_METADATA, diff, token_diff_table
 from tracer.diff.inputs import DiffInputError, comparable, parse_tolerances
-from tracer.diff.report import DiffReport, FieldDiff, Location, TokenAlignment, Tolerance, step_label
+from tracer.diff.report import DiffReport, FieldDiff, Location, Tolerance, step_label
+from tracer.diff.tokens import TokenAlignment
 from tracer.diff.stats import (DEFAULT_TOLERANCES, DRIFT_FRACTION, DRIFT_MIN_POSITIONS, DRIFT_SIGN_SHARE,
                                SHIFT_IMPROVEMENT)
 

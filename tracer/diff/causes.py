@@ -120,9 +120,11 @@ def render_short(report: DiffReport) -> str:
     lines = [f"tracer diff: {verdict}"]
     for side, label, path in (("a", report.labels[0], report.a), ("b", report.labels[1], report.b)):
         lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
+    compared = (f"{len(report.fields)} fields compared" if report.fields or report.identical_by_checksum < report.step_pairs
+                else "nothing left to compare")
     lines.append(f"  {report.algorithm or 'unknown algorithm'} · {report.step_pairs} step pairs "
                  f"({report.identical_by_checksum} identical) · {report.verified_files} files verified by "
-                 f"checksum · {len(report.fields)} fields compared")
+                 f"checksum · {compared}")
     cause = report.cause
     failing = ([cause] if cause else []) + report.downstream
     if cause is not None:

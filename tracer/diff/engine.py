@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from tracer.diff.inputs import (DiffInputError, check_compatible, check_names, check_pair, open_checked,
                                 pair_steps, per_field, step_id)
-from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, StepId, TokenAlignment, Tolerance, step_label
+from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, StepId, Tolerance, step_label
 from tracer.diff.stats import FieldStats, coarseness, default_tolerance, mismatch
-from tracer.diff.tokens import ID_FIELDS, account, prompt_rows_same, same_context
+from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
 from tracer.errors import ChecksumError, TraceFormatError
 from tracer.integrity import verify_step_file
 from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace

@@ -8,14 +8,52 @@ means nothing. So token-aligned ``[B, T]`` fields are compared only where both s
 context: the same prompt (``prompt_ids`` on kept prompt positions and ``prompt_mask``, when
 recorded) and the same ids (``completion_ids``, or ``chosen_ids``/``rejected_ids`` for DPO) at
 every position up to and including t. The ids and masks themselves are still compared everywhere,
-and :class:`~tracer.diff.report.TokenAlignment` counts the positions whose tokens differ.
+and :class:`TokenAlignment` counts the positions whose tokens differ.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tracer.diff.report import Location, StepId, TokenAlignment
+from tracer.diff.report import Location, StepId
+
+@dataclass
+class TokenAlignment:
+    """How the sampled tokens of one ids field (``completion_ids``, ``chosen_ids``, ``rejected_ids``)
+    line up over the step pairs, and what that left out of the token-aligned comparisons.
+
+    Attributes:
+        ids: the ids field.
+        kept_both: positions both sides keep (the field's mask; every position without one).
+        differing_tokens: of them, positions whose token ids differ.
+        not_compared: of them, positions whose context differs (a different token there or before
+            it, or a different prompt): token-aligned fields (logprobs, ratio, KL, values, per-token
+            loss) are not compared there, since their values belong to different tokens.
+        prompt_rows_differing: sequences whose prompt differs (all their positions are left out).
+        first: the first kept position whose token differs (``a``/``b`` are the two token ids).
+    """
+
+    ids: str
+    kept_both: int = 0
+    differing_tokens: int = 0
+    not_compared: int = 0
+    prompt_rows_differing: int = 0
+    first: Location | None = None
+
+    def summary(self) -> str:
+        """One line: how many positions had different tokens, the first one, what was left out."""
+        if not (self.differing_tokens or self.prompt_rows_differing):
+            return f"{self.ids}: the same tokens at all {self.kept_both} kept positions"
+        first = f" (first at {self.first.where()}: {self.first.values()})" if self.first else ""
+        prompts = (f"; {self.prompt_rows_differing} sequences (summed over step pairs) have another prompt"
+                   if self.prompt_rows_differing else "")
+        compared = self.kept_both - self.not_compared
+        return (f"{self.ids}: different tokens at {self.differing_tokens} of {self.kept_both} positions both "
+                f"traces keep{first}{prompts}; token-aligned fields are compared only at the {compared} "
+                "positions whose prompt and tokens so far agree (values of different tokens are not comparable)")
+
 
 # ids field -> the mask of its positions (the family of token-aligned fields it anchors)
 ID_FIELDS = {"completion_ids": "completion_mask", "chosen_ids": "chosen_mask", "rejected_ids": "rejected_mask"}
