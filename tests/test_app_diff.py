@@ -172,6 +172,7 @@ def test_the_page_opens_on_the_bundled_pair_and_takes_fields_and_tolerances(monk
                                                                                      SAMPLES / VARIANT)
     assert at.error[0].value.startswith("different: ")
     texts = [t.value for t in at.text]
+    assert f"{VARIANT} is a variant of {BASELINE}: scorer_clip 3.0 -> 2.0 (the reward function)" in texts
     assert any(t.startswith(f"first divergence: rewards at step 0, seq {seq} (") for t in texts), texts
     assert any(t.startswith("follows from rewards: reward_components, advantages") for t in texts), texts
     table = frame_with(at, {"field", "role", "passed"}).value

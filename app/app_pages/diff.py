@@ -46,7 +46,8 @@ def _baselines() -> dict:
     return out
 
 
-index_a, index_b = default_pair(traces, selection.trace_path, _baselines(),
+baselines = _baselines()
+index_a, index_b = default_pair(traces, selection.trace_path, baselines,
                                 lambda x, y: trace_cache.comparable(str(x), str(y)))
 left, right = st.columns(2)
 a = left.selectbox("a: reference (baseline, expected)", traces, index=index_a, format_func=_label, key="diff_a")
@@ -54,6 +55,9 @@ b = right.selectbox("b: candidate (actual)", traces, index=index_b, format_func=
 if a == b:
     st.info("Pick two different traces.")
     st.stop()
+if baselines.get(b) == a:  # a declared pair: say what the variant changed (text from the manifest: plain text)
+    change = (trace_cache.open_trace(str(b)).manifest.get("config") or {}).get("diff_change")
+    st.text(f"{_label(b)} is a variant of {_label(a)}" + (f": {change}" if isinstance(change, str) else ""))
 
 try:
     trace_a, trace_b = trace_cache.open_trace(str(a)), trace_cache.open_trace(str(b))
