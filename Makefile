@@ -22,7 +22,7 @@ $(VERL_STAMP): constraints-verl.txt pyproject.toml
 	$(VERL_PY) -m pip install -c constraints-verl.txt -e '.[verl,app,test]'
 	touch $(VERL_STAMP)
 
-.PHONY: app test install clean sample-traces test-verl
+.PHONY: app test install clean sample-traces sample-diff-pair test-verl
 
 install: $(STAMP)
 
@@ -53,6 +53,12 @@ sample-traces: $(STAMP)
 	done
 	rm -rf sample_traces/grpo-trl-tiny
 	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
+
+# Regenerate the bundled diff pair: the GRPO loop and the same loop with one documented change (scorer clipped at
+# 2 instead of 3; tracer/demo/diff_pair.py). `tracer diff` and the app's Diff page open on it.
+sample-diff-pair: $(STAMP)
+	rm -rf sample_traces/grpo-diff-baseline sample_traces/grpo-diff-scorer-clip
+	HF_HUB_OFFLINE=1 $(PY) -m tracer.demo.diff_pair sample_traces
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) .pytest_cache tests/output

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from bench import blocked_time, memory_budget, open_scale, overhead, slow_disk_drop, write_throughput
+from bench import (blocked_time, memory_budget, open_scale, overhead, slow_disk_drop, verify_cost,
+                   write_throughput)
 from bench.common import machine
 
 
@@ -39,6 +40,11 @@ def main() -> None:
     rows.append(("record() p99 with a 30 ms fsync, when_full=drop, vs a plain copy",
                  f"{d['record_p99_ms']:.2f} vs {d['copy_p99_ms']:.2f} ms", f"{d['record_p99_ms'] / d['copy_p99_ms']:.1f}x",
                  "p99 a few ms"))
+    v = verify_cost.measure()
+    rows.append(("checksum verification vs diff, per GB of step files (page cache warm)",
+                 f"{v['verify_s_per_gb']:.2f} vs {v['diff_s_per_gb']:.1f} s/GB", f"{v['verify_vs_diff']:.2f}", "<= 0.5"))
+    rows.append(("... verification vs reading the same bytes", f"{v['verify_s_per_gb']:.2f} vs {v['read_s_per_gb']:.2f} s/GB",
+                 f"{v['verify_vs_read']:.1f}x", "(reported)"))
     print("| benchmark | measured | ratio | target |")
     print("|---|---|---|---|")
     for row in rows:

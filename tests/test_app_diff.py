@@ -147,3 +147,70 @@ def test_step_choice_changes_the_token_view(monkeypatch, root):
     assert not at.exception
     view = frame_with(at, {"token_text_a", "differs"}).value
     assert (view["differs"] == "").all()
+
+
+# -- the bundled pair ---------------------------------------------------------------------------------
+
+
+def test_the_page_opens_on_the_bundled_pair_and_takes_fields_and_tolerances(monkeypatch):
+    from toy_traces import SAMPLES
+
+    from tracer import Trace
+    from tracer.demo.diff_pair import BASELINE, VARIANT
+
+    a, b = Trace(SAMPLES / BASELINE), Trace(SAMPLES / VARIANT)
+    step0 = a.load_step(a.steps()[0])
+    seq = int((step0["reward_components"][:, 2] > 2).nonzero()[0])  # the first reward the new clip lowers
+    # independently: the largest reward change over all step pairs
+    max_reward_change = max(float((b.load_step(kb)["rewards"] - a.load_step(ka)["rewards"]).abs().max())
+                            for ka, kb in zip(a.steps(), b.steps()))
+
+    at = start(monkeypatch, SAMPLES)
+    at.switch_page("app_pages/diff.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert (at.selectbox(key="diff_a").value, at.selectbox(key="diff_b").value) == (SAMPLES / BASELINE,
+                                                                                     SAMPLES / VARIANT)
+    assert at.error[0].value.startswith("different: ")
+    texts = [t.value for t in at.text]
+    assert f"{VARIANT} is a variant of {BASELINE}: scorer_clip 3.0 -> 2.0 (the reward function)" in texts
+    assert any(t.startswith(f"first divergence: rewards at step 0, seq {seq} (") for t in texts), texts
+    assert any(t.startswith("follows from rewards: reward_components, advantages") for t in texts), texts
+    table = frame_with(at, {"field", "role", "passed"}).value
+    assert table.iloc[0]["field"] == "rewards" and table.iloc[0]["role"] == "cause"
+    assert set(table.loc[table["role"] == "follows", "field"]) >= {"advantages", "per_token_loss"}
+    # the token view opens on the cause's step and sequence
+    assert at.selectbox(key="diff_step").value == (0, 0, 0, 0) and at.selectbox(key="diff_sequence").value == seq
+
+    # only the rewards, within a tolerance of their largest change: equal; just under it: different
+    at.multiselect(key="diff_fields_pick").select("rewards").run()
+    at.text_input(key="diff_atol").input(f"rewards={max_reward_change}").run()
+    assert not at.exception and at.success[0].value.startswith("equal within tolerance")
+    assert frame_with(at, {"field", "role"}).value["field"].tolist() == ["rewards"]
+    command = next(c.value for c in at.code if "tracer diff" in c.value)
+    assert command.endswith(f"--fields rewards --atol rewards={max_reward_change}")
+    at.text_input(key="diff_atol").input(f"rewards={max_reward_change * 0.99}").run()
+    assert at.error[0].value.startswith("different: 1 finding")
+    at.text_input(key="diff_atol").input("rewards=loose").run()
+    assert at.error[0].value == "A tolerance cannot be read; nothing was diffed."
+    assert any("atol 'rewards=loose': expected FIELD=NUMBER or NUMBER" in t.value for t in at.text)
+
+
+def test_default_pair_prefers_a_declared_baseline_then_a_comparable_pair(tmp_path):
+    from app.components.diff_view import cli_command, declared_baseline, default_pair, split_tolerances
+
+    t = [tmp_path / n for n in ("a_dpo", "b_dpo", "c_base", "d_variant", "e_other")]
+    manifest = {"config": {"diff_baseline": "../c_base"}}
+    assert declared_baseline(t[3], manifest, t) == t[2]
+    assert declared_baseline(t[3], {"config": {"diff_baseline": "../nowhere"}}, t) is None
+    assert declared_baseline(t[3], {"config": "not a dict"}, t) is None
+    assert declared_baseline(t[3], {"config": {"diff_baseline": "."}}, t) is None  # itself
+    baselines = {t[3]: t[2]}
+    same_algo = lambda x, y: {x.name[2:], y.name[2:]} <= {"dpo"} or {x.name, y.name} <= {"c_base", "e_other"}  # noqa: E731
+    assert default_pair(t, t[0], baselines, same_algo) == (2, 3)  # the declared pair, wherever the selection is
+    assert default_pair(t, t[3], baselines, same_algo) == (2, 3)
+    assert default_pair(t, t[4], {}, same_algo) == (4, 2)  # the selection and a trace it can be compared with
+    assert default_pair(t, t[3], {}, same_algo) == (0, 1)  # else the first comparable pair
+    assert default_pair(t, t[3], {}, lambda x, y: False) == (3, 4)  # else the selection and the next one
+    assert split_tolerances(" 1e-4, ratio=1e-3  rewards=0.5,") == ["1e-4", "ratio=1e-3", "rewards=0.5"]
+    assert cli_command(Path("a b"), Path("c"), ["rewards", "ratio"], ["1e-4"], ["ratio=0.1"]) == (
+        "python -m tracer diff 'a b' c --fields rewards,ratio --atol 1e-4 --rtol ratio=0.1")

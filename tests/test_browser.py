@@ -95,8 +95,19 @@ def server(tmp_path_factory):
     write_toy_trace(root / "toy-run")
     write_toy_trace(tmp_path / "outside")
     shutil.copytree(Path(__file__).parent / "data" / "bad_traces" / "mixed", root / "mixed")
+    yield from serve(root, tmp_path / "server.log")
+
+
+@pytest.fixture(scope="module")
+def samples_server(tmp_path_factory):
+    """``python -m tracer view sample_traces``, what ``make app`` opens. Yields the URL."""
+    yield from serve(toy_traces.SAMPLES, tmp_path_factory.mktemp("samples") / "server.log")
+
+
+def serve(root: Path, log_path: Path):
+    """Run ``python -m tracer view ROOT`` on a free port until the generator is closed; yields the URL."""
     port = free_port()
-    log = open(tmp_path / "server.log", "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -104,7 +115,7 @@ def server(tmp_path_factory):
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"tracer view exited with {proc.returncode}:\n{(tmp_path / 'server.log').read_text()}")
+                pytest.fail(f"tracer view exited with {proc.returncode}:\n{log_path.read_text()}")
             try:
                 with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -256,3 +267,48 @@ def check_no_error(page) -> None:
     expect(page.locator("[data-stale=true]")).to_have_count(0)
     assert page.locator("[data-testid=stException]").count() == 0
     assert "Traceback" not in page.locator("body").inner_text()
+
+
+def test_diff_page_on_the_bundled_pair_in_chromium(sync_playwright, samples_server, tmp_path):
+    """``make app``'s Diff page opens on the bundled pair (the GRPO loop and the same loop with the
+    scorer clipped at 2), names ``rewards`` as the cause, and takes fields and tolerances."""
+    from playwright.sync_api import expect
+
+    from tracer import Trace
+    from tracer.demo.diff_pair import BASELINE, VARIANT
+
+    a, b = Trace(toy_traces.SAMPLES / BASELINE), Trace(toy_traces.SAMPLES / VARIANT)
+    max_reward_change = max(float((b.load_step(kb)["rewards"] - a.load_step(ka)["rewards"]).abs().max())
+                            for ka, kb in zip(a.steps(), b.steps()))
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    dialogs: list[str] = []
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs)
+        try:
+            page.goto(f"{samples_server}/diff")
+            main = page.locator("[data-testid=stMain]")
+            expect(page.get_by_role("heading", name="Diff")).to_be_visible(timeout=UI_TIMEOUT_MS)
+            expect(main.locator("[data-testid=stText]").filter(has_text="first divergence: rewards at step 0")
+                   ).to_be_visible(timeout=UI_TIMEOUT_MS)
+            check_no_error(page)
+            assert BASELINE in page.get_by_role("combobox", name="a: reference").input_value()
+            assert VARIANT in page.get_by_role("combobox", name="b: candidate").input_value()
+            expect(main).to_contain_text("follows from rewards: reward_components, advantages")
+            page.screenshot(path=str(shots / "diff_bundled_pair.png"), full_page=True)
+
+            page.get_by_role("combobox", name="Compare only these fields").click()
+            page.keyboard.type("rewards")  # the option list is virtualised: filter it first
+            page.get_by_role("option", name="rewards", exact=True).click()
+            page.keyboard.press("Escape")
+            atol = page.get_by_role("textbox", name="atol")
+            atol.fill(f"rewards={max_reward_change}")
+            atol.press("Enter")
+            expect(main).to_contain_text("equal within tolerance", timeout=UI_TIMEOUT_MS)
+            expect(main.locator("[data-testid=stCode]").first).to_contain_text(
+                f"--fields rewards --atol rewards={max_reward_change}")
+            check_no_error(page)
+            page.screenshot(path=str(shots / "diff_bundled_pair_rewards_within_tolerance.png"), full_page=True)
+        finally:
+            browser.close()
+    assert dialogs == []

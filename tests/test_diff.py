@@ -89,6 +89,11 @@ def test_one_float_changed_names_the_place_values_and_minimal_tolerances(tmp_pat
     assert not diff(base, other, atol={"policy_logprobs": 0.49}).equal
     assert diff(base, other, atol={"policy_logprobs": 0.0}, rtol={"policy_logprobs": field.min_rtol}).equal
     assert main(["diff", str(base), str(other)]) == 1
+    short = capsys.readouterr().out  # the headline, then the table with the tolerance that would pass
+    assert short.startswith("tracer diff: DIFFERENT: policy_logprobs diverges first, at step 1, seq 2, tok 1 ' sat' "
+                            "(a=-0.234375, b=0.265625)")
+    assert "--atol policy_logprobs=0.5" in short
+    assert main(["diff", str(base), str(other), "--verbose"]) == 1
     out = capsys.readouterr().out
     assert "tok 1 ' sat': a=-0.234375, b=0.265625 |Δ|=5.0e-01" in out
     assert "would pass with atol>=5.0e-01 (rtol=0) or rtol>=2.1e+00 (atol=0)" in out
@@ -130,7 +135,7 @@ def test_a_one_position_shift_is_reported_as_a_shift(tmp_path, base, shift):
     field = report.fields["policy_logprobs"]
     assert field.shift == shift and not field.passed
     rel = "b[t] = a[t-1]" if shift == 1 else "b[t] = a[t+1]"
-    assert f"shift: b looks like a shifted by {shift:+d} along T ({rel}): within tolerance at all 30" in report.format()
+    assert f"shift: b looks like a shifted by {shift:+d} along T ({rel}): within tolerance at all 30" in report.format(verbose=True)
 
 
 def test_noise_is_not_a_shift(tmp_path, base):
@@ -154,7 +159,8 @@ def test_a_systematic_offset_inside_tolerance_is_reported_as_drift(tmp_path, bas
     assert "although every element is within tolerance" in field.drift_detail
     assert diff(base, other, drift=False).equal
     assert main(["diff", str(base), str(other)]) == 1
-    assert "old_logprobs: drift: mean(b-a)=+1.0e-06 over 39 kept positions" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("tracer diff: DIFFERENT: old_logprobs drifts (drift: mean(b-a)=+1.0e-06 "
+                                              "over 39 kept positions")
 
 
 def test_symmetric_noise_inside_tolerance_is_not_drift(tmp_path, base):
@@ -263,10 +269,10 @@ def test_a_field_with_different_shapes(tmp_path, base, capsys):
     other = write_trace(tmp_path / "b", edit=more_rows)
     assert main(["diff", str(base), str(other)]) == 2
     assert capsys.readouterr().err == (
-        "tracer diff: error: field 'completion_mask' has shape [3, 6] in a but [4, 6] in b at step 0: diff "
+        "tracer diff: error: field 'group_ids' has shape [3] in a but [4] in b at step 0: diff "
         "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both "
         "with the same batch size and maximum completion length, or leave the field out (fields=/--fields)\n")
-    with pytest.raises(DiffInputError, match="'completion_mask' has shape"):
+    with pytest.raises(DiffInputError, match="'group_ids' has shape"):
         diff(base, other)
 
 

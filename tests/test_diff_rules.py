@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from tracer import TraceWriter, diff
-from tracer.diff_report import Tolerance
+from tracer.diff.report import Tolerance
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

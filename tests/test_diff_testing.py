@@ -6,7 +6,7 @@ import torch
 from test_diff import write_trace
 
 from tracer import diff
-from tracer.testing import assert_traces_match
+from tracer.testing import assert_traces_match, failure_message
 
 pytest_plugins = ["pytester"]
 
@@ -23,8 +23,12 @@ def test_assert_traces_match_passes_and_its_failure_message_is_the_report(tmp_pa
     with pytest.raises(AssertionError) as info:
         assert_traces_match(actual, expected)
     report = diff(expected, actual, labels=("expected", "actual"))
-    assert str(info.value) == report.format()
+    assert str(info.value) == failure_message(report)
+    # it leads with the headline (the cause), then the short report, then the full one
+    assert str(info.value).splitlines()[0] == ("tracer diff: DIFFERENT: policy_logprobs diverges first, at step 1, "
+                                              "seq 2, tok 1 ' sat' (a=-0.234375, b=0.265625)")
     assert str(info.value).splitlines()[1:3] == [f"  a (expected): {expected}", f"  b (actual): {actual}"]
+    assert str(info.value).startswith(report.format()) and report.format(verbose=True) in str(info.value)
     assert "policy_logprobs: max |Δ|=5.0e-01 at step 1, seq 2, tok 1 ' sat'" in str(info.value)
     # per-field tolerances as keywords: field=atol or field=(atol, rtol)
     assert assert_traces_match(actual, expected, policy_logprobs=0.5).equal
@@ -79,9 +83,11 @@ def test_trace_regression_records_the_baseline_only_when_asked(pytester, monkeyp
     monkeypatch.setenv("TRACER_TEST_OFFSET", "0.25")  # the "trainer" changed
     result = run(pytester)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "*policy_logprobs: max |Δ|=2.5e-01 at step 0, seq 1, tok 2 '<id 1>' (a=-0.140625, b=0.109375, *",
-        "*If this change is intended, re-record the baseline with pytest --tracer-regen and commit it.*"])
+    result.stdout.fnmatch_lines([  # the headline first, the full report last
+        "tracer diff: DIFFERENT: policy_logprobs diverges first, at step 0, seq 1, tok 2 '<id 1>' (a=-0.140625, "
+        "b=0.109375)",
+        "*If this change is intended, re-record the baseline with pytest --tracer-regen and commit it.*",
+        "*policy_logprobs: max |Δ|=2.5e-01 at step 0, seq 1, tok 2 '<id 1>' (a=-0.140625, b=0.109375, *"])
 
     result = run(pytester, "--tracer-regen")
     result.assert_outcomes(failed=1)

@@ -31,7 +31,7 @@ def test_a_longer_completion_is_a_mask_difference_at_the_extra_token(tmp_path, c
     mask = report.fields["completion_mask"]
     # positions 2 and 3 are compared for ids (1 vs 7, none vs 1); only b keeps position 3
     assert mask.first.index[:2] == (0, 3)
-    assert main(["diff", str(a), str(b)]) == 1
+    assert main(["diff", str(a), str(b), "--verbose"]) == 1
     out = capsys.readouterr().out
     assert "kept only in b: 1" in out and "<no token>" in out
 

@@ -1,6 +1,7 @@
 """Command line: ``python -m tracer {demo, info, view, diff, check, run}`` (also installed as ``tracer``).
 
-Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments); ``diff`` exits 1
+Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, a step file whose
+bytes disagree with its recorded checksum in ``diff`` and ``info --verify``); ``diff`` exits 1
 when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
 the script's own exit code, or 3 when the script succeeded but nothing was traced.
 """
@@ -53,9 +54,11 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
                           description="Summarise a trace: algorithm, steps, ranks, fields. "
-                                      "Exit code: 0 success, 2 unusable input.")
+                                      "Exit code: 0 success, 2 unusable input (with --verify: or a corrupt step file).")
     info.add_argument("path", help="trace directory or one step .safetensors file")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.add_argument("--verify", action="store_true",
+                      help="read every step file and check its bytes against its recorded checksum (exit 2 if corrupt)")
 
     view = sub.add_parser("view", help="open the web UI (Streamlit, bound to 127.0.0.1)")
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
@@ -89,7 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="compare only these fields (comma-separated; repeatable)")
     diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
                       help="step metadata key whose differences are not findings; repeatable")
-    diff.add_argument("--max-locations", type=_positive_int, default=10, help="differing positions shown per field")
+    diff.add_argument("--verbose", "-v", action="store_true",
+                      help="every finding and each differing field's positions (default: the short report)")
+    diff.add_argument("--max-locations", type=_positive_int, default=10,
+                      help="differing positions shown per field with --verbose")
 
     run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
                          usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")
@@ -108,10 +114,30 @@ STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or stil
                "finished": "finished", "unknown": "unknown (no readable manifest)"}
 
 
-def trace_info(path: str | Path) -> dict[str, Any]:
+def verify_trace(trace: Trace, keys: list) -> dict[str, Any]:
+    """``info --verify``: every step file's bytes against its recorded checksum
+    (``tracer.integrity.verify_step_file``). Returns ``{"verified": n, "no_checksum": [paths],
+    "corrupt": {path: reason}}``."""
+    from tracer.errors import ChecksumError
+    from tracer.integrity import verify_step_file
+
+    out: dict[str, Any] = {"verified": 0, "no_checksum": [], "corrupt": {}}
+    for key in keys:
+        try:
+            if verify_step_file(key.path) is None:
+                out["no_checksum"].append(str(key.path))
+            else:
+                out["verified"] += 1
+        except (ChecksumError, TraceError) as err:
+            out["corrupt"][str(key.path)] = str(err)
+    return out
+
+
+def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     """The facts ``info`` prints, as a JSON-able dict. Every step file's header is read once
     (``Trace.scan``): ``unreadable`` maps each file that cannot be used to the reason, and the
-    step lists count only readable step files."""
+    step lists count only readable step files. With ``verify``, ``integrity`` holds
+    :func:`verify_trace` of the readable step files (reads every byte)."""
     trace = Trace(path)
     unreadable = {str(p): why for p, why in trace.scan().items()}
     keys = [k for k in trace.steps() if str(k.path) not in unreadable]
@@ -141,6 +167,7 @@ def trace_info(path: str | Path) -> dict[str, Any]:
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
         "first_step_metadata": metadata,
+        **({"integrity": verify_trace(trace, keys)} if verify else {}),
     }
 
 
@@ -180,6 +207,14 @@ def _print_info(info: dict[str, Any]) -> None:
     if info["first_step_metadata"]:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
         say(f"metadata: {meta}")
+    integrity = info.get("integrity")
+    if integrity is not None:
+        bad, unverifiable = integrity["corrupt"], integrity["no_checksum"]
+        style = "bold red" if bad else "bold green"
+        console.print(f"verify: {integrity['verified']} step files match their checksum, {len(bad)} corrupt, "
+                      f"{len(unverifiable)} without a checksum", style=style, markup=False)
+        for reason in bad.values():
+            say(f"  {reason}")
     if info["unreadable"]:
         console.print(f"problems ({len(info['unreadable'])} files; unreadable step files are left out above):",
                       style="bold red")
@@ -199,12 +234,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    info = trace_info(args.path)
+    info = trace_info(args.path, verify=args.verify)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
         _print_info(info)
-    return 0
+    return 2 if info.get("integrity", {}).get("corrupt") else 0
 
 
 def _require_app_dependencies() -> None:
@@ -290,24 +325,13 @@ def _serve(cmd: list[str], grace_s: float = 10.0) -> int:
     return 0 if received else code
 
 
-def _tolerances(values: list[str], flag: str) -> dict[str, float]:
-    out = {}
-    for text in values:
-        name, _, number = text.rpartition("=")
-        try:
-            out[name or "*"] = float(number)
-        except ValueError:
-            raise TraceError(f"{flag} {text!r}: expected FIELD=NUMBER or NUMBER, e.g. {flag} ratio=1e-4") from None
-    return out
-
-
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from tracer.diff import diff
+    from tracer.diff import diff, parse_tolerances
 
     fields = [f for group in args.fields for f in group.split(",") if f] or None
-    report = diff(args.a, args.b, atol=_tolerances(args.atol, "--atol"), rtol=_tolerances(args.rtol, "--rtol"),
-                  fields=fields, ignore_metadata=args.ignore_metadata)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations))
+    report = diff(args.a, args.b, atol=parse_tolerances(args.atol, "--atol"),
+                  rtol=parse_tolerances(args.rtol, "--rtol"), fields=fields, ignore_metadata=args.ignore_metadata)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations, args.verbose))
     return 0 if report.equal else 1
 
 

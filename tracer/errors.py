@@ -16,3 +16,8 @@ class SchemaError(TraceError):
 
 class TraceFormatError(TraceError):
     """A file or directory on disk is not a readable trace (missing manifest, corrupt header...)."""
+
+
+class ChecksumError(TraceFormatError):
+    """A step file's tensor bytes disagree with the ``content_sha256`` its own header records: the
+    file was corrupted (a flipped bit, a bad copy) or its tensors were rewritten after writing."""

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tracer.errors import SchemaError, TraceFormatError
+from tracer.errors import ChecksumError, SchemaError, TraceFormatError
+from tracer.layout import stored_content_sha256
 from tracer.text import clean_text, may_hold_surrogates
 from tracer.schema import ALGORITHMS, BOOL, FIELDS, FLOAT, INT64, check_tensors
 
@@ -270,3 +271,41 @@ def clean_tokens(raw: Any, path: Path) -> list[str]:
         raise TraceFormatError(f"{path}: expected {{\"tokens\": [text of id 0, ...]}}, got "
                                f"{type(tokens if isinstance(raw, dict) else raw).__name__}")
     return [t if isinstance(t, str) else "<not a string>" for t in tokens]
+
+
+def verify_step_file(path: Path) -> str | None:
+    """Check a step file's tensor bytes against the ``content_sha256`` its header records.
+
+    Reads every data byte once, a few MB at a time (``tracer.layout.stored_content_sha256``; the
+    cost per GB is in BENCHMARKS.md). Reading a step for the app or the checks stays lazy: only the
+    commands that promise verification call this (``diff``, ``check``'s ``integrity.checksum``,
+    ``info --verify``, the pytest helpers).
+
+    Returns:
+        The verified checksum, or None when the header records none (a step file not written by
+        TraceWriter: there is nothing to verify).
+    Raises:
+        ChecksumError: the bytes hash to another value than the recorded one (naming the file, both
+            digests and the likely cause).
+        TraceFormatError: the file is not a readable safetensors step file.
+    """
+    size = _regular_size(path, "step file")
+    check_step_file_bounds(path)
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+            meta = header.get("__metadata__") if isinstance(header, dict) else None
+            recorded = meta.get("content_sha256") if isinstance(meta, dict) else None
+            if not isinstance(recorded, str):
+                return None
+            actual = stored_content_sha256(fh, header, 8 + header_len, size)
+    except (OSError, ValueError, RecursionError) as err:
+        raise TraceFormatError(f"{path}: cannot verify its checksum ({err})") from err
+    if actual != recorded:
+        raise ChecksumError(
+            f"{path}: corrupt: its tensor bytes hash to sha256 {actual[:16]}… but its header records "
+            f"content_sha256 {recorded[:16]}…: the file changed after it was written (a flipped bit, a bad "
+            "copy, or tensors rewritten with the old metadata); restore it from a good copy or re-record "
+            "the trace")
+    return recorded

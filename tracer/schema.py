@@ -108,6 +108,30 @@ FIELDS: dict[str, FieldSpec] = {
     ]
 }
 
+# Data-flow order of the fields (SPEC.md section 10): a field is computed from fields of earlier
+# stages (and from earlier steps, through the weights), never from later ones. ``tracer diff`` names
+# the most upstream diverging field at the earliest step as the cause and groups the others under it.
+DATA_FLOW: tuple[tuple[str, ...], ...] = (
+    ("prompt_ids", "prompt_mask", "group_ids", "row_ids"),
+    ("completion_ids", "completion_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"),
+    ("rewards", "reward_components"),
+    ("token_rewards", "values"),
+    ("advantages", "returns"),
+    ("sampler_logprobs", "old_logprobs", "ref_logprobs", "chosen_ref_logprobs", "rejected_ref_logprobs"),
+    ("policy_logprobs", "chosen_policy_logprobs", "rejected_policy_logprobs"),
+    ("ratio", "ref_kl_k3", "approx_kl_k2", "entropy", "dpo_logits", "chosen_rewards", "rejected_rewards"),
+    ("per_token_loss", "dpo_loss"),
+    ("loss",),
+)
+_FLOW_RANK = {name: (stage, i) for stage, names in enumerate(DATA_FLOW) for i, name in enumerate(names)}
+
+
+def flow_rank(name: str) -> tuple[int, int]:
+    """``(stage, position in the stage)`` of a field in :data:`DATA_FLOW`; fields outside it come
+    after every canonical field (``(len(DATA_FLOW), 0)``)."""
+    return _FLOW_RANK.get(name, (len(DATA_FLOW), 0))
+
+
 # Metadata keys (strings in the safetensors header). Value: (python type, description).
 METADATA_KEYS: dict[str, tuple[type, str]] = {
     "schema_version": (str, "trace format version"),

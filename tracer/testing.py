@@ -8,6 +8,9 @@ your ``conftest.py``. See docs/regression-testing.md.
 
 Baselines live in ``<test file dir>/<test file stem>/<test name>[.<basename>]`` (a trace directory,
 or a ``.safetensors`` file when the produced trace is a single step file).
+
+Both verify every step file's bytes against its recorded checksum before comparing (``tracer.diff``):
+a corrupt baseline or trace fails the test naming the file, never passes as equal.
 """
 
 from __future__ import annotations
@@ -21,13 +24,19 @@ from typing import Any, Iterable, Mapping
 import pytest
 
 from tracer.diff import DiffReport, diff
-from tracer.errors import TraceError
+from tracer.errors import ChecksumError, TraceError
 from tracer.reader import Trace
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 REGEN_FLAG = "--tracer-regen"
 
-__all__ = ["assert_traces_match", "TraceRegression", "trace_regression", "REGEN_FLAG"]
+__all__ = ["assert_traces_match", "failure_message", "TraceRegression", "trace_regression", "REGEN_FLAG"]
+
+
+def failure_message(report: DiffReport) -> str:
+    """What a failing comparison says: the short report (its first line is the headline: the
+    upstream cause), then the full report of ``tracer diff --verbose``."""
+    return f"{report.format()}\n\nfull report (tracer diff --verbose):\n{report.format(verbose=True)}"
 
 
 def _tolerances(atol, rtol, field_tolerances: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
@@ -65,7 +74,8 @@ def assert_traces_match(
         The DiffReport when the traces match.
 
     Raises:
-        AssertionError: the readable report (a = expected, b = actual) when they do not match.
+        AssertionError: :func:`failure_message` (a = expected, b = actual) when they do not match.
+        ChecksumError: a step file of either trace is corrupt (its bytes disagree with its checksum).
         TraceError: unusable input (not a trace, different algorithms, shapes...).
     """
     __tracebackhide__ = True
@@ -73,7 +83,7 @@ def assert_traces_match(
     report = diff(expected, actual, atol=atols, rtol=rtols, fields=fields, ignore_metadata=ignore_metadata,
                   labels=("expected", "actual"), progress=False)
     if not report.equal:
-        raise AssertionError(report.format())
+        raise AssertionError(failure_message(report))
     return report
 
 
@@ -150,16 +160,24 @@ class TraceRegression:
             pytest.fail(f"no trace baseline at {baseline}; record it from {trace} by running pytest with "
                         f"{REGEN_FLAG}, then commit it", pytrace=False)
         atols, rtols = _tolerances(atol, rtol, field_tolerances)
-        report = diff(baseline, trace, atol=atols, rtol=rtols, fields=fields, ignore_metadata=ignore_metadata,
-                      labels=("expected", "actual"), progress=False)
+        try:
+            report = diff(baseline, trace, atol=atols, rtol=rtols, fields=fields, ignore_metadata=ignore_metadata,
+                          labels=("expected", "actual"), progress=False)
+        except ChecksumError as err:
+            if self.regen and str(trace) not in str(err):  # only the baseline is corrupt: replace it
+                _copy_trace(trace, baseline)
+                pytest.fail(f"re-recorded the corrupt trace baseline {baseline} ({REGEN_FLAG}): {err}", pytrace=False)
+            pytest.fail(f"tracer diff: CORRUPT: {err}\n\nA corrupt baseline: restore it from version control "
+                        f"(git checkout -- {baseline}) or re-record it with pytest {REGEN_FLAG}.", pytrace=False)
         if report.equal:
             return report
         if self.regen:
             _copy_trace(trace, baseline)
             pytest.fail(f"re-recorded the trace baseline {baseline} ({REGEN_FLAG}); it differed:\n\n"
-                        f"{report.format()}", pytrace=False)
+                        f"{failure_message(report)}", pytrace=False)
         pytest.fail(f"{report.format()}\n\nIf this change is intended, re-record the baseline with "
-                    f"pytest {REGEN_FLAG} and commit it.", pytrace=False)
+                    f"pytest {REGEN_FLAG} and commit it.\n\nfull report (tracer diff --verbose):\n"
+                    f"{report.format(verbose=True)}", pytrace=False)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,15 +1,20 @@
-"""Diff: two traces under the root compared by ``tracer.diff`` (mask-aware, per-field tolerances):
-the verdict, the first divergence, a per-field summary table, and one sequence of a step both
-traces have side by side, differing tokens marked with both values and masked positions greyed."""
+"""Diff: two traces under the root compared by ``tracer.diff`` (verified checksums, mask-aware,
+token-aligned, per-field tolerances): the verdict and the cause (the most upstream diverging field
+at the earliest step) with what follows from it, a per-field summary table, the fields and
+tolerances to compare (those ``tracer diff`` takes, with the equivalent command), and one sequence of
+a step both traces have side by side, differing tokens marked with both values and positions that
+are not compared greyed. Opens on a declared pair (a trace whose manifest names its
+``diff_baseline``, like the bundled ``grpo-diff-*`` pair), else on a pair that can be compared."""
 
 import streamlit as st
 
 from app.components import trace_cache
-from app.components.diff_view import common_steps, side_by_side_frame, style_side_by_side
+from app.components.diff_view import (cli_command, common_steps, declared_baseline, default_pair,
+                                      side_by_side_frame, split_tolerances, style_side_by_side)
 from app.components.safe_trace import OUTSIDE
 from app.components.sidebar import current_selection, discover_traces
-from tracer.diff import DiffInputError
-from tracer.diff_report import step_label
+from tracer.diff import DiffInputError, parse_tolerances, step_label
+from tracer.diff.causes import headline
 from tracer.errors import TraceError
 
 selection = current_selection()
@@ -29,14 +34,30 @@ def _label(path):
         return str(path)
 
 
+def _baselines() -> dict:
+    out = {}
+    for path in traces:
+        try:
+            base = declared_baseline(path, trace_cache.open_trace(str(path)).manifest, traces)
+        except TraceError:
+            continue
+        if base is not None:
+            out[path] = base
+    return out
+
+
+baselines = _baselines()
+index_a, index_b = default_pair(traces, selection.trace_path, baselines,
+                                lambda x, y: trace_cache.comparable(str(x), str(y)))
 left, right = st.columns(2)
-index_a = traces.index(selection.trace_path) if selection.trace_path in traces else 0
 a = left.selectbox("a: reference (baseline, expected)", traces, index=index_a, format_func=_label, key="diff_a")
-b = right.selectbox("b: candidate (actual)", traces, index=(index_a + 1) % len(traces), format_func=_label,
-                    key="diff_b")
+b = right.selectbox("b: candidate (actual)", traces, index=index_b, format_func=_label, key="diff_b")
 if a == b:
     st.info("Pick two different traces.")
     st.stop()
+if baselines.get(b) == a:  # a declared pair: say what the variant changed (text from the manifest: plain text)
+    change = (trace_cache.open_trace(str(b)).manifest.get("config") or {}).get("diff_change")
+    st.text(f"{_label(b)} is a variant of {_label(a)}" + (f": {change}" if isinstance(change, str) else ""))
 
 try:
     trace_a, trace_b = trace_cache.open_trace(str(a)), trace_cache.open_trace(str(b))
@@ -45,7 +66,32 @@ try:
         if outside:
             raise TraceError(f"{trace.path}: {len(outside)} step file(s) are links leaving the trace directory "
                              f"(first: {outside[0]}); refusing to diff it")
-    report = trace_cache.diff_report(str(a), str(b), trace_cache.step_files(trace_a), trace_cache.step_files(trace_b))
+    names = sorted({n for t in (trace_a, trace_b) for k in t.steps()[:1] for n in t.fields(k)})
+except TraceError as err:
+    st.error("A trace cannot be read; nothing was diffed.", icon=":material/error:")
+    st.text(str(err))
+    st.stop()
+
+with st.expander("Fields and tolerances (what `tracer diff` takes)", expanded=True):
+    fields = st.multiselect("Compare only these fields (none chosen: every field)", names, key="diff_fields_pick",
+                            help="--fields; masks and ids are still read to choose the positions compared")
+    left, right = st.columns(2)
+    atol_text = left.text_input("atol", key="diff_atol", placeholder="1e-4, ratio=1e-3",
+                                help="--atol: NUMBER for every float field, FIELD=NUMBER for one; comma-separated")
+    rtol_text = right.text_input("rtol", key="diff_rtol", placeholder="rewards=1e-2",
+                                 help="--rtol (relative to |a|): NUMBER or FIELD=NUMBER; comma-separated")
+    atol_items, rtol_items = split_tolerances(atol_text), split_tolerances(rtol_text)
+    st.code(cli_command(a, b, fields, atol_items, rtol_items), language="bash", wrap_lines=True)
+
+try:
+    atol, rtol = parse_tolerances(atol_items, "atol"), parse_tolerances(rtol_items, "rtol")
+except TraceError as err:
+    st.error("A tolerance cannot be read; nothing was diffed.", icon=":material/error:")
+    st.text(str(err))
+    st.stop()
+try:
+    report = trace_cache.diff_report(str(a), str(b), trace_cache.step_files(trace_a), trace_cache.step_files(trace_b),
+                                     tuple(fields) or None, tuple(sorted(atol.items())), tuple(sorted(rtol.items())))
 except TraceError as err:
     kind = "These traces cannot be compared" if isinstance(err, DiffInputError) else "A trace cannot be read"
     st.error(f"{kind}; nothing was diffed.", icon=":material/error:")
@@ -55,22 +101,36 @@ except TraceError as err:
 findings = report.findings()
 if report.equal:
     st.success(f"equal within tolerance: {report.step_pairs} step pairs compared "
-               f"({report.identical_by_checksum} identical by checksum).", icon=":material/check_circle:")
+               f"({report.identical_by_checksum} identical, {report.verified_files} files verified by checksum).",
+               icon=":material/check_circle:")
 else:
     st.error(f"different: {len(findings)} finding(s) over {report.step_pairs} step pairs.", icon=":material/error:")
 first = report.first_divergence
-if first is not None:  # token text inside: plain text, never Markdown
-    st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
+if report.cause is not None:  # field names and token text inside: plain text, never Markdown
+    st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})" if first
+            else f"cause: {headline(report)}")
+    follows = [f.name for f in report.downstream]
+    if follows:
+        st.text(f"follows from {report.cause.name}: {', '.join(follows)}")
+for tokens in report.token_alignment.values():
+    if tokens.differing_tokens or tokens.prompt_rows_differing:
+        st.text(tokens.summary())
 if findings:
-    st.code("\n".join(findings), language=None, wrap_lines=True)
+    with st.expander("The report as `tracer diff` prints it"):
+        st.code(report.format(), language=None, wrap_lines=True)
+        st.code(report.format(verbose=True), language=None, wrap_lines=True)
 
 st.subheader("Per-field summary")
 st.dataframe(report.field_table(), hide_index=True, width="stretch", key="diff_fields", column_config={
+    "role": st.column_config.TextColumn(help="cause: the most upstream diverging field at the earliest step; "
+                                             "follows: diverges downstream of it or later"),
     "max_abs_diff": st.column_config.NumberColumn(help="max |b - a| over compared positions = the smallest atol that passes"),
     "min_rtol": st.column_config.NumberColumn(help="the smallest rtol that passes at atol 0"),
     "first": st.column_config.TextColumn("first difference", help="step, sequence, token (text shown literally)")})
-st.caption("Per-token fields are compared only where both traces keep the position (the field's mask); "
-           "masks and ids exactly; floats within atol + rtol·|a|.")
+st.caption("Every step file is verified against its recorded checksum first. Per-token fields are compared "
+           "only where both traces keep the position (the field's mask) and, for logprobs and what is computed "
+           "from them, only where the prompt and the tokens so far agree; masks and ids exactly; floats within "
+           "atol + rtol·|a|.")
 
 st.header("Tokens side by side")
 steps = common_steps(trace_a.steps(), trace_b.steps(), trace_a.path.is_file() and trace_b.path.is_file(),
@@ -117,4 +177,5 @@ st.dataframe(style_side_by_side(frame, table), hide_index=True, width="stretch",
                  "token_text_b": st.column_config.TextColumn("token b", help="shown literally"),
                  "differs": st.column_config.TextColumn("differs", help="what differs beyond tolerance here")})
 st.caption("Red cells: values that differ beyond the field's tolerance (both shown, a then b), token ids or "
-           "masks that differ. Grey rows: positions not kept on both sides, where values are not compared.")
+           "masks that differ. Grey rows: positions whose values are not compared (not kept on both sides, or "
+           "after a token or prompt that differs).")

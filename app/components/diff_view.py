@@ -1,21 +1,83 @@
-"""The Diff page's tables: the step files two traces share, and the side-by-side token view of
-``tracer.diff.token_diff_table`` with differing cells marked and masked positions greyed. Pure
-pandas, no Streamlit: tests call it. Which values differ (tolerances, masks) is decided by
-``tracer.diff``; nothing here compares numbers.
+"""The Diff page's choices and tables: which pair of traces to open on, the ``tracer diff`` command
+a choice of fields and tolerances amounts to, the step files two traces share, and the side-by-side
+token view of ``tracer.diff.token_diff_table`` with differing cells marked and positions that are
+not compared greyed. Pure Python and pandas, no Streamlit: tests call it. Which values differ
+(tolerances, masks, token alignment) is decided by ``tracer.diff``; nothing here compares numbers.
 """
 
 from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import pandas as pd
 from pandas.io.formats.style import Styler
 
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS
-from tracer.diff_report import StepId
+from tracer.diff.report import StepId
 from tracer.reader import MASKED, TOKEN_VALUE_FIELDS, StepKey
 
 DIFF_STYLE = "background-color: #ffb3b3; color: #000000; font-weight: bold"
 DIFFERS_COLUMN = "differs"
 LEAD_COLUMNS = ("position", "token_text_a", "token_text_b", "mask_reason_a", "mask_reason_b", DIFFERS_COLUMN)
+
+
+BASELINE_KEY = "diff_baseline"  # manifest config key: the trace this one is a variant of (path relative to it)
+
+
+def declared_baseline(trace_path: Path, manifest: Mapping[str, Any], traces: list[Path]) -> Path | None:
+    """The trace among ``traces`` that ``trace_path``'s manifest names as its baseline
+    (``config.diff_baseline``, a path relative to the trace, as ``tracer.demo.diff_pair`` writes it)."""
+    config = manifest.get("config")
+    name = config.get(BASELINE_KEY) if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name:
+        return None
+    try:
+        target = (trace_path / name).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return next((t for t in traces if t.resolve() == target and t != trace_path), None)
+
+
+def default_pair(traces: list[Path], selected: Path | None, baselines: Mapping[Path, Path],
+                 comparable: Callable[[Path, Path], bool]) -> tuple[int, int]:
+    """Indices ``(a, b)`` into ``traces`` of the pair the Diff page opens on (``len(traces) >= 2``):
+    the selected trace and its declared baseline (a = baseline), else the first declared pair, else
+    the selected trace and the first trace it can be compared with, else the first comparable pair,
+    else the selected trace and the next one."""
+    index = {t: i for i, t in enumerate(traces)}
+    sel = index.get(selected, 0) if selected is not None else 0
+    if traces[sel] in baselines:
+        return index[baselines[traces[sel]]], sel
+    for variant, base in baselines.items():
+        if variant in index and base in index:
+            return index[base], index[variant]
+    partner = next((j for j, t in enumerate(traces) if j != sel and comparable(traces[sel], t)), None)
+    if partner is not None:
+        return sel, partner
+    for i, ta in enumerate(traces):
+        for j in range(i + 1, len(traces)):
+            if comparable(ta, traces[j]):
+                return i, j
+    return sel, (sel + 1) % len(traces)
+
+
+def split_tolerances(text: str) -> list[str]:
+    """``"1e-4, ratio=1e-3"`` -> ``["1e-4", "ratio=1e-3"]`` (commas or spaces between items)."""
+    return [item for item in re.split(r"[,\s]+", text.strip()) if item]
+
+
+def cli_command(a: Path, b: Path, fields: list[str], atol: list[str], rtol: list[str]) -> str:
+    """The ``tracer diff`` command line that compares what the page compares."""
+    parts = ["python", "-m", "tracer", "diff", str(a), str(b)]
+    if fields:
+        parts += ["--fields", ",".join(fields)]
+    for flag, items in (("--atol", atol), ("--rtol", rtol)):
+        for item in items:
+            parts += [flag, item]
+    return shlex.join(parts)
 
 
 def step_id(key: StepKey) -> StepId:
@@ -63,13 +125,16 @@ def side_by_side_frame(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _greyed(table: pd.DataFrame) -> pd.Series:
+    if "compared" in table:  # kept on both sides, with the same prompt and tokens so far (tracer.diff.tokens)
+        return ~table["compared"].fillna(False).astype(bool)
     kept_a = table["kept_a"].fillna(False).astype(bool) if "kept_a" in table else True
     kept_b = table["kept_b"].fillna(False).astype(bool) if "kept_b" in table else True
     return ~(kept_a & kept_b)
 
 
 def style_side_by_side(frame: pd.DataFrame, table: pd.DataFrame) -> Styler | pd.DataFrame:
-    """Grey the positions that are not kept on both sides (not compared), mark each differing cell
+    """Grey the positions whose values are not compared (not kept on both sides, or another prompt
+    or earlier token: the ``compared`` column of ``token_diff_table``), mark each differing cell
     (both values of a differing field, both token texts when ids differ, both mask reasons when the
     masks differ, and the ``differs`` cell) with :data:`DIFF_STYLE`, format floats with 7
     significant digits. ``frame`` is :func:`side_by_side_frame` of ``table``. Returns ``frame``

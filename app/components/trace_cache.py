@@ -20,6 +20,7 @@ from app.components.safe_trace import SafeTrace
 from tracer import views
 from tracer.checks import run_checks
 from tracer.diff import DiffReport, diff, token_diff_table
+from tracer.diff import comparable as comparable_traces
 from tracer.layout import MANIFEST_NAME
 from tracer.reader import StepKey, Trace
 
@@ -199,9 +200,18 @@ def findings(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(max_entries=4, show_spinner="Comparing the traces…")
-def diff_report(a: str, b: str, files_a: tuple[str, ...], files_b: tuple[str, ...]) -> DiffReport:
-    """``tracer.diff(a, b)``; the step file names of both sides key the cache. Raises TraceError."""
-    return diff(a, b, progress=False)
+def diff_report(a: str, b: str, files_a: tuple[str, ...], files_b: tuple[str, ...],
+                fields: tuple[str, ...] | None = None, atol: tuple[tuple[str, float], ...] = (),
+                rtol: tuple[tuple[str, float], ...] = ()) -> DiffReport:
+    """``tracer.diff(a, b, fields=, atol=, rtol=)`` (tolerances as ``(field or "*", value)`` pairs);
+    the step file names of both sides key the cache. Raises TraceError."""
+    return diff(a, b, fields=fields, atol=dict(atol) or None, rtol=dict(rtol) or None, progress=False)
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def comparable(a: str, b: str) -> bool:
+    """``tracer.diff.comparable``: whether the two traces can be diffed (headers only)."""
+    return comparable_traces(a, b) is None
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
@@ -213,7 +223,7 @@ def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
 
 
 _CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
-           findings, diff_report, token_diff, ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
+           findings, diff_report, comparable, token_diff, ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
            zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary)
 
 

@@ -5,7 +5,7 @@ Families, one module each: ``identity`` (first-step identity, old aliasing polic
 ``kl`` (k3 sign, ref - policy gap, negative k1 in one step or persistently), ``logprobs`` (no kept
 logprob above 0), ``nonfinite`` (NaN/Inf by dependency
 order), ``advantages`` (group sum, zero-variance groups, z-score bound, masked positions, PPO reward
-placement), ``sampler`` (sampler vs trainer logprobs) and ``recompute`` (ratio, KL, advantages, clip
+placement), ``sampler`` (sampler vs trainer logprobs), ``integrity`` (bytes vs recorded checksum) and ``recompute`` (ratio, KL, advantages, clip
 fractions, DPO terms, per-token loss and the loss reduction).
 
 Public API::
@@ -19,7 +19,8 @@ Public API::
 from __future__ import annotations
 
 from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
-    advantages, alignment, fields, identity, kl, logprobs, masks, nonfinite, recompute, reduction, sampler,
+    advantages, alignment, fields, identity, integrity, kl, logprobs, masks, nonfinite, recompute, reduction,
+    sampler,
 )
 from tracer.checks import micro_batches, probability  # noqa: F401,E402  (verl's checks, issue 17)
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance

@@ -47,6 +47,9 @@ class GRPOConfig:
     """Coefficient of ref_kl_k3 in the loss."""
     learning_rate: float = 1e-3
     """AdamW learning rate."""
+    scorer_clip: float = 3.0
+    """The scorer's reward is clipped to [-scorer_clip, scorer_clip] (the seed clips its reward model at 3;
+    the bundled diff pair changes it: ``tracer.demo.diff_pair``)."""
     seed: int = 0
     """Seeds prompts, sampling and the model build."""
 
@@ -78,7 +81,7 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
         policy = getattr(model, "module", model)  # sample with the bare model under DistributedDataParallel
         batch = ro.rollout(policy, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
         completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
-        components = ro.reward_components(batch.prompts, completions)  # (B, F)
+        components = ro.reward_components(batch.prompts, completions, cfg.scorer_clip)  # (B, F)
         rewards = components.sum(dim=1)  # (B,)
         advantages = formulas.group_advantages(rewards, cfg.num_generations)  # (B,)
         L = batch.prompt_ids.shape[1]
@@ -119,8 +122,9 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
     }
 
 
-def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None) -> Path:
-    """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``."""
+def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None, config: dict | None = None) -> Path:
+    """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``; ``config``
+    adds keys to the manifest's run config (e.g. ``diff_baseline``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(cfg.seed)
@@ -128,7 +132,7 @@ def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     with Tracer(out_dir, algorithm=cfg.loss_type, tokenizer=tokenizer,
-                config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop"},
+                config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop", **(config or {})},
                 hyperparameters=hyperparameters(cfg)) as tr:
         train(model, ref_model, tokenizer, cfg, tr, progress)
     return Path(out_dir)

@@ -86,17 +86,17 @@ def rollout(model, tokenizer, prompts: list[str], num_generations: int, max_new_
                    old_logprobs, group_ids)
 
 
-def tiny_scorer(answer: str) -> float:
-    """Stands in for MiniMind's reward model: a score clipped to [-3, 3] (seed section 4.1)."""
+def tiny_scorer(answer: str, clip: float = 3.0) -> float:
+    """Stands in for MiniMind's reward model: a score clipped to [-clip, clip] (seed section 4.1: 3)."""
     digits = sum(ch.isdigit() for ch in answer)
-    return max(min(2.0 * digits - 1.0 - 0.5 * len(answer.strip()), 3.0), -3.0)
+    return max(min(2.0 * digits - 1.0 - 0.5 * len(answer.strip()), clip), -clip)
 
 
-def reward_components(prompts: list[str], completions: list[str]) -> torch.Tensor:
+def reward_components(prompts: list[str], completions: list[str], scorer_clip: float = 3.0) -> torch.Tensor:
     """``[B, F]`` rule rewards + scorer (seed 4.2: rules added to a clipped reward-model score).
 
     Columns (``REWARD_COMPONENT_NAMES``): accuracy (1 when the first number is the sum),
-    length (+0.5 for 1-4 characters, else -0.5), scorer (``tiny_scorer``).
+    length (+0.5 for 1-4 characters, else -0.5), scorer (``tiny_scorer``, clipped to ±scorer_clip).
     """
     rows = []
     for prompt, completion in zip(prompts, completions):
@@ -104,5 +104,5 @@ def reward_components(prompts: list[str], completions: list[str]) -> torch.Tenso
         found = re.findall(r"\d+", completion)
         accuracy = 1.0 if found and int(found[0]) == a + b else 0.0
         length = 0.5 if 1 <= len(completion.strip()) <= 4 else -0.5
-        rows.append([accuracy, length, tiny_scorer(completion)])
+        rows.append([accuracy, length, tiny_scorer(completion, scorer_clip)])
     return torch.tensor(rows, dtype=torch.float32)

@@ -1,5 +1,6 @@
 """What ``tracer.diff`` returns: per-field statistics and differing positions with their token
-text, rendered as text (CLI, pytest failure message) and as JSON (``--json``, the app).
+text, rendered as text (the short report of ``tracer.diff.causes``; ``verbose=True`` for every
+detail) and as JSON (``--json``, the app).
 
 Side ``a`` is the reference (the baseline, ``expected``) and side ``b`` the candidate (``actual``):
 differences are ``b - a`` and relative tolerances are relative to ``|a|``.
@@ -12,8 +13,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tracer.schema import flow_rank
+
 if TYPE_CHECKING:
     import pandas as pd
+
+    from tracer.diff.tokens import TokenAlignment
 
 StepId = tuple[int, int, int, int]  # (step, inner_step, micro_batch, rank)
 FLOAT, EXACT, MASK = "float", "exact", "mask"  # how a field is compared
@@ -223,7 +228,9 @@ class DiffReport:
     Attributes:
         a, b: the two paths; ``labels`` name them in messages (``("expected", "actual")``).
         step_pairs: step files matched on both sides; ``identical_by_checksum`` of them were skipped
-            because their recorded ``content_sha256`` agree (statistics cover the other pairs).
+            because both files' bytes were verified against their ``content_sha256`` and the two
+            checksums agree (statistics cover the other pairs).
+        verified_files: step files whose bytes were verified against their recorded checksum.
         only_in_a, only_in_b: steps ``(step, inner_step, micro_batch, rank)`` on one side only.
         fields: every compared field, passing or not, in comparison order.
         missing_fields: ``{field: {"only_in": "a"|"b", "step_pairs": n, "first_step": StepId}}``.
@@ -231,6 +238,7 @@ class DiffReport:
             metadata that differs (``content_sha256``, ``source_dtype`` and step identity ignored).
         unreadable: ``{step label: reason}`` for step pairs not compared because a file on either
             side cannot be read (the reason names the file); such a pair makes the traces unequal.
+        token_alignment: ``{ids field: TokenAlignment}``, how the sampled tokens line up.
     """
 
     a: str
@@ -239,12 +247,14 @@ class DiffReport:
     algorithm: str | None = None
     step_pairs: int = 0
     identical_by_checksum: int = 0
+    verified_files: int = 0
     only_in_a: list[StepId] = field(default_factory=list)
     only_in_b: list[StepId] = field(default_factory=list)
     fields: dict[str, FieldDiff] = field(default_factory=dict)
     missing_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
+    token_alignment: dict[str, "TokenAlignment"] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -259,11 +269,30 @@ class DiffReport:
                     or self.differing_fields or self.unreadable)
 
     @property
+    def cause(self) -> FieldDiff | None:
+        """The headline field: among failing fields, the one that diverges at the earliest step
+        and, at that step, comes first in the data-flow order (``tracer.schema.DATA_FLOW``, SPEC.md
+        section 10); every other failing field follows from it. A field failing by drift alone
+        (no located position) is the cause only when no field has a located divergence."""
+        bad = [f for f in self.fields.values() if not f.passed]
+        located = [f for f in bad if f.first is not None]
+        if located:
+            return min(located, key=lambda f: (f.first.step, flow_rank(f.name), f.name))
+        return min(bad, key=lambda f: (flow_rank(f.name), f.name)) if bad else None
+
+    @property
+    def downstream(self) -> list[FieldDiff]:
+        """Failing fields other than :attr:`cause`, in data-flow order (then by first step)."""
+        cause = self.cause
+        far = (math.inf, 0, 0, 0)
+        return sorted((f for f in self.fields.values() if not f.passed and f is not cause),
+                      key=lambda f: (flow_rank(f.name), f.first.step if f.first else far, f.name))
+
+    @property
     def first_divergence(self) -> tuple[str, Location] | None:
-        """``(field, location)`` of the earliest differing position (step, then position; masks
-        and ids before values on a tie)."""
-        firsts = [(f.first.step, i, f.name, f.first) for i, f in enumerate(self.fields.values()) if f.first]
-        return min(firsts, key=lambda t: t[:2])[2:] if firsts else None
+        """``(field, location)`` of the :attr:`cause`'s first differing position."""
+        cause = self.cause
+        return (cause.name, cause.first) if cause is not None and cause.first is not None else None
 
     def findings(self) -> list[str]:
         """One line per finding; empty when ``equal``."""
@@ -282,8 +311,15 @@ class DiffReport:
         out.extend(f.summary() for f in self.differing_fields)
         return out
 
-    def format(self, max_locations: int = 10) -> str:
-        """The readable report: header, findings, then each differing field's details."""
+    def format(self, max_locations: int = 10, verbose: bool = False) -> str:
+        """The readable report. Short by default (``tracer.diff.causes.render_short``: the headline,
+        a table of the diverging fields, the tolerances that would pass, what to do); with
+        ``verbose``, every finding and each differing field's details (``max_locations`` positions
+        per field)."""
+        if not verbose:
+            from tracer.diff.causes import render_short
+
+            return render_short(self)
         findings = self.findings()
         plural = "s" if len(findings) > 1 else ""
         verdict = f"DIFFERENT ({len(findings)} finding{plural})" if findings else "EQUAL within tolerance"
@@ -291,32 +327,40 @@ class DiffReport:
         for side, label, path in (("a", self.labels[0], self.a), ("b", self.labels[1], self.b)):
             lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
         lines.append(f"  {self.algorithm or 'unknown algorithm'} · {self.step_pairs} step pairs "
-                     f"({self.identical_by_checksum} identical by checksum) · only in a: "
+                     f"({self.identical_by_checksum} identical by verified checksum) · only in a: "
                      f"{len(self.only_in_a)} · only in b: {len(self.only_in_b)}")
         first = self.first_divergence
         if first:
             lines.append(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
         if findings:
             lines += ["", *findings]
+        tokens = [t.summary() for t in self.token_alignment.values() if t.differing_tokens or t.prompt_rows_differing]
+        if tokens:
+            lines += ["", "tokens:", *("  " + line for line in tokens)]
         for f in self.differing_fields:
             count = f"{f.differing} differing in {f.step_pairs_differing} step pairs" if f.differing else "drift only"
             lines += ["", f"{f.name} ({f.kind}, {count}):",
                       *("  " + line for line in f.details(max_locations))]
         return "\n".join(lines)
 
-    __str__ = format
+    def __str__(self) -> str:
+        return self.format()
 
     def field_table(self) -> "pd.DataFrame":
-        """One row per compared field, failing first (a summary table for the app): ``field, kind,
-        passed, dtype_a, dtype_b, atol, rtol, mask, compared, differing, share, max_abs_diff``
-        (= the smallest passing atol), ``min_rtol, mean_diff, drift, shift, first`` (where)."""
+        """One row per compared field, the cause first, then what follows from it (data-flow
+        order), then the passing fields (a summary table for the app): ``field, role`` (``cause``,
+        ``follows`` or ``""``), ``kind, passed, dtype_a, dtype_b, atol, rtol, mask, compared,
+        differing, share, max_abs_diff`` (= the smallest passing atol), ``min_rtol, mean_diff,
+        drift, shift, first`` (where)."""
         import pandas as pd
 
-        columns = ["field", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
+        columns = ["field", "role", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
                    "differing", "share", "max_abs_diff", "min_rtol", "mean_diff", "drift", "shift", "first"]
-        failing = self.differing_fields
+        cause = self.cause
+        failing = ([cause] if cause else []) + self.downstream
         ordered = failing + [f for f in self.fields.values() if f.passed]
-        rows = [[f.name, f.kind, f.passed, f.dtype_a, f.dtype_b, f.tolerance.atol if f.tolerance else 0.0,
+        rows = [[f.name, "cause" if f is cause else ("follows" if not f.passed else ""), f.kind, f.passed,
+                 f.dtype_a, f.dtype_b, f.tolerance.atol if f.tolerance else 0.0,
                  f.tolerance.rtol if f.tolerance else 0.0, f.mask, f.compared, f.differing, f.share,
                  f.max_abs_diff, f.min_rtol, f.mean_diff, f.drift, f.shift, f.first.where() if f.first else None]
                 for f in ordered]
@@ -334,7 +378,10 @@ class DiffReport:
             "labels": list(self.labels), "algorithm": self.algorithm, "step_pairs": self.step_pairs,
             "identical_by_checksum": self.identical_by_checksum, "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
-            "unreadable": self.unreadable,
+            "unreadable": self.unreadable, "verified_files": self.verified_files,
+            "cause": self.cause.name if self.cause else None,
+            "downstream": [f.name for f in self.downstream],
+            "token_alignment": {k: asdict(v) for k, v in self.token_alignment.items()},
             "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
             "fields": fields,
         }

@@ -1,0 +1,51 @@
+"""Trace vs trace: ``diff(a, b) -> DiffReport``, mask-aware, streaming tensor by tensor.
+
+The stage in four steps, one module each: ``inputs`` (what can be compared, step pairing,
+tolerances), ``engine`` (the comparison, after verifying every file), ``stats`` (per-field
+statistics: tolerance test, drift, shift), ``tokens`` (where the sampled tokens agree), and the
+result: ``report`` (DiffReport, verbose text, JSON) and ``causes`` (the headline and the short text).
+
+Rules (documented in docs/regression-testing.md):
+
+- Integrity first: every paired step file that records ``content_sha256`` (TraceWriter's files do)
+  is verified against its bytes (``tracer.integrity.verify_step_file``). A mismatch is corruption
+  of that file: :class:`~tracer.errors.ChecksumError` naming it, nothing is compared (the CLI exits
+  2). Step pairs whose two *verified* checksums agree are identical and not compared further.
+- Step files are matched by ``(step, inner_step, micro_batch, rank)``; two single step files are
+  compared with each other whatever their step numbers. Steps on one side only are findings.
+- Per-token fields are compared only where both sides keep the position: ``completion_mask`` for
+  ``[B, T]`` fields, ``chosen_mask``/``rejected_mask`` for ``chosen_*``/``rejected_*`` fields,
+  ``prompt_mask`` for ``[B, L]`` fields. Masks themselves are compared everywhere, exactly. Fields
+  outside the schema are compared at every position.
+- Token alignment: token-aligned ``[B, T]`` value fields (logprobs, ratio, KL, entropy, values,
+  per-token advantages and loss) are compared only where both sides also have the same prompt and
+  the same tokens up to that position (``tracer.diff.tokens``); the report counts the positions
+  whose tokens differ and locates the first one.
+- Integer and bool fields compare exactly. Float fields pass when ``|b - a| <= atol + rtol * |a|``
+  (``a`` is the reference), with defaults by the coarser dtype of the two sides (those of
+  ``torch.testing.assert_close``, see ``DEFAULT_TOLERANCES``), overridable per field.
+- Drift: with ``d = b - a`` over the compared finite positions of a float field, in the step pairs
+  where that field's values differ at all, a drift is reported when at least
+  ``DRIFT_MIN_POSITIONS`` positions are compared, ``|mean(d)| > DRIFT_FRACTION * (atol + rtol *
+  mean|a|)``, and at least ``DRIFT_SIGN_SHARE`` of all those positions have ``d`` of the sign of
+  the mean: a one-sided shift fails the diff even when every element is within tolerance, while a
+  few outliers (``d = 0`` elsewhere) or symmetric noise do not count as drift.
+- Shift: when a ``[B, T]``/``[B, L]`` field differs, ``b[t]`` is compared with ``a[t-1]`` (shift
+  +1) and ``a[t+1]`` (shift -1) where both neighbours are kept; a shift is reported when the
+  shifted comparison passes everywhere, or its mean ``|Δ|`` is under ``SHIFT_IMPROVEMENT`` times
+  the unshifted one.
+- Cause: the headline names the failing field that diverges at the earliest step and, at that
+  step, comes first in the data-flow order ``tracer.schema.DATA_FLOW`` (SPEC.md section 10); the
+  other failing fields are listed under it as following from it.
+"""
+
+from tracer.diff.engine import IGNORED_METADATA, diff, token_diff_table
+from tracer.diff.inputs import DiffInputError, comparable, parse_tolerances
+from tracer.diff.report import DiffReport, FieldDiff, Location, Tolerance, step_label
+from tracer.diff.tokens import TokenAlignment
+from tracer.diff.stats import (DEFAULT_TOLERANCES, DRIFT_FRACTION, DRIFT_MIN_POSITIONS, DRIFT_SIGN_SHARE,
+                               SHIFT_IMPROVEMENT)
+
+__all__ = ["diff", "token_diff_table", "comparable", "parse_tolerances", "DiffReport", "FieldDiff", "Location",
+           "TokenAlignment", "Tolerance", "DiffInputError", "step_label", "IGNORED_METADATA", "DEFAULT_TOLERANCES",
+           "DRIFT_FRACTION", "DRIFT_SIGN_SHARE", "DRIFT_MIN_POSITIONS", "SHIFT_IMPROVEMENT"]

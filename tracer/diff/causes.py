@@ -1,0 +1,146 @@
+"""The short text report of a diff: the headline (the upstream cause), a table of the diverging
+fields with what follows from it, the tolerances that would pass, and what to do.
+
+The headline is :attr:`DiffReport.cause`: the failing field that diverges at the earliest step and,
+at that step, comes first in the data-flow order ``tracer.schema.DATA_FLOW`` (SPEC.md section 10:
+prompt -> completion ids/masks -> rewards -> values -> advantages -> sampler/old/ref logprobs ->
+policy logprobs -> ratio/KL -> per-token loss -> loss). Changing the reward function changes the
+rewards first and every later field through them: the headline says ``rewards``, and the rest is
+listed as following from it. ``DiffReport.format(verbose=True)`` keeps every detail.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, step_label
+from tracer.schema import DATA_FLOW, flow_rank
+
+# A name per stage of DATA_FLOW, for the cause line.
+STAGES = ("prompt", "completion", "reward", "value", "advantage", "rollout/reference logprob", "policy logprob",
+          "ratio/KL", "per-token loss", "loss")
+assert len(STAGES) == len(DATA_FLOW)
+MAX_ROWS = 12  # diverging fields shown in the table
+MAX_OTHER = 5  # other findings (metadata, missing fields, steps on one side) shown
+
+
+def round_up(x: float) -> float:
+    """``x`` rounded up to two significant digits (a tolerance that passes where ``x`` does)."""
+    if not x > 0 or not math.isfinite(x):
+        return x
+    rounded = float(f"{x:.2g}")
+    if rounded < x:  # rounded down: one unit of the second digit more
+        rounded = float(f"{rounded + 10.0 ** (math.floor(math.log10(x)) - 1):.2g}")
+    return rounded
+
+
+def passes_with(f: FieldDiff) -> str:
+    """The smallest tolerance that would pass ``f``, as a CLI flag, or why none does."""
+    if f.kind != FLOAT:
+        return "none (compared exactly)"
+    if f.differing == 0:
+        return "none (a drift: see --verbose)"
+    if not math.isfinite(f.max_abs_diff):
+        return "none (NaN/inf on one side)"
+    return f"--atol {f.name}={round_up(f.max_abs_diff):g}"
+
+
+def _stage(name: str) -> str:
+    stage = flow_rank(name)[0]
+    return STAGES[stage] if stage < len(STAGES) else "non-canonical"
+
+
+def headline(report: DiffReport) -> str:
+    """``rewards diverges first, at step 0, seq 1 (a=0.5, b=0.6)``; empty when nothing does."""
+    cause = report.cause
+    if cause is None:
+        return ""
+    if cause.first is None:
+        return f"{cause.name} drifts ({cause.drift_detail})"
+    loc = cause.first
+    return f"{cause.name} diverges first, at {loc.where()} ({loc.values()})"
+
+
+def _cause_line(report: DiffReport, cause: FieldDiff) -> str:
+    n = f"{cause.differing} of {cause.compared} {'kept ' if cause.mask else ''}positions differ ({cause.share:.1%})"
+    if cause.kind == FLOAT and cause.differing:
+        n += f", max |Δ|={cause.max_abs_diff:.2g}, mean(b-a)={cause.mean_diff or 0.0:+.2g}"
+    elif cause.kind == MASK:
+        n += f" (kept only in a: {cause.kept_only_in_a}, only in b: {cause.kept_only_in_b})"
+    stage = flow_rank(cause.name)[0]
+    same = [f.name for f in report.downstream if flow_rank(f.name)[0] == stage and f.first is not None
+            and cause.first is not None and f.first.step == cause.first.step]
+    also = f"; same stage, same step: {', '.join(same)}" if same else ""
+    return f"cause: {cause.name} ({_stage(cause.name)} stage of the data flow): {n}{also}"
+
+
+def _table(fields: list[FieldDiff]) -> list[str]:
+    rows = [("field", "kind", "differing", "share", "max |Δ|", "first at", "passes with")]
+    for f in fields[:MAX_ROWS]:
+        max_d = f"{f.max_abs_diff:.2g}" if f.kind == FLOAT else "-"
+        first = f.first.where() if f.first else "(drift)"
+        rows.append((f.name, f.kind, f"{f.differing}/{f.compared}", f"{f.share:.1%}", max_d, first, passes_with(f)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if len(fields) > MAX_ROWS:
+        lines.append(f"  … {len(fields) - MAX_ROWS} more diverging fields (--verbose)")
+    return lines
+
+
+def _others(report: DiffReport) -> list[str]:
+    field_lines = {f.summary() for f in report.fields.values() if not f.passed}
+    others = [line for line in report.findings() if line not in field_lines]
+    if len(others) > MAX_OTHER:
+        others = others[:MAX_OTHER] + [f"… {len(others) - MAX_OTHER} more (--verbose)"]
+    return others
+
+
+def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
+    lines = ["what to do:"]
+    floats = [f for f in failing if f.kind == FLOAT and f.differing and math.isfinite(f.max_abs_diff)]
+    exact = [f.name for f in failing if f.kind in (EXACT, MASK)]
+    if exact:
+        lines.append(f"  {', '.join(exact)} differ exactly: no tolerance passes; if the change is intended, "
+                     "re-record the baseline (pytest --tracer-regen), else look at the cause above")
+    elif floats:
+        flags = " ".join(passes_with(f) for f in floats)
+        lines.append(f"  to accept differences this size: {flags}")
+    lines.append("  --verbose: every differing position; --json: everything; --fields F1,F2: compare some fields only")
+    return lines
+
+
+def render_short(report: DiffReport) -> str:
+    """The default text report: fits a screen for the common case."""
+    findings = report.findings()
+    head = headline(report)
+    if not findings:
+        verdict = "EQUAL within tolerance"
+    else:
+        verdict = f"DIFFERENT: {head}" if head else f"DIFFERENT ({len(findings)} finding{'s' * (len(findings) > 1)})"
+    lines = [f"tracer diff: {verdict}"]
+    for side, label, path in (("a", report.labels[0], report.a), ("b", report.labels[1], report.b)):
+        lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
+    compared = (f"{len(report.fields)} fields compared" if report.fields or report.identical_by_checksum < report.step_pairs
+                else "nothing left to compare")
+    lines.append(f"  {report.algorithm or 'unknown algorithm'} · {report.step_pairs} step pairs "
+                 f"({report.identical_by_checksum} identical) · {report.verified_files} files verified by "
+                 f"checksum · {compared}")
+    cause = report.cause
+    failing = ([cause] if cause else []) + report.downstream
+    if cause is not None:
+        lines += ["", _cause_line(report, cause)]
+        if report.downstream:
+            lines.append(f"follows from {cause.name} (later in the data flow, or at later steps):")
+        lines += _table(failing)
+    tokens = [t.summary() for t in report.token_alignment.values() if t.differing_tokens or t.prompt_rows_differing]
+    if tokens:
+        lines += ["", "tokens:", *("  " + t for t in tokens)]
+    others = _others(report)
+    if others:
+        lines += ["", "also:", *("  " + line for line in others)]
+    if findings:
+        lines += ["", *_what_to_do(report, failing)]
+    return "\n".join(lines)
+
+
+__all__ = ["headline", "passes_with", "render_short", "round_up", "step_label"]

@@ -1,0 +1,168 @@
+"""What a diff starts from: two traces that can be compared (same algorithm, schema version,
+shapes), their step files paired, the tolerances given by the caller, and the names they use."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from tracer.diff.report import StepId, step_label
+from tracer.diff.stats import coarseness
+from tracer.errors import TraceError, TraceFormatError
+from tracer.integrity import check_step_header, open_step_file
+from tracer.reader import StepKey, Trace
+from tracer.schema import FIELDS, decode_metadata
+
+
+class DiffInputError(TraceError):
+    """Two traces that cannot be compared: different algorithms or schema versions, a field whose
+    shape or kind differs, or a field name that neither trace has."""
+
+
+def parse_tolerances(values: Iterable[str], flag: str = "--atol") -> dict[str, float]:
+    """``["1e-4", "ratio=1e-3"]`` -> ``{"*": 1e-4, "ratio": 1e-3}`` (the CLI's and the app's syntax;
+    ``"*"`` = every other float field). Raises TraceError naming the bad item."""
+    out = {}
+    for text in values:
+        text = text.strip()
+        if not text:
+            continue
+        name, _, number = text.rpartition("=")
+        try:
+            out[name.strip() or "*"] = float(number)
+        except ValueError:
+            raise TraceError(f"{flag} {text!r}: expected FIELD=NUMBER or NUMBER, e.g. {flag} ratio=1e-4") from None
+    return out
+
+
+def schema_version(trace: Trace) -> str | None:
+    version = trace.manifest.get("schema_version")
+    for key in trace.steps() if version is None else []:
+        try:
+            version = trace.metadata(key).get("schema_version")
+        except TraceFormatError:
+            continue
+        break
+    return None if version is None else str(version)
+
+
+def check_compatible(trace_a: Trace, trace_b: Trace) -> None:
+    """Raise DiffInputError for traces of different algorithms or schema versions."""
+    algo_a, algo_b = trace_a.algorithm, trace_b.algorithm
+    if algo_a and algo_b and algo_a != algo_b:
+        raise DiffInputError(
+            f"cannot diff a {algo_a} trace ({trace_a.path}) with a {algo_b} trace ({trace_b.path}): their "
+            "fields and metadata mean different things; compare two traces of the same algorithm")
+    ver_a, ver_b = schema_version(trace_a), schema_version(trace_b)
+    if ver_a and ver_b and ver_a != ver_b:
+        raise DiffInputError(
+            f"cannot diff schema version {ver_a} ({trace_a.path}) with schema version {ver_b} "
+            f"({trace_b.path}): field names and layouts can change between versions; re-record the "
+            "older trace with the current tracer")
+
+
+def step_id(key: StepKey) -> StepId:
+    return (key.step, key.inner_step, key.micro_batch, key.rank)
+
+
+def pair_steps(trace_a: Trace, trace_b: Trace):
+    """``(pairs, only_a, only_b)``: step files matched by ``(step, inner_step, micro_batch, rank)``
+    (two single step files pair whatever their numbers), and the step ids on one side only."""
+    keys_a, keys_b = trace_a.steps(), trace_b.steps()
+    if trace_a.path.is_file() and trace_b.path.is_file():
+        for trace, keys in ((trace_a, keys_a), (trace_b, keys_b)):
+            if not keys:  # a single step file whose header does not open
+                raise TraceFormatError(next(iter(trace.scan().values()), f"{trace.path}: no readable step file"))
+        return [(keys_a[0], keys_b[0])], [], []
+    by_b = {step_id(k): k for k in keys_b}
+    ids_a = {step_id(k) for k in keys_a}
+    pairs = [(k, by_b[step_id(k)]) for k in keys_a if step_id(k) in by_b]
+    only_a = [step_id(k) for k in keys_a if step_id(k) not in by_b]
+    only_b = [step_id(k) for k in keys_b if step_id(k) not in ids_a]
+    return pairs, only_a, only_b
+
+
+def comparable(a: str | Path, b: str | Path) -> str | None:
+    """Why traces ``a`` and ``b`` cannot be diffed, from headers only (algorithm, schema version,
+    shared step files, shapes of the first shared step pair), or None when they can. For a UI that
+    picks a pair to open on; :func:`tracer.diff` says the same with an error."""
+    try:
+        trace_a, trace_b = Trace(a), Trace(b)
+        check_compatible(trace_a, trace_b)
+        pairs, _, _ = pair_steps(trace_a, trace_b)
+        if not pairs:
+            return "no step file in common"
+        heads = [trace_a.fields(pairs[0][0]), trace_b.fields(pairs[0][1])]
+        algorithm = trace_a.algorithm or trace_b.algorithm
+        for name in set(heads[0]) & set(heads[1]):
+            check_pair(name, step_id(pairs[0][0]), heads[0][name], heads[1][name], algorithm)
+    except TraceError as err:
+        return str(err)
+    return None
+
+
+def per_field(value: float | Mapping[str, float] | None, what: str) -> dict[str, float]:
+    """A tolerance given as one number or ``{field: number}``, as ``{field or "*": float}``."""
+    if value is None:
+        return {}
+    if isinstance(value, (int, float)):
+        value = {"*": value}
+    out = {}
+    for name, number in value.items():
+        if not isinstance(number, (int, float)) or isinstance(number, bool) or not number >= 0:
+            raise DiffInputError(f"{what} for {name!r} is {number!r}; pass a number >= 0")
+        out[str(name)] = float(number)
+    return out
+
+
+@contextmanager
+def open_checked(path: Path, trace: Trace | None = None):
+    """Open a step file (bounded header read); with ``trace``, also check its header against the
+    schema. Raises TraceFormatError naming the file."""
+    with open_step_file(path) as fh:
+        if trace is not None:
+            algorithm = decode_metadata(fh.metadata()).get("algorithm", trace.manifest.get("algorithm"))
+            check_step_header(path, fh, algorithm if isinstance(algorithm, str) else None)
+        yield fh
+
+
+def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> None:
+    """Raise DiffInputError when ``fields`` or a tolerance names a field neither trace has."""
+    names: set[str] = set()
+    for pair in pairs:  # the first pair whose files open
+        try:
+            for key in pair:
+                with open_checked(key.path) as fh:
+                    names |= set(fh.keys())
+        except TraceFormatError:
+            names = set()
+            continue
+        break
+    for what, asked in (("fields", wanted or []), ("atol", atols), ("rtol", rtols)):
+        unknown = sorted(set(asked) - names - {"*"})
+        if unknown:
+            raise DiffInputError(
+                f"{what} names {unknown}, which neither trace has (fields of the first step: "
+                f"{sorted(names)}); check the spelling")
+
+
+def check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None = None) -> None:
+    """Raise DiffInputError when a field's shapes (other than the T/L widths) or kinds differ."""
+    (shape_a, dtype_a), (shape_b, dtype_b) = head_a, head_b
+    spec = FIELDS.get(name)
+    dims = spec.dims_for(algorithm) if spec else ()
+    if (shape_a != shape_b and tuple(dims) in (("B", "T"), ("B", "L")) and len(shape_a) == len(shape_b) == 2
+            and shape_a[0] == shape_b[0]):
+        pass  # completions (prompts) of different widths: compared over the wider one, extra positions not kept
+    elif shape_a != shape_b:
+        raise DiffInputError(
+            f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
+            "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both with "
+            "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
+    kinds = {d: ("float" if coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
+    if kinds[dtype_a] != kinds[dtype_b]:
+        raise DiffInputError(
+            f"field {name!r} is {kinds[dtype_a]} ({dtype_a}) in a but {kinds[dtype_b]} ({dtype_b}) in b at "
+            f"{step_label(step)}: values of different kinds cannot be compared; record the field with "
+            "the same dtype kind on both sides")
