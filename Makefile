@@ -65,7 +65,14 @@ $(VLLM_STAMP): pyproject.toml .ci/vllm-constraints.txt
 test-vllm: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine
 
-# Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine.
+# Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine, and the two
+# broken runs the app tests open (tests/data/vllm_bugs/, without their 1.4 MB model).
+VLLM_BUGS = raw-logprobs top-p
 sample-trace-vllm: $(VLLM_STAMP)
 	rm -rf sample_traces/grpo-vllm-tiny
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --out sample_traces/grpo-vllm-tiny --steps 4 --seed 0
+	for bug in $(VLLM_BUGS); do \
+	  rm -rf tests/data/vllm_bugs/$$bug; \
+	  HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --bug $$bug --out tests/data/vllm_bugs/$$bug --steps 2 --seed 0 || exit 1; \
+	  rm -rf tests/data/vllm_bugs/$$bug/model; \
+	done
