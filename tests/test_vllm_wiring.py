@@ -4,6 +4,7 @@ calls) runs tests/vllm_engine in the vLLM venv, and the main run leaves them to 
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,3 +23,24 @@ def test_make_test_runs_the_vllm_tests_in_the_vllm_venv():
     assert len(vllm_runs) == 1 and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in vllm_runs[0]
     assert len(main_runs) == 1 and "--ignore=tests/vllm_engine" in main_runs[0]
     assert (REPO / "tests" / "vllm_engine" / "test_grpo_vllm.py").is_file()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+@pytest.mark.parametrize("args", [["--algo", "grpo-vllm"], ["--algo", "grpo", "--rollout", "vllm"]])
+def test_vllm_demos_without_vllm_say_how_to_get_it(tmp_path, capsys, args):
+    from tracer.cli import main
+
+    assert main(["demo", *args, "--out", str(tmp_path / "t")]) == 2
+    assert "make .venv-vllm" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--algo", "grpo", "--bug", "top-p"], "--bug applies to --algo grpo-vllm only"),
+    (["--algo", "dpo", "--rollout", "vllm"], "--rollout vllm applies to --algo grpo and cispo only"),
+])
+def test_vllm_options_on_other_demos_are_refused(tmp_path, capsys, args, message):
+    from tracer.cli import main
+
+    assert main(["demo", *args, "--out", str(tmp_path / "t")]) == 2
+    assert message in capsys.readouterr().err

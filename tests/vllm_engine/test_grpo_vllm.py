@@ -148,3 +148,21 @@ def test_demo_bug_makes_check_fail_naming_the_cause(tmp_path, bug, cause):
     assert rows and all(r["severity"] == ERROR for r in rows)
     assert all(any(cause in p for p in r["details"]["patterns"]) for r in rows)
     assert not math.isnan(rows[0]["details"]["mean_abs"])
+
+
+def test_hand_written_loop_with_vllm_rollout_syncs_weights_every_step(tmp_path):
+    # the engine samples, the loop scores the same tokens with its own model: with the weights synced
+    # before every rollout both sides run the same fp32 model, so they agree to rounding at every
+    # step, also after the optimizer moved the policy (the loop's second pass has ratio != 1)
+    out = tmp_path / "loop"
+    proc = cli("demo", "--algo", "grpo", "--rollout", "vllm", "--out", str(out), "--steps", "3")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trace = Trace(out)
+    meta = trace.metadata(trace.steps()[0])
+    assert meta["sampler_engine"] == "vllm" and meta["old_logprobs_source"] == "trainer_forward"
+    findings = sampler_findings(out)
+    assert sorted(f.step for f in findings) == [0, 1, 2]
+    assert all(f.severity == INFO and f.details["max_abs"] < 1e-4 for f in findings)
+    moved = [k for k in trace.steps() if k.inner_step == 1]  # the second pass over a rollout: policy != old
+    assert moved and any(float((trace.load_step(k)["ratio"] - 1).abs().max()) > 1e-3 for k in moved)
+    assert cli("check", str(out)).returncode == 0
