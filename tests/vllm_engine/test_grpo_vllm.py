@@ -115,6 +115,8 @@ def test_healthy_run_passes_check_and_records_the_correction(token_run):
     meta = Trace(token_run / "trace").metadata(sorted(Trace(token_run / "trace").steps())[0])
     assert meta["sampler_engine"] == "vllm" and meta["is_mode"] == "token_truncate" and meta["is_clip_max"] == 3.0
     assert meta["sampler_logprobs_mode"] == "processed_logprobs" and meta["is_correction"] is True
+    # TRL passes vLLM no dtype, and vLLM's "auto" runs a float32 model in bfloat16
+    assert meta["sampler_dtype"] == "bfloat16"
     proc = cli("check", str(token_run / "trace"))
     assert proc.returncode == 0, proc.stdout
     findings = sampler_findings(token_run / "trace")

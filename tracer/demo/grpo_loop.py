@@ -121,7 +121,8 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
         "top_p": 1.0, "top_k": 0, "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": eps_high,
         "loss_reduction": "sequence_mean",
         "old_logprobs_source": "sampler_forward" if cfg.rollout == "hf" else "trainer_forward",
-        **({"sampler_engine": "vllm", "sampler_logprobs_mode": "processed_logprobs"} if cfg.rollout == "vllm" else {}),
+        **({"sampler_engine": "vllm", "sampler_logprobs_mode": "processed_logprobs", "sampler_dtype": "float32"}
+           if cfg.rollout == "vllm" else {}),
         "reward_component_names": ro.REWARD_COMPONENT_NAMES,
         **({"cispo_epsilon_high": cfg.epsilon_high} if cfg.loss_type == "cispo" else {}),
     }

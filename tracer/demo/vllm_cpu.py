@@ -23,8 +23,9 @@ __all__ = ["engine_environment", "keep_cpu_linear_weights", "ENGINE_ENV"]
 
 # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in this process (otherwise it spawns a
 # process that re-imports __main__). VLLM_CPU_KVCACHE_SPACE is in GiB. VLLM_LOGGING_LEVEL: the engine's
-# INFO lines (profiling, KV cache size) would bury the demo's output.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+# INFO lines and one "float32 weight into a bfloat16 parameter" warning per tensor per sync would bury
+# the demo's output (the dtype is recorded: sampler_dtype).
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR",
               "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
 
 

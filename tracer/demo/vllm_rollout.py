@@ -33,6 +33,7 @@ class VLLMSampler:
     """
 
     logprobs_mode = "processed_logprobs"
+    dtype = "float32"  # as the loop's model (vLLM's "auto" would run a float32 model in bfloat16)
 
     def __init__(self, model_dir: str | os.PathLike, seed: int = 0, max_model_len: int = 128) -> None:
         from tracer.demo.vllm_cpu import engine_environment, keep_cpu_linear_weights
@@ -42,7 +43,7 @@ class VLLMSampler:
         self._stack.enter_context(keep_cpu_linear_weights())
         from vllm import LLM
 
-        self.llm = LLM(model=str(Path(model_dir)), dtype="float32", seed=seed, max_model_len=max_model_len,
+        self.llm = LLM(model=str(Path(model_dir)), dtype=self.dtype, seed=seed, max_model_len=max_model_len,
                        max_num_batched_tokens=4096, distributed_executor_backend="external_launcher",
                        logprobs_mode=self.logprobs_mode)
 

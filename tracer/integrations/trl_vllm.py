@@ -21,7 +21,7 @@ Facts from TRL 1.16's ``grpo_trainer.py`` (``_generate_and_score_completions``):
 Recorded: ``is_weights`` ``[B, T]`` (token modes) or ``sequence_is_weights`` ``[B]`` (sequence
 modes), TRL's weights *after* its truncation or masking; and the correction settings as
 hyperparameters (``sampler_engine``, ``is_correction``, ``is_mode``, ``is_clip_min``,
-``is_clip_max``, ``sampler_logprobs_mode``). The raw ratio ``exp(old - sampler)`` is not stored:
+``is_clip_max``, ``sampler_logprobs_mode``, ``sampler_dtype``). The raw ratio ``exp(old - sampler)`` is not stored:
 it follows from ``old_logprobs`` and ``sampler_logprobs`` (:func:`tracer.formulas.sampler_log_ratio`).
 """
 
@@ -32,23 +32,36 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["IS_RATIO_KEY", "sampler_hyperparameters", "is_weight_tensors", "engine_logprobs_mode"]
+__all__ = ["IS_RATIO_KEY", "sampler_hyperparameters", "is_weight_tensors", "engine_logprobs_mode", "engine_dtype"]
 
 log = logging.getLogger(__name__)
 
 IS_RATIO_KEY = "importance_sampling_ratio"  # TRL's key in the rollout dict / loss inputs
 
 
+def _engine_config(trainer: Any, name: str) -> Any:
+    """``llm.llm_engine.model_config.<name>`` of the colocated engine, None when unreadable (server mode)."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    try:
+        return getattr(llm.llm_engine.model_config, name)
+    except AttributeError:
+        return None
+
+
 def engine_logprobs_mode(trainer: Any) -> str | None:
     """The ``logprobs_mode`` of the colocated vLLM engine (``"processed_logprobs"`` as TRL builds
     it, ``"raw_logprobs"`` ...), read from the engine itself; None when there is no colocated
-    engine or the attribute path is unknown (server mode)."""
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
-    try:
-        mode = llm.llm_engine.model_config.logprobs_mode
-    except AttributeError:
-        return None
-    return str(getattr(mode, "value", mode))
+    engine (server mode)."""
+    mode = _engine_config(trainer, "logprobs_mode")
+    return None if mode is None else str(getattr(mode, "value", mode))
+
+
+def engine_dtype(trainer: Any) -> str | None:
+    """The dtype the colocated engine computes in (``"bfloat16"``, ``"float32"``), None when
+    unreadable. TRL passes no dtype, and vLLM's ``dtype="auto"`` runs a float32 model in bfloat16
+    on CPU (and GPU) builds, so the engine is usually coarser than an fp32 trainer."""
+    dtype = _engine_config(trainer, "dtype")
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def sampler_hyperparameters(trainer: Any) -> dict[str, Any]:
@@ -57,7 +70,8 @@ def sampler_hyperparameters(trainer: Any) -> dict[str, Any]:
 
     Keys: ``sampler_engine`` ("vllm"), ``vllm_mode`` (colocate | server), ``is_correction`` (bool),
     ``is_mode`` (token_truncate | token_mask | sequence_truncate | sequence_mask), ``is_clip_min``
-    and ``is_clip_max`` (float or None), ``sampler_logprobs_mode`` (the engine's, when readable).
+    and ``is_clip_max`` (float or None), ``sampler_logprobs_mode`` and ``sampler_dtype`` (the
+    engine's, when readable).
     """
     if not getattr(trainer, "use_vllm", False):
         return {}
@@ -70,9 +84,8 @@ def sampler_hyperparameters(trainer: Any) -> dict[str, Any]:
         "is_clip_min": _float_or_none(getattr(trainer, "vllm_importance_sampling_clip_min", None)),
         "is_clip_max": _float_or_none(getattr(trainer, "vllm_importance_sampling_clip_max", None)),
     }
-    mode = engine_logprobs_mode(trainer)
-    if mode is not None:
-        out["sampler_logprobs_mode"] = mode
+    out["sampler_logprobs_mode"] = engine_logprobs_mode(trainer)
+    out["sampler_dtype"] = engine_dtype(trainer)
     return {k: v for k, v in out.items() if v is not None}
 
 
