@@ -28,7 +28,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks import sampler_patterns as patterns
-from tracer.checks.context import StepContext, loosest_dtype, worst_positions
+from tracer.checks.context import StepContext, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
 
@@ -60,8 +60,9 @@ def _found_patterns(ctx: StepContext, trainer: torch.Tensor, sampler: torch.Tens
     if offset is not None and not (truncating and float(delta.mean()) < 0):
         return [offset]  # a constant shift is also one-signed: name one cause (truncation when configured)
     found = [patterns.truncation_pattern(delta, top_p, top_k), patterns.one_signed_pattern(delta)]
-    dtype = loosest_dtype([ctx.dtype, str(ctx.hyper("sampler_dtype", ctx.dtype))])  # the coarser side rounds
-    temperature = patterns.temperature_pattern(trainer, sampler, delta, dtype, ctx.hyper("temperature", "unrecorded"),
+    # ctx.dtype: how the logprobs were stored / computed. Not sampler_dtype: vLLM runs the model in bf16
+    # but computes log_softmax in float32, so its logprobs near 0 are not rounded to bf16
+    temperature = patterns.temperature_pattern(trainer, sampler, delta, ctx.dtype, ctx.hyper("temperature", "unrecorded"),
                                                ctx.hyper("sampler_logprobs_mode", None))
     if temperature is not None:
         found.append(temperature[0])
