@@ -69,6 +69,20 @@ def test_fp32_noise_is_info(tmp_path, seed):
     assert f.details["mean_abs"] < 1e-2  # noise of 1e-3 in the logits
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_noise_over_many_distributions_raises_no_pattern(tmp_path, seed):
+    # sharp to flat distributions (logit scale 0.3 to 6) and noise from 1e-4 to 3e-3 in the logits
+    scale = [0.3, 1.0, 3.0, 6.0][seed % 4]
+    level = [1e-4, 1e-3, 3e-3][seed % 3]
+    logits = make_logits(100 + seed, scale=scale)
+    ids = sample(torch.softmax(logits / TAU, -1), 100 + seed)
+    trainer = logprob_at(torch.log_softmax(logits / TAU, -1), ids)
+    noise = level * torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
+    sampler = logprob_at(torch.log_softmax((logits + noise) / TAU, -1), ids)
+    f = mismatch(tmp_path, "noise", trainer, sampler)
+    assert f.severity == INFO and f.details["patterns"] == []
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_bfloat16_rounding_is_not_an_error(tmp_path, seed):
     logits = make_logits(seed)

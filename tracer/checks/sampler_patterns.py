@@ -26,7 +26,7 @@ import torch
 NOISE_FLOOR = 0.01  # nats: mean |old - sampler| below this is noise-level (healthy fp32 runs: ~1e-3)
 ONE_SIGNED_SHARE = 0.9  # share of kept tokens on one side
 MIN_TOKENS = 8  # fewer tokens than this: no pattern is claimed
-SLOPE_TOLERANCE = 0.1  # |slope - 1| above this is a scale factor
+SLOPE_TOLERANCE = 0.2  # |slope - 1| above this is a scale factor (healthy bf16-engine runs: within 0.04)
 MIN_CORRELATION = 0.98  # a scale factor must explain the relation (correlation ≈ 1)
 OFFSET_SPREAD = 0.1  # constant offset: std(delta) below this share of |mean(delta)|
 DTYPE_EPS = {"float64": 2.2e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.8e-3}
