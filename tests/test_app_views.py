@@ -87,12 +87,12 @@ def test_pages_follow_the_algorithm():
         return [p.title for p in pages_for(algorithm)]
 
     common = ["Steps", "Health", "Diff", "Overview"]
-    assert titles("ppo") == ["Tokens", "PPO: GAE and early stop", *common]
+    assert titles("ppo") == ["Tokens", "PPO: GAE and early stop", "Mismatch", *common]
     for algorithm in ("grpo", "cispo", "rloo"):
-        assert titles(algorithm) == ["Tokens", "Groups", *common]
+        assert titles(algorithm) == ["Tokens", "Groups", "Mismatch", *common]
     assert titles("dpo") == ["Tokens", "DPO pairs", *common]
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
-    assert hidden_pages_note("dpo") == "Hidden for a dpo run: PPO: GAE and early stop, Groups."
+    assert hidden_pages_note("dpo") == "Hidden for a dpo run: PPO: GAE and early stop, Groups, Mismatch."
     assert hidden_pages_note(None) is None
 
 

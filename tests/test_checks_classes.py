@@ -312,7 +312,7 @@ def test_sampler_temperature_and_truncation_patterns(tmp_path):
     # top-p: the sampler renormalised over the nucleus -> trainer below sampler by 0.3 nats everywhere
     write_trace(tmp_path / "topp", "grpo", [(0, 0, sampler_step(old, old + 0.3), {"top_p": 0.9})])
     (f,) = found(run_checks(tmp_path / "topp"), "sampler.mismatch")
-    assert f.severity == WARNING and "mean -0.3000 nats" in f.message
+    assert f.severity == ERROR and "mean -0.3000 nats" in f.message  # a systematic pattern is an error
     assert "below the sampler's on 100% of tokens" in f.message and "top_p = 0.9" in f.message
 
 

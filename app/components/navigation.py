@@ -23,6 +23,7 @@ PAGES: tuple[PageSpec, ...] = (
     PageSpec("app_pages/ppo.py", "PPO: GAE and early stop", ":material/timeline:", ("ppo",)),
     PageSpec("app_pages/groups.py", "Groups", ":material/group_work:", GROUPED_ALGORITHMS),
     PageSpec("app_pages/dpo.py", "DPO pairs", ":material/compare_arrows:", ("dpo",)),
+    PageSpec("app_pages/mismatch.py", "Mismatch", ":material/compare:", ("ppo", "grpo", "cispo", "rloo")),
     PageSpec("app_pages/steps.py", "Steps", ":material/show_chart:"),
     PageSpec("app_pages/health.py", "Health", ":material/health_and_safety:"),
     PageSpec("app_pages/diff.py", "Diff", ":material/difference:"),

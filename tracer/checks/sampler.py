@@ -1,18 +1,33 @@
 """Sampler vs trainer (SPEC.md section 6): when the inference engine reported its own logprobs,
 compare them with the trainer's for the same tokens.
 
-Reports, over kept tokens, the mean and quantiles of ``old - sampler`` (nats), the share of tokens
-whose ratio ``exp(old - sampler)`` lies outside [1/C, C] (C = ``CheckOptions.sampler_ratio_bound``,
-default 2), the worst tokens, and two patterns: a one-sided gap (the sampler renormalised after
-top-p/top-k truncation) and a slope away from 1 (a temperature applied on one side only).
+``sampler.mismatch`` reports, over kept tokens, both conventions of the mismatch:
+
+- log space (TRL's ``sampling/sampling_logp_difference``): mean, mean |·|, max |·| and quantiles
+  of ``old - sampler`` in nats, and the share of tokens whose ratio ``exp(old - sampler)`` lies
+  outside [1/C, C] (C = ``CheckOptions.sampler_ratio_bound``, default 2);
+- probability space (verl's ``rollout_probs_diff``): mean and max of ``|p_old - p_sampler|``;
+
+plus the worst tokens and, when the trace records them (TRL with vLLM), what TRL's importance-sampling
+correction did: the weights, how many tokens or sequences its cap truncated or masked, and for
+sequence modes whether the sequence ratio was aggregated by sum or by mean (trl#5814).
+
+Severity. Error: a systematic pattern (:mod:`tracer.checks.sampler_patterns`: a temperature factor,
+a one-signed truncation shift, a constant offset), an engine that reports raw logprobs while it
+samples with temperature or truncation, or a mismatch beyond the error bounds. Warning: beyond the
+warning bounds, or an importance-sampling correction that is length-biased or differs from the
+recorded settings. Info: noise-level differences (the ~1e-3 nats of a healthy fp32 run).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
+from tracer import formulas
+from tracer.checks import sampler_patterns as patterns
 from tracer.checks.context import StepContext, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
@@ -20,34 +35,148 @@ from tracer.checks.identity import is_fresh
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 WARN_SHARE, ERROR_SHARE = 0.01, 0.10  # share of tokens outside [1/C, C]
 WARN_MEAN, ERROR_MEAN = 0.05, 0.5  # |mean(old - sampler)| in nats
+WARN_PROB = 0.05  # mean |p_old - p_sampler|
+LENGTH_BIAS_SHARE = 0.1  # sequences the sum-aggregated correction cut but a mean would keep
+WEIGHT_RTOL = 1e-3  # recorded IS weights vs TRL's rule recomputed in float64
 MAX_QUANTILE_ELEMENTS = 1 << 20
 
 
-def _patterns(trainer: torch.Tensor, sampler: torch.Tensor, delta: torch.Tensor, ctx: StepContext) -> list[str]:
-    out = []
-    below = float((delta < -1e-3).float().mean())
-    if below >= 0.9 and float(delta.mean()) < -WARN_MEAN:
-        out.append(f"trainer logprobs are below the sampler's on {below:.0%} of tokens: the sampler renormalised "
-                   f"over a truncated distribution (top_p = {ctx.hyper('top_p', 'unrecorded')}, top_k = "
-                   f"{ctx.hyper('top_k', 'unrecorded')}); score with the same truncation or log the engine's "
-                   "unprocessed logprobs")
-    if trainer.numel() >= 8:
-        x = trainer - trainer.mean()
-        y = sampler - sampler.mean()
-        var = float((x * x).sum())
-        if var > 0:
-            slope = float((x * y).sum()) / var
-            corr = float((x * y).sum()) / math.sqrt(var * float((y * y).sum()) or 1.0)
-            if abs(slope - 1) > 0.1 and corr > 0.9:
-                out.append(f"sampler logprobs ≈ {slope:.3f} × trainer logprobs (correlation {corr:.3f}): a "
-                           f"temperature applied on one side only (temperature = "
-                           f"{ctx.hyper('temperature', 'unrecorded')}); divide logits by τ before log_softmax "
-                           "for every model that is compared")
-    return out
+def _statistics(delta: torch.Tensor, prob_diff: torch.Tensor, bound: float) -> dict[str, Any]:
+    """Summary of the kept tokens' ``delta = old - sampler`` ``[N]`` and ``|p_old - p_sampler|`` ``[N]``."""
+    step = delta.numel() // MAX_QUANTILE_ELEMENTS + 1
+    sample = delta[::step]
+    q = torch.quantile(sample, torch.tensor(QUANTILES, dtype=sample.dtype))
+    outside = delta.abs() > math.log(bound)
+    return {"mean": float(delta.mean()), "mean_abs": float(delta.abs().mean()), "max_abs": float(delta.abs().max()),
+            "quantiles": {f"q{int(p * 100):02d}": float(v) for p, v in zip(QUANTILES, q)},
+            "outside": int(outside.sum()), "share_outside": float(outside.double().mean()),
+            "prob_diff_mean": float(prob_diff.mean()), "prob_diff_max": float(prob_diff.max())}
 
 
-@register("sampler.mismatch", "old - sampler logprobs over kept tokens: mean, quantiles, share of "
-          "ratios outside [1/C, C], worst tokens, temperature/top-p patterns", RL_ALGORITHMS)
+def _found_patterns(ctx: StepContext, trainer: torch.Tensor, sampler: torch.Tensor, delta: torch.Tensor) -> list[str]:
+    top_p, top_k = ctx.hyper("top_p", "unrecorded"), ctx.hyper("top_k", "unrecorded")
+    truncating = _is_number(top_p) and float(top_p) < 1 or _is_number(top_k) and int(top_k) > 0
+    offset = patterns.offset_pattern(delta)
+    if offset is not None and not (truncating and float(delta.mean()) < 0):
+        return [offset]  # a constant shift is also one-signed: name one cause (truncation when configured)
+    found = [patterns.truncation_pattern(delta, top_p, top_k), patterns.one_signed_pattern(delta)]
+    # ctx.dtype: how the logprobs were stored / computed. Not sampler_dtype: vLLM runs the model in bf16
+    # but computes log_softmax in float32, so its logprobs near 0 are not rounded to bf16
+    temperature = patterns.temperature_pattern(trainer, sampler, delta, ctx.dtype, ctx.hyper("temperature", "unrecorded"),
+                                               ctx.hyper("sampler_logprobs_mode", None))
+    if temperature is not None:
+        found.append(temperature[0])
+    return [p for p in found if p is not None]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _config_problems(ctx: StepContext) -> list[str]:
+    """An engine that reports raw logprobs (before temperature and truncation) while sampling with
+    them: its logprobs are not those of the distribution it sampled from."""
+    if ctx.hyper("sampler_logprobs_mode", None) not in ("raw_logprobs", "raw_logits"):
+        return []
+    temperature, top_p, top_k = (ctx.hyper(k, None) for k in ("temperature", "top_p", "top_k"))
+    used = [f"temperature = {temperature}" if temperature not in (None, 1, 1.0) else "",
+            f"top_p = {top_p}" if top_p is not None and float(top_p) < 1 else "",
+            f"top_k = {top_k}" if top_k not in (None, 0, -1) else ""]
+    used = [u for u in used if u]
+    if not used:
+        return []
+    return [f"the engine reports {ctx.hyper('sampler_logprobs_mode')} while it samples with {', '.join(used)}: its "
+            "logprobs are not those of the distribution it sampled from (use logprobs_mode='processed_logprobs')"]
+
+
+def _sequence_correction(ctx: StepContext, delta_full: torch.Tensor, keep: torch.Tensor, mode: str,
+                         low: float | None, high: float | None) -> tuple[dict[str, Any], list[str]]:
+    """Sequence modes: which aggregation (sum or mean of the token log ratios) reproduces the
+    recorded ``sequence_is_weights`` ``[B]``, and how many sequences each would cut."""
+    (recorded,) = ctx.require("sequence_is_weights")
+    recorded = recorded.double()
+    info: dict[str, Any] = {"unit": "sequences", "count": int(recorded.numel())}
+    cut, matches = {}, []
+    for aggregation in ("sum", "mean"):
+        log_ratio = formulas.sequence_log_ratio(delta_full, keep, aggregation)  # (B,)
+        raw = torch.exp(log_ratio)
+        cut[aggregation] = int(((raw > (high if high is not None else math.inf)) |
+                                (raw < (low if low is not None else -math.inf))).sum())
+        rule = formulas.is_weights(log_ratio, mode, low, high)
+        if torch.allclose(recorded, rule, rtol=WEIGHT_RTOL, atol=1e-6):
+            matches.append(aggregation)
+    aggregation = matches[0] if matches else "neither"
+    info.update(aggregation=aggregation, cut=cut.get(aggregation, cut["sum"]), cut_if_sum=cut["sum"],
+                cut_if_mean=cut["mean"], weights_mean=float(recorded.mean()), weights_min=float(recorded.min()),
+                weights_max=float(recorded.max()))
+    problems = []
+    if aggregation == "neither":
+        problems.append(f"the recorded sequence_is_weights match neither exp(sum) nor exp(mean) of old - sampler "
+                        f"under is_mode = {mode} with the recorded caps")
+    elif aggregation == "sum" and cut["sum"] - cut["mean"] >= max(1, LENGTH_BIAS_SHARE * recorded.numel()):
+        problems.append(f"the sequence ratio is aggregated by sum (the product of token ratios, trl#5814): the cap cut "
+                        f"{cut['sum']} of {recorded.numel()} sequences, a mean over tokens would cut {cut['mean']}; "
+                        "the correction grows with completion length")
+    return info, problems
+
+
+def _token_correction(ctx: StepContext, delta_full: torch.Tensor, keep: torch.Tensor, mode: str,
+                      low: float | None, high: float | None) -> tuple[dict[str, Any], list[str]]:
+    """Token modes: the recorded ``is_weights`` ``[B, T]`` against TRL's rule, and how many kept tokens
+    the cap truncated (``*_truncate``) or masked (``*_mask``)."""
+    (recorded,) = ctx.require("is_weights")
+    log_ratio = torch.where(keep, delta_full, torch.zeros_like(delta_full))
+    rule = formulas.is_weights(log_ratio, mode, low, high)[keep]
+    kept = recorded.double()[keep]
+    raw = torch.exp(delta_full[keep])
+    cut = int(((raw > (high if high is not None else math.inf)) | (raw < (low if low is not None else -math.inf))).sum())
+    info = {"unit": "tokens", "count": int(kept.numel()), "cut": cut, "weights_mean": float(kept.mean()),
+            "weights_min": float(kept.min()), "weights_max": float(kept.max())}
+    problems = []
+    if not torch.allclose(kept, rule, rtol=WEIGHT_RTOL, atol=1e-6):
+        problems.append(f"the recorded is_weights differ from TRL's rule (is_mode = {mode}, caps [{low}, {high}]) "
+                        f"by up to {float((kept - rule).abs().max()):.3g}")
+    return info, problems
+
+
+def _correction(ctx: StepContext, delta_full: torch.Tensor, keep: torch.Tensor) -> tuple[dict[str, Any] | None, list[str]]:
+    """What the trainer's importance-sampling correction did, when the trace records its weights."""
+    mode = ctx.hyper("is_mode", None)
+    if mode not in formulas.IS_MODES or not (ctx.has("is_weights") or ctx.has("sequence_is_weights")):
+        return None, []
+    low, high = ctx.hyper("is_clip_min", None), ctx.hyper("is_clip_max", None)
+    low, high = (None if v is None else float(v) for v in (low, high))
+    delta_full = torch.nan_to_num(delta_full.double(), nan=0.0)
+    if mode.startswith("sequence") and ctx.has("sequence_is_weights"):
+        info, problems = _sequence_correction(ctx, delta_full, keep, mode, low, high)
+    elif mode.startswith("token") and ctx.has("is_weights"):
+        info, problems = _token_correction(ctx, delta_full, keep, mode, low, high)
+    else:
+        return None, []
+    info.update(mode=mode, clip_min=low, clip_max=high)
+    return info, problems
+
+
+def _correction_text(info: dict[str, Any]) -> str:
+    verb = "truncated" if info["mode"].endswith("truncate") else "masked"
+    agg = f", sequence ratio by {info['aggregation']}" if "aggregation" in info else ""
+    return (f" Importance sampling ({info['mode']}, caps [{info['clip_min']}, {info['clip_max']}]{agg}): weights "
+            f"mean {info['weights_mean']:.4f}, min {info['weights_min']:.4f}, max {info['weights_max']:.4f}; the cap "
+            f"{verb} {info['cut']} of {info['count']} {info['unit']}.")
+
+
+def _severity(stats: dict[str, Any], systematic: list[str], soft: list[str]) -> str:
+    if systematic or stats["share_outside"] > ERROR_SHARE or abs(stats["mean"]) > ERROR_MEAN:
+        return ERROR
+    if soft or stats["share_outside"] > WARN_SHARE or abs(stats["mean"]) > WARN_MEAN \
+            or stats["prob_diff_mean"] > WARN_PROB:
+        return WARNING
+    return INFO
+
+
+@register("sampler.mismatch", "old - sampler logprobs over kept tokens (log and probability space): mean, "
+          "quantiles, share of ratios outside [1/C, C], worst tokens, temperature/truncation/offset patterns, "
+          "what the importance-sampling correction did", RL_ALGORITHMS)
 def check_sampler_mismatch(ctx: StepContext):
     name = "old_logprobs" if ctx.has("old_logprobs") else "policy_logprobs"
     if name == "policy_logprobs" and not is_fresh(ctx):
@@ -56,41 +185,36 @@ def check_sampler_mismatch(ctx: StepContext):
         return []  # old and sampler logprobs of a rollout are the same at every inner step: report once
     trainer, sampler = ctx.require(name, "sampler_logprobs")
     keep = ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler)
-    n = int(keep.sum())
-    if n == 0:
+    if int(keep.sum()) == 0:
         return []
-    delta_full = trainer - sampler  # (B, T)
-    delta = delta_full[keep].double()  # (N,)
+    delta_full = formulas.sampler_log_ratio(trainer, sampler)  # (B, T)
+    t64, s64 = trainer[keep].double(), sampler[keep].double()  # (N,)
+    delta = formulas.sampler_log_ratio(t64, s64)
     C = ctx.options.sampler_ratio_bound
-    outside = delta.abs() > math.log(C)
-    share = float(outside.double().mean())
-    mean = float(delta.mean())
-    sample = delta if delta.numel() <= MAX_QUANTILE_ELEMENTS else delta[:: delta.numel() // MAX_QUANTILE_ELEMENTS + 1]
-    quantiles = {f"q{int(q * 100):02d}": float(v) for q, v in zip(QUANTILES, torch.quantile(sample, torch.tensor(QUANTILES, dtype=sample.dtype)))}
+    stats = _statistics(delta, formulas.sampler_prob_diff(t64, s64), C)
+    systematic = _found_patterns(ctx, t64, s64, delta) + _config_problems(ctx)
+    correction, soft = _correction(ctx, delta_full, keep)
+    severity = _severity(stats, systematic, soft)
     worst = worst_positions(delta_full.abs(), keep, ctx.options.worst_tokens)
-    worst_list = [{"sequence": b, "token": t, "old_minus_sampler": float(delta_full[b, t])} for b, t in worst]
-    patterns = _patterns(trainer[keep].double(), sampler[keep].double(), delta, ctx)
-    if share > ERROR_SHARE or abs(mean) > ERROR_MEAN:
-        severity = ERROR
-    elif share > WARN_SHARE or abs(mean) > WARN_MEAN:
-        severity = WARNING
-    else:
-        severity = INFO
     b, t = worst[0]
-    qtext = ", ".join(f"{k} {v:+.4f}" for k, v in quantiles.items())
+    qtext = ", ".join(f"{k} {v:+.4f}" for k, v in stats["quantiles"].items())
     message = (
-        f"{name} - sampler_logprobs over {n} kept tokens: mean {mean:+.4f} nats, {qtext}; {int(outside.sum())} "
-        f"tokens ({share:.2%}) have exp(old - sampler) outside [1/{C:g}, {C:g}]; worst at seq {b}, token {t}: "
-        f"{float(delta_full[b, t]):+.4f} nats."
+        f"{name} - sampler_logprobs over {delta.numel()} kept tokens: mean {stats['mean']:+.4f} nats, mean |·| "
+        f"{stats['mean_abs']:.4f}, {qtext}; |p_old - p_sampler| mean {stats['prob_diff_mean']:.4f}, max "
+        f"{stats['prob_diff_max']:.4f}; {stats['outside']} tokens ({stats['share_outside']:.2%}) have exp(old - "
+        f"sampler) outside [1/{C:g}, {C:g}]; worst at seq {b}, token {t}: {float(delta_full[b, t]):+.4f} nats."
     )
-    if patterns:
-        message += " Pattern: " + "; ".join(patterns) + "."
+    if correction is not None:
+        message += _correction_text(correction)
+    if systematic or soft:
+        message += " Pattern: " + "; ".join(systematic + soft) + "."
     if severity != INFO:
-        message += (f" Rule: |mean| <= {WARN_MEAN} nats and at most {WARN_SHARE:.0%} of tokens outside [1/C, C]. "
-                    "Why it matters: the rollout was sampled from a different distribution than the trainer "
-                    "scores, so the update is off-policy without correction. Likely fix: align sampler and "
-                    "trainer (temperature, top-p/top-k, dtype, weight sync), or correct with truncated "
-                    "importance sampling on exp(old - sampler).")
-    return [ctx.finding("sampler.mismatch", severity, message, b, t, field="sampler_logprobs", mean=mean,
-                        quantiles=quantiles, share_outside=share, ratio_bound=C, worst_tokens=worst_list,
-                        patterns=patterns)]
+        message += (f" Rule: no systematic pattern, |mean| <= {WARN_MEAN} nats, mean |p_old - p_sampler| <= {WARN_PROB} "
+                    f"and at most {WARN_SHARE:.0%} of tokens outside [1/C, C]. Why it matters: the rollout was "
+                    "sampled from a different distribution than the trainer scores, so the update is off-policy and "
+                    "an importance-sampling correction built on these logprobs is biased. Likely fix: align sampler "
+                    "and trainer (temperature, top-p/top-k, logprobs mode, dtype, weight sync).")
+    worst_list = [{"sequence": i, "token": j, "old_minus_sampler": float(delta_full[i, j])} for i, j in worst]
+    return [ctx.finding("sampler.mismatch", severity, message, b, t, field="sampler_logprobs", trainer_field=name,
+                        ratio_bound=C, worst_tokens=worst_list, patterns=systematic + soft, correction=correction,
+                        **stats)]

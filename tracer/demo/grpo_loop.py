@@ -52,6 +52,9 @@ class GRPOConfig:
     the bundled diff pair changes it: ``tracer.demo.diff_pair``)."""
     seed: int = 0
     """Seeds prompts, sampling and the model build."""
+    rollout: str = "hf"
+    """Who samples: ``hf`` (the policy's ``generate``, old logprobs saved while sampling) or ``vllm``
+    (a colocated vLLM engine synced each step, :mod:`tracer.demo.vllm_rollout`; needs the ``vllm`` extra)."""
 
 
 def _record(tr: Tracer, cfg: GRPOConfig, step: int, inner: int, batch: ro.Rollout, rewards, components,
@@ -68,18 +71,21 @@ def _record(tr: Tracer, cfg: GRPOConfig, step: int, inner: int, batch: ro.Rollou
         rewards=rewards, reward_components=components, advantages=advantages, group_ids=batch.group_ids,
         per_token_loss=per_token_loss.detach(),
         loss=formulas.sequence_mean_loss(per_token_loss.detach(), batch.completion_mask),
+        **({} if batch.sampler_logprobs is None else {"sampler_logprobs": batch.sampler_logprobs}),
     )
 
 
-def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=None) -> None:
-    """Run ``cfg.steps`` GRPO/CISPO steps on ``model``, tracing each inner step into ``tr``."""
+def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=None, sampler=None) -> None:
+    """Run ``cfg.steps`` GRPO/CISPO steps on ``model``, tracing each inner step into ``tr``;
+    ``sampler`` (a :class:`~tracer.demo.vllm_rollout.VLLMSampler`) samples instead of ``generate``."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     rng = random.Random(cfg.seed)
     for step in range(cfg.steps):
         prompts = ro.arithmetic_prompts(cfg.num_prompts, rng)
         model.eval()
         policy = getattr(model, "module", model)  # sample with the bare model under DistributedDataParallel
-        batch = ro.rollout(policy, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
+        sample = ro.rollout if sampler is None else sampler.rollout
+        batch = sample(policy, tokenizer, prompts, cfg.num_generations, cfg.max_new_tokens, cfg.temperature)
         completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
         components = ro.reward_components(batch.prompts, completions, cfg.scorer_clip)  # (B, F)
         rewards = components.sum(dim=1)  # (B,)
@@ -116,8 +122,11 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
     return {
         "num_generations": cfg.num_generations, "beta": cfg.beta, "temperature": cfg.temperature,
         "top_p": 1.0, "top_k": 0, "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": eps_high,
-        "loss_reduction": "sequence_mean", "old_logprobs_source": "sampler_forward",
-        "advantage_rule": "group_zscore", "reward_component_names": ro.REWARD_COMPONENT_NAMES,
+        "loss_reduction": "sequence_mean", "advantage_rule": "group_zscore",
+        "old_logprobs_source": "sampler_forward" if cfg.rollout == "hf" else "trainer_forward",
+        **({"sampler_engine": "vllm", "sampler_logprobs_mode": "processed_logprobs", "sampler_dtype": "float32"}
+           if cfg.rollout == "vllm" else {}),
+        "reward_component_names": ro.REWARD_COMPONENT_NAMES,
         **({"cispo_epsilon_high": cfg.epsilon_high} if cfg.loss_type == "cispo" else {}),
     }
 
@@ -134,5 +143,11 @@ def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None, config: 
     with Tracer(out_dir, algorithm=cfg.loss_type, tokenizer=tokenizer,
                 config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop", **(config or {})},
                 hyperparameters=hyperparameters(cfg)) as tr:
-        train(model, ref_model, tokenizer, cfg, tr, progress)
+        if cfg.rollout == "vllm":
+            from tracer.demo.vllm_rollout import VLLMSampler
+
+            with VLLMSampler(model_dir, seed=cfg.seed) as sampler:
+                train(model, ref_model, tokenizer, cfg, tr, progress, sampler)
+        else:
+            train(model, ref_model, tokenizer, cfg, tr, progress)
     return Path(out_dir)

@@ -30,6 +30,7 @@ class Rollout:
     completion_mask: torch.Tensor  # [B, T] bool, True up to and including the first EOS
     old_logprobs: torch.Tensor  # [B, T] float32, behaviour policy at sampling time
     group_ids: torch.Tensor  # [B] int64
+    sampler_logprobs: torch.Tensor | None = None  # [B, T] float32, what an inference engine reported (vLLM)
 
     @property
     def input_ids(self) -> torch.Tensor:

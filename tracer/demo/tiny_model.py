@@ -91,10 +91,14 @@ def train_tokenizer(lines: list[str], vocab_size: int = VOCAB_SIZE):
     )
 
 
-def _tiny_config(tokenizer):
+# vLLM's CPU attention kernels need head_dim >= 64 (they refuse head_dim 8): the grpo-vllm demo's model.
+VLLM_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1}
+
+
+def _tiny_config(tokenizer, **overrides):
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -108,6 +112,7 @@ def _tiny_config(tokenizer):
         bos_token_id=None,
         attention_dropout=0.0,
     )
+    return Qwen2Config(**{**fields, **overrides})
 
 
 def _warm_up(model, tokenizer, lines: list[str], steps: int, generator: torch.Generator) -> float:
@@ -130,13 +135,15 @@ def _warm_up(model, tokenizer, lines: list[str], steps: int, generator: torch.Ge
     return float(loss)
 
 
-def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, warmup_steps: int = WARMUP_STEPS) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, warmup_steps: int = WARMUP_STEPS,
+                     shape: dict | None = None) -> Path:
     """Train the tokenizer, build and warm up the tiny Qwen2 model, ``save_pretrained`` both.
 
     Args:
         out_dir: directory to write (created; files there are overwritten).
         seed: seeds the model's initialisation and the warm-up batches.
         warmup_steps: next-token training steps on the corpus (0 = random weights).
+        shape: ``Qwen2Config`` fields that replace the default sizes (e.g. :data:`VLLM_SHAPE`).
 
     Returns:
         ``out_dir`` as a Path: loadable with ``AutoModelForCausalLM.from_pretrained`` and
@@ -152,7 +159,7 @@ def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, warmup_steps: in
     tokenizer = AutoTokenizer.from_pretrained(out)
     with torch.random.fork_rng(devices=[]), torch_threads(1):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(_tiny_config(tokenizer))
+        model = Qwen2ForCausalLM(_tiny_config(tokenizer, **(shape or {})))
         generator = torch.Generator().manual_seed(seed)
         loss = _warm_up(model, tokenizer, lines, warmup_steps, generator) if warmup_steps else float("nan")
     log.info("tiny model: %d parameters, warm-up loss %.3f after %d steps",

@@ -61,6 +61,7 @@ import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
+from tracer.integrations import trl_vllm
 from tracer.integrations.trl_base import TrainerTraceHook, require_methods
 from tracer.integrations.trl_metadata import algorithm_of, hyperparameters_of, run_config_of, tokenizer_of
 
@@ -116,7 +117,7 @@ class GRPOTraceHook(TrainerTraceHook):
 
     @staticmethod
     def _hyperparameters(trainer: Any) -> dict[str, Any]:
-        return hyperparameters_of(trainer)
+        return {**hyperparameters_of(trainer), **trl_vllm.sampler_hyperparameters(trainer)}
 
     # -- installing ---------------------------------------------------------------------------
 
@@ -214,6 +215,7 @@ class GRPOTraceHook(TrainerTraceHook):
                     "ref_logprobs": inputs.get("ref_per_token_logps"),
                     "sampler_logprobs": inputs.get("sampling_per_token_logps"), "tool_mask": inputs.get("tool_mask")}
         tensors.update({name: take(value) for name, value in optional.items() if value is not None})
+        tensors.update(trl_vllm.is_weight_tensors(self.trainer, inputs, take))  # vLLM importance sampling
         advantages = take(inputs["advantages"])
         tensors["advantages" if advantages.dim() == 1 else "token_advantages"] = advantages
         return tensors

@@ -1,0 +1,108 @@
+"""Mismatch: the inference engine's logprobs (``sampler_logprobs``, e.g. vLLM) against the trainer's
+for the same tokens, token by token. Per step file: the ``sampler.mismatch`` verdict, histograms of
+``trainer − sampler`` (log space) and ``|p_trainer − p_sampler|`` (probability space), the worst
+tokens (selecting one opens it on the Tokens page), the mismatch against position in the completion
+and against the token's entropy, the importance weights and how many tokens the cap cut; over
+steps, the mean / max mismatch."""
+
+import hashlib
+
+import streamlit as st
+
+from app.components import mismatch, token_jump, trace_cache
+from app.components.health import FindingTarget
+from app.components.sidebar import current_selection
+from tracer.views.mismatch import correction_settings
+
+_HANDLED_STATE = "_tracer_mismatch_handled"  # the worst-tokens selection already acted on
+
+selection = current_selection()
+trace_path = str(selection.trace_path)
+trace = trace_cache.open_trace(trace_path)
+st.title("Sampler vs trainer")
+if selection.key is None:
+    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
+    st.stop()
+key = selection.key
+step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
+frame = mismatch.tokens(trace_path, step_path, mtime)
+if frame.empty:
+    st.info("This step file has no sampler_logprobs (the logprobs an inference engine such as vLLM reported "
+            "for the sampled tokens) next to old or policy logprobs: nothing to compare. A run sampled by "
+            "TRL with use_vllm=True records them.")
+    st.stop()
+
+trainer = frame.attrs.get("trainer_field", "old_logprobs")
+settings = correction_settings(trace_cache.step_metadata(trace_path, step_path, mtime))
+st.text(f"{key.label} · {len(frame)} kept tokens · trainer side: {trainer}")
+st.text(mismatch.settings_text(settings))
+
+found = trace_cache.findings(trace_path, (key.path.name,))
+verdicts = found[found["check"] == "sampler.mismatch"]
+for _, row in verdicts.iterrows():  # the message goes to st.text: it quotes settings, never Markdown
+    severity = str(row["severity"])
+    if severity == "error":
+        st.error("sampler.mismatch: error — a systematic sampler/trainer mismatch.", icon=":material/error:")
+    elif severity == "warning":
+        st.warning("sampler.mismatch: warning — beyond the noise bounds.", icon=":material/warning:")
+    else:
+        st.success(f"sampler.mismatch: {severity} — noise-level differences.", icon=":material/check_circle:")
+    st.text(str(row["message"]))
+
+cut_total = int(frame.drop_duplicates("sequence")["cut"].sum() if str(settings.get("is_mode", "")).startswith(
+    "sequence") else frame["cut"].sum())
+columns = st.columns(5)
+columns[0].metric("mean trainer − sampler", f"{frame['log_diff'].mean():+.4f} nats")
+columns[1].metric("mean |trainer − sampler|", f"{frame['abs_log_diff'].mean():.4f} nats")
+columns[2].metric("max |trainer − sampler|", f"{frame['abs_log_diff'].max():.4f} nats")
+columns[3].metric("mean |p_trainer − p_sampler|", f"{frame['prob_diff'].mean():.4f}")
+unit = "sequences" if str(settings.get("is_mode", "")).startswith("sequence") else "tokens"
+columns[4].metric(f"{unit} cut by the IS cap", cut_total if frame["is_weight"].notna().any() else "n/a")
+
+left, right = st.columns(2)
+left.plotly_chart(mismatch.histogram_figure(frame["log_diff"], "log space: trainer − sampler", "nats"),
+                  width="stretch")
+right.plotly_chart(mismatch.histogram_figure(frame["prob_diff"], "probability space: |p_trainer − p_sampler|",
+                                             "probability"), width="stretch")
+
+st.subheader("Worst tokens")
+st.caption("Largest |trainer − sampler| first. Select a row to open its sequence on the Tokens page with the "
+           "token marked. token: position in the completion; sequence: row of the step file.")
+worst = mismatch.worst_tokens(frame)
+digest = hashlib.sha1(repr((trace_path, step_path)).encode()).hexdigest()[:12]
+event = st.dataframe(worst, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
+                     key=f"mismatch_worst_{digest}", column_config={
+                         "token_text": st.column_config.TextColumn("token text", help="the token's string, shown "
+                                                                   "literally"),
+                         "log_diff": st.column_config.NumberColumn("trainer − sampler", format="%+.4f"),
+                         "prob_diff": st.column_config.NumberColumn("|Δp|", format="%.4f"),
+                         "cut": st.column_config.CheckboxColumn("cut by cap")})
+rows = list(event.selection.rows)
+if rows != st.session_state.get(_HANDLED_STATE):
+    st.session_state[_HANDLED_STATE] = rows
+    if rows:
+        picked = worst.iloc[rows[0]]
+        token_jump.request(FindingTarget(trace_path, step_path, int(picked["sequence"]), int(picked["token"]),
+                                         "sampler.mismatch"))
+        st.switch_page("app_pages/tokens.py")
+
+left, right = st.columns(2)
+left.plotly_chart(mismatch.scatter_figure(frame, "token", "position in the completion", "against position"),
+                  width="stretch")
+right.plotly_chart(mismatch.scatter_figure(frame, "entropy", "policy entropy (nats)", "against entropy"),
+                   width="stretch")
+
+st.subheader("Importance weights")
+if frame["is_weight"].notna().any():
+    st.plotly_chart(mismatch.histogram_figure(frame["is_weight"] - 1.0, "importance weight − 1 (as applied)",
+                                              "weight − 1"), width="stretch")
+    st.caption(f"The weights the trainer multiplied the loss by, after its cap ({settings.get('is_mode', '?')}, "
+               f"caps [{settings.get('is_clip_min')}, {settings.get('is_clip_max')}]); {cut_total} {unit} cut.")
+else:
+    st.info("This step file records no importance-sampling weights (is_weights / sequence_is_weights).")
+
+st.header("Over steps")
+summary = mismatch.steps(trace_path, trace_cache.step_files(trace))
+st.plotly_chart(mismatch.steps_figure(summary), width="stretch")
+with st.expander("Per-step table"):
+    st.dataframe(summary.drop(columns=["path"]), hide_index=True, width="stretch")

@@ -1,0 +1,106 @@
+"""The Mismatch page's pieces: cached tables from :mod:`tracer.views.mismatch` and pure Plotly
+figure builders. No RL maths here: the values come from the views as recorded (or as
+:mod:`tracer.formulas` reduced them); these functions only lay them out."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from app.components.figures import empty_figure
+from tracer.views import mismatch as views
+
+WORST_COLUMNS = ("sequence", "token", "token_text", "trainer_logprob", "sampler_logprob", "log_diff", "prob_diff",
+                 "entropy", "is_weight", "cut")
+CUT_COLOUR, KEPT_COLOUR = "#d62728", "#1f77b4"
+
+
+@st.cache_data(max_entries=32, show_spinner=False)
+def tokens(trace_path: str, step_path: str, mtime: int) -> pd.DataFrame:
+    """:func:`tracer.views.mismatch.mismatch_tokens` of one step file (cached by path and mtime)."""
+    from app.components import trace_cache
+
+    trace = trace_cache.open_trace(trace_path)
+    frame = views.mismatch_tokens(trace, trace_cache.step_key(trace, step_path))
+    frame.attrs = dict(frame.attrs)
+    return frame
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def steps(trace_path: str, step_files: tuple[str, ...]) -> pd.DataFrame:
+    """:func:`tracer.views.mismatch.mismatch_steps` over the named step files (cached by their names)."""
+    from app.components import trace_cache
+
+    trace = trace_cache.open_trace(trace_path)
+    keys = [k for k in trace.steps() if k.path.name in set(step_files)]
+    return views.mismatch_steps(trace, keys)
+
+
+def worst_tokens(frame: pd.DataFrame, n: int = 20) -> pd.DataFrame:
+    """The ``n`` kept tokens with the largest ``|trainer - sampler|``, largest first."""
+    if frame.empty:
+        return frame.reindex(columns=list(WORST_COLUMNS))
+    worst = frame.sort_values("abs_log_diff", ascending=False, kind="stable").head(n)
+    return worst[[c for c in WORST_COLUMNS if c in worst]].reset_index(drop=True)
+
+
+def histogram_figure(values: pd.Series, title: str, x_title: str) -> go.Figure:
+    """Histogram of ``values`` with a dashed line at 0."""
+    values = values.dropna()
+    if values.empty:
+        return empty_figure("no values")
+    fig = go.Figure(go.Histogram(x=values.tolist(), nbinsx=40, marker={"color": KEPT_COLOUR}, name=title))
+    fig.add_vline(x=0, line_dash="dash", line_color="grey")
+    fig.update_layout(title=title, height=300, margin={"t": 40, "b": 40}, bargap=0.05, showlegend=False)
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text="tokens")
+    return fig
+
+
+def scatter_figure(frame: pd.DataFrame, x: str, x_title: str, title: str) -> go.Figure:
+    """``log_diff`` (trainer - sampler) of every kept token against column ``x``; tokens whose
+    importance weight the cap cut in red. Hover: sequence, position, token text."""
+    rows = frame[frame[x].notna()] if x in frame else frame.iloc[0:0]
+    if rows.empty:
+        return empty_figure(f"no {x} recorded")
+    fig = go.Figure()
+    for cut, colour, name in ((False, KEPT_COLOUR, "kept by the cap"), (True, CUT_COLOUR, "cut by the cap")):
+        part = rows[rows["cut"] == cut]
+        if part.empty:
+            continue
+        custom = list(zip(part["sequence"], part["token"], [html.escape(str(t)) for t in part["token_text"]]))
+        fig.add_trace(go.Scatter(
+            x=part[x].tolist(), y=part["log_diff"].tolist(), mode="markers", name=name,
+            marker={"size": 6, "color": colour, "opacity": 0.7}, customdata=custom,
+            hovertemplate=("trainer − sampler %{y:.4g} nats<br>" + x + " %{x:.4g}<br>sequence %{customdata[0]}, "
+                           "token %{customdata[1]} · %{customdata[2]}<extra></extra>")))
+    fig.add_hline(y=0, line_dash="dash", line_color="grey")
+    fig.update_layout(title=title, height=320, margin={"t": 40, "b": 40}, legend={"orientation": "h", "y": -0.25})
+    fig.update_xaxes(title_text=x_title)
+    fig.update_yaxes(title_text="trainer − sampler (nats)")
+    return fig
+
+
+def steps_figure(summary: pd.DataFrame) -> go.Figure:
+    """Mean and max ``|trainer - sampler|`` (nats) per step file, against the optimizer step."""
+    if summary.empty:
+        return empty_figure("no step file with sampler logprobs")
+    fig = go.Figure()
+    for column, name in (("mean_abs", "mean |trainer − sampler|"), ("max_abs", "max |trainer − sampler|"),
+                         ("prob_diff_mean", "mean |p_trainer − p_sampler|")):
+        fig.add_trace(go.Scatter(x=summary["step"].tolist(), y=summary[column].tolist(), mode="lines+markers",
+                                 name=name))
+    fig.update_layout(height=320, margin={"t": 30, "b": 40}, legend={"orientation": "h", "y": -0.25})
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="nats (probability for |Δp|)", rangemode="tozero")
+    return fig
+
+
+def settings_text(settings: dict) -> str:
+    """One line of the engine and correction settings (``key = value · ...``), or a note when none."""
+    if not settings:
+        return "no sampler or importance-sampling settings recorded"
+    return " · ".join(f"{k} = {v}" for k, v in settings.items())

@@ -1,0 +1,99 @@
+"""The Mismatch page in a real browser (headless Chromium through Playwright, as tests/test_browser.py):
+``python -m tracer view`` on real vLLM-sampled runs, the healthy sample and the two broken runs of
+tests/data/vllm_bugs/. Each run's page shows the ``sampler.mismatch`` verdict and its cause, and
+draws its charts. Screenshots go to $TRACER_TEST_OUTPUT (tests/output/ under .ci/run) or tmp_path.
+
+Skipped without Chromium or playwright, except under CI, where it fails (as tests/test_browser.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.test_browser import START_TIMEOUT_S, _browser_or_skip, free_port, open_page
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = {"healthy": REPO / "sample_traces" / "grpo-vllm-tiny",
+        "raw-logprobs": REPO / "tests" / "data" / "vllm_bugs" / "raw-logprobs",
+        "top-p": REPO / "tests" / "data" / "vllm_bugs" / "top-p"}
+EXPECTED = {"healthy": ("sampler.mismatch: info", "noise-level differences"),
+            "raw-logprobs": ("sampler.mismatch: error", "temperature applied on one side only"),
+            "top-p": ("sampler.mismatch: error", "renormalised over a truncated distribution")}
+
+
+@pytest.fixture(scope="module")
+def sync_playwright():
+    return _browser_or_skip()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, sync_playwright):
+    """``python -m tracer view`` on a root holding the three runs (models left out); yields the URL."""
+    tmp = tmp_path_factory.mktemp("mismatch-view")
+    root = tmp / "traces"
+    for name, path in RUNS.items():
+        shutil.copytree(path, root / name, ignore=shutil.ignore_patterns("model"))
+    port = free_port()
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tracer view exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()}")
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tracer view did not answer in {START_TIMEOUT_S} s")
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_path):
+    from playwright.sync_api import expect
+
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    dialogs: list[str] = []
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs)
+        try:
+            for run, (verdict, cause) in EXPECTED.items():
+                page.goto(f"{server}/?run={run}")
+                expect(page.get_by_role("heading", name="Tokens")).to_be_visible()
+                page.get_by_role("link", name="Mismatch").click()
+                expect(page.get_by_role("heading", name="Sampler vs trainer")).to_be_visible()
+                main = page.locator("[data-testid=stMain]")
+                expect(main).to_contain_text(verdict)
+                expect(main).to_contain_text(cause)
+                expect(main).to_contain_text("sampler_engine = vllm")
+                expect(main.locator(".js-plotly-plot").first).to_be_visible()
+                expect(page.locator("[data-stale=true]")).to_have_count(0)
+                assert main.locator(".js-plotly-plot").count() >= 5  # 2 histograms, 2 scatters, weights, steps
+                page.screenshot(path=str(shots / f"mismatch_{run}.png"), full_page=True)
+        finally:
+            browser.close()
+    assert dialogs == []
+    assert all((shots / f"mismatch_{run}.png").stat().st_size > 10_000 for run in EXPECTED)

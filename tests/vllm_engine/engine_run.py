@@ -1,0 +1,59 @@
+"""One traced TRL GRPO run with the colocated vLLM engine, for tests/vllm_engine (run as a subprocess:
+one engine per process). Besides the trace it saves, independently of the tracer, what vLLM returned
+(``vllm_outputs.json``: every ``LLM.generate`` call's completion ids and the logprob vLLM gave each
+sampled token) and TRL's own logged metrics (``log_history.json``, logging every step).
+
+    python tests/vllm_engine/engine_run.py OUT_DIR [--steps N] [--is-mode MODE] [--bug BUG]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import tracer
+from tracer.demo import grpo_vllm
+from tracer.demo.tiny_model import VLLM_SHAPE, build_tiny_model, torch_threads
+from tracer.demo.vllm_cpu import engine_environment, keep_cpu_linear_weights
+
+
+def capture_generate(llm, calls: list) -> None:
+    """Wrap ``llm.generate`` on the instance: keep each call's outputs as plain lists."""
+    original = llm.generate
+
+    def generate(*args, **kwargs):
+        outputs = original(*args, **kwargs)
+        calls.append([{"prompt_ids": list(o.prompt_token_ids), "completion_ids": list(c.token_ids),
+                       "logprobs": [step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]}
+                      for o in outputs for c in o.outputs])
+        return outputs
+
+    llm.generate = generate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--is-mode", default=grpo_vllm.IS_MODE)
+    parser.add_argument("--bug", default=None)
+    args = parser.parse_args()
+    out = Path(args.out)
+    engine_environment()
+    calls: list = []
+    with tempfile.TemporaryDirectory() as scratch, keep_cpu_linear_weights(), torch_threads(1):
+        model = build_tiny_model(Path(scratch) / "model", seed=0, shape=VLLM_SHAPE)
+        trainer = grpo_vllm.make_trainer(model, Path(scratch) / "trl", steps=args.steps, seed=0, progress=False,
+                                         bug=args.bug, vllm_importance_sampling_mode=args.is_mode,
+                                         logging_strategy="steps", logging_steps=1)
+        capture_generate(trainer.vllm_generation.llm, calls)
+        tracer.attach(trainer, out / "trace")
+        trainer.train()
+    (out / "vllm_outputs.json").write_text(json.dumps(calls))
+    (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main()
