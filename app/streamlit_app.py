@@ -16,7 +16,7 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the
     sys.path.insert(0, str(_REPO))
 
 from app.components import trace_cache  # noqa: E402
-from app.components.navigation import DEFAULT_PAGE, hidden_pages_note, pages_for  # noqa: E402
+from app.components.navigation import HOME_PAGE, hidden_pages_note, pages_for  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 
@@ -37,8 +37,9 @@ if selection.error is not None:
 store_selection(selection)
 
 algorithm = trace_cache.open_trace(str(selection.trace_path)).algorithm
-page = st.navigation([st.Page(spec.path, title=spec.title, icon=spec.icon, default=spec.path == DEFAULT_PAGE)
-                      for spec in pages_for(algorithm)])
+page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
+                      *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
+                        for spec in pages_for(algorithm)]])
 note = hidden_pages_note(algorithm)
 if note:
     st.sidebar.text(note)

@@ -96,3 +96,18 @@ def test_recompute_checks_skip_a_derived_field_and_say_why(tmp_path):
         assert by_check[check].severity == "skipped", check
         assert "derives it from the recorded inputs" in by_check[check].message
     assert not [f for f in by_check.values() if f.severity in ("error", "warning")]  # healthy: no false alarm
+
+
+@pytest.mark.parametrize("reduction", ["sequence_mean", "token_mean", "constant"])
+def test_loss_contributions_sum_to_the_reduced_loss(reduction):
+    from tracer import formulas
+
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    shares = formulas.loss_contributions(loss, mask, reduction, divisor=12.0)
+    # by hand: sequence_mean = ((1+2)/2 + (4+5+6)/3) / 2 = 3.25; token_mean = 18/5; constant = 18/12
+    expected = {"sequence_mean": 3.25, "token_mean": 3.6, "constant": 1.5}[reduction]
+    assert float(shares.sum()) == pytest.approx(expected)
+    assert float(shares[0, 2]) == 0.0  # a masked token has no share
+    if reduction == "sequence_mean":
+        assert float(shares[0, 0]) == pytest.approx(1.0 / 4)  # 1 / (B=2 * 2 kept)

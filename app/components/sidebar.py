@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import streamlit as st
 
-from app.components import token_jump, trace_cache
+from app.components import token_jump, trace_cache, urls
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
@@ -133,7 +133,37 @@ def render_sidebar(root: Path) -> Selection | None:
     _render_auto_refresh(str(run))
     if jump is not None:
         token_jump.select_step(jump, run, keys, _step_labels)
-    return _choose_step(root, run, keys)
+    else:
+        _apply_url_selection(keys)
+    chosen = _choose_step(root, run, keys)
+    urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence))
+    return chosen
+
+
+def _apply_url_selection(keys: list[StepKey]) -> None:
+    """Point the Rank, Step file and Sequence choosers at the URL's ``step, inner, mb, rank, seq``
+    (before they are drawn) when the URL names a selection the app did not write itself."""
+    wanted = urls.pending()
+    if wanted is None:
+        return
+    params = urls.parse(wanted)
+    if "step" not in params:
+        return
+    match = [k for k in keys if k.step == params["step"] and k.inner_step == params.get("inner", 0)
+             and k.micro_batch == params.get("mb", 0) and ("rank" not in params or k.rank == params["rank"])]
+    if not match:
+        st.sidebar.warning(f"The URL names step {params['step']}, inner {params.get('inner', 0)}, mb "
+                           f"{params.get('mb', 0)}" + (f", rank {params['rank']}" if "rank" in params else "")
+                           + ", which this run has no step file for; showing another step.")
+        return
+    key = match[0]
+    if len({k.rank for k in keys}) > 1:
+        st.session_state["rank"] = None  # all ranks, so that the step file is listed
+    st.session_state["step_file"] = _step_labels(keys)[keys.index(key)]
+    if "seq" in params:
+        st.session_state["sequence"] = params["seq"]
+    else:
+        st.session_state.pop("sequence", None)
 
 
 def _listed_traces(root: Path) -> list[Path]:
@@ -159,6 +189,8 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
     if not keys:
         return Selection(root, run, None, None, rank)
     labels = _step_labels(keys)
+    if st.session_state.get("step_file") not in labels:
+        st.session_state.pop("step_file", None)
     label = sb.selectbox("Step file", labels, key="step_file",
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
     key = keys[labels.index(label)]
@@ -169,6 +201,8 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
         sb.text(str(err))
         seq_labels = []
     sequence = None
+    if st.session_state.get("sequence") not in range(len(seq_labels)):
+        st.session_state.pop("sequence", None)  # a URL's or another step's row this step lacks
     if seq_labels:
         sequence = sb.selectbox("Sequence", range(len(seq_labels)), format_func=seq_labels.__getitem__,
                                 key="sequence")
@@ -251,10 +285,14 @@ def _apply_url_run(root: Path, traces: list[Path]) -> None:
         st.session_state["run"] = match
 
 
+def run_param(root: Path, run: Path) -> str:
+    """How ``?run=`` names ``run``: its path relative to the root (``.`` for the root itself)."""
+    return "." if run == root else _run_label(root, run).removesuffix(" (the root)")
+
+
 def _remember_run(root: Path) -> None:
     """The run selectbox's on_change: put the chosen run in the URL (``?run=``) to share it."""
-    label = _run_label(root, st.session_state["run"]).removesuffix(" (the root)")
-    label = "." if st.session_state["run"] == root else label
+    label = run_param(root, st.session_state["run"])
     st.query_params[RUN_PARAM] = label
     st.session_state[_URL_APPLIED] = label
 
