@@ -115,7 +115,7 @@ def render_sidebar(root: Path) -> Selection | None:
     traces = _listed_traces(root)
     if not traces:
         return None
-    _apply_url_run(root, traces)
+    refused = not _apply_url_run(root, traces)
     jump = token_jump.pending()
     if jump is not None:
         token_jump.select_run(jump, traces)
@@ -136,7 +136,9 @@ def render_sidebar(root: Path) -> Selection | None:
     else:
         _apply_url_selection(keys)
     chosen = _choose_step(root, run, keys)
-    urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence))
+    # a refused ?run= stays in the URL (its message with it) until another run is chosen
+    urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
+               keep=("run",) if refused else ())
     return chosen
 
 
@@ -262,27 +264,28 @@ def _watch(trace_path: str, shown: tuple) -> None:
     st.caption(f"auto-refresh on: checking every {REFRESH_SECONDS:g} s")
 
 
-def _apply_url_run(root: Path, traces: list[Path]) -> None:
+def _apply_url_run(root: Path, traces: list[Path]) -> bool:
     """Select the run named by ``?run=`` in the URL (relative to the root, or absolute) once per
-    new value; a path that resolves outside the root is refused with a message."""
+    new value; a path that resolves outside the root is refused with a message (then False)."""
     requested = st.query_params.get(RUN_PARAM)
     if requested is None:
-        return
+        return True
     try:
         path = resolve_request(root, requested)
     except OutsideRootError as err:
         st.error("Refused the run named in the URL: it lies outside the directory this app was started "
                  "with.", icon=":material/block:")
         st.text(str(err))
-        return
+        return False
     match = next((t for t in traces if t.resolve() == path), None)
     if match is None:
         st.error("The run named in the URL is not a trace under the root.", icon=":material/block:")
         st.text(f"{RUN_PARAM}={requested!r}")
-        return
+        return False
     if st.session_state.get(_URL_APPLIED) != requested:
         st.session_state[_URL_APPLIED] = requested
         st.session_state["run"] = match
+    return True
 
 
 def run_param(root: Path, run: Path) -> str:

@@ -65,15 +65,18 @@ def pending() -> dict[str, str] | None:
     return now
 
 
-def write(params: Mapping[str, str]) -> None:
-    """Put the selection into the URL (other parameters stay) and remember it as written."""
+def write(params: Mapping[str, str], keep: tuple[str, ...] = ()) -> None:
+    """Put the selection into the URL (other parameters, and those named in ``keep``, stay) and
+    remember it as written."""
     for name in SELECTION_PARAMS:
+        if name in keep:
+            continue
         if name in params:
             if st.query_params.get(name) != params[name]:
                 st.query_params[name] = params[name]
         elif name in st.query_params:
             del st.query_params[name]
-    st.session_state[_SYNCED_STATE] = {k: v for k, v in params.items() if k in SELECTION_PARAMS}
+    st.session_state[_SYNCED_STATE] = current()
 
 
 def page_param(name: str, options: list, default=None):
