@@ -4,7 +4,9 @@ components, group mean / std and advantage; zero-variance groups marked; their s
 import streamlit as st
 
 from app.components import trace_cache
-from app.components.groups import group_label, group_rewards_figure, style_group_table, zero_variance_figure
+from app.components import urls
+from app.components.groups import (
+    advantage_rule_text, group_label, group_rewards_figure, style_group_table, zero_variance_figure)
 from app.components.sidebar import current_selection
 from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
@@ -31,16 +33,23 @@ except TraceError as err:
     st.info("The groups of this step file cannot be told apart.")
     st.text(str(err))
     st.stop()
-estimator = group_std_estimator(trace_cache.step_metadata(trace_path, step_path, mtime))
+meta = trace_cache.step_metadata(trace_path, step_path, mtime)
+estimator = group_std_estimator(meta)
 zero = int(groups["zero_variance"].sum())
-st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance · group std: {estimator} "
-        f"({'Bessel-corrected, as TRL' if estimator == 'unbiased' else 'unbiased=False, as the seed'})")
+st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance")
+st.text(advantage_rule_text(trace.algorithm, meta, estimator))
 if zero:
     st.warning(f"{zero} of {len(groups)} groups have zero reward variance: every completion got the same "
                "reward, every advantage is 0, and the group adds no policy gradient.", icon=":material/warning:")
 
 labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
-group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
+# The group of the sidebar's sequence (a finding's, or a URL's ?seq=), unless ?group= names one.
+of_sequence = next((g["group"] for _, g in groups.iterrows()
+                    if str(selection.sequence) in str(g["sequences"]).split()), None)
+default = urls.page_param("group", list(labels), of_sequence if of_sequence in labels else next(iter(labels)))
+group = st.selectbox("Group", list(labels), index=list(labels).index(default), format_func=labels.__getitem__,
+                     key=f"group_{step_path}_{selection.sequence}")
+urls.set_page_param("group", group)
 completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
 st.header(f"Group {group}: {len(completions)} completions")
 prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)

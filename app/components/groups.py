@@ -77,3 +77,19 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
     fig.update_layout(height=300, margin={"t": 30, "b": 40}, xaxis_title="step",
                       yaxis={"title": "share of zero-variance groups", "range": [-0.05, 1.05], "tickformat": ".0%"})
     return fig
+
+
+def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> str:
+    """How this run's advantages relate to the group's rewards, for the page's header line: RLOO's
+    leave-one-out baseline (no std), TRL's Bessel-corrected std, or the seed's population std.
+    ``meta`` is the step file's metadata; ``estimator`` is ``views.group_std_estimator`` of it."""
+    rule = meta.get("advantage_rule")
+    if algorithm == "rloo" or (isinstance(rule, str) and rule.startswith("rloo")):
+        kl = " on rewards − β·Σ(old − ref)" if rule == "rloo_kl" else ""
+        return (f"advantage: leave-one-out{kl}, A_i = r_i − mean of the other G − 1 rewards (no std); the "
+                f"std column is the {estimator} std of the rewards, for reference")
+    if meta.get("scale_rewards") in ("none", False):
+        return f"advantage: r − group mean (scale_rewards none: not divided); std column: {estimator} std"
+    if estimator == "unbiased":
+        return "advantage: (r − group mean) / group std, std Bessel-corrected (unbiased), as TRL"
+    return "advantage: (r − group mean) / (group std + eps), population std (unbiased=False), as the seed"
