@@ -47,8 +47,11 @@ labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
 of_sequence = next((g["group"] for _, g in groups.iterrows()
                     if str(selection.sequence) in str(g["sequences"]).split()), None)
 default = urls.page_param("group", list(labels), of_sequence if of_sequence in labels else next(iter(labels)))
-group = st.selectbox("Group", list(labels), index=list(labels).index(default), format_func=labels.__getitem__,
-                     key=f"group_{step_path}_{selection.sequence}")
+if st.session_state.get("_tracer_group_for") != (step_path, selection.sequence) or \
+        st.session_state.get("group") not in labels:  # a new step or sequence: its group
+    st.session_state["_tracer_group_for"] = (step_path, selection.sequence)
+    st.session_state["group"] = default
+group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
 urls.set_page_param("group", group)
 completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
 st.header(f"Group {group}: {len(completions)} completions")

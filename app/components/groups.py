@@ -89,7 +89,7 @@ def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> st
         return (f"advantage: leave-one-out{kl}, A_i = r_i − mean of the other G − 1 rewards (no std); the "
                 f"std column is the {estimator} std of the rewards, for reference")
     if meta.get("scale_rewards") in ("none", False):
-        return f"advantage: r − group mean (scale_rewards none: not divided); std column: {estimator} std"
+        return f"advantage: r − group mean (scale_rewards none: not divided) · group std: {estimator}"
     if estimator == "unbiased":
-        return "advantage: (r − group mean) / group std, std Bessel-corrected (unbiased), as TRL"
-    return "advantage: (r − group mean) / (group std + eps), population std (unbiased=False), as the seed"
+        return "advantage: (r − group mean) / group std · group std: unbiased (Bessel-corrected, as TRL)"
+    return "advantage: (r − group mean) / (group std + eps) · group std: population (unbiased=False, as the seed)"
