@@ -26,6 +26,7 @@ ROOT_ENV = "TRACER_ROOT"
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
 _SELECTION_STATE = "_tracer_selection"
 _URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run selectbox
+_URL_NOTE = "_tracer_url_note"  # why the URL's step could not be shown
 RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
 
@@ -153,11 +154,13 @@ def _apply_url_selection(keys: list[StepKey]) -> None:
         return
     match = [k for k in keys if k.step == params["step"] and k.inner_step == params.get("inner", 0)
              and k.micro_batch == params.get("mb", 0) and ("rank" not in params or k.rank == params["rank"])]
-    if not match:
-        st.sidebar.warning(f"The URL names step {params['step']}, inner {params.get('inner', 0)}, mb "
-                           f"{params.get('mb', 0)}" + (f", rank {params['rank']}" if "rank" in params else "")
-                           + ", which this run has no step file for; showing another step.")
+    if not match:  # shown until another step file is chosen (the redirect from / reruns the app)
+        st.session_state[_URL_NOTE] = (
+            f"The URL names step {params['step']}, inner {params.get('inner', 0)}, mb {params.get('mb', 0)}"
+            + (f", rank {params['rank']}" if "rank" in params else "")
+            + ", which this run has no step file for; showing another step.")
         return
+    st.session_state.pop(_URL_NOTE, None)
     key = match[0]
     if len({k.rank for k in keys}) > 1:
         st.session_state["rank"] = None  # all ranks, so that the step file is listed
@@ -193,7 +196,10 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
     labels = _step_labels(keys)
     if st.session_state.get("step_file") not in labels:
         st.session_state.pop("step_file", None)
+    if _URL_NOTE in st.session_state:
+        sb.warning(st.session_state[_URL_NOTE])
     label = sb.selectbox("Step file", labels, key="step_file",
+                         on_change=lambda: st.session_state.pop(_URL_NOTE, None),
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
     key = keys[labels.index(label)]
     try:
