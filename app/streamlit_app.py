@@ -20,7 +20,9 @@ from app.components.navigation import HOME_PAGE, hidden_pages_note, pages_for  #
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 
-st.set_page_config(page_title="tracer", layout="wide")
+# A local icon: otherwise the browser tab shows the page's Material icon, fetched from fonts.gstatic.com
+# (the app makes no request beyond 127.0.0.1).
+st.set_page_config(page_title="tracer", page_icon=str(_REPO / "app" / "assets" / "icon.png"), layout="wide")
 
 root = resolve_root(sys.argv[1:], os.environ)
 selection = render_sidebar(root)

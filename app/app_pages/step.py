@@ -8,7 +8,7 @@ import streamlit as st
 from app.components import trace_cache, urls
 from app.components.sidebar import current_selection, run_param
 from app.components.step_view import (
-    FARTHEST, ORDERS, filter_sort, heatmap_figure, histograms_figure, label, page_of)
+    ORDERS, filter_sort, heatmap_figure, histograms_figure, label, page_of, short_label)
 from tracer.views.common import hyperparameter
 from tracer.views.step import neutral, present_quantities
 
@@ -58,8 +58,8 @@ kept_only = right.toggle("kept tokens only", value=True, key="step_kept_only",
                          help="off: masked positions too (their values do not enter the loss)")
 rows = filter_sort(frame, quantity, order, kept_only, threshold)
 pages = max(1, -(-len(rows) // PAGE_SIZE))
-page = st.number_input(f"page (of {pages}, {PAGE_SIZE} tokens each)", min_value=1, max_value=pages, value=1,
-                       key=f"step_page_{quantity}_{order}_{threshold}_{kept_only}") - 1
+page = st.columns(4)[0].number_input(f"page (of {pages}, {PAGE_SIZE} tokens each)", min_value=1, max_value=pages,
+                                     value=1, key=f"step_page_{quantity}_{order}_{threshold}_{kept_only}") - 1
 shown = page_of(rows, page, PAGE_SIZE).copy()
 run = run_param(selection.root, selection.trace_path)
 shown.insert(0, "open", [urls.link("tokens", {"run": run, "step": key.step, "inner": key.inner_step, "mb": mb,
@@ -70,16 +70,17 @@ columns = ["open", "rank", "micro_batch", "sequence", "position", "token_text", 
 columns.insert(6, quantity)
 st.text(f"{len(rows)} tokens match; showing {len(shown)} ({order}, by {quantity})")
 st.dataframe(shown[columns], hide_index=True, width="stretch", height=420, key="step_table", column_config={
-    "open": st.column_config.LinkColumn("sequence", display_text="open", help="this token's sequence on the Tokens page"),
+    "open": st.column_config.LinkColumn("open", display_text="open", help="this token's sequence on the Tokens page"),
     "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
     "micro_batch": st.column_config.NumberColumn("mb", width="small"),
     "rank": st.column_config.NumberColumn("rank", width="small"),
     "sequence": st.column_config.NumberColumn("seq", width="small"),
     "position": st.column_config.NumberColumn("pos", width="small"),
-    **{q: st.column_config.NumberColumn(label(q, derived), format="%.4g") for q in quantities},
+    **{q: st.column_config.NumberColumn(short_label(q, derived), format="%.4g", help=label(q, derived))
+       for q in quantities},
 })
-st.caption("Sorted over the whole step; click a column header to sort this page. sequence: row within its "
-           "step file (rank, mb); position: index in the completion.")
+st.caption("Sorted over the whole step; click a column header to sort this page. seq: row within its "
+           "step file (rank, mb); pos: index in the completion" + ("; *: derived by the reader." if derived else "."))
 
 st.header(f"Sequence × position: {label(quantity, derived)}")
 st.plotly_chart(heatmap_figure(frame, quantity, derived), width="stretch", key="step_heatmap")

@@ -13,6 +13,9 @@ from app.components.token_table import (
     token_display_frame)
 from tracer.reader import TOKEN_VALUE_FIELDS
 
+KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
+              "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")
+
 selection = current_selection()
 st.title("Tokens")
 if selection.key is None:
@@ -89,8 +92,13 @@ only_near = len(hits) and st.toggle("Only the marked token and its neighbours", 
 shown = frame.iloc[max(hits[0] - 3, 0): hits[0] + 4] if only_near else frame
 if only_near:
     st.caption(f"Position {int(frame.loc[hits[0], 'position'])} (marked) with 3 neighbours each side.")
+# Key columns first so that they stay on screen; the section and token id last.
+order = ["position", "token_text", "mask_reason", *[c for c in KEY_VALUES if c in shown],
+         *[c for c in shown.columns if c not in KEY_VALUES and c not in ("position", "token_text", "mask_reason",
+                                                                        "section", "token_id")],
+         *[c for c in ("section", "token_id") if c in shown]]
 st.dataframe(style_token_table(shown, highlight=highlight), hide_index=True, width="stretch",
-             height="auto" if only_near else 480, key="token_table", column_config=config)
+             height="auto" if only_near else 480, key="token_table", column_config=config, column_order=order)
 with st.expander("Legend: mask_reason (grey rows do not enter the loss)", expanded=False):
     st.dataframe(style_token_table(legend_frame()), hide_index=True, width="stretch")
 

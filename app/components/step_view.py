@@ -16,7 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.components.figures import empty_figure
+from app.components.figures import empty_figure, integer_ticks
 from tracer.views.step import QUANTITIES, neutral
 
 MAX_HEATMAP_COLUMNS = 512
@@ -30,6 +30,17 @@ HISTOGRAMS = (("ratio", "ratio (kept tokens); band: clip range", 1.0),
               ("ref_kl_k3", "ref KL k3 (nats)", 0.0),
               ("old_minus_sampler", "mismatch: old − sampler (nats)", 0.0),
               ("advantages", "advantage", 0.0))
+
+
+# Short column headers of the step table (the full label is the column's help).
+SHORT: dict[str, str] = {"abs_policy_old": "|policy−old|", "ratio": "ratio", "ref_kl_k3": "k3", "approx_kl_k2": "k2",
+                         "abs_old_sampler": "|old−sampler|", "advantages": "advantage", "entropy": "entropy",
+                         "loss_share": "loss share"}
+
+
+def short_label(quantity: str, derived: list[str] | tuple = ()) -> str:
+    """The quantity's column header, ``*`` appended when the reader derived it."""
+    return SHORT.get(quantity, quantity) + ("*" if quantity in derived else "")
 
 
 def label(quantity: str, derived: list[str] | tuple = ()) -> str:
@@ -129,8 +140,8 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
                                zmax=centre + span, hovertemplate=hover, hoverongaps=False,
                                colorbar={"title": {"text": quantity}}))
     fig.update_yaxes(autorange="reversed", title_text="sequence", type="category")
-    fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""),
-                     tickformat="d")
+    fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""))
+    integer_ticks(fig, list(starts), axis="x")
     fig.update_layout(height=min(900, 160 + 16 * len(names)), margin={"t": 30, "b": 40},
                       plot_bgcolor="#f4f4f4")
     return fig
