@@ -1,7 +1,9 @@
-"""The app's root URL (``/``): opens the Tokens page (``/tokens``) with the URL's parameters."""
+"""The app's root URL (``/``): the Tokens page itself (also served at ``/tokens``), run in place
+rather than by a redirect, so that a choice made while the page loads is never undone."""
 
-import streamlit as st
+import runpy
+from pathlib import Path
 
 from app.components.navigation import DEFAULT_PAGE
 
-st.switch_page(DEFAULT_PAGE, query_params=st.query_params.to_dict())
+runpy.run_path(str(Path(__file__).resolve().parents[1] / DEFAULT_PAGE), run_name="__main__")
