@@ -43,7 +43,9 @@ derived = table.attrs.get("derived", [])
 values = [c for c in dict.fromkeys([*VALUE_COLUMNS, *TOKEN_VALUE_FIELDS]) if c in table and table[c].notna().any()]
 if "section" in table and (table["section"] == "completion").any():
     st.subheader("Completion")
-    preferred = [c for c in ("ratio", "ref_kl_k3", "advantages") if c in values] or values or [None]
+    kept_rows = table[table["mask_reason"] == "kept"]  # a quantity that varies over the kept tokens first
+    preferred = sorted([c for c in ("ratio", "ref_kl_k3", "advantages") if c in values],
+                       key=lambda c: kept_rows[c].nunique() <= 1) or values or [None]
     colour_by = st.selectbox("Colour tokens by", values or [None], key="colour_by",
                              index=(values or [None]).index(urls.page_param("colour", values, preferred[0])),
                              format_func=lambda c: "—" if c is None else c + (" (derived)" if c in derived else ""),

@@ -55,9 +55,9 @@ def _ink(rgb: str) -> str:
     return "#fff" if 0.299 * r + 0.587 * g + 0.114 * b < 110 else "#111"
 
 
-def _hover(row: pd.Series, value_columns: list[str]) -> str:
+def _hover(row: dict, value_columns: list[str]) -> str:
     parts = [f"position {row['position']} · {row['mask_reason']}", f"token {row['token_id']!r}: {row['token_text']!r}"]
-    parts += [f"{c} = {row[c]:.5g}" for c in value_columns if pd.notna(row[c])]
+    parts += [f"{c} = {row[c]:.5g}" for c in value_columns if c in row and pd.notna(row[c])]
     return "\n".join(parts)
 
 
@@ -72,8 +72,10 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
     kept_values = rows.loc[rows["mask_reason"] == KEPT, quantity] if quantity in rows else pd.Series(dtype=float)
     centre = neutral_of(quantity or "")
     span = span_of(kept_values, centre)
+    records = rows.to_dict("records")
+    colours = _colours(rows, quantity, centre, span)
     out, run = [], []
-    for _, row in rows.iterrows():
+    for row, colour in zip(records, colours):
         reason = row["mask_reason"]
         if reason in FILLER_REASONS and (not run or run[0]["mask_reason"] == reason):
             run.append(row)
@@ -81,22 +83,31 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
         out += _filler(run)
         run = [row] if reason in FILLER_REASONS else []
         if not run:
-            out.append(_token_span(row, quantity, centre, span, value_columns))
+            out.append(_token_span(row, colour, value_columns))
     out += _filler(run)
     return f'<div style="{_BOX}">{"".join(out)}</div>'
 
 
-def _token_span(row: pd.Series, quantity: str | None, centre: float, span: float, value_columns: list[str]) -> str:
-    reason = row["mask_reason"]
-    style = REASON_STYLE.get(reason, "")
-    if reason == KEPT and quantity in row and pd.notna(row[quantity]):
-        colour = colour_of(float(row[quantity]), centre, span)
+def _colours(rows: pd.DataFrame, quantity: str | None, centre: float, span: float) -> list[str | None]:
+    """The scale's colour of each kept row with a value of ``quantity`` (one colour-scale call), else None."""
+    if quantity not in rows:
+        return [None] * len(rows)
+    values = rows[quantity].astype(float)
+    use = (rows["mask_reason"] == KEPT) & values.notna() & values.map(math.isfinite)
+    ts = (0.5 + (values[use] - centre) / (2 * span)).clip(0.0, 1.0).tolist()
+    sampled = iter(sample_colorscale(SCALE, ts) if ts else [])
+    return [next(sampled) if u else None for u in use.tolist()]
+
+
+def _token_span(row: dict, colour: str | None, value_columns: list[str]) -> str:
+    style = REASON_STYLE.get(row["mask_reason"], "")
+    if colour is not None:
         style = f"background:{colour};color:{_ink(colour)};"
     title = html.escape(_hover(row, value_columns), quote=True)
     return f'<span title="{title}" style="{_SPAN}{style}">{html.escape(str(row["token_text"]), quote=True)}</span>'
 
 
-def _filler(run: list[pd.Series]) -> list[str]:
+def _filler(run: list[dict]) -> list[str]:
     if not run:
         return []
     reason = run[0]["mask_reason"]

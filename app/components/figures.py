@@ -77,11 +77,11 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     custom = list(zip(texts, reasons))
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(rows)
     for i, (_, cols) in enumerate(panels, start=1):
-        for col in cols:  # masked positions are gaps: their values do not enter the loss, nor the axis range
-            fig.add_trace(go.Scatter(
+        for j, col in enumerate(cols):  # masked positions are gaps: their values enter neither loss nor axis range
+            fig.add_trace(go.Scatter(  # a dash and marker per line: one equal to another stays visible
                 x=positions, y=[v if k else None for v, k in zip(rows[col].tolist(), kept)],
-                mode="lines+markers", name=col, connectgaps=False,
-                marker={"size": 4}, customdata=custom,
+                mode="lines+markers", name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
+                marker={"size": 7 - j, "symbol": SYMBOLS[j % len(SYMBOLS)]}, customdata=custom,
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
                                "<br>%{customdata[1]}<extra></extra>")), row=i, col=1)
     _shade_masked(fig, rows, positions, n_panels=len(panels))
