@@ -101,6 +101,14 @@ def test_token_values_figure_one_line_per_value_and_shaded_mask():
     assert {(s.x0, s.x1) for s in rects} == {(2.5, 4.5)}
     # hover text carries the token escaped, so Plotly shows it as text
     assert "&lt;script&gt;" in str(fig.data[0].customdata[1][0])
+    # masked positions 3 and 4 are gaps, not points (their -3.0 would stretch the axis)
+    old = next(t for t in fig.data if t.name == "old_logprobs")
+    assert list(old.y) == [-1.0, -2.0, -0.5, None, None]
+    # whole-number position ticks; the legend sits above the plot, clear of the axis title
+    assert (fig.layout.xaxis.dtick, fig.layout.xaxis.tickformat) == (1, "d")
+    assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y > 1
+    # lines of one panel differ by dash, so one equal to another (old = policy) stays visible
+    assert old.line.dash != next(t for t in fig.data if t.name == "policy_logprobs").line.dash
 
 
 def test_token_values_figure_without_values_says_so():

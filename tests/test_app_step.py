@@ -217,3 +217,77 @@ def test_algorithm_pages_open_from_a_url_on_the_samples(monkeypatch, run, page, 
         spec = at.get("plotly_chart")[0].proto.spec
         for title in ("margin", "preference accuracy", "DPO loss", "chosen logp", "rejected logp"):
             assert title in spec, title
+
+
+# -- the listed faults ------------------------------------------------------------------------------
+
+
+def test_group_finding_opens_the_groups_page_on_its_group(monkeypatch, tmp_path):
+    """A group-level finding (advantages that do not sum to 0 in group 1 of step 1) opens the
+    Groups page with that group chosen, not the Tokens page."""
+    from tests.toy_traces import write_trace
+
+    def unbalanced(step, inner, tensors):
+        if (step, inner) == (1, 0):
+            tensors["advantages"][2:] = torch.tensor([1.0, 1.0])  # rows 2, 3 = group 1
+
+    write_trace(tmp_path / "run", tokenizer=ToyTokenizer(), steps=2, edit=unbalanced)
+    at = start(monkeypatch, tmp_path)
+    at.switch_page("app_pages/health.py").run()
+    findings = frame_with(at, {"check", "sequence", "message"})
+    table = findings.value
+    rows = table.index[(table["check"] == "advantages.group_sum") & (table["severity"] == "error")].tolist()
+    assert rows, table[["check", "severity"]]
+    at.session_state[findings.key] = {"selection": {"rows": [rows[0]], "columns": [], "cells": []}}
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Groups"
+    assert at.selectbox(key="step_file").value == "step 1 · inner 0 · mb 0 · rank 0"
+    assert at.selectbox(key="group").value == 1
+
+
+def test_rloo_groups_say_leave_one_out_not_population_std():
+    from app.components.groups import advantage_rule_text
+
+    rloo = advantage_rule_text("rloo", {"advantage_rule": "rloo_kl"}, "population")
+    assert "leave-one-out" in rloo and "no std" in rloo and "population (unbiased=False" not in rloo
+    assert "group std: unbiased" in advantage_rule_text("grpo", {"advantage_std": "unbiased"}, "unbiased")
+    assert "group std: population" in advantage_rule_text("grpo", {}, "population")
+
+
+def test_snippet_trace_gets_curves_and_derived_marks(monkeypatch, tmp_path):
+    """A trace as the README's loop records it (no ratio / KL tensors): the Steps page draws the
+    mean ratio and clip fraction, the Tokens and Step pages mark ratio and k2 as derived."""
+    from tests.test_derived import snippet_step, write
+
+    write(tmp_path / "snippet", snippet_step())
+    at = start(monkeypatch, tmp_path, query={"run": "snippet", "step": "0", "inner": "1"})
+    assert any("derived by the reader" in c.value for c in at.caption)
+    assert "ratio (derived)" in at.selectbox(key="colour_by").format_func("ratio")
+    at.switch_page("app_pages/steps.py").run()
+    spec = at.get("plotly_chart")[0].proto.spec
+    assert "mean ratio" in spec and "clip fraction" in spec
+    at.switch_page("app_pages/step.py").run()
+    assert not at.exception
+    assert any(c.value.startswith("ratio, approx_kl_k2: derived by the reader") for c in at.caption)
+    assert at.selectbox(key="step_quantity").format_func("ratio").endswith("(derived)")
+    assert frame_with(at, {"open", "ratio", "approx_kl_k2"}).value["ratio"].notna().all()
+
+
+def test_dpo_step_summary_has_the_logps_of_each_side(tmp_path):
+    from tracer import views
+    from tracer.reader import Trace
+
+    chosen = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
+    rejected = torch.tensor([[-3.0, -1.0, -1.0], [-2.0, -9.0, -9.0]])
+    tensors = {"chosen_ids": torch.tensor([[3, 4, 0], [3, 3, 3]]), "rejected_ids": torch.tensor([[4, 4, 4], [5, 0, 0]]),
+               "chosen_mask": torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool),
+               "rejected_mask": torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool),
+               "chosen_policy_logprobs": chosen, "rejected_policy_logprobs": rejected,
+               "chosen_ref_logprobs": chosen - 0.1, "rejected_ref_logprobs": rejected + 0.1}
+    with TraceWriter(tmp_path / "dpo", "dpo", hyperparameters={"beta": 0.1}) as writer:
+        writer.record(0, tensors)
+    summary = views.dpo_step_summary(Trace(tmp_path / "dpo"))
+    # by hand: chosen sums -3 and -1.5 -> mean -2.25; rejected sums -5 and -2 -> mean -3.5
+    assert summary.loc[0, "mean_chosen_logps"] == pytest.approx(-2.25)
+    assert summary.loc[0, "mean_rejected_logps"] == pytest.approx(-3.5)

@@ -117,7 +117,7 @@ def test_gae_figure_bars_for_rewards_lines_for_the_rest_and_shaded_mask():
     kinds = {t.name: (t.type, t.yaxis) for t in fig.data}
     assert kinds == {"token_rewards": ("bar", "y"), "values": ("scatter", "y"), "returns": ("scatter", "y"),
                      "advantages": ("scatter", "y2")}
-    assert list(fig.data[0].x) == [0, 1, 2, 3] and list(fig.data[0].y) == [0.0, 0.0, 1.0, 0.0]
+    assert list(fig.data[0].x) == [0, 1, 2, 3] and list(fig.data[0].y) == [0.0, 0.0, 1.0, None]  # masked: a gap
     rects = [s for s in fig.layout.shapes if s.type == "rect"]
     assert {(s.x0, s.x1) for s in rects} == {(2.5, 3.5)} and len(rects) == 2  # both panels
     assert "&lt;script&gt;" in str(fig.data[0].customdata[1])  # hover shows the token as text
