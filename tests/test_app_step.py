@@ -291,3 +291,15 @@ def test_dpo_step_summary_has_the_logps_of_each_side(tmp_path):
     # by hand: chosen sums -3 and -1.5 -> mean -2.25; rejected sums -5 and -2 -> mean -3.5
     assert summary.loc[0, "mean_chosen_logps"] == pytest.approx(-2.25)
     assert summary.loc[0, "mean_rejected_logps"] == pytest.approx(-3.5)
+
+
+def test_clicking_a_point_on_the_steps_curves_opens_that_step(monkeypatch, root):
+    at = start(monkeypatch, root, query={"run": "run"})
+    at.switch_page("app_pages/steps.py").run()
+    # what the browser sends for a click on step 1 of the only line: customdata [files, inner step, run]
+    point = {"x": 1, "y": 1.0, "customdata": [2, 1, 0], "curve_number": 0, "point_number": 1, "point_index": 1}
+    at.session_state["step_curves"] = {"selection": {"points": [point], "point_indices": [1], "box": [], "lasso": []}}
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Step"
+    assert at.selectbox(key="step_file").value == "step 1 · inner 1 · mb 0 · rank 0"

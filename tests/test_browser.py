@@ -333,6 +333,9 @@ def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_p
                     check_url_tokens_page(page, main)
                 if path.startswith("/step?"):
                     check_url_step_page(page, main)
+            page.goto(samples_server + "/steps?run=grpo-tiny")
+            click_a_step_point(page)
+            page.screenshot(path=str(shots / "steps_click_opened_step.png"), full_page=True)
         finally:
             browser.close()
     assert outside == [], f"requests left 127.0.0.1: {sorted(set(outside))}"
@@ -380,3 +383,21 @@ def check_url_step_page(page, main) -> None:
     expect(main).to_contain_text("28 tokens match")  # the 28 kept of 32 positions of step 1
     assert main.locator(".js-plotly-plot").count() == 2  # heatmap, histograms
     expect(main.locator(".js-plotly-plot").first.locator(".hm, .heatmaplayer image")).not_to_have_count(0)
+
+
+def click_a_step_point(page) -> None:
+    """Click the point of step 1 on the first Steps curve (inner step 0): the Step page opens on it."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("heading", name="Steps", exact=True)).to_be_visible()
+    wait_idle(page)
+    point = page.locator(".js-plotly-plot .scatterlayer .trace").first.locator(".points path").nth(1)
+    box = point.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    expect(page.get_by_role("heading", name="Step", exact=True)).to_be_visible()
+    wait_idle(page)
+    assert urlsplit(page.url).path == "/step"
+    query = parse_qs(urlsplit(page.url).query)
+    assert (query["step"], query["inner"]) == (["1"], ["0"]), page.url
+    expect(page.locator("[data-testid=stMain]")).to_contain_text("step 1 · inner 0 ·")

@@ -60,7 +60,7 @@ st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.
            "clip fraction counts the clip only on the side the advantage's sign makes it bind. "
            "Click a point to open that step.")
 
-points = list(event.selection.points) if event and event.selection else []
+points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyState is a dict too
 if points:
     point = points[0]
     inner, run_index = (point.get("customdata") or [None, 0, 0])[1:3]
