@@ -303,7 +303,7 @@ PAGES_BY_URL = (
     ("/ppo?run=ppo-tiny&step=1&inner=1", "PPO: GAE and early stop", "step 1 · epoch 1"),
     ("/dpo?run=dpo-tiny&step=2&seq=1", "DPO pairs", "step 2 · inner 0 · mb 0 · rank 0 · pair 1"),
     ("/steps?run=dpo-tiny", "Steps", "dpo · 3 step files"),
-    ("/groups?run=rloo-trl-tiny&step=1", "Groups", "leave-one-out"),
+    ("/groups?run=rloo-trl-tiny&step=1", "Groups", "step 1 · inner 1 · mb 0 · rank 0"),  # step 1 has inner 1 only
 )
 
 

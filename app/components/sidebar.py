@@ -152,13 +152,12 @@ def _apply_url_selection(keys: list[StepKey]) -> None:
     params = urls.parse(wanted)
     if "step" not in params:
         return
-    match = [k for k in keys if k.step == params["step"] and k.inner_step == params.get("inner", 0)
-             and k.micro_batch == params.get("mb", 0) and ("rank" not in params or k.rank == params["rank"])]
+    match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
+        name not in params or getattr(k, attr) == params[name]
+        for name, attr in (("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank")))]
     if not match:  # shown until another step file is chosen (the redirect from / reruns the app)
-        st.session_state[_URL_NOTE] = (
-            f"The URL names step {params['step']}, inner {params.get('inner', 0)}, mb {params.get('mb', 0)}"
-            + (f", rank {params['rank']}" if "rank" in params else "")
-            + ", which this run has no step file for; showing another step.")
+        named = ", ".join(f"{name} {params[name]}" for name in ("step", "inner", "mb", "rank") if name in params)
+        st.session_state[_URL_NOTE] = f"The URL names {named}, which this run has no step file for; showing another step."
         return
     st.session_state.pop(_URL_NOTE, None)
     key = match[0]
