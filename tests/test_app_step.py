@@ -266,7 +266,7 @@ def test_snippet_trace_gets_curves_and_derived_marks(monkeypatch, tmp_path):
     assert "ratio (derived)" in at.selectbox(key="colour_by").format_func("ratio")
     at.switch_page("app_pages/steps.py").run()
     spec = at.get("plotly_chart")[0].proto.spec
-    assert "mean ratio" in spec and "clip fraction" in spec
+    assert "mean ratio (derived)" in spec and "clip fraction (derived)" in spec
     at.switch_page("app_pages/step.py").run()
     assert not at.exception
     assert any(c.value.startswith("ratio, approx_kl_k2: derived by the reader") for c in at.caption)
@@ -303,3 +303,13 @@ def test_clicking_a_point_on_the_steps_curves_opens_that_step(monkeypatch, root)
     assert not at.exception, [e.value for e in at.exception]
     assert at.title[0].value == "Step"
     assert at.selectbox(key="step_file").value == "step 1 · inner 1 · mb 0 · rank 0"
+
+
+def test_a_page_keeps_only_its_own_parameters_in_the_url(monkeypatch, root):
+    at = start(monkeypatch, root, query={"run": "run", "step": "1", "inner": "1"})
+    assert at.query_params["colour"]  # the Tokens page's colour choice
+    at.switch_page("app_pages/step.py").run()
+    assert "q" in at.query_params and "colour" not in at.query_params
+    at.switch_page("app_pages/groups.py").run()
+    assert "group" in at.query_params and "q" not in at.query_params
+    assert at.query_params["step"] == "1"  # the selection stays

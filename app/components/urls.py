@@ -19,6 +19,10 @@ import streamlit as st
 SELECTION_PARAMS = ("run", "step", "inner", "mb", "rank", "seq")
 _INT_PARAMS = ("step", "inner", "mb", "rank", "seq")
 _SYNCED_STATE = "_tracer_url_synced"  # the selection parameters the app last wrote
+_PAGE_STATE = "_tracer_url_page"  # the URL path of the page the last run showed
+# Each page's own parameters, by URL path ("" is the root, which shows the Tokens page).
+PAGE_PARAMS: dict[str, tuple[str, ...]] = {"": ("colour", "token"), "tokens": ("colour", "token"), "step": ("q",),
+                                           "groups": ("group",), "steps": ("overlay",)}
 
 
 def parse(params: Mapping[str, str]) -> dict[str, int]:
@@ -95,3 +99,17 @@ def set_page_param(name: str, value) -> None:
             del st.query_params[name]
     elif st.query_params.get(name) != str(value):
         st.query_params[name] = str(value)
+
+
+def drop_other_pages_params(url_path: str) -> None:
+    """When the page changed since the last run, remove from the URL the parameters of pages other
+    than the one at ``url_path`` (left over from the page shown before), so that a copied link
+    names only what this page shows. The first run of a session keeps the URL as it came."""
+    previous = st.session_state.get(_PAGE_STATE)
+    st.session_state[_PAGE_STATE] = url_path
+    if previous is None or previous == url_path:
+        return
+    mine = PAGE_PARAMS.get(url_path, ())
+    for name in {n for names in PAGE_PARAMS.values() for n in names} - set(mine):
+        if name in st.query_params:
+            del st.query_params[name]
