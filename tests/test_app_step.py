@@ -150,6 +150,10 @@ def test_step_page_lists_the_worst_token_first_with_a_link(monkeypatch, root):
     assert at.title[0].value == "Tokens"
     assert at.selectbox(key="step_file").value == "step 1 · inner 1 · mb 1 · rank 0"
     assert at.selectbox(key="sequence").value == 2
+    # one table, the marked token (position 1) and its neighbours: positions 0..4
+    assert "Position 1 (marked) with 3 neighbours each side." in [c.value for c in at.caption]
+    tables = [d for d in at.dataframe if {"position", "token_text"} <= set(d.value.columns)]
+    assert len(tables) == 1 and tables[0].value["position"].tolist() == [0, 1, 2, 3, 4]
 
 
 def _query(link: str) -> dict:

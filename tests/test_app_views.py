@@ -90,10 +90,10 @@ def test_pages_follow_the_algorithm():
     assert titles("ppo") == ["Tokens", "Step", "PPO: GAE and early stop", *common]
     for algorithm in ("grpo", "cispo", "rloo"):
         assert titles(algorithm) == ["Tokens", "Step", "Groups", *common]
-    assert titles("dpo") == ["Tokens", "Step", "DPO pairs", *common]
+    assert titles("dpo") == ["Tokens", "DPO pairs", *common]  # no completion tokens: no Step page
     assert len({p.url_path for p in PAGES}) == len(PAGES) and all(p.url_path for p in PAGES)
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
-    assert hidden_pages_note("dpo") == "Hidden for a dpo run: PPO: GAE and early stop, Groups."
+    assert hidden_pages_note("dpo") == "Hidden for a dpo run: Step, PPO: GAE and early stop, Groups."
     assert hidden_pages_note(None) is None
 
 

@@ -62,9 +62,14 @@ for path in overlay:
     runs[labels[path]] = other
 figure = step_curves_figure(runs if len(runs) > 1 else summary, panels)
 event = st.plotly_chart(figure, width="stretch", on_select="rerun", selection_mode="points", key="step_curves")
-st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.Trace.step_summary; "
-           "clip fraction counts the clip only on the side the advantage's sign makes it bind. "
-           "Click a point to open that step.")
+if trace.algorithm == "dpo":
+    st.caption("Over the step's pairs (tracer.views.dpo_step_summary): margin = mean chosen_rewards − "
+               "rejected_rewards; preference accuracy = share of pairs with chosen_rewards > rejected_rewards; "
+               "logps: the policy's summed logprob of each side. Click a point to open that step's pairs.")
+else:
+    st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.Trace.step_summary; "
+               "clip fraction counts the clip only on the side the advantage's sign makes it bind. "
+               "Click a point to open that step.")
 
 points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyState is a dict too
 if points:
