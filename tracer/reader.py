@@ -312,15 +312,16 @@ class Trace:
 
     # -- tables for the app -------------------------------------------------------------------
 
-    def token_table(self, key: StepKey, sequence: int | None = None) -> pd.DataFrame:
+    def token_table(self, key: StepKey, sequence: int | None = None, derive: bool = True) -> pd.DataFrame:
         """One row per completion token (and per prompt token) of one step, or of one sequence.
 
         Columns: ``step, inner_step, rank, sequence, section`` (prompt | completion), ``position``
         (index within its section), ``token_id, token_text, kept, mask_reason`` and one column per
-        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast).
+        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast);
+        with ``derive``, the derived fields too, named in ``attrs["derived"]``.
         """
-        data = self.load_step(key) if sequence is None else {
-            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence).items()}
+        data = self.load_step(key, derive=derive) if sequence is None else {
+            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence, derive=derive).items()}
         ids = data.get("completion_ids", data.get("prompt_ids"))
         if ids is None:
             return pd.DataFrame()
@@ -333,7 +334,7 @@ class Trace:
         if not frames:
             return pd.DataFrame()
         table = pd.concat(frames, ignore_index=True)
-        table.attrs["derived"] = [name for name in self.derived_fields(key) if name in table]
+        table.attrs["derived"] = [name for name in self.derived_fields(key) if name in table] if derive else []
         table.insert(0, "rank", key.rank)
         table.insert(0, "inner_step", key.inner_step)
         table.insert(0, "step", key.step)
