@@ -240,6 +240,7 @@ def check_sequence(page, main, token: str, completion_text: str, first_policy: f
     reasons = [r["mask_reason"] for r in grid_rows(page)]
     assert reasons[:5] == ["kept", "kept", "kept", "after_eos", "after_eos"] and reasons[5] in ("prompt", "prompt_padding")
     main.get_by_text("Show prompt rows").click()
+    expect(token_grid(page)).not_to_contain_text("prompt")  # collapsed again
 
 
 def test_a_missing_browser_skips_locally_and_fails_under_ci(monkeypatch):
