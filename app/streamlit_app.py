@@ -15,12 +15,14 @@ _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the repository root
     sys.path.insert(0, str(_REPO))
 
-from app.components import trace_cache  # noqa: E402
-from app.components.navigation import DEFAULT_PAGE, hidden_pages_note, pages_for  # noqa: E402
+from app.components import trace_cache, urls  # noqa: E402
+from app.components.navigation import HOME_PAGE, hidden_pages_note, pages_for  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 
-st.set_page_config(page_title="tracer", layout="wide")
+# A local icon: otherwise the browser tab shows the page's Material icon, fetched from fonts.gstatic.com
+# (the app makes no request beyond 127.0.0.1).
+st.set_page_config(page_title="tracer", page_icon=str(_REPO / "app" / "assets" / "icon.png"), layout="wide")
 
 root = resolve_root(sys.argv[1:], os.environ)
 selection = render_sidebar(root)
@@ -37,8 +39,10 @@ if selection.error is not None:
 store_selection(selection)
 
 algorithm = trace_cache.open_trace(str(selection.trace_path)).algorithm
-page = st.navigation([st.Page(spec.path, title=spec.title, icon=spec.icon, default=spec.path == DEFAULT_PAGE)
-                      for spec in pages_for(algorithm)])
+page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
+                      *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
+                        for spec in pages_for(algorithm)]])
+urls.drop_other_pages_params(page.url_path)
 note = hidden_pages_note(algorithm)
 if note:
     st.sidebar.text(note)

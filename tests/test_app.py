@@ -101,6 +101,14 @@ def test_token_values_figure_one_line_per_value_and_shaded_mask():
     assert {(s.x0, s.x1) for s in rects} == {(2.5, 4.5)}
     # hover text carries the token escaped, so Plotly shows it as text
     assert "&lt;script&gt;" in str(fig.data[0].customdata[1][0])
+    # masked positions 3 and 4 are gaps, not points (their -3.0 would stretch the axis)
+    old = next(t for t in fig.data if t.name == "old_logprobs")
+    assert list(old.y) == [-1.0, -2.0, -0.5, None, None]
+    # whole-number position ticks; the legend sits above the plot, clear of the axis title
+    assert (fig.layout.xaxis.dtick, fig.layout.xaxis.tickformat) == (1, "d")
+    assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y > 1
+    # lines of one panel differ by dash, so one equal to another (old = policy) stays visible
+    assert old.line.dash != next(t for t in fig.data if t.name == "policy_logprobs").line.dash
 
 
 def test_token_values_figure_without_values_says_so():
@@ -137,7 +145,10 @@ def test_style_token_table_greys_masked_rows_only():
     # every cell of a row not in the loss is grey; kept rows carry no style
     ctx = style_token_table(frame)._compute().ctx
     grey_rows = {row for (row, _), css in ctx.items() if css}
-    assert grey_rows == set(frame.index[frame["mask_reason"] != "kept"]) == {0, 1, 5, 6}
+    assert grey_rows == set(frame.index[frame["mask_reason"] != "kept"]) == {3, 4, 5, 6}
+    # completion rows first (the loss runs over them), then the prompt rows in their order
+    assert frame["section"].tolist() == ["completion"] * 5 + ["prompt"] * 2
+    assert frame["token_text"].tolist()[5:] == ["<pad>", "Hi"]
 
 
 def test_section_text_collapses_filler_and_keeps_tokens_literal():
@@ -171,19 +182,22 @@ def test_tokens_page_shows_table_with_masked_marking(monkeypatch, root):
     df = token_dataframe(at)
     table = df.value
     completion = table[table["section"] == "completion"]
-    prompt = table[table["section"] == "prompt"]
-    # sequence 0: <eos> at completion position 2 -> positions 3..5 after EOS; two left-pad prompt slots
+    # sequence 0: <eos> at completion position 2 -> positions 3..5 after EOS; prompt rows collapsed
+    assert table["section"].tolist() == ["completion"] * 6
     assert completion["mask_reason"].tolist() == ["kept"] * 3 + ["after_eos"] * 3
-    assert prompt["mask_reason"].tolist() == ["prompt_padding"] * 2 + ["prompt"] * 3
     assert completion["token_text"].tolist()[:3] == ["4", SCRIPT, "<eos>"]
     # masked rows carry the grey background in the styler sent to the browser
     assert MASK_BACKGROUND["after_eos"] in df.proto.arrow_data.styler.styles
-    # prompt shown as text, padding marked; no markup anywhere holds the raw token
+    # completion and prompt shown as text, padding marked; no markup anywhere holds the raw token
     codes = [c.value for c in at.code]
-    assert codes[0] == filler_marker(2, "prompt_padding") + "Hello world 2+2"
-    assert codes[1] == "4" + SCRIPT + "<eos>" + filler_marker(3, "after_eos")
+    assert codes[0] == "4" + SCRIPT + "<eos>" + filler_marker(3, "after_eos")
+    assert codes[1] == filler_marker(2, "prompt_padding") + "Hello world 2+2"
     assert not any("<script>" in text for text in markup_values(at))
     assert len(at.get("plotly_chart")) == 1
+    at.toggle(key="show_prompt").set_value(True).run()  # "Show prompt rows": listed after the completion rows
+    table = token_dataframe(at).value
+    assert table["section"].tolist() == ["completion"] * 6 + ["prompt"] * 5
+    assert table.query("section == 'prompt'")["mask_reason"].tolist() == ["prompt_padding"] * 2 + ["prompt"] * 3
 
 
 def test_choosing_another_sequence_changes_the_table(monkeypatch, root):
@@ -260,7 +274,7 @@ def test_trace_without_steps_yet_and_single_step_file(monkeypatch, tmp_path):
     step_file = writer.record(0, grpo_step_tensors(0))
     at = start(monkeypatch, step_file)  # one .safetensors file is a trace too
     assert not at.exception
-    assert token_dataframe(at).value["token_text"].iloc[0] == "<id 0>"
+    assert token_dataframe(at).value["token_text"].iloc[0] == "<id 7>"  # the first completion token, listed first
 
 
 @pytest.mark.parametrize("make", ["empty", "missing"])
@@ -285,6 +299,7 @@ def test_sample_trace_loads_from_the_default_root(monkeypatch):
     assert not at.exception
     at.selectbox(key="run").select(SAMPLE).run()
     assert not at.exception
+    at.toggle(key="show_prompt").set_value(True).run()
     df = token_dataframe(at)
     reasons = set(df.value["mask_reason"])
     masked = reasons - {"kept"}

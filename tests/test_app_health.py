@@ -86,8 +86,9 @@ def test_highlight_marks_only_the_completion_token():
     frame = token_display_frame(table)
     ctx = style_token_table(frame, highlight=1)._compute().ctx
     marked = {row for (row, _), css in ctx.items() if ("font-weight", "bold") in css}
-    assert marked == {3}  # completion position 1, not prompt position 1 (row 1)
-    assert any(("background-color", MASK_BACKGROUND["prompt"]) in css for (row, _), css in ctx.items() if row == 1)
+    assert marked == {1}  # completion position 1 (completion rows first), not prompt position 1 (row 4)
+    assert frame.loc[1, "section"] == "completion" and frame.loc[4, "section"] == "prompt"
+    assert any(("background-color", MASK_BACKGROUND["prompt"]) in css for (row, _), css in ctx.items() if row == 4)
     assert "#ffd54f" in HIGHLIGHT_STYLE
 
 

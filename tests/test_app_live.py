@@ -62,7 +62,7 @@ def test_rank_filter_in_the_sidebar(monkeypatch, ranked_root):
     options = at.selectbox(key="step_file").options
     assert options == [f"step {s} · inner 0 · mb 0 · rank 1" for s in range(STEPS)]
     table = largest_frame_with(at, {"token_text", "mask_reason"}).value
-    assert table["mask_reason"].tolist()[5:] == ["kept"] * 3 + ["after_eos"] * 3  # rank 1, step 0, seq 0
+    assert table["mask_reason"].tolist()[:6] == ["kept"] * 3 + ["after_eos"] * 3  # rank 1, step 0, seq 0
 
 
 def line_names(at) -> set[str]:

@@ -163,7 +163,7 @@ def test_corrupt_step_files_are_named_and_the_others_served(monkeypatch, corrupt
     for n in (1, 2):  # each file named, with the reader's reason
         assert str(corrupt_root / "corrupt" / "steps" / step_file_name(n)) in reasons
     assert reasons.count("unreadable: ") == 2 and reasons.count("not a safetensors file") == 2
-    assert len(largest_frame_with(at, {"token_text", "mask_reason"}).value) == 11  # L + T of sequence 0
+    assert len(largest_frame_with(at, {"token_text", "mask_reason"}).value) == 6  # T of sequence 0 (prompt rows collapsed)
     for page in ("steps", "groups", "overview"):
         at.switch_page(f"app_pages/{page}.py").run()
         assert not at.exception, (page, [e.value for e in at.exception])
@@ -202,7 +202,7 @@ def test_malformed_and_missing_manifest_get_a_clear_message(monkeypatch, corrupt
     assert "trace manifest" in detail and str(corrupt_root / "bad_manifest" / MANIFEST_NAME) in detail
     if at.title[0].value != "Cannot open this run":
         assert any("was ignored" in w.value for w in at.sidebar.warning)
-        assert largest_frame_with(at, {"token_text"}).value["token_text"].iloc[0] == "<id 0>"
+        assert largest_frame_with(at, {"token_text"}).value["token_text"].iloc[0] == "<id 7>"  # first completion token
     at.selectbox(key="run").select(corrupt_root / "good").run()  # the other runs stay usable
     assert not at.exception and at.title[0].value == "Tokens"
 
@@ -273,7 +273,7 @@ def test_step_file_with_unusable_data_is_named_on_the_page(monkeypatch, tmp_path
     assert at.error[0].value.startswith("This view could not read a step file")
     assert any(str(bad) in t.value for t in at.text)
     at.selectbox(key="step_file").select("step 0 · inner 0 · mb 0 · rank 0").run()
-    assert not at.error and len(largest_frame_with(at, {"token_text"}).value) == 11
+    assert not at.error and len(largest_frame_with(at, {"token_text"}).value) == 6  # T (prompt rows collapsed)
 
     at.switch_page("app_pages/health.py").run()  # run_checks reports the file and checks the others
     assert not at.exception

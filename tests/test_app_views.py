@@ -87,12 +87,13 @@ def test_pages_follow_the_algorithm():
         return [p.title for p in pages_for(algorithm)]
 
     common = ["Steps", "Health", "Diff", "Overview"]
-    assert titles("ppo") == ["Tokens", "PPO: GAE and early stop", "Mismatch", *common]
+    assert titles("ppo") == ["Tokens", "Step", "PPO: GAE and early stop", "Mismatch", *common]
     for algorithm in ("grpo", "cispo", "rloo"):
-        assert titles(algorithm) == ["Tokens", "Groups", "Mismatch", *common]
-    assert titles("dpo") == ["Tokens", "DPO pairs", *common]
+        assert titles(algorithm) == ["Tokens", "Step", "Groups", "Mismatch", *common]
+    assert titles("dpo") == ["Tokens", "DPO pairs", *common]  # no completion tokens: no Step page
+    assert len({p.url_path for p in PAGES}) == len(PAGES) and all(p.url_path for p in PAGES)
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
-    assert hidden_pages_note("dpo") == "Hidden for a dpo run: PPO: GAE and early stop, Groups, Mismatch."
+    assert hidden_pages_note("dpo") == "Hidden for a dpo run: Step, PPO: GAE and early stop, Groups, Mismatch."
     assert hidden_pages_note(None) is None
 
 
@@ -116,7 +117,7 @@ def test_gae_figure_bars_for_rewards_lines_for_the_rest_and_shaded_mask():
     kinds = {t.name: (t.type, t.yaxis) for t in fig.data}
     assert kinds == {"token_rewards": ("bar", "y"), "values": ("scatter", "y"), "returns": ("scatter", "y"),
                      "advantages": ("scatter", "y2")}
-    assert list(fig.data[0].x) == [0, 1, 2, 3] and list(fig.data[0].y) == [0.0, 0.0, 1.0, 0.0]
+    assert list(fig.data[0].x) == [0, 1, 2, 3] and list(fig.data[0].y) == [0.0, 0.0, 1.0, None]  # masked: a gap
     rects = [s for s in fig.layout.shapes if s.type == "rect"]
     assert {(s.x0, s.x1) for s in rects} == {(2.5, 3.5)} and len(rects) == 2  # both panels
     assert "&lt;script&gt;" in str(fig.data[0].customdata[1])  # hover shows the token as text

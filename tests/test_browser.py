@@ -13,7 +13,9 @@ it fails: CI installs both (.ci/run).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from urllib.parse import parse_qs, urlsplit
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,7 @@ from tests import toy_traces
 from tracer import TraceWriter
 
 CHROMIUM = Path("/usr/bin/chromium")
+SAMPLES = Path(__file__).resolve().parents[1] / "sample_traces"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 SCRIPT = "<script>alert(1)</script>"
 VOCAB = ["<pad>", "<eos>", "Hello", " world", SCRIPT, "<b>", " yes", " no", "=", "4"]
@@ -85,27 +89,9 @@ def write_toy_trace(path: Path) -> None:
             writer.record(step, step_tensors(step))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``python -m tracer view`` on a root holding a trace of 2 steps (``toy-run``) and a copy of
-    the corrupt corpus trace (``mixed``); a trace lies outside the root (``outside``). Yields the
-    URL; stops the server after."""
-    tmp_path = tmp_path_factory.mktemp("view")
-    root = tmp_path / "traces"
-    write_toy_trace(root / "toy-run")
-    write_toy_trace(tmp_path / "outside")
-    shutil.copytree(Path(__file__).parent / "data" / "bad_traces" / "mixed", root / "mixed")
-    yield from serve(root, tmp_path / "server.log")
-
-
-@pytest.fixture(scope="module")
-def samples_server(tmp_path_factory):
-    """``python -m tracer view sample_traces``, what ``make app`` opens. Yields the URL."""
-    yield from serve(toy_traces.SAMPLES, tmp_path_factory.mktemp("samples") / "server.log")
-
-
+@contextlib.contextmanager
 def serve(root: Path, log_path: Path):
-    """Run ``python -m tracer view ROOT`` on a free port until the generator is closed; yields the URL."""
+    """``python -m tracer view root`` on a free port of 127.0.0.1; yields the URL, stops the server after."""
     port = free_port()
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
@@ -136,6 +122,28 @@ def serve(root: Path, log_path: Path):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The app on a root holding a trace of 2 steps (``toy-run``) and a copy of the corrupt corpus
+    trace (``mixed``); a trace lies outside the root (``outside``). Yields the URL."""
+    tmp_path = tmp_path_factory.mktemp("view")
+    root = tmp_path / "traces"
+    write_toy_trace(root / "toy-run")
+    write_toy_trace(tmp_path / "outside")
+    shutil.copytree(Path(__file__).parent / "data" / "bad_traces" / "mixed", root / "mixed")
+    with serve(root, tmp_path / "server.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def samples_server(tmp_path_factory):
+    """The app on the bundled sample traces (``sample_traces/``). Yields the URL."""
+    if not (SAMPLES / "grpo-tiny").is_dir():
+        pytest.skip("sample_traces/ is not in this checkout")
+    with serve(SAMPLES, tmp_path_factory.mktemp("samples") / "server.log") as url:
+        yield url
+
+
 def choose(page, label: str, option: str) -> None:
     """Pick the option that starts with ``option`` in the sidebar selectbox labelled ``label``."""
     page.get_by_role("combobox", name=label).click()
@@ -161,11 +169,21 @@ def sync_playwright():
     return _browser_or_skip()
 
 
-def open_page(pw, dialogs: list[str]):
+def leaves_localhost(url: str) -> bool:
+    """Whether a request goes beyond 127.0.0.1 (data:, blob: and about: URLs stay in the page)."""
+    parts = urlsplit(url)
+    return parts.scheme not in ("data", "blob", "about") and parts.hostname != "127.0.0.1"
+
+
+def open_page(pw, dialogs: list[str], outside: list[str] | None = None, height: int = 1200):
+    """A Chromium page; dialogs are recorded and dismissed, requests beyond 127.0.0.1 recorded in
+    ``outside`` (a request listener sees every request the page makes: scripts, fonts, icons)."""
     browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-    page = browser.new_page(viewport={"width": 1600, "height": 1200})
+    page = browser.new_page(viewport={"width": 1600, "height": height})
     page.set_default_timeout(UI_TIMEOUT_MS)
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    if outside is not None:
+        page.on("request", lambda request: outside.append(request.url) if leaves_localhost(request.url) else None)
     return browser, page
 
 
@@ -199,25 +217,30 @@ def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
 
 
 def check_sequence(page, main, token: str, completion_text: str, first_policy: float) -> None:
-    """The completion shows ``token`` literally, in the code block and in the token table, which
+    """The completion shows ``token`` literally, as coloured text and in the token table, which
     marks masked positions (after_eos) apart from kept ones; the first completion token's
     policy logprob is ``first_policy`` (the table is that of the chosen step and sequence)."""
     from playwright.sync_api import expect
 
-    code = main.locator("[data-testid=stCode]").last
-    expect(code).to_contain_text(completion_text)
+    coloured = main.locator("[data-testid=stHtml]").first
+    expect(coloured).to_contain_text(completion_text)
     expect(token_grid(page)).to_contain_text(token)  # the grid is redrawn after the rerun
     expect(page.locator("[data-stale=true]")).to_have_count(0)
-    assert code.locator("script, b").count() == 0  # text, not markup
+    assert coloured.locator("script, b").count() == 0  # text, not markup
+    assert coloured.locator("span[title]").count() >= 3  # one span per token, hover text in title
     check_no_error(page)
     assert page.locator("script", has_text="alert(1)").count() == 0
     expect(main.locator("[data-testid=stText]").filter(has_text="kept: 3")).to_contain_text("after_eos: 2")
-    rows = grid_rows(page)
-    completion = [r for r in rows if r.get("section") == "completion"]
-    assert [r["mask_reason"] for r in completion] == ["kept", "kept", "kept", "after_eos", "after_eos"], rows
-    assert completion[1]["token text"] == token
-    assert float(completion[0]["policy_logprobs"]) == pytest.approx(first_policy, abs=1e-5)  # float32 as stored
-    assert [r["mask_reason"] for r in rows if r.get("section") == "prompt"][:1] in (["prompt"], ["prompt_padding"])
+    rows = grid_rows(page)  # completion rows only: prompt rows are collapsed
+    assert [r["mask_reason"] for r in rows] == ["kept", "kept", "kept", "after_eos", "after_eos"], rows
+    assert rows[1]["token text"] == token
+    assert float(rows[0]["policy_logprobs"]) == pytest.approx(first_policy, abs=1e-5)  # float32 as stored
+    main.get_by_text("Show prompt rows").click()  # then listed after the completion rows
+    expect(token_grid(page)).to_contain_text("prompt")
+    reasons = [r["mask_reason"] for r in grid_rows(page)]
+    assert reasons[:5] == ["kept", "kept", "kept", "after_eos", "after_eos"] and reasons[5] in ("prompt", "prompt_padding")
+    main.get_by_text("Show prompt rows").click()
+    expect(token_grid(page)).not_to_contain_text("prompt")  # collapsed again
 
 
 def test_a_missing_browser_skips_locally_and_fails_under_ci(monkeypatch):
@@ -312,3 +335,115 @@ def test_diff_page_on_the_bundled_pair_in_chromium(sync_playwright, samples_serv
         finally:
             browser.close()
     assert dialogs == []
+
+
+# Every page by URL on the sample traces: (path and query, heading, text the page must show).
+PAGES_BY_URL = (
+    ("/tokens?run=grpo-tiny&step=1&inner=0&seq=2", "Tokens", "step 1 · inner 0 · mb 0 · rank 0 · sequence 2"),
+    ("/step?run=grpo-tiny&step=1", "Step", "step 1 · inner 0 · 1 step file(s)"),
+    ("/groups?run=grpo-tiny&step=1&inner=0&seq=5", "Groups", "step 1 · inner 0 · mb 0 · rank 0"),
+    ("/steps?run=grpo-tiny", "Steps", "grpo · 6 step files"),
+    ("/health?run=grpo-tiny", "Health", "6 step file(s) checked"),
+    ("/overview?run=grpo-tiny", "Run overview", "Fields of the chosen step file"),
+    ("/diff?run=grpo-tiny", "Diff", "a: reference"),  # its content is the Diff page's (issue 12)
+    ("/ppo?run=ppo-tiny&step=1&inner=1", "PPO: GAE and early stop", "step 1 · epoch 1"),
+    ("/dpo?run=dpo-tiny&step=2&seq=1", "DPO pairs", "step 2 · inner 0 · mb 0 · rank 0 · pair 1"),
+    ("/steps?run=dpo-tiny", "Steps", "dpo · 3 step files"),
+    ("/groups?run=rloo-trl-tiny&step=1", "Groups", "step 1 · inner 1 · mb 0 · rank 0"),  # step 1 has inner 1 only
+)
+
+
+def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_path):
+    """Each page opened by its URL shows what the URL names, makes no request beyond 127.0.0.1
+    (scripts, fonts, the tab icon), and is saved as a screenshot."""
+    from playwright.sync_api import expect
+
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    dialogs: list[str] = []
+    outside: list[str] = []
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs, outside, height=2400)
+        try:
+            for path, heading, text in PAGES_BY_URL:
+                page.goto(samples_server + path)
+                main = page.locator("[data-testid=stMain]")
+                expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
+                expect(main).to_contain_text(text)
+                wait_idle(page)
+                check_no_error(page)
+                assert urlsplit(page.url).path == urlsplit(path).path, (path, page.url)
+                name = urlsplit(path).path.strip("/") + "_" + parse_qs(urlsplit(path).query)["run"][0]
+                page.screenshot(path=str(shots / f"url_{name}.png"), full_page=True)
+                if path.startswith("/tokens"):
+                    check_url_tokens_page(page, main)
+                if path.startswith("/step?"):
+                    check_url_step_page(page, main)
+            page.goto(samples_server + "/steps?run=grpo-tiny")
+            click_a_step_point(page)
+            page.screenshot(path=str(shots / "steps_click_opened_step.png"), full_page=True)
+        finally:
+            browser.close()
+    assert outside == [], f"requests left 127.0.0.1: {sorted(set(outside))}"
+    assert dialogs == []
+
+
+def wait_idle(page) -> None:
+    """Until the app has finished running (no status widget, nothing stale)."""
+    from playwright.sync_api import expect
+
+    for _ in range(2):  # twice: a rerun may start just after the first wait
+        page.wait_for_timeout(500)
+        page.wait_for_function("!document.querySelector('[data-testid=stStatusWidget]')")
+        expect(page.locator("[data-stale=true]")).to_have_count(0)
+
+
+def check_url_tokens_page(page, main) -> None:
+    """``/tokens?run=grpo-tiny&step=1&inner=0&seq=2`` opened that sequence; its completion is
+    coloured by the chosen quantity, and changing the quantity changes the colours."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("combobox", name="Sequence")).to_have_value(re.compile(r"^seq 2 ·"))
+    coloured = main.locator("[data-testid=stHtml]").first
+    spans = coloured.locator("span[title]")
+    assert spans.count() >= 2
+    before = [spans.nth(i).get_attribute("style") for i in range(spans.count())]
+    assert all("background:" in style for style in before)
+    expect(page.get_by_role("combobox", name="Colour tokens by")).to_have_value("ref_kl_k3")  # ratio is 1 here
+    choose(page, "Colour tokens by", "ratio")
+    wait_idle(page)
+    spans = main.locator("[data-testid=stHtml]").first.locator("span[title]")
+    after = [spans.nth(i).get_attribute("style") for i in range(spans.count())]
+    assert after != before  # k3 differs per token; the ratio of inner step 0 is 1 (white) everywhere
+    assert len(set(after)) == 1 and "ratio = 1" in spans.first.get_attribute("title")
+    assert "colour=ratio" in page.url  # the choice goes into the URL too
+
+
+def check_url_step_page(page, main) -> None:
+    """``/step?run=grpo-tiny&step=1``: the step table (every kept token, with links), the heatmap
+    and the histograms."""
+    from playwright.sync_api import expect
+
+    grid = main.locator("[data-testid=stDataFrame]").filter(has=page.locator("th", has_text="token text"))
+    expect(grid).to_have_count(1)
+    expect(main).to_contain_text("28 tokens match")  # the 28 kept of 32 positions of step 1
+    assert main.locator(".js-plotly-plot").count() == 2  # heatmap, histograms
+    expect(main.locator(".js-plotly-plot").first.locator(".hm, .heatmaplayer image")).not_to_have_count(0)
+
+
+def click_a_step_point(page) -> None:
+    """Click the point of step 1 on the first Steps curve (inner step 0): the Step page opens on it."""
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("heading", name="Steps", exact=True)).to_be_visible()
+    wait_idle(page)
+    point = page.locator(".js-plotly-plot .scatterlayer .trace").first.locator(".points path").nth(1)
+    box = point.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    expect(page.get_by_role("heading", name="Step", exact=True)).to_be_visible()
+    wait_idle(page)
+    assert urlsplit(page.url).path == "/step"
+    query = parse_qs(urlsplit(page.url).query)
+    assert (query["step"], query["inner"]) == (["1"], ["0"]), page.url
+    expect(page.locator("[data-testid=stMain]")).to_contain_text("step 1 · inner 0 ·")

@@ -160,6 +160,28 @@ def constant_divisor_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, divi
     return masked_sum(per_token_loss, mask) / divisor
 
 
+def loss_contributions(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: str,
+                       divisor: float | None = None) -> torch.Tensor:
+    """Each token's share of the scalar loss, ``[B, T]``: ``per_token_loss`` times the weight the
+    reduction gives it (0 where the mask drops it), so the shares sum to the reduced loss.
+
+    ``sequence_mean``: ``1 / (B * kept tokens of the row)`` (:func:`sequence_mean_loss`);
+    ``token_mean``: ``1 / kept tokens of the batch`` (:func:`token_mean_loss`); ``constant``:
+    ``1 / divisor`` (:func:`constant_divisor_loss`, divisor required). Raises ValueError for
+    another reduction or a constant one without a divisor.
+    """
+    keep = mask.bool()
+    if reduction == "sequence_mean":
+        weight = 1.0 / (keep.sum(dim=1, keepdim=True).clamp(min=1) * keep.shape[0])
+    elif reduction == "token_mean":
+        weight = 1.0 / keep.sum().clamp(min=1)
+    elif reduction == "constant" and divisor:
+        weight = 1.0 / float(divisor)
+    else:
+        raise ValueError(f"loss_contributions: no rule for reduction {reduction!r} (divisor {divisor!r})")
+    return torch.where(keep, per_token_loss * weight, torch.zeros_like(per_token_loss))
+
+
 def group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = GROUP_STD_EPS) -> torch.Tensor:
     """GRPO group-relative advantages ``(r - mean_g) / (std_g + eps)`` with population std.
 

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import pandas as pd
 import torch
 from tracer import tables
+from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
@@ -261,23 +262,42 @@ class Trace:
                 out[name] = (list(sl.get_shape()), str(sl.get_dtype()))
         return out
 
-    def load_step(self, key: StepKey, fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Tensors of one step file (all fields, or only ``fields`` that are present)."""
+    def load_step(self, key: StepKey, fields: Iterable[str] | None = None,
+                  derive: bool = True) -> dict[str, torch.Tensor]:
+        """Tensors of one step file (all fields, or only ``fields`` that are present). With
+        ``derive`` (the default) the derived fields the file lacks but whose inputs it records are
+        added (:func:`derive_fields`; :meth:`derived_fields` names them)."""
         with self._open(key.path) as fh:
             self._checked(key, fh)
-            names = list(fh.keys()) if fields is None else [f for f in fields if f in fh.keys()]
+            meta = decode_metadata(fh.metadata())
+            present = list(fh.keys())
+            wanted = present if fields is None else [f for f in fields if f in present]
+            missing = [] if fields is None else [f for f in fields if f not in present]
+            extra = derivation_inputs(present, meta, missing) if derive else []
             try:
-                tensors = {name: fh.get_tensor(name) for name in names}
+                tensors = {name: fh.get_tensor(name) for name in dict.fromkeys([*wanted, *extra])}
             except Exception as err:
                 raise TraceFormatError(f"{key.path}: could not read tensor data ({err})") from err
         check_mask_values(key.path, tensors)
+        if derive:
+            derived = derive_fields(tensors, meta)
+            tensors.update({k: v for k, v in derived.items() if fields is None or k in missing})
+            for name in extra:
+                if name not in wanted:
+                    tensors.pop(name, None)
         return tensors
 
-    def load_sequence(self, key: StepKey, sequence: int) -> dict[str, torch.Tensor]:
+    def derived_fields(self, key: StepKey) -> list[str]:
+        """The fields the reader derives for this step file (header only): those of
+        :data:`DERIVED_FIELDS` the file lacks while it records their inputs."""
+        with self._open(key.path) as fh:
+            return derivable(list(fh.keys()), decode_metadata(fh.metadata()))
+
+    def load_sequence(self, key: StepKey, sequence: int, derive: bool = True) -> dict[str, torch.Tensor]:
         """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
-        row's bytes). Fields without a B dim are skipped (a field outside the schema counts as
-        having one when its first dim equals the canonical fields' B). Raises IndexError for a row
-        out of range."""
+        row's bytes), plus the derived fields as :meth:`load_step`. Fields without a B dim are
+        skipped (a field outside the schema counts as having one when its first dim equals the
+        canonical fields' B). Raises IndexError for a row out of range."""
         out = {}
         with self._open(key.path) as fh:
             self._checked(key, fh)
@@ -291,20 +311,24 @@ class Trace:
                 if not 0 <= sequence < shape[0]:
                     raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
                 out[name] = fh.get_slice(name)[sequence : sequence + 1][0]
+            meta = decode_metadata(fh.metadata())
         check_mask_values(key.path, out)
+        if derive:
+            out.update(derive_fields(out, meta))
         return out
 
     # -- tables for the app -------------------------------------------------------------------
 
-    def token_table(self, key: StepKey, sequence: int | None = None) -> pd.DataFrame:
+    def token_table(self, key: StepKey, sequence: int | None = None, derive: bool = True) -> pd.DataFrame:
         """One row per completion token (and per prompt token) of one step, or of one sequence.
 
         Columns: ``step, inner_step, rank, sequence, section`` (prompt | completion), ``position``
         (index within its section), ``token_id, token_text, kept, mask_reason`` and one column per
-        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast).
+        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast);
+        with ``derive``, the derived fields too, named in ``attrs["derived"]``.
         """
-        data = self.load_step(key) if sequence is None else {
-            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence).items()}
+        data = self.load_step(key, derive=derive) if sequence is None else {
+            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence, derive=derive).items()}
         ids = data.get("completion_ids", data.get("prompt_ids"))
         if ids is None:
             return pd.DataFrame()
@@ -317,6 +341,7 @@ class Trace:
         if not frames:
             return pd.DataFrame()
         table = pd.concat(frames, ignore_index=True)
+        table.attrs["derived"] = [name for name in self.derived_fields(key) if name in table] if derive else []
         table.insert(0, "rank", key.rank)
         table.insert(0, "inner_step", key.inner_step)
         table.insert(0, "step", key.step)
@@ -344,7 +369,9 @@ class Trace:
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             try:
-                rec.update(tables.summary_values(self.metadata(key), self.load_step(key, tables.SUMMARY_FIELDS)))
+                meta = self.metadata(key)
+                rec.update(tables.summary_values(meta, self.load_step(key, tables.SUMMARY_FIELDS)))
+                rec["derived"] = ", ".join(self.derived_fields(key))
             except TraceFormatError as err:
                 rec["problem"] = str(err)
             records.append(rec)

@@ -4,7 +4,9 @@ components, group mean / std and advantage; zero-variance groups marked; their s
 import streamlit as st
 
 from app.components import trace_cache
-from app.components.groups import group_label, group_rewards_figure, style_group_table, zero_variance_figure
+from app.components import urls
+from app.components.groups import (
+    advantage_rule_text, group_label, group_rewards_figure, style_group_table, zero_variance_figure)
 from app.components.sidebar import current_selection
 from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
@@ -32,10 +34,11 @@ except TraceError as err:
     st.info("The groups of this step file cannot be told apart.")
     st.text(str(err))
     st.stop()
-estimator = group_std_estimator(trace_cache.step_metadata(trace_path, step_path, mtime))
+meta = trace_cache.step_metadata(trace_path, step_path, mtime)
+estimator = group_std_estimator(meta)
 zero = int(groups["zero_variance"].sum())
-st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance · group std: {estimator} "
-        f"({'Bessel-corrected, as TRL' if estimator == 'unbiased' else 'unbiased=False, as the seed'})")
+st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance")
+st.text(advantage_rule_text(trace.algorithm, meta, estimator))
 if zero:
     st.warning(f"{zero} of {len(groups)} groups have zero reward variance: every completion got the same "
                "reward, every advantage is 0, and the group adds no policy gradient.", icon=":material/warning:")
@@ -43,7 +46,16 @@ if zero:
 
 def _show_group(groups) -> None:
     labels = {g["group"]: group_label(g) for _, g in groups.iterrows()}
+    # The group of the sidebar's sequence (a finding's, or a URL's ?seq=), unless ?group= names one.
+    of_sequence = next((g["group"] for _, g in groups.iterrows()
+                        if str(selection.sequence) in str(g["sequences"]).split()), None)
+    default = urls.page_param("group", list(labels), of_sequence if of_sequence in labels else next(iter(labels)))
+    if st.session_state.get("_tracer_group_for") != (step_path, selection.sequence) or \
+            st.session_state.get("group") not in labels:  # a new step or sequence: its group
+        st.session_state["_tracer_group_for"] = (step_path, selection.sequence)
+        st.session_state["group"] = default
     group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
+    urls.set_page_param("group", group)
     completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
     st.header(f"Group {group}: {len(completions)} completions")
     prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)
@@ -53,12 +65,13 @@ def _show_group(groups) -> None:
     if bool(completions["zero_variance"].iloc[0]):
         st.warning("Zero-variance group: all rewards are equal, so every advantage is 0.", icon=":material/block:")
     st.dataframe(style_group_table(completions), hide_index=True, width="stretch", column_config={
-        "completion_text": st.column_config.TextColumn("completion", help="token strings shown literally; "
-                                                       "padding and positions after EOS left out", width="large"),
+        "completion_text": st.column_config.TextColumn("completion", help="token strings shown literally; padding "
+                                                       "and positions after EOS left out", width="large"),
         "advantage": st.column_config.NumberColumn("advantage", help="as recorded by the trainer")})
     st.plotly_chart(group_rewards_figure(completions), width="stretch")
     st.caption("Bars: reward of each completion; dashed line: group mean, band: ± one group std; diamonds: "
                "recorded advantage (right axis). Pick a row in the sidebar's Sequence to read its tokens.")
+
     with st.expander(f"All {len(groups)} groups of this step file"):
         st.dataframe(style_group_table(groups), hide_index=True, width="stretch")
 

@@ -9,10 +9,11 @@ import streamlit as st
 
 from app.components import token_jump, trace_cache
 from app.components.health import (
-    NO_PROBLEMS, filter_findings, per_check_counts, per_step_counts, severity_counts, style_findings, target_of,
-    verdict)
+    DISPLAY_ORDER, NO_PROBLEMS, filter_findings, opens_groups, per_check_counts, per_step_counts, severity_counts,
+    style_findings, target_of, verdict)
 from app.components.sidebar import current_selection
 from tracer.checks import SEVERITIES, SKIPPED
+from tracer.views import GROUPED_ALGORITHMS
 
 # Above this many step files the page checks only the sidebar's step file unless asked for all.
 MAX_DEFAULT_FILES = 200
@@ -67,15 +68,19 @@ st.subheader("By step file")
 st.dataframe(per_step_counts(shown), hide_index=True, width="stretch")
 
 st.subheader(f"Findings ({len(shown)})")
-st.caption("Select a row to open its sequence on the Tokens page with the token marked. "
-           "token: position in the completion; sequence: row of the step file.")
+st.caption("Select a row to open its sequence on the Tokens page with the token marked (a finding about a "
+           "group opens the Groups page). token: position in the completion; sequence: row of the step file.")
 digest = hashlib.sha1(repr((trace_path, scope, severities, checks, selection.rank)).encode()).hexdigest()[:12]
 event = st.dataframe(
     style_findings(shown), hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
-    key=f"health_findings_{digest}",
+    key=f"health_findings_{digest}", column_order=[c for c in DISPLAY_ORDER if c in shown],
     column_config={
         "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
-        "message": st.column_config.TextColumn("message", width="large"),
+        "message": st.column_config.TextColumn("message", width="large", help="the whole message is below the table"),
+        "inner_step": st.column_config.NumberColumn("inner", width="small"),
+        "rank": st.column_config.NumberColumn("rank", width="small"),
+        "sequence": st.column_config.NumberColumn("seq", width="small"),
+        "token": st.column_config.NumberColumn("token", width="small"),
         "path": st.column_config.TextColumn("step file path"),
     })
 rows = list(event.selection.rows)
@@ -84,6 +89,18 @@ if rows != st.session_state.get(_HANDLED_STATE):
     target = target_of(shown, rows[0], trace_path) if rows else None
     if target is not None:
         token_jump.request(target)
-        st.switch_page("app_pages/tokens.py")
+        grouped = trace.algorithm in GROUPED_ALGORITHMS
+        st.switch_page("app_pages/groups.py" if opens_groups(shown, rows[0], grouped) else "app_pages/tokens.py")
     elif rows:
         st.info("This finding is about a whole step file or the whole trace: it names no sequence to open.")
+
+
+def _where(finding) -> str:
+    parts = [f"{name} {int(finding[name])}" for name in ("step", "inner_step", "rank", "sequence", "token")
+             if pd.notna(finding[name])]
+    return " · ".join(parts) or "whole trace"
+
+
+with st.expander(f"Messages in full ({min(len(shown), 200)} of {len(shown)})"):  # plain text, never Markdown
+    st.code("\n\n".join(f"{f['severity']} {f['check']} · {_where(f)}\n{f['message']}"
+                          for _, f in shown.head(200).iterrows()) or "no findings", language=None, wrap_lines=True)

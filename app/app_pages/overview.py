@@ -32,6 +32,10 @@ if selection.key is not None:
     st.text(f"{key.label} · {key.path.name}")
     st.dataframe(fields_table(trace_cache.step_fields(str(selection.trace_path), str(key.path), mtime),
                               trace.algorithm), hide_index=True, width="stretch")
+    derived = trace.derived_fields(key)
+    if derived:
+        st.caption(f"Not recorded, derived by the reader from the recorded logprobs (tracer.formulas) wherever "
+                   f"they show: {', '.join(derived)}.")
     st.subheader("Step metadata")
     st.dataframe(key_value_frame(trace_cache.step_metadata(str(selection.trace_path), str(key.path), mtime),
                                  describe=True), hide_index=True, width="stretch")

@@ -1,11 +1,15 @@
-"""Steps: per-step curves over every step file of the run (masked means from the reader), one line
-per inner step and rank; the sidebar's rank filter keeps one rank."""
+"""Steps: per-step curves over every step file of the run (masked means from the reader; margin,
+accuracy, loss and logps for DPO), one line per inner step and rank; other runs overlaid on the
+same axes; the sidebar's rank filter keeps one rank. Clicking a point opens that step on the Step
+page (the DPO pairs page for DPO)."""
 
 import streamlit as st
 
-from app.components import trace_cache
-from app.components.figures import step_curves_figure
-from app.components.sidebar import current_selection
+from app.components import trace_cache, urls
+from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, step_curves_figure
+from app.components.sidebar import current_selection, discover_traces, run_param
+
+OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -16,14 +20,65 @@ if not keys:
     st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
     st.stop()
 
-summary = trace_cache.step_summary(str(selection.trace_path), tuple(k.path.name for k in keys))
+
+def summary_of(path) -> "tuple":
+    """(summary frame, panels) of one run: DPO runs get their own per-step summary."""
+    run = trace_cache.open_trace(str(path))
+    files = trace_cache.step_files(run)
+    if run.algorithm == "dpo":
+        return trace_cache.dpo_step_summary(str(path), files), DPO_STEP_PANELS
+    frame = trace_cache.step_summary(str(path), files)
+    if selection.rank is not None and "rank" in frame:
+        frame = frame[frame["rank"] == selection.rank].reset_index(drop=True)
+    return frame, STEP_PANELS
+
+
+root = selection.root
+others = [p for p in discover_traces(root) if p != selection.trace_path]
+labels = {p: run_param(root, p) for p in others}
+wanted = [p for p in others if labels[p] in (st.query_params.get(OVERLAY_PARAM) or "").split(",")]
+overlay = st.multiselect("Overlay runs", others, default=wanted, format_func=labels.__getitem__, key="overlay",
+                         help="draw other runs of the root on the same axes (one colour per run)")
+urls.set_page_param(OVERLAY_PARAM, ",".join(labels[p] for p in overlay) or None)
+
+summary, panels = summary_of(selection.trace_path)
 if selection.rank is not None:
-    summary = summary[summary["rank"] == selection.rank].reset_index(drop=True)
     st.text(f"rank {selection.rank} (the sidebar's rank filter)")
-elif summary["rank"].nunique() > 1:
+elif "rank" in summary and summary["rank"].nunique() > 1:
     st.text(f"ranks {', '.join(map(str, sorted(summary['rank'].unique())))}: one line per inner step and rank")
-st.plotly_chart(step_curves_figure(summary), width="stretch")
-st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.Trace.step_summary; "
-           "clip fraction counts the clip only on the side the advantage's sign makes it bind.")
+derived = {name for text in summary.get("derived", []) if isinstance(text, str) for name in text.split(", ") if name}
+if derived:  # curves over fields the reader derived (tracer.derived): say so in their titles
+    uses = {"mean_ratio": "ratio", "clip_fraction": "ratio", "mean_ref_kl_k3": "ref_kl_k3",
+            "mean_approx_kl_k2": "approx_kl_k2"}
+    panels = tuple((col, title + (" (derived)" if uses.get(col) in derived else "")) for col, title in panels)
+    st.caption(f"{', '.join(sorted(derived))}: derived by the reader from the recorded logprobs (tracer.formulas).")
+runs = {run_param(root, selection.trace_path): summary}
+for path in overlay:
+    other, other_panels = summary_of(path)
+    if other_panels != panels:
+        st.caption(f"{labels[path]} is a {trace_cache.open_trace(str(path)).algorithm} run: its curves differ; "
+                   "not overlaid.")
+        continue
+    runs[labels[path]] = other
+figure = step_curves_figure(runs if len(runs) > 1 else summary, panels)
+event = st.plotly_chart(figure, width="stretch", on_select="rerun", selection_mode="points", key="step_curves")
+if trace.algorithm == "dpo":
+    st.caption("Over the step's pairs (tracer.views.dpo_step_summary): margin = mean chosen_rewards − "
+               "rejected_rewards; preference accuracy = share of pairs with chosen_rewards > rejected_rewards; "
+               "logps: the policy's summed logprob of each side. Click a point to open that step's pairs.")
+else:
+    st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.Trace.step_summary; "
+               "clip fraction counts the clip only on the side the advantage's sign makes it bind. "
+               "Click a point to open that step.")
+
+points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyState is a dict too
+if points:
+    point = points[0]
+    inner, run_index = (point.get("customdata") or [None, 0, 0])[1:3]
+    run_label = list(runs)[int(run_index)]
+    target = "app_pages/dpo.py" if trace.algorithm == "dpo" else "app_pages/step.py"
+    st.switch_page(target, query_params={"run": run_label, "step": str(int(point["x"])),
+                                         "inner": str(int(inner or 0))})
+
 with st.expander("Per-step table"):
     st.dataframe(summary, hide_index=True, width="stretch")

@@ -4,12 +4,18 @@ per-token values against position."""
 
 import streamlit as st
 
-from app.components import token_jump, trace_cache
+from app.components import token_jump, trace_cache, urls
+from app.components.coloured_text import coloured_html, legend_html
 from app.components.figures import token_values_figure
 from app.components.sidebar import current_selection
 from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
-    highlighted_rows, legend_frame, reason_counts, section_text, style_token_table, token_display_frame)
+    VALUE_COLUMNS, highlighted_rows, legend_frame, reason_counts, section_text, style_token_table,
+    token_display_frame)
+from tracer.reader import TOKEN_VALUE_FIELDS
+
+KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
+              "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")
 
 selection = current_selection()
 st.title("Tokens")
@@ -37,14 +43,32 @@ if table.empty:
         st.info("This step file has neither prompt_ids nor completion_ids: no tokens to show.")
     st.stop()
 
-if "section" in table and (table["section"] == "prompt").any():
-    st.subheader("Prompt")
-    st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
+derived = table.attrs.get("derived", [])
+values = [c for c in dict.fromkeys([*VALUE_COLUMNS, *TOKEN_VALUE_FIELDS]) if c in table and table[c].notna().any()]
 if "section" in table and (table["section"] == "completion").any():
     st.subheader("Completion")
-    st.code(section_text(table, "completion"), language=None, wrap_lines=True)
+    kept_rows = table[table["mask_reason"] == "kept"]  # a quantity that varies over the kept tokens first
+    preferred = sorted([c for c in ("ratio", "ref_kl_k3", "advantages") if c in values],
+                       key=lambda c: kept_rows[c].nunique() <= 1) or values or [None]
+    colour_by = st.selectbox("Colour tokens by", values or [None], key="colour_by",
+                             index=(values or [None]).index(urls.page_param("colour", values, preferred[0])),
+                             format_func=lambda c: "—" if c is None else c + (" (derived)" if c in derived else ""),
+                             help="diverging scale centred on 1 for the ratio, 0 for the others; hover a token "
+                                  "for all its values and its mask reason")
+    urls.set_page_param("colour", colour_by)
+    st.html(coloured_html(table, colour_by, values))
+    st.html(legend_html(colour_by, table))
+    with st.expander("Completion as plain text"):
+        st.code(section_text(table, "completion"), language=None, wrap_lines=True)
+if "section" in table and (table["section"] == "prompt").any():
+    with st.expander("Prompt"):
+        st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
 st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
-           "the table below lists them one by one.")
+           "the table below lists them one by one. Struck through: after EOS; dotted: padding; hatched: "
+           "masked for another reason.")
+if derived:
+    st.caption(f"{', '.join(derived)}: derived by the reader from the recorded logprobs (tracer.formulas); "
+               "the step file does not record them.")
 
 st.subheader("Token table")
 counts = reason_counts(table)
@@ -56,21 +80,31 @@ if target is not None:
     if right.button("Clear highlight", key="clear_highlight"):
         token_jump.clear_highlight()
         st.rerun()
-include_prompt = st.toggle("Show prompt rows", value=True)
+include_prompt = st.toggle("Show prompt rows", value=False, key="show_prompt", help="listed after the completion rows")
 frame = token_display_frame(table, include_prompt=include_prompt)
-highlight = target.token if target is not None else None
+url_token = urls.page_param("token", list(frame["position"].unique()) if "position" in frame else [])
+highlight = target.token if target is not None else url_token
 hits = frame.index[highlighted_rows(frame, highlight)]
-if len(hits):  # the marked row with 3 neighbours each side, for sequences longer than the table's height
-    near = frame.iloc[max(hits[0] - 3, 0): hits[0] + 4]
-    st.dataframe(style_token_table(near, highlight=highlight), hide_index=True, width="stretch",
-                 key="finding_context")
-st.dataframe(
-    style_token_table(frame, highlight=highlight), hide_index=True, width="stretch", height=480, key="token_table",
-    column_config={
-        "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
-        "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),
-    },
-)
+config = {
+    "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
+    "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),
+    "section": st.column_config.TextColumn("section", width="small"),
+    "position": st.column_config.NumberColumn("position", width="small"),
+    "token_id": st.column_config.NumberColumn("token_id", width="small"),
+    **{c: st.column_config.NumberColumn(c + (" (derived)" if c in derived else ""), width="small") for c in values},
+}
+only_near = len(hits) and st.toggle("Only the marked token and its neighbours", value=True,
+                                     help="off: every token of the sequence")
+shown = frame.iloc[max(hits[0] - 3, 0): hits[0] + 4] if only_near else frame
+if only_near:
+    st.caption(f"Position {int(frame.loc[hits[0], 'position'])} (marked) with 3 neighbours each side.")
+# Key columns first so that they stay on screen; the section and token id last.
+order = ["position", "token_text", "mask_reason", *[c for c in KEY_VALUES if c in shown],
+         *[c for c in shown.columns if c not in KEY_VALUES and c not in ("position", "token_text", "mask_reason",
+                                                                        "section", "token_id")],
+         *[c for c in ("section", "token_id") if c in shown]]
+st.dataframe(style_token_table(shown, highlight=highlight), hide_index=True, width="stretch",
+             height="auto" if only_near else 480, key="token_table", column_config=config, column_order=order)
 with st.expander("Legend: mask_reason (grey rows do not enter the loss)", expanded=False):
     st.dataframe(style_token_table(legend_frame()), hide_index=True, width="stretch")
 

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 from plotly.subplots import make_subplots
 
-from app.components.figures import empty_figure, shade_masked
+from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR
 from tracer.reader import MASKED
 
@@ -66,19 +66,20 @@ def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
     positions = pair_tokens["position"].tolist()
     for i, side in enumerate(sides, start=1):
         texts = [html.escape(str(t)) for t in pair_tokens.get(f"{side}_token_text", [""] * len(positions))]
+        kept = pair_tokens[f"{side}_kept"].tolist() if f"{side}_kept" in pair_tokens else [True] * len(positions)
         for model, dash in (("policy", "solid"), ("ref", "dot")):
             col = f"{side}_{model}_logprobs"
             if col not in pair_tokens:
                 continue
-            fig.add_trace(go.Scatter(
-                x=positions, y=pair_tokens[col].tolist(), mode="lines+markers", name=col, customdata=texts,
+            fig.add_trace(go.Scatter(  # the side's masked positions are gaps
+                x=positions, y=[v if _kept(k) else None for v, k in zip(pair_tokens[col].tolist(), kept)], mode="lines+markers", name=col, customdata=texts,
                 line={"dash": dash}, marker={"size": 5},
                 hovertemplate=f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata}}<extra></extra>"),
                 row=i, col=1)
-        kept = pair_tokens[f"{side}_kept"].tolist() if f"{side}_kept" in pair_tokens else [True] * len(positions)
         shade_masked(fig, positions, [_kept(k) for k in kept], row=i)
     fig.update_xaxes(title_text="position", row=len(sides), col=1)
-    fig.update_layout(height=250 * len(sides) + 80, margin={"t": 40, "b": 40}, legend={"orientation": "h", "y": -0.15})
+    integer_ticks(fig, positions)
+    fig.update_layout(height=250 * len(sides) + 110, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
     return fig
 
 
@@ -100,5 +101,6 @@ def dpo_curves_figure(summary: pd.DataFrame) -> go.Figure:
             fig.update_xaxes(title_text="step", row=1, col=i)
             if fmt:
                 fig.update_yaxes(tickformat=fmt, range=[-0.05, 1.05], row=1, col=i)
-    fig.update_layout(height=320, margin={"t": 40, "b": 40})
+    integer_ticks(fig, summary["step"].tolist())
+    fig.update_layout(height=340, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
     return fig

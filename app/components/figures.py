@@ -75,18 +75,34 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
     reasons = rows.get("mask_reason", pd.Series([""] * len(rows))).tolist()
     custom = list(zip(texts, reasons))
+    kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(rows)
     for i, (_, cols) in enumerate(panels, start=1):
-        for col in cols:
-            fig.add_trace(go.Scatter(
-                x=positions, y=rows[col].tolist(), mode="lines+markers", name=col,
-                marker={"size": 4}, customdata=custom,
+        for j, col in enumerate(cols):  # masked positions are gaps: their values enter neither loss nor axis range
+            fig.add_trace(go.Scatter(  # a dash and marker per line: one equal to another stays visible
+                x=positions, y=[v if k else None for v, k in zip(rows[col].tolist(), kept)],
+                mode="lines+markers", name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
+                marker={"size": 7 - j, "symbol": SYMBOLS[j % len(SYMBOLS)]}, customdata=custom,
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
                                "<br>%{customdata[1]}<extra></extra>")), row=i, col=1)
     _shade_masked(fig, rows, positions, n_panels=len(panels))
     fig.update_xaxes(title_text="completion position", row=len(panels), col=1)
-    fig.update_layout(height=220 * len(panels) + 80, margin={"t": 40, "b": 40},
-                      legend={"orientation": "h", "y": -0.08})
+    integer_ticks(fig, positions, axis="x")
+    fig.update_layout(height=220 * len(panels) + 100, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
     return fig
+
+
+# A horizontal legend above the plot: it never covers an axis title.
+TOP_LEGEND = {"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "left", "x": 0}
+
+
+def integer_ticks(fig: go.Figure, values, axis: str = "x") -> None:
+    """Ticks at whole numbers only (steps, positions): a spacing of 1, 2, 5, 10… giving at most
+    about 12 ticks over ``values``."""
+    values = [v for v in values if v is not None and v == v]
+    width = (max(values) - min(values)) if values else 1
+    dtick = next(d * 10 ** e for e in range(0, 12) for d in (1, 2, 5) if width / (d * 10 ** e) <= 12)
+    update = fig.update_xaxes if axis == "x" else fig.update_yaxes
+    update(tick0=0, dtick=dtick, tickformat="d")
 
 
 def _shade_masked(fig: go.Figure, rows: pd.DataFrame, positions: list[int], n_panels: int) -> None:
@@ -110,43 +126,75 @@ def shade_masked(fig: go.Figure, positions: list[int], kept: list[bool], row: in
                       row=row, col=1)
 
 
-def step_curves_figure(summary: pd.DataFrame) -> go.Figure:
-    """Per-step curves from ``Trace.step_summary()``: mean ratio, mean ref KL (k3), mean reward
-    and clip fraction against step, one line per inner step (colour shared across panels), and
-    per (inner step, rank) when the summary holds several ranks (``inner step 0 · rank 1``).
+DPO_STEP_PANELS: tuple[tuple[str, str], ...] = (
+    ("margin", "margin (chosen − rejected reward)"),
+    ("preference_accuracy", "preference accuracy"),
+    ("mean_dpo_loss", "DPO loss"),
+    ("mean_chosen_logps", "chosen logp (policy, summed, nats)"),
+    ("mean_rejected_logps", "rejected logp (policy, summed, nats)"),
+)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star")
 
-    Step files of the same line and step from several micro-batches are shown as the plain mean of
-    their per-file values (the hover says how many files). Panels whose column is absent or all
-    NaN are left out.
+
+def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
+                       panels: tuple[tuple[str, str], ...] = STEP_PANELS) -> go.Figure:
+    """Per-step curves from ``Trace.step_summary()`` (or ``views.dpo_step_summary`` with
+    :data:`DPO_STEP_PANELS`) against step: one line per inner step (and rank, when the summary
+    holds several), one colour per line, or one colour per run when ``summary`` maps run labels to
+    summaries (overlay); inner steps differ by dash and marker so that a line under another stays
+    visible. Step files of the same line and step (micro-batches) are shown as the plain mean of
+    their values (the hover says how many). Panels whose column is absent or all NaN are left out.
+    Each point's ``customdata`` is ``[files, inner_step, run index]`` (a click opens that step).
     """
-    if summary.empty or "step" not in summary:
+    runs = summary if isinstance(summary, dict) else {"": summary}
+    runs = {k: v for k, v in runs.items() if not v.empty and "step" in v}
+    if not runs:
         return empty_figure("no steps in this trace yet")
-    panels = [(col, title) for col, title in STEP_PANELS if col in summary and summary[col].notna().any()]
-    if not panels:
-        return empty_figure("the steps record none of ratio, ref_kl_k3, rewards, clip fraction")
-    ncols = 2 if len(panels) > 1 else 1
-    nrows = (len(panels) + ncols - 1) // ncols
-    fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=[title for _, title in panels])
-    frame = summary.assign(inner_step=summary["inner_step"] if "inner_step" in summary else 0,
-                           rank=summary["rank"] if "rank" in summary else 0)
-    per_rank = frame["rank"].nunique() > 1
-    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-    for n, ((inner_step, rank), group) in enumerate(frame.groupby(["inner_step", "rank"] if per_rank
-                                                                  else ["inner_step", lambda _: 0])):
-        agg = group.groupby("step").agg(
-            **{col: (col, "mean") for col, _ in panels}, files=("step", "size")).reset_index()
-        name = f"inner step {inner_step}" + (f" · rank {rank}" if per_rank else "")
-        colour = palette[n % len(palette)]
-        for i, (col, title) in enumerate(panels):
-            fig.add_trace(go.Scatter(
-                x=agg["step"], y=agg[col], mode="lines+markers", name=name,
-                legendgroup=name, showlegend=i == 0, line={"color": colour},
-                customdata=agg["files"],
-                hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · {name}"
-                               "<br>%{customdata} file(s)<extra></extra>")),
-                row=i // ncols + 1, col=i % ncols + 1)
+    shown = [(col, title) for col, title in panels if any(col in v and v[col].notna().any() for v in runs.values())]
+    if not shown:
+        return empty_figure("the steps record none of " + ", ".join(col for col, _ in panels))
+    ncols = 2 if len(shown) > 1 else 1
+    nrows = (len(shown) + ncols - 1) // ncols
+    fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=0.14,
+                        subplot_titles=[title for _, title in shown])
+    n = 0
+    for r, (run, frame) in enumerate(runs.items()):
+        for line, (inner_step, rank, agg) in enumerate(_lines(frame, [c for c, _ in shown])):
+            name = (f"{run} · " if run else "") + f"inner step {inner_step}" + (f" · rank {rank}" if rank is not None else "")
+            colour = PALETTE[(r if len(runs) > 1 else n) % len(PALETTE)]
+            style = {"color": colour, "dash": DASHES[inner_step % len(DASHES)], "width": 2}
+            marker = {"symbol": SYMBOLS[inner_step % len(SYMBOLS)], "size": 9 - 2 * min(line, 2), "color": colour}
+            custom = [[f, inner_step, r] for f in agg["files"]]
+            for i, (col, title) in enumerate(shown):
+                if col not in agg:
+                    continue
+                fig.add_trace(go.Scatter(
+                    x=agg["step"], y=agg[col], mode="lines+markers", name=name, legendgroup=name,
+                    showlegend=i == 0 or not any(c in agg for c, _ in shown[:i]), line=style, marker=marker,
+                    opacity=0.9, customdata=custom,
+                    hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · {name}"
+                                   "<br>%{customdata[0]} file(s) · click to open this step<extra></extra>")),
+                    row=i // ncols + 1, col=i % ncols + 1)
+            n += 1
+    steps = [s for v in runs.values() for s in v["step"].tolist()]
+    integer_ticks(fig, steps, axis="x")
     for c in range(1, ncols + 1):
-        fig.update_xaxes(title_text="step", row=nrows, col=c)
-    fig.update_layout(height=300 * nrows + 80, margin={"t": 40, "b": 40})
+        fig.update_xaxes(title_text="step", row=nrows, col=c, showticklabels=True)
+    fig.update_layout(height=300 * nrows + 120, margin={"t": 90, "b": 40}, legend=TOP_LEGEND,
+                      clickmode="event+select")
     return fig
+
+
+def _lines(frame: pd.DataFrame, columns: list[str]):
+    """``(inner_step, rank or None, per-step means)`` per line of one run's summary."""
+    frame = frame.assign(inner_step=frame["inner_step"] if "inner_step" in frame else 0,
+                         rank=frame["rank"] if "rank" in frame else 0)
+    per_rank = frame["rank"].nunique() > 1
+    present = [c for c in columns if c in frame]
+    for (inner_step, rank), group in frame.groupby(["inner_step", "rank"] if per_rank
+                                                   else ["inner_step", lambda _: 0]):
+        agg = group.groupby("step").agg(**{c: (c, "mean") for c in present},
+                                        files=("step", "size")).reset_index()
+        yield int(inner_step), (int(rank) if per_rank else None), agg

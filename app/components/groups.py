@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 
-from app.components.figures import empty_figure
+from app.components.figures import DASHES, SYMBOLS, TOP_LEGEND, empty_figure, integer_ticks
 
 ZERO_VARIANCE_BACKGROUND = "#fff3cd"
 ZERO_VARIANCE_MARK = "zero variance"
@@ -51,9 +51,9 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     fig.add_hline(y=mean, line_dash="dash", line_color="#444", annotation_text=f"group mean {mean:.4g}")
     if std == std and std > 0:  # not NaN
         fig.add_hrect(y0=mean - std, y1=mean + std, fillcolor="rgba(68, 68, 68, 0.1)", line_width=0)
-    fig.update_layout(height=320, margin={"t": 30, "b": 40}, yaxis_title="reward",
+    fig.update_layout(height=340, margin={"t": 60, "b": 40}, yaxis_title="reward",
                       yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True},
-                      legend={"orientation": "h", "y": -0.2})
+                      legend=TOP_LEGEND)
     return fig
 
 
@@ -70,10 +70,28 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
     for n, (inner_step, part) in enumerate(shares.groupby("inner_step")):
         fig.add_trace(go.Scatter(
             x=part["step"], y=part["zero_variance_share"], mode="lines+markers", name=f"inner step {inner_step}",
-            line={"color": _PALETTE[n % len(_PALETTE)]},
+            line={"color": _PALETTE[n % len(_PALETTE)], "dash": DASHES[n % len(DASHES)]},  # equal lines stay visible
+            marker={"symbol": SYMBOLS[n % len(SYMBOLS)], "size": 9 - 2 * min(n, 2)},
             customdata=list(zip(part["zero_variance_groups"], part["groups"])),
             hovertemplate=("step %{x}: %{customdata[0]} of %{customdata[1]} groups"
                            f" (%{{y:.0%}}) · inner step {inner_step}<extra></extra>")))
-    fig.update_layout(height=300, margin={"t": 30, "b": 40}, xaxis_title="step",
+    fig.update_layout(height=320, margin={"t": 60, "b": 40}, xaxis_title="step", legend=TOP_LEGEND,
                       yaxis={"title": "share of zero-variance groups", "range": [-0.05, 1.05], "tickformat": ".0%"})
+    integer_ticks(fig, shares["step"].tolist())
     return fig
+
+
+def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> str:
+    """How this run's advantages relate to the group's rewards, for the page's header line: RLOO's
+    leave-one-out baseline (no std), TRL's Bessel-corrected std, or the seed's population std.
+    ``meta`` is the step file's metadata; ``estimator`` is ``views.group_std_estimator`` of it."""
+    rule = meta.get("advantage_rule")
+    if algorithm == "rloo" or (isinstance(rule, str) and rule.startswith("rloo")):
+        kl = " on rewards − β·Σ(old − ref)" if rule == "rloo_kl" else ""
+        return (f"advantage: leave-one-out{kl}, A_i = r_i − mean of the other G − 1 rewards (no std); the "
+                f"std column is the {estimator} std of the rewards, for reference")
+    if meta.get("scale_rewards") in ("none", False):
+        return f"advantage: r − group mean (scale_rewards none: not divided) · group std: {estimator}"
+    if estimator == "unbiased":
+        return "advantage: (r − group mean) / group std · group std: unbiased (Bessel-corrected, as TRL)"
+    return "advantage: (r − group mean) / (group std + eps) · group std: population (unbiased=False, as the seed)"

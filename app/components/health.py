@@ -20,6 +20,12 @@ LOCATION_COLUMNS = ("step", "inner_step", "micro_batch", "rank", "sequence", "to
 FINDING_COLUMNS = ("severity", "check", *LOCATION_COLUMNS, "token_text", "field", "message", "path")
 SEVERITY_BACKGROUND = {ERROR: "#f8d0d0", WARNING: "#fbe9c2"}
 NO_PROBLEMS = "no errors or warnings"
+# Columns in the order the findings table shows them: the message early (it says what is wrong).
+DISPLAY_ORDER = ("severity", "check", "step", "inner_step", "rank", "sequence", "token", "token_text", "message",
+                 "field", "micro_batch", "token_id", "path")
+# Checks about a whole group of completions (GRPO / CISPO / RLOO): their finding opens the Groups page.
+GROUP_CHECKS = frozenset({"advantages.group_size", "advantages.group_sum", "advantages.zero_variance",
+                          "advantages.z_bound", "recompute.advantages"})
 MAX_STYLED_ROWS = 5_000
 
 
@@ -114,6 +120,13 @@ def target_of(frame: pd.DataFrame, row: int, trace_path: str) -> FindingTarget |
         return None
     token = None if pd.isna(finding["token"]) else int(finding["token"])
     return FindingTarget(trace_path, str(finding["path"]), int(finding["sequence"]), token, str(finding["check"]))
+
+
+def opens_groups(frame: pd.DataFrame, row: int, grouped: bool) -> bool:
+    """Whether row ``row`` is about a group (a :data:`GROUP_CHECKS` finding on a sequence, no token)
+    of a group-based run (``grouped``): it opens the Groups page rather than the Tokens page."""
+    finding = frame.iloc[row]
+    return grouped and str(finding["check"]) in GROUP_CHECKS and pd.isna(finding["token"])
 
 
 def style_findings(frame: pd.DataFrame):

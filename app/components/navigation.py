@@ -10,26 +10,32 @@ from tracer.views import GROUPED_ALGORITHMS
 
 @dataclass(frozen=True)
 class PageSpec:
-    """One page: its file under ``app/``, title, icon, and the algorithms it is for (None = all)."""
+    """One page: its file under ``app/``, title, icon, the algorithms it is for (None = all) and its
+    URL path (``/tokens``, ``/step``…)."""
 
     path: str
     title: str
     icon: str
     algorithms: tuple[str, ...] | None = None
+    url_path: str = ""
 
 
 PAGES: tuple[PageSpec, ...] = (
-    PageSpec("app_pages/tokens.py", "Tokens", ":material/table_rows:"),
-    PageSpec("app_pages/ppo.py", "PPO: GAE and early stop", ":material/timeline:", ("ppo",)),
-    PageSpec("app_pages/groups.py", "Groups", ":material/group_work:", GROUPED_ALGORITHMS),
-    PageSpec("app_pages/dpo.py", "DPO pairs", ":material/compare_arrows:", ("dpo",)),
-    PageSpec("app_pages/mismatch.py", "Mismatch", ":material/compare:", ("ppo", "grpo", "cispo", "rloo")),
-    PageSpec("app_pages/steps.py", "Steps", ":material/show_chart:"),
-    PageSpec("app_pages/health.py", "Health", ":material/health_and_safety:"),
-    PageSpec("app_pages/diff.py", "Diff", ":material/difference:"),
-    PageSpec("app_pages/overview.py", "Overview", ":material/info:"),
+    PageSpec("app_pages/tokens.py", "Tokens", ":material/table_rows:", url_path="tokens"),
+    PageSpec("app_pages/step.py", "Step", ":material/grid_on:", ("ppo", "grpo", "cispo", "rloo"), "step"),
+    PageSpec("app_pages/ppo.py", "PPO: GAE and early stop", ":material/timeline:", ("ppo",), "ppo"),
+    PageSpec("app_pages/groups.py", "Groups", ":material/group_work:", GROUPED_ALGORITHMS, "groups"),
+    PageSpec("app_pages/dpo.py", "DPO pairs", ":material/compare_arrows:", ("dpo",), "dpo"),
+    PageSpec("app_pages/mismatch.py", "Mismatch", ":material/compare:", ("ppo", "grpo", "cispo", "rloo"), "mismatch"),
+    PageSpec("app_pages/steps.py", "Steps", ":material/show_chart:", url_path="steps"),
+    PageSpec("app_pages/health.py", "Health", ":material/health_and_safety:", url_path="health"),
+    PageSpec("app_pages/diff.py", "Diff", ":material/difference:", url_path="diff"),
+    PageSpec("app_pages/overview.py", "Overview", ":material/info:", url_path="overview"),
 )
 DEFAULT_PAGE = PAGES[0].path
+# The app's root URL (``/``): a hidden page that opens DEFAULT_PAGE with the URL's parameters, so
+# that every visible page keeps its own path (``/tokens`` included).
+HOME_PAGE = "app_pages/home.py"
 
 
 def _known(algorithm: str | None) -> bool:

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from pandas.io.formats.style import Styler
 
-from app.components.figures import empty_figure, shade_masked
+from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
 from tracer.views import EARLY_STOP, NO_FILE, NOT_RUN, RAN
 
 # Per-token columns of the GAE picture, in reading order.
@@ -53,19 +53,21 @@ def gae_figure(table: pd.DataFrame) -> go.Figure:
                                         "advantage (GAE): how it flows back"])
     positions = rows["position"].tolist()
     texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
-    for col in present:
+    kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(positions)
+    for col in present:  # masked positions are gaps: their values are not in the loss, nor in the axis range
+        values = [v if k else None for v, k in zip(rows[col].tolist(), kept)]
         hover = f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata}}<extra></extra>"
         if col == "token_rewards":
-            trace = go.Bar(x=positions, y=rows[col].tolist(), name=col, customdata=texts, hovertemplate=hover,
+            trace = go.Bar(x=positions, y=values, name=col, customdata=texts, hovertemplate=hover,
                            marker={"color": "#2ca02c"}, opacity=0.7)
         else:
-            trace = go.Scatter(x=positions, y=rows[col].tolist(), mode="lines+markers", name=col,
+            trace = go.Scatter(x=positions, y=values, mode="lines+markers", name=col,
                                customdata=texts, hovertemplate=hover, marker={"size": 5})
         fig.add_trace(trace, row=2 if col == "advantages" else 1, col=1)
-    kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(positions)
     shade_masked(fig, positions, kept)
     fig.update_xaxes(title_text="completion position", row=2, col=1)
-    fig.update_layout(height=560, margin={"t": 40, "b": 40}, legend={"orientation": "h", "y": -0.15})
+    integer_ticks(fig, positions)
+    fig.update_layout(height=580, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
     return fig
 
 

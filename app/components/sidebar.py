@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 
 import streamlit as st
 
-from app.components import token_jump, trace_cache
+from app.components import token_jump, trace_cache, urls
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
@@ -26,6 +26,7 @@ ROOT_ENV = "TRACER_ROOT"
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
 _SELECTION_STATE = "_tracer_selection"
 _URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run selectbox
+_URL_NOTE = "_tracer_url_note"  # why the URL's step could not be shown
 RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
 
@@ -115,7 +116,7 @@ def render_sidebar(root: Path) -> Selection | None:
     traces = _listed_traces(root)
     if not traces:
         return None
-    _apply_url_run(root, traces)
+    refused = not _apply_url_run(root, traces)
     jump = token_jump.pending()
     if jump is not None:
         token_jump.select_run(jump, traces)
@@ -133,7 +134,40 @@ def render_sidebar(root: Path) -> Selection | None:
     _render_auto_refresh(str(run))
     if jump is not None:
         token_jump.select_step(jump, run, keys, _step_labels)
-    return _choose_step(root, run, keys)
+    else:
+        _apply_url_selection(keys)
+    chosen = _choose_step(root, run, keys)
+    # a refused ?run= stays in the URL (its message with it) until another run is chosen
+    urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
+               keep=("run",) if refused else ())
+    return chosen
+
+
+def _apply_url_selection(keys: list[StepKey]) -> None:
+    """Point the Rank, Step file and Sequence choosers at the URL's ``step, inner, mb, rank, seq``
+    (before they are drawn) when the URL names a selection the app did not write itself."""
+    wanted = urls.pending()
+    if wanted is None:
+        return
+    params = urls.parse(wanted)
+    if "step" not in params:
+        return
+    match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
+        name not in params or getattr(k, attr) == params[name]
+        for name, attr in (("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank")))]
+    if not match:  # shown until another step file is chosen (the redirect from / reruns the app)
+        named = ", ".join(f"{name} {params[name]}" for name in ("step", "inner", "mb", "rank") if name in params)
+        st.session_state[_URL_NOTE] = f"The URL names {named}, which this run has no step file for; showing another step."
+        return
+    st.session_state.pop(_URL_NOTE, None)
+    key = match[0]
+    if len({k.rank for k in keys}) > 1:
+        st.session_state["rank"] = None  # all ranks, so that the step file is listed
+    st.session_state["step_file"] = _step_labels(keys)[keys.index(key)]
+    if "seq" in params:
+        st.session_state["sequence"] = params["seq"]
+    else:
+        st.session_state.pop("sequence", None)
 
 
 def _listed_traces(root: Path) -> list[Path]:
@@ -159,7 +193,12 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
     if not keys:
         return Selection(root, run, None, None, rank)
     labels = _step_labels(keys)
+    if st.session_state.get("step_file") not in labels:
+        st.session_state.pop("step_file", None)
+    if _URL_NOTE in st.session_state:
+        sb.warning(st.session_state[_URL_NOTE])
     label = sb.selectbox("Step file", labels, key="step_file",
+                         on_change=lambda: st.session_state.pop(_URL_NOTE, None),
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
     key = keys[labels.index(label)]
     try:
@@ -169,6 +208,8 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
         sb.text(str(err))
         seq_labels = []
     sequence = None
+    if st.session_state.get("sequence") not in range(len(seq_labels)):
+        st.session_state.pop("sequence", None)  # a URL's or another step's row this step lacks
     if seq_labels:
         sequence = sb.selectbox("Sequence", range(len(seq_labels)), format_func=seq_labels.__getitem__,
                                 key="sequence")
@@ -228,19 +269,19 @@ def _watch(trace_path: str, shown: tuple) -> None:
     st.caption(f"auto-refresh on: checking every {REFRESH_SECONDS:g} s")
 
 
-def _apply_url_run(root: Path, traces: list[Path]) -> None:
+def _apply_url_run(root: Path, traces: list[Path]) -> bool:
     """Select the run named by ``?run=`` in the URL (relative to the root, or absolute) once per
-    new value; a path that resolves outside the root is refused with a message."""
+    new value; a path that resolves outside the root is refused with a message (then False)."""
     requested = st.query_params.get(RUN_PARAM)
     if requested is None:
-        return
+        return True
     try:
         path = resolve_request(root, requested)
     except OutsideRootError as err:
         st.error("Refused the run named in the URL: it lies outside the directory this app was started "
                  "with.", icon=":material/block:")
         st.text(str(err))
-        return
+        return False
     except TraceError as err:  # a null byte, an unknown ~user...: no path, so no trace under the root
         path, why = None, str(err)
     else:
@@ -249,16 +290,21 @@ def _apply_url_run(root: Path, traces: list[Path]) -> None:
     if match is None:
         st.error("The run named in the URL is not a trace under the root.", icon=":material/block:")
         st.text(printable(why))
-        return
+        return False
     if st.session_state.get(_URL_APPLIED) != requested:
         st.session_state[_URL_APPLIED] = requested
         st.session_state["run"] = match
+    return True
+
+
+def run_param(root: Path, run: Path) -> str:
+    """How ``?run=`` names ``run``: its path relative to the root (``.`` for the root itself)."""
+    return "." if run == root else _run_label(root, run).removesuffix(" (the root)")
 
 
 def _remember_run(root: Path) -> None:
     """The run selectbox's on_change: put the chosen run in the URL (``?run=``) to share it."""
-    label = _run_label(root, st.session_state["run"]).removesuffix(" (the root)")
-    label = "." if st.session_state["run"] == root else label
+    label = run_param(root, st.session_state["run"])
     st.query_params[RUN_PARAM] = label
     st.session_state[_URL_APPLIED] = label
 

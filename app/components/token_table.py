@@ -45,12 +45,14 @@ FILLER_REASONS = (PROMPT_PADDING, AFTER_EOS, PADDING)
 def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.DataFrame:
     """The columns of ``Trace.token_table(key, sequence)`` worth showing, in reading order.
 
-    Drops the columns that are constant for one sequence (step, inner_step, rank, sequence) and
-    the ``kept`` flag (``mask_reason == "kept"`` says the same). Value columns follow the order
+    Completion rows come first, then prompt rows (``include_prompt``). Drops the columns that are
+    constant for one sequence (step, inner_step, rank, sequence) and the ``kept`` flag (``mask_reason == "kept"`` says the same). Value columns follow the order
     old, policy, ref, sampler logprobs, ratio, ref_kl_k3, approx_kl_k2, advantages, then the rest.
     """
     if not include_prompt and "section" in table:
         table = table[table["section"] != "prompt"]
+    if "section" in table:  # completion rows first (what the loss runs over), then the prompt
+        table = table.sort_values("section", key=lambda s: s != "completion", kind="stable")
     values = [c for c in VALUE_COLUMNS if c in table]
     values += [c for c in TOKEN_VALUE_FIELDS if c in table and c not in values]
     columns = [c for c in LEAD_COLUMNS if c in table] + values

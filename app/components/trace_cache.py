@@ -18,6 +18,7 @@ import streamlit as st
 from app.components.health import findings_frame
 from app.components.safe_trace import SafeTrace
 from tracer import views
+from tracer.views import step as step_view
 from tracer.checks import run_checks
 from tracer.diff import DiffReport, diff, token_diff_table
 from tracer.diff import comparable as comparable_traces
@@ -186,6 +187,13 @@ def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
     return views.dpo_step_summary(open_trace(trace_path))
 
 
+@st.cache_resource(max_entries=4, show_spinner="Reading the step…")  # no copy per rerun: never mutate it
+def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None, files: tuple[str, ...]) -> pd.DataFrame:
+    """``views.step.step_token_frame``: every completion position of one step (all micro-batches,
+    all ranks or one), shared between reruns: never mutate it. Raises TraceFormatError."""
+    return step_view.step_token_frame(open_trace(trace_path), step, inner_step, rank=rank)
+
+
 # -- health (tracer.checks) and diff (tracer.diff) ------------------------------------------------------
 
 
@@ -224,7 +232,7 @@ def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
 
 _CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
            findings, diff_report, comparable, token_diff, ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
-           zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary)
+           zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary, step_tokens)
 
 
 def clear_caches() -> None:

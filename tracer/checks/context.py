@@ -80,6 +80,7 @@ class StepContext:
         self.options = options or CheckOptions()
         self.metadata: dict[str, Any] = trace.metadata(key)
         self.data: dict[str, torch.Tensor] = trace.load_step(key)
+        self.derived: set[str] = set(trace.derived_fields(key))  # added by the reader (tracer.derived)
         self.algorithm: str = str(self.metadata.get("algorithm") or trace.manifest.get("algorithm") or "")
         stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
         declared = [str(self.metadata.get(k, "")) for k in ("source_dtype", "model_dtype")]
@@ -98,6 +99,15 @@ class StepContext:
             raise Skip(f"needs field{'s' if len(missing) > 1 else ''} {', '.join(missing)}, "
                        "which this step file does not record")
         return [self.tensor(f) for f in fields]
+
+    def require_recorded(self, *fields: str) -> list[torch.Tensor]:
+        """:meth:`require`, and Skip when a field was derived by the reader (a check that tests the
+        recorded tensor against its formula has nothing to test)."""
+        derived = [f for f in fields if f in self.derived]
+        if derived:
+            raise Skip(f"{', '.join(derived)} not recorded: the reader derives it from the recorded inputs with "
+                       "tracer.formulas, so there is no recorded value to test")
+        return self.require(*fields)
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self.data[name]

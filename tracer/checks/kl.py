@@ -28,7 +28,7 @@ K1_STEP_MIN_TOKENS = 256  # ... over at least this many kept tokens
 
 @register("kl.k3_sign", "recorded ref_kl_k3 is >= 0 on every kept token", RL_ALGORITHMS)
 def check_k3_sign(ctx: StepContext):
-    (k3,) = ctx.require("ref_kl_k3")
+    (k3,) = ctx.require_recorded("ref_kl_k3")
     keep = ctx.mask()
     negative = (k3 < -ctx.tol.atol) & keep
     if not bool(negative.any()):

@@ -44,7 +44,7 @@ def _keep_for(ctx: StepContext, name: str, tensor: torch.Tensor) -> torch.Tensor
 
 
 def _ordered_floats(ctx: StepContext) -> list[str]:
-    floats = [n for n, t in ctx.data.items() if t.is_floating_point()]
+    floats = [n for n, t in ctx.data.items() if t.is_floating_point() and n not in ctx.derived]  # recorded only
     known = [n for n in DEPENDENCY_ORDER if n in floats]
     return known + sorted(n for n in floats if n not in DEPENDENCY_ORDER)
 

@@ -56,21 +56,21 @@ def _keep_like(ctx: StepContext, tensor: torch.Tensor) -> torch.Tensor:
 def check_ratio(ctx: StepContext):
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token': the recorded ratio is per sequence")
-    ratio, policy = ctx.require("ratio", "policy_logprobs")
+    ratio, policy = ctx.require_recorded("ratio", "policy_logprobs")
     return compare(ctx, "recompute.ratio", "ratio", ratio, formulas.ratio(policy, ctx.old_logprobs()),
                    ctx.mask(), "tracer.formulas.ratio")
 
 
 @register("recompute.ref_kl_k3", "recorded ref_kl_k3 == exp(ref - policy) - (ref - policy) - 1", RL_ALGORITHMS)
 def check_ref_kl_k3(ctx: StepContext):
-    k3, policy, ref = ctx.require("ref_kl_k3", "policy_logprobs", "ref_logprobs")
+    k3, policy, ref = ctx.require_recorded("ref_kl_k3", "policy_logprobs", "ref_logprobs")
     return compare(ctx, "recompute.ref_kl_k3", "ref_kl_k3", k3, formulas.ref_kl_k3(policy, ref), ctx.mask(),
                    "tracer.formulas.ref_kl_k3")
 
 
 @register("recompute.approx_kl_k2", "recorded approx_kl_k2 == 0.5 * (policy - old)^2", RL_ALGORITHMS)
 def check_approx_kl_k2(ctx: StepContext):
-    k2, policy = ctx.require("approx_kl_k2", "policy_logprobs")
+    k2, policy = ctx.require_recorded("approx_kl_k2", "policy_logprobs")
     return compare(ctx, "recompute.approx_kl_k2", "approx_kl_k2", k2,
                    formulas.approx_kl_k2(policy, ctx.old_logprobs()), ctx.mask(), "tracer.formulas.approx_kl_k2")
 

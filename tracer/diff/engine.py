@@ -150,7 +150,7 @@ def token_diff_table(
     if pair is None:
         have = [step_id(p[0]) for p in pairs][:10]
         raise DiffInputError(f"step {step} is not in both traces; steps in both: {have}")
-    frames = [t.token_table(k, sequence) for t, k in ((trace_a, pair[0]), (trace_b, pair[1]))]
+    frames = [t.token_table(k, sequence, derive=False) for t, k in ((trace_a, pair[0]), (trace_b, pair[1]))]
     if any("section" not in f for f in frames):
         raise DiffInputError(
             "the side-by-side token view shows completion tokens (completion_ids); these step files have "

@@ -123,11 +123,12 @@ def dpo_step_summary(trace: Trace) -> pd.DataFrame:
     """Per (step, inner_step), pooled over micro-batches and ranks: ``pairs``, ``margin`` (mean of
     ``chosen_rewards - rejected_rewards``), ``preference_accuracy`` (share of pairs with
     ``chosen_rewards > rejected_rewards``, ties count as wrong, as TRL's ``rewards/accuracies``),
-    ``mean_dpo_loss``, ``mean_dpo_logits``. Files without the implicit rewards (and no way to
+    ``mean_dpo_loss``, ``mean_dpo_logits``, ``mean_chosen_logps`` / ``mean_rejected_logps`` (the
+    policy's summed logprob of each side, nats). Files without the implicit rewards (and no way to
     recompute them) are skipped."""
     pooled: dict[tuple[int, int], list[dict[str, torch.Tensor]]] = {}
     for key in trace.steps():
-        data = _dpo_rewards(trace, key)
+        data = {**_dpo_rewards(trace, key), **_policy_sums(trace, key)}
         if "chosen_rewards" in data and "rejected_rewards" in data:
             pooled.setdefault((key.step, key.inner_step), []).append(data)
     records = []
@@ -139,6 +140,23 @@ def dpo_step_summary(trace: Trace) -> pd.DataFrame:
             "preference_accuracy": float((cat["chosen_rewards"] > cat["rejected_rewards"]).double().mean()),
             "mean_dpo_loss": float(cat["dpo_loss"].mean()) if "dpo_loss" in cat else math.nan,
             "mean_dpo_logits": float(cat["dpo_logits"].mean()) if "dpo_logits" in cat else math.nan,
+            **{f"mean_{side}_logps": float(cat[f"{side}_logps"].mean()) if f"{side}_logps" in cat else math.nan
+               for side in _SIDES},
         })
     return pd.DataFrame.from_records(records, columns=["step", "inner_step", "pairs", "margin", "preference_accuracy",
-                                                       "mean_dpo_loss", "mean_dpo_logits"])
+                                                       "mean_dpo_loss", "mean_dpo_logits", "mean_chosen_logps",
+                                                       "mean_rejected_logps"])
+
+
+def _policy_sums(trace: Trace, key: StepKey) -> dict[str, torch.Tensor]:
+    """``chosen_logps`` and ``rejected_logps`` ``[B]`` nats: the policy's masked logprob sum of each
+    side (:func:`tracer.formulas.sequence_logprobs`), for the sides the file records."""
+    names = [f"{side}_{part}" for side in _SIDES for part in ("policy_logprobs", "mask")]
+    data = trace.load_step(key, names)
+    out = {}
+    for side in _SIDES:
+        logprobs = data.get(f"{side}_policy_logprobs")
+        if logprobs is not None and logprobs.dim() == 2:
+            mask = data.get(f"{side}_mask", torch.ones_like(logprobs, dtype=torch.bool))
+            out[f"{side}_logps"] = formulas.sequence_logprobs(logprobs, mask)
+    return out

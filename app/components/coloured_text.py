@@ -1,0 +1,133 @@
+"""A completion as text, each token's background coloured by a chosen per-token quantity (a
+diverging scale centred on its neutral value: 1 for the ratio, 0 for KL and advantage), hover
+showing all its values and its mask reason; masked positions drawn apart by reason.
+
+Pure: :func:`coloured_html` returns an HTML string for ``st.html``. Every token string and every
+hover text goes through ``html.escape`` (quotes too), so a token ``<script>`` is shown as those
+characters and never parsed as markup; the only markup is the spans written here.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+
+import pandas as pd
+from plotly.colors import sample_colorscale
+
+from app.components.token_table import FILLER_REASONS, filler_marker
+from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
+
+SCALE = "RdBu_r"
+# How a position that does not enter the loss looks, by reason (no colour of the scale).
+REASON_STYLE: dict[str, str] = {
+    AFTER_EOS: "background:#d9d9d9;color:#555;text-decoration:line-through;",
+    PADDING: "background:#ececec;color:#777;border:1px dotted #999;",
+    PROMPT_PADDING: "background:#ececec;color:#777;border:1px dotted #999;",
+    MASKED: "background:repeating-linear-gradient(45deg,#e0e0e0 0 4px,#f5f5f5 4px 8px);color:#555;"
+            "border:1px dashed #777;",
+}
+_SPAN = "padding:1px 0;border-radius:2px;white-space:pre-wrap;"
+_BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.95rem;line-height:1.9;"
+        "padding:0.6rem;border:1px solid #ddd;border-radius:0.4rem;background:#fff;color:#111;")
+
+
+def neutral_of(quantity: str) -> float:
+    """1 for the ratio (and any ``*ratio``), 0 for the other quantities."""
+    return 1.0 if quantity.endswith("ratio") else 0.0
+
+
+def span_of(values: pd.Series, centre: float) -> float:
+    """Half-width of the scale: the largest |x − centre| over the finite values (1 when none)."""
+    finite = values[values.map(lambda v: isinstance(v, (int, float)) and math.isfinite(v))]
+    return float((finite - centre).abs().max()) if len(finite) and (finite - centre).abs().max() > 0 else 1.0
+
+
+def colour_of(value: float, centre: float, span: float) -> str:
+    """The scale's colour for ``value`` (``rgb(r, g, b)``): white at ``centre``, full blue / red at
+    ``centre ∓ span``; values beyond are clipped."""
+    t = min(max(0.5 + (value - centre) / (2 * span), 0.0), 1.0)
+    return sample_colorscale(SCALE, [t])[0]
+
+
+def _ink(rgb: str) -> str:
+    r, g, b = (int(float(x)) for x in rgb[rgb.index("(") + 1:-1].split(","))
+    return "#fff" if 0.299 * r + 0.587 * g + 0.114 * b < 110 else "#111"
+
+
+def _hover(row: dict, value_columns: list[str]) -> str:
+    parts = [f"position {row['position']} · {row['mask_reason']}", f"token {row['token_id']!r}: {row['token_text']!r}"]
+    parts += [f"{c} = {row[c]:.5g}" for c in value_columns if c in row and pd.notna(row[c])]
+    return "\n".join(parts)
+
+
+def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list[str]) -> str:
+    """The completion rows of ``table`` (``Trace.token_table`` of one sequence) as coloured text.
+
+    Kept tokens get the colour of ``quantity`` (none when ``quantity`` is None or the value is NaN);
+    masked ones the style of their reason (:data:`REASON_STYLE`); a run of filler positions
+    (padding, after EOS) is one marker ``⟪N × reason⟫``. Hover (``title``) lists ``value_columns``.
+    """
+    rows = table[table["section"] == "completion"] if "section" in table else table
+    kept_values = rows.loc[rows["mask_reason"] == KEPT, quantity] if quantity in rows else pd.Series(dtype=float)
+    centre = neutral_of(quantity or "")
+    span = span_of(kept_values, centre)
+    records = rows.to_dict("records")
+    colours = _colours(rows, quantity, centre, span)
+    out, run = [], []
+    for row, colour in zip(records, colours):
+        reason = row["mask_reason"]
+        if reason in FILLER_REASONS and (not run or run[0]["mask_reason"] == reason):
+            run.append(row)
+            continue
+        out += _filler(run)
+        run = [row] if reason in FILLER_REASONS else []
+        if not run:
+            out.append(_token_span(row, colour, value_columns))
+    out += _filler(run)
+    return f'<div style="{_BOX}">{"".join(out)}</div>'
+
+
+def _colours(rows: pd.DataFrame, quantity: str | None, centre: float, span: float) -> list[str | None]:
+    """The scale's colour of each kept row with a value of ``quantity`` (one colour-scale call), else None."""
+    if quantity not in rows:
+        return [None] * len(rows)
+    values = rows[quantity].astype(float)
+    use = (rows["mask_reason"] == KEPT) & values.notna() & values.map(math.isfinite)
+    ts = (0.5 + (values[use] - centre) / (2 * span)).clip(0.0, 1.0).tolist()
+    sampled = iter(sample_colorscale(SCALE, ts) if ts else [])
+    return [next(sampled) if u else None for u in use.tolist()]
+
+
+def _token_span(row: dict, colour: str | None, value_columns: list[str]) -> str:
+    style = REASON_STYLE.get(row["mask_reason"], "")
+    if colour is not None:
+        style = f"background:{colour};color:{_ink(colour)};"
+    title = html.escape(_hover(row, value_columns), quote=True)
+    return f'<span title="{title}" style="{_SPAN}{style}">{html.escape(str(row["token_text"]), quote=True)}</span>'
+
+
+def _filler(run: list[dict]) -> list[str]:
+    if not run:
+        return []
+    reason = run[0]["mask_reason"]
+    title = html.escape(f"positions {run[0]['position']}–{run[-1]['position']} · {reason} (not in the loss)", quote=True)
+    text = html.escape(filler_marker(len(run), reason))
+    return [f'<span title="{title}" style="{_SPAN}{REASON_STYLE.get(reason, "")}">{text}</span>']
+
+
+def legend_html(quantity: str | None, table: pd.DataFrame) -> str:
+    """One line: the scale's ends for ``quantity`` and a chip per masked reason."""
+    rows = table[table["section"] == "completion"] if "section" in table else table
+    chips = []
+    if quantity in rows:
+        centre = neutral_of(quantity)
+        span = span_of(rows.loc[rows["mask_reason"] == KEPT, quantity], centre)
+        for value in (centre - span, centre, centre + span):
+            colour = colour_of(value, centre, span)
+            chips.append(f'<span style="{_SPAN}background:{colour};color:{_ink(colour)};padding:1px 6px;">'
+                         f'{html.escape(quantity)} {value:.4g}</span>')
+    for reason, style in REASON_STYLE.items():
+        if reason != PROMPT_PADDING:
+            chips.append(f'<span style="{_SPAN}{style}padding:1px 6px;">{html.escape(reason)}</span>')
+    return f'<div style="font-size:0.85rem;">{" ".join(chips)}</div>'

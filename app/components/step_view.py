@@ -1,0 +1,176 @@
+"""The Step page's table, heatmap and histograms, built by pure functions from
+``tracer.views.step.step_token_frame`` (one row per completion position of a step). No Streamlit.
+
+Large steps stay responsive: the table is filtered and sorted here and shown one page at a time,
+the heatmap bins positions (and rows) to at most :data:`MAX_HEATMAP_COLUMNS` x
+:data:`MAX_HEATMAP_ROWS` cells keeping in each bin the value farthest from neutral (a bad token is
+never averaged away), and the histograms send bin counts, not values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from app.components.figures import empty_figure, integer_ticks
+from tracer.views.step import QUANTITIES, neutral
+
+MAX_HEATMAP_COLUMNS = 512
+MAX_HEATMAP_ROWS = 512
+HISTOGRAM_BINS = 60
+SCALE = "RdBu_r"  # diverging: blue below the neutral value, white at it, red above
+FARTHEST, LARGEST, SMALLEST = "farthest from neutral", "largest first", "smallest first"
+ORDERS = (FARTHEST, LARGEST, SMALLEST)
+# Histogram panels: (column, title, neutral line).
+HISTOGRAMS = (("ratio", "ratio (kept tokens); band: clip range", 1.0),
+              ("ref_kl_k3", "ref KL k3 (nats)", 0.0),
+              ("old_minus_sampler", "mismatch: old − sampler (nats)", 0.0),
+              ("advantages", "advantage", 0.0))
+
+
+# Short column headers of the step table (the full label is the column's help).
+SHORT: dict[str, str] = {"abs_policy_old": "|policy−old|", "ratio": "ratio", "ref_kl_k3": "k3", "approx_kl_k2": "k2",
+                         "abs_old_sampler": "|old−sampler|", "advantages": "advantage", "entropy": "entropy",
+                         "loss_share": "loss share"}
+
+
+def short_label(quantity: str, derived: list[str] | tuple = ()) -> str:
+    """The quantity's column header, ``*`` appended when the reader derived it."""
+    return SHORT.get(quantity, quantity) + ("*" if quantity in derived else "")
+
+
+def label(quantity: str, derived: list[str] | tuple = ()) -> str:
+    """The quantity's label, ``(derived)`` appended when the reader derived it."""
+    text = QUANTITIES.get(quantity, (quantity, 0.0))[0]
+    return f"{text} (derived)" if quantity in derived else text
+
+
+def filter_sort(frame: pd.DataFrame, quantity: str, order: str = FARTHEST, kept_only: bool = True,
+                threshold: float = 0.0) -> pd.DataFrame:
+    """The rows to list: kept ones (unless ``kept_only`` is False) whose ``quantity`` is a number at
+    least ``threshold`` from its neutral value, sorted by ``order`` (stable, ties in file order)."""
+    rows = frame[frame["kept"].astype(bool)] if kept_only and "kept" in frame else frame
+    if quantity not in rows:
+        return rows.iloc[0:0]
+    values = rows[quantity]
+    distance = (values - neutral(quantity)).abs()
+    rows = rows[values.notna() & (distance >= threshold)]
+    if order == FARTHEST:
+        key = (rows[quantity] - neutral(quantity)).abs()
+        return rows.loc[key.sort_values(ascending=False, kind="stable").index]
+    return rows.sort_values(quantity, ascending=order == SMALLEST, kind="stable")
+
+
+def page_of(rows: pd.DataFrame, page: int, size: int) -> pd.DataFrame:
+    """Rows ``page * size`` to ``(page + 1) * size`` (page counted from 0)."""
+    return rows.iloc[page * size:(page + 1) * size]
+
+
+def row_labels(frame: pd.DataFrame) -> pd.Series:
+    """One label per row of the step (``r0 mb0 seq 3``; ``seq 3`` with one rank and micro-batch)."""
+    several = frame[["rank", "micro_batch"]].drop_duplicates().shape[0] > 1
+    if several:
+        return "r" + frame["rank"].astype(str) + " mb" + frame["micro_batch"].astype(str) + " seq " + \
+            frame["sequence"].astype(str)
+    return "seq " + frame["sequence"].astype(str)
+
+
+def heatmap_matrix(frame: pd.DataFrame, quantity: str, max_cols: int = MAX_HEATMAP_COLUMNS,
+                   max_rows: int = MAX_HEATMAP_ROWS) -> tuple[np.ndarray, list[str], np.ndarray, int, int]:
+    """``(z, row names, first position of each column, positions per column, rows per row)``.
+
+    ``z[r, c]`` is ``quantity`` at kept positions, NaN where masked (drawn blank). Past
+    ``max_cols`` positions (``max_rows`` rows) neighbours are binned; a bin shows its value
+    farthest from neutral.
+    """
+    labels = row_labels(frame)
+    order = pd.unique(labels)
+    row = pd.Categorical(labels, categories=order).codes
+    T = int(frame["position"].max()) + 1
+    z = np.full((len(order), T), np.nan)
+    values = frame[quantity].to_numpy(dtype=float, na_value=np.nan)
+    keep = frame["kept"].to_numpy(dtype=bool)
+    z[row[keep], frame["position"].to_numpy()[keep]] = values[keep]
+    col_w = max(1, math.ceil(T / max_cols))
+    row_w = max(1, math.ceil(len(order) / max_rows))
+    z = _bin(_bin(z, col_w, neutral(quantity)).T, row_w, neutral(quantity)).T
+    names = [str(order[i]) + (f" … +{row_w - 1}" if row_w > 1 else "") for i in range(0, len(order), row_w)]
+    return z, names, np.arange(0, T, col_w), col_w, row_w
+
+
+def _bin(z: np.ndarray, width: int, centre: float) -> np.ndarray:
+    """Columns of ``z`` grouped by ``width``; each group keeps its value farthest from ``centre``."""
+    if width == 1:
+        return z
+    R, T = z.shape
+    n = math.ceil(T / width)
+    padded = np.full((R, n * width), np.nan)
+    padded[:, :T] = z
+    blocks = padded.reshape(R, n, width)
+    distance = np.where(np.isnan(blocks), -1.0, np.abs(blocks - centre))
+    pick = distance.argmax(axis=2)
+    return np.take_along_axis(blocks, pick[..., None], axis=2)[..., 0]
+
+
+def scale_span(values: np.ndarray | pd.Series, centre: float) -> float:
+    """Half-width of a colour scale centred on ``centre``: the 99th percentile of |x − centre| over
+    the finite values (one outlier does not wash out the rest), at least 1e-6."""
+    arr = np.asarray(values, dtype=float)
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return 1.0
+    return float(max(np.percentile(np.abs(arr - centre), 99), 1e-6))
+
+
+def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tuple = ()) -> go.Figure:
+    """Sequence x position heatmap of ``quantity``: masked cells blank, a diverging scale centred
+    on the neutral value (1 for the ratio, 0 for KL and advantage)."""
+    if frame.empty or quantity not in frame or not frame.loc[frame["kept"].astype(bool), quantity].notna().any():
+        return empty_figure(f"no kept token has {quantity}")
+    z, names, starts, col_w, row_w = heatmap_matrix(frame, quantity)
+    centre = neutral(quantity)
+    span = scale_span(z, centre)
+    hover = ("%{y} · position %{x}" + (f"–%{{x}}+{col_w - 1}" if col_w > 1 else "") +
+             f"<br>{label(quantity, derived)} = %{{z:.4g}}<extra></extra>")
+    fig = go.Figure(go.Heatmap(z=z, x=starts, y=names, colorscale=SCALE, zmid=centre, zmin=centre - span,
+                               zmax=centre + span, hovertemplate=hover, hoverongaps=False,
+                               colorbar={"title": {"text": quantity}}))
+    fig.update_yaxes(autorange="reversed", title_text="sequence", type="category")
+    fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""))
+    integer_ticks(fig, list(starts), axis="x")
+    fig.update_layout(height=min(900, 160 + 16 * len(names)), margin={"t": 30, "b": 40},
+                      plot_bgcolor="#f4f4f4")
+    return fig
+
+
+def histograms_figure(frame: pd.DataFrame, clip: tuple[float, float] | None = None,
+                      derived: list[str] | tuple = ()) -> go.Figure:
+    """Histograms of ratio (the clip band ``[1 − ε_low, 1 + ε_high]`` shaded), ref KL k3, sampler
+    mismatch and advantage over the kept tokens; panels whose quantity is absent are left out."""
+    kept = frame[frame["kept"].astype(bool)] if "kept" in frame else frame
+    panels = [(c, t, n) for c, t, n in HISTOGRAMS if c in kept and kept[c].notna().any()]
+    if not panels:
+        return empty_figure("no ratio, k3, sampler logprobs or advantages in this step")
+    ncols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / ncols)
+    titles = [t + (" (derived)" if c in derived else "") for c, t, _ in panels]
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=titles, vertical_spacing=0.18)
+    for i, (column, _, centre) in enumerate(panels):
+        r, c = i // ncols + 1, i % ncols + 1
+        values = kept[column].dropna().to_numpy(dtype=float)
+        values = values[np.isfinite(values)]
+        counts, edges = np.histogram(values, bins=HISTOGRAM_BINS) if values.size else (np.array([]), np.array([0, 1]))
+        fig.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=column,
+                             showlegend=False, marker={"color": "#4c78a8"},
+                             hovertemplate=f"{column} %{{x:.4g}}<br>%{{y}} tokens<extra></extra>"), row=r, col=c)
+        if column == "ratio" and clip is not None:
+            fig.add_vrect(x0=clip[0], x1=clip[1], fillcolor="rgba(44, 160, 44, 0.15)", line_width=0,
+                          layer="below", row=r, col=c)
+        fig.add_vline(x=centre, line={"color": "grey", "dash": "dot", "width": 1}, row=r, col=c)
+        fig.update_yaxes(title_text="tokens", row=r, col=c)
+    fig.update_layout(height=280 * nrows + 60, margin={"t": 40, "b": 30}, bargap=0)
+    return fig
