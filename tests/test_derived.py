@@ -29,7 +29,7 @@ def snippet_step(with_ref: bool = False) -> dict[str, torch.Tensor]:
            "rewards": torch.tensor([1.0, 0.0, 0.0, 1.0]), "advantages": torch.tensor([1.0, -1.0, -1.0, 1.0]),
            "group_ids": torch.tensor([0, 0, 1, 1])}
     if with_ref:
-        out["ref_logprobs"] = policy + 0.5
+        out["ref_logprobs"] = policy - 0.5  # logprobs stay <= 0 (logprobs.positive)
     return out
 
 
@@ -62,7 +62,7 @@ def test_k3_derived_from_ref_and_marked_in_tables(tmp_path):
     key = trace.steps()[0]
     assert trace.derived_fields(key) == ["ratio", "ref_kl_k3", "approx_kl_k2"]
     k3 = trace.load_step(key, ["ref_kl_k3"])["ref_kl_k3"]
-    assert float(k3[0, 0]) == pytest.approx(math.exp(0.5) - 0.5 - 1, rel=1e-6)  # d = ref - policy = 0.5
+    assert float(k3[0, 0]) == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-5)  # d = ref - policy = -0.5
     table = trace.token_table(key, 0)
     assert table.attrs["derived"] == ["ratio", "ref_kl_k3", "approx_kl_k2"]
     summary = trace.step_summary()
@@ -70,7 +70,7 @@ def test_k3_derived_from_ref_and_marked_in_tables(tmp_path):
     keep = snippet_step()["completion_mask"]
     d = (snippet_step()["policy_logprobs"] - snippet_step()["old_logprobs"])[keep]
     assert summary.loc[0, "mean_ratio"] == pytest.approx(float(d.double().exp().mean()), rel=1e-6)
-    assert summary.loc[0, "mean_ref_kl_k3"] == pytest.approx(math.exp(0.5) - 1.5, rel=1e-5)
+    assert summary.loc[0, "mean_ref_kl_k3"] == pytest.approx(math.exp(-0.5) - 0.5, rel=1e-5)
 
 
 def test_recorded_fields_are_never_replaced(tmp_path):
