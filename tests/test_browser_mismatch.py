@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser import START_TIMEOUT_S, _browser_or_skip, free_port, open_page
+from tests.test_browser import _browser_or_skip, open_page, serve
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"healthy": REPO / "sample_traces" / "grpo-vllm-tiny",
@@ -41,34 +36,8 @@ def server(tmp_path_factory, sync_playwright):
     root = tmp / "traces"
     for name, path in RUNS.items():
         shutil.copytree(path, root / name, ignore=shutil.ignore_patterns("model"))
-    port = free_port()
-    log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(root), "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tracer view exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()}")
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tracer view did not answer in {START_TIMEOUT_S} s")
-            time.sleep(0.3)
+    with serve(root, tmp / "server.log") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_path):

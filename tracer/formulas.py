@@ -548,7 +548,7 @@ def probability_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tens
         return {"max": float("nan"), "mean": float("nan"), "std": float("nan"), "pearson": float("nan")}
     p_trainer = torch.exp(trainer_logprobs.double())[keep]  # (N,)
     p_sampler = torch.exp(sampler_logprobs.double())[keep]  # (N,)
-    gap = (p_trainer - p_sampler).abs()
+    gap = sampler_prob_diff(trainer_logprobs.double(), sampler_logprobs.double())[keep]  # (N,)
     pearson = torch.corrcoef(torch.stack([p_trainer, p_sampler]))[0, 1] if gap.numel() > 1 else gap.new_tensor(float("nan"))
     return {"max": float(gap.max()), "mean": float(gap.mean()), "std": float(gap.std()) if gap.numel() > 1 else float("nan"),
             "pearson": float(pearson)}
