@@ -240,16 +240,21 @@ def grpo_per_token_loss(
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_importance_weighted: bool = False,
+    sampler_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
 
     ``advantages`` is ``[B]`` (broadcast over T). ``kl_importance_weighted`` multiplies k3 by the
     ratio r (TRL's ``use_bias_correction_kl``: the KL of tokens sampled from old, reweighted to the policy).
+    ``sampler_weights`` (``[B, T]`` or ``[B]``) multiply the policy-gradient term only: the capped
+    importance weights ``exp(old - sampler)`` of TRL's ``vllm_importance_sampling_correction``.
     Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     surrogate = torch.min(r * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
+    if sampler_weights is not None:
+        surrogate = surrogate * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
     if beta and ref_logprobs is not None:
         k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
         surrogate = surrogate - beta * (k3 * r if kl_importance_weighted else k3)
@@ -264,10 +269,11 @@ def cispo_per_token_loss(
     beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_importance_weighted: bool = False,
+    sampler_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CISPO per token ``-(clamp(r, max=ε_high).detach() * A * policy - β*k3)``, ``[B, T]``.
 
-    ``kl_importance_weighted``: k3 times the ratio, as in :func:`grpo_per_token_loss`.
+    ``kl_importance_weighted`` and ``sampler_weights``: as in :func:`grpo_per_token_loss`.
 
     The clamped ratio is detached: the gradient reaches only ``policy_logprobs`` (and the KL term).
     ``clip_epsilon_high`` is the ratio's upper bound itself, as in MiniMind (``max=args.epsilon_high``).
@@ -277,6 +283,8 @@ def cispo_per_token_loss(
     clamped = torch.clamp(r, max=clip_epsilon_high).detach()  # (B, T)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     objective = clamped * adv * policy_logprobs
+    if sampler_weights is not None:
+        objective = objective * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
     if beta and ref_logprobs is not None:
         k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
         objective = objective - beta * (k3 * r if kl_importance_weighted else k3)

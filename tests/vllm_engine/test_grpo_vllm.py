@@ -123,6 +123,19 @@ def test_healthy_run_passes_check_and_records_the_correction(token_run):
     assert findings and all(f.severity == INFO and f.details["patterns"] == [] for f in findings)
 
 
+@pytest.mark.parametrize("run", ["token_run", "sequence_run"])
+def test_trls_loss_with_the_importance_sampling_correction_is_recomputed(run, request):
+    """TRL multiplies the policy-gradient term by its capped IS weights: recompute.loss and
+    recompute.per_token_loss run on TRL's own loss (not skipped) and agree with it."""
+    from tracer.checks import SKIPPED
+
+    trace_dir = request.getfixturevalue(run) / "trace"
+    mine = [f for f in run_checks(trace_dir) if f.check in ("recompute.loss", "recompute.per_token_loss")]
+    assert [(f.check, f.severity, f.message) for f in mine if f.severity in (SKIPPED, ERROR)] == []
+    for key, data in _steps(Trace(trace_dir)):
+        assert "loss" in data and "per_token_loss" in data
+
+
 def test_sequence_mode_weights_are_the_exp_of_the_summed_log_ratio(sequence_run):
     trace = Trace(sequence_run / "trace")
     for key, data in _steps(trace):

@@ -45,8 +45,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
     trl_loss = trl_loss_type(ctx)
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
-    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0),
-                     ("vllm_importance_sampling_correction", False)):
+    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
         if ctx.hyper(key, off) not in (off,):
             raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
     cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
@@ -61,16 +60,22 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
     if beta and ref is None:
         raise Skip(f"{'kl_coef' if ppo else 'beta'} > 0 but no ref_logprobs recorded")
     weighted = bool(ctx.hyper("use_bias_correction_kl", False))  # TRL: k3 times the ratio
+    sampler_weights = None
+    if ctx.hyper("vllm_importance_sampling_correction", False):  # TRL: the pg term times the capped IS weights
+        if not (ctx.has("is_weights") or ctx.has("sequence_is_weights")):
+            raise Skip("vllm_importance_sampling_correction is on but no is_weights / sequence_is_weights are recorded")
+        sampler_weights = ctx.tensor("is_weights" if ctx.has("is_weights") else "sequence_is_weights")
     if cispo:
         return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref,
-                                             weighted)
+                                             weighted, sampler_weights)
     eps_high = float(ctx.hyper("clip_epsilon_high"))
     eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
     if ppo:
         if advantages.dim() != 2:
             raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
         return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
-    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted)
+    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
+                                        sampler_weights)
 
 
 def _kl_term_name(ctx: StepContext) -> str:

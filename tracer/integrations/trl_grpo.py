@@ -272,8 +272,11 @@ class GRPOTraceHook(TrainerTraceHook):
                  and getattr(trainer, "importance_sampling_level", "token") == "token"
                  and getattr(args, "delta", None) is None
                  and getattr(trainer, "off_policy_mask_threshold", None) is None
-                 and float(getattr(trainer, "top_entropy_quantile", 1.0)) >= 1.0
-                 and not (getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)))
+                 and float(getattr(trainer, "top_entropy_quantile", 1.0)) >= 1.0)
+        sampler_weights = None
+        if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+            sampler_weights = tensors.get("is_weights", tensors.get("sequence_is_weights"))  # TRL's capped weights
+            plain = plain and sampler_weights is not None
         beta = float(trainer.beta)
         if not plain or (beta and "ref_logprobs" not in tensors):
             return None
@@ -284,9 +287,9 @@ class GRPOTraceHook(TrainerTraceHook):
         weighted = bool(getattr(args, "use_bias_correction_kl", False))  # TRL: per_token_kl * coef_1
         if loss_type == "cispo":  # TRL: clamp(coef_1, max=epsilon_high), the bound itself
             return formulas.cispo_per_token_loss(policy, old, advantages, float(trainer.epsilon_high), beta, ref,
-                                                 weighted)
+                                                 weighted, sampler_weights)
         return formulas.grpo_per_token_loss(policy, old, advantages, float(trainer.epsilon_low),
-                                            float(trainer.epsilon_high), beta, ref, weighted)
+                                            float(trainer.epsilon_high), beta, ref, weighted, sampler_weights)
 
     # -- step bookkeeping ---------------------------------------------------------------------
 
