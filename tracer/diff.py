@@ -47,7 +47,7 @@ __all__ = ["diff", "token_diff_table", "DiffReport", "FieldDiff", "Location", "T
            "DEFAULT_TOLERANCES", "DRIFT_FRACTION", "DRIFT_SIGN_SHARE", "DRIFT_MIN_POSITIONS", "SHIFT_IMPROVEMENT"]
 
 PROGRESS_MIN_PAIRS = 20
-IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "step", "inner_step", "micro_batch", "rank"})
+IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "summary", "step", "inner_step", "micro_batch", "rank"})
 _MASKS = ("completion_mask", "chosen_mask", "rejected_mask", "prompt_mask")
 
 

@@ -93,6 +93,25 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
+def masked_quantiles(values: torch.Tensor, mask: torch.Tensor | None, qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` (each in [0, 1]) of ``values`` at the positions ``mask`` keeps (all positions
+    when None), NaN values left out; linear interpolation between order statistics (numpy's default
+    ``method="linear"``, the same as ``torch.quantile``). Returns float64 ``[len(qs)]``; all NaN
+    when no non-NaN value is kept. ``mask`` has the shape of ``values``.
+    """
+    kept = values.reshape(-1) if mask is None else values[mask.bool()]
+    kept = kept[~torch.isnan(kept)]
+    n = kept.numel()
+    if n == 0:
+        return torch.full((len(qs),), float("nan"), dtype=torch.float64)
+    ordered = torch.sort(kept).values
+    pos = torch.tensor(qs, dtype=torch.float64) * (n - 1)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    below, above = ordered[lo].double(), ordered[hi].double()
+    # equal neighbours (an infinite value included) need no interpolation: inf - inf would be NaN
+    return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
+
+
 def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence masked mean, then the mean over sequences (the seed's GRPO reduction).
 

@@ -37,6 +37,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare,
     write_json_atomic,
 )
+from tracer import summaries
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, jsonable, normalise_tensors
@@ -57,7 +58,7 @@ def _distributed_rank() -> tuple[int, int]:
 
 # Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
-                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly"})
+                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summaries.SUMMARY_KEY})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
 MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 
@@ -395,6 +396,7 @@ class TraceWriter:
         if anomaly is not None:
             item.metadata["anomaly"] = anomaly
         path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
+        self._summarise(item)
         try:
             _save_atomic(path, item.tensors, encode_metadata(item.metadata))
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
@@ -405,6 +407,15 @@ class TraceWriter:
             if not item.sampled:
                 self.skipped_steps -= 1
             self._dirty = True
+
+    def _summarise(self, item: StagedStep) -> None:
+        """Put the step's summary (:mod:`tracer.summaries`) into its metadata; a failure leaves it out
+        (readers then summarise the file from its tensors) and never costs the step."""
+        try:
+            item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(
+                summaries.compute_summary(item.tensors, item.metadata))
+        except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
+            log.warning("tracer: step %s: no summary in its header (%s: %s)", item.step, type(err).__name__, err)
 
     def _fail(self, reason: str, err: Exception) -> None:
         """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""
