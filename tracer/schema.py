@@ -235,8 +235,9 @@ def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
         )
 
 
-def _check_mask_values(name: str, tensor: torch.Tensor) -> None:
-    """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors)."""
+def check_mask_field(name: str, tensor: torch.Tensor) -> None:
+    """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors).
+    Raises SchemaError naming the field and the first bad values."""
     if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
         bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
         raise SchemaError(
@@ -254,7 +255,7 @@ def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_sou
     _check_kind(name, spec, tensor)
     if spec.kind == BOOL:
         if tensor.dtype != torch.bool:
-            _check_mask_values(name, tensor)
+            check_mask_field(name, tensor)
             tensor = tensor != 0
     elif spec.kind == INT64:
         tensor = tensor.to(torch.int64)
@@ -313,7 +314,7 @@ def check_tensors(
             sizes.setdefault(dim, (int(size), name))
         _check_kind(name, spec, tensor)
         if spec.kind == BOOL and tensor.device.type == "cpu":
-            _check_mask_values(name, tensor)
+            check_mask_field(name, tensor)
     if algorithm == "dpo":
         _check_dpo_sides(tensors)
     if check_required and algorithm:

@@ -40,7 +40,8 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
 from tracer import summaries
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
-from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, jsonable, normalise_tensors
+from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
+                           encode_metadata, jsonable, normalise_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def _distributed_rank() -> tuple[int, int]:
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
                          "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summaries.SUMMARY_KEY})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
+MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 
 
@@ -155,6 +157,8 @@ class TraceWriter:
         # a non-JSON hyperparameter raises SchemaError now, naming it
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
+        self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
+        self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
         steps_dir.mkdir(parents=True, exist_ok=True)
@@ -243,7 +247,7 @@ class TraceWriter:
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        check_tensors(tensors, self.algorithm)
+        source_dtype = self._checked_signature(tensors)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
@@ -255,7 +259,7 @@ class TraceWriter:
         if not sampled and not self.sampling.anomaly_ring:
             self.skipped_steps += 1
             return None
-        header = self._header(step, inner_step, micro_batch, metadata, tensors)
+        header = self._header(step, inner_step, micro_batch, metadata, source_dtype)
         # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
         encoded = encode_metadata(metadata) if metadata else {}
         size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
@@ -271,7 +275,7 @@ class TraceWriter:
             self._raise_pending()
             return None
         item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
-        path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
+        path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._background is None:
             item.wait()
             try:
@@ -346,9 +350,31 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _header(self, step, inner_step, micro_batch, metadata, tensors) -> dict[str, Any]:
-        source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
-                                if t.is_floating_point()})
+    def _checked_signature(self, tensors: dict[str, Any]) -> str:
+        """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
+        signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
+        set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
+        every time. Returns the ``source_dtype`` metadata of the signature. Raises SchemaError."""
+        try:
+            signature = tuple((name, t.shape, t.dtype, t.device.type) for name, t in tensors.items())
+            cached = self._signatures.get(signature)
+        except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
+            cached, signature = None, None
+        if cached is None:
+            check_tensors(tensors, self.algorithm)
+            source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
+                                      if t.is_floating_point()}))
+            value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
+                                  and t.dtype != torch.bool and t.device.type == "cpu")
+            cached = (source, value_checked)
+            if signature is not None and len(self._signatures) < MAX_SIGNATURES:
+                self._signatures[signature] = cached
+            return source
+        for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
+            check_mask_field(name, tensors[name])
+        return cached[0]
+
+    def _header(self, step, inner_step, micro_batch, metadata, source_dtype: str) -> dict[str, Any]:
         return {
             **self.hyperparameters,
             **dict(metadata or {}),
@@ -359,7 +385,7 @@ class TraceWriter:
             "micro_batch": int(micro_batch),
             "rank": self.rank,
             "world_size": self.world_size,
-            "source_dtype": ",".join(source_dtypes),
+            "source_dtype": source_dtype,
         }
 
     def _check_process(self) -> None:
