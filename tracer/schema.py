@@ -276,17 +276,23 @@ def _check_dpo_sides(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def check_tensors(
-    tensors: Mapping[str, torch.Tensor], algorithm: str | None, check_required: bool = False
+    tensors: Mapping[str, torch.Tensor], algorithm: str | None, check_required: bool = False,
+    sizes: dict[str, tuple[int, str]] | None = None,
 ) -> None:
     """Check names, ranks, shared dimension sizes and dtype kinds against the schema, without
     moving data (a float mask's values are checked here only when it is on the CPU).
+
+    ``sizes`` (``{dim: (size, field that set it)}``), when given, holds the dimensions of fields
+    checked earlier (the new fields must agree with them) and receives those of ``tensors``: adding
+    fields one group at a time costs the new fields only (zero-edit capture). Pass a copy to keep
+    the original when the check may fail.
 
     Raises:
         SchemaError: a non-tensor value, wrong rank, a dimension that disagrees with an earlier
             field (both fields named), a wrong dtype kind, a non-0/1 float mask, a DPO field without
             its other side, or (``check_required``) a missing required field.
     """
-    sizes: dict[str, tuple[int, str]] = {}
+    sizes = {} if sizes is None else sizes
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise SchemaError(
