@@ -73,6 +73,24 @@ def _load_script():
     return module
 
 
+_TIMER = """
+def timed(loss):
+    t0 = perf_counter()
+    try:
+        real(loss)
+    finally:
+        inside.append(perf_counter() - t0)
+"""
+
+
+def _timed(real, inside: list):
+    """``real`` (Watcher.on_backward) timed into ``inside``. The wrapper's module is named as part of
+    tracer, so the capture's walk out to the calling frame skips it as it skips tracer's own frames."""
+    scope = {"__name__": "tracer._bench_timer", "perf_counter": time.perf_counter, "real": real, "inside": inside}
+    exec(compile(_TIMER, "<bench timer>", "exec"), scope)  # noqa: S102  (a fixed string)
+    return scope["timed"]
+
+
 def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
     import copy
 
@@ -99,10 +117,11 @@ def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
         with contextlib.redirect_stdout(io.StringIO()):
             script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
 
-    recorded = []
+    recorded, inside = [], []
 
     def traced(r: int) -> None:
         with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo{r}") as w:
+            w.on_backward = _timed(w.on_backward, inside)
             script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
         recorded.append(w.steps_recorded)
 
@@ -111,6 +130,7 @@ def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
     assert all(n == backwards for n in recorded), (recorded, backwards)
     return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
+            "capture_us": 1e6 * median(inside[1:]),  # the first capture also creates the writer
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
 
@@ -141,7 +161,9 @@ def main() -> None:
         unit = "backward" if name == "ppo" else "record"
         print(f"{name:9s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
-              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)")
+              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)"
+              + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
+                 if "capture_us" in r else ""))
 
 
 if __name__ == "__main__":

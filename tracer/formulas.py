@@ -101,13 +101,20 @@ def masked_quantiles(values: torch.Tensor, mask: torch.Tensor | None, qs: tuple[
     """
     kept = values.reshape(-1) if mask is None else values[mask.bool()]
     kept = kept[~torch.isnan(kept)]
-    n = kept.numel()
-    if n == 0:
+    if kept.numel() == 0:
         return torch.full((len(qs),), float("nan"), dtype=torch.float64)
-    ordered = torch.sort(kept).values
+    return row_quantiles(kept.unsqueeze(0), qs)[0]
+
+
+def row_quantiles(rows: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` of each row of ``rows`` ``[K, N]`` (N >= 1, no NaN: see
+    :func:`masked_quantiles`), linear interpolation as numpy's default. Returns float64 ``[K, len(qs)]``.
+    One sort for all K rows."""
+    n = rows.shape[1]
+    ordered = torch.sort(rows, dim=1).values
     pos = torch.tensor(qs, dtype=torch.float64) * (n - 1)
     lo, hi = pos.floor().long(), pos.ceil().long()
-    below, above = ordered[lo].double(), ordered[hi].double()
+    below, above = ordered[:, lo].double(), ordered[:, hi].double()
     # equal neighbours (an infinite value included) need no interpolation: inf - inf would be NaN
     return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
 

@@ -56,13 +56,33 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _stats(out: dict[str, Any], name: str, values: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """``mean_<name>`` and the quantiles of ``values`` (at ``mask``'s kept positions)."""
-    values = values.float()
-    mean = formulas.masked_mean(values, mask) if mask is not None else values.mean()
-    out[f"mean_{name}"] = float(mean)
-    for q, value in zip(QUANTILES, formulas.masked_quantiles(values, mask, tuple(QUANTILES.values())).tolist()):
-        out[f"{name}_{q}"] = value
+def _stats(out: dict[str, Any], names: list[str], values: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+    """``mean_<name>`` and the quantiles of each of ``values`` (same shape; at ``mask``'s kept
+    positions, or all when None), stacked so that a step costs a few tensor operations whatever
+    the number of fields (the writer thread shares the interpreter with the training loop)."""
+    stacked = torch.stack([v.float() for v in values])  # (K, *shape)
+    if mask is None:
+        means, kept = stacked.reshape(len(values), -1).mean(dim=1), stacked.reshape(len(values), -1)
+    else:
+        wide = mask.expand_as(stacked)
+        means = formulas.masked_mean(stacked, wide, dim=tuple(range(1, stacked.dim())))
+        kept = stacked[:, mask]  # (K, kept positions)
+    levels = tuple(QUANTILES.values())
+    if kept.shape[1] and not bool(torch.isnan(kept).any()):
+        quantiles = formulas.row_quantiles(kept, levels).tolist()
+    else:  # NaNs leave different counts per field (or nothing is kept): one field at a time
+        quantiles = [formulas.masked_quantiles(row, None, levels).tolist() for row in kept]
+    for name, mean, qs in zip(names, means.tolist(), quantiles):
+        out[f"mean_{name}"] = mean
+        out.update({f"{name}_{q}": value for q, value in zip(QUANTILES, qs)})
+
+
+def _nonfinite(values: list[torch.Tensor], mask: torch.Tensor | None) -> tuple[int, int]:
+    """Non-finite values among ``values`` (same shape): in all, and at ``mask``'s kept positions."""
+    if not values:
+        return 0, 0
+    bad = ~torch.isfinite(torch.stack([v.float() for v in values]))
+    return int(bad.sum()), int(bad[:, mask].sum()) if mask is not None else 0
 
 
 def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,33 +93,39 @@ def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
     out: dict[str, Any] = {}
     mask = tensors.get("completion_mask")
     mask = mask.bool() if mask is not None else None
-    bt = mask.shape if mask is not None else None
-    token_fields = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
+    token = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
     if "old_logprobs" in tensors and "sampler_logprobs" in tensors:
-        token_fields["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
-    seen = []  # (values, the mask of their kept positions or None)
+        token["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
+    per_seq: dict[str, torch.Tensor] = {}
+    rewards, adv = tensors.get("rewards"), tensors.get("advantages")
+    if rewards is not None and rewards.dim() == 1 and rewards.is_floating_point():
+        per_seq["reward"] = rewards
+    if adv is not None and adv.is_floating_point() and adv.dim() == 1 and (not per_seq or adv.shape == rewards.shape):
+        per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
     if mask is not None:
         out["kept_tokens"] = int(mask.sum())
-        for name, values in token_fields.items():
-            if values.shape == bt:
-                _stats(out, name, values, mask)
-                seen.append((values, mask))
-    rewards = tensors.get("rewards")
-    if rewards is not None and rewards.dim() == 1 and rewards.is_floating_point():
-        _stats(out, "reward", rewards, None)
-        seen.append((rewards, None))
-    adv = tensors.get("advantages")
-    if adv is not None and adv.is_floating_point():
-        if adv.dim() == 1:
-            _stats(out, "advantage", adv, None)
-            seen.append((adv, None))
-        elif mask is not None and adv.shape == bt:
-            _stats(out, "advantage", adv, mask)
-            seen.append((adv, mask))
+        token = {n: v for n, v in token.items() if v.shape == mask.shape}
+        if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
+            token["advantage"] = adv  # PPO: per token
+    else:
+        token = {}
+    if token:
+        _stats(out, list(token), list(token.values()), mask)
+    if per_seq:
+        _stats(out, list(per_seq), list(per_seq.values()), None)
     _clip(out, tensors, mask, metadata)
-    out["nonfinite_values"] = sum(int((~torch.isfinite(v)).sum()) for v, _ in seen)
-    out["nonfinite_kept"] = sum(int((~torch.isfinite(v) & m).sum()) for v, m in seen if m is not None)
-    return out
+    token_bad, seq_bad = _nonfinite(list(token.values()), mask), _nonfinite(list(per_seq.values()), None)
+    out["nonfinite_values"] = token_bad[0] + seq_bad[0]
+    out["nonfinite_kept"] = token_bad[1]
+    return _ordered(out)
+
+
+def _ordered(out: dict[str, Any]) -> dict[str, Any]:
+    """The keys in a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)."""
+    order = ["kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
+             *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *CLIP_KEYS, "nonfinite_values",
+             "nonfinite_kept"]
+    return {k: out[k] for k in order if k in out}
 
 
 def _clip(out: dict[str, Any], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
