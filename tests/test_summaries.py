@@ -205,3 +205,22 @@ def test_masked_quantiles_match_numpy_and_handle_empty_and_inf():
     assert np.isnan(masked_quantiles(values, torch.zeros_like(mask), qs).numpy()).all()
     inf = torch.tensor([1.0, float("inf"), float("inf")])
     assert masked_quantiles(inf, None, (0.0, 0.9, 1.0)).tolist() == [1.0, float("inf"), float("inf")]
+
+
+def test_info_json_carries_the_overview_of_the_non_nan_values(tmp_path, capsys):
+    from tracer.cli import main
+    steps = [_grpo_step(seed) for seed in range(3)]
+    clean = steps[2]["completion_mask"].clone()
+    clean[1, 2] = False  # step 2: its NaN ratio is masked, so its mean ratio is a number
+    steps[2]["completion_mask"] = clean
+    _write(tmp_path / "run", steps, clip_epsilon_low=EPS_LOW, clip_epsilon_high=EPS_HIGH)
+    assert main(["info", "--json", str(tmp_path / "run")]) == 0
+    overview = json.loads(capsys.readouterr().out)["overview"]
+    assert overview["from_headers"] == 3 and overview["from_tensors"] == 0
+    mask = clean.numpy()
+    expected_ratio = steps[2]["ratio"].double().numpy()[mask].sum() / mask.sum()
+    assert overview["columns"]["mean_ratio"] == pytest.approx(  # steps 0 and 1 are NaN: left out
+        {"first": expected_ratio, "last": expected_ratio, "min": expected_ratio, "max": expected_ratio}, rel=1e-5)
+    rewards = [float(t["rewards"].double().mean()) for t in steps]
+    assert overview["columns"]["mean_reward"] == pytest.approx(
+        {"first": rewards[0], "last": rewards[2], "min": min(rewards), "max": max(rewards)}, rel=1e-6)

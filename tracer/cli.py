@@ -152,9 +152,9 @@ OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", 
 
 
 def _overview(trace: Trace) -> dict[str, Any]:
-    """First, last, min and max of a few per-step summary columns (``Trace.step_summary``: headers
-    only when the writer stored summaries), over the step files that could be summarised; NaN
-    becomes None."""
+    """First, last, min and max of the non-NaN values of a few per-step summary columns
+    (``Trace.step_summary``: headers only when the writer stored summaries), over the step files
+    that could be summarised; a column with no such value is left out."""
     summary = trace.step_summary()
     if "problem" in summary:
         summary = summary[summary["problem"].isna()]

@@ -363,7 +363,13 @@ class Trace:
         stored = summaries.read_summary(meta)
         if stored is not None:
             return {**stored, "summary_source": "header"}
-        return {**tables.summary_values(meta, self.load_step(key, tables.SUMMARY_FIELDS)), "summary_source": "tensors"}
+        data = self.load_step(key, tables.SUMMARY_FIELDS)
+        try:
+            computed = tables.summary_values(meta, data)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:  # tensors the header check let through
+            raise TraceFormatError(f"{key.path}: could not summarise the step from its tensors "
+                                   f"({type(err).__name__}: {err})") from err
+        return {**computed, "summary_source": "tensors"}
 
 
 def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:

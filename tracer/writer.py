@@ -105,6 +105,12 @@ class TraceWriter:
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk).
 
+    Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
+    clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
+    as it writes the file (by ``record`` itself when ``async_write=False``), so that a run overview
+    reads headers only. ``record`` checks the schema once per field signature (names, shapes,
+    dtypes, devices); later records with that signature check only the values of non-bool masks.
+
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
     by the writer thread at most every :data:`MANIFEST_INTERVAL_S` seconds, by ``flush()``, and at
     ``close()``. A writer belongs to the process that created it: a child made by ``fork()`` that
