@@ -1,12 +1,12 @@
 """Run every CPU benchmark once and print a Markdown table for BENCHMARKS.md.
 
-    python -m bench.run_all            # ~3 minutes on 2 cores; bench/gpu_check.py needs a GPU
+    python -m bench.run_all            # ~8 minutes on 2 cores; bench/gpu_check.py needs a GPU
 """
 
 from __future__ import annotations
 
-from bench import (blocked_time, memory_budget, open_scale, overhead, slow_disk_drop, step_page, verify_cost,
-                   write_throughput)
+from bench import (blocked_time, loops, memory_budget, open_scale, overhead, overview_scale, record_cost,
+                   slow_disk_drop, step_page, verify_cost, write_throughput)
 from bench.common import machine
 
 
@@ -50,6 +50,24 @@ def main() -> None:
                  f"{p['step_warm_s']:.2f} vs {p['tokens_warm_s']:.2f} s", f"{p['warm_ratio']:.1f}x", "warm <= 2 s"))
     rows.append(("... first open (reads the whole step)", f"{p['step_cold_s']:.2f} vs {p['tokens_cold_s']:.2f} s",
                  f"{p['cold_ratio']:.1f}x", "(reported)"))
+    c = record_cost.measure()
+    rows.append(("record() of 14 small fields (B=8 T=16), steps 4 ms apart, vs a plain copy",
+                 f"{c['record_us']:.0f} vs {c['copy_us']:.0f} us", f"{c['record_us']:.0f} us", "<= 100 us"))
+    for name, r in loops.measure().items():
+        rows.append((f"loop {name} ({r['shape']}), traced / plain, alternating blocks",
+                     f"{r['step_ms']:.1f} ms/step plain", f"{r['ratio']:.3f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
+                     f"<= {loops.TARGETS[name]}"))
+        if "capture_us" in r:
+            rows.append(("... zero-edit capture on the training thread, per backward", f"{r['capture_us']:.0f} us",
+                         "", "<= 500 us"))
+    v = overview_scale.measure()
+    rows.append((f"overview (step_summary) vs reading every header, {v['steps']} steps of {v['B']}x{v['T']}",
+                 f"{1e3 * overview_scale.median(v['times']['overview']):.0f} vs "
+                 f"{1e3 * overview_scale.median(v['times']['headers']):.0f} ms", f"{v['overview_vs_headers']:.2f}x", "<= 3x"))
+    rows.append(("... the same overview from tensors (before issue 16; traces without summaries)",
+                 f"{1e3 * overview_scale.median(v['times']['tensors']):.0f} ms", f"{v['tensors_vs_headers']:.1f}x", "(reported)"))
+    rows.append((f"overview of {v['big']} vs 10 steps, per step file", f"{v['large_ms']:.0f} vs {v['small_ms']:.1f} ms",
+                 f"{v['per_file_ratio']:.2f}x", "<= 2x"))
     print("| benchmark | measured | ratio | target |")
     print("|---|---|---|---|")
     for row in rows:

@@ -126,13 +126,14 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None) -> t
     CPU tensors are cloned (contiguous). CUDA tensors go to pinned buffers through a side stream;
     ``event`` must be waited on before the staged tensors are read.
     """
-    staged, pinned, nbytes = {}, [], 0
-    cuda = [(n, t) for n, t in tensors.items() if t.is_cuda]
+    staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
         for name, t in tensors.items():
-            if not t.is_cuda:
+            if t.is_cuda:
+                cuda.append((name, t))
+            else:
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
-                nbytes += t.numel() * t.element_size()
+                nbytes += t.nbytes
     event = None
     if cuda:
         pool = pool or PinnedPool()

@@ -24,6 +24,7 @@ from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.reader import Trace, find_traces
 from tracer.schema import ALGORITHMS
+from tracer.summaries import SUMMARY_KEY
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -153,6 +154,7 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     if keys:
         metadata = trace.metadata(keys[0])
+        metadata.pop(SUMMARY_KEY, None)  # the per-step summaries are under "overview"
         for name, (shape, dtype) in trace.fields(keys[0]).items():
             fields[name] = {"shape": shape, "dtype": dtype}
     return {
@@ -174,7 +176,40 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "fields": fields,
         "first_step_metadata": metadata,
         **({"integrity": verify_trace(trace, keys)} if verify else {}),
+        "overview": _overview(trace),
     }
+
+
+OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", "mean_approx_kl_k2", "mean_mismatch",
+                    "mean_reward", "mean_advantage", "clip_fraction", "nonfinite_kept")
+
+
+def _overview(trace: Trace) -> dict[str, Any]:
+    """First, last, min and max of the non-NaN values of a few per-step summary columns
+    (``Trace.step_summary``: headers only when the writer stored summaries), over the step files
+    that could be summarised; a column with no such value is left out."""
+    summary = trace.step_summary()
+    if "problem" in summary:
+        summary = summary[summary["problem"].isna()]
+    if summary.empty:
+        return {"from_headers": 0, "from_tensors": 0, "columns": {}}
+    source = summary.get("summary_source")
+    counts = source.value_counts().to_dict() if source is not None else {}
+    columns: dict[str, dict[str, Any]] = {}
+    for col in OVERVIEW_COLUMNS:
+        if col not in summary or not summary[col].notna().any():
+            continue
+        values = summary.sort_values(["step", "inner_step", "micro_batch", "rank"])[col]
+        finite = values.dropna()
+        columns[col] = {name: _json_number(v) for name, v in (("first", finite.iloc[0]), ("last", finite.iloc[-1]),
+                                                                  ("min", finite.min()), ("max", finite.max()))}
+    return {"from_headers": int(counts.get("header", 0)), "from_tensors": int(counts.get("tensors", 0)),
+            "columns": columns}
+
+
+def _json_number(value: Any) -> float | int | None:
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and value != value else value
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -210,6 +245,15 @@ def _print_info(info: dict[str, Any]) -> None:
     for name, spec in info["fields"].items():
         table.add_row(Text(name), str(spec["shape"]), Text(spec["dtype"]))
     console.print(table)
+    overview = info.get("overview") or {}
+    if overview.get("columns"):
+        table = Table(title=f"per-step summaries ({overview['from_headers']} from headers, "
+                            f"{overview['from_tensors']} from tensors)")
+        for col in ("summary", "first", "last", "min", "max"):
+            table.add_column(col)
+        for name, stats in overview["columns"].items():
+            table.add_row(name, *(f"{stats[k]:.4g}" if stats[k] is not None else "nan" for k in ("first", "last", "min", "max")))
+        console.print(table)
     if info["first_step_metadata"]:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
         say(f"metadata: {meta}")

@@ -141,6 +141,32 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
+def masked_quantiles(values: torch.Tensor, mask: torch.Tensor | None, qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` (each in [0, 1]) of ``values`` at the positions ``mask`` keeps (all positions
+    when None), NaN values left out; linear interpolation between order statistics (numpy's default
+    ``method="linear"``, the same as ``torch.quantile``). Returns float64 ``[len(qs)]``; all NaN
+    when no non-NaN value is kept. ``mask`` has the shape of ``values``.
+    """
+    kept = values.reshape(-1) if mask is None else values[mask.bool()]
+    kept = kept[~torch.isnan(kept)]
+    if kept.numel() == 0:
+        return torch.full((len(qs),), float("nan"), dtype=torch.float64)
+    return row_quantiles(kept.unsqueeze(0), qs)[0]
+
+
+def row_quantiles(rows: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` of each row of ``rows`` ``[K, N]`` (N >= 1, no NaN: see
+    :func:`masked_quantiles`), linear interpolation as numpy's default. Returns float64 ``[K, len(qs)]``.
+    One sort for all K rows."""
+    n = rows.shape[1]
+    ordered = torch.sort(rows, dim=1).values
+    pos = torch.tensor(qs, dtype=torch.float64) * (n - 1)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    below, above = ordered[:, lo].double(), ordered[:, hi].double()
+    # equal neighbours (an infinite value included) need no interpolation: inf - inf would be NaN
+    return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
+
+
 def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence masked mean, then the mean over sequences (the seed's GRPO reduction).
 

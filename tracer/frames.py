@@ -69,9 +69,16 @@ def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:
         yield frame
 
 
-def resolve(expr: Expression, frame: FrameType) -> Any:
-    """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``."""
-    scopes = (frame.f_locals, frame.f_globals)
+def scopes_of(frame: FrameType) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(locals, globals)`` of ``frame``. Reading ``f_locals`` copies every local of a function
+    frame, so a capture takes it once and passes it to each :func:`resolve`."""
+    return frame.f_locals, frame.f_globals
+
+
+def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] | None = None) -> Any:
+    """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``; ``scopes``:
+    :func:`scopes_of` the frame, when the caller has it already."""
+    scopes = scopes or scopes_of(frame)
     value = next((s[expr.path[0]] for s in scopes if expr.path[0] in s), _MISSING)
     for attr in expr.path[1:]:
         if value is _MISSING:
@@ -99,6 +106,8 @@ class FrameCapture:
 
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # field -> expression or "derived"
+    sizes: dict[str, tuple[int, str]] = field(default_factory=dict)  # dims of the fields picked (check_tensors)
+    scopes: tuple | None = None  # scopes_of the calling frame, taken once per capture
     indices: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)  # step metadata read from the frame
     rejected: dict[tuple[str, str], str] = field(default_factory=dict)  # (field, expression) -> why
@@ -110,18 +119,18 @@ def anchor_field(algorithm: str) -> str:
     return "chosen_policy_logprobs" if algorithm == "dpo" else "policy_logprobs"
 
 
-def _candidates(key: str, name_map: NameMap, frame: FrameType) -> Iterator[tuple[str, dict]]:
+def _candidates(key: str, name_map: NameMap, frame: FrameType, scopes=None) -> Iterator[tuple[str, dict]]:
     """``(expression, {field: tensor})`` for ``key`` (a field, or ``stacked:<stem>`` for DPO)."""
     if key.startswith("stacked:"):
         stem = key.split(":", 1)[1]
         for expr in name_map.stacked.get(stem, ()):
-            value = resolve(expr, frame)
+            value = resolve(expr, frame, scopes)
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] % 2 == 0 and value.shape[0]:
                 half = value.shape[0] // 2
                 yield expr.text, {f"chosen_{stem}": value[:half], f"rejected_{stem}": value[half:]}
         return
     for expr in name_map.fields.get(key, ()):
-        value = resolve(expr, frame)
+        value = resolve(expr, frame, scopes)
         if isinstance(value, torch.Tensor):
             yield expr.text, {key: value}
 
@@ -141,15 +150,17 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
     """Add the first candidate of ``key`` that agrees with the fields already read."""
     picked = capture.fields
     check_algo = None if algorithm == "dpo" else algorithm  # DPO sides are paired at the end
-    for text, produced in _candidates(key, name_map, frame):
+    for text, produced in _candidates(key, name_map, frame, capture.scopes):
         produced = {k: v for k, v in produced.items() if k not in picked}
         if not produced:
             return
+        sizes = dict(capture.sizes)  # the fields picked so far passed together: check the new ones against them
         try:
-            check_tensors({**picked, **produced}, check_algo)
+            check_tensors(produced, check_algo, sizes=sizes)
         except SchemaError as err:
             capture.rejected[(key, text)] = str(err)
             continue
+        capture.sizes = sizes
         picked.update(produced)
         capture.sources.update({k: text for k in produced})
         return
@@ -189,9 +200,10 @@ def _as_int(value: Any) -> int | None:
 def read_indices(frame: FrameType, name_map: NameMap) -> dict[str, int]:
     """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers."""
     out: dict[str, int] = {}
+    scopes = [(f, scopes_of(f)) for f in _user_frames(frame, INDEX_DEPTH)] if name_map.indices else []
     for key, exprs in name_map.indices.items():
-        for f in _user_frames(frame, INDEX_DEPTH):
-            found = next((v for v in (_as_int(resolve(e, f)) for e in exprs) if v is not None), None)
+        for f, sc in scopes:
+            found = next((v for v in (_as_int(resolve(e, f, sc)) for e in exprs) if v is not None), None)
             if found is not None:
                 out[key] = found
                 break
@@ -212,11 +224,12 @@ def _plain(value: Any) -> Any:
     return _MISSING
 
 
-def read_metadata(frame: FrameType, name_map: NameMap) -> dict[str, Any]:
+def read_metadata(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, Any]:
     """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame."""
     out = {}
+    scopes = scopes or scopes_of(frame)
     for key, exprs in name_map.metadata.items():
-        value = next((v for v in (_plain(resolve(e, frame)) for e in exprs) if v is not _MISSING), _MISSING)
+        value = next((v for v in (_plain(resolve(e, frame, scopes)) for e in exprs) if v is not _MISSING), _MISSING)
         if value is not _MISSING:
             out[key] = value
     return out
@@ -270,12 +283,12 @@ def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]
 
 def read_frame(frame: FrameType, name_map: NameMap, algorithm: str) -> FrameCapture:
     """Everything one backward's frame gives (fields empty when the policy logprobs are absent)."""
-    capture = FrameCapture()
+    capture = FrameCapture(scopes=scopes_of(frame))
     read_fields(frame, name_map, algorithm, capture)
     if capture.anchor is None:
         return capture
     capture.indices = read_indices(frame, name_map)
-    capture.metadata = read_metadata(frame, name_map)
+    capture.metadata = read_metadata(frame, name_map, capture.scopes)
     derive_fields(capture, name_map, algorithm)
     return capture
 

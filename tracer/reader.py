@@ -15,12 +15,13 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from tracer import tables
+from tracer import summaries, tables
 from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
+from tracer.text import clean_str
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
@@ -360,23 +361,41 @@ class Trace:
         return sorted({k.rank for k in self.steps()})
 
     def step_summary(self) -> pd.DataFrame:
-        """One row per step file with the step's masked means: ``mean_ratio``, ``mean_ref_kl_k3``,
-        ``mean_approx_kl_k2``, ``mean_reward``, ``clip_fraction`` (sign-aware, from the step's clip
-        epsilons), ``kept_tokens``. Values a step lacks are NaN. When a step file cannot be read,
-        its row has only its coordinates and a ``problem`` column says why."""
+        """One row per step file with the step's summary (:mod:`tracer.summaries`): ``kept_tokens``,
+        masked means and quantiles (``mean_ratio``, ``ratio_p50``, ``mean_ref_kl_k3``,
+        ``mean_approx_kl_k2``, ``mean_mismatch``, ``mean_reward``, ``mean_advantage``...),
+        ``clip_fraction`` (sign-aware, from the step's clip epsilons), NaN counts, and
+        ``summary_source``: ``header`` when the writer stored the summary in the file's header (only
+        the header is read), ``tensors`` when it was computed from the file's tensors (older traces).
+        Values a step lacks are NaN. When a step file cannot be read, its row has only its
+        coordinates and a ``problem`` column says why."""
         records = []
         for key in self.steps():
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             try:
-                meta = self.metadata(key)
-                rec.update(tables.summary_values(meta, self.load_step(key, tables.SUMMARY_FIELDS)))
+                rec.update(self._step_summary_of(key))
                 rec["derived"] = ", ".join(self.derived_fields(key))
             except TraceFormatError as err:
-                rec["problem"] = str(err)
+                rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
         return pd.DataFrame.from_records(records)
 
+    def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
+        """The summary of one step file: from its header when it holds one, else from its tensors."""
+        with self._open(key.path) as fh:
+            meta = decode_metadata(fh.metadata())
+            check_step_header(key.path, fh, self._algorithm_of(meta))
+        stored = summaries.read_summary(meta)
+        if stored is not None:
+            return {**stored, "summary_source": "header"}
+        data = self.load_step(key, tables.SUMMARY_FIELDS)
+        try:
+            computed = tables.summary_values(meta, data)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:  # tensors the header check let through
+            raise TraceFormatError(f"{key.path}: could not summarise the step from its tensors "
+                                   f"({type(err).__name__}: {err})") from err
+        return {**computed, "summary_source": "tensors"}
 
 
 def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:

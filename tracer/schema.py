@@ -259,8 +259,9 @@ def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
         )
 
 
-def _check_mask_values(name: str, tensor: torch.Tensor) -> None:
-    """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors)."""
+def check_mask_field(name: str, tensor: torch.Tensor) -> None:
+    """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors).
+    Raises SchemaError naming the field and the first bad values."""
     if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
         bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
         raise SchemaError(
@@ -278,7 +279,7 @@ def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_sou
     _check_kind(name, spec, tensor)
     if spec.kind == BOOL:
         if tensor.dtype != torch.bool:
-            _check_mask_values(name, tensor)
+            check_mask_field(name, tensor)
             tensor = tensor != 0
     elif spec.kind == INT64:
         tensor = tensor.to(torch.int64)
@@ -299,17 +300,23 @@ def _check_dpo_sides(tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def check_tensors(
-    tensors: Mapping[str, torch.Tensor], algorithm: str | None, check_required: bool = False
+    tensors: Mapping[str, torch.Tensor], algorithm: str | None, check_required: bool = False,
+    sizes: dict[str, tuple[int, str]] | None = None,
 ) -> None:
     """Check names, ranks, shared dimension sizes and dtype kinds against the schema, without
     moving data (a float mask's values are checked here only when it is on the CPU).
+
+    ``sizes`` (``{dim: (size, field that set it)}``), when given, holds the dimensions of fields
+    checked earlier (the new fields must agree with them) and receives those of ``tensors``: adding
+    fields one group at a time costs the new fields only (zero-edit capture). Pass a copy to keep
+    the original when the check may fail.
 
     Raises:
         SchemaError: a non-tensor value, wrong rank, a dimension that disagrees with an earlier
             field (both fields named), a wrong dtype kind, a non-0/1 float mask, a DPO field without
             its other side, or (``check_required``) a missing required field.
     """
-    sizes: dict[str, tuple[int, str]] = {}
+    sizes = {} if sizes is None else sizes
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
             raise SchemaError(
@@ -337,7 +344,7 @@ def check_tensors(
             sizes.setdefault(dim, (int(size), name))
         _check_kind(name, spec, tensor)
         if spec.kind == BOOL and tensor.device.type == "cpu":
-            _check_mask_values(name, tensor)
+            check_mask_field(name, tensor)
     if algorithm == "dpo":
         _check_dpo_sides(tensors)
     if check_required and algorithm:

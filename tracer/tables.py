@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pandas as pd
 import torch
 
-from tracer import formulas
+from tracer import summaries
 
 # Per-token float fields shown in token tables, in display order.
 TOKEN_VALUE_FIELDS = (
@@ -19,7 +19,7 @@ TOKEN_VALUE_FIELDS = (
 KEPT, PROMPT, PROMPT_PADDING, AFTER_EOS, PADDING, MASKED = (
     "kept", "prompt", "prompt_padding", "after_eos", "padding", "masked")
 # Fields a per-step summary reads.
-SUMMARY_FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "rewards", "advantages")
+SUMMARY_FIELDS = summaries.FIELDS
 
 
 def mask_reasons(
@@ -97,20 +97,6 @@ def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text:
 
 
 def summary_values(meta: dict[str, Any], data: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Masked means of one step (``SUMMARY_FIELDS`` of it) for :meth:`Trace.step_summary`."""
-    rec: dict[str, Any] = {}
-    completion_mask = data.get("completion_mask")
-    if completion_mask is not None:
-        completion_mask = completion_mask.bool()
-        rec["kept_tokens"] = int(completion_mask.sum())
-        for name in ("ratio", "ref_kl_k3", "approx_kl_k2"):
-            if name in data:
-                rec[f"mean_{name}"] = float(formulas.masked_mean(data[name].float(), completion_mask))
-        eps_low, eps_high = meta.get("clip_epsilon_low"), meta.get("clip_epsilon_high")
-        if "ratio" in data and "advantages" in data and isinstance(eps_low, float) and isinstance(eps_high, float):
-            fr = formulas.clip_fractions(data["ratio"].float(), data["advantages"].float(), completion_mask,
-                                         eps_low, eps_high)
-            rec["clip_fraction"] = float(fr["low"] + fr["high"])
-    if "rewards" in data:
-        rec["mean_reward"] = float(data["rewards"].float().mean())
-    return rec
+    """The per-step summary of one step computed from its tensors (``SUMMARY_FIELDS`` of it), for
+    files whose header holds none: :func:`tracer.summaries.compute_summary`."""
+    return summaries.compute_summary(data, meta)

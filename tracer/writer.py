@@ -37,9 +37,12 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare,
     write_json_atomic,
 )
+from tracer import summaries
+from tracer.derived import derive_fields
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
-from tracer.schema import ALGORITHMS, SCHEMA_VERSION, check_tensors, encode_metadata, jsonable, normalise_tensors
+from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
+                           encode_metadata, jsonable, normalise_tensors)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +60,9 @@ def _distributed_rank() -> tuple[int, int]:
 
 # Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
-                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly"})
+                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summaries.SUMMARY_KEY})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
+MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 
 
@@ -101,6 +105,12 @@ class TraceWriter:
         when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk).
+
+    Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
+    clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
+    as it writes the file (by ``record`` itself when ``async_write=False``), so that a run overview
+    reads headers only. ``record`` checks the schema once per field signature (names, shapes,
+    dtypes, devices); later records with that signature check only the values of non-bool masks.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
     by the writer thread at most every :data:`MANIFEST_INTERVAL_S` seconds, by ``flush()``, and at
@@ -154,6 +164,8 @@ class TraceWriter:
         # a non-JSON hyperparameter raises SchemaError now, naming it
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
+        self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
+        self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
         steps_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +254,7 @@ class TraceWriter:
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        check_tensors(tensors, self.algorithm)
+        source_dtype = self._checked_signature(tensors)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
@@ -254,7 +266,7 @@ class TraceWriter:
         if not sampled and not self.sampling.anomaly_ring:
             self.skipped_steps += 1
             return None
-        header = self._header(step, inner_step, micro_batch, metadata, tensors)
+        header = self._header(step, inner_step, micro_batch, metadata, source_dtype)
         # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
         encoded = encode_metadata(metadata) if metadata else {}
         size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
@@ -270,7 +282,7 @@ class TraceWriter:
             self._raise_pending()
             return None
         item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
-        path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, self.rank)
+        path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._background is None:
             item.wait()
             try:
@@ -345,9 +357,31 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _header(self, step, inner_step, micro_batch, metadata, tensors) -> dict[str, Any]:
-        source_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
-                                if t.is_floating_point()})
+    def _checked_signature(self, tensors: dict[str, Any]) -> str:
+        """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
+        signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
+        set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
+        every time. Returns the ``source_dtype`` metadata of the signature. Raises SchemaError."""
+        try:
+            signature = tuple((name, t.shape, t.dtype, t.device.type) for name, t in tensors.items())
+            cached = self._signatures.get(signature)
+        except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
+            cached, signature = None, None
+        if cached is None:
+            check_tensors(tensors, self.algorithm)
+            source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
+                                      if t.is_floating_point()}))
+            value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
+                                  and t.dtype != torch.bool and t.device.type == "cpu")
+            cached = (source, value_checked)
+            if signature is not None and len(self._signatures) < MAX_SIGNATURES:
+                self._signatures[signature] = cached
+            return source
+        for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
+            check_mask_field(name, tensors[name])
+        return cached[0]
+
+    def _header(self, step, inner_step, micro_batch, metadata, source_dtype: str) -> dict[str, Any]:
         return {
             **self.hyperparameters,
             **dict(metadata or {}),
@@ -358,7 +392,7 @@ class TraceWriter:
             "micro_batch": int(micro_batch),
             "rank": self.rank,
             "world_size": self.world_size,
-            "source_dtype": ",".join(source_dtypes),
+            "source_dtype": source_dtype,
         }
 
     def _check_process(self) -> None:
@@ -395,6 +429,7 @@ class TraceWriter:
         if anomaly is not None:
             item.metadata["anomaly"] = anomaly
         path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
+        self._summarise(item)
         try:
             _save_atomic(path, item.tensors, encode_metadata(item.metadata))
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
@@ -405,6 +440,15 @@ class TraceWriter:
             if not item.sampled:
                 self.skipped_steps -= 1
             self._dirty = True
+
+    def _summarise(self, item: StagedStep) -> None:
+        """Put the step's summary (:mod:`tracer.summaries`) into its metadata; a failure leaves it out
+        (readers then summarise the file from its tensors) and never costs the step."""
+        try:
+            tensors = {**item.tensors, **derive_fields(item.tensors, item.metadata)}  # ratio/KL from their inputs
+            item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summaries.compute_summary(tensors, item.metadata))
+        except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
+            log.warning("tracer: step %s: no summary in its header (%s: %s)", item.step, type(err).__name__, err)
 
     def _fail(self, reason: str, err: Exception) -> None:
         """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""

@@ -22,7 +22,7 @@ from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
 from tracer.schema import FIELDS, decode_metadata, flow_rank
 
 PROGRESS_MIN_PAIRS = 20
-IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "step", "inner_step", "micro_batch", "rank"})
+IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "summary", "step", "inner_step", "micro_batch", "rank"})
 _MASKS = ("completion_mask", "chosen_mask", "rejected_mask", "prompt_mask")
 _SHOWN_CORRUPT = 5
 

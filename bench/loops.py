@@ -1,0 +1,170 @@
+"""Traced vs plain on three independent loop shapes (issue 16), in alternating blocks:
+
+* ``toy``: the GRPO-shaped CPU loop of ``bench/overhead.py`` at B = 8, T = 16 (a step of a few ms:
+  the fixed cost of ``record()`` shows), 13 fields recorded per step through the explicit API;
+* ``realistic``: the same loop at B = 64, T = 128;
+* ``ppo``: ``tests/scripts/minimind_ppo.py`` (MiniMind's ``train_ppo.py`` in the seed's names: a
+  rollout, then 3 PPO epochs over minibatches drawn by ``inds``) on the tiny local model, traced
+  with zero edits through ``tracer.watch`` (every ``loss.backward()`` captured by name).
+
+Each round runs one plain and one traced block of ``steps`` steps, the order alternating; the
+ratio is median(traced) / median(plain) over rounds, with the spread of the per-round ratios.
+Targets: toy <= 1.05, realistic <= 1.03, ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
+
+    python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, median
+from bench.overhead import make_model, run_loop
+from tracer.writer import TraceWriter
+
+SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "minimind_ppo.py"
+TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
+
+
+def _alternate(plain, traced, rounds: int) -> dict:
+    """``plain()`` and ``traced(i)`` once per round, order alternating; seconds of each."""
+    off, on = [], []
+    for r in range(rounds):
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            t0 = time.perf_counter()
+            if mode == "off":
+                plain()
+                off.append(time.perf_counter() - t0)
+            else:
+                traced(r)
+                on.append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(on, off)]
+    return {"off_s": median(off), "on_s": median(on), "ratio": median(on) / median(off),
+            "spread": (min(ratios), max(ratios))}
+
+
+def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str) -> dict:
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run_loop(model, optimizer, 2, B, T, L, None)  # warm-up
+
+    def traced(r: int) -> None:
+        with TraceWriter(f"{tmp}/{name}{r}", "grpo", hyperparameters={"num_generations": 8}) as writer:
+            run_loop(model, optimizer, steps, B, T, L, writer)
+
+    res = _alternate(lambda: run_loop(model, optimizer, steps, B, T, L, None), traced, rounds)
+    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps,
+            "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}"}
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("minimind_ppo_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TIMER = """
+def timed(loss):
+    t0 = perf_counter()
+    try:
+        real(loss)
+    finally:
+        inside.append(perf_counter() - t0)
+"""
+
+
+def _timed(real, inside: list):
+    """``real`` (Watcher.on_backward) timed into ``inside``. The wrapper's module is named as part of
+    tracer, so the capture's walk out to the calling frame skips it as it skips tracer's own frames."""
+    scope = {"__name__": "tracer._bench_timer", "perf_counter": time.perf_counter, "real": real, "inside": inside}
+    exec(compile(_TIMER, "<bench timer>", "exec"), scope)  # noqa: S102  (a fixed string)
+    return scope["timed"]
+
+
+def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tracer import watch
+    from tracer.demo.ppo_loop import Critic
+    from tracer.demo.tiny_model import build_tiny_model
+
+    script = _load_script()
+    model_dir = build_tiny_model(Path(tmp) / "model", seed=0, warmup_steps=20)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    actor = AutoModelForCausalLM.from_pretrained(model_dir)
+    ref_model = copy.deepcopy(actor).eval().requires_grad_(False)
+    critic = Critic(actor)
+    optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=1e-4)
+    args = Namespace(steps=steps, batch_size=16, mini_batch_size=4, ppo_update_iters=3, max_new_tokens=16,
+                     temperature=1.0, clip_epsilon=0.2, kl_coef=0.02, target_kl=1e9, gamma=1.0, lam=0.95,
+                     vf_coef=0.5, seed=0, bug=None, whiten_advantages=False)
+    backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
+
+    def plain() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+
+    recorded, inside = [], []
+
+    def traced(r: int) -> None:
+        with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo{r}") as w:
+            w.on_backward = _timed(w.on_backward, inside)
+            script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+        recorded.append(w.steps_recorded)
+
+    plain()  # warm-up
+    res = _alternate(plain, traced, rounds)
+    assert all(n == backwards for n in recorded), (recorded, backwards)
+    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
+            "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
+            "capture_us": 1e6 * median(inside[1:]),  # the first capture also creates the writer
+            "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
+                     f"{args.max_new_tokens} new tokens"}
+
+
+def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo")) -> dict[str, dict]:
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if "toy" in only:
+            out["toy"] = grpo_shape("toy", 8, 16, 16, steps=40, rounds=rounds, tmp=tmp)
+        if "realistic" in only:
+            out["realistic"] = grpo_shape("realistic", 64, 128, 32, steps=4, rounds=rounds, tmp=tmp)
+        if "ppo" in only:
+            out["ppo"] = ppo_shape(steps=2, rounds=rounds, tmp=tmp)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", default="toy,realistic,ppo")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1: the writer thread gets the other core; with "
+                             "2 threads on a shared 2-core machine torch's spinning threads make both modes erratic)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(machine())
+    for name, r in measure(args.rounds, tuple(args.only.split(","))).items():
+        unit = "backward" if name == "ppo" else "record"
+        print(f"{name:9s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
+              f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
+              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)"
+              + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
+                 if "capture_us" in r else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""record()'s fast path (issue 16): the schema check is cached per field signature, yet every
+contract holds on later records; summaries are computed on the writer thread, never the caller's."""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import pytest
+import torch
+
+from tracer import summaries
+from tracer.errors import SchemaError
+from tracer.reader import Trace
+from tracer.writer import MAX_SIGNATURES, TraceWriter
+
+
+def _step(B=4, T=5, mask_dtype=torch.bool):
+    return {"completion_ids": torch.zeros(B, T, dtype=torch.int64),
+            "completion_mask": torch.ones(B, T).to(mask_dtype),
+            "policy_logprobs": -torch.rand(B, T), "ratio": torch.ones(B, T),
+            "rewards": torch.rand(B), "advantages": torch.randn(B)}
+
+
+def test_a_cached_signature_still_checks_float_mask_values_every_step(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        writer.record(0, _step(mask_dtype=torch.float32))
+        bad = _step(mask_dtype=torch.float32)
+        bad["completion_mask"][1, 2] = 0.5  # same names, shapes, dtypes: the signature is cached
+        with pytest.raises(SchemaError, match=r"'completion_mask': a mask must hold only 0 and 1.*\[0.5\]"):
+            writer.record(1, bad)
+        writer.record(2, _step(mask_dtype=torch.float32))
+    assert [k.step for k in Trace(tmp_path / "run").steps()] == [0, 2]
+
+
+def test_a_new_signature_after_a_cached_one_gets_the_full_check(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        writer.record(0, _step())
+        wrong = _step()
+        wrong["rewards"] = torch.rand(3)  # B = 3 against B = 4
+        with pytest.raises(SchemaError, match=r"field 'rewards': dimension B is 3, but field 'completion_ids' has B = 4"):
+            writer.record(1, wrong)
+        with pytest.raises(SchemaError, match=r"field 'ratio': expected a torch.Tensor, got list"):
+            writer.record(2, {**_step(), "ratio": [1.0]})
+        with pytest.raises(SchemaError, match=r"field 'advantages': expected a floating-point tensor"):
+            writer.record(3, {**_step(), "advantages": torch.zeros(4, dtype=torch.int64)})
+        writer.record(4, _step())  # the cached signature still passes
+        assert len(writer._signatures) == 1  # refused signatures are never cached
+
+
+def test_the_signature_cache_is_bounded(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo", async_write=True) as writer:
+        for step in range(MAX_SIGNATURES + 20):
+            writer.record(step, _step(B=1, T=step + 1))
+        assert len(writer._signatures) == MAX_SIGNATURES
+    assert len(Trace(tmp_path / "run").steps()) == MAX_SIGNATURES + 20
+
+
+def test_source_dtype_follows_each_signature(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo", keep_source_dtype=True) as writer:
+        writer.record(0, _step())
+        half = _step()
+        half["policy_logprobs"] = half["policy_logprobs"].to(torch.bfloat16)
+        writer.record(1, half)
+        writer.record(2, _step())
+    trace = Trace(tmp_path / "run")
+    assert [trace.metadata(k)["source_dtype"] for k in trace.steps()] == ["float32", "bfloat16,float32", "float32"]
+
+
+def test_summaries_are_computed_on_the_writer_thread(tmp_path):
+    threads = []
+    real = summaries.compute_summary
+
+    def spy(tensors, metadata):
+        threads.append(threading.get_ident())
+        return real(tensors, metadata)
+
+    with mock.patch.object(summaries, "compute_summary", spy):
+        with TraceWriter(tmp_path / "run", "grpo") as writer:
+            for step in range(3):
+                writer.record(step, _step())
+    assert len(threads) == 3 and threading.get_ident() not in threads
+    assert (Trace(tmp_path / "run").step_summary()["summary_source"] == "header").all()
+
+
+def test_a_failing_summary_never_costs_the_step(tmp_path):
+    with mock.patch.object(summaries, "compute_summary", side_effect=RuntimeError("boom")):
+        with TraceWriter(tmp_path / "run", "grpo") as writer:
+            writer.record(0, _step())
+    trace = Trace(tmp_path / "run")
+    assert "summary" not in trace.metadata(trace.step_key(0))
+    assert trace.step_summary()["summary_source"].tolist() == ["tensors"]

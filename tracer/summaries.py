@@ -1,0 +1,171 @@
+"""Per-step summaries: a few masked means, quantiles and counts of one step, computed once by the
+writer thread when it writes the step file and stored in the file's header (metadata key
+``summary``, JSON), so that a run overview (``Trace.step_summary``, ``tracer info``, the Steps page)
+reads headers only. Files without a summary (older traces) are summarised from their tensors by
+the same function, so both paths give the same numbers. The maths comes from :mod:`tracer.formulas`.
+
+Keys of a summary (all optional; a step has those its fields allow):
+
+    kept_tokens                          completion_mask.sum()
+    mean_ratio, ratio_{p10,p50,p90,max}  over kept tokens; likewise ref_kl_k3, approx_kl_k2 (nats)
+    mean_mismatch, mismatch_{...}        old_logprobs - sampler_logprobs over kept tokens (nats)
+    mean_reward, reward_{...}            over all B sequences
+    mean_advantage, advantage_{...}      over B ([B] advantages) or kept tokens ([B, T], PPO)
+    clip_fraction{,_low,_high}, clip_region
+                                         formulas.clip_fractions, when clip_epsilon_low/high are known
+    nonfinite_values, nonfinite_kept     NaN/Inf values in the fields above (all positions / the kept
+                                         positions of [B, T] fields)
+
+Quantiles leave NaN values out (:func:`tracer.formulas.masked_quantiles`); means do not (a NaN at a
+kept position makes the mean NaN, as the loss would be).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping
+
+import torch
+
+from tracer import formulas
+
+SUMMARY_KEY = "summary"  # the step metadata key holding the summary
+SUMMARY_VERSION = 1  # bumped when a definition changes; other versions are recomputed from tensors
+QUANTILES = {"p10": 0.1, "p50": 0.5, "p90": 0.9, "max": 1.0}
+# Statistics over the kept tokens of [B, T] fields (mismatch = old_logprobs - sampler_logprobs).
+TOKEN_STATS = ("ratio", "ref_kl_k3", "approx_kl_k2", "mismatch")
+# The fields a summary reads (the reader loads only these for a file without a summary).
+FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "old_logprobs", "sampler_logprobs",
+          "rewards", "advantages")
+COUNT_KEYS = ("kept_tokens", "nonfinite_values", "nonfinite_kept")
+CLIP_KEYS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_region")
+
+
+def _stat_keys(name: str) -> list[str]:
+    return [f"mean_{name}"] + [f"{name}_{q}" for q in QUANTILES]
+
+
+KEYS = frozenset([*COUNT_KEYS, *CLIP_KEYS, *(k for n in (*TOKEN_STATS, "reward", "advantage") for k in _stat_keys(n))])
+
+
+def _number(value: Any) -> float | None:
+    """A clip epsilon as a float, when it is a real number (not a bool)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _stats(out: dict[str, Any], names: list[str], values: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+    """``mean_<name>`` and the quantiles of each of ``values`` (same shape; at ``mask``'s kept
+    positions, or all when None), stacked so that a step costs a few tensor operations whatever
+    the number of fields (the writer thread shares the interpreter with the training loop)."""
+    stacked = torch.stack([v.float() for v in values])  # (K, *shape)
+    if mask is None:
+        means, kept = stacked.reshape(len(values), -1).mean(dim=1), stacked.reshape(len(values), -1)
+    else:
+        wide = mask.expand_as(stacked)
+        means = formulas.masked_mean(stacked, wide, dim=tuple(range(1, stacked.dim())))
+        kept = stacked[:, mask]  # (K, kept positions)
+    levels = tuple(QUANTILES.values())
+    if kept.shape[1] and not bool(torch.isnan(kept).any()):
+        quantiles = formulas.row_quantiles(kept, levels).tolist()
+    else:  # NaNs leave different counts per field (or nothing is kept): one field at a time
+        quantiles = [formulas.masked_quantiles(row, None, levels).tolist() for row in kept]
+    for name, mean, qs in zip(names, means.tolist(), quantiles):
+        out[f"mean_{name}"] = mean
+        out.update({f"{name}_{q}": value for q, value in zip(QUANTILES, qs)})
+
+
+def _nonfinite(values: list[torch.Tensor], mask: torch.Tensor | None) -> tuple[int, int]:
+    """Non-finite values among ``values`` (same shape): in all, and at ``mask``'s kept positions."""
+    if not values:
+        return 0, 0
+    bad = ~torch.isfinite(torch.stack([v.float() for v in values]))
+    return int(bad.sum()), int(bad[:, mask].sum()) if mask is not None else 0
+
+
+def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary of one step from its (stored, CPU) tensors and its metadata (for the clip
+    epsilons). Returns ``{key: int | float}`` with the keys of the module docstring that the step's
+    fields allow; floats may be NaN. Shapes as in SPEC.md section 4 (``[B, T]`` token fields, ``[B]``
+    rewards, ``[B]`` or ``[B, T]`` advantages); a field whose shape does not fit is left out."""
+    out: dict[str, Any] = {}
+    mask = tensors.get("completion_mask")
+    mask = mask.bool() if mask is not None else None
+    token = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
+    if "old_logprobs" in tensors and "sampler_logprobs" in tensors:
+        token["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
+    per_seq: dict[str, torch.Tensor] = {}
+    rewards, adv = tensors.get("rewards"), tensors.get("advantages")
+    if rewards is not None and rewards.dim() == 1 and rewards.is_floating_point():
+        per_seq["reward"] = rewards
+    if adv is not None and adv.is_floating_point() and adv.dim() == 1 and (not per_seq or adv.shape == rewards.shape):
+        per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
+    if mask is not None:
+        out["kept_tokens"] = int(mask.sum())
+        token = {n: v for n, v in token.items() if v.shape == mask.shape}
+        if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
+            token["advantage"] = adv  # PPO: per token
+    else:
+        token = {}
+    if token:
+        _stats(out, list(token), list(token.values()), mask)
+    if per_seq:
+        _stats(out, list(per_seq), list(per_seq.values()), None)
+    _clip(out, tensors, mask, metadata)
+    token_bad, seq_bad = _nonfinite(list(token.values()), mask), _nonfinite(list(per_seq.values()), None)
+    out["nonfinite_values"] = token_bad[0] + seq_bad[0]
+    out["nonfinite_kept"] = token_bad[1]
+    return _ordered(out)
+
+
+def _ordered(out: dict[str, Any]) -> dict[str, Any]:
+    """The keys in a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)."""
+    order = ["kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
+             *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *CLIP_KEYS, "nonfinite_values",
+             "nonfinite_kept"]
+    return {k: out[k] for k in order if k in out}
+
+
+def _clip(out: dict[str, Any], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
+          metadata: Mapping[str, Any]) -> None:
+    eps_low, eps_high = _number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high"))
+    ratio, adv = tensors.get("ratio"), tensors.get("advantages")
+    if mask is None or ratio is None or adv is None or eps_low is None or eps_high is None:
+        return
+    if ratio.shape != mask.shape or adv.shape not in (mask.shape, mask.shape[:1]):
+        return
+    fr = formulas.clip_fractions(ratio.float(), adv.float(), mask, eps_low, eps_high)
+    out["clip_fraction_low"], out["clip_fraction_high"] = float(fr["low"]), float(fr["high"])
+    out["clip_fraction"] = float(fr["low"] + fr["high"])
+    out["clip_region"] = float(fr["region"])
+
+
+def header_value(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary as stored in the header (with its version)."""
+    return {"version": SUMMARY_VERSION, **summary}
+
+
+def read_summary(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The summary stored in a step file's decoded metadata, or None when there is none, its
+    version is not :data:`SUMMARY_VERSION`, or it is malformed (a hostile or foreign header: then
+    the caller recomputes it from the tensors). Only known keys with number values are returned."""
+    raw = metadata.get(SUMMARY_KEY)
+    if not isinstance(raw, dict) or raw.get("version") != SUMMARY_VERSION:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "version":
+            continue
+        if key not in KEYS:
+            return None
+        if key in COUNT_KEYS:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                return None
+        elif value is None:  # NaN written by a JSON encoder without NaN support
+            value = math.nan
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        out[key] = value if key in COUNT_KEYS else float(value)
+    return out
