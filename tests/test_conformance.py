@@ -291,3 +291,51 @@ def test_cispo_per_token_loss_runs_on_minimind_grpo(model_dir, tmp_path):
     mine = [f for f in findings if f.check == "recompute.per_token_loss"]
     assert mine == [], [f.message for f in mine]  # ran (no skipped finding) and agreed
     assert errors_and_warnings(findings) == []
+
+
+# -- found by the adversarial review ----------------------------------------------------------------------
+
+
+def test_a_reference_scored_one_position_late_is_named_even_when_policy_equals_old(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    full = -torch.rand(4, 9, generator=g) * 3
+    policy = full[:, :-1].clone()  # first step: policy == old, and ref is the same weights ...
+    step = {**grpo_step(policy, policy.clone()), "ref_logprobs": full[:, 1:].clone()}  # ... read one token late
+    (f,) = found(run_checks(write_trace(tmp_path / "r", "grpo", [(0, 0, step)], {"num_generations": 2})),
+                 "identity.first_step")
+    # policy[:, j] = full[:, j] = ref[:, j - 1]
+    assert f.severity == ERROR and f.details["shifted_against"] == "ref_logprobs" and f.details["shift"] == -1
+    assert "policy_logprobs[:, j] equals ref_logprobs[:, j - 1]" in f.message
+
+
+def test_z_bound_runs_row_by_row_when_micro_batches_split_groups(tmp_path):
+    # G = 4, but the micro-batch holds 2 rows of each of 2 groups: no complete group. |A| = 5.2 > sqrt(3).
+    step = {**grpo_step(-torch.ones(4, 3), -torch.ones(4, 3)), "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+            "advantages": torch.tensor([5.2, -1.7, 1.7, -1.7]), "group_ids": torch.tensor([0, 0, 1, 1])}
+    (f,) = found(run_checks(write_trace(tmp_path / "r", "grpo", [(0, 0, step)], {"num_generations": 4})),
+                 "advantages.z_bound")
+    assert (f.severity, f.sequence) == (ERROR, 0) and math.isclose(f.details["bound"], math.sqrt(3))
+
+
+def test_warmup_with_learning_rate_zero_is_not_old_aliasing_policy(tmp_path):
+    policy = torch.tensor([[-0.5, -1.0, -0.2], [-0.3, -0.7, -0.9]])
+    step = {**grpo_step(policy, policy.clone()), "advantages": torch.tensor([1.0, -1.0])}
+    steps = [(0, 0, step, {"learning_rate": 0.0}), (0, 1, step, {"learning_rate": 1e-3})]
+    (f,) = found(run_checks(write_trace(tmp_path / "r", "grpo", steps, {"num_generations": 2})),
+                 "identity.old_aliases_policy")
+    assert f.severity == INFO and "learning rate 0" in f.message
+    steps[0] = (0, 0, step, {"learning_rate": 1e-3})  # the step before moved the weights: aliasing
+    (f,) = found(run_checks(write_trace(tmp_path / "r2", "grpo", steps, {"num_generations": 2})),
+                 "identity.old_aliases_policy")
+    assert f.severity == ERROR
+
+
+@pytest.mark.parametrize("shape, hyper", [((0, 3), {"num_generations": 2}), ((2, 0), {"num_generations": 2}),
+                                          ((2, 3), {"num_generations": 0})], ids=["B0", "T0", "G0"])
+def test_empty_shapes_and_a_zero_group_size_never_crash_a_check(tmp_path, shape, hyper):
+    B, T = shape
+    step = {"completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": torch.ones(B, T, dtype=torch.bool),
+            "policy_logprobs": -torch.ones(B, T), "old_logprobs": -torch.ones(B, T), "rewards": torch.zeros(B),
+            "advantages": torch.zeros(B)}
+    findings = run_checks(write_trace(tmp_path / "r", "grpo", [(0, 0, step)], hyper))
+    assert [f.message for f in findings if "could not run" in f.message] == []

@@ -216,3 +216,16 @@ def test_demo_runner_keeps_the_model_inside_the_trace(tmp_path):
     assert trace.algorithm == "dpo" and [k.step for k in trace.steps()] == [0]
     assert (out / "model" / "model.safetensors").is_file()
     assert trace.manifest["config"]["model"] == str(out / "model")
+
+
+@pytest.mark.parametrize("overrides", [{"loss_type": ["ipo"]}, {"loss_type": ["hinge"]},
+                                       {"loss_type": ["sigmoid", "sft"]}, {"use_weighting": True}],
+                         ids=["ipo", "hinge", "sigmoid+sft", "weighting"])
+def test_healthy_non_sigmoid_dpo_losses_pass_check(tmp_path, model_dir, overrides):
+    """TRL's other DPO losses: the recorded loss is not the sigmoid mean, so recompute.dpo does not
+    compare it (the hook records dpo_loss_is_sigmoid = false); no error or warning."""
+    from tracer.checks import ERROR, WARNING, run_checks
+
+    _train(model_dir, tmp_path / "scratch", tmp_path / "trace", 2, **overrides)
+    findings = run_checks(tmp_path / "trace")
+    assert [f.message for f in findings if f.severity in (ERROR, WARNING)] == []

@@ -263,7 +263,8 @@ def test_check_recomputes_trl_s_own_loss_and_per_token_loss(trace):
     {"loss_type": "cispo", "epsilon_high": 5.0},  # CISPO: the clamp bound is epsilon_high itself
     {"loss_type": "bnpo", "gradient_accumulation_steps": 2, "per_device_train_batch_size": B // 2},
     {"loss_type": "grpo", "use_bias_correction_kl": False, "scale_rewards": "batch"},
-], ids=["dapo", "dr_grpo", "cispo", "bnpo-accumulation", "grpo-batch-scale"])
+    {"loss_type": "grpo", "warmup_steps": 1},  # lr 0 at the first step: policy == old at inner step 1, healthy
+], ids=["dapo", "dr_grpo", "cispo", "bnpo-accumulation", "grpo-batch-scale", "warmup"])
 def test_healthy_trl_variants_pass_check_with_the_loss_recomputed(tmp_path, model_dir, overrides):
     """Healthy TRL runs of other loss types, reductions, advantage scalings and gradient accumulation:
     `tracer check` finds no error or warning, and recompute.loss ran on TRL's own loss."""

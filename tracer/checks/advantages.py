@@ -20,11 +20,16 @@ from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
+Z_SCORE_RULES = {"group_zscore", "group_zscore_unbiased", "verl_grpo"}  # |A| <= sqrt(G - 1) holds for these
 
 
 def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
     """Row indices of every complete group in the step and G; Skip when groups cannot be formed."""
     G = ctx.hyper("num_generations", None)
+    if rows == 0:
+        raise Skip("the step file holds no sequences (B = 0)")
+    if G is not None and (not isinstance(G, (int, float)) or isinstance(G, bool) or int(G) < 1):
+        raise Skip(f"metadata num_generations = {G!r} is not a group size >= 1")
     if "group_ids" in ctx.data:
         by_id: dict[int, list[int]] = {}
         for row, gid in enumerate(ctx.data["group_ids"].tolist()):
@@ -141,10 +146,20 @@ def check_z_bound(ctx: StepContext):
         raise Skip(f"scale_rewards = {scale!r}: advantages are not divided by the group std, no z-score bound")
     if ctx.hyper("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
         raise Skip("multi_objective_aggregation = 'normalize_then_sum': advantages are a batch z-score")
+    rule = ctx.hyper("advantage_rule", None)
+    if rule is not None and formulas.ADVANTAGE_RULE_ALIASES.get(str(rule), str(rule)) not in Z_SCORE_RULES:
+        raise Skip(f"advantage_rule = {rule!r} does not divide by a group std: no z-score bound")
     advantages = _sequence_advantages(ctx)
-    groups, G = full_groups(ctx, advantages.shape[0])
+    try:
+        groups, G = full_groups(ctx, advantages.shape[0])
+        rows = [r for g in groups for r in g]
+    except Skip:
+        # micro-batches that split groups (TRL with gradient accumulation): the bound holds row by row
+        G = ctx.hyper("num_generations", None)
+        if not isinstance(G, int) or isinstance(G, bool) or G < 2 or advantages.shape[0] == 0:
+            raise
+        rows = list(range(advantages.shape[0]))
     bound = math.sqrt(G - 1)
-    rows = [r for g in groups for r in g]
     a = advantages[rows].abs()
     worst = int(a.argmax())
     value = float(a[worst])

@@ -62,7 +62,8 @@ def _shift_evidence(ctx: StepContext, policy, old, keep):
     """An error finding when policy and old logprobs (or policy and ref) agree once one of them is
     shifted by one position, where unshifted they disagree: a logprob window read at ``prompt_len``
     instead of ``prompt_len - 1`` (or the reverse) on one side; else None."""
-    pairs = [("old_logprobs", old)] + ([("ref_logprobs", ctx.tensor("ref_logprobs"))] if ctx.has("ref_logprobs") else [])
+    pairs = ([("old_logprobs", old)] if old is not None else []) + (
+        [("ref_logprobs", ctx.tensor("ref_logprobs"))] if ctx.has("ref_logprobs") else [])
     for name, other in pairs:
         mae0, n0 = shifted_mae(policy, other, keep, 0)
         fits = {s: shifted_mae(policy, other, keep, s) for s in (-1, 1)}
@@ -93,6 +94,17 @@ def _shift_evidence(ctx: StepContext, policy, old, keep):
     return None
 
 
+def _previous_learning_rate(ctx: StepContext) -> float | None:
+    """Metadata ``learning_rate`` of the step file just before this one (the optimizer step that moved
+    the weights to where this one scores them), as the TRL hook records it; None when unknown."""
+    earlier = [k for k in ctx.trace.steps() if (k.step, k.inner_step, k.micro_batch) < (ctx.key.step, ctx.key.inner_step,
+                                                                                       ctx.key.micro_batch)]
+    if not earlier:
+        return None
+    value = ctx.trace.metadata(earlier[-1]).get("learning_rate")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 @register("identity.first_step", "on fresh rollouts policy == old per token (dtype tolerance), "
           "mean ratio 1, clip fraction 0", RL_ALGORITHMS)
 def check_first_step(ctx: StepContext):
@@ -108,6 +120,9 @@ def check_first_step(ctx: StepContext):
     beyond = (delta > ctx.tol.identity_atol) & keep
     mean_ratio = float(formulas.masked_mean(ratio, keep))
     if not bool(beyond.any()) and abs(mean_ratio - 1.0) <= ctx.tol.mean_ratio:
+        if ctx.has("ref_logprobs"):  # a window bug on the reference side only shows against ref
+            shifted = _shift_evidence(ctx, policy, None, keep)
+            return [shifted] if shifted is not None else []
         return []
     shifted = _shift_evidence(ctx, policy, old, keep)
     if shifted is not None:
@@ -161,6 +176,12 @@ def check_old_aliases_policy(ctx: StepContext):
     noise = ALIAS_NOISE.get(ctx.dtype, 0.0)
     if gap > noise:
         return []
+    previous_lr = _previous_learning_rate(ctx)
+    if previous_lr == 0.0:
+        return [ctx.finding("identity.old_aliases_policy", INFO,
+                            f"policy and old logprobs agree on all {n_kept} kept tokens at {where}, but the optimizer "
+                            "step before it ran with learning rate 0 (a warmup schedule starting at 0), so the "
+                            "weights did not move", field="ratio", max_abs_gap=gap)]
     advantages = ctx.data.get("advantages")
     if advantages is not None and not bool(advantages.bool().any()):
         return [ctx.finding("identity.old_aliases_policy", INFO,

@@ -53,6 +53,8 @@ def check_after_eos(ctx: StepContext):
     for ids_name, mask_name in _sides(ctx):
         ids, keep = ctx.data[ids_name], ctx.mask(mask_name)
         B, T = ids.shape
+        if B == 0 or T == 0:
+            continue  # an empty side has no token after any EOS
         pos = torch.arange(T).expand(B, T)
         start = answer_start(ids_name, keep)  # (B,)
         first_eos = first_index((ids == eos) & (pos >= start.unsqueeze(1)))  # (B,)

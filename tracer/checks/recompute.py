@@ -143,6 +143,8 @@ def _check_gae(ctx: StepContext):
     advantages, token_rewards, values = ctx.require("advantages", "token_rewards", "values")
     gamma, lam = float(ctx.hyper("gamma")), float(ctx.hyper("lam"))
     keep = ctx.mask()
+    if not bool(keep.any()):
+        raise Skip("no kept token in completion_mask (masks.empty_row says why)")
     raw, expected_ret = formulas.gae(token_rewards, values, keep, gamma, lam)
     formula = f"tracer.formulas.gae (gamma {gamma:g}, lam {lam:g})"
     findings = []
@@ -281,7 +283,8 @@ def check_dpo(ctx: StepContext):
     for name in recorded:
         findings += compare(ctx, "recompute.dpo", name, ctx.tensor(name), terms[name], keep,
                             f"tracer.formulas.dpo_terms (beta {beta:g})", ids_field="chosen_ids")
-    if "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
+    sigmoid = ctx.hyper("dpo_loss_is_sigmoid", True) is not False  # TRL ipo/hinge/sft mixes: another loss
+    if sigmoid and "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
         findings += compare(ctx, "recompute.dpo", "loss", ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1),
                             torch.ones(1, dtype=torch.bool), "the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
     return findings

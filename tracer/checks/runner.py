@@ -116,7 +116,7 @@ def run_checks(
                 findings.extend(check.run(ctx))
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).append(key)
-            except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
                 log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
                 findings.append(_crash(check, err, key))
     if not readable:
@@ -127,7 +127,7 @@ def run_checks(
         if check.scope == "trace" and algorithm in check.algorithms:
             try:
                 findings.extend(check.run(trace, options, readable))
-            except (ValueError, RuntimeError, IndexError, KeyError, TypeError) as err:
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():
         first = where[0]

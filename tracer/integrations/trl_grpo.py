@@ -314,6 +314,9 @@ class GRPOTraceHook(TrainerTraceHook):
             "rollout_index": rollout.index,
             "generation_slice": self._micro_index() % int(self.trainer.args.steps_per_generation or 1),
         }
+        learning_rate = _current_learning_rate(self.trainer)
+        if learning_rate is not None:  # the optimizer step this micro-batch feeds will use it (0 during warmup)
+            meta["learning_rate"] = learning_rate
         if loss_type == "dr_grpo":
             meta["loss_constant_divisor"] = B * int(self.trainer.max_completion_length)
         elif loss_type == "luspo":
@@ -322,3 +325,12 @@ class GRPOTraceHook(TrainerTraceHook):
         if isinstance(num_items, torch.Tensor) and num_items.numel() == 1:
             meta["num_items_in_batch"] = int(num_items.item())
         return meta
+
+
+def _current_learning_rate(trainer: Any) -> float | None:
+    """The learning rate of the optimizer step in progress (``lr_scheduler.get_last_lr()[0]``), or None."""
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    try:
+        return float(scheduler.get_last_lr()[0]) if scheduler is not None else None
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
