@@ -21,6 +21,7 @@ from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resol
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import StepKey, find_traces
+from tracer.text import clean_str
 
 ROOT_ENV = "TRACER_ROOT"
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
@@ -92,11 +93,13 @@ def no_trace_message(root: Path) -> str:
 
 
 def _run_label(root: Path, path: Path) -> str:
+    """The run's path relative to the root, as printable text (a directory name that is not valid
+    UTF-8 shows with U+FFFD instead of breaking the page)."""
     try:
         rel = path.relative_to(root)
     except ValueError:
-        return str(path)
-    return str(rel) if str(rel) != "." else f"{path.name} (the root)"
+        return clean_str(str(path))
+    return clean_str(str(rel) if str(rel) != "." else f"{path.name} (the root)")
 
 
 def _step_labels(keys: list[StepKey]) -> list[str]:

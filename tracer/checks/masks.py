@@ -43,7 +43,7 @@ def answer_start(ids_name: str, keep: torch.Tensor) -> torch.Tensor:
     return first_index(keep)
 
 
-@register("masks.after_eos", "completion_mask is 0 after the first EOS token of the answer (EOS tokens of "
+@register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer (EOS tokens of "
           "the prompt or earlier chat turns do not count)")
 def check_after_eos(ctx: StepContext):
     eos = ctx.eos_token_id
@@ -81,7 +81,7 @@ def check_after_eos(ctx: StepContext):
     return findings
 
 
-@register("masks.padding", "completion_mask is 0 on trailing padding tokens")
+@register("masks.padding", "completion_mask must be 0 on trailing padding tokens")
 def check_padding(ctx: StepContext):
     pad, eos = ctx.pad_token_id, ctx.eos_token_id
     if pad is None:
