@@ -77,6 +77,14 @@ def step_tensors(step: int) -> dict[str, torch.Tensor]:
             "group_ids": torch.tensor([0, 0, 1, 1])}
 
 
+def screenshot_dir(tmp_path: Path) -> Path:
+    """Where a browser test saves its screenshots: $TRACER_TEST_OUTPUT/browser (tests/output/ under
+    .ci/run), else tmp_path/browser."""
+    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -190,8 +198,7 @@ def open_page(pw, dialogs: list[str], outside: list[str] | None = None, height: 
 def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
     from playwright.sync_api import expect
 
-    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs)
@@ -258,8 +265,7 @@ def test_hostile_root_in_chromium(sync_playwright, server, tmp_path):
     readable steps are served and a bad one is named with the reason; nothing raises."""
     from playwright.sync_api import expect
 
-    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs)
@@ -303,8 +309,7 @@ def test_diff_page_on_the_bundled_pair_in_chromium(sync_playwright, samples_serv
     a, b = Trace(toy_traces.SAMPLES / BASELINE), Trace(toy_traces.SAMPLES / VARIANT)
     max_reward_change = max(float((b.load_step(kb)["rewards"] - a.load_step(ka)["rewards"]).abs().max())
                             for ka, kb in zip(a.steps(), b.steps()))
-    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs)
@@ -358,8 +363,7 @@ def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_p
     (scripts, fonts, the tab icon), and is saved as a screenshot."""
     from playwright.sync_api import expect
 
-    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     outside: list[str] = []
     with sync_playwright() as pw:

@@ -7,13 +7,12 @@ Skipped without Chromium or playwright, except under CI, where it fails (as test
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.test_browser import _browser_or_skip, open_page, serve
+from tests.test_browser import _browser_or_skip, open_page, screenshot_dir, serve
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"healthy": REPO / "sample_traces" / "grpo-vllm-tiny",
@@ -43,8 +42,7 @@ def server(tmp_path_factory, sync_playwright):
 def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_path):
     from playwright.sync_api import expect
 
-    shots = Path(os.environ.get("TRACER_TEST_OUTPUT") or tmp_path) / "browser"
-    shots.mkdir(parents=True, exist_ok=True)
+    shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs)
