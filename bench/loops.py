@@ -7,7 +7,8 @@
   rollout, then 3 PPO epochs over minibatches drawn by ``inds``) on the tiny local model, traced
   with zero edits through ``tracer.watch`` (every ``loss.backward()`` captured by name).
 
-Each round runs one plain and one traced block of ``steps`` steps, the order alternating; the
+Each round runs one plain and one traced block of ``steps`` steps, the order alternating (one writer
+for the whole run, flushed at the end of each traced block; its open + close is reported apart); the
 ratio is median(traced) / median(plain) over rounds, with the spread of the per-round ratios.
 Targets: toy <= 1.05, realistic <= 1.03, ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
@@ -53,16 +54,27 @@ def _alternate(plain, traced, rounds: int) -> dict:
 
 
 def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str) -> dict:
+    """One writer for the whole measurement, as in a run (opened and closed once, outside the timed
+    blocks: that cost is reported apart); each traced block ends with ``flush()``, so all the writer's
+    work for its steps falls inside the block that recorded them."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run_loop(model, optimizer, 2, B, T, L, None)  # warm-up
+    t0 = time.perf_counter()
+    writer = TraceWriter(f"{tmp}/{name}", "grpo", hyperparameters={"num_generations": 8})
+    open_s = time.perf_counter() - t0
 
     def traced(r: int) -> None:
-        with TraceWriter(f"{tmp}/{name}{r}", "grpo", hyperparameters={"num_generations": 8}) as writer:
-            run_loop(model, optimizer, steps, B, T, L, writer)
+        run_loop(model, optimizer, steps, B, T, L, writer, step0=r * steps)
+        writer.flush()
 
-    res = _alternate(lambda: run_loop(model, optimizer, steps, B, T, L, None), traced, rounds)
-    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps,
+    try:
+        res = _alternate(lambda: run_loop(model, optimizer, steps, B, T, L, None), traced, rounds)
+    finally:
+        t0 = time.perf_counter()
+        writer.close()
+        close_s = time.perf_counter() - t0
+    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps, "open_close_ms": 1e3 * (open_s + close_s),
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}"}
 
 
@@ -113,24 +125,28 @@ def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
                      vf_coef=0.5, seed=0, bug=None, whiten_advantages=False)
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
 
-    def plain() -> None:
-        with contextlib.redirect_stdout(io.StringIO()):
+    inside: list[float] = []
+    # One watcher for the whole measurement (one trace, as in a run); the plain blocks run inside
+    # ``paused()`` (torch's own backward), each traced block ends with a flush of the writer.
+    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo") as w:
+        w.on_backward = _timed(w.on_backward, inside)
+
+        def plain() -> None:
+            with w.paused():
+                script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+
+        def traced(r: int) -> None:
             script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+            w.writer.flush()
 
-    recorded, inside = [], []
-
-    def traced(r: int) -> None:
-        with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo{r}") as w:
-            w.on_backward = _timed(w.on_backward, inside)
-            script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
-        recorded.append(w.steps_recorded)
-
-    plain()  # warm-up
-    res = _alternate(plain, traced, rounds)
-    assert all(n == backwards for n in recorded), (recorded, backwards)
+        traced(-1)  # warm-up; opens the writer
+        before = w.steps_recorded
+        res = _alternate(plain, traced, rounds)
+        recorded = w.steps_recorded - before
+    assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
     return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
-            "capture_us": 1e6 * median(inside[1:]),  # the first capture also creates the writer
+            "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
 
@@ -162,6 +178,7 @@ def main() -> None:
         print(f"{name:9s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
               f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)"
+              + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
                  if "capture_us" in r else ""))
 

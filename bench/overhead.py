@@ -26,9 +26,10 @@ def make_model(vocab: int = 512, hidden: int = 64, layers: int = 2):
     return Qwen2ForCausalLM(cfg)
 
 
-def run_loop(model, optimizer, steps: int, B: int, T: int, L: int, writer: TraceWriter | None) -> None:
+def run_loop(model, optimizer, steps: int, B: int, T: int, L: int, writer: TraceWriter | None, step0: int = 0) -> None:
+    """``steps`` steps of the loop; traced into ``writer`` (numbered from ``step0``) when given."""
     g = torch.Generator().manual_seed(1)
-    for step in range(steps):
+    for step in range(step0, step0 + steps):
         input_ids = torch.randint(0, model.config.vocab_size, (B, L + T), generator=g)
         completion_mask = torch.ones(B, T, dtype=torch.bool)
         logits = model(input_ids=input_ids).logits

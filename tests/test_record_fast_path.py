@@ -69,13 +69,13 @@ def test_source_dtype_follows_each_signature(tmp_path):
 
 def test_summaries_are_computed_on_the_writer_thread(tmp_path):
     threads = []
-    real = summaries.compute_summary
+    real = summaries.compute_summaries
 
-    def spy(tensors, metadata):
-        threads.append(threading.get_ident())
-        return real(tensors, metadata)
+    def spy(steps):
+        threads.extend([threading.get_ident()] * len(steps))
+        return real(steps)
 
-    with mock.patch.object(summaries, "compute_summary", spy):
+    with mock.patch.object(summaries, "compute_summaries", spy):
         with TraceWriter(tmp_path / "run", "grpo") as writer:
             for step in range(3):
                 writer.record(step, _step())
@@ -84,7 +84,7 @@ def test_summaries_are_computed_on_the_writer_thread(tmp_path):
 
 
 def test_a_failing_summary_never_costs_the_step(tmp_path):
-    with mock.patch.object(summaries, "compute_summary", side_effect=RuntimeError("boom")):
+    with mock.patch.object(summaries, "compute_summaries", side_effect=RuntimeError("boom")):
         with TraceWriter(tmp_path / "run", "grpo") as writer:
             writer.record(0, _step())
     trace = Trace(tmp_path / "run")

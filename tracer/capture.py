@@ -23,18 +23,23 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from tracer import formulas
+from tracer.layout import tensor_bytes
 from tracer.schema import FIELDS
 
 
 log = logging.getLogger(__name__)
 _IDLE = object()  # the writer thread woke without a step (time for a tick)
 WRITER_NICENESS = 10  # added to the writer thread's nice value (lower CPU priority than training)
+LINGER_S = 0.05  # the writer thread waits up to this long after a step arrives for more to batch with it
+MAX_BATCH = 16  # steps handled together by the writer thread at most
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class StagedStep:
     sampled: bool = True  # False: only kept in the anomaly ring
     event: Any = None  # torch.cuda.Event to wait on before reading the tensors
     pinned: list[torch.Tensor] = field(default_factory=list)  # buffers to hand back to the pool
+    arrived: float = 0.0  # time.monotonic() when it was queued
+    summarised: bool = False  # its summary was computed (or tried) with its batch
 
     def wait(self) -> None:
         if self.event is not None:
@@ -153,9 +160,31 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None) -> t
     return staged, event, pinned, nbytes
 
 
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def nonfinite_fields(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the (contiguous, CPU) float tensors holding a NaN or an infinity, in order. float16/32/64
+    are scanned by numpy over the tensor's own memory (:func:`tracer.layout.tensor_bytes`): on small
+    tensors that keeps the interpreter lock instead of handing it to the training loop and waiting
+    to get it back, as each torch call does; other float dtypes (bfloat16, float8) go through torch."""
+    bad = []
+    for name, t in tensors.items():
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        dtype = _NUMPY_FLOATS.get(t.dtype)
+        if dtype is not None and t.device.type == "cpu" and t.is_contiguous():
+            finite = bool(np.isfinite(np.frombuffer(tensor_bytes(t), dtype=dtype)).all())
+        else:
+            finite = bool(torch.isfinite(t).all())
+        if not finite:
+            bad.append(name)
+    return bad
+
+
 def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None) -> str | None:
     """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None."""
-    bad = [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_fields(tensors)
     if bad:
         return f"non-finite values in {bad}"
     mask = tensors.get("completion_mask")
@@ -183,16 +212,25 @@ class BackgroundWriter:
         when_full: ``"block"`` or ``"drop"``.
         on_drop: called with a reason when a step is dropped because the queue is full.
         ring: the anomaly ring's size (0 = off); ``kl_spike`` as in :class:`SamplingPolicy`.
-        tick: called on the writer thread after each step and every ``tick_interval`` seconds while
+        tick: called on the writer thread after each batch and every ``tick_interval`` seconds while
             idle (the writer updates the manifest's live counts there, off the training thread);
             its exceptions are logged, never raised.
+        prepare: called on the writer thread with the normalised steps of a batch about to be
+            written (the writer computes their summaries together there); exceptions are its own.
+        linger_s, max_batch: after a step arrives the writer thread waits up to ``linger_s`` for
+            more (at most ``max_batch``), unless a ``flush``, ``stop`` or a full queue needs it now:
+            a batch of small steps costs about the interpreter time of one (the writer thread
+            shares the interpreter lock with the training loop). Files appear at most
+            ``linger_s`` later than they would alone.
     """
 
     def __init__(self, write_fn: Callable[[StagedStep, str | None], None], normalise: Callable[[StagedStep], None],
                  on_error: Callable[[StagedStep, Exception], None], on_drop: Callable[[str], None],
                  max_steps: int, max_bytes: int, when_full: str = "block",
                  ring: int = 0, kl_spike: float | None = None, pool: PinnedPool | None = None,
-                 tick: Callable[[], None] | None = None, tick_interval: float = 1.0) -> None:
+                 tick: Callable[[], None] | None = None, tick_interval: float = 1.0,
+                 prepare: Callable[[list[StagedStep]], None] | None = None,
+                 linger_s: float = LINGER_S, max_batch: int = MAX_BATCH) -> None:
         if when_full not in ("block", "drop"):
             raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
         self._write_fn, self._normalise, self._on_drop, self._on_error = write_fn, normalise, on_drop, on_error
@@ -201,6 +239,8 @@ class BackgroundWriter:
         self._kl_spike = kl_spike
         self._pool = pool
         self._tick, self._tick_interval = tick, tick_interval
+        self._prepare, self._linger_s, self._max_batch = prepare, linger_s, max(1, max_batch)
+        self._hurry = 0  # flush() calls and producers waiting for room: no lingering while > 0
         self._queue: collections.deque[StagedStep | None] = collections.deque()
         self._bytes = 0
         self.peak_bytes = 0
@@ -220,7 +260,13 @@ class BackgroundWriter:
                                   f"{self._bytes} bytes; bounds {self.max_steps} steps, {self.max_bytes} bytes)")
                     self._release(item)
                     return False
-                self._cond.wait()
+                self._hurry += 1
+                self._cond.notify_all()
+                try:
+                    self._cond.wait()
+                finally:
+                    self._hurry -= 1
+            item.arrived = time.monotonic()
             self._queue.append(item)
             self._bytes += item.nbytes
             self.peak_bytes = max(self.peak_bytes, self._bytes)
@@ -230,8 +276,13 @@ class BackgroundWriter:
     def flush(self) -> None:
         """Block until every queued step has been written (or dropped)."""
         with self._cond:
-            while self._queue or self._busy:
-                self._cond.wait()
+            self._hurry += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy:
+                    self._cond.wait()
+            finally:
+                self._hurry -= 1
 
     def stop(self) -> None:
         """Flush, then end the thread."""
@@ -243,6 +294,10 @@ class BackgroundWriter:
     @property
     def queued_bytes(self) -> int:
         return self._bytes
+
+    def _roomy(self) -> bool:
+        """Less than half the queue's bounds in use: lingering cannot make a step wait or drop."""
+        return len(self._queue) < self.max_steps // 2 and self._bytes <= self.max_bytes // 2
 
     def _full(self, nbytes: int) -> bool:
         if not self._queue:  # one step alone always fits, however large (no deadlock)
@@ -257,19 +312,15 @@ class BackgroundWriter:
         except (AttributeError, OSError):
             pass
         while True:
-            with self._cond:
-                if not self._queue:
-                    self._cond.wait(timeout=self._tick_interval if self._tick is not None else None)
-                item = self._queue.popleft() if self._queue else _IDLE
-                self._busy = item is not None and item is not _IDLE
-            if item is None:
+            batch = self._next_batch()
+            if batch is None:
                 return
-            if item is not _IDLE:
+            if batch:
                 try:
-                    self._handle(item)
+                    self._handle_batch(batch)
                 finally:
                     with self._cond:
-                        self._bytes -= item.nbytes
+                        self._bytes -= sum(item.nbytes for item in batch)
                         self._busy = False
                         self._cond.notify_all()
             if self._tick is not None:
@@ -278,15 +329,54 @@ class BackgroundWriter:
                 except Exception as err:  # the writer thread must survive a failing manifest update
                     log.warning("tracer: updating the manifest failed: %s", err)
 
-    def _handle(self, item: StagedStep) -> None:
-        item.wait()
-        try:
-            self._normalise(item)
-        except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5)
-            self._on_error(item, err)
-            self._release(item)
+    def _next_batch(self) -> list[StagedStep] | None:
+        """The next steps to handle ([] when woken for a tick only; None when told to stop), after
+        lingering for more while nobody waits (see the class docstring)."""
+        with self._cond:
+            if not self._queue:
+                self._cond.wait(timeout=self._tick_interval if self._tick is not None else None)
+            if not self._queue:
+                return []
+            while (len(self._queue) < self._max_batch and not self._hurry and None not in self._queue
+                   and self._roomy()):
+                left = self._queue[0].arrived + self._linger_s - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=left)
+            batch: list[StagedStep] = []
+            while self._queue and len(batch) < self._max_batch:
+                if self._queue[0] is None:
+                    if batch:
+                        break
+                    return None
+                batch.append(self._queue.popleft())
+            self._busy = True
+            return batch
+
+    def _handle_batch(self, batch: list[StagedStep]) -> None:
+        ready = []
+        for item in batch:
+            item.wait()
+            try:
+                self._normalise(item)
+            except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5)
+                self._on_error(item, err)
+                self._release(item)
+                continue
+            ready.append(item)
+        if self._ring.maxlen:  # the anomaly ring decides step by step, in order
+            for item in ready:
+                self._route(item)
             return
-        reason = anomaly_reason(item.tensors, self._kl_spike) if self._ring.maxlen else None
+        if self._prepare is not None and ready:
+            self._prepare(ready)
+        for item in ready:
+            self._write_fn(item, None)
+            self._release(item)
+
+    def _route(self, item: StagedStep) -> None:
+        """With the anomaly ring on: write the step (and the ring before it) or hold it."""
+        reason = anomaly_reason(item.tensors, self._kl_spike)
         if reason is not None:
             while self._ring:
                 before = self._ring.popleft()

@@ -167,6 +167,24 @@ def row_quantiles(rows: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
 
 
+def masked_row_quantiles(values: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` of each row of ``values`` ``[R, N]`` at the positions ``mask`` (bool, ``[R, N]``)
+    keeps, NaN values left out: row ``r`` equals ``masked_quantiles(values[r], mask[r], qs)`` (linear
+    interpolation, numpy's default), with one sort for all rows, however many values each keeps.
+    Returns float64 ``[R, len(qs)]``; NaN for a row that keeps no non-NaN value."""
+    R, N = values.shape
+    keep = mask & ~torch.isnan(values)
+    counts = keep.sum(dim=1)
+    if N == 0:
+        return torch.full((R, len(qs)), float("nan"), dtype=torch.float64)
+    ordered = torch.sort(values.masked_fill(~keep, float("inf")), dim=1).values  # kept values first
+    pos = torch.tensor(qs, dtype=torch.float64) * (counts.unsqueeze(1) - 1).clamp(min=0)  # (R, Q)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    below, above = ordered.gather(1, lo).double(), ordered.gather(1, hi).double()
+    out = torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
+    return out.masked_fill((counts == 0).unsqueeze(1), float("nan"))
+
+
 def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence masked mean, then the mean over sequences (the seed's GRPO reduction).
 
@@ -235,11 +253,13 @@ def clip_fractions(
     mask: torch.Tensor,
     clip_epsilon_low: float,
     clip_epsilon_high: float,
+    dim: int | tuple[int, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Share of kept tokens where the PPO clip binds, counted only for the advantage's sign.
 
     With A > 0 the clip binds when ``ratio > 1 + eps_high``; with A < 0 when ``ratio < 1 - eps_low``.
-    ``advantages`` is ``[B]`` (broadcast over T) or ``[B, T]``.
+    ``advantages`` is ``[B]`` (broadcast over T) or ``[B, T]`` (or anything broadcasting against
+    ``ratio_``, with ``dim`` naming the dimensions to reduce: all when None).
 
     Returns:
         ``{"low": ..., "high": ..., "region": ...}`` scalar shares in [0, 1]; ``region`` is the
@@ -251,9 +271,9 @@ def clip_fractions(
     high = (ratio_ > 1 + clip_epsilon_high) & (adv > 0)
     region = (ratio_ < 1 - clip_epsilon_low) | (ratio_ > 1 + clip_epsilon_high)
     return {
-        "low": masked_mean(low.float(), mask),
-        "high": masked_mean(high.float(), mask),
-        "region": masked_mean(region.float(), mask),
+        "low": masked_mean(low.float(), mask, dim),
+        "high": masked_mean(high.float(), mask, dim),
+        "region": masked_mean(region.float(), mask, dim),
     }
 
 

@@ -27,7 +27,7 @@ import torch
 from tracer import formulas
 from tracer.errors import SchemaError
 from tracer.name_maps import STACKED_STEMS, Expression, NameMap
-from tracer.schema import check_tensors
+from tracer.schema import BOOL, FIELDS, check_tensors
 
 LIBRARY_ROOTS = frozenset({"torch", "accelerate", "deepspeed", "tracer"})
 RUNNER_ROOTS = frozenset({"runpy", "tracer", "IPython", "ipykernel", "_pytest", "pytest", "pluggy"})
@@ -75,11 +75,18 @@ def scopes_of(frame: FrameType) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     return frame.f_locals, frame.f_globals
 
 
+def _lookup(name: str, scopes: tuple[Mapping, Mapping]) -> Any:
+    local, global_ = scopes
+    if name in local:
+        return local[name]
+    return global_[name] if name in global_ else _MISSING
+
+
 def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] | None = None) -> Any:
     """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``; ``scopes``:
     :func:`scopes_of` the frame, when the caller has it already."""
     scopes = scopes or scopes_of(frame)
-    value = next((s[expr.path[0]] for s in scopes if expr.path[0] in s), _MISSING)
+    value = _lookup(expr.path[0], scopes)
     for attr in expr.path[1:]:
         if value is _MISSING:
             return _MISSING
@@ -89,7 +96,7 @@ def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] 
             value = getattr(value, attr, _MISSING)
     if value is _MISSING or expr.index is None:
         return value
-    index = next((s[expr.index] for s in scopes if expr.index in s), _MISSING)
+    index = _lookup(expr.index, scopes)
     if not isinstance(value, torch.Tensor) or not isinstance(index, torch.Tensor) or index.dim() != 1:
         return _MISSING
     if index.dtype == torch.bool or index.is_floating_point():
@@ -112,6 +119,38 @@ class FrameCapture:
     metadata: dict[str, Any] = field(default_factory=dict)  # step metadata read from the frame
     rejected: dict[tuple[str, str], str] = field(default_factory=dict)  # (field, expression) -> why
     anchor: torch.Tensor | None = None  # the policy logprobs tensor as the loop holds it
+    checks: dict | None = None  # schema-check outcomes by signature (a CheckMemo's dict), shared across captures
+
+
+MAX_CHECK_MEMO = 4096  # schema-check outcomes a watcher remembers (cleared when full)
+
+
+def _check(produced: dict[str, torch.Tensor], algorithm: str | None, sizes: dict, memo: dict | None) -> None:
+    """:func:`tracer.schema.check_tensors` of ``produced`` against ``sizes`` (updated in place), its
+    outcome remembered in ``memo`` by signature (names, shapes, dtypes, devices, the sizes so far):
+    the check depends on nothing else, except the values of a non-bool mask, which are checked every
+    time. A loop's backward frames repeat their signatures, so later captures skip the check.
+    Raises SchemaError as the check does."""
+    if memo is None or any(k in FIELDS and FIELDS[k].kind == BOOL and v.dtype != torch.bool
+                           for k, v in produced.items()):
+        check_tensors(produced, algorithm, sizes=sizes)
+        return
+    key = (tuple((k, v.shape, v.dtype, v.device.type) for k, v in produced.items()), algorithm,
+           tuple(sizes.items()))
+    outcome = memo.get(key)
+    if outcome is None:
+        before = dict(sizes)
+        try:
+            check_tensors(produced, algorithm, sizes=sizes)
+            outcome = {d: v for d, v in sizes.items() if d not in before}
+        except SchemaError as err:
+            outcome = err
+        if len(memo) >= MAX_CHECK_MEMO:
+            memo.clear()
+        memo[key] = outcome
+    if isinstance(outcome, SchemaError):
+        raise SchemaError(str(outcome))
+    sizes.update(outcome)
 
 
 def anchor_field(algorithm: str) -> str:
@@ -156,7 +195,7 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
             return
         sizes = dict(capture.sizes)  # the fields picked so far passed together: check the new ones against them
         try:
-            check_tensors(produced, check_algo, sizes=sizes)
+            _check(produced, check_algo, sizes, capture.checks)
         except SchemaError as err:
             capture.rejected[(key, text)] = str(err)
             continue
@@ -281,9 +320,10 @@ def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]
     return {k: v for k, v in out.items() if k in terms and k not in d}
 
 
-def read_frame(frame: FrameType, name_map: NameMap, algorithm: str) -> FrameCapture:
-    """Everything one backward's frame gives (fields empty when the policy logprobs are absent)."""
-    capture = FrameCapture(scopes=scopes_of(frame))
+def read_frame(frame: FrameType, name_map: NameMap, algorithm: str, checks: dict | None = None) -> FrameCapture:
+    """Everything one backward's frame gives (fields empty when the policy logprobs are absent);
+    ``checks``: a dict the caller keeps across captures, remembering schema-check outcomes."""
+    capture = FrameCapture(scopes=scopes_of(frame), checks=checks)
     read_fields(frame, name_map, algorithm, capture)
     if capture.anchor is None:
         return capture

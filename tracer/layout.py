@@ -8,16 +8,24 @@ atomic JSON, the content checksum. Shared by the writer (which produces it) and 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import platform
+import sys
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from safetensors import serialize_file
 from safetensors.torch import save_file
+
+try:  # safetensors >= 0.7: serialise from raw pointers
+    from safetensors import TensorSpec
+except ImportError:  # pragma: no cover - older safetensors
+    TensorSpec = None
 
 from tracer.errors import TraceError
 
@@ -49,8 +57,22 @@ def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name]
         _digest_tensor_head(digest, name, str(tensor.dtype), list(tensor.shape))
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        digest.update(tensor_bytes(tensor))
     return digest.hexdigest()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> Any:
+    """The raw bytes of a contiguous CPU tensor as a buffer (no copy): a ctypes view of its memory,
+    valid while ``tensor`` lives. Reading it makes no call into torch (no interpreter-lock hand-off
+    per tensor, which is what a small step's checksum used to cost). Raises ValueError for a
+    non-contiguous or non-CPU tensor."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"tensor_bytes needs a contiguous CPU tensor, got {tensor.device.type}, "
+                         f"contiguous={tensor.is_contiguous()}")
+    nbytes = tensor.nbytes
+    if nbytes == 0:
+        return b""
+    return (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
 
 
 # safetensors dtype names -> str(torch dtype), as content_sha256 hashes them.
@@ -241,15 +263,36 @@ def unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """safetensors' pointer specs of ``tensors`` (CPU, contiguous, non-empty, little-endian host),
+    or None when one does not qualify (or safetensors predates ``TensorSpec``): then the caller uses
+    ``save_file``. The specs cost no copy and no call into torch beyond ``data_ptr``, so writing a
+    small step takes the interpreter lock a few times instead of a few per tensor."""
+    if TensorSpec is None or sys.byteorder != "little":
+        return None
+    specs = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+            return None
+        specs[name] = TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape), data_ptr=t.data_ptr(), data_len=t.nbytes)
+    return specs
+
+
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """safetensors ``save_file`` to ``<path>.partial``, fsync, then rename: the file appears complete
-    or not at all, and survives a power loss once renamed."""
+    """safetensors ``serialize_file`` (``save_file`` for tensors its pointer specs cannot describe)
+    to ``<path>.partial``, fsync, then rename: the file appears complete or not at all, and survives
+    a power loss once renamed. ``tensors`` must not share storage (:func:`unshare`) and must stay
+    alive during the call."""
     tmp = path.with_name(path.name + ".partial")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.chmod(tmp, _FILE_MODE)  # save_file creates 0600 files; others must read a shared trace
+        specs = _tensor_specs(tensors)
+        if specs is None:
+            save_file(tensors, str(tmp), metadata=metadata)
+        else:
+            serialize_file(specs, str(tmp), metadata=metadata)
         fd = os.open(tmp, os.O_RDONLY)
         try:
+            os.fchmod(fd, _FILE_MODE)  # safetensors creates 0600 files; others must read a shared trace
             os.fsync(fd)
         finally:
             os.close(fd)

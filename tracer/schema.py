@@ -188,6 +188,9 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+_JSON_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     """Encode step metadata as the ``dict[str, str]`` a safetensors header holds.
 
@@ -198,6 +201,10 @@ def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in metadata.items():
         if value is None:
+            continue
+        if type(value) in _JSON_SCALARS or (type(value) is dict and all(
+                type(k) is str and type(v) in _JSON_SCALARS for k, v in value.items())):
+            out[str(key)] = json.dumps(value, allow_nan=True)  # plain already (a summary, a number)
             continue
         value = jsonable(value)
         if isinstance(value, str):
@@ -271,21 +278,24 @@ def check_mask_field(name: str, tensor: torch.Tensor) -> None:
 
 
 def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_source_dtype: bool):
-    tensor = tensor.detach()
+    # Each conversion only when needed: a tensor already as stored costs no call into torch that
+    # releases the interpreter lock (the writer thread shares it with the training loop).
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
-    if spec is None:
-        return tensor.contiguous()
-    _check_kind(name, spec, tensor)
-    if spec.kind == BOOL:
-        if tensor.dtype != torch.bool:
-            check_mask_field(name, tensor)
-            tensor = tensor != 0
-    elif spec.kind == INT64:
-        tensor = tensor.to(torch.int64)
-    elif not keep_source_dtype:
-        tensor = tensor.to(torch.float32)
-    return tensor.contiguous()
+    if spec is not None:
+        _check_kind(name, spec, tensor)
+        if spec.kind == BOOL:
+            if tensor.dtype != torch.bool:
+                check_mask_field(name, tensor)
+                tensor = tensor != 0
+        elif spec.kind == INT64:
+            if tensor.dtype != torch.int64:
+                tensor = tensor.to(torch.int64)
+        elif not keep_source_dtype and tensor.dtype != torch.float32:
+            tensor = tensor.to(torch.float32)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def _check_dpo_sides(tensors: Mapping[str, torch.Tensor]) -> None:

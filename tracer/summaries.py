@@ -56,33 +56,32 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _stats(out: dict[str, Any], names: list[str], values: list[torch.Tensor], mask: torch.Tensor | None) -> None:
-    """``mean_<name>`` and the quantiles of each of ``values`` (same shape; at ``mask``'s kept
-    positions, or all when None), stacked so that a step costs a few tensor operations whatever
-    the number of fields (the writer thread shares the interpreter with the training loop)."""
-    stacked = torch.stack([v.float() for v in values])  # (K, *shape)
-    if mask is None:
-        means, kept = stacked.reshape(len(values), -1).mean(dim=1), stacked.reshape(len(values), -1)
-    else:
-        wide = mask.expand_as(stacked)
-        means = formulas.masked_mean(stacked, wide, dim=tuple(range(1, stacked.dim())))
-        kept = stacked[:, mask]  # (K, kept positions)
-    levels = tuple(QUANTILES.values())
-    if kept.shape[1] and not bool(torch.isnan(kept).any()):
-        quantiles = formulas.row_quantiles(kept, levels).tolist()
-    else:  # NaNs leave different counts per field (or nothing is kept): one field at a time
-        quantiles = [formulas.masked_quantiles(row, None, levels).tolist() for row in kept]
-    for name, mean, qs in zip(names, means.tolist(), quantiles):
-        out[f"mean_{name}"] = mean
-        out.update({f"{name}_{q}": value for q, value in zip(QUANTILES, qs)})
+def _stats(out: list[dict[str, Any]], names: list[str], values: list[torch.Tensor], mask: torch.Tensor | None) -> None:
+    """``mean_<name>`` and the quantiles of each of ``values`` (each ``[S, *shape]``: S steps stacked)
+    at ``mask``'s kept positions (``[S, *shape]`` bool; all positions when None), into ``out[s]``.
+    Every field of every step goes through the same few tensor operations (the writer thread shares
+    the interpreter with the training loop, so the number of calls is what costs)."""
+    S, K = values[0].shape[0], len(values)
+    stacked = torch.stack([v.float() for v in values], dim=1).flatten(2)  # (S, K, N)
+    N = stacked.shape[2]
+    keep = (torch.ones(S, N, dtype=torch.bool) if mask is None else mask.flatten(1)).unsqueeze(1).expand(S, K, N)
+    means = formulas.masked_mean(stacked, keep, dim=2).tolist()  # (S, K)
+    quantiles = formulas.masked_row_quantiles(stacked.reshape(S * K, N), keep.reshape(S * K, N),
+                                              tuple(QUANTILES.values())).reshape(S, K, -1).tolist()
+    for s in range(S):
+        for name, mean, qs in zip(names, means[s], quantiles[s]):
+            out[s][f"mean_{name}"] = mean
+            out[s].update({f"{name}_{q}": value for q, value in zip(QUANTILES, qs)})
 
 
-def _nonfinite(values: list[torch.Tensor], mask: torch.Tensor | None) -> tuple[int, int]:
-    """Non-finite values among ``values`` (same shape): in all, and at ``mask``'s kept positions."""
-    if not values:
-        return 0, 0
-    bad = ~torch.isfinite(torch.stack([v.float() for v in values]))
-    return int(bad.sum()), int(bad[:, mask].sum()) if mask is not None else 0
+def _nonfinite(values: list[torch.Tensor], mask: torch.Tensor | None) -> tuple[list[int], list[int]]:
+    """Per step: non-finite values among ``values`` (at least one, each ``[S, *shape]``), in all and at
+    ``mask``'s kept positions (0 when ``mask`` is None)."""
+    S = values[0].shape[0]
+    bad = ~torch.isfinite(torch.stack([v.float() for v in values], dim=1).flatten(2))  # (S, K, N)
+    total = bad.sum(dim=(1, 2)).tolist()
+    kept = (bad & mask.flatten(1).unsqueeze(1)).sum(dim=(1, 2)).tolist() if mask is not None else [0] * S
+    return total, kept
 
 
 def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,7 +89,31 @@ def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
     epsilons). Returns ``{key: int | float}`` with the keys of the module docstring that the step's
     fields allow; floats may be NaN. Shapes as in SPEC.md section 4 (``[B, T]`` token fields, ``[B]``
     rewards, ``[B]`` or ``[B, T]`` advantages); a field whose shape does not fit is left out."""
-    out: dict[str, Any] = {}
+    return compute_summaries([(tensors, metadata)])[0]
+
+
+def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """:func:`compute_summary` of each ``(tensors, metadata)`` in ``steps``, in order. Steps whose
+    summarised fields have the same names, shapes and dtypes (and the same clip epsilons) are
+    stacked and summarised together, so S small steps cost about the tensor calls of one."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (tensors, metadata) in enumerate(steps):
+        used = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()
+                     if n in FIELDS and isinstance(t, torch.Tensor))
+        eps = (_number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high")))
+        groups.setdefault((used, eps), []).append(i)
+    out: list[dict[str, Any]] = [{} for _ in steps]
+    for (used, _eps), members in groups.items():
+        names = [n for n, _, _ in used]
+        stacked = {n: torch.stack([steps[i][0][n] for i in members]) for n in names}
+        for i, summary in zip(members, _summarise_group(stacked, steps[members[0]][1], len(members))):
+            out[i] = summary
+    return out
+
+
+def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, Any], S: int) -> list[dict[str, Any]]:
+    """The summaries of S steps whose fields are stacked in ``tensors`` (``[S, ...]`` each)."""
+    out: list[dict[str, Any]] = [{} for _ in range(S)]
     mask = tensors.get("completion_mask")
     mask = mask.bool() if mask is not None else None
     token = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
@@ -98,12 +121,13 @@ def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
         token["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
     per_seq: dict[str, torch.Tensor] = {}
     rewards, adv = tensors.get("rewards"), tensors.get("advantages")
-    if rewards is not None and rewards.dim() == 1 and rewards.is_floating_point():
+    if rewards is not None and rewards.dim() == 2 and rewards.is_floating_point():
         per_seq["reward"] = rewards
-    if adv is not None and adv.is_floating_point() and adv.dim() == 1 and (not per_seq or adv.shape == rewards.shape):
+    if adv is not None and adv.is_floating_point() and adv.dim() == 2 and (not per_seq or adv.shape == rewards.shape):
         per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
     if mask is not None:
-        out["kept_tokens"] = int(mask.sum())
+        for s, kept in enumerate(mask.flatten(1).sum(dim=1).tolist()):
+            out[s]["kept_tokens"] = kept
         token = {n: v for n, v in token.items() if v.shape == mask.shape}
         if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
             token["advantage"] = adv  # PPO: per token
@@ -114,10 +138,12 @@ def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
     if per_seq:
         _stats(out, list(per_seq), list(per_seq.values()), None)
     _clip(out, tensors, mask, metadata)
-    token_bad, seq_bad = _nonfinite(list(token.values()), mask), _nonfinite(list(per_seq.values()), None)
-    out["nonfinite_values"] = token_bad[0] + seq_bad[0]
-    out["nonfinite_kept"] = token_bad[1]
-    return _ordered(out)
+    token_bad = _nonfinite(list(token.values()), mask) if token else ([0] * S, [0] * S)
+    seq_bad = _nonfinite(list(per_seq.values()), None) if per_seq else ([0] * S, [0] * S)
+    for s in range(S):
+        out[s]["nonfinite_values"] = token_bad[0][s] + seq_bad[0][s]
+        out[s]["nonfinite_kept"] = token_bad[1][s]
+    return [_ordered(o) for o in out]
 
 
 def _ordered(out: dict[str, Any]) -> dict[str, Any]:
@@ -128,18 +154,21 @@ def _ordered(out: dict[str, Any]) -> dict[str, Any]:
     return {k: out[k] for k in order if k in out}
 
 
-def _clip(out: dict[str, Any], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
+def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
           metadata: Mapping[str, Any]) -> None:
     eps_low, eps_high = _number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high"))
     ratio, adv = tensors.get("ratio"), tensors.get("advantages")
     if mask is None or ratio is None or adv is None or eps_low is None or eps_high is None:
         return
-    if ratio.shape != mask.shape or adv.shape not in (mask.shape, mask.shape[:1]):
+    if ratio.shape != mask.shape or adv.shape not in (mask.shape, mask.shape[:2]):
         return
-    fr = formulas.clip_fractions(ratio.float(), adv.float(), mask, eps_low, eps_high)
-    out["clip_fraction_low"], out["clip_fraction_high"] = float(fr["low"]), float(fr["high"])
-    out["clip_fraction"] = float(fr["low"] + fr["high"])
-    out["clip_region"] = float(fr["region"])
+    adv = adv.float() if adv.shape == mask.shape else adv.float().unsqueeze(2)  # (S, B, 1): over T
+    dims = tuple(range(1, mask.dim()))
+    fr = {k: v.tolist() for k, v in formulas.clip_fractions(ratio.float(), adv, mask, eps_low, eps_high, dims).items()}
+    for s, o in enumerate(out):
+        o["clip_fraction_low"], o["clip_fraction_high"] = float(fr["low"][s]), float(fr["high"][s])
+        o["clip_fraction"] = float(fr["low"][s] + fr["high"][s])
+        o["clip_region"] = float(fr["region"][s])
 
 
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:

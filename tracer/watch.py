@@ -21,6 +21,7 @@ raises instead).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import runpy
@@ -30,7 +31,7 @@ import traceback
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -158,6 +159,7 @@ class Watcher:
         self._last_anchor: tuple[weakref.ref, int] | None = None
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
+        self._checks: dict = {}  # schema-check outcomes by signature (frames.read_frame)
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -182,6 +184,19 @@ class Watcher:
                 raise TraceError(self.nothing_traced_message())
             if self.nothing_traced == "warn":
                 warnings.warn(self.nothing_traced_message(), RuntimeWarning, stacklevel=2)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside ``with w.paused():`` backward runs untouched (torch's own functions are put back, so
+        nothing is read or recorded: an evaluation pass, a probe); tracing resumes on leaving the block,
+        into the same trace, with steps still increasing. Raises TraceError when the watcher is not active."""
+        if _installed.get("watcher") is not self:
+            raise TraceError("Watcher.paused() is only for an active watcher: use it inside `with tracer.watch(...) as w:`")
+        _uninstall(self)
+        try:
+            yield
+        finally:
+            _install(self)
 
     # -- reports ------------------------------------------------------------------------------
 
@@ -274,7 +289,7 @@ class Watcher:
             del frame
 
     def _capture(self, frame) -> None:
-        capture = frames.read_frame(frame, self.name_map, self.algorithm)
+        capture = frames.read_frame(frame, self.name_map, self.algorithm, self._checks)
         self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1

@@ -39,7 +39,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
 )
 from tracer import summaries
 from tracer.derived import derive_fields
-from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
+from tracer.capture import BackgroundWriter, nonfinite_fields, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
 from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
                            encode_metadata, jsonable, normalise_tensors)
@@ -162,7 +162,8 @@ class TraceWriter:
         self._closed = False
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         # a non-JSON hyperparameter raises SchemaError now, naming it
-        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
+        self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
+        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in self._hyperparameters_encoded.items())
         self._recorded: set[tuple[int, int, int]] = set()
         self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
         self._steps_dir = self.root / STEPS_DIR
@@ -206,7 +207,8 @@ class TraceWriter:
         self._background = BackgroundWriter(
             self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
             max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
-            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S) if async_write else None
+            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S,
+            prepare=self._summarise) if async_write else None
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
@@ -417,7 +419,7 @@ class TraceWriter:
 
     def _normalise_staged(self, item: StagedStep) -> None:
         item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
-        nonfinite = [n for n, t in item.tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        nonfinite = nonfinite_fields(item.tensors)
         if nonfinite:
             item.metadata["nonfinite_fields"] = nonfinite
         item.metadata["content_sha256"] = content_sha256(item.tensors)
@@ -429,9 +431,10 @@ class TraceWriter:
         if anomaly is not None:
             item.metadata["anomaly"] = anomaly
         path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
-        self._summarise(item)
+        if not item.summarised:  # written alone (synchronously, or through the anomaly ring)
+            self._summarise([item])
         try:
-            _save_atomic(path, item.tensors, encode_metadata(item.metadata))
+            _save_atomic(path, item.tensors, self._encoded_metadata(item.metadata))
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return
@@ -441,14 +444,29 @@ class TraceWriter:
                 self.skipped_steps -= 1
             self._dirty = True
 
-    def _summarise(self, item: StagedStep) -> None:
-        """Put the step's summary (:mod:`tracer.summaries`) into its metadata; a failure leaves it out
-        (readers then summarise the file from its tensors) and never costs the step."""
+    def _summarise(self, items: list[StagedStep]) -> None:
+        """Put each step's summary (:mod:`tracer.summaries`, steps of one batch computed together)
+        into its metadata. A failure leaves it out of the steps it concerns (readers then summarise
+        those files from their tensors) and never costs a step."""
+        for item in items:
+            item.summarised = True
         try:
-            tensors = {**item.tensors, **derive_fields(item.tensors, item.metadata)}  # ratio/KL from their inputs
-            item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summaries.compute_summary(tensors, item.metadata))
+            batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
+            for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
+                item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summary)
         except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
-            log.warning("tracer: step %s: no summary in its header (%s: %s)", item.step, type(err).__name__, err)
+            if len(items) > 1:  # find the step that fails; the others keep theirs
+                for item in items:
+                    self._summarise([item])
+                return
+            log.warning("tracer: step %s: no summary in its header (%s: %s)", items[0].step, type(err).__name__, err)
+
+    def _encoded_metadata(self, metadata: dict[str, Any]) -> dict[str, str]:
+        """``encode_metadata(metadata)``, reusing the hyperparameters' encoding made once (the header
+        holds them unchanged unless the step's metadata overrode one)."""
+        hyper = self.hyperparameters
+        own = {k: v for k, v in metadata.items() if k not in hyper or v is not hyper[k]}
+        return {**{k: v for k, v in self._hyperparameters_encoded.items() if k not in own}, **encode_metadata(own)}
 
     def _fail(self, reason: str, err: Exception) -> None:
         """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""

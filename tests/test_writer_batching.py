@@ -1,0 +1,241 @@
+"""The writer thread's batching and its cheaper per-step work (issue 16): steps that arrive close
+together are handled as one batch (their summaries computed together), without ever making a step
+wait or drop, and without changing a byte of what is written. Values are checked against
+step-by-step and numpy computations; no wall-time assertions (a hang is caught by a join timeout)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import tracer
+from tracer import formulas, frames, summaries
+from tracer.capture import BackgroundWriter, StagedStep, nonfinite_fields
+from tracer.errors import TraceError
+from tracer.layout import content_sha256, tensor_bytes
+from tracer.name_maps import load_name_map
+from tracer.reader import Trace
+from tracer.schema import encode_metadata, jsonable
+from tracer.writer import TraceWriter
+
+QS = (0.1, 0.5, 0.9, 1.0)
+
+
+def _step(seed: int, B: int = 4, T: int = 6, per_token_adv: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    policy = -2 * torch.rand(B, T, generator=g)
+    old = policy + 0.2 * torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    ratio = torch.exp(policy - old)
+    if seed % 3 == 1:
+        ratio[0, 1], mask[0, 1] = float("nan"), True  # a NaN at a kept position
+    return {"completion_ids": torch.randint(0, 30, (B, T), generator=g), "completion_mask": mask,
+            "policy_logprobs": policy, "old_logprobs": old, "sampler_logprobs": old + 0.01, "ratio": ratio,
+            "approx_kl_k2": 0.5 * (policy - old) ** 2, "rewards": torch.rand(B, generator=g),
+            "advantages": torch.randn(B, T, generator=g) if per_token_adv else torch.randn(B, generator=g)}
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7, nan_ok=True), key
+
+
+def test_batched_summaries_equal_step_by_step_ones_across_mixed_shapes():
+    eps = {"clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28}
+    steps = [(_step(0), eps), (_step(1), eps), (_step(2, T=3), eps), (_step(3, per_token_adv=True), eps),
+             (_step(4), {}), (_step(5), eps), (_step(6, B=2, T=0), eps)]
+    batched = summaries.compute_summaries(steps)
+    assert len(batched) == len(steps)
+    for (tensors, meta), got in zip(steps, batched):
+        _close(got, summaries.compute_summary(tensors, meta))
+    # and against numpy for one of the stacked steps (a NaN kept: the mean is NaN, quantiles leave it out)
+    t = steps[1][0]
+    kept = t["ratio"].numpy()[t["completion_mask"].numpy()]
+    assert np.isnan(batched[1]["mean_ratio"])
+    assert batched[1]["ratio_p90"] == pytest.approx(np.nanquantile(kept, 0.9), rel=1e-6)
+    assert batched[6]["kept_tokens"] == 0 and np.isnan(batched[6]["ratio_p50"])
+
+
+def test_masked_row_quantiles_match_numpy_row_by_row():
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(6, 11, generator=g)
+    mask = torch.rand(6, 11, generator=g) > 0.4
+    values[1, 3], mask[1, 3] = float("nan"), True
+    values[2, 0], mask[2, 0] = float("inf"), True
+    mask[3] = False  # nothing kept
+    mask[4] = True
+    got = formulas.masked_row_quantiles(values, mask, QS)
+    for r in range(6):
+        kept = values[r].numpy()[mask[r].numpy()]
+        kept = kept[~np.isnan(kept)]
+        if np.isfinite(kept).all():  # numpy interpolates inf - inf into NaN; tracer keeps inf (see row_quantiles)
+            want = np.quantile(kept, QS) if kept.size else np.full(len(QS), np.nan)
+            np.testing.assert_allclose(got[r].numpy(), want, rtol=1e-6)
+        np.testing.assert_allclose(got[r].numpy(), formulas.masked_quantiles(values[r], mask[r], QS).numpy())
+    assert got[2, -1] == float("inf") and torch.isnan(got[3]).all()
+
+
+def _spy_batches(sizes: list[int]):
+    real = summaries.compute_summaries
+
+    def spy(steps):
+        sizes.append(len(steps))
+        return real(steps)
+    return spy
+
+
+def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
+    sizes: list[int] = []
+    with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
+            mock.patch("tracer.capture.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+        with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
+            for step in range(20):
+                writer.record(step, _step(step))
+            done = threading.Thread(target=writer.flush)
+            done.start()
+            done.join(60)
+            assert not done.is_alive(), "flush() waited for the linger instead of writing at once"
+            assert len(Trace(tmp_path / "run").steps()) == 20
+    assert sum(sizes) == 20 and max(sizes) > 1
+    trace = Trace(tmp_path / "run")
+    for key in trace.steps():  # every header holds the summary its own tensors give
+        data, meta = trace.load_step(key), trace.metadata(key)
+        _close(summaries.read_summary(meta), summaries.compute_summary(data, meta))
+
+
+def test_lingering_stops_at_half_the_queue_so_it_never_makes_a_step_drop():
+    written, drops = [], []
+    bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
+                          drops.append, max_steps=4, max_bytes=10_000, when_full="drop", linger_s=3600.0)
+    for step in range(2):  # half the queue's 4 steps: the writer must start now, not linger
+        assert bg.put(StagedStep(step, 0, 0, {"x": torch.zeros(1)}, {}, 10))
+    stopper = threading.Thread(target=lambda: [bg.flush(), bg.stop()])
+    for _ in range(600):  # at most a minute: the two steps are written without a flush
+        if len(written) == 2:
+            break
+        threading.Event().wait(0.1)
+    assert written == [0, 1] and not drops
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive()
+
+
+def test_a_failing_summary_in_a_batch_costs_only_its_own_step(tmp_path):
+    real = summaries.compute_summaries
+
+    def fragile(steps):
+        if any(meta.get("poison") for _, meta in steps):
+            raise RuntimeError("boom")
+        return real(steps)
+
+    with mock.patch.object(summaries, "compute_summaries", fragile), mock.patch("tracer.capture.LINGER_S", 3600.0):
+        with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
+            for step in range(6):
+                writer.record(step, _step(step), metadata={"poison": True} if step == 3 else None)
+    trace = Trace(tmp_path / "run")
+    has = {key.step: "summary" in trace.metadata(key) for key in trace.steps()}
+    assert has == {0: True, 1: True, 2: True, 3: False, 4: True, 5: True}
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float32, torch.float16, torch.bfloat16])
+def test_tensor_bytes_are_the_tensor_memory(dtype):
+    t = (torch.arange(12).reshape(3, 4) % 3).to(dtype)
+    assert bytes(tensor_bytes(t)) == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert bytes(tensor_bytes(torch.zeros(0, 4, dtype=dtype))) == b""
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        tensor_bytes(torch.zeros(4, 4, dtype=dtype).t())
+
+
+def test_content_checksum_is_unchanged_by_the_buffer_path():
+    tensors = {"b": torch.randn(3, 2), "a": torch.tensor([True, False]), "c": torch.tensor(5)}
+    digest = hashlib.sha256()  # the scheme of tracer.layout, computed here through numpy
+    for name in sorted(tensors):
+        t = tensors[name]
+        digest.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    assert content_sha256(tensors) == digest.hexdigest()
+
+
+def test_nonfinite_fields_numpy_and_torch_paths():
+    tensors = {"ok": torch.zeros(3), "nan": torch.tensor([0.0, float("nan")]), "ids": torch.tensor([1, 2]),
+               "neg_inf": torch.tensor([float("-inf")], dtype=torch.float64),
+               "bf16_inf": torch.tensor([1.0, float("inf")], dtype=torch.bfloat16),
+               "half_ok": torch.ones(2, dtype=torch.float16), "empty": torch.zeros(0)}
+    assert nonfinite_fields(tensors) == ["nan", "neg_inf", "bf16_inf"]
+    assert nonfinite_fields({"a": torch.ones(4, 4)}) == []
+
+
+def test_encoded_metadata_fast_path_equals_the_general_one():
+    values = {"beta": 0.04, "n": 8, "flag": True, "summary": {"version": 1, "mean_ratio": float("nan"), "kept": 3},
+              "nested": {"a": [1, 2]}, "tuple": (1, 2), "np": np.float32(0.5), "text": "x"}
+    got = encode_metadata(values)
+    want = {k: v if isinstance(v, str) else json.dumps(jsonable(v), allow_nan=True) for k, v in values.items()}
+    assert got == want
+
+
+def test_writer_reuses_the_hyperparameter_encoding_unless_a_step_overrides_it(tmp_path):
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"beta": 0.04, "num_generations": 2}) as writer:
+        writer.record(0, _step(0))
+        writer.record(1, _step(1), metadata={"beta": 0.1})
+    trace = Trace(tmp_path / "run")
+    assert [trace.metadata(k)["beta"] for k in trace.steps()] == [0.04, 0.1]
+    assert all(trace.metadata(k)["num_generations"] == 2 for k in trace.steps())
+
+
+def _capture(memo, mask):
+    """read_frame on this frame, whose locals are a GRPO loop's (the mask given)."""
+    policy_logprobs = torch.full((2, 3), -1.0)
+    old_logprobs = torch.full((2, 3), -1.1)
+    completion_mask = mask
+    advantages = torch.tensor([0.5, -0.5])
+    capture = frames.read_frame(sys._getframe(), load_name_map(None, "grpo"), "grpo", memo)
+    assert capture.fields["policy_logprobs"] is policy_logprobs  # the frame's own variables are read
+    assert capture.sources["old_logprobs"] == "old_logprobs" and advantages is not None and completion_mask is not None
+    return capture
+
+
+def test_remembered_schema_checks_still_check_float_mask_values_every_time():
+    memo: dict = {}
+    good = _capture(memo, torch.ones(2, 3))
+    assert "completion_mask" in good.fields and memo
+    bad = _capture(memo, torch.full((2, 3), 0.5))  # same signature, values a mask cannot hold
+    assert "completion_mask" not in bad.fields
+    assert any("0 and 1" in why for why in bad.rejected.values())
+    wrong_shape = _capture(memo, torch.ones(2, 4, dtype=torch.bool))  # T = 4 against the logprobs' 3
+    again = _capture(memo, torch.ones(2, 4, dtype=torch.bool))  # remembered: refused the same way
+    assert "completion_mask" not in wrong_shape.fields and "completion_mask" not in again.fields
+    assert wrong_shape.rejected == again.rejected
+    assert "completion_mask" in _capture(memo, torch.ones(2, 3, dtype=torch.bool)).fields
+
+
+def test_a_paused_watcher_leaves_backward_alone_and_resumes_into_the_same_trace(tmp_path):
+    weight = torch.nn.Parameter(torch.zeros(3))
+
+    def train_step(step):
+        policy_logprobs = torch.log_softmax(weight.expand(2, 3), dim=-1)
+        completion_mask = torch.ones(2, 3, dtype=torch.bool)
+        loss = -(policy_logprobs * completion_mask).mean()
+        loss.backward()
+        return completion_mask
+
+    original = torch.Tensor.backward
+    with tracer.watch(algo="grpo", out=tmp_path / "run", nothing_traced="ignore") as w:
+        train_step(0)
+        with w.paused():
+            assert torch.Tensor.backward is original
+            train_step(1)
+        assert torch.Tensor.backward is not original
+        train_step(2)
+    assert w.backward_calls == 2 and w.steps_recorded == 2
+    assert [k.step for k in Trace(tmp_path / "run").steps()] == [0, 2]  # the loop's own step counter
+    with pytest.raises(TraceError, match="only for an active watcher"):
+        with w.paused():
+            pass
