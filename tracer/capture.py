@@ -163,18 +163,20 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None) -> t
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
-def nonfinite_fields(tensors: dict[str, torch.Tensor]) -> list[str]:
+def nonfinite_fields(tensors: dict[str, torch.Tensor], buffers: dict[str, Any] | None = None) -> list[str]:
     """Names of the (contiguous, CPU) float tensors holding a NaN or an infinity, in order. float16/32/64
     are scanned by numpy over the tensor's own memory (:func:`tracer.layout.tensor_bytes`): on small
     tensors that keeps the interpreter lock instead of handing it to the training loop and waiting
-    to get it back, as each torch call does; other float dtypes (bfloat16, float8) go through torch."""
+    to get it back, as each torch call does; other float dtypes (bfloat16, float8) go through torch.
+    ``buffers``: the tensors' :func:`tracer.layout.tensor_bytes`, when the caller has them already."""
     bad = []
     for name, t in tensors.items():
         if not t.is_floating_point() or t.numel() == 0:
             continue
         dtype = _NUMPY_FLOATS.get(t.dtype)
         if dtype is not None and t.device.type == "cpu" and t.is_contiguous():
-            finite = bool(np.isfinite(np.frombuffer(tensor_bytes(t), dtype=dtype)).all())
+            raw = buffers[name] if buffers is not None else tensor_bytes(t)
+            finite = bool(np.isfinite(np.frombuffer(raw, dtype=dtype)).all())
         else:
             finite = bool(torch.isfinite(t).all())
         if not finite:

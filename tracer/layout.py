@@ -44,20 +44,21 @@ def _digest_tensor_head(digest: Any, name: str, torch_dtype: str, shape: list[in
     digest.update(f"{name}\0{torch_dtype}\0{list(shape)}\0".encode())
 
 
-def content_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+def content_sha256(tensors: Mapping[str, torch.Tensor], buffers: Mapping[str, Any] | None = None) -> str:
     """sha256 over each tensor's name, dtype, shape and raw bytes, in name order.
 
     Stored in step metadata as ``content_sha256`` (a safetensors header cannot hold a hash of the
     file that contains it). :func:`stored_content_sha256` recomputes it from a file's bytes; diff,
     ``check`` (``integrity.checksum``) and ``info --verify`` compare the two
     (``tracer.integrity.verify_step_file``). Tensors must be contiguous and on CPU, as
-    ``validate_tensors`` returns them.
+    ``validate_tensors`` returns them. ``buffers``: their :func:`tensor_bytes`, when the caller has
+    them already.
     """
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name]
         _digest_tensor_head(digest, name, str(tensor.dtype), list(tensor.shape))
-        digest.update(tensor_bytes(tensor))
+        digest.update(buffers[name] if buffers is not None else tensor_bytes(tensor))
     return digest.hexdigest()
 
 

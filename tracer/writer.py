@@ -26,6 +26,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     STEPS_DIR,
     TOKENS_NAME,
     content_sha256,
+    tensor_bytes,
     producers,
     lock_rank,
     refuse_existing_trace,
@@ -166,6 +167,7 @@ class TraceWriter:
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in self._hyperparameters_encoded.items())
         self._recorded: set[tuple[int, int, int]] = set()
         self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
+        self._stored_signatures: set[tuple] = set()  # (name, dtype) signatures already in stored form
         self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
@@ -418,11 +420,21 @@ class TraceWriter:
     # -- private: writer thread ---------------------------------------------------------------
 
     def _normalise_staged(self, item: StagedStep) -> None:
-        item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
-        nonfinite = nonfinite_fields(item.tensors)
+        """Stored form, non-finite fields and checksum of a staged step (writer thread). Staged tensors
+        are contiguous CPU copies, each its own; a signature whose dtypes are already the stored ones
+        (remembered) skips the conversion pass."""
+        signature = tuple((name, t.dtype) for name, t in item.tensors.items())
+        if signature not in self._stored_signatures:
+            item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
+            # same dtypes out as in: nothing was converted (a 0/1 float mask always is, so never lands here)
+            if tuple((n, t.dtype) for n, t in item.tensors.items()) == signature and \
+                    len(self._stored_signatures) < MAX_SIGNATURES:
+                self._stored_signatures.add(signature)
+        buffers = {name: tensor_bytes(t) for name, t in item.tensors.items()}
+        nonfinite = nonfinite_fields(item.tensors, buffers)
         if nonfinite:
             item.metadata["nonfinite_fields"] = nonfinite
-        item.metadata["content_sha256"] = content_sha256(item.tensors)
+        item.metadata["content_sha256"] = content_sha256(item.tensors, buffers)
 
     def _on_normalise_error(self, item: StagedStep, err: Exception) -> None:
         self._fail(f"step {item.step}: {type(err).__name__}: {err}", err)
