@@ -239,3 +239,21 @@ def test_a_paused_watcher_leaves_backward_alone_and_resumes_into_the_same_trace(
     with pytest.raises(TraceError, match="only for an active watcher"):
         with w.paused():
             pass
+
+
+def test_owned_tensors_are_staged_without_a_copy_and_others_are_copied():
+    from tracer.capture import stage
+
+    fresh = torch.arange(6.0).reshape(2, 3)[torch.tensor([1, 0])]  # indexed rows: a new tensor
+    view = torch.arange(6.0).reshape(2, 3)[:1]  # a view of someone's tensor
+    grad = torch.ones(2, requires_grad=True) * 2
+    loop_owned = torch.zeros(2)
+    staged, _, _, nbytes = stage({"fresh": fresh, "view": view, "grad": grad, "loop": loop_owned},
+                                 owned={"fresh", "view", "grad"})
+    assert staged["fresh"] is fresh  # made for this record alone: kept as it is
+    assert staged["view"] is not view and staged["view"]._base is None  # a view is copied even when named
+    assert staged["grad"] is not grad and not staged["grad"].requires_grad
+    assert staged["loop"] is not loop_owned  # not named: copied, the loop may mutate its own tensor
+    loop_owned += 1
+    assert staged["loop"].tolist() == [0.0, 0.0]
+    assert nbytes == sum(t.nbytes for t in (fresh, view, grad, loop_owned))

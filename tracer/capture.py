@@ -127,17 +127,23 @@ class PinnedPool:
                     free.append(buf)
 
 
-def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None) -> tuple[dict, Any, list, int]:
+def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
+          owned: frozenset[str] | set[str] = frozenset()) -> tuple[dict, Any, list, int]:
     """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, pinned, nbytes).
 
-    CPU tensors are cloned (contiguous). CUDA tensors go to pinned buffers through a side stream;
-    ``event`` must be waited on before the staged tensors are read.
+    CPU tensors are cloned (contiguous), except those named in ``owned`` (made for this record
+    alone, e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
+    contiguous, without a copy. CUDA tensors go to pinned buffers through a side stream; ``event``
+    must be waited on before the staged tensors are read.
     """
     staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
         for name, t in tensors.items():
             if t.is_cuda:
                 cuda.append((name, t))
+            elif name in owned and t._base is None and not t.requires_grad and t.is_contiguous():
+                staged[name] = t
+                nbytes += t.nbytes
             else:
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
                 nbytes += t.nbytes

@@ -102,7 +102,7 @@ def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] 
     if index.dtype == torch.bool or index.is_floating_point():
         return _MISSING
     try:
-        return value[index.to(value.device)]
+        return value[index if index.device == value.device else index.to(value.device)]
     except (IndexError, RuntimeError):
         return _MISSING
 
@@ -119,6 +119,7 @@ class FrameCapture:
     metadata: dict[str, Any] = field(default_factory=dict)  # step metadata read from the frame
     rejected: dict[tuple[str, str], str] = field(default_factory=dict)  # (field, expression) -> why
     anchor: torch.Tensor | None = None  # the policy logprobs tensor as the loop holds it
+    owned: set[str] = field(default_factory=set)  # fields made here (indexed rows, derived): no copy needed
     checks: dict | None = None  # schema-check outcomes by signature (a CheckMemo's dict), shared across captures
 
 
@@ -202,6 +203,8 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         capture.sizes = sizes
         picked.update(produced)
         capture.sources.update({k: text for k in produced})
+        if "[" in text and not key.startswith("stacked:"):  # ``x[inds]``: a new tensor, not the loop's
+            capture.owned.update(produced)
         return
 
 
@@ -307,6 +310,7 @@ def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> N
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
+        capture.owned.add(name)
 
 
 def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]:

@@ -245,11 +245,16 @@ class TraceWriter:
             TraceError: the writer is closed or was inherited through fork(); in strict mode, an
                 earlier write failed.
         """
+        return self._record(step, {**dict(tensors or {}), **named_tensors}, inner_step, micro_batch, metadata)
+
+    def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
+                metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset()) -> Path | None:
+        """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
+        capture's indexed rows and derived fields), staged without a copy."""
         self._check_process()
         self._raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
-        tensors = {**dict(tensors or {}), **named_tensors}
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
         step, inner_step, micro_batch = (_coordinate("step", step), _coordinate("inner_step", inner_step),
@@ -280,7 +285,7 @@ class TraceWriter:
         if self.sampling.first_k_sequences is not None:
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
         try:
-            staged, event, pinned, nbytes = stage(tensors, self._pool)
+            staged, event, pinned, nbytes = stage(tensors, self._pool, owned)
         except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
             self._fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
             self._raise_pending()
