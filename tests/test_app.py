@@ -272,6 +272,7 @@ def test_trace_without_steps_yet_and_single_step_file(monkeypatch, tmp_path):
         at.switch_page(f"app_pages/{page}.py").run()
         assert not at.exception
     step_file = writer.record(0, grpo_step_tensors(0))
+    writer.flush()  # record() returns the path the file will have; flush() waits for it
     at = start(monkeypatch, step_file)  # one .safetensors file is a trace too
     assert not at.exception
     assert token_dataframe(at).value["token_text"].iloc[0] == "<id 7>"  # the first completion token, listed first
