@@ -257,3 +257,25 @@ def test_owned_tensors_are_staged_without_a_copy_and_others_are_copied():
     loop_owned += 1
     assert staged["loop"].tolist() == [0.0, 0.0]
     assert nbytes == sum(t.nbytes for t in (fresh, view, grad, loop_owned))
+
+
+def test_an_unexpected_error_in_the_writer_thread_drops_the_batch_and_the_thread_goes_on():
+    written, drops = [], []
+    calls = {"n": 0}
+
+    def write(item, reason):
+        calls["n"] += 1
+        if item.step == 1:
+            raise RuntimeError("a bug in the write path")
+        written.append(item.step)
+
+    bg = BackgroundWriter(write, lambda it: None, lambda it, e: None, drops.append, max_steps=8, max_bytes=10_000,
+                          linger_s=0.0)
+    for step in range(3):
+        bg.put(StagedStep(step, 0, 0, {"x": torch.zeros(1)}, {}, 10))
+        bg.flush()  # one step per batch
+    stopper = threading.Thread(target=bg.stop)
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive(), "the writer thread died and stop() waits forever"
+    assert written == [0, 2] and len(drops) == 1 and "step 1: writer thread error: RuntimeError" in drops[0]

@@ -326,6 +326,12 @@ class BackgroundWriter:
             if batch:
                 try:
                     self._handle_batch(batch)
+                except Exception as err:  # noqa: BLE001  (a bug here must not kill the thread: flush() would hang)
+                    log.error("tracer: the writer thread failed on steps %s: %s: %s",
+                              [item.step for item in batch], type(err).__name__, err)
+                    for item in batch:
+                        self._on_drop(f"step {item.step}: writer thread error: {type(err).__name__}: {err}")
+                        self._release(item)
                 finally:
                     with self._cond:
                         self._bytes -= sum(item.nbytes for item in batch)
