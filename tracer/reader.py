@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from tracer import summaries, tables
+from tracer import run_index, summaries, tables
 from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
@@ -365,21 +365,82 @@ class Trace:
         masked means and quantiles (``mean_ratio``, ``ratio_p50``, ``mean_ref_kl_k3``,
         ``mean_approx_kl_k2``, ``mean_mismatch``, ``mean_reward``, ``mean_advantage``...),
         ``clip_fraction`` (sign-aware, from the step's clip epsilons), NaN counts, and
-        ``summary_source``: ``header`` when the writer stored the summary in the file's header (only
-        the header is read), ``tensors`` when it was computed from the file's tensors (older traces).
+        ``summary_source``: ``header`` when the writer stored the summary in the file's header,
+        ``tensors`` when it was computed from the file's tensors (older traces).
         Values a step lacks are NaN. When a step file cannot be read, its row has only its
-        coordinates and a ``problem`` column says why."""
-        records = []
+        coordinates and a ``problem`` column says why.
+
+        A step file that the run's summary index (:mod:`tracer.run_index`) lists under its name,
+        coordinates and current size is not opened: its row comes from the index (the same
+        numbers as its header); the others are read as above. ``attrs["from_index"]`` counts the
+        rows read from the index. Cost: one listing of the steps, one ``stat`` per step file and
+        one read of the index, plus one header per file the index does not vouch for."""
+        records, from_index = [], 0
+        index = self.summary_index()
         for key in self.steps():
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
+            listed = self._listed(key, index)
+            if listed is not None:
+                rec.update(listed)
+                from_index += 1
+                records.append(rec)
+                continue
             try:
                 rec.update(self._step_summary_of(key))
                 rec["derived"] = ", ".join(self.derived_fields(key))
             except TraceFormatError as err:
                 rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
-        return pd.DataFrame.from_records(records)
+        frame = pd.DataFrame.from_records(records)
+        frame.attrs["from_index"] = from_index
+        return frame
+
+    def summary_index(self) -> dict[str, dict[str, Any]]:
+        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`);
+        {} for a single step file or a trace without one. Read again when an index file's size or
+        modification time changed (a live writer appends to it)."""
+        if self._single:
+            return {}
+        paths = run_index.index_paths(self.root)
+        signature = []
+        for path in paths:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            signature.append((path.name, st.st_size, st.st_mtime_ns))
+        cached = getattr(self, "_index_cache", None)
+        if cached is None or cached[0] != signature:
+            cached = (signature, run_index.read_index(paths) if signature else {})
+            self._index_cache = cached
+        return cached[1]
+
+    def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
+        """True when the summary index lists the step file ``path`` (in ``steps/``, named by its
+        coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
+        match = _STEP_RE.match(path.name)
+        if match is None or path.parent != self.root / STEPS_DIR:
+            return False
+        entry = (self.summary_index() if index is None else index).get(path.name)
+        return run_index.vouched(entry, tuple(int(g) for g in match.groups()), size)
+
+    def _listed(self, key: StepKey, index: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+        """The summary row of ``key`` from the index (summary, ``summary_source``, ``derived``), or
+        None when the index does not vouch for the file or its summary is not one this reader knows."""
+        entry = index.get(key.path.name)
+        if entry is None:
+            return None
+        try:
+            size = key.path.stat().st_size
+        except OSError:
+            return None
+        if not self.index_vouches(key.path, size, index):
+            return None
+        stored = summaries.read_summary(entry)
+        if stored is None:
+            return None
+        return {**stored, "summary_source": "header", "derived": ", ".join(entry["derived"])}
 
     def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
         """The summary of one step file: from its header when it holds one, else from its tensors."""

@@ -38,6 +38,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     write_json_atomic,
 )
 from tracer import summaries
+from tracer.run_index import IndexWriter
 from tracer.derived import derive_fields
 from tracer.capture import BackgroundWriter, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
@@ -202,6 +203,7 @@ class TraceWriter:
                 unlock_rank(self._lock_fd)
                 raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
             log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
+        self._index = IndexWriter(self.root, self.rank)  # the run's summary index (tracer.run_index)
         self._pool = PinnedPool()
         self._background = BackgroundWriter(
             self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
@@ -319,6 +321,7 @@ class TraceWriter:
             return
         if self._background is not None:
             self._background.stop()
+        self._index.close()
         with self._lock:
             self._manifest["status"] = "finished"
         try:
@@ -431,7 +434,8 @@ class TraceWriter:
         path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
         self._summarise(item)
         try:
-            _save_atomic(path, item.tensors, encode_metadata(item.metadata))
+            encoded = encode_metadata(item.metadata)
+            _save_atomic(path, item.tensors, encoded)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return
@@ -440,6 +444,7 @@ class TraceWriter:
             if not item.sampled:
                 self.skipped_steps -= 1
             self._dirty = True
+        self._index.add(path, item.tensors, encoded)  # never raises
 
     def _summarise(self, item: StagedStep) -> None:
         """Put the step's summary (:mod:`tracer.summaries`) into its metadata; a failure leaves it out
@@ -486,7 +491,8 @@ class TraceWriter:
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
         unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
-        to raise from the next call), never raised here."""
+        to raise from the next call), never raised here. Also appends the summary index's lines."""
+        self._index.flush(due_only=not force)
         if not self._dirty or (not force and time.monotonic() - self._manifest_written_at < MANIFEST_INTERVAL_S):
             return
         try:
