@@ -272,3 +272,25 @@ def test_decoded_header_summary_is_what_the_index_holds(tmp_path):
             raw = fh.metadata()
         assert line.endswith(f', "summary": {raw["summary"]}}}\n')
         assert decode_metadata(raw)["content_sha256"] == entry["content_sha256"]
+
+
+def test_a_quiet_trace_is_listed_once_and_a_change_is_seen_at_once(tmp_path, monkeypatch):
+    from tracer import reader
+
+    out = _write(tmp_path / "run", steps=3)
+    listings = []
+    real = reader._listed_step_files
+    monkeypatch.setattr(reader, "_listed_step_files", lambda folder: listings.append(folder) or real(folder))
+    trace = Trace(out)
+    trace.steps(), trace.steps()
+    assert len(listings) == 4  # just written (modified under QUIET_S ago): listed every time
+    past = 1_000_000_000 * 10**9  # 2001: both folders quiet for years
+    for folder in (out, out / STEPS_DIR):
+        os.utime(folder, ns=(past, past))
+    listings.clear()
+    assert [k.step for k in trace.steps()] == [0, 1, 2] and [k.step for k in trace.steps()] == [0, 1, 2]
+    assert len(listings) == 2  # listed once (steps/ and the root), then reused
+    os.replace(out / STEPS_DIR / step_file_name(2), out / STEPS_DIR / step_file_name(7))  # the folder changes
+    assert [k.step for k in trace.steps()] == [0, 1, 7]
+    os.utime(out / STEPS_DIR, ns=(past, past))  # even a change that restores an older time is a change
+    assert [k.step for k in trace.steps()] == [0, 1, 7] and len(listings) == 6
