@@ -258,6 +258,7 @@ def test_long_step_curves_are_drawn_with_webgl_and_keep_their_click_data(steps, 
     fig = step_curves_figure(summary)
     assert [t.type for t in fig.data] == [kind]
     assert fig.data[0].customdata.tolist()[:2] == [[1, 1, 0], [1, 1, 0]]  # [files, inner step, run]
+    assert json.loads(fig.to_json())["data"][0]["customdata"][-1] == [1, 1, 0]  # plain lists to the browser
     assert list(fig.data[0].y[-2:]) == [(steps - 2) / steps, (steps - 1) / steps]
 
 
