@@ -79,7 +79,9 @@ def _index_lines(path: Path, rank: int = 0) -> list[str]:
 def test_one_line_per_step_file_with_its_name_size_checksum_and_header_summary(tmp_path):
     out = _write(tmp_path / "run", steps=3, inner_steps=2)
     lines = [json.loads(line) for line in _index_lines(out)]
-    assert lines[0] == {"format": "tracer-summary-index", "version": 1, "rank": 0}
+    assert {k: v for k, v in lines[0].items() if k != "writer"} == {"format": "tracer-summary-index", "version": 1,
+                                                                     "rank": 0}
+    assert len(lines[0]["writer"]) == 32  # a token per writer: a reader sees when the file was started again
     trace = Trace(out)
     keys = trace.steps()
     assert sorted(e["file"] for e in lines[1:]) == sorted(k.path.name for k in keys) and len(lines) == 7
@@ -199,7 +201,7 @@ def test_lines_are_appended_at_flush_not_per_step(tmp_path, monkeypatch):
     for step in range(3):
         writer.record(step, _step(step))
     writer._background.flush()  # the files are written; the index lines are only buffered
-    assert writes == [] and _index_lines(tmp_path / "run") == []
+    assert writes == [] and len(_index_lines(tmp_path / "run")) == 1  # the first line, written at once
     writer.flush()
     assert len(writes) == 1 and len(_index_lines(tmp_path / "run")) == 4  # one append for all of them
     writer.close()
@@ -295,3 +297,37 @@ def test_a_quiet_trace_is_listed_once_and_a_change_is_seen_at_once(tmp_path, mon
     assert [k.step for k in trace.steps()] == [0, 1, 7]
     os.utime(out / STEPS_DIR, ns=(past, past))  # even a change that restores an older time is a change
     assert [k.step for k in trace.steps()] == [0, 1, 7] and len(listings) == 6
+
+
+def test_a_live_index_is_read_where_it_grew(tmp_path, monkeypatch):
+    parsed = []
+    real = run_index._entries
+    monkeypatch.setattr(run_index, "_entries", lambda lines: parsed.append(len(lines)) or real(lines))
+    writer = TraceWriter(tmp_path / "run", "grpo", hyperparameters=HYPER)
+    trace = Trace(tmp_path / "run")
+    for step in range(3):
+        writer.record(step, _step(step))
+    writer.flush()
+    assert trace.step_summary().attrs["from_index"] == 3 and parsed == [3]
+    trace.step_summary()
+    assert parsed == [3]  # nothing new: not read again
+    for step in range(3, 5):
+        writer.record(step, _step(step))
+    writer.close()
+    assert trace.step_summary().attrs["from_index"] == 5 and parsed == [3, 2]  # only the two new lines
+    pd.testing.assert_frame_equal(trace.step_summary(), _from_headers(tmp_path / "run"))
+
+
+def test_a_reader_sees_a_new_writer_start_the_index_again(tmp_path):
+    out = _write(tmp_path / "run", steps=3)
+    trace = Trace(out)
+    before = trace.step_summary()
+    for key in trace.steps():
+        key.path.unlink()
+    with TraceWriter(out, "grpo", hyperparameters=HYPER) as writer:  # same names, same sizes, other values
+        for step in range(3):
+            writer.record(step, _step(50 + step))
+    after = trace.step_summary()  # the same Trace: its index cache must not keep the old run's lines
+    assert after.attrs["from_index"] == 3
+    pd.testing.assert_frame_equal(after, _from_headers(out))
+    assert not after["mean_reward"].equals(before["mean_reward"])

@@ -440,23 +440,14 @@ class Trace:
 
     def summary_index(self) -> dict[str, dict[str, Any]]:
         """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`);
-        {} for a single step file or a trace without one. Read again when an index file's size or
-        modification time changed (a live writer appends to it)."""
+        {} for a single step file or a trace without one. Only what a live writer appended since the
+        last call is read (:class:`tracer.run_index.IndexReader`)."""
         if self._single:
             return {}
-        paths = run_index.index_paths(self.root)
-        signature = []
-        for path in paths:
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            signature.append((path.name, st.st_size, st.st_mtime_ns))
-        cached = getattr(self, "_index_cache", None)
-        if cached is None or cached[0] != signature:
-            cached = (signature, run_index.read_index(paths) if signature else {})
-            self._index_cache = cached
-        return cached[1]
+        reader = self.__dict__.get("_index_reader")
+        if reader is None:
+            reader = self._index_reader = run_index.IndexReader(self.root)
+        return reader.entries()
 
     def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
         """True when the summary index lists the step file ``path`` (in ``steps/``, named by its

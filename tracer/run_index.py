@@ -4,7 +4,7 @@ one file instead of one header per step file.
 
 The writer thread appends one line per step file it has written, after the file's rename:
 
-    {"format": "tracer-summary-index", "version": 1, "rank": 0}            (first line)
+    {"format": "tracer-summary-index", "version": 1, "rank": 0, "writer": "5f0c..."}   (first line)
     {"file": "step_00000003.inner_0.mb_0.rank_0.safetensors", "step": 3, "inner_step": 0,
      "micro_batch": 0, "rank": 0, "size": 50312, "content_sha256": "9f...", "derived": [],
      "summary": {"version": 1, "kept_tokens": 412, "mean_ratio": 1.0, ...}}
@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -58,7 +59,9 @@ class IndexWriter:
     def __init__(self, root: Path, rank: int) -> None:
         self.path = Path(root) / summary_index_name(rank)
         self._lock = threading.Lock()
-        self._lines = [json.dumps({"format": INDEX_FORMAT, "version": INDEX_VERSION, "rank": rank}) + "\n"]
+        # the token tells a reader that the file was started again (same inode, truncated, rewritten)
+        head = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "rank": rank, "writer": uuid.uuid4().hex}
+        self._lines = [json.dumps(head) + "\n"]
         self._flushed_at = time.monotonic()
         self._fd: int | None = None
         self._failed = False
@@ -66,6 +69,7 @@ class IndexWriter:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
         except OSError as err:
             self._fail(err)
+        self.flush()  # the first line at once: a reader then never mixes this run's lines with an older run's
 
     def add(self, path: Path, names: Iterable[str], metadata: Mapping[str, str]) -> None:
         """Queue the line of step file ``path``, just written with tensors ``names`` and the encoded
@@ -136,37 +140,104 @@ def index_paths(root: Path) -> list[Path]:
 def read_index(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
     """``{step file name: entry}`` from the index files ``paths`` (a later line for the same name
     wins); in each entry ``summary`` is :func:`tracer.summaries.read_summary` of the stored one
-    (None when this reader does not know it) and ``derived`` the derived field names joined by ", ". A file that cannot be read, is larger than :data:`MAX_INDEX_BYTES`, or whose first line
+    (None when this reader does not know it) and ``derived`` the derived field names joined by
+    ", ". A file that cannot be read, is larger than :data:`MAX_INDEX_BYTES`, or whose first line
     is not this format and version gives nothing; a line that is not a complete JSON object of the
     expected types (the torn last line of a crash, or one a live writer is appending) is skipped."""
     entries: dict[str, dict[str, Any]] = {}
     for path in paths:
-        entries.update(_read_one(Path(path)))
+        state = _IndexFile()
+        state.update(Path(path))
+        entries.update(state.entries)
     return entries
 
 
-def _read_one(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_INDEX_BYTES + 1)
-    except OSError as err:
-        log.info("tracer: summary index %s not read (%s); reading step headers", path, err)
-        return {}
-    if len(data) > MAX_INDEX_BYTES:
-        log.info("tracer: summary index %s is over %d bytes; reading step headers", path, MAX_INDEX_BYTES)
-        return {}
-    lines = data.split(b"\n")[:-1]  # what follows the last newline is torn or being written
-    head = _parse(lines[0]) if lines else {}
-    if head.get("format") != INDEX_FORMAT or head.get("version") != INDEX_VERSION:
-        return {}  # no index yet, or another format or version: the headers are read
+class IndexReader:
+    """The summary index files of one trace root, read again only where they grew: a live writer
+    appends, and each call parses only the lines added since the last (a file started again by a
+    new writer, truncated or replaced, is read whole). :meth:`entries` as :func:`read_index`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._files: dict[str, _IndexFile] = {}
+        self._signature: list[tuple] | None = None
+        self._entries: dict[str, dict[str, Any]] = {}
+
+    def entries(self) -> dict[str, dict[str, Any]]:
+        """``{step file name: entry}``; one listing of the root and one ``stat`` per index file
+        when nothing changed."""
+        paths, signature = [], []
+        for path in index_paths(self.root):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            paths.append(path)
+            signature.append((path.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        if signature == self._signature:
+            return self._entries
+        files = {}
+        for path in paths:
+            state = self._files.get(path.name) or _IndexFile()
+            state.update(path)
+            files[path.name] = state
+        self._files, self._signature = files, signature
+        self._entries = {}
+        for state in files.values():
+            self._entries.update(state.entries)
+        return self._entries
+
+
+class _IndexFile:
+    """What has been read of one index file: its inode, first line, bytes consumed, entries."""
+
+    def __init__(self) -> None:
+        self.inode: int | None = None
+        self.head = b""
+        self.consumed = 0
+        self.entries: dict[str, dict[str, Any]] = {}
+
+    def update(self, path: Path) -> None:
+        try:
+            with open(path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if st.st_size > MAX_INDEX_BYTES:
+                    log.info("tracer: summary index %s is over %d bytes; reading step headers", path, MAX_INDEX_BYTES)
+                    self.__init__()
+                    return
+                if self.inode != st.st_ino or st.st_size < self.consumed or fh.read(len(self.head)) != self.head:
+                    self.__init__()  # a new file, or one started again: read it whole
+                    self.inode = st.st_ino
+                fh.seek(self.consumed)
+                data = fh.read(MAX_INDEX_BYTES + 1 - self.consumed)
+        except OSError as err:
+            log.info("tracer: summary index %s not read (%s); reading step headers", path, err)
+            self.__init__()
+            return
+        end = data.rfind(b"\n") + 1  # what follows the last newline is torn or being written
+        lines = data[:end].split(b"\n")[:-1]
+        if self.consumed == 0:
+            if not lines:
+                return
+            head = _parse(lines[0])
+            if head.get("format") != INDEX_FORMAT or head.get("version") != INDEX_VERSION:
+                self.consumed = 0  # no index, or another format or version: the headers are read
+                return
+            self.head, lines = lines[0] + b"\n", lines[1:]
+        self.consumed += end
+        self.entries.update(_entries(lines))
+
+
+def _entries(lines: list[bytes]) -> dict[str, dict[str, Any]]:
+    """The well-formed entries of complete index lines, as the reader uses them (the summary
+    checked as a header's would be, derived fields as text)."""
     try:  # one parse of all lines is a third cheaper than one per line; any bad line: one at a time
-        parsed = json.loads(b"[" + b",".join(lines[1:]) + b"]")
+        parsed = json.loads(b"[" + b",".join(lines) + b"]") if lines else []
     except (ValueError, RecursionError):
-        parsed = [_parse(raw) for raw in lines[1:]]
+        parsed = [_parse(raw) for raw in lines]
     out = {}
     for entry in parsed:
         if isinstance(entry, dict) and _well_formed(entry):
-            # as the reader uses them: the summary checked as a header's would be, derived as text
             entry["summary"] = read_summary(entry)
             entry["derived"] = ", ".join(entry["derived"])
             out[entry["file"]] = entry
