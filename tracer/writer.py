@@ -110,7 +110,10 @@ class TraceWriter:
     Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
     clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
     as it writes the file (by ``record`` itself when ``async_write=False``), so that a run overview
-    reads headers only. ``record`` checks the schema once per field signature (names, shapes,
+    reads headers only; after each file the writer thread also queues one line for the run's
+    summary index (``summary_index.rank_N.jsonl``, :mod:`tracer.run_index`: name, size and summary,
+    appended at most every second and at ``flush()`` / ``close()``, never fsync'd), so that an
+    overview of many steps reads one file. ``record`` checks the schema once per field signature (names, shapes,
     dtypes, devices); later records with that signature check only the values of non-bool masks.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
