@@ -282,8 +282,8 @@ def test_a_quiet_trace_is_listed_once_and_a_change_is_seen_at_once(tmp_path, mon
 
     out = _write(tmp_path / "run", steps=3)
     listings = []
-    real = reader._listed_step_files
-    monkeypatch.setattr(reader, "_listed_step_files", lambda folder: listings.append(folder) or real(folder))
+    real = reader.listed_step_files
+    monkeypatch.setattr(reader, "listed_step_files", lambda folder: listings.append(folder) or real(folder))
     trace = Trace(out)
     trace.steps(), trace.steps()
     assert len(listings) == 4  # just written (modified under QUIET_S ago): listed every time

@@ -40,6 +40,17 @@ def summary_index_name(rank: int = 0) -> str:
     return f"summary_index.rank_{rank}.jsonl"
 
 
+def listed_step_files(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` entries of ``folder`` (as ``Path.glob`` gives them, from one
+    ``os.scandir``, unsorted); [] when it cannot be listed."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [entry.name for entry in entries if entry.name.endswith(".safetensors")]
+    except OSError:
+        return []
+    return [folder / name for name in names]
+
+
 def _digest_tensor_head(digest: Any, name: str, torch_dtype: str, shape: list[int]) -> None:
     digest.update(f"{name}\0{torch_dtype}\0{list(shape)}\0".encode())
 

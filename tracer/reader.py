@@ -24,7 +24,7 @@ from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.text import clean_str
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
@@ -53,17 +53,6 @@ def _int_or(value: Any, default: int = 0) -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 2**62:
         return int(value)
     return default
-
-
-def _listed_step_files(folder: Path) -> list[Path]:
-    """The ``*.safetensors`` entries of ``folder`` (as ``Path.glob`` gives them, from one
-    ``os.scandir``); [] when it cannot be listed."""
-    try:
-        with os.scandir(folder) as entries:
-            names = [entry.name for entry in entries if entry.name.endswith(".safetensors")]
-    except OSError:
-        return []
-    return [folder / name for name in names]
 
 
 class Trace:
@@ -144,7 +133,7 @@ class Trace:
         cached = self.__dict__.get("_listing_cache")
         if signature is not None and cached is not None and cached[0] == signature:
             return cached[1]
-        paths = sorted([*_listed_step_files(folders[0]), *_listed_step_files(folders[1])], key=str)  # text: cheap
+        paths = sorted([*listed_step_files(folders[0]), *listed_step_files(folders[1])], key=str)  # text: cheap
         quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
         self._listing_cache = (signature, paths) if quiet else None
         return paths
@@ -422,7 +411,7 @@ class Trace:
         for key in self.steps():
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
-            listed = self._listed(key, index) if index else None
+            listed = run_index.summary_row(index, key, self._steps_folder) if index else None
             if listed is not None:
                 rec.update(listed)
                 from_index += 1
@@ -461,23 +450,6 @@ class Trace:
     @cached_property
     def _steps_folder(self) -> str:
         return str(self.root / STEPS_DIR)
-
-    def _listed(self, key: StepKey, index: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-        """The summary row of ``key`` from the index (summary, ``summary_source``, ``derived``), or
-        None when the index does not vouch for the file (:meth:`index_vouches`, here from the key's
-        coordinates) or its summary is not one this reader knows (:func:`tracer.summaries.read_summary`,
-        applied when the index was read)."""
-        entry = index.get(key.path.name)
-        if (entry is None or entry["summary"] is None or entry["step"] != key.step
-                or entry["inner_step"] != key.inner_step or entry["micro_batch"] != key.micro_batch
-                or entry["rank"] != key.rank or os.path.dirname(str(key.path)) != self._steps_folder):
-            return None
-        try:
-            if os.stat(key.path).st_size != entry["size"]:
-                return None
-        except OSError:
-            return None
-        return {**entry["summary"], "summary_source": "header", "derived": entry["derived"]}
 
     def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
         """The summary of one step file: from its header when it holds one, else from its tensors."""

@@ -268,3 +268,21 @@ def vouched(entry: Mapping[str, Any] | None, coordinates: tuple[int, int, int, i
     rank)`` and this ``size`` in bytes (the cheap check that the listed file is the file on disk)."""
     return (entry is not None and entry["size"] == size
             and tuple(entry[k] for k in COORDINATES) == tuple(coordinates))
+
+
+def summary_row(index: Mapping[str, dict[str, Any]], key: Any, steps_folder: str) -> dict[str, Any] | None:
+    """The ``step_summary()`` columns of step file ``key`` (a :class:`tracer.reader.StepKey`) from
+    ``index`` (the summary, ``summary_source = "header"``, ``derived``), or None when the index does
+    not vouch for the file: not listed, listed under other coordinates, not in ``steps_folder``, of
+    another size on disk now, or with a summary this reader does not know."""
+    entry = index.get(key.path.name)
+    if (entry is None or entry["summary"] is None or entry["step"] != key.step
+            or entry["inner_step"] != key.inner_step or entry["micro_batch"] != key.micro_batch
+            or entry["rank"] != key.rank or os.path.dirname(str(key.path)) != steps_folder):
+        return None
+    try:
+        if os.stat(key.path).st_size != entry["size"]:
+            return None
+    except OSError:
+        return None
+    return {**entry["summary"], "summary_source": "header", "derived": entry["derived"]}
