@@ -331,3 +331,23 @@ def test_a_reader_sees_a_new_writer_start_the_index_again(tmp_path):
     assert after.attrs["from_index"] == 3
     pd.testing.assert_frame_equal(after, _from_headers(out))
     assert not after["mean_reward"].equals(before["mean_reward"])
+
+
+def test_a_file_corrupted_in_place_at_its_size_fails_cleanly_when_a_page_reads_it(tmp_path, monkeypatch):
+    """The index vouches by name and size only: such a file stays listed (the sidebar offers it) and
+    the page that reads it says it cannot be read, never raises."""
+    from streamlit.testing.v1 import AppTest
+
+    from app.components import trace_cache
+
+    out = _write(tmp_path / "run", steps=3)
+    with open(out / STEPS_DIR / step_file_name(2), "r+b") as fh:
+        fh.write(b"\xff" * 16)
+    monkeypatch.setenv("TRACER_ROOT", str(tmp_path))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"), default_timeout=120)
+    at.query_params.update({"run": "run", "step": "2"})
+    trace_cache.clear_caches()
+    at.switch_page("app_pages/step.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="step_file").value.startswith("step 2 ")
+    assert any("cannot be read" in e.value for e in at.error)
