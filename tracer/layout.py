@@ -4,6 +4,8 @@ atomic JSON, the content checksum. Shared by the writer (which produces it) and 
     manifest.json          run-level facts (schema version, algorithm, producers, tokenizer, config, status)
     tokens.json            {"tokens": [text of id 0, text of id 1, ...]}, stored once per trace
     steps/step_00000003.inner_0.mb_0.rank_0.safetensors
+    summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,
+                           coordinates and summary (an accelerator for run overviews; tracer.run_index)
 """
 
 from __future__ import annotations
@@ -33,11 +35,28 @@ MANIFEST_NAME = "manifest.json"
 TOKENS_NAME = "tokens.json"
 STEPS_DIR = "steps"
 FORMAT_NAME = "tracer-trace"
+SUMMARY_INDEX_GLOB = "summary_index.rank_*.jsonl"
 
 
 def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
     """The file name of one step file, sortable by step."""
     return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
+
+
+def summary_index_name(rank: int = 0) -> str:
+    """The file name of one rank's summary index at the trace root (:mod:`tracer.run_index`)."""
+    return f"summary_index.rank_{rank}.jsonl"
+
+
+def listed_step_files(folder: Path) -> list[Path]:
+    """The ``*.safetensors`` entries of ``folder`` (as ``Path.glob`` gives them, from one
+    ``os.scandir``, unsorted); [] when it cannot be listed."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [entry.name for entry in entries if entry.name.endswith(".safetensors")]
+    except OSError:
+        return []
+    return [folder / name for name in names]
 
 
 def _digest_tensor_head(digest: Any, name: str, torch_dtype: str, shape: list[int]) -> None:

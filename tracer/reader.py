@@ -7,7 +7,9 @@ step file with canonical field names (metadata optional).
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -15,17 +17,19 @@ from typing import Any, Iterable
 
 import pandas as pd
 import torch
-from tracer import summaries, tables
+from tracer import run_index, summaries, tables
 from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.text import clean_str
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
+QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
+MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
 _STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
 
 
@@ -112,8 +116,27 @@ class Trace:
     def _step_paths(self) -> list[Path]:
         if self._single:
             return [self.path]
-        paths = list((self.root / STEPS_DIR).glob("*.safetensors")) + list(self.root.glob("*.safetensors"))
-        return sorted(paths)
+        return list(self._listing())
+
+    def _listing(self) -> list[Path]:
+        """The ``*.safetensors`` files of ``steps/`` and the root, sorted by text. Listed again
+        whenever either folder's modification time changed (a file added, renamed or removed);
+        a listing is reused only when both folders had been quiet for :data:`QUIET_S` seconds
+        before it was taken, so that a change within one tick of the file system's clock is
+        never missed (the rule git uses for its racy index)."""
+        folders = (self.root / STEPS_DIR, self.root)
+        before = time.time_ns()
+        try:
+            signature = tuple(os.stat(folder).st_mtime_ns if folder.is_dir() else 0 for folder in folders)
+        except OSError:
+            signature = None
+        cached = self.__dict__.get("_listing_cache")
+        if signature is not None and cached is not None and cached[0] == signature:
+            return cached[1]
+        paths = sorted([*listed_step_files(folders[0]), *listed_step_files(folders[1])], key=str)  # text: cheap
+        quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
+        self._listing_cache = (signature, paths) if quiet else None
+        return paths
 
     def steps(self) -> list[StepKey]:
         """Every step file, sorted by (step, inner_step, micro_batch, rank). Reads no tensor data."""
@@ -123,10 +146,18 @@ class Trace:
         """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
         meanwhile is either in both or in neither)."""
         keys = []
+        named = self.__dict__.setdefault("_named_keys", {})  # {path: key} of files named by their coordinates
         for p in paths:
+            key = named.get(p)
+            if key is not None:
+                keys.append(key)
+                continue
             m = _STEP_RE.match(p.name)
             if m:
-                keys.append(StepKey(*(int(g) for g in m.groups()), path=p))
+                key = StepKey(*(int(g) for g in m.groups()), path=p)
+                if len(named) < MAX_NAMED_KEYS:
+                    named[p] = key
+                keys.append(key)
             else:  # a step file named by the user: its header says which step it is
                 try:
                     meta = self._header(p)
@@ -365,21 +396,60 @@ class Trace:
         masked means and quantiles (``mean_ratio``, ``ratio_p50``, ``mean_ref_kl_k3``,
         ``mean_approx_kl_k2``, ``mean_mismatch``, ``mean_reward``, ``mean_advantage``...),
         ``clip_fraction`` (sign-aware, from the step's clip epsilons), NaN counts, and
-        ``summary_source``: ``header`` when the writer stored the summary in the file's header (only
-        the header is read), ``tensors`` when it was computed from the file's tensors (older traces).
+        ``summary_source``: ``header`` when the writer stored the summary in the file's header,
+        ``tensors`` when it was computed from the file's tensors (older traces).
         Values a step lacks are NaN. When a step file cannot be read, its row has only its
-        coordinates and a ``problem`` column says why."""
-        records = []
+        coordinates and a ``problem`` column says why.
+
+        A step file that the run's summary index (:mod:`tracer.run_index`) lists under its name,
+        coordinates and current size is not opened: its row comes from the index (the same
+        numbers as its header); the others are read as above. ``attrs["from_index"]`` counts the
+        rows read from the index. Cost: one listing of the steps, one ``stat`` per step file and
+        one read of the index, plus one header per file the index does not vouch for."""
+        records, from_index = [], 0
+        index = self.summary_index()
         for key in self.steps():
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
+            listed = run_index.summary_row(index, key, self._steps_folder) if index else None
+            if listed is not None:
+                rec.update(listed)
+                from_index += 1
+                records.append(rec)
+                continue
             try:
                 rec.update(self._step_summary_of(key))
                 rec["derived"] = ", ".join(self.derived_fields(key))
             except TraceFormatError as err:
                 rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
-        return pd.DataFrame.from_records(records)
+        frame = pd.DataFrame.from_records(records)
+        frame.attrs["from_index"] = from_index
+        return frame
+
+    def summary_index(self) -> dict[str, dict[str, Any]]:
+        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`);
+        {} for a single step file or a trace without one. Only what a live writer appended since the
+        last call is read (:class:`tracer.run_index.IndexReader`)."""
+        if self._single:
+            return {}
+        reader = self.__dict__.get("_index_reader")
+        if reader is None:
+            reader = self._index_reader = run_index.IndexReader(self.root)
+        return reader.entries()
+
+    def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
+        """True when the summary index lists the step file ``path`` (in ``steps/``, named by its
+        coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
+        entry = (self.summary_index() if index is None else index).get(path.name)
+        if entry is None or entry["size"] != size or os.path.dirname(str(path)) != self._steps_folder:
+            return False
+        match = _STEP_RE.match(path.name)
+        return match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size)
+
+    @cached_property
+    def _steps_folder(self) -> str:
+        return str(self.root / STEPS_DIR)
 
     def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
         """The summary of one step file: from its header when it holds one, else from its tensors."""

@@ -47,6 +47,7 @@ def _stat_keys(name: str) -> list[str]:
 
 
 KEYS = frozenset([*COUNT_KEYS, *CLIP_KEYS, *(k for n in (*TOKEN_STATS, "reward", "advantage") for k in _stat_keys(n))])
+_FLOAT_KEYS = KEYS - frozenset(COUNT_KEYS)
 
 
 def _number(value: Any) -> float | None:
@@ -185,6 +186,10 @@ def read_summary(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {}
     for key, value in raw.items():
+        kind = type(value)  # fast path (a run overview reads thousands): an exact float or count
+        if (kind is float and key in _FLOAT_KEYS) or (kind is int and key in COUNT_KEYS and value >= 0):
+            out[key] = value
+            continue
         if key == "version":
             continue
         if key not in KEYS:

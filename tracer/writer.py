@@ -39,6 +39,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     write_json_atomic,
 )
 from tracer import summaries
+from tracer.run_index import IndexWriter
 from tracer.derived import derive_fields
 from tracer.capture import BackgroundWriter, nonfinite_fields, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
@@ -110,7 +111,10 @@ class TraceWriter:
     Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
     clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
     as it writes the file (by ``record`` itself when ``async_write=False``), so that a run overview
-    reads headers only. ``record`` checks the schema once per field signature (names, shapes,
+    reads headers only; after each file the writer thread also queues one line for the run's
+    summary index (``summary_index.rank_N.jsonl``, :mod:`tracer.run_index`: name, size and summary,
+    appended at most every second and at ``flush()`` / ``close()``, never fsync'd), so that an
+    overview of many steps reads one file. ``record`` checks the schema once per field signature (names, shapes,
     dtypes, devices); later records with that signature check only the values of non-bool masks.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
@@ -205,6 +209,7 @@ class TraceWriter:
                 unlock_rank(self._lock_fd)
                 raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
             log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
+        self._index = IndexWriter(self.root, self.rank)  # the run's summary index (tracer.run_index)
         self._pool = PinnedPool()
         self._background = BackgroundWriter(
             self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
@@ -328,6 +333,7 @@ class TraceWriter:
             return
         if self._background is not None:
             self._background.stop()
+        self._index.close()
         with self._lock:
             self._manifest["status"] = "finished"
         try:
@@ -451,7 +457,8 @@ class TraceWriter:
         if not item.summarised:  # written alone (synchronously, or through the anomaly ring)
             self._summarise([item])
         try:
-            _save_atomic(path, item.tensors, self._encoded_metadata(item.metadata))
+            encoded = self._encoded_metadata(item.metadata)
+            _save_atomic(path, item.tensors, encoded)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return
@@ -460,6 +467,7 @@ class TraceWriter:
             if not item.sampled:
                 self.skipped_steps -= 1
             self._dirty = True
+        self._index.add(path, item.tensors, encoded, item.metadata)  # never raises
 
     def _summarise(self, items: list[StagedStep]) -> None:
         """Put each step's summary (:mod:`tracer.summaries`, steps of one batch computed together)
@@ -521,7 +529,8 @@ class TraceWriter:
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
         unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
-        to raise from the next call), never raised here."""
+        to raise from the next call), never raised here. Also appends the summary index's lines."""
+        self._index.flush(due_only=not force)
         if not self._dirty or (not force and time.monotonic() - self._manifest_written_at < MANIFEST_INTERVAL_S):
             return
         try:

@@ -1,0 +1,134 @@
+"""The run overview at 10,000 vs 10 steps, with the run's summary index (``summary_index.rank_0.jsonl``,
+:mod:`tracer.run_index`) and without it (every step file's header read, as for traces written
+before the index existed), and the Steps page opening and drawing its curves on both traces.
+
+Timed in alternating rounds (the order rotates each round), on two GRPO traces of 8 x 64 tokens
+(14 fields) written by the real writer, each under its own app root:
+
+- ``step_summary()`` of a freshly opened ``Trace`` (the Steps page's curves, ``tracer info``'s
+  overview), with the index and with the index hidden (``run_index.index_paths`` patched to find
+  none, so the reader takes the header path);
+- the Steps page, server side: Streamlit's ``AppTest`` runs the real app script on the Steps page
+  of a new session with the app's caches cleared (``trace_cache.clear_caches``), i.e. the trace is
+  opened, listed, summarised and the figure built and serialised; the run checks that the figure
+  holds one point per step in each panel.
+
+Target (issue 16): the 10,000-step trace opens and draws its curves within 2x the 10-step one.
+
+    python -m bench.overview_index [--big 10000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+from bench.common import machine, median
+from bench.overview_scale import build, spread
+from tracer import run_index
+from tracer.reader import Trace
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def no_index():
+    """A context in which readers find no summary index (the header path of older traces)."""
+    return mock.patch.object(run_index, "index_paths", return_value=[])
+
+
+def summary_seconds(run: Path, indexed: bool) -> float:
+    t0 = time.perf_counter()
+    if indexed:
+        frame = Trace(run).step_summary()
+    else:
+        with no_index():
+            frame = Trace(run).step_summary()
+    seconds = time.perf_counter() - t0
+    assert frame.attrs["from_index"] == (len(frame) if indexed else 0), frame.attrs
+    assert (frame["summary_source"] == "header").all()
+    return seconds
+
+
+def page_seconds(run: Path, indexed: bool) -> float:
+    """Server time of the Steps page of ``run`` in a new session with cold caches."""
+    from streamlit.testing.v1 import AppTest
+
+    from app.components import trace_cache
+
+    os.environ["TRACER_ROOT"] = str(run.parent)
+    at = AppTest.from_file(str(REPO / "app" / "streamlit_app.py"), default_timeout=600)
+    at.query_params.update({"run": run.name})
+    trace_cache.clear_caches()
+    t0 = time.perf_counter()
+    if indexed:
+        at.switch_page("app_pages/steps.py").run()
+    else:
+        with no_index():
+            at.switch_page("app_pages/steps.py").run()
+    seconds = time.perf_counter() - t0
+    assert not at.exception, [e.value for e in at.exception]
+    charts = at.get("plotly_chart")
+    assert len(charts) == 1, "the Steps page drew no figure"
+    steps = len(Trace(run).steps())
+    curves = json.loads(charts[0].proto.spec)["data"]
+    assert curves and all(_points(c["x"]) == steps for c in curves), "a curve lacks points"
+    return seconds
+
+
+def _points(values) -> int:
+    """Number of values in a Plotly JSON array (a list, or a typed array ``{"dtype", "bdata"}``)."""
+    if isinstance(values, dict):
+        return int(np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"]).size)
+    return len(values)
+
+
+def measure(big: int = 10_000, rounds: int = 5) -> dict:
+    logging.getLogger("streamlit").setLevel(logging.ERROR)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {n: build(Path(tmp) / f"root_{n}", n, 8, 64) for n in (10, big)}
+        cases = {(what, n, indexed): (what, runs[n], indexed)
+                 for what in ("summary", "page") for n in (10, big) for indexed in (True, False)}
+        fns = {"summary": summary_seconds, "page": page_seconds}
+        for what, run, indexed in cases.values():  # warm the page cache and the imports
+            fns[what](run, indexed)
+        names, times = list(cases), {name: [] for name in cases}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                what, run, indexed = cases[name]
+                times[name].append(fns[what](run, indexed))
+    return {"big": big, "rounds": rounds, "times": times}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--big", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print(machine())
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    r = measure(args.big, args.rounds)
+    t, big = r["times"], r["big"]
+    print(f"{big} vs 10 steps of 8 x 64, median (min-max) of {r['rounds']} alternating rounds:")
+    for what, label in (("summary", "step_summary()"), ("page", "Steps page, cold (AppTest)")):
+        for indexed, how in ((True, "with the index"), (False, "headers, no index")):
+            large, small = t[(what, big, indexed)], t[(what, 10, indexed)]
+            print(f"  {label:28} {how:18} {spread(large):>22} vs {spread(small):>18}  -> "
+                  f"{median(large) / median(small):6.2f}x")
+    print(f"target: the Steps page at {big} steps within 2x of 10 steps (with the index)")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
