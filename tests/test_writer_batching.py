@@ -279,3 +279,27 @@ def test_an_unexpected_error_in_the_writer_thread_drops_the_batch_and_the_thread
     stopper.join(60)
     assert not stopper.is_alive(), "the writer thread died and stop() waits forever"
     assert written == [0, 2] and len(drops) == 1 and "step 1: writer thread error: RuntimeError" in drops[0]
+
+
+def test_staging_buffers_are_reused_once_written_and_never_shared_while_queued(tmp_path):
+    from tracer.capture import BufferPool, stage
+
+    pool = BufferPool(per_key=8, max_idle_bytes=10_000)
+    a = {"x": torch.arange(4.0), "y": torch.ones(2, 2)}
+    staged1, _, buffers1, _ = stage(a, pool, reuse=True)
+    staged2, _, buffers2, _ = stage(a, pool, reuse=True)  # the first step is not written yet
+    assert staged1["x"].data_ptr() != staged2["x"].data_ptr()
+    pool.give(buffers1)
+    staged3, _, _, _ = stage({"x": torch.full((4,), 7.0), "y": torch.zeros(2, 2)}, pool, reuse=True)
+    assert staged3["x"].data_ptr() == staged1["x"].data_ptr()  # warm memory, reused
+    assert staged3["x"].tolist() == [7.0] * 4 and staged2["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    big = BufferPool(per_key=8, max_idle_bytes=8)  # idle plain buffers are bounded in bytes
+    _, _, held, _ = stage({"x": torch.zeros(4)}, big, reuse=True)
+    big.give(held)
+    assert big.take(torch.Size([4]), torch.float32, pinned=False).data_ptr() != held[0][0].data_ptr()
+    # end to end: every step's file holds its own values although buffers were reused
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        for step in range(40):
+            writer.record(step, {**_step(0), "rewards": torch.full((4,), float(step))})
+    trace = Trace(tmp_path / "run")
+    assert [trace.load_step(k)["rewards"][0].item() for k in trace.steps()] == [float(s) for s in range(40)]

@@ -84,7 +84,7 @@ class StagedStep:
     nbytes: int
     sampled: bool = True  # False: only kept in the anomaly ring
     event: Any = None  # torch.cuda.Event to wait on before reading the tensors
-    pinned: list[torch.Tensor] = field(default_factory=list)  # buffers to hand back to the pool
+    pinned: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # (buffer, pinned) to hand back to the pool
     arrived: float = 0.0  # time.monotonic() when it was queued
     summarised: bool = False  # its summary was computed (or tried) with its batch
 
@@ -104,52 +104,74 @@ def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str |
     return out
 
 
-class PinnedPool:
-    """Reusable pinned host buffers keyed by (shape, dtype); at most ``per_key`` idle buffers each."""
+class BufferPool:
+    """Reusable host buffers keyed by (shape, dtype, pinned): pinned ones for the CUDA staging path,
+    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key; at most
+    ``per_key`` idle plain buffers per key and ``max_idle_bytes`` of them in all. A staged copy into a buffer used before is a copy into warm memory; a
+    fresh allocation of the same size also pays its page faults (about twice the copy at 0.3 MB per
+    step: BENCHMARKS.md, blocked time)."""
 
-    def __init__(self, per_key: int = 4) -> None:
+    def __init__(self, per_key: int = 4, max_idle_bytes: int = 64 * 2**20, pinned_per_key: int = 4) -> None:
         self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
         self._lock = threading.Lock()
-        self._per_key = per_key
+        self._per_key, self._max_idle, self._pinned_per_key = per_key, max_idle_bytes, pinned_per_key
+        self._idle_bytes = 0
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
         with self._lock:
-            free = self._free.get((tuple(shape), dtype))
+            free = self._free.get((tuple(shape), dtype, pinned))
             if free:
-                return free.pop()
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+                buf = free.pop()
+                if not pinned:
+                    self._idle_bytes -= buf.nbytes
+                return buf
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
-    def give(self, buffers: list[torch.Tensor]) -> None:
+    def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
+        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads any more."""
         with self._lock:
-            for buf in buffers:
-                free = self._free[(tuple(buf.shape), buf.dtype)]
-                if len(free) < self._per_key:
+            for buf, pinned in buffers:
+                free = self._free[(tuple(buf.shape), buf.dtype, pinned)]
+                room = len(free) < self._pinned_per_key if pinned else (
+                    len(free) < self._per_key and self._idle_bytes + buf.nbytes <= self._max_idle)
+                if room:
                     free.append(buf)
+                    if not pinned:
+                        self._idle_bytes += buf.nbytes
+
+
+PinnedPool = BufferPool  # the name it had when it held pinned buffers only
 
 
 def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
-          owned: frozenset[str] | set[str] = frozenset()) -> tuple[dict, Any, list, int]:
-    """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, pinned, nbytes).
+          owned: frozenset[str] | set[str] = frozenset(), reuse: bool = False) -> tuple[dict, Any, list, int]:
+    """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, buffers, nbytes).
 
-    CPU tensors are cloned (contiguous), except those named in ``owned`` (made for this record
-    alone, e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
-    contiguous, without a copy. CUDA tensors go to pinned buffers through a side stream; ``event``
-    must be waited on before the staged tensors are read.
+    CPU tensors are copied (contiguous) into buffers from ``pool`` when ``reuse`` (given back once
+    written, so later steps copy into warm memory) or cloned, except those named in ``owned`` (made for this record alone,
+    e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
+    contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) through a side stream;
+    ``event`` must be waited on before the staged tensors are read. ``buffers``: the ``(buffer,
+    pinned)`` pairs to give back (:meth:`BufferPool.give`) once the step is written.
     """
     staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
         for name, t in tensors.items():
             if t.is_cuda:
                 cuda.append((name, t))
-            elif name in owned and t._base is None and not t.requires_grad and t.is_contiguous():
+                continue
+            nbytes += t.nbytes
+            if name in owned and t._base is None and not t.requires_grad and t.is_contiguous():
                 staged[name] = t
-                nbytes += t.nbytes
+            elif reuse and pool is not None and t.numel():
+                buf = pool.take(t.shape, t.dtype, pinned=False)
+                staged[name] = buf.copy_(t)
+                pinned.append((buf, False))
             else:
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
-                nbytes += t.nbytes
     event = None
     if cuda:
-        pool = pool or PinnedPool()
+        pool = pool or BufferPool()
         device = cuda[0][1].device
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))  # the values are final when the copy starts
@@ -160,7 +182,7 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
                 buf.copy_(src, non_blocking=True)
                 src.record_stream(side)
                 staged[name], nbytes = buf, nbytes + buf.numel() * buf.element_size()
-                pinned.append(buf)
+                pinned.append((buf, True))
             event = torch.cuda.Event()
             event.record(side)
     return staged, event, pinned, nbytes
@@ -225,7 +247,8 @@ class BackgroundWriter:
             its exceptions are logged, never raised.
         prepare: called on the writer thread with the normalised steps of a batch about to be
             written (the writer computes their summaries together there); exceptions are its own.
-        linger_s, max_batch: after a step arrives the writer thread waits up to ``linger_s`` for
+        linger_s, max_batch: after a step arrives the writer thread waits up to ``linger_s`` (default
+            :data:`LINGER_S`) for
             more (at most ``max_batch``), unless a ``flush``, ``stop`` or a full queue needs it now:
             a batch of small steps costs about the interpreter time of one (the writer thread
             shares the interpreter lock with the training loop). Files appear at most
@@ -238,7 +261,7 @@ class BackgroundWriter:
                  ring: int = 0, kl_spike: float | None = None, pool: PinnedPool | None = None,
                  tick: Callable[[], None] | None = None, tick_interval: float = 1.0,
                  prepare: Callable[[list[StagedStep]], None] | None = None,
-                 linger_s: float = LINGER_S, max_batch: int = MAX_BATCH) -> None:
+                 linger_s: float | None = None, max_batch: int = MAX_BATCH) -> None:
         if when_full not in ("block", "drop"):
             raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
         self._write_fn, self._normalise, self._on_drop, self._on_error = write_fn, normalise, on_drop, on_error
@@ -247,7 +270,8 @@ class BackgroundWriter:
         self._kl_spike = kl_spike
         self._pool = pool
         self._tick, self._tick_interval = tick, tick_interval
-        self._prepare, self._linger_s, self._max_batch = prepare, linger_s, max(1, max_batch)
+        self._prepare, self._max_batch = prepare, max(1, max_batch)
+        self._linger_s = LINGER_S if linger_s is None else linger_s
         self._hurry = 0  # flush() calls and producers waiting for room: no lingering while > 0
         self._queue: collections.deque[StagedStep | None] = collections.deque()
         self._bytes = 0

@@ -41,7 +41,8 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
 from tracer import summaries
 from tracer.run_index import IndexWriter
 from tracer.derived import derive_fields
-from tracer.capture import BackgroundWriter, nonfinite_fields, PinnedPool, SamplingPolicy, StagedStep, first_k_sequences, stage
+from tracer.capture import (MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences,
+                            nonfinite_fields, stage)
 from tracer.errors import SchemaError, TraceError
 from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
                            encode_metadata, jsonable, normalise_tensors)
@@ -210,7 +211,7 @@ class TraceWriter:
                 raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
             log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
         self._index = IndexWriter(self.root, self.rank)  # the run's summary index (tracer.run_index)
-        self._pool = PinnedPool()
+        self._pool = BufferPool(per_key=max(4, 2 * min(max_queue_steps, MAX_BATCH)))
         self._background = BackgroundWriter(
             self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
             max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
@@ -290,7 +291,7 @@ class TraceWriter:
         if self.sampling.first_k_sequences is not None:
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
         try:
-            staged, event, pinned, nbytes = stage(tensors, self._pool, owned)
+            staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None)
         except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
             self._fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
             self._raise_pending()
