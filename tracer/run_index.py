@@ -111,12 +111,15 @@ class IndexWriter:
         """Flush and close the file (idempotent)."""
         self.flush()
         with self._lock:
-            if self._fd is not None:
-                try:
-                    os.close(self._fd)
-                except OSError:
-                    pass
-                self._fd = None
+            self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
     def _fail(self, err: OSError) -> None:
         if not self._failed:
@@ -124,12 +127,7 @@ class IndexWriter:
                         self.path, err)
         self._failed = True
         self._lines = []
-        if self._fd is not None:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
+        self._close_fd()
 
 
 # -- reading ----------------------------------------------------------------------------------------
