@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from bench import (blocked_time, loops, memory_budget, open_scale, overhead, overview_scale, record_cost,
-                   slow_disk_drop, step_page, verify_cost, write_throughput)
+from bench import (blocked_time, loops, memory_budget, open_scale, overhead, overview_index, overview_scale,
+                   record_cost, slow_disk_drop, step_page, verify_cost, write_throughput, writer_cost)
 from bench.common import machine
 
 
@@ -68,6 +68,15 @@ def main() -> None:
                  f"{1e3 * overview_scale.median(v['times']['tensors']):.0f} ms", f"{v['tensors_vs_headers']:.1f}x", "(reported)"))
     rows.append((f"overview of {v['big']} vs 10 steps, per step file", f"{v['large_ms']:.0f} vs {v['small_ms']:.1f} ms",
                  f"{v['per_file_ratio']:.2f}x", "<= 2x"))
+    x = overview_index.measure(rounds=3)
+    t = x["times"]
+    for what, label in (("summary", "step_summary()"), ("page", "Steps page, cold, server side")):
+        large, small = overview_index.median(t[(what, x["big"], True)]), overview_index.median(t[(what, 10, True)])
+        rows.append((f"{label} with the summary index, {x['big']} vs 10 steps", f"{1e3 * large:.0f} vs {1e3 * small:.0f} ms",
+                     f"{large / small:.1f}x", "<= 2x" if what == "page" else "(reported)"))
+    wc = writer_cost.measure(steps=200, rounds=3)
+    for label, us in wc["median_us"]["this"].items():
+        rows.append((f"writer thread CPU per step file, {label}", f"{us:.0f} us", "", "(reported)"))
     print("| benchmark | measured | ratio | target |")
     print("|---|---|---|---|")
     for row in rows:
