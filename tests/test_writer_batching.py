@@ -303,3 +303,27 @@ def test_staging_buffers_are_reused_once_written_and_never_shared_while_queued(t
             writer.record(step, {**_step(0), "rewards": torch.full((4,), float(step))})
     trace = Trace(tmp_path / "run")
     assert [trace.load_step(k)["rewards"][0].item() for k in trace.steps()] == [float(s) for s in range(40)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_bytes_equal_the_reference_checksum_and_nonfinite_scan(seed):
+    from tracer import step_bytes
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"policy_logprobs": -torch.rand(3, 5, generator=g), "ids": torch.randint(0, 9, (3, 5), generator=g),
+               "mask": torch.rand(3, 5, generator=g) > 0.5, "half": torch.randn(4, generator=g).half(),
+               "bf": torch.randn(2, generator=g).bfloat16(), "wide": torch.randn(2, generator=g).double(),
+               "scalar": torch.tensor(0.5), "empty": torch.zeros(0, 3)}
+    if seed % 2:
+        tensors["policy_logprobs"][1, 2] = float("nan")
+        tensors["bf"][0] = float("inf")
+        tensors["wide"][1] = float("-inf")
+    plan = step_bytes.make_plan(tensors)
+    got = step_bytes.describe(tensors, plan)
+    assert got.content_sha256 == content_sha256(tensors)
+    assert got.nonfinite == nonfinite_fields(tensors)
+    assert got.specs is None  # an empty tensor: written by save_file
+    del tensors["empty"]
+    got = step_bytes.describe(tensors, step_bytes.make_plan(tensors))
+    assert got.specs is not None and set(got.specs) == set(tensors)
+    assert got.content_sha256 == content_sha256(tensors)

@@ -86,6 +86,7 @@ class StagedStep:
     event: Any = None  # torch.cuda.Event to wait on before reading the tensors
     pinned: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # (buffer, pinned) to hand back to the pool
     arrived: float = 0.0  # time.monotonic() when it was queued
+    specs: Any = None  # safetensors pointer specs made with its checksum (tracer.step_bytes)
     summarised: bool = False  # its summary was computed (or tried) with its batch
 
     def wait(self) -> None:

@@ -59,8 +59,13 @@ def listed_step_files(folder: Path) -> list[Path]:
     return [folder / name for name in names]
 
 
+def digest_head(name: str, torch_dtype: str, shape: list[int]) -> bytes:
+    """What :func:`content_sha256` hashes before a tensor's bytes: its name, dtype and shape."""
+    return f"{name}\0{torch_dtype}\0{list(shape)}\0".encode()
+
+
 def _digest_tensor_head(digest: Any, name: str, torch_dtype: str, shape: list[int]) -> None:
-    digest.update(f"{name}\0{torch_dtype}\0{list(shape)}\0".encode())
+    digest.update(digest_head(name, torch_dtype, shape))
 
 
 def content_sha256(tensors: Mapping[str, torch.Tensor], buffers: Mapping[str, Any] | None = None) -> str:
@@ -298,14 +303,16 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
     return specs
 
 
-def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                specs: dict[str, Any] | None = None) -> None:
     """safetensors ``serialize_file`` (``save_file`` for tensors its pointer specs cannot describe)
     to ``<path>.partial``, fsync, then rename: the file appears complete or not at all, and survives
     a power loss once renamed. ``tensors`` must not share storage (:func:`unshare`) and must stay
-    alive during the call."""
+    alive during the call. ``specs``: their pointer specs when the caller made them already
+    (:mod:`tracer.step_bytes`)."""
     tmp = path.with_name(path.name + ".partial")
     try:
-        specs = _tensor_specs(tensors)
+        specs = specs if specs is not None else _tensor_specs(tensors)
         if specs is None:
             save_file(tensors, str(tmp), metadata=metadata)
         else:

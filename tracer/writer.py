@@ -26,7 +26,6 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     STEPS_DIR,
     TOKENS_NAME,
     content_sha256,
-    tensor_bytes,
     producers,
     lock_rank,
     refuse_existing_trace,
@@ -38,11 +37,11 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare,
     write_json_atomic,
 )
-from tracer import summaries
+from tracer import step_bytes, summaries
 from tracer.run_index import IndexWriter
 from tracer.derived import derive_fields
 from tracer.capture import (MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences,
-                            nonfinite_fields, stage)
+                            stage)
 from tracer.errors import SchemaError, TraceError
 from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
                            encode_metadata, jsonable, normalise_tensors)
@@ -172,7 +171,7 @@ class TraceWriter:
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in self._hyperparameters_encoded.items())
         self._recorded: set[tuple[int, int, int]] = set()
         self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
-        self._stored_signatures: set[tuple] = set()  # (name, dtype) signatures already in stored form
+        self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
         self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         steps_dir = self.root / STEPS_DIR
@@ -433,20 +432,21 @@ class TraceWriter:
 
     def _normalise_staged(self, item: StagedStep) -> None:
         """Stored form, non-finite fields and checksum of a staged step (writer thread). Staged tensors
-        are contiguous CPU copies, each its own; a signature whose dtypes are already the stored ones
-        (remembered) skips the conversion pass."""
-        signature = tuple((name, t.dtype) for name, t in item.tensors.items())
-        if signature not in self._stored_signatures:
+        are contiguous CPU copies, each its own; a signature already in stored form skips the
+        conversion pass, and its :class:`tracer.step_bytes.StepPlan` is remembered."""
+        staged = step_bytes.signature(item.tensors)
+        plan = self._plans.get(staged)
+        if plan is None:
             item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
-            # same dtypes out as in: nothing was converted (a 0/1 float mask always is, so never lands here)
-            if tuple((n, t.dtype) for n, t in item.tensors.items()) == signature and \
-                    len(self._stored_signatures) < MAX_SIGNATURES:
-                self._stored_signatures.add(signature)
-        buffers = {name: tensor_bytes(t) for name, t in item.tensors.items()}
-        nonfinite = nonfinite_fields(item.tensors, buffers)
-        if nonfinite:
-            item.metadata["nonfinite_fields"] = nonfinite
-        item.metadata["content_sha256"] = content_sha256(item.tensors, buffers)
+            plan = step_bytes.make_plan(item.tensors)
+            # same signature out as in: nothing was converted (a 0/1 float mask always is, so never lands here)
+            if step_bytes.signature(item.tensors) == staged and len(self._plans) < step_bytes.MAX_PLANS:
+                self._plans[staged] = plan
+        described = step_bytes.describe(item.tensors, plan)
+        if described.nonfinite:
+            item.metadata["nonfinite_fields"] = described.nonfinite
+        item.metadata["content_sha256"] = described.content_sha256
+        item.specs = described.specs
 
     def _on_normalise_error(self, item: StagedStep, err: Exception) -> None:
         self._fail(f"step {item.step}: {type(err).__name__}: {err}", err)
@@ -459,7 +459,7 @@ class TraceWriter:
             self._summarise([item])
         try:
             encoded = self._encoded_metadata(item.metadata)
-            _save_atomic(path, item.tensors, encoded)
+            _save_atomic(path, item.tensors, encoded, item.specs)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return

@@ -1,0 +1,103 @@
+"""The bytes of one staged step, for the writer thread: each tensor's buffer, the content checksum
+(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and safetensors' pointer specs,
+with everything that depends only on the step's field signature (names, dtypes, shapes) worked out
+once per signature (:class:`StepPlan`).
+
+Why: the writer thread shares the interpreter lock with the training loop, so its Python time per
+step is taken from a loop of small steps almost one for one (BENCHMARKS.md, issue 16). A step of
+14 small fields used to cost four passes over its tensors, each asking torch for shapes, dtypes and
+pointers again; a plan makes that one pass of a few attribute reads and buffer views.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tracer.layout import TensorSpec, digest_head
+
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
+CONCAT_BYTES = 2**20  # float fields up to this size in all are scanned as one concatenated array
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a field signature fixes: the hashing order and each tensor's hash head, the float fields
+    numpy scans (grouped by dtype) and those torch scans, and safetensors' dtype names."""
+
+    order: tuple[str, ...]
+    heads: dict[str, bytes]
+    nbytes: dict[str, int]
+    numpy_floats: dict[Any, tuple[str, ...]]  # numpy dtype -> field names
+    torch_floats: tuple[str, ...]
+    spec_dtypes: dict[str, str]
+    pointer_specs: bool  # every tensor can be written from its pointer (else save_file)
+
+
+def signature(tensors: dict[str, torch.Tensor]) -> tuple:
+    """(name, dtype, shape) of each tensor, in order: what a :class:`StepPlan` depends on."""
+    return tuple((name, t.dtype, t.shape) for name, t in tensors.items())
+
+
+def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
+    """The plan of ``tensors`` (contiguous CPU tensors, as the writer stores them)."""
+    numpy_floats: dict[Any, list[str]] = {}
+    torch_floats = []
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            dtype = _NUMPY_FLOATS.get(t.dtype)
+            if dtype is None:
+                torch_floats.append(name)
+            else:
+                numpy_floats.setdefault(dtype, []).append(name)
+    return StepPlan(
+        order=tuple(sorted(tensors)),
+        heads={name: digest_head(name, str(t.dtype), list(t.shape)) for name, t in tensors.items()},
+        nbytes={name: t.nbytes for name, t in tensors.items()},
+        numpy_floats={k: tuple(v) for k, v in numpy_floats.items()},
+        torch_floats=tuple(torch_floats),
+        spec_dtypes={name: str(t.dtype)[6:] for name, t in tensors.items()},
+        pointer_specs=TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values()),
+    )
+
+
+@dataclass
+class StepBytes:
+    """One step's checksum, non-finite fields and safetensors specs (None: write with save_file).
+    ``buffers`` are views of the tensors' memory: valid while the tensors live."""
+
+    content_sha256: str
+    nonfinite: list[str]
+    specs: dict[str, Any] | None
+    buffers: dict[str, Any]
+
+
+def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
+    """One pass over ``tensors`` (contiguous, CPU, matching ``plan``'s signature). The checksum
+    equals :func:`tracer.layout.content_sha256` (tested)."""
+    pointers = {name: t.data_ptr() for name, t in tensors.items()}
+    buffers = {name: (ctypes.c_ubyte * plan.nbytes[name]).from_address(ptr) if plan.nbytes[name] else b""
+               for name, ptr in pointers.items()}
+    digest = hashlib.sha256()
+    for name in plan.order:
+        digest.update(plan.heads[name])
+        digest.update(buffers[name])
+    bad: set[str] = set()
+    for dtype, names in plan.numpy_floats.items():
+        arrays = [np.frombuffer(buffers[n], dtype=dtype) for n in names]
+        small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
+        if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
+            bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
+    bad.update(n for n in plan.torch_floats if not bool(torch.isfinite(tensors[n]).all()))
+    specs = None
+    if plan.pointer_specs:
+        specs = {name: TensorSpec(dtype=plan.spec_dtypes[name], shape=tensors[name].shape, data_ptr=ptr,
+                                  data_len=plan.nbytes[name]) for name, ptr in pointers.items()}
+    return StepBytes(digest.hexdigest(), [n for n in tensors if n in bad], specs, buffers)
