@@ -88,7 +88,7 @@ st.caption(f"Blank: masked positions (not in the loss). Diverging scale centred 
            "long steps are binned, each bin showing its value farthest from the centre.")
 
 st.header("Histograms over the kept tokens")
-meta = trace_cache.step_metadata(trace_path, str(key.path), trace_cache.mtime_ns(key.path))
+meta = trace_cache.step_metadata(trace_path, str(key.path), trace_cache.file_id(key.path))
 low, high = hyperparameter(trace, meta, "clip_epsilon_low"), hyperparameter(trace, meta, "clip_epsilon_high")
 clip = (1 - low, 1 + high) if low is not None and high is not None else None
 st.plotly_chart(histograms_figure(frame, clip, derived), width="stretch", key="step_histograms")

@@ -1,0 +1,296 @@
+"""The viewer in a real browser on big traces: first paint, step change and sequence change of the
+Tokens, Step, Groups, Steps and Overview pages, as browser wall time and as server script time,
+and the server's memory per browser session; this checkout's app and main's (``--before``) side
+by side in one run.
+
+    python -m bench.viewer_browser [--steps 200 2000] [--B 64] [--T 256] [--sessions 5]
+                                   [--before 046c1e1 | --before none] [--pages tokens step ...]
+
+Traces: :mod:`bench.viewer_traces` (GRPO, every canonical field, cached under /tmp by version).
+Each app is started with ``streamlit run`` headless on 127.0.0.1 through
+``bench/streamlit_timed.py``, which logs every script run (start, end, session). Headless Chromium
+(/usr/bin/chromium, Playwright) opens each page in a new browser context (a new session):
+
+- first paint: from ``page.goto`` until the page's own content is visible and the app is idle (no
+  status widget, nothing stale, no script run in progress in the server's log); ``cold`` is the
+  first session of a fresh server (empty caches), the others are warm;
+- step change / sequence change: from the selection in the sidebar's Step file / Sequence box
+  (typed, then Enter) until the new step's or sequence's content is visible and the app is idle.
+
+Server time is the sum of the script runs that started after the action (or the navigation) and
+ended before it was visible: what Streamlit spent running the page, without the network and the
+browser's drawing. Memory: the server's RSS (``/proc/PID/status``) with 1 session open on the big
+trace, then with ``--sessions`` open at once (each having shown its own step), and one session
+after it has visited 5 and then 20 distinct steps (the caches are bounded: RSS must level off).
+Before = the app and tracer of ``--before`` (``git archive``, extracted under the cache) run on
+the same traces, servers one after the other; ratio = before / after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import io
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import viewer_traces
+from bench.common import machine, median
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+TIMEOUT_MS = 180_000
+# What each page shows once it has run: a text that names the chosen step or sequence.
+PAGES = {
+    "tokens": ("tokens", "Tokens", "{label} · sequence {seq}"),
+    "step": ("step", "Step", "step {step} · inner 0 ·"),
+    "groups": ("groups", "Groups", "{label} ·"),
+    "steps": ("steps", "Steps", "step files"),
+    "overview": ("overview", "Run overview", "{label} ·"),
+}
+
+
+def extract_app(ref: str) -> Path:
+    """``app/`` and ``tracer/`` of git ``ref`` in a directory of their own (read through
+    ``git archive``: the repository is not changed), reused when already there."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    out = viewer_traces.CACHE / "apps" / sha
+    if not (out / ".done").is_file():
+        data = subprocess.run(["git", "-C", str(REPO), "archive", sha, "app", "tracer"], check=True,
+                              capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            tar.extractall(out, filter="data")
+        (out / ".done").write_text(sha)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``streamlit run`` of the app under ``app_repo`` on ``root`` (headless, 127.0.0.1), its
+    script runs logged to ``log``; a context manager that stops it (process group) on exit."""
+
+    def __init__(self, app_repo: Path, root: Path, log: Path) -> None:
+        self.app_repo, self.root, self.log = app_repo, root, log
+
+    def __enter__(self) -> "Server":
+        self.log.unlink(missing_ok=True)
+        port = _free_port()
+        env = {**os.environ, "PYTHONPATH": str(self.app_repo), "HF_HUB_OFFLINE": "1",
+               "TRACER_BENCH_TIMING": str(self.log)}
+        cmd = [sys.executable, str(REPO / "bench" / "streamlit_timed.py"), "run",
+               str(self.app_repo / "app" / "streamlit_app.py"), "--server.address", "127.0.0.1",
+               "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+               "--server.fileWatcherType", "none", "--", "--root", str(self.root)]
+        self.out = open(self.log.with_suffix(".out"), "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"streamlit exited: {self.log.with_suffix('.out').read_text()}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2):
+                return self
+            if time.monotonic() > deadline:
+                raise RuntimeError("streamlit did not answer in 90 s")
+            time.sleep(0.2)
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+
+    def runs(self) -> list[dict]:
+        """The script runs logged so far (one dict per finished run)."""
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+
+    def rss_mb(self) -> float:
+        """The server's resident memory, MiB."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+
+
+def wait_shown(page, server: Server, t0: float, text: str) -> tuple[float, float, int]:
+    """Block until ``text`` is in the main area, the app is idle in the browser (no status widget,
+    nothing stale) and no run that started after ``t0`` is still going on the server.
+    Returns (browser wall seconds since ``t0``, server script seconds, script runs)."""
+    page.wait_for_function(
+        """text => { const main = document.querySelector('[data-testid=stMain]');
+                     return main && main.innerText.includes(text)
+                       && !document.querySelector('[data-testid=stStatusWidget]')
+                       && !document.querySelector('[data-stale=true]'); }""", arg=text, timeout=TIMEOUT_MS)
+    shown = time.time()
+    while True:  # the browser is idle; the server's run ended (it is logged when it ends)
+        runs = [r for r in server.runs() if r["start"] >= t0 and not r["fragment"]]
+        if runs and max(r["end"] for r in runs) <= time.time():
+            break
+        time.sleep(0.02)
+    shown = max(shown, max(r["end"] for r in runs))
+    return shown - t0, sum(r["end"] - r["start"] for r in runs), len(runs)
+
+
+def choose(page, label: str, option: str) -> float:
+    """Type ``option`` into the sidebar selectbox ``label`` and press Enter; the time of the Enter."""
+    box = page.get_by_role("combobox", name=label)
+    box.click()
+    box.fill(option)
+    page.get_by_role("option").filter(has_text=option).first.wait_for()
+    t0 = time.time()
+    page.keyboard.press("Enter")
+    return t0
+
+
+def step_label(step: int) -> str:
+    return f"step {step} · inner 0 · mb 0 · rank 0"
+
+
+def measure_page(browser, server: Server, name: str, steps: int) -> dict[str, tuple[float, float, int]]:
+    """First paint, step change and sequence change of one page in a new browser context."""
+    path, _, marker = PAGES[name]
+    first, second = steps // 2, steps // 2 + 1
+    context = browser.new_context(viewport={"width": 1600, "height": 1200})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        t0 = time.time()
+        page.goto(f"{server.url}/{path}?run=.&step={first}&seq=0")
+        out = {"first": wait_shown(page, server, t0, marker.format(label=step_label(first), step=first, seq=0))}
+        t0 = choose(page, "Step file", step_label(second) + "")
+        out["step"] = wait_shown(page, server, t0, marker.format(label=step_label(second), step=second, seq=0))
+        t0 = choose(page, "Sequence", "seq 5 ·")
+        out["sequence"] = wait_shown(page, server, t0, marker.format(label=step_label(second), step=second, seq=5))
+    finally:
+        context.close()
+    return out
+
+
+def measure_memory(browser, server: Server, steps: int, sessions: int) -> dict[str, float]:
+    """Server RSS with 1 and ``sessions`` sessions open on the Tokens page (each on a step of its
+    own, then one step change), and after one session has visited 5, then 20 distinct steps."""
+    contexts, out = [], {}
+    try:
+        for i in range(sessions):
+            context = browser.new_context(viewport={"width": 1600, "height": 1200})
+            contexts.append(context)
+            page = context.new_page()
+            page.set_default_timeout(TIMEOUT_MS)
+            t0 = time.time()
+            step = (i * 97) % steps
+            page.goto(f"{server.url}/tokens?run=.&step={step}&seq=0")
+            wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
+            t0 = choose(page, "Step file", step_label(step + 1))
+            wait_shown(page, server, t0, f"{step_label(step + 1)} · sequence 0")
+            if i == 0:
+                out["rss_1_mb"] = server.rss_mb()
+        out[f"rss_{sessions}_mb"] = server.rss_mb()
+        out["per_session_mb"] = (out[f"rss_{sessions}_mb"] - out["rss_1_mb"]) / max(sessions - 1, 1)
+        page = contexts[0].pages[0]
+        for k in range(20):
+            step = (k * 31 + 7) % steps
+            t0 = choose(page, "Step file", step_label(step))
+            wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
+            if k == 4:
+                out["rss_5_steps_mb"] = server.rss_mb()
+        out["rss_20_steps_mb"] = server.rss_mb()
+    finally:
+        for context in contexts:
+            context.close()
+    return out
+
+
+def measure_app(app_repo: Path, trace: Path, steps: int, pages: list[str], sessions: int, log: Path) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    with Server(app_repo, trace, log) as server, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            result = {"rss_start_mb": server.rss_mb(), "pages": {}}
+            context = browser.new_context()
+            page = context.new_page()
+            t0 = time.time()
+            page.goto(f"{server.url}/?run=.&step=0&seq=0")
+            result["cold_first"] = wait_shown(page, server, t0, f"{step_label(0)} · sequence 0")
+            context.close()
+            for name in pages:
+                result["pages"][name] = measure_page(browser, server, name, steps)
+            if sessions:
+                result["memory"] = measure_memory(browser, server, steps, sessions)
+        finally:
+            browser.close()
+    return result
+
+
+def _cell(value: tuple[float, float, int] | None) -> str:
+    return "-" if value is None else f"{value[0]:.2f} / {value[1]:.2f}"
+
+
+def report(results: dict, pages: list[str]) -> None:
+    """Print one table per trace: browser / server seconds, after vs before and the ratio."""
+    for trace, sides in results.items():
+        after, before = sides["after"], sides.get("before")
+        print(f"\n{trace}: browser wall s / server script s (after{' | before | ratio before/after' if before else ''})")
+        rows = [("first page, cold server", after["cold_first"], before and before["cold_first"])]
+        for name in pages:
+            for what in ("first", "step", "sequence"):
+                rows.append((f"{name}: {what}", after["pages"][name][what],
+                             before and before["pages"][name][what]))
+        for label, a, b in rows:
+            ratio = f" | {_cell(b)} | {b[0] / a[0]:.1f}x / {b[1] / max(a[1], 1e-3):.1f}x" if b else ""
+            print(f"  {label:28s} {_cell(a)}{ratio}")
+        for side, result in (("after", after), ("before", before)):
+            if result and "memory" in result:
+                print(f"  memory {side}: start {result['rss_start_mb']:.0f} MiB, "
+                      + ", ".join(f"{k} {v:.0f}" for k, v in result["memory"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[200, 2000])
+    parser.add_argument("--B", type=int, default=64)
+    parser.add_argument("--T", type=int, default=256)
+    parser.add_argument("--sessions", type=int, default=5, help="concurrent sessions for the memory figure (0: skip)")
+    parser.add_argument("--before", default="046c1e1", help="git ref of the app to compare with, or 'none'")
+    parser.add_argument("--pages", nargs="+", default=list(PAGES), choices=list(PAGES))
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+    print(f"Machine: {machine()}; load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+    logs = viewer_traces.CACHE / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    sides = {"after": REPO} if args.before == "none" else {"before": extract_app(args.before), "after": REPO}
+    results = {}
+    for steps in args.steps:
+        trace = viewer_traces.ensure(steps, args.B, args.T, log=print)
+        name = f"{steps} steps x {args.B} x {args.T}"
+        results[name] = {}
+        for side, app_repo in sides.items():
+            sessions = args.sessions if steps == max(args.steps) else 0
+            results[name][side] = measure_app(app_repo, trace, steps, args.pages, sessions, logs / f"{side}_{steps}.jsonl")
+    report(results, args.pages)
+    print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
