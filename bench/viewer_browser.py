@@ -131,7 +131,10 @@ class Server:
         return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
 
 
-def wait_shown(page, server: Server, t0: float, text: str) -> tuple[float, float, int]:
+Timing = tuple[float, float, int]  # (browser wall s, server script s, script runs)
+
+
+def wait_shown(page, server: Server, t0: float, text: str) -> Timing:
     """Block until ``text`` is in the main area, the app is idle in the browser (no status widget,
     nothing stale) and no run that started after ``t0`` is still going on the server.
     Returns (browser wall seconds since ``t0``, server script seconds, script runs)."""
@@ -165,18 +168,24 @@ def step_label(step: int) -> str:
     return f"step {step} · inner 0 · mb 0 · rank 0"
 
 
-def measure_page(browser, server: Server, name: str, steps: int) -> dict[str, tuple[float, float, int]]:
-    """First paint, step change and sequence change of one page in a new browser context."""
-    path, _, marker = PAGES[name]
-    first, second = steps // 2, steps // 2 + 1
+def _new_page(browser):
     context = browser.new_context(viewport={"width": 1600, "height": 1200})
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
+    return context, page
+
+
+def measure_page(browser, server: Server, name: str, first: int) -> dict[str, Timing]:
+    """First paint (``?step=first``), step change (to ``first + 1``) and sequence change (to row 5)
+    of one page in a new browser context (a new session)."""
+    path, _, marker = PAGES[name]
+    second = first + 1
+    context, page = _new_page(browser)
     try:
         t0 = time.time()
         page.goto(f"{server.url}/{path}?run=.&step={first}&seq=0")
         out = {"first": wait_shown(page, server, t0, marker.format(label=step_label(first), step=first, seq=0))}
-        t0 = choose(page, "Step file", step_label(second) + "")
+        t0 = choose(page, "Step file", step_label(second))
         out["step"] = wait_shown(page, server, t0, marker.format(label=step_label(second), step=second, seq=0))
         t0 = choose(page, "Sequence", "seq 5 ·")
         out["sequence"] = wait_shown(page, server, t0, marker.format(label=step_label(second), step=second, seq=5))
@@ -185,83 +194,100 @@ def measure_page(browser, server: Server, name: str, steps: int) -> dict[str, tu
     return out
 
 
-def measure_memory(browser, server: Server, steps: int, sessions: int) -> dict[str, float]:
-    """Server RSS with 1 and ``sessions`` sessions open on the Tokens page (each on a step of its
-    own, then one step change), and after one session has visited 5, then 20 distinct steps."""
-    contexts, out = [], {}
+def measure_sessions(browser, server: Server, steps: int, sessions: int) -> dict[str, float]:
+    """Memory and concurrency with ``sessions`` sessions on the Tokens page, each on a step of its
+    own: server RSS with 1 session and with all open; one step change in every session at once
+    (the slowest session's browser wall time, the server time of all those runs); then RSS after one
+    session has visited 5 and 20 more distinct steps (the caches are bounded: RSS levels off)."""
+    pages, out = [], {}
     try:
         for i in range(sessions):
-            context = browser.new_context(viewport={"width": 1600, "height": 1200})
-            contexts.append(context)
-            page = context.new_page()
-            page.set_default_timeout(TIMEOUT_MS)
+            context, page = _new_page(browser)
+            pages.append((context, page))
+            step = (i * 97) % (steps - 1)
             t0 = time.time()
-            step = (i * 97) % steps
             page.goto(f"{server.url}/tokens?run=.&step={step}&seq=0")
             wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
-            t0 = choose(page, "Step file", step_label(step + 1))
-            wait_shown(page, server, t0, f"{step_label(step + 1)} · sequence 0")
             if i == 0:
-                out["rss_1_mb"] = server.rss_mb()
-        out[f"rss_{sessions}_mb"] = server.rss_mb()
-        out["per_session_mb"] = (out[f"rss_{sessions}_mb"] - out["rss_1_mb"]) / max(sessions - 1, 1)
-        page = contexts[0].pages[0]
+                out["rss_1_session_mb"] = server.rss_mb()
+        out[f"rss_{sessions}_sessions_mb"] = server.rss_mb()
+        out["mb_per_extra_session"] = (server.rss_mb() - out["rss_1_session_mb"]) / max(sessions - 1, 1)
+        starts = [choose(page, "Step file", step_label((i * 97) % (steps - 1) + 1)) for i, (_, page) in enumerate(pages)]
+        done = [wait_shown(page, server, starts[i], f"{step_label((i * 97) % (steps - 1) + 1)} · sequence 0")
+                for i, (_, page) in enumerate(pages)]
+        out["concurrent_step_change_s"] = max(starts[i] + d[0] for i, d in enumerate(done)) - min(starts)
+        out["concurrent_server_s"] = sum(r["end"] - r["start"] for r in server.runs() if r["start"] >= min(starts))
+        page = pages[0][1]
         for k in range(20):
             step = (k * 31 + 7) % steps
             t0 = choose(page, "Step file", step_label(step))
             wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
             if k == 4:
-                out["rss_5_steps_mb"] = server.rss_mb()
-        out["rss_20_steps_mb"] = server.rss_mb()
+                out["rss_after_5_steps_mb"] = server.rss_mb()
+        out["rss_after_20_steps_mb"] = server.rss_mb()
     finally:
-        for context in contexts:
+        for context, _ in pages:
             context.close()
     return out
 
 
-def measure_app(app_repo: Path, trace: Path, steps: int, pages: list[str], sessions: int, log: Path) -> dict:
+def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[str], rounds: int,
+                  sessions: int, logs: Path) -> dict:
+    """Every side's server on ``trace`` at once; each measurement taken on every side in turn (the
+    order alternating), ``rounds`` times on distinct steps; medians."""
     from playwright.sync_api import sync_playwright
 
-    with Server(app_repo, trace, log) as server, sync_playwright() as pw:
+    with contextlib.ExitStack() as stack:
+        servers = {side: stack.enter_context(Server(repo, trace, logs / f"{side}_{steps}.jsonl"))
+                   for side, repo in sides.items()}
+        pw = stack.enter_context(sync_playwright())
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            result = {"rss_start_mb": server.rss_mb(), "pages": {}}
-            context = browser.new_context()
-            page = context.new_page()
+        stack.callback(browser.close)
+        out = {side: {"rss_start_mb": server.rss_mb(), "pages": {}} for side, server in servers.items()}
+        order = list(servers)
+        for side in order:  # the first session of a fresh server: imports, tokens.json, empty caches
+            context, page = _new_page(browser)
             t0 = time.time()
-            page.goto(f"{server.url}/?run=.&step=0&seq=0")
-            result["cold_first"] = wait_shown(page, server, t0, f"{step_label(0)} · sequence 0")
+            page.goto(f"{servers[side].url}/?run=.&step=0&seq=0")
+            out[side]["cold_first"] = wait_shown(page, servers[side], t0, f"{step_label(0)} · sequence 0")
             context.close()
-            for name in pages:
-                result["pages"][name] = measure_page(browser, server, name, steps)
-            if sessions:
-                result["memory"] = measure_memory(browser, server, steps, sessions)
-        finally:
-            browser.close()
-    return result
+        for name in pages:
+            samples = {side: [] for side in servers}
+            for r in range(rounds):
+                for side in (order if r % 2 == 0 else order[::-1]):
+                    samples[side].append(measure_page(browser, servers[side], name, (steps // 3 + 17 * r) % (steps - 1)))
+            for side in servers:
+                out[side]["pages"][name] = {what: tuple(median([s[what][i] for s in samples[side]]) for i in range(3))
+                                            for what in ("first", "step", "sequence")}
+        if sessions:
+            for side in order:
+                out[side]["sessions"] = measure_sessions(browser, servers[side], steps, sessions)
+                out[side]["rss_end_mb"] = servers[side].rss_mb()
+    return out
 
 
-def _cell(value: tuple[float, float, int] | None) -> str:
-    return "-" if value is None else f"{value[0]:.2f} / {value[1]:.2f}"
+def _cell(value: Timing | None) -> str:
+    return "-" if value is None else f"{value[0]:5.2f} / {value[1]:5.2f}"
 
 
 def report(results: dict, pages: list[str]) -> None:
     """Print one table per trace: browser / server seconds, after vs before and the ratio."""
     for trace, sides in results.items():
         after, before = sides["after"], sides.get("before")
-        print(f"\n{trace}: browser wall s / server script s (after{' | before | ratio before/after' if before else ''})")
+        print(f"\n{trace}: browser wall s / server script s, medians"
+              f"{'  (after | before | ratio before/after)' if before else ''}")
         rows = [("first page, cold server", after["cold_first"], before and before["cold_first"])]
         for name in pages:
             for what in ("first", "step", "sequence"):
-                rows.append((f"{name}: {what}", after["pages"][name][what],
-                             before and before["pages"][name][what]))
+                rows.append((f"{name}: {what}", after["pages"][name][what], before and before["pages"][name][what]))
         for label, a, b in rows:
-            ratio = f" | {_cell(b)} | {b[0] / a[0]:.1f}x / {b[1] / max(a[1], 1e-3):.1f}x" if b else ""
-            print(f"  {label:28s} {_cell(a)}{ratio}")
+            ratio = f" | {_cell(b)} | {b[0] / a[0]:4.1f}x / {b[1] / max(a[1], 1e-3):4.1f}x" if b else ""
+            print(f"  {label:26s} {_cell(a)}{ratio}")
         for side, result in (("after", after), ("before", before)):
-            if result and "memory" in result:
-                print(f"  memory {side}: start {result['rss_start_mb']:.0f} MiB, "
-                      + ", ".join(f"{k} {v:.0f}" for k, v in result["memory"].items()))
+            if result and "sessions" in result:
+                print(f"  sessions, {side}: RSS at start {result['rss_start_mb']:.0f} MiB; "
+                      + ", ".join(f"{k} {v:.2f}" if k.endswith("_s") else f"{k} {v:.0f}"
+                                  for k, v in result["sessions"].items()))
 
 
 def main() -> None:
@@ -272,20 +298,19 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=5, help="concurrent sessions for the memory figure (0: skip)")
     parser.add_argument("--before", default="046c1e1", help="git ref of the app to compare with, or 'none'")
     parser.add_argument("--pages", nargs="+", default=list(PAGES), choices=list(PAGES))
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per page and side (medians)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     print(f"Machine: {machine()}; load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     logs = viewer_traces.CACHE / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    sides = {"after": REPO} if args.before == "none" else {"before": extract_app(args.before), "after": REPO}
+    sides = {"after": REPO} if args.before == "none" else {"after": REPO, "before": extract_app(args.before)}
     results = {}
     for steps in args.steps:
         trace = viewer_traces.ensure(steps, args.B, args.T, log=print)
-        name = f"{steps} steps x {args.B} x {args.T}"
-        results[name] = {}
-        for side, app_repo in sides.items():
-            sessions = args.sessions if steps == max(args.steps) else 0
-            results[name][side] = measure_app(app_repo, trace, steps, args.pages, sessions, logs / f"{side}_{steps}.jsonl")
+        sessions = args.sessions if steps == max(args.steps) else 0
+        results[f"{steps} steps x {args.B} x {args.T}"] = measure_trace(
+            sides, trace, steps, args.pages, args.rounds, sessions, logs)
     report(results, args.pages)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
