@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from tests.toy_traces import ToyTokenizer, healthy_step_tensors, start, write_trace
+from tests.toy_traces import ToyTokenizer, frame_with, healthy_step_tensors, start, write_trace
 from app.components import safe_trace, trace_cache
 from app.components.safe_trace import SafeTrace
 from app.components.step_handles import StepHandles, file_id
@@ -94,15 +94,13 @@ def test_concurrent_leases_never_meet_a_closed_handle(run):
     assert len(handles) <= 2 and handles.opened - handles.closed == len(handles)
 
 
-def _rewrite(path: Path, rewards: torch.Tensor) -> None:
-    """Write a step file with other rewards under the same name (temporary file + rename, as the
+def _rewrite(path: Path, **fields: torch.Tensor) -> None:
+    """Write a step file with other ``fields`` under the same name (temporary file + rename, as the
     writer does), keeping the old modification time: only the inode tells the files apart."""
     before = path.stat()
     tmp = path.parent / "rewrite"
     with TraceWriter(tmp, "grpo", hyperparameters={"num_generations": 2}, async_write=False) as writer:
-        tensors = healthy_step_tensors(0, 0)
-        tensors["rewards"] = rewards
-        new = writer.record(0, tensors)
+        new = writer.record(0, {**healthy_step_tensors(0, 0), **fields})
     os.replace(new, path)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
@@ -113,7 +111,7 @@ def test_a_file_rewritten_under_the_same_name_is_not_served_stale(tmp_path):
     handles = StepHandles(max_handles=4)
     with handles.lease(path) as fh:
         old = fh.get_tensor("rewards")
-    _rewrite(path, torch.tensor([7.0, 8.0, 9.0, 10.0]))
+    _rewrite(path, rewards=torch.tensor([7.0, 8.0, 9.0, 10.0]))
     with handles.lease(path) as fh:
         assert fh.get_tensor("rewards").tolist() == [7.0, 8.0, 9.0, 10.0] != old.tolist()
     assert (handles.opened, handles.closed, len(handles)) == (2, 1, 1)  # the old handle was closed
@@ -127,10 +125,27 @@ def test_the_app_reads_a_rewritten_step_file_again(monkeypatch, tmp_path):
     at = start(monkeypatch, run, {"step": "0", "seq": "0"})
     assert not at.exception
     assert at.sidebar.selectbox(key="sequence").format_func(0).endswith("reward 1")
-    _rewrite(step_paths(run)[0], torch.tensor([7.0, 8.0, 9.0, 10.0]))
+    _rewrite(step_paths(run)[0], rewards=torch.tensor([7.0, 8.0, 9.0, 10.0]))
     at.run()
     assert not at.exception
     assert at.sidebar.selectbox(key="sequence").format_func(0).endswith("reward 7")
+
+
+def test_the_step_page_reads_a_rewritten_step_file_again(monkeypatch, tmp_path):
+    """The Step page's frame of every token (st.cache_resource) is keyed by the identities of the
+    step's files: a rewrite under the same name and mtime shows the new advantages."""
+    trace_cache.clear_caches()
+    run = write_trace(tmp_path / "run", tokenizer=ToyTokenizer(), steps=1)
+    at = start(monkeypatch, run, {"step": "0", "inner": "0"})
+    at.switch_page("app_pages/step.py").run()
+    assert not at.exception
+    table = frame_with(at, {"advantages", "mask_reason", "open"}).value
+    assert set(table["advantages"].abs().round(2)) == {1.0}  # group z-scores of two: +-1 (less eps)
+    _rewrite(step_paths(run)[0], advantages=torch.tensor([5.0, -5.0, 3.0, -3.0]))
+    at.run()
+    assert not at.exception
+    table = frame_with(at, {"advantages", "mask_reason", "open"}).value
+    assert set(table["advantages"].abs()) == {5.0, 3.0}
 
 
 @pytest.mark.parametrize("sequence", [0, 2, 3])

@@ -23,7 +23,8 @@ if selection.key is None:
 
 key = selection.key
 trace_path = str(selection.trace_path)
-frame = trace_cache.step_tokens(trace_path, key.step, key.inner_step, selection.rank, trace_cache.step_files(trace))
+frame = trace_cache.step_tokens(trace_path, key.step, key.inner_step, selection.rank,
+                                trace_cache.step_file_ids(trace, key.step, key.inner_step, selection.rank))
 files = frame.attrs.get("files", [])
 ranks = "all ranks" if selection.rank is None else f"rank {selection.rank}"
 kept = int(frame["kept"].sum()) if "kept" in frame else 0

@@ -204,10 +204,19 @@ def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_resource(max_entries=4, show_spinner="Reading the step…")  # no copy per rerun: never mutate it
-def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None, files: tuple[str, ...]) -> pd.DataFrame:
+def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None,
+                identities: tuple[FileId, ...]) -> pd.DataFrame:
     """``views.step.step_token_frame``: every completion position of one step (all micro-batches,
-    all ranks or one), shared between reruns: never mutate it. Raises TraceFormatError."""
+    all ranks or one), shared between reruns: never mutate it. ``identities``
+    (:func:`step_file_ids`) key it. Raises TraceFormatError."""
     return step_view.step_token_frame(open_trace(trace_path), step, inner_step, rank=rank)
+
+
+def step_file_ids(trace: Trace, step: int, inner_step: int, rank: int | None) -> tuple[FileId, ...]:
+    """:func:`file_id` of every step file of one step and inner step (every micro-batch; every rank
+    or one): the cache key of :func:`step_tokens`, so that a step file rewritten under its name is
+    read again, and a new step elsewhere in the run does not invalidate it."""
+    return tuple(file_id(k.path) for k in step_view.step_files(trace, step, inner_step, None, rank))
 
 
 # -- health (tracer.checks) and diff (tracer.diff) ------------------------------------------------------
