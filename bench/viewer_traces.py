@@ -5,7 +5,8 @@ them (a 2,000-step trace of 64 x 256 tokens is ~2 GB and takes minutes to write 
 Every step holds the canonical GRPO fields of SPEC section 4 with realistic values: left-padded
 prompts (``prompt_ids``, ``prompt_mask`` [B, L]), completions of varying length that end in EOS and
 then padding (``completion_ids``, ``completion_mask`` [B, T]), ``policy_logprobs``,
-``old_logprobs``, ``ref_logprobs``, ``sampler_logprobs``, ``entropy`` and the derived ``ratio``,
+``old_logprobs`` (= policy: inner step 0 on fresh rollouts), ``ref_logprobs``, ``sampler_logprobs``
+(old - sampler ~ 0.01 nats), ``entropy`` and the derived ``ratio``,
 ``ref_kl_k3``, ``approx_kl_k2``, ``per_token_loss`` (``tracer.formulas``), ``rewards`` and
 ``reward_components`` [B, F], group z-score ``advantages`` and ``group_ids`` (G = 8). A few
 distinct steps are generated and rotated (the values do not change the timing; the files do
@@ -29,7 +30,7 @@ import torch
 from tracer import formulas
 from tracer.writer import TraceWriter
 
-VERSION = "v1"  # bump when the generated content changes: the cache is keyed by it
+VERSION = "v2"  # bump when the generated content changes: the cache is keyed by it
 CACHE = Path(os.environ.get("TRACER_BENCH_CACHE", Path(tempfile.gettempdir()) / "tracer-viewer-bench"))
 L, F, G, VOCAB = 64, 3, 8, 4096
 PAD, EOS = 0, 1
@@ -70,10 +71,10 @@ def step_tensors(B: int, T: int, seed: int) -> dict[str, torch.Tensor]:
     completion_mask = pos < length
     completion_ids = torch.randint(2, VOCAB, (B, T), generator=g)
     completion_ids = torch.where(pos == length - 1, EOS, torch.where(completion_mask, completion_ids, PAD))
-    sampler = -torch.empty(B, T).exponential_(1.5, generator=g).clamp(max=12.0)  # (B, T) nats <= 0
-    old = sampler + 0.01 * torch.randn(B, T, generator=g)
-    policy = old + 0.03 * torch.randn(B, T, generator=g)
-    ref = policy + 0.1 * torch.randn(B, T, generator=g)
+    sampler = -torch.empty(B, T).exponential_(1.5, generator=g).clamp(min=1e-3, max=12.0)  # (B, T) nats < 0
+    old = (sampler + 0.01 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)  # the trainer's recomputation
+    policy = old.clone()  # inner step 0, fresh rollouts: the policy has not moved yet (ratio 1)
+    ref = (policy + 0.1 * torch.randn(B, T, generator=g)).clamp(max=-1e-4)
     components = torch.stack([torch.randint(0, 2, (B,), generator=g).float(),  # correctness
                               0.5 * torch.rand(B, generator=g),  # format
                               -0.001 * length[:, 0].float()], dim=1)  # (B, F) length penalty
