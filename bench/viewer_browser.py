@@ -3,27 +3,34 @@ Tokens, Step, Groups, Steps and Overview pages, as browser wall time and as serv
 and the server's memory per browser session; this checkout's app and main's (``--before``) side
 by side in one run.
 
-    python -m bench.viewer_browser [--steps 200 2000] [--B 64] [--T 256] [--sessions 5]
-                                   [--before 046c1e1 | --before none] [--pages tokens step ...]
+    python -m bench.viewer_browser [--steps 200 2000] [--B 64] [--T 256] [--rounds 3]
+                                   [--sessions 10] [--visits 100] [--before 046c1e1 | --before none]
+                                   [--pages tokens step groups steps overview] [--json FILE]
 
-Traces: :mod:`bench.viewer_traces` (GRPO, every canonical field, cached under /tmp by version).
-Each app is started with ``streamlit run`` headless on 127.0.0.1 through
-``bench/streamlit_timed.py``, which logs every script run (start, end, session). Headless Chromium
-(/usr/bin/chromium, Playwright) opens each page in a new browser context (a new session):
+About 10 minutes on 2 cores with the defaults (not in ``bench.run_all``). Traces:
+:mod:`bench.viewer_traces` (GRPO, every canonical field, cached under /tmp by version; the
+2,000-step one is 1.5 GB and takes ~15 s to write). Each app is started with ``streamlit run``
+headless on 127.0.0.1 (``browser.gatherUsageStats=false``) through ``bench/streamlit_timed.py``,
+which logs every script run (start, end, session) without changing the app. Both apps run at once
+on the same trace; every measurement is taken on each in turn, the order alternating, ``--rounds``
+times on distinct steps, and the medians are printed side by side. Headless Chromium
+(/usr/bin/chromium through Playwright, never ``playwright install``) opens each page in a new
+browser context (a new session):
 
-- first paint: from ``page.goto`` until the page's own content is visible and the app is idle (no
-  status widget, nothing stale, no script run in progress in the server's log); ``cold`` is the
-  first session of a fresh server (empty caches), the others are warm;
-- step change / sequence change: from the selection in the sidebar's Step file / Sequence box
-  (typed, then Enter) until the new step's or sequence's content is visible and the app is idle.
+- first paint: from ``page.goto`` until the page's own content (a text naming the chosen step or
+  sequence) is visible and the app is idle: no status widget, nothing stale, and no script run
+  still going in the server's log; ``cold``: the first session of a fresh server (imports,
+  ``tokens.json``, every step header checked once, empty caches);
+- step change / sequence change: from the Enter that picks another entry in the sidebar's Step
+  file / Sequence box until the new content is visible and the app is idle.
 
-Server time is the sum of the script runs that started after the action (or the navigation) and
-ended before it was visible: what Streamlit spent running the page, without the network and the
-browser's drawing. Memory: the server's RSS (``/proc/PID/status``) with 1 session open on the big
-trace, then with ``--sessions`` open at once (each having shown its own step), and one session
-after it has visited 5 and then 20 distinct steps (the caches are bounded: RSS must level off).
-Before = the app and tracer of ``--before`` (``git archive``, extracted under the cache) run on
-the same traces, servers one after the other; ratio = before / after.
+Server time is the sum of the script runs that started after the action (or the navigation), up
+to the moment it was visible: what Streamlit spent running the page (entry script, sidebar, page),
+without the network and the browser's drawing. Sessions (on the biggest trace): the server's RSS
+(``/proc/PID/status``) with 1 session open on the Tokens page and with ``--sessions`` open at once,
+one step change in all of them at the same time, then RSS while one session visits ``--visits``
+distinct steps (more than the caches hold: RSS must level off). Before = ``app/`` and ``tracer/``
+of ``--before`` (``git archive``, extracted under the cache; the repository is not touched).
 """
 
 from __future__ import annotations
@@ -194,11 +201,12 @@ def measure_page(browser, server: Server, name: str, first: int) -> dict[str, Ti
     return out
 
 
-def measure_sessions(browser, server: Server, steps: int, sessions: int) -> dict[str, float]:
+def measure_sessions(browser, server: Server, steps: int, sessions: int, visits: int) -> dict[str, float]:
     """Memory and concurrency with ``sessions`` sessions on the Tokens page, each on a step of its
     own: server RSS with 1 session and with all open; one step change in every session at once
-    (the slowest session's browser wall time, the server time of all those runs); then RSS after one
-    session has visited 5 and 20 more distinct steps (the caches are bounded: RSS levels off)."""
+    (the slowest session's browser wall time, the server time of all those runs); then RSS while one
+    session visits ``visits`` more distinct steps, more than the caches hold (64 open files, 64
+    token tables): bounded caches make RSS level off."""
     pages, out = [], {}
     try:
         for i in range(sessions):
@@ -218,13 +226,13 @@ def measure_sessions(browser, server: Server, steps: int, sessions: int) -> dict
         out["concurrent_step_change_s"] = max(starts[i] + d[0] for i, d in enumerate(done)) - min(starts)
         out["concurrent_server_s"] = sum(r["end"] - r["start"] for r in server.runs() if r["start"] >= min(starts))
         page = pages[0][1]
-        for k in range(20):
+        marks = {visits // 5, 3 * visits // 5, visits}
+        for k in range(1, visits + 1):  # distinct steps (31 is prime to the step count)
             step = (k * 31 + 7) % steps
             t0 = choose(page, "Step file", step_label(step))
             wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
-            if k == 4:
-                out["rss_after_5_steps_mb"] = server.rss_mb()
-        out["rss_after_20_steps_mb"] = server.rss_mb()
+            if k in marks:
+                out[f"rss_after_{k}_steps_mb"] = server.rss_mb()
     finally:
         for context, _ in pages:
             context.close()
@@ -232,7 +240,7 @@ def measure_sessions(browser, server: Server, steps: int, sessions: int) -> dict
 
 
 def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[str], rounds: int,
-                  sessions: int, logs: Path) -> dict:
+                  sessions: int, visits: int, logs: Path, flip: int = 0) -> dict:
     """Every side's server on ``trace`` at once; each measurement taken on every side in turn (the
     order alternating), ``rounds`` times on distinct steps; medians."""
     from playwright.sync_api import sync_playwright
@@ -244,7 +252,7 @@ def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[s
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         stack.callback(browser.close)
         out = {side: {"rss_start_mb": server.rss_mb(), "pages": {}} for side, server in servers.items()}
-        order = list(servers)
+        order = list(servers) if flip % 2 == 0 else list(servers)[::-1]  # who goes first alternates by trace
         for side in order:  # the first session of a fresh server: imports, tokens.json, empty caches
             context, page = _new_page(browser)
             t0 = time.time()
@@ -261,7 +269,7 @@ def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[s
                                             for what in ("first", "step", "sequence")}
         if sessions:
             for side in order:
-                out[side]["sessions"] = measure_sessions(browser, servers[side], steps, sessions)
+                out[side]["sessions"] = measure_sessions(browser, servers[side], steps, sessions, visits)
                 out[side]["rss_end_mb"] = servers[side].rss_mb()
     return out
 
@@ -295,7 +303,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[200, 2000])
     parser.add_argument("--B", type=int, default=64)
     parser.add_argument("--T", type=int, default=256)
-    parser.add_argument("--sessions", type=int, default=5, help="concurrent sessions for the memory figure (0: skip)")
+    parser.add_argument("--sessions", type=int, default=10, help="concurrent sessions on the biggest trace (0: skip)")
+    parser.add_argument("--visits", type=int, default=100, help="distinct steps one session then visits (RSS bound)")
     parser.add_argument("--before", default="046c1e1", help="git ref of the app to compare with, or 'none'")
     parser.add_argument("--pages", nargs="+", default=list(PAGES), choices=list(PAGES))
     parser.add_argument("--rounds", type=int, default=3, help="measurements per page and side (medians)")
@@ -306,11 +315,11 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     sides = {"after": REPO} if args.before == "none" else {"after": REPO, "before": extract_app(args.before)}
     results = {}
-    for steps in args.steps:
+    for i, steps in enumerate(args.steps):
         trace = viewer_traces.ensure(steps, args.B, args.T, log=print)
         sessions = args.sessions if steps == max(args.steps) else 0
         results[f"{steps} steps x {args.B} x {args.T}"] = measure_trace(
-            sides, trace, steps, args.pages, args.rounds, sessions, logs)
+            sides, trace, steps, args.pages, args.rounds, sessions, args.visits, logs, flip=i)
     report(results, args.pages)
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
