@@ -132,10 +132,15 @@ class Server:
             return []
         return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
 
-    def rss_mb(self) -> float:
-        """The server's resident memory, MiB."""
+    def rss_mb(self, field: str = "VmRSS") -> float:
+        """The server's resident memory (``VmRSS``, or ``RssAnon`` / ``RssFile``), MiB."""
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+        return int(re.search(field + r":\s+(\d+)", status).group(1)) / 1024
+
+    def rss_split_mb(self) -> tuple[float, float]:
+        """(anonymous, file-backed) resident MiB: mapped step files' pages are file-backed, shared
+        with the page cache and reclaimable; the heap (tables, caches) is anonymous."""
+        return self.rss_mb("RssAnon"), self.rss_mb("RssFile")
 
 
 Timing = tuple[float, float, int]  # (browser wall s, server script s, script runs)
@@ -160,15 +165,50 @@ def wait_shown(page, server: Server, t0: float, text: str) -> Timing:
     return shown - t0, sum(r["end"] - r["start"] for r in runs), len(runs)
 
 
-def choose(page, label: str, option: str) -> float:
-    """Type ``option`` into the sidebar selectbox ``label`` and press Enter; the time of the Enter."""
+def type_choice(page, label: str, option: str) -> None:
+    """Open the sidebar selectbox ``label`` and type ``option`` until its entry is listed (no Enter yet)."""
     box = page.get_by_role("combobox", name=label)
     box.click()
     box.fill(option)
     page.get_by_role("option").filter(has_text=option).first.wait_for()
+
+
+def choose(page, label: str, option: str) -> float:
+    """Type ``option`` into the sidebar selectbox ``label`` and press Enter; the time of the Enter."""
+    type_choice(page, label, option)
     t0 = time.time()
     page.keyboard.press("Enter")
     return t0
+
+
+_ARM = """text => { window.__shownAt = null;
+    const poll = () => { const main = document.querySelector('[data-testid=stMain]');
+        if (main && main.innerText.includes(text) && !document.querySelector('[data-testid=stStatusWidget]')
+            && !document.querySelector('[data-stale=true]')) { window.__shownAt = Date.now(); }
+        else { requestAnimationFrame(poll); } };
+    requestAnimationFrame(poll); }"""
+
+
+def concurrent_change(pages: list, server: Server, steps: list[int]) -> dict[str, float]:
+    """One step change in every session at once: each box typed first, then Enter pressed in each in
+    turn; each page notes (its own clock, ms) when its new step is shown and idle. Returns the
+    median and max of the per-session latencies, the spread of the Enters and the server time."""
+    for (_, page), step in zip(pages, steps):
+        type_choice(page, "Step file", step_label(step))
+    starts = []
+    for (_, page), step in zip(pages, steps):
+        page.evaluate(_ARM, f"{step_label(step)} · sequence 0")
+        starts.append(time.time())
+        page.keyboard.press("Enter")
+    latencies = []
+    for (_, page), t0 in zip(pages, starts):
+        page.wait_for_function("window.__shownAt !== null", timeout=TIMEOUT_MS)
+        latencies.append(page.evaluate("window.__shownAt") / 1000 - t0)
+    runs = [r for r in server.runs() if r["start"] >= starts[0] and not r["fragment"]]
+    return {"concurrent_median_s": median(latencies), "concurrent_max_s": max(latencies),
+            "concurrent_enter_spread_s": starts[-1] - starts[0],
+            "concurrent_server_s": sum(r["end"] - r["start"] for r in runs),
+            "concurrent_slowest_run_s": max(r["end"] - r["start"] for r in runs)}
 
 
 def step_label(step: int) -> str:
@@ -204,7 +244,7 @@ def measure_page(browser, server: Server, name: str, first: int) -> dict[str, Ti
 def measure_sessions(browser, server: Server, steps: int, sessions: int, visits: int) -> dict[str, float]:
     """Memory and concurrency with ``sessions`` sessions on the Tokens page, each on a step of its
     own: server RSS with 1 session and with all open; one step change in every session at once
-    (the slowest session's browser wall time, the server time of all those runs); then RSS while one
+    (:func:`concurrent_change`); then RSS while one
     session visits ``visits`` more distinct steps, more than the caches hold (64 open files, 64
     token tables): bounded caches make RSS level off."""
     pages, out = [], {}
@@ -220,11 +260,8 @@ def measure_sessions(browser, server: Server, steps: int, sessions: int, visits:
                 out["rss_1_session_mb"] = server.rss_mb()
         out[f"rss_{sessions}_sessions_mb"] = server.rss_mb()
         out["mb_per_extra_session"] = (server.rss_mb() - out["rss_1_session_mb"]) / max(sessions - 1, 1)
-        starts = [choose(page, "Step file", step_label((i * 97) % (steps - 1) + 1)) for i, (_, page) in enumerate(pages)]
-        done = [wait_shown(page, server, starts[i], f"{step_label((i * 97) % (steps - 1) + 1)} · sequence 0")
-                for i, (_, page) in enumerate(pages)]
-        out["concurrent_step_change_s"] = max(starts[i] + d[0] for i, d in enumerate(done)) - min(starts)
-        out["concurrent_server_s"] = sum(r["end"] - r["start"] for r in server.runs() if r["start"] >= min(starts))
+        out.update(concurrent_change(pages, server, [(i * 97) % (steps - 1) + 1 for i in range(sessions)]))
+        out[f"rss_anon_{sessions}_sessions_mb"], out[f"rss_file_{sessions}_sessions_mb"] = server.rss_split_mb()
         page = pages[0][1]
         marks = {visits // 5, 3 * visits // 5, visits}
         for k in range(1, visits + 1):  # distinct steps (31 is prime to the step count)
@@ -233,6 +270,7 @@ def measure_sessions(browser, server: Server, steps: int, sessions: int, visits:
             wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")
             if k in marks:
                 out[f"rss_after_{k}_steps_mb"] = server.rss_mb()
+                out[f"rss_anon_after_{k}_steps_mb"], out[f"rss_file_after_{k}_steps_mb"] = server.rss_split_mb()
     finally:
         for context, _ in pages:
             context.close()

@@ -58,6 +58,23 @@ def test_evicted_handles_are_closed_and_the_cache_stays_within_its_bound(run):
     assert len(handles) == 0 and handles.closed == 8
 
 
+def test_the_open_files_stay_within_the_byte_bound(run):
+    paths = step_paths(run)
+    size = max(p.stat().st_size for p in paths)
+    handles = StepHandles(max_handles=64, max_bytes=2 * size)  # room for two files
+    for path in paths:
+        with handles.lease(path):
+            pass
+        assert handles.open_bytes <= 2 * size and len(handles) <= 2
+    assert handles.open_bytes == sum(p.stat().st_size for p in paths[-len(handles):])
+    big = StepHandles(max_handles=64, max_bytes=1)  # smaller than any file: the latest one stays open
+    for path in paths[:3]:
+        with big.lease(path) as fh:
+            assert fh.keys()
+        assert len(big) == 1
+    assert big.closed == 2
+
+
 def test_a_handle_in_use_when_evicted_is_closed_when_given_back(run):
     handles = StepHandles(max_handles=1)
     first, second = step_paths(run)[:2]

@@ -4,9 +4,11 @@ every session of the app (one per process, through ``st.cache_resource``).
 A handle is keyed by the file's identity (path, inode, size, modification time in ns), taken with
 one ``stat`` on every lease: a step file rewritten under the same name (a new inode, size or
 mtime) gets a new handle and the old one is closed, so a rewritten file is never served stale.
-The bound is on open handles (each memory-maps its file; the bytes a read touched stay in the
-page cache, not in this process's heap); the least recently used handle is closed when a new one
-would exceed it. A handle in use by another script run (another session's thread) when it is
+Two bounds: the number of open handles and the total size of the files they hold open. Each
+handle memory-maps its file: the pages a read touches (and the kernel's fault-around, 64 KB about
+each) count in the server's RSS as file-backed pages, shared with the page cache and reclaimable,
+not in its heap; so the byte bound caps that part of the RSS. The least recently used handle is
+closed when a new one would exceed either bound (one handle always stays, however large). A handle in use by another script run (another session's thread) when it is
 evicted is closed when that run gives it back: leases are counted, so a read never meets a closed
 file. safetensors' ``safe_open`` reads are safe from several threads at once (it reads an mmap).
 """
@@ -35,16 +37,20 @@ def file_id(path: str | os.PathLike) -> FileId:
 @dataclass
 class _Entry:
     handle: Any
+    size: int
     users: int = 0
     evicted: bool = False
     notes: dict[str, Any] = field(default_factory=dict)  # per-handle memo (e.g. its header was checked)
 
 
 class StepHandles:
-    """At most ``max_handles`` open step files, least recently used closed first.
+    """At most ``max_handles`` open step files of at most ``max_bytes`` together, least recently
+    used closed first.
 
     Args:
         max_handles: the bound on open handles (>= 1).
+        max_bytes: the bound on the summed size of the open files (the most recent one is kept
+            even when it alone is larger).
         opener: opens one file and returns a handle with ``__exit__`` (default
             :func:`tracer.integrity.open_step_file`: bounds, element budget, then ``safe_open``).
 
@@ -52,10 +58,13 @@ class StepHandles:
         ValueError: ``max_handles`` < 1.
     """
 
-    def __init__(self, max_handles: int = 64, opener: Callable[[Path], Any] = open_step_file) -> None:
+    def __init__(self, max_handles: int = 64, max_bytes: int = 2**30,
+                 opener: Callable[[Path], Any] = open_step_file) -> None:
         if max_handles < 1:
             raise ValueError(f"max_handles must be >= 1, got {max_handles}")
         self.max_handles = max_handles
+        self.max_bytes = max_bytes
+        self.open_bytes = 0  # summed size of the files open here
         self._opener = opener
         self._lock = threading.Lock()
         self._entries: OrderedDict[FileId, _Entry] = OrderedDict()
@@ -104,19 +113,22 @@ class StepHandles:
             if entry is not None:  # another thread opened it meanwhile: use that one
                 handle.__exit__(None, None, None)
             else:
-                entry = _Entry(handle)
+                entry = _Entry(handle, size=key[2])
                 self.opened += 1
                 for old in [k for k in self._entries if k[0] == key[0]]:  # the same path, rewritten
                     self._evict(old)
                 self._entries[key] = entry
                 self._by_handle[id(handle)] = entry
-                while len(self._entries) > self.max_handles:
+                self.open_bytes += entry.size
+                while len(self._entries) > 1 and (len(self._entries) > self.max_handles
+                                                  or self.open_bytes > self.max_bytes):
                     self._evict(next(iter(self._entries)))
             entry.users += 1
             return entry
 
     def _evict(self, key: FileId) -> None:
         entry = self._entries.pop(key)
+        self.open_bytes -= entry.size
         entry.evicted = True
         if entry.users == 0:
             self._close(entry)

@@ -4,8 +4,8 @@
 modification time, so a manifest rewritten by the trainer (status ``finished``) is read again; the
 trace memoises its listing of step files while its directories do not change. Step files are read
 through one process-wide :class:`app.components.step_handles.StepHandles` (at most
-:data:`MAX_OPEN_STEP_FILES` open ``safe_open`` handles, least recently used closed first), shared
-by every session. ``st.cache_data`` with bounded ``max_entries`` holds the small per-step frames,
+:data:`MAX_OPEN_STEP_FILES` open ``safe_open`` handles of :data:`MAX_OPEN_STEP_BYTES` together,
+least recently used closed first), shared by every session. ``st.cache_data`` with bounded ``max_entries`` holds the small per-step frames,
 keyed by the step file's identity (:func:`file_id`: path, inode, size, mtime), or by the list of
 step files for whole-trace tables, so a new or rewritten step is read again; :func:`clear_caches`
 (the Reload button) drops everything, including the token strings of an open trace, and closes
@@ -33,13 +33,14 @@ from tracer.reader import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")
-MAX_OPEN_STEP_FILES = 64  # bound of the shared handle cache (each handle maps one step file)
+MAX_OPEN_STEP_FILES = 64  # bounds of the shared handle cache (each handle maps one step file)
+MAX_OPEN_STEP_BYTES = 512 * 2**20  # summed size of the open step files
 
 
 @st.cache_resource(show_spinner=False)
 def step_handles() -> StepHandles:
     """The process-wide cache of open step files, shared by every session and trace."""
-    return StepHandles(MAX_OPEN_STEP_FILES)
+    return StepHandles(MAX_OPEN_STEP_FILES, MAX_OPEN_STEP_BYTES)
 
 
 def open_trace(path: str) -> SafeTrace:
