@@ -207,7 +207,8 @@ def concurrent_change(pages: list, server: Server, steps: list[int]) -> dict[str
     runs = [r for r in server.runs() if r["start"] >= starts[0] and not r["fragment"]]
     return {"concurrent_median_s": median(latencies), "concurrent_max_s": max(latencies),
             "concurrent_enter_spread_s": starts[-1] - starts[0],
-            "concurrent_server_s": sum(r["end"] - r["start"] for r in runs),
+            "concurrent_server_s": sum(r["end"] - r["start"] for r in runs),  # overlapping runs add up
+            "concurrent_server_span_s": max(r["end"] for r in runs) - min(r["start"] for r in runs),
             "concurrent_slowest_run_s": max(r["end"] - r["start"] for r in runs)}
 
 
@@ -329,11 +330,13 @@ def report(results: dict, pages: list[str]) -> None:
         for label, a, b in rows:
             ratio = f" | {_cell(b)} | {b[0] / a[0]:4.1f}x / {b[1] / max(a[1], 1e-3):4.1f}x" if b else ""
             print(f"  {label:26s} {_cell(a)}{ratio}")
-        for side, result in (("after", after), ("before", before)):
-            if result and "sessions" in result:
-                print(f"  sessions, {side}: RSS at start {result['rss_start_mb']:.0f} MiB; "
-                      + ", ".join(f"{k} {v:.2f}" if k.endswith("_s") else f"{k} {v:.0f}"
-                                  for k, v in result["sessions"].items()))
+        if "sessions" in after:
+            print("  sessions on this trace (after" + (" | before)" if before else ")"))
+            print(f"    {'RSS at start, MiB':36s} {after['rss_start_mb']:8.1f}"
+                  + (f" | {before['rss_start_mb']:8.1f}" if before else ""))
+            for name, value in after["sessions"].items():
+                other = before["sessions"].get(name) if before and "sessions" in before else None
+                print(f"    {name:36s} {value:8.2f}" + (f" | {other:8.2f}" if other is not None else ""))
 
 
 def main() -> None:
