@@ -20,7 +20,9 @@ browser context (a new session):
 - first paint: from ``page.goto`` until the page's own content (a text naming the chosen step or
   sequence) is visible and the app is idle: no status widget, nothing stale, and no script run
   still going in the server's log; ``cold``: the first session of a fresh server (imports,
-  ``tokens.json``, every step header checked once, empty caches);
+  ``tokens.json``, every step header checked once, empty caches); ``first view``: the page's first
+  session on the server (it computes the run-level tables that later sessions find cached), not a
+  median; ``first``: the median over the rounds;
 - step change / sequence change: from the Enter that picks another entry in the sidebar's Step
   file / Sequence box until the new content is visible and the app is idle.
 
@@ -306,6 +308,9 @@ def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[s
             for side in servers:
                 out[side]["pages"][name] = {what: tuple(median([s[what][i] for s in samples[side]]) for i in range(3))
                                             for what in ("first", "step", "sequence")}
+                # the page's first session on this server: the run-level tables (Steps' curves, the
+                # Groups page's zero-variance shares) are computed then, and cached for every session
+                out[side]["pages"][name]["first view"] = samples[side][0]["first"]
         if sessions:
             for side in order:
                 out[side]["sessions"] = measure_sessions(browser, servers[side], steps, sessions, visits)
@@ -325,8 +330,9 @@ def report(results: dict, pages: list[str]) -> None:
               f"{'  (after | before | ratio before/after)' if before else ''}")
         rows = [("first page, cold server", after["cold_first"], before and before["cold_first"])]
         for name in pages:
-            for what in ("first", "step", "sequence"):
-                rows.append((f"{name}: {what}", after["pages"][name][what], before and before["pages"][name][what]))
+            for what in ("first view", "first", "step", "sequence"):
+                if what in after["pages"][name]:
+                    rows.append((f"{name}: {what}", after["pages"][name][what], before and before["pages"][name][what]))
         for label, a, b in rows:
             ratio = f" | {_cell(b)} | {b[0] / a[0]:4.1f}x / {b[1] / max(a[1], 1e-3):4.1f}x" if b else ""
             print(f"  {label:26s} {_cell(a)}{ratio}")
