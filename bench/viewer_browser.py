@@ -7,7 +7,7 @@ by side in one run.
                                    [--sessions 10] [--visits 100] [--before 046c1e1 | --before none]
                                    [--pages tokens step groups steps overview] [--json FILE]
 
-About 10 minutes on 2 cores with the defaults (not in ``bench.run_all``). Traces:
+About 13 minutes on 2 cores with the defaults (not in ``bench.run_all``). Traces:
 :mod:`bench.viewer_traces` (GRPO, every canonical field, cached under /tmp by version; the
 2,000-step one is 1.5 GB and takes ~15 s to write). Each app is started with ``streamlit run``
 headless on 127.0.0.1 (``browser.gatherUsageStats=false``) through ``bench/streamlit_timed.py``,
