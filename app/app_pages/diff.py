@@ -146,7 +146,7 @@ key_a = next(k for k in trace_a.steps() if (k.step, k.inner_step, k.micro_batch,
 key_b = trace_b.steps()[0] if trace_b.path.is_file() else next(
     k for k in trace_b.steps() if (k.step, k.inner_step, k.micro_batch, k.rank) == step)
 try:
-    seq_labels = trace_cache.sequence_labels(str(a), str(key_a.path), trace_cache.mtime_ns(key_a.path))
+    seq_labels = trace_cache.sequence_labels(str(a), str(key_a.path), trace_cache.file_id(key_a.path))
 except TraceError as err:
     st.error("This step file of a cannot be read.", icon=":material/error:")
     st.text(str(err))
@@ -160,7 +160,7 @@ sequence = right.selectbox("Sequence", range(len(seq_labels)), format_func=seq_l
                            key="diff_sequence")
 try:
     table = trace_cache.token_diff(str(a), str(b), step, sequence,
-                                   (trace_cache.mtime_ns(key_a.path), trace_cache.mtime_ns(key_b.path)))
+                                   (trace_cache.file_id(key_a.path), trace_cache.file_id(key_b.path)))
 except TraceError as err:
     st.error("The tokens of this step cannot be compared.", icon=":material/error:")
     st.text(str(err))

@@ -20,12 +20,12 @@ if selection.key is None or selection.sequence is None:
     st.stop()
 
 trace_path, key, pair = str(selection.trace_path), selection.key, selection.sequence
-step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
-tokens = trace_cache.dpo_pair_tokens(trace_path, step_path, pair, mtime)
+step_path, identity = str(key.path), trace_cache.file_id(key.path)
+tokens = trace_cache.dpo_pair_tokens(trace_path, step_path, pair, identity)
 if tokens.empty:
     st.info("This step file has no chosen_ids / rejected_ids.")
     st.stop()
-terms = trace_cache.dpo_pair_terms(trace_path, step_path, pair, mtime).set_index("quantity")
+terms = trace_cache.dpo_pair_terms(trace_path, step_path, pair, identity).set_index("quantity")
 st.text(f"{key.label} · pair {pair} (the sidebar's Sequence) · {key.path.name}")
 
 recorded = terms["recorded"]

@@ -24,17 +24,17 @@ if selection.key is None:
     st.stop()
 
 trace_path, key = str(selection.trace_path), selection.key
-step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
-if "rewards" not in trace_cache.step_fields(trace_path, step_path, mtime):
+step_path, identity = str(key.path), trace_cache.file_id(key.path)
+if "rewards" not in trace_cache.step_fields(trace_path, step_path, identity):
     st.info("This step file has no rewards field: a group view needs rewards [B].")
     st.stop()
 try:
-    groups = trace_cache.group_frame(trace_path, step_path, mtime)
+    groups = trace_cache.group_frame(trace_path, step_path, identity)
 except TraceError as err:
     st.info("The groups of this step file cannot be told apart.")
     st.text(str(err))
     st.stop()
-meta = trace_cache.step_metadata(trace_path, step_path, mtime)
+meta = trace_cache.step_metadata(trace_path, step_path, identity)
 estimator = group_std_estimator(meta)
 zero = int(groups["zero_variance"].sum())
 st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance")
@@ -56,9 +56,9 @@ def _show_group(groups) -> None:
         st.session_state["group"] = default
     group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
     urls.set_page_param("group", group)
-    completions = trace_cache.group_completions(trace_path, step_path, group, mtime)
+    completions = trace_cache.group_completions(trace_path, step_path, group, identity)
     st.header(f"Group {group}: {len(completions)} completions")
-    prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), mtime)
+    prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), identity)
     if prompt:
         st.subheader("Prompt")
         st.code(prompt, language=None, wrap_lines=True)

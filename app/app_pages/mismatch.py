@@ -24,8 +24,8 @@ if selection.key is None:
     st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
     st.stop()
 key = selection.key
-step_path, mtime = str(key.path), trace_cache.mtime_ns(key.path)
-frame = mismatch.tokens(trace_path, step_path, mtime)
+step_path, identity = str(key.path), trace_cache.file_id(key.path)
+frame = mismatch.tokens(trace_path, step_path, identity)
 if frame.empty:
     st.info("This step file has no sampler_logprobs (the logprobs an inference engine such as vLLM reported "
             "for the sampled tokens) next to old or policy logprobs: nothing to compare. A run sampled by "
@@ -33,7 +33,7 @@ if frame.empty:
     st.stop()
 
 trainer = frame.attrs.get("trainer_field", "old_logprobs")
-settings = correction_settings(trace_cache.step_metadata(trace_path, step_path, mtime))
+settings = correction_settings(trace_cache.step_metadata(trace_path, step_path, identity))
 st.text(f"{key.label} · {len(frame)} kept tokens · trainer side: {trainer}")
 st.text(mismatch.settings_text(settings))
 

@@ -27,15 +27,15 @@ with right:
 
 if selection.key is not None:
     key = selection.key
-    mtime = trace_cache.mtime_ns(key.path)
+    identity = trace_cache.file_id(key.path)
     st.subheader("Fields of the chosen step file")
     st.text(f"{key.label} · {key.path.name}")
-    st.dataframe(fields_table(trace_cache.step_fields(str(selection.trace_path), str(key.path), mtime),
+    st.dataframe(fields_table(trace_cache.step_fields(str(selection.trace_path), str(key.path), identity),
                               trace.algorithm), hide_index=True, width="stretch")
     derived = trace.derived_fields(key)
     if derived:
         st.caption(f"Not recorded, derived by the reader from the recorded logprobs (tracer.formulas) wherever "
                    f"they show: {', '.join(derived)}.")
     st.subheader("Step metadata")
-    st.dataframe(key_value_frame(trace_cache.step_metadata(str(selection.trace_path), str(key.path), mtime),
+    st.dataframe(key_value_frame(trace_cache.step_metadata(str(selection.trace_path), str(key.path), identity),
                                  describe=True), hide_index=True, width="stretch")

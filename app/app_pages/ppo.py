@@ -36,7 +36,7 @@ else:
                               f"rank {rows[i].key.rank} · row {rows[i].index} of its file",
         help="PPO files hold one minibatch each; row_ids map their rows back to the rollout batch")
     row = rows[choice]
-    table = trace_cache.token_table(trace_path, str(row.key.path), row.index, trace_cache.mtime_ns(row.key.path))
+    table = trace_cache.token_table(trace_path, str(row.key.path), row.index, trace_cache.file_id(row.key.path))
     st.text(f"shown from {row.key.label} · {row.key.path.name}, row {row.index}")
     if "section" in table and (table["section"] == "completion").any():
         st.code(section_text(table, "completion"), language=None, wrap_lines=True)

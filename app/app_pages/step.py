@@ -23,7 +23,8 @@ if selection.key is None:
 
 key = selection.key
 trace_path = str(selection.trace_path)
-frame = trace_cache.step_tokens(trace_path, key.step, key.inner_step, selection.rank, trace_cache.step_files(trace))
+frame = trace_cache.step_tokens(trace_path, key.step, key.inner_step, selection.rank,
+                                trace_cache.step_file_ids(trace, key.step, key.inner_step, selection.rank))
 files = frame.attrs.get("files", [])
 ranks = "all ranks" if selection.rank is None else f"rank {selection.rank}"
 kept = int(frame["kept"].sum()) if "kept" in frame else 0
@@ -88,7 +89,7 @@ st.caption(f"Blank: masked positions (not in the loss). Diverging scale centred 
            "long steps are binned, each bin showing its value farthest from the centre.")
 
 st.header("Histograms over the kept tokens")
-meta = trace_cache.step_metadata(trace_path, str(key.path), trace_cache.mtime_ns(key.path))
+meta = trace_cache.step_metadata(trace_path, str(key.path), trace_cache.file_id(key.path))
 low, high = hyperparameter(trace, meta, "clip_epsilon_low"), hyperparameter(trace, meta, "clip_epsilon_high")
 clip = (1 - low, 1 + high) if low is not None and high is not None else None
 st.plotly_chart(histograms_figure(frame, clip, derived), width="stretch", key="step_histograms")

@@ -24,17 +24,17 @@ if selection.key is None:
     st.stop()
 if selection.sequence is None:
     fields = trace_cache.step_fields(str(selection.trace_path), str(selection.key.path),
-                                     trace_cache.mtime_ns(selection.key.path))
+                                     trace_cache.file_id(selection.key.path))
     st.info(EMPTY_STEP if is_empty_step(fields) else
             "This step file has no per-sequence field (no completion_ids, prompt_ids or rewards) to show.")
     st.stop()
 
 key = selection.key
 table = trace_cache.token_table(str(selection.trace_path), str(key.path), selection.sequence,
-                                trace_cache.mtime_ns(key.path))
+                                trace_cache.file_id(key.path))
 st.text(f"{key.label} · sequence {selection.sequence} · {key.path.name}")
 if table.empty:
-    fields = trace_cache.step_fields(str(selection.trace_path), str(key.path), trace_cache.mtime_ns(key.path))
+    fields = trace_cache.step_fields(str(selection.trace_path), str(key.path), trace_cache.file_id(key.path))
     if "chosen_ids" in fields:
         st.info("A DPO step holds chosen / rejected pairs rather than completions: the pair view shows their "
                 "tokens side by side with policy and reference logprobs.")

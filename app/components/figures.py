@@ -75,12 +75,17 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     positions = rows["position"].tolist()
     texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
     reasons = rows.get("mask_reason", pd.Series([""] * len(rows))).tolist()
-    custom = list(zip(texts, reasons))
+    # numpy arrays, not lists: plotly validates an array at once, a list element by element (8 lines
+    # of 256 points: ~4x faster to build)
+    custom = np.array(list(zip(texts, reasons)), dtype=object).reshape(len(rows), 2)
+    x = np.asarray(positions)
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(rows)
+    keep = np.asarray(kept, dtype=bool)
     for i, (_, cols) in enumerate(panels, start=1):
         for j, col in enumerate(cols):  # masked positions are gaps: their values enter neither loss nor axis range
+            y = rows[col].to_numpy(dtype=object, na_value=None)
             fig.add_trace(go.Scatter(  # a dash and marker per line: one equal to another stays visible
-                x=positions, y=[v if k else None for v, k in zip(rows[col].tolist(), kept)],
+                x=x, y=np.where(keep, y, None),
                 mode="lines+markers", name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
                 marker={"size": 7 - j, "symbol": SYMBOLS[j % len(SYMBOLS)]}, customdata=custom,
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
@@ -172,7 +177,7 @@ def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
             # an object array, not nested lists (Plotly validates and copies lists element by element,
             # 10x slower at 10,000 steps); object, not int: the browser gets plain lists, as before
             custom = np.column_stack([agg["files"].to_numpy(), np.full(len(agg), inner_step),
-                                      np.full(len(agg), r)]).astype(object)
+                                      np.full(len(agg), r)]).astype(object)  # [files, inner step, run]
             scatter = go.Scattergl if len(agg) > WEBGL_POINTS else go.Scatter
             for i, (col, title) in enumerate(shown):
                 if col not in agg:

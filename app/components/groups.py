@@ -72,7 +72,7 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
             x=part["step"], y=part["zero_variance_share"], mode="lines+markers", name=f"inner step {inner_step}",
             line={"color": _PALETTE[n % len(_PALETTE)], "dash": DASHES[n % len(DASHES)]},  # equal lines stay visible
             marker={"symbol": SYMBOLS[n % len(SYMBOLS)], "size": 9 - 2 * min(n, 2)},
-            customdata=list(zip(part["zero_variance_groups"], part["groups"])),
+            customdata=part[["zero_variance_groups", "groups"]].to_numpy(),  # an array: validated at once
             hovertemplate=("step %{x}: %{customdata[0]} of %{customdata[1]} groups"
                            f" (%{{y:.0%}}) · inner step {inner_step}<extra></extra>")))
     fig.update_layout(height=320, margin={"t": 60, "b": 40}, xaxis_title="step", legend=TOP_LEGEND,

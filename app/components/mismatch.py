@@ -19,8 +19,8 @@ CUT_COLOUR, KEPT_COLOUR = "#d62728", "#1f77b4"
 
 
 @st.cache_data(max_entries=32, show_spinner=False)
-def tokens(trace_path: str, step_path: str, mtime: int) -> pd.DataFrame:
-    """:func:`tracer.views.mismatch.mismatch_tokens` of one step file (cached by path and mtime)."""
+def tokens(trace_path: str, step_path: str, identity: tuple) -> pd.DataFrame:
+    """:func:`tracer.views.mismatch.mismatch_tokens` of one step file (cached by the file's identity: path, inode, size, mtime)."""
     from app.components import trace_cache
 
     trace = trace_cache.open_trace(trace_path)

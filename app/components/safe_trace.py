@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
+from typing import Any
 
 from tracer.errors import TraceError
 from tracer.integrity import check_step_header, open_step_file
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
-from tracer.reader import Trace
+from tracer.reader import StepKey, Trace
 from tracer.schema import decode_metadata
+
+# A listing is reused while the trace directory and steps/ keep their modification times, unless
+# one of them changed less than this long ago: file times have the kernel's coarse clock tick, so a
+# file added in the same tick as a listing could leave the directory's time unchanged.
+RACY_LISTING_NS = 2_000_000_000
 
 OUTSIDE = "outside"  # problems(): the file resolves outside the trace directory
 UNREADABLE = "unreadable"  # problems(): the safetensors header does not open
@@ -91,8 +98,16 @@ def header_problem(path: Path, algorithm: str | None = None) -> str | None:
 class SafeTrace(Trace):
     """A trace that reads only files inside its own directory and skips unreadable step files.
 
+    Listing the step files (``steps()``, ``problems()``, :meth:`key_of`) is done once per state of
+    the directory: it is reused while the trace directory and its ``steps/`` keep their (inode,
+    modification time), so a rerun of the app on a trace of many steps costs two ``stat`` calls,
+    not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). With
+    ``handles``, step files are read through that shared cache of open handles, and each handle's
+    header is checked against the schema once.
+
     Args:
         path: a trace directory or a single step file (as for :class:`Trace`).
+        handles: a :class:`app.components.step_handles.StepHandles` (None: open a file per read).
 
     Raises:
         OutsideRootError: ``manifest.json``, ``tokens.json`` or ``steps/`` is a link leaving the
@@ -100,9 +115,11 @@ class SafeTrace(Trace):
         TraceFormatError: as :class:`Trace` (no trace there, unreadable or malformed manifest).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, handles: Any = None) -> None:
         self._base = Path(path).resolve()
         self._header_memo: dict[str, tuple[tuple[int, ...], str | None]] = {}
+        self._handles = handles
+        self._listing: tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]] | None = None
         if Path(path).is_dir():
             for name in (MANIFEST_NAME, TOKENS_NAME, STEPS_DIR):
                 part = Path(path) / name
@@ -116,9 +133,64 @@ class SafeTrace(Trace):
         return super()._step_paths()
 
     def _step_paths(self) -> list[Path]:  # Trace lists step files through this method
+        if not hasattr(self, "manifest"):  # Trace.__init__ asks before the manifest is read: no memo yet
+            paths = self._all_step_paths()
+            problems = self._problems(paths)
+            return [p for p in paths if p not in problems]
+        _, paths, problems, _, _ = self._listed()
+        return [p for p in paths if p not in problems]
+
+    def steps(self) -> list[StepKey]:
+        """As :meth:`Trace.steps` (the readable step files inside the directory), from the memo."""
+        return list(self._listed()[3])
+
+    def key_of(self, step_path: str) -> StepKey | None:
+        """The :class:`StepKey` of the listed step file at ``step_path`` (its ``str``), or None: O(1)."""
+        return self._listed()[4].get(step_path)
+
+    def _listing_signature(self) -> tuple | None:
+        """(inode, mtime_ns) of the trace directory and of ``steps/``; None when the listing must
+        not be reused (a single step file, a directory that cannot be stat'ed, or one changed
+        less than RACY_LISTING_NS ago)."""
+        if self._single:
+            return None
+        sig = []
+        for folder in (self.root, self.root / STEPS_DIR):
+            try:
+                st = os.stat(folder)
+            except OSError:
+                return None
+            sig.append((st.st_ino, st.st_mtime_ns))
+        if time.time_ns() - max(m for _, m in sig) < RACY_LISTING_NS:
+            return None
+        return tuple(sig)
+
+    def _listed(self) -> tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]]:
+        """(signature, every step path, problems, keys of the readable ones, {str(path): key})."""
+        sig = self._listing_signature()
+        memo = self._listing
+        if sig is not None and memo is not None and memo[0] == sig:
+            return memo
         paths = self._all_step_paths()
         problems = self._problems(paths)
-        return [p for p in paths if p not in problems] if problems else paths
+        keys = self._keys([p for p in paths if p not in problems])
+        listing = (sig, paths, problems, keys, {str(k.path): k for k in keys})
+        if sig is not None:
+            self._listing = listing
+        return listing
+
+    def _open(self, path: Path):
+        if self._handles is None:
+            return super()._open(path)
+        return self._handles.lease(path)
+
+    def _checked(self, key: StepKey, fh) -> None:
+        notes = None if self._handles is None else self._handles.notes(fh)
+        if notes is not None and notes.get("checked"):
+            return
+        super()._checked(key, fh)
+        if notes is not None:
+            notes["checked"] = True
 
     def _problems(self, paths: list[Path]) -> dict[Path, str]:
         """Why each of ``paths`` is set aside (files absent from the result are fine). A file is
@@ -164,4 +236,4 @@ class SafeTrace(Trace):
     def problems(self) -> dict[Path, str]:
         """``{step file: reason}`` for the step files ``steps()`` leaves out: ``outside: ...``
         (a link leaving the trace directory) or ``unreadable: ...`` (the TraceFormatError message)."""
-        return self._problems(self._all_step_paths())
+        return dict(self._listed()[2])

@@ -205,7 +205,7 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
     key = keys[labels.index(label)]
     try:
-        seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.mtime_ns(key.path))
+        seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.file_id(key.path))
     except TraceError as err:
         sb.error("This step file cannot be read; pick another one.")
         sb.text(str(err))

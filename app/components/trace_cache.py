@@ -1,11 +1,15 @@
 """Cached access to traces for the pages.
 
 ``st.cache_resource`` holds one :class:`app.components.safe_trace.SafeTrace` per path and manifest
-modification time (it keeps no open file: the reader opens a step file per call), so a manifest
-rewritten by the trainer (status ``finished``) is read again. ``st.cache_data`` with bounded
-``max_entries`` holds the small frames. Keys include the step file's modification time or the list
-of step files, so a new or rewritten step is read again; :func:`clear_caches` (the Reload button)
-drops everything, including the token strings of an open trace.
+modification time, so a manifest rewritten by the trainer (status ``finished``) is read again; the
+trace memoises its listing of step files while its directories do not change. Step files are read
+through one process-wide :class:`app.components.step_handles.StepHandles` (at most
+:data:`MAX_OPEN_STEP_FILES` open ``safe_open`` handles of :data:`MAX_OPEN_STEP_BYTES` together,
+least recently used closed first), shared by every session. ``st.cache_data`` with bounded ``max_entries`` holds the small per-step frames,
+keyed by the step file's identity (:func:`file_id`: path, inode, size, mtime), or by the list of
+step files for whole-trace tables, so a new or rewritten step is read again; :func:`clear_caches`
+(the Reload button) drops everything, including the token strings of an open trace, and closes
+the idle handles.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import streamlit as st
 
 from app.components.health import findings_frame
 from app.components.safe_trace import SafeTrace
+from app.components.step_handles import FileId, StepHandles
+from app.components.step_handles import file_id as _file_id
 from tracer import views
 from tracer.views import step as step_view
 from tracer.checks import run_checks
@@ -27,6 +33,14 @@ from tracer.reader import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")
+MAX_OPEN_STEP_FILES = 64  # bounds of the shared handle cache (each handle maps one step file)
+MAX_OPEN_STEP_BYTES = 512 * 2**20  # summed size of the open step files
+
+
+@st.cache_resource(show_spinner=False)
+def step_handles() -> StepHandles:
+    """The process-wide cache of open step files, shared by every session and trace."""
+    return StepHandles(MAX_OPEN_STEP_FILES, MAX_OPEN_STEP_BYTES)
 
 
 def open_trace(path: str) -> SafeTrace:
@@ -36,8 +50,8 @@ def open_trace(path: str) -> SafeTrace:
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
-def _open_trace(path: str, manifest_mtime: int) -> SafeTrace:
-    return SafeTrace(path)
+def _open_trace(path: str, manifest_identity: FileId) -> SafeTrace:
+    return SafeTrace(path, handles=step_handles())
 
 
 def manifest_mtime(trace_path: str | Path) -> int:
@@ -49,41 +63,44 @@ def manifest_mtime(trace_path: str | Path) -> int:
 
 
 def step_key(trace: Trace, step_path: str) -> StepKey:
-    """The :class:`StepKey` of the step file at ``step_path``; KeyError when it is gone."""
-    for key in trace.steps():
-        if str(key.path) == step_path:
-            return key
+    """The :class:`StepKey` of the step file at ``step_path``; KeyError when it is gone. O(1) on a
+    :class:`SafeTrace` (its memoised listing), O(step files) on another trace."""
+    found = trace.key_of(step_path) if isinstance(trace, SafeTrace) else next(
+        (key for key in trace.steps() if str(key.path) == step_path), None)
+    if found is not None:
+        return found
     raise KeyError(f"{step_path} is no longer a step file of {trace.path}; press Reload")
 
 
-def mtime_ns(path: str | Path) -> int:
-    """Modification time of a file, part of the cache keys below."""
-    return Path(path).stat().st_mtime_ns
+def file_id(path: str | Path) -> FileId:
+    """Identity of a step file (path, inode, size, mtime_ns), part of the cache keys below: a file
+    rewritten under the same name has another. Raises OSError when it is gone."""
+    return _file_id(path)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def token_table(trace_path: str, step_path: str, sequence: int, mtime: int) -> pd.DataFrame:
+def token_table(trace_path: str, step_path: str, sequence: int, identity: FileId) -> pd.DataFrame:
     """``Trace.token_table(key, sequence)``: reads only that sequence's rows (``get_slice``)."""
     trace = open_trace(trace_path)
     return trace.token_table(step_key(trace, step_path), sequence)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def step_fields(trace_path: str, step_path: str, mtime: int) -> dict[str, tuple[list[int], str]]:
+def step_fields(trace_path: str, step_path: str, identity: FileId) -> dict[str, tuple[list[int], str]]:
     """``{field: (shape, dtype)}`` of one step file (header only)."""
     trace = open_trace(trace_path)
     return trace.fields(step_key(trace, step_path))
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def step_metadata(trace_path: str, step_path: str, mtime: int) -> dict:
+def step_metadata(trace_path: str, step_path: str, identity: FileId) -> dict:
     """Decoded metadata of one step file (header only)."""
     trace = open_trace(trace_path)
     return trace.metadata(step_key(trace, step_path))
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def sequence_labels(trace_path: str, step_path: str, mtime: int) -> list[str]:
+def sequence_labels(trace_path: str, step_path: str, identity: FileId) -> list[str]:
     """One label per sequence of a step (``seq 3 · group 1 · reward 0.5``; ``pair 2`` for DPO); empty
     when no field has a B dim. Reads only the ``[B]`` fields ``group_ids`` and ``rewards``."""
     trace = open_trace(trace_path)
@@ -141,21 +158,21 @@ def ppo_early_stops(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def group_frame(trace_path: str, step_path: str, mtime: int) -> pd.DataFrame:
+def group_frame(trace_path: str, step_path: str, identity: FileId) -> pd.DataFrame:
     """``views.group_frame``: one row per group of one step file."""
     trace = open_trace(trace_path)
     return views.group_frame(trace, step_key(trace, step_path))
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def group_completions(trace_path: str, step_path: str, group: int, mtime: int) -> pd.DataFrame:
+def group_completions(trace_path: str, step_path: str, group: int, identity: FileId) -> pd.DataFrame:
     """``views.group_completions``: the completions of one group."""
     trace = open_trace(trace_path)
     return views.group_completions(trace, step_key(trace, step_path), group)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def prompt_text(trace_path: str, step_path: str, sequence: int, mtime: int) -> str:
+def prompt_text(trace_path: str, step_path: str, sequence: int, identity: FileId) -> str:
     """``views.group_prompt_text``: the prompt of one row as text."""
     trace = open_trace(trace_path)
     return views.group_prompt_text(trace, step_key(trace, step_path), sequence)
@@ -168,14 +185,14 @@ def zero_variance_shares(trace_path: str, files: tuple[str, ...]) -> pd.DataFram
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def dpo_pair_tokens(trace_path: str, step_path: str, pair: int, mtime: int) -> pd.DataFrame:
+def dpo_pair_tokens(trace_path: str, step_path: str, pair: int, identity: FileId) -> pd.DataFrame:
     """``views.dpo_pair_tokens``: one DPO pair, token by token."""
     trace = open_trace(trace_path)
     return views.dpo_pair_tokens(trace, step_key(trace, step_path), pair)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
-def dpo_pair_terms(trace_path: str, step_path: str, pair: int, mtime: int) -> pd.DataFrame:
+def dpo_pair_terms(trace_path: str, step_path: str, pair: int, identity: FileId) -> pd.DataFrame:
     """``views.dpo_pair_terms``: sums and DPO terms of one pair, recorded and recomputed."""
     trace = open_trace(trace_path)
     return views.dpo_pair_terms(trace, step_key(trace, step_path), pair)
@@ -188,10 +205,19 @@ def dpo_step_summary(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
 
 
 @st.cache_resource(max_entries=4, show_spinner="Reading the step…")  # no copy per rerun: never mutate it
-def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None, files: tuple[str, ...]) -> pd.DataFrame:
+def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None,
+                identities: tuple[FileId, ...]) -> pd.DataFrame:
     """``views.step.step_token_frame``: every completion position of one step (all micro-batches,
-    all ranks or one), shared between reruns: never mutate it. Raises TraceFormatError."""
+    all ranks or one), shared between reruns: never mutate it. ``identities``
+    (:func:`step_file_ids`) key it. Raises TraceFormatError."""
     return step_view.step_token_frame(open_trace(trace_path), step, inner_step, rank=rank)
+
+
+def step_file_ids(trace: Trace, step: int, inner_step: int, rank: int | None) -> tuple[FileId, ...]:
+    """:func:`file_id` of every step file of one step and inner step (every micro-batch; every rank
+    or one): the cache key of :func:`step_tokens`, so that a step file rewritten under its name is
+    read again, and a new step elsewhere in the run does not invalidate it."""
+    return tuple(file_id(k.path) for k in step_view.step_files(trace, step, inner_step, None, rank))
 
 
 # -- health (tracer.checks) and diff (tracer.diff) ------------------------------------------------------
@@ -224,9 +250,9 @@ def comparable(a: str, b: str) -> bool:
 
 @st.cache_data(max_entries=16, show_spinner=False)
 def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
-               mtimes: tuple[int, int]) -> pd.DataFrame:
-    """``tracer.diff.token_diff_table`` of one step pair and sequence; ``mtimes`` are the two step
-    files' modification times. Raises TraceError."""
+               identities: tuple[FileId, FileId]) -> pd.DataFrame:
+    """``tracer.diff.token_diff_table`` of one step pair and sequence; ``identities`` are the two step
+    files' identities (:func:`file_id`). Raises TraceError."""
     return token_diff_table(a, b, step=step, sequence=sequence)
 
 
@@ -236,6 +262,8 @@ _CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels
 
 
 def clear_caches() -> None:
-    """Forget every cached trace and table (new steps, a finished manifest, new token strings)."""
+    """Forget every cached trace and table (new steps, a finished manifest, new token strings) and
+    close the open step files that no script run is reading."""
+    step_handles().clear()
     for cached in _CACHED:
         cached.clear()
