@@ -119,7 +119,7 @@ class SafeTrace(Trace):
         self._base = Path(path).resolve()
         self._header_memo: dict[str, tuple[tuple[int, ...], str | None]] = {}
         self._handles = handles
-        self._listing: tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]] | None = None
+        self._safe_listing: tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]] | None = None
         if Path(path).is_dir():
             for name in (MANIFEST_NAME, TOKENS_NAME, STEPS_DIR):
                 part = Path(path) / name
@@ -168,7 +168,7 @@ class SafeTrace(Trace):
     def _listed(self) -> tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]]:
         """(signature, every step path, problems, keys of the readable ones, {str(path): key})."""
         sig = self._listing_signature()
-        memo = self._listing
+        memo = self._safe_listing
         if sig is not None and memo is not None and memo[0] == sig:
             return memo
         paths = self._all_step_paths()
@@ -176,7 +176,7 @@ class SafeTrace(Trace):
         keys = self._keys([p for p in paths if p not in problems])
         listing = (sig, paths, problems, keys, {str(k.path): k for k in keys})
         if sig is not None:
-            self._listing = listing
+            self._safe_listing = listing
         return listing
 
     def _open(self, path: Path):
