@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# Where torch 2.13.0 comes from. The default (pip's own configuration) finds a CPU wheel on machines
+# that provide one; on plain PyPI the same version pulls CUDA libraries (~4 GB), so there run e.g.
+#   make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 
 # verl (tracer.integrations.verl) pins its own transformers, so its tests run in a venv of their own,
 # built from nothing: torch first, then verl 0.9.1 with torch held at 2.13.0, then the packages some
@@ -20,7 +24,7 @@ VLLM_STAMP  = $(VLLM_VENV)/.installed
 $(VERL_STAMP): constraints-verl.txt pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --upgrade pip
-	$(VERL_PY) -m pip install torch==2.13.0
+	$(VERL_PY) -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(VERL_PY) -m pip install -c constraints-verl.txt verl==0.9.1
 	$(VERL_PY) -m pip install -c constraints-verl.txt cachetools fastapi uvicorn pyzmq msgspec
 	$(VERL_PY) -m pip install -c constraints-verl.txt -e '.[verl,app,test]'
@@ -33,7 +37,7 @@ install: $(STAMP)
 $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -r requirements.txt
 	$(PY) -m pip install --no-deps -e .
 	touch $(STAMP)
@@ -83,7 +87,7 @@ install-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml .ci/vllm-constraints.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --upgrade pip
-	$(VLLM_PY) -m pip install torch==2.13.0
+	$(VLLM_PY) -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(VLLM_PY) -m pip install -c .ci/vllm-constraints.txt -e '.[vllm]'
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --no-deps -e .
