@@ -159,9 +159,9 @@ def test_with_when_full_drop_record_never_touches_the_disk(tmp_path, monkeypatch
             disk_on_training_thread.append(f"write {path.name}")
         real_json(path, payload)
 
-    def slow_save(path, tensors, metadata):
+    def slow_save(path, tensors, metadata, *specs):
         time.sleep(0.02)
-        real_save(path, tensors, metadata)
+        real_save(path, tensors, metadata, *specs)
 
     monkeypatch.setattr(os, "fsync", slow_fsync)
     monkeypatch.setattr(writer_module, "_save_atomic", slow_save)
@@ -183,10 +183,10 @@ def test_with_when_full_drop_record_never_touches_the_disk(tmp_path, monkeypatch
 def _full_disk_from(monkeypatch, first_failing_step: int) -> None:
     real_save = writer_module._save_atomic
 
-    def save(path, tensors, metadata):
+    def save(path, tensors, metadata, *specs):
         if int(path.name[5:13]) >= first_failing_step:
             raise OSError(28, "No space left on device")
-        real_save(path, tensors, metadata)
+        real_save(path, tensors, metadata, *specs)
 
     monkeypatch.setattr(writer_module, "_save_atomic", save)
 
