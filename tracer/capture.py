@@ -87,6 +87,7 @@ class StagedStep:
     pinned: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # (buffer, pinned) to hand back to the pool
     arrived: float = 0.0  # time.monotonic() when it was queued
     summarised: bool = False  # its summary was computed (or tried) with its batch
+    settled: bool = False  # written, lost or held by the anomaly ring: a batch's error handler leaves it alone
 
     def wait(self) -> None:
         if self.event is not None:
@@ -106,38 +107,44 @@ def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str |
 
 class BufferPool:
     """Reusable host buffers keyed by (shape, dtype, pinned): pinned ones for the CUDA staging path,
-    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key; at most
-    ``per_key`` idle plain buffers per key and ``max_idle_bytes`` of them in all. A staged copy into a buffer used before is a copy into warm memory; a
+    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key and
+    ``max_idle_pinned_bytes`` of them in all; at most ``per_key`` idle plain buffers per key and
+    ``max_idle_bytes`` of them in all (a run whose shapes change every step keeps a bounded amount
+    of memory idle). A staged copy into a buffer used before is a copy into warm memory; a
     fresh allocation of the same size also pays its page faults (about twice the copy at 0.3 MB per
     step: BENCHMARKS.md, blocked time)."""
 
-    def __init__(self, per_key: int = 4, max_idle_bytes: int = 64 * 2**20, pinned_per_key: int = 4) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
+    def __init__(self, per_key: int = 4, max_idle_bytes: int = 64 * 2**20, pinned_per_key: int = 4,
+                 max_idle_pinned_bytes: int = 256 * 2**20) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._per_key, self._max_idle, self._pinned_per_key = per_key, max_idle_bytes, pinned_per_key
-        self._idle_bytes = 0
+        self._per_key = {False: per_key, True: pinned_per_key}
+        self._max_idle = {False: max_idle_bytes, True: max_idle_pinned_bytes}
+        self._idle_bytes = {False: 0, True: 0}
 
     def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        key = (tuple(shape), dtype, pinned)
         with self._lock:
-            free = self._free.get((tuple(shape), dtype, pinned))
+            free = self._free.get(key)
             if free:
                 buf = free.pop()
-                if not pinned:
-                    self._idle_bytes -= buf.nbytes
+                self._idle_bytes[pinned] -= buf.nbytes
+                if not free:
+                    del self._free[key]
                 return buf
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
-        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads any more."""
+        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads (or writes) any more."""
         with self._lock:
             for buf, pinned in buffers:
-                free = self._free[(tuple(buf.shape), buf.dtype, pinned)]
-                room = len(free) < self._pinned_per_key if pinned else (
-                    len(free) < self._per_key and self._idle_bytes + buf.nbytes <= self._max_idle)
-                if room:
+                key = (tuple(buf.shape), buf.dtype, pinned)
+                free = self._free.get(key, [])
+                idle = self._idle_bytes[pinned] + buf.nbytes
+                if len(free) < self._per_key[pinned] and idle <= self._max_idle[pinned]:
                     free.append(buf)
-                    if not pinned:
-                        self._idle_bytes += buf.nbytes
+                    self._free[key] = free
+                    self._idle_bytes[pinned] += buf.nbytes
 
 
 PinnedPool = BufferPool  # the name it had when it held pinned buffers only
@@ -234,7 +241,9 @@ class BackgroundWriter:
         write_fn: called on the writer thread with each step to write and a reason string (None,
             or why an anomaly forced it out); it handles its own I/O errors.
         normalise: turns a staged step's tensors into the tensors to write (writer thread).
-        on_error: called when ``normalise`` raises; the step is not written.
+        on_error: called with a step that is not written because ``normalise`` raised on it, or
+            because handling its batch raised unexpectedly (a bug: logged; the steps of the batch
+            already written or held by the anomaly ring are not concerned).
         max_steps, max_bytes: the bound: at most ``max_steps`` steps wait in the queue, and the
             bytes held (queued steps + the step being written) stay <= ``max_bytes``; a step larger
             than ``max_bytes`` is still accepted when nothing else is queued. The anomaly ring holds
@@ -351,10 +360,11 @@ class BackgroundWriter:
                 try:
                     self._handle_batch(batch)
                 except Exception as err:  # noqa: BLE001  (a bug here must not kill the thread: flush() would hang)
+                    lost = [item for item in batch if not item.settled]  # not those written or held by the ring
                     log.error("tracer: the writer thread failed on steps %s: %s: %s",
-                              [item.step for item in batch], type(err).__name__, err)
-                    for item in batch:
-                        self._on_drop(f"step {item.step}: writer thread error: {type(err).__name__}: {err}")
+                              [item.step for item in lost], type(err).__name__, err)
+                    for item in lost:
+                        self._on_error(item, err)  # counted; strict mode raises it from the next call
                         self._release(item)
                 finally:
                     with self._cond:
@@ -427,10 +437,17 @@ class BackgroundWriter:
             if len(self._ring) == self._ring.maxlen:
                 self._release(self._ring.popleft())
             self._ring.append(item)
+            item.settled = True
             return
         self._release(item)
 
     def _release(self, item: StagedStep) -> None:
+        """The step is done with: its buffers go back to the pool, unless a copy into them may still
+        be in flight (a step dropped before the writer waited on its CUDA event): those are left to
+        the CUDA host allocator, which frees them only once the copy has completed."""
+        item.settled = True
+        if item.event is not None and not item.event.query():
+            item.pinned = []
         if item.pinned and self._pool is not None:
             self._pool.give(item.pinned)
             item.pinned = []
