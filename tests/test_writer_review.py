@@ -125,3 +125,43 @@ def test_idle_pinned_buffers_are_bounded_in_bytes_across_shapes():
         idle = sum(b.nbytes for bufs in pool._free.values() for b in bufs)
         assert 0 < idle <= 1000
         assert len(pool._free) <= 1000 // 16  # no empty lists left behind for shapes not kept
+
+
+def _ppo_like(seed: int, B: int, T: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    policy = -torch.rand(B, T, generator=g)
+    old = policy + 0.1 * torch.randn(B, T, generator=g)
+    return {"completion_mask": torch.rand(B, T, generator=g) > 0.2, "ratio": torch.exp(policy - old),
+            "old_logprobs": old, "sampler_logprobs": old + 0.01, "rewards": torch.randn(B, generator=g),
+            "advantages": torch.randn(B, generator=g)}
+
+
+def test_large_steps_are_not_stacked_into_one_summary_batch(monkeypatch):
+    """Stacking copies every step's fields, masks and sort indices at once (several times the steps'
+    bytes): 16 large steps summarised together needed about 7x the memory of one at a time. A stack
+    holds at most MAX_STACKED_VALUES values per field; small steps are still stacked 16 at a time,
+    and either way the numbers are those of each step alone."""
+    from tracer import summaries
+
+    sizes: list[int] = []
+    real = summaries._summarise_group
+
+    def spy(tensors, metadata, S):
+        sizes.append(S)
+        return real(tensors, metadata, S)
+
+    monkeypatch.setattr(summaries, "_summarise_group", spy)
+    eps = {"clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28}
+    T = summaries.MAX_STACKED_VALUES // 8 // 4  # B = 8: a quarter of the bound per field, so 4 steps per stack
+    large = [(_ppo_like(s, 8, T), eps) for s in range(10)]
+    got = summaries.compute_summaries(large)
+    assert sizes == [4, 4, 2]
+    small = [(_ppo_like(s, 4, 6), eps) for s in range(16)]
+    sizes.clear()
+    got_small = summaries.compute_summaries(small)
+    assert sizes == [16]
+    for steps, batched in ((large, got), (small, got_small)):
+        for (tensors, meta), summary in zip(steps, batched):
+            alone = summaries.compute_summary(tensors, meta)
+            assert summary.keys() == alone.keys()
+            assert all(summary[k] == alone[k] for k in alone)  # no NaN here: exact equality
