@@ -165,3 +165,35 @@ def test_large_steps_are_not_stacked_into_one_summary_batch(monkeypatch):
             alone = summaries.compute_summary(tensors, meta)
             assert summary.keys() == alone.keys()
             assert all(summary[k] == alone[k] for k in alone)  # no NaN here: exact equality
+
+
+def test_pauses_nest_and_a_watcher_ended_during_a_pause_stays_off(tmp_path):
+    import tracer
+
+    weight = torch.nn.Parameter(torch.zeros(3))
+
+    def train_step():
+        policy_logprobs = torch.log_softmax(weight.expand(2, 3), dim=-1)
+        completion_mask = torch.ones(2, 3, dtype=torch.bool)
+        (-(policy_logprobs * completion_mask).mean()).backward()
+        return completion_mask
+
+    original = torch.Tensor.backward
+    with tracer.watch(algo="grpo", out=tmp_path / "run", nothing_traced="ignore") as w:
+        train_step()
+        with w.paused():  # an evaluation helper that pauses, called inside a paused probe
+            with w.paused():
+                train_step()
+            assert torch.Tensor.backward is original  # leaving the inner pause does not resume tracing
+            train_step()
+        train_step()
+    assert w.steps_recorded == 2 and w.backward_calls == 2
+    assert torch.Tensor.backward is original
+
+    other = tracer.watch(algo="grpo", out=tmp_path / "other", nothing_traced="ignore")
+    other.__enter__()
+    pause = other.paused()
+    pause.__enter__()
+    other.__exit__(None, None, None)  # the watcher's block ends inside the pause
+    pause.__exit__(None, None, None)
+    assert torch.Tensor.backward is original, "a finished watcher was put back on backward"
