@@ -197,3 +197,35 @@ def test_pauses_nest_and_a_watcher_ended_during_a_pause_stays_off(tmp_path):
     other.__exit__(None, None, None)  # the watcher's block ends inside the pause
     pause.__exit__(None, None, None)
     assert torch.Tensor.backward is original, "a finished watcher was put back on backward"
+
+
+def test_with_warnings_as_errors_a_failed_write_neither_kills_the_writer_thread_nor_hangs_training(tmp_path):
+    """``python -W error`` (or pytest's ``filterwarnings = error``) turns the writer thread's
+    'dropped a step' warning into an exception: it killed the thread, and the next flush() (or
+    record() once the queue was full) waited forever. The drop is counted once and logged instead."""
+    from unittest import mock
+
+    import tracer.writer as writer_module
+
+    real = writer_module._save_atomic
+
+    def disk_full_at_step_1(path, tensors, metadata):  # a fault: the disk fills up for one file
+        if path.name.startswith("step_00000001."):
+            raise OSError(28, "No space left on device")
+        return real(path, tensors, metadata)
+
+    writer = TraceWriter(tmp_path / "run", "grpo", max_queue_steps=2)
+    with warnings.catch_warnings(), mock.patch.object(writer_module, "_save_atomic", disk_full_at_step_1):
+        warnings.simplefilter("error")
+
+        def loop():
+            for step in range(5):
+                writer.record(step, {"policy_logprobs": torch.full((2, 3), -float(step))})
+                writer.flush()
+            writer.close()
+
+        _join(loop)
+    assert writer.steps_written == 4 and writer.dropped_steps == 1
+    assert [k.step for k in Trace(tmp_path / "run").steps()] == [0, 2, 3, 4]
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["dropped_steps"] == 1 and "No space left on device" in manifest["drop_reasons"][0]

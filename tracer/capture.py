@@ -332,6 +332,10 @@ class BackgroundWriter:
             self._cond.notify_all()
         self._thread.join()
 
+    def on_writer_thread(self) -> bool:
+        """True when called from this writer's thread."""
+        return threading.current_thread() is self._thread
+
     @property
     def queued_bytes(self) -> int:
         return self._bytes
@@ -364,7 +368,10 @@ class BackgroundWriter:
                     log.error("tracer: the writer thread failed on steps %s: %s: %s",
                               [item.step for item in lost], type(err).__name__, err)
                     for item in lost:
-                        self._on_error(item, err)  # counted; strict mode raises it from the next call
+                        try:
+                            self._on_error(item, err)  # counted; strict mode raises it from the next call
+                        except Exception as again:  # noqa: BLE001  (the thread must live on)
+                            log.error("tracer: reporting the loss of step %s failed: %s", item.step, again)
                         self._release(item)
                 finally:
                     with self._cond:
