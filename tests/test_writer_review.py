@@ -229,3 +229,17 @@ def test_with_warnings_as_errors_a_failed_write_neither_kills_the_writer_thread_
     assert [k.step for k in Trace(tmp_path / "run").steps()] == [0, 2, 3, 4]
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["dropped_steps"] == 1 and "No space left on device" in manifest["drop_reasons"][0]
+
+
+def test_an_owned_tensor_on_a_device_other_than_the_cpu_is_copied_to_host_memory():
+    """Zero-edit capture's indexed rows are staged without a copy, but only when they are host
+    memory: an ``x[inds]`` on MPS or XPU (neither CPU nor CUDA) was kept on its device, and once its
+    signature was remembered as stored form, its checksum pass (which reads host memory) dropped
+    every later step. The meta device stands in for such a device here (no MPS/XPU on this machine):
+    copying it to the host is attempted (and fails: meta tensors hold no data)."""
+    rows = torch.empty(2, 3, device="meta")
+    with pytest.raises(NotImplementedError):
+        stage({"old_logprobs": rows}, BufferPool(), owned={"old_logprobs"}, reuse=True)
+    cpu_rows = torch.zeros(2, 3)
+    staged, _, _, _ = stage({"old_logprobs": cpu_rows}, BufferPool(), owned={"old_logprobs"}, reuse=True)
+    assert staged["old_logprobs"] is cpu_rows  # the CPU shortcut stays

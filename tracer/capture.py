@@ -168,7 +168,8 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
                 cuda.append((name, t))
                 continue
             nbytes += t.nbytes
-            if name in owned and t._base is None and not t.requires_grad and t.is_contiguous():
+            if (name in owned and t._base is None and not t.requires_grad and t.device.type == "cpu"
+                    and t.is_contiguous()):  # host memory only (an MPS/XPU tensor is copied like any other)
                 staged[name] = t
             elif reuse and pool is not None and t.numel():
                 buf = pool.take(t.shape, t.dtype, pinned=False)
