@@ -243,3 +243,15 @@ def test_an_owned_tensor_on_a_device_other_than_the_cpu_is_copied_to_host_memory
     cpu_rows = torch.zeros(2, 3)
     staged, _, _, _ = stage({"old_logprobs": cpu_rows}, BufferPool(), owned={"old_logprobs"}, reuse=True)
     assert staged["old_logprobs"] is cpu_rows  # the CPU shortcut stays
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_staged_tensors_are_host_memory_whatever_the_device(reuse):
+    """``async_write=False`` (no buffer reuse) and empty tensors were cloned on their own device: on
+    MPS or XPU the first step was converted to host memory by the normalisation pass, its signature
+    remembered as stored form, and every later step dropped (its bytes are read from host memory).
+    The meta device stands in for such a device (no MPS/XPU here): a host copy is attempted, and
+    fails because meta tensors hold no data."""
+    for shape in ((2, 3), (0, 3)):
+        with pytest.raises(NotImplementedError):
+            stage({"policy_logprobs": torch.empty(shape, device="meta")}, BufferPool(), reuse=reuse)

@@ -154,8 +154,9 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
           owned: frozenset[str] | set[str] = frozenset(), reuse: bool = False) -> tuple[dict, Any, list, int]:
     """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, buffers, nbytes).
 
-    CPU tensors are copied (contiguous) into buffers from ``pool`` when ``reuse`` (given back once
-    written, so later steps copy into warm memory) or cloned, except those named in ``owned`` (made for this record alone,
+    CPU tensors (and those of devices other than CUDA) are copied (contiguous, to host memory) into
+    buffers from ``pool`` when ``reuse`` (given back once written, so later steps copy into warm
+    memory) or cloned, except those named in ``owned`` (made for this record alone,
     e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
     contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) through a side stream;
     ``event`` must be waited on before the staged tensors are read. ``buffers``: the ``(buffer,
@@ -168,15 +169,16 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
                 cuda.append((name, t))
                 continue
             nbytes += t.nbytes
-            if (name in owned and t._base is None and not t.requires_grad and t.device.type == "cpu"
-                    and t.is_contiguous()):  # host memory only (an MPS/XPU tensor is copied like any other)
-                staged[name] = t
+            if name in owned and t._base is None and not t.requires_grad and t.is_cpu and t.is_contiguous():
+                staged[name] = t  # host memory only: an MPS/XPU tensor is copied like any other
             elif reuse and pool is not None and t.numel():
                 buf = pool.take(t.shape, t.dtype, pinned=False)
                 staged[name] = buf.copy_(t)
                 pinned.append((buf, False))
-            else:
+            elif t.is_cpu:
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
+            else:  # MPS, XPU...: staged tensors are host memory (the writer thread reads their bytes)
+                staged[name] = t.to("cpu", memory_format=torch.contiguous_format)
     event = None
     if cuda:
         pool = pool or BufferPool()
