@@ -255,3 +255,25 @@ def test_staged_tensors_are_host_memory_whatever_the_device(reuse):
     for shape in ((2, 3), (0, 3)):
         with pytest.raises(NotImplementedError):
             stage({"policy_logprobs": torch.empty(shape, device="meta")}, BufferPool(), reuse=reuse)
+
+
+def test_float8_and_complex_extra_fields_are_written_and_verified(tmp_path):
+    """An extra float8_e4m3fn field cost its step (torch has no isfinite for it: the non-finite scan
+    raised), and ``info --verify`` could not verify a file holding a complex64 or float8_e8m0fnu
+    tensor (their safetensors names C64 and F8_E8M0 were unknown)."""
+    from tracer.integrity import verify_step_file
+
+    fp8 = torch.tensor([0.5, float("nan"), 2.0]).to(torch.float8_e4m3fn)  # e4m3fn holds a NaN, no infinity
+    extras = {"scale_fp8": fp8, "phase": torch.tensor([1 + 2j, -1j], dtype=torch.complex64)}
+    if hasattr(torch, "float8_e8m0fnu"):
+        extras["block_scale"] = torch.tensor([0.5, 4.0]).to(torch.float8_e8m0fnu)
+    with TraceWriter(tmp_path / "run", "grpo", strict=True) as writer:
+        writer.record(0, {"policy_logprobs": torch.zeros(2, 3), **extras})
+    trace = Trace(tmp_path / "run")
+    (key,) = trace.steps()
+    data = trace.load_step(key)
+    for name, tensor in extras.items():
+        assert data[name].dtype == tensor.dtype
+        assert data[name].view(torch.uint8).tolist() == tensor.view(torch.uint8).tolist(), name
+    assert trace.metadata(key)["nonfinite_fields"] == ["scale_fp8"]
+    assert verify_step_file(key.path) == trace.metadata(key)["content_sha256"]
