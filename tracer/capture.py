@@ -88,6 +88,7 @@ class StagedStep:
     arrived: float = 0.0  # time.monotonic() when it was queued
     specs: Any = None  # safetensors pointer specs made with its checksum (tracer.step_bytes)
     summarised: bool = False  # its summary was computed (or tried) with its batch
+    settled: bool = False  # written, lost or held by the anomaly ring: a batch's error handler leaves it alone
 
     def wait(self) -> None:
         if self.event is not None:
@@ -107,38 +108,44 @@ def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str |
 
 class BufferPool:
     """Reusable host buffers keyed by (shape, dtype, pinned): pinned ones for the CUDA staging path,
-    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key; at most
-    ``per_key`` idle plain buffers per key and ``max_idle_bytes`` of them in all. A staged copy into a buffer used before is a copy into warm memory; a
+    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key and
+    ``max_idle_pinned_bytes`` of them in all; at most ``per_key`` idle plain buffers per key and
+    ``max_idle_bytes`` of them in all (a run whose shapes change every step keeps a bounded amount
+    of memory idle). A staged copy into a buffer used before is a copy into warm memory; a
     fresh allocation of the same size also pays its page faults (about twice the copy at 0.3 MB per
     step: BENCHMARKS.md, blocked time)."""
 
-    def __init__(self, per_key: int = 4, max_idle_bytes: int = 64 * 2**20, pinned_per_key: int = 4) -> None:
-        self._free: dict[tuple, list[torch.Tensor]] = collections.defaultdict(list)
+    def __init__(self, per_key: int = 4, max_idle_bytes: int = 64 * 2**20, pinned_per_key: int = 4,
+                 max_idle_pinned_bytes: int = 256 * 2**20) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._per_key, self._max_idle, self._pinned_per_key = per_key, max_idle_bytes, pinned_per_key
-        self._idle_bytes = 0
+        self._per_key = {False: per_key, True: pinned_per_key}
+        self._max_idle = {False: max_idle_bytes, True: max_idle_pinned_bytes}
+        self._idle_bytes = {False: 0, True: 0}
 
     def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        key = (tuple(shape), dtype, pinned)
         with self._lock:
-            free = self._free.get((tuple(shape), dtype, pinned))
+            free = self._free.get(key)
             if free:
                 buf = free.pop()
-                if not pinned:
-                    self._idle_bytes -= buf.nbytes
+                self._idle_bytes[pinned] -= buf.nbytes
+                if not free:
+                    del self._free[key]
                 return buf
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
-        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads any more."""
+        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads (or writes) any more."""
         with self._lock:
             for buf, pinned in buffers:
-                free = self._free[(tuple(buf.shape), buf.dtype, pinned)]
-                room = len(free) < self._pinned_per_key if pinned else (
-                    len(free) < self._per_key and self._idle_bytes + buf.nbytes <= self._max_idle)
-                if room:
+                key = (tuple(buf.shape), buf.dtype, pinned)
+                free = self._free.get(key, [])
+                idle = self._idle_bytes[pinned] + buf.nbytes
+                if len(free) < self._per_key[pinned] and idle <= self._max_idle[pinned]:
                     free.append(buf)
-                    if not pinned:
-                        self._idle_bytes += buf.nbytes
+                    self._free[key] = free
+                    self._idle_bytes[pinned] += buf.nbytes
 
 
 PinnedPool = BufferPool  # the name it had when it held pinned buffers only
@@ -148,8 +155,9 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
           owned: frozenset[str] | set[str] = frozenset(), reuse: bool = False) -> tuple[dict, Any, list, int]:
     """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, buffers, nbytes).
 
-    CPU tensors are copied (contiguous) into buffers from ``pool`` when ``reuse`` (given back once
-    written, so later steps copy into warm memory) or cloned, except those named in ``owned`` (made for this record alone,
+    CPU tensors (and those of devices other than CUDA) are copied (contiguous, to host memory) into
+    buffers from ``pool`` when ``reuse`` (given back once written, so later steps copy into warm
+    memory) or cloned, except those named in ``owned`` (made for this record alone,
     e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
     contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) through a side stream;
     ``event`` must be waited on before the staged tensors are read. ``buffers``: the ``(buffer,
@@ -162,14 +170,16 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
                 cuda.append((name, t))
                 continue
             nbytes += t.nbytes
-            if name in owned and t._base is None and not t.requires_grad and t.is_contiguous():
-                staged[name] = t
+            if name in owned and t._base is None and not t.requires_grad and t.is_cpu and t.is_contiguous():
+                staged[name] = t  # host memory only: an MPS/XPU tensor is copied like any other
             elif reuse and pool is not None and t.numel():
                 buf = pool.take(t.shape, t.dtype, pinned=False)
                 staged[name] = buf.copy_(t)
                 pinned.append((buf, False))
-            else:
+            elif t.is_cpu:
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
+            else:  # MPS, XPU...: staged tensors are host memory (the writer thread reads their bytes)
+                staged[name] = t.to("cpu", memory_format=torch.contiguous_format)
     event = None
     if cuda:
         pool = pool or BufferPool()
@@ -207,10 +217,22 @@ def nonfinite_fields(tensors: dict[str, torch.Tensor], buffers: dict[str, Any] |
             raw = buffers[name] if buffers is not None else tensor_bytes(t)
             finite = bool(np.isfinite(np.frombuffer(raw, dtype=dtype)).all())
         else:
-            finite = bool(torch.isfinite(t).all())
+            finite = _finite(t)
         if not finite:
             bad.append(name)
     return bad
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All values finite; float8 kinds torch cannot test directly are tested in float32, and a dtype
+    that cannot be tested at all (packed float4) counts as finite rather than costing its step."""
+    try:
+        return bool(torch.isfinite(t).all())
+    except (NotImplementedError, RuntimeError):
+        try:
+            return bool(torch.isfinite(t.float()).all())
+        except (NotImplementedError, RuntimeError):
+            return True
 
 
 def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None) -> str | None:
@@ -235,7 +257,9 @@ class BackgroundWriter:
         write_fn: called on the writer thread with each step to write and a reason string (None,
             or why an anomaly forced it out); it handles its own I/O errors.
         normalise: turns a staged step's tensors into the tensors to write (writer thread).
-        on_error: called when ``normalise`` raises; the step is not written.
+        on_error: called with a step that is not written because ``normalise`` raised on it, or
+            because handling its batch raised unexpectedly (a bug: logged; the steps of the batch
+            already written or held by the anomaly ring are not concerned).
         max_steps, max_bytes: the bound: at most ``max_steps`` steps wait in the queue, and the
             bytes held (queued steps + the step being written) stay <= ``max_bytes``; a step larger
             than ``max_bytes`` is still accepted when nothing else is queued. The anomaly ring holds
@@ -324,6 +348,10 @@ class BackgroundWriter:
             self._cond.notify_all()
         self._thread.join()
 
+    def on_writer_thread(self) -> bool:
+        """True when called from this writer's thread."""
+        return threading.current_thread() is self._thread
+
     @property
     def queued_bytes(self) -> int:
         return self._bytes
@@ -352,10 +380,14 @@ class BackgroundWriter:
                 try:
                     self._handle_batch(batch)
                 except Exception as err:  # noqa: BLE001  (a bug here must not kill the thread: flush() would hang)
+                    lost = [item for item in batch if not item.settled]  # not those written or held by the ring
                     log.error("tracer: the writer thread failed on steps %s: %s: %s",
-                              [item.step for item in batch], type(err).__name__, err)
-                    for item in batch:
-                        self._on_drop(f"step {item.step}: writer thread error: {type(err).__name__}: {err}")
+                              [item.step for item in lost], type(err).__name__, err)
+                    for item in lost:
+                        try:
+                            self._on_error(item, err)  # counted; strict mode raises it from the next call
+                        except Exception as again:  # noqa: BLE001  (the thread must live on)
+                            log.error("tracer: reporting the loss of step %s failed: %s", item.step, again)
                         self._release(item)
                 finally:
                     with self._cond:
@@ -428,10 +460,17 @@ class BackgroundWriter:
             if len(self._ring) == self._ring.maxlen:
                 self._release(self._ring.popleft())
             self._ring.append(item)
+            item.settled = True
             return
         self._release(item)
 
     def _release(self, item: StagedStep) -> None:
+        """The step is done with: its buffers go back to the pool, unless a copy into them may still
+        be in flight (a step dropped before the writer waited on its CUDA event): those are left to
+        the CUDA host allocator, which frees them only once the copy has completed."""
+        item.settled = True
+        if item.event is not None and not item.event.query():
+            item.pinned = []
         if item.pinned and self._pool is not None:
             self._pool.give(item.pinned)
             item.pinned = []

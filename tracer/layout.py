@@ -105,6 +105,7 @@ _TORCH_DTYPE_NAMES = {name: str(getattr(torch, attr)) for name, attr in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
     "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
 }.items() if hasattr(torch, attr)}
 HASH_CHUNK_BYTES = 4 * 2**20  # bytes read at a time when hashing a stored tensor (bounded memory)
 

@@ -39,6 +39,9 @@ TOKEN_STATS = ("ratio", "ref_kl_k3", "approx_kl_k2", "mismatch")
 FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "old_logprobs", "sampler_logprobs",
           "rewards", "advantages")
 COUNT_KEYS = ("kept_tokens", "nonfinite_values", "nonfinite_kept")
+# Steps are stacked only up to this many values per field: the stacked copies, sort and masks cost
+# several times the steps' own bytes, and batching pays off for small steps only (interpreter time).
+MAX_STACKED_VALUES = 2**18
 CLIP_KEYS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_region")
 
 
@@ -96,7 +99,9 @@ def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, 
 def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str, Any]]]) -> list[dict[str, Any]]:
     """:func:`compute_summary` of each ``(tensors, metadata)`` in ``steps``, in order. Steps whose
     summarised fields have the same names, shapes and dtypes (and the same clip epsilons) are
-    stacked and summarised together, so S small steps cost about the tensor calls of one."""
+    stacked and summarised together, so S small steps cost about the tensor calls of one; a stack
+    holds at most :data:`MAX_STACKED_VALUES` values per field (large steps go one by one, so the
+    memory a batch needs stays that of its largest step)."""
     groups: dict[tuple, list[int]] = {}
     for i, (tensors, metadata) in enumerate(steps):
         used = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()
@@ -106,9 +111,12 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
     out: list[dict[str, Any]] = [{} for _ in steps]
     for (used, _eps), members in groups.items():
         names = [n for n, _, _ in used]
-        stacked = {n: torch.stack([steps[i][0][n] for i in members]) for n in names}
-        for i, summary in zip(members, _summarise_group(stacked, steps[members[0]][1], len(members))):
-            out[i] = summary
+        per_step = max([math.prod(shape) for _, shape, _ in used] + [1])
+        size = max(1, MAX_STACKED_VALUES // per_step)
+        for chunk in (members[c:c + size] for c in range(0, len(members), size)):
+            stacked = {n: torch.stack([steps[i][0][n] for i in chunk]) for n in names}
+            for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
+                out[i] = summary
     return out
 
 

@@ -160,6 +160,8 @@ class Watcher:
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
         self._checks: dict = {}  # schema-check outcomes by signature (frames.read_frame)
+        self._pauses = 0  # paused() blocks open (nested ones count)
+        self._ended = False  # the watcher's block was left
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class Watcher:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._ended = True
         _uninstall(self)
         if self.writer is not None:
             self.writer.annotate_manifest("capture_report", self.report())
@@ -189,14 +192,26 @@ class Watcher:
     def paused(self) -> Iterator[None]:
         """Inside ``with w.paused():`` backward runs untouched (torch's own functions are put back, so
         nothing is read or recorded: an evaluation pass, a probe); tracing resumes on leaving the block,
-        into the same trace, with steps still increasing. Raises TraceError when the watcher is not active."""
+        into the same trace, with steps still increasing. Pauses nest (an inner one changes nothing);
+        a watcher whose block ended during the pause stays off. Raises TraceError when the watcher is
+        not active."""
+        if self._pauses:  # already paused by an enclosing block
+            self._pauses += 1
+            try:
+                yield
+            finally:
+                self._pauses -= 1
+            return
         if _installed.get("watcher") is not self:
             raise TraceError("Watcher.paused() is only for an active watcher: use it inside `with tracer.watch(...) as w:`")
         _uninstall(self)
+        self._pauses = 1
         try:
             yield
         finally:
-            _install(self)
+            self._pauses = 0
+            if not self._ended:
+                _install(self)
 
     # -- reports ------------------------------------------------------------------------------
 

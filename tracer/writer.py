@@ -519,13 +519,17 @@ class TraceWriter:
                 self.drop_reasons.append(reason)
             dropped = self.dropped_steps
             self._dirty = True
-        if warn:
-            warnings.warn(
-                f"tracer: dropped a step ({dropped} so far): {reason}. "
-                "Training continues; pass strict=True to raise instead.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if not warn:
+            return
+        message = (f"tracer: dropped a step ({dropped} so far): {reason}. "
+                   "Training continues; pass strict=True to raise instead.")
+        try:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        except Warning:  # warnings made errors (-W error): raised on the caller's thread, never on the writer thread
+            background = getattr(self, "_background", None)
+            if background is None or not background.on_writer_thread():
+                raise
+            log.error("%s", message)  # the drop is counted; the writer thread goes on (or flush would hang)
 
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
