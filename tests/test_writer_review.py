@@ -209,10 +209,10 @@ def test_with_warnings_as_errors_a_failed_write_neither_kills_the_writer_thread_
 
     real = writer_module._save_atomic
 
-    def disk_full_at_step_1(path, tensors, metadata):  # a fault: the disk fills up for one file
+    def disk_full_at_step_1(path, tensors, metadata, *specs):  # a fault: the disk fills up for one file
         if path.name.startswith("step_00000001."):
             raise OSError(28, "No space left on device")
-        return real(path, tensors, metadata)
+        return real(path, tensors, metadata, *specs)
 
     writer = TraceWriter(tmp_path / "run", "grpo", max_queue_steps=2)
     with warnings.catch_warnings(), mock.patch.object(writer_module, "_save_atomic", disk_full_at_step_1):

@@ -32,6 +32,7 @@ import torch
 
 from tracer import formulas
 from tracer.layout import tensor_bytes
+from tracer.step_bytes import all_finite
 from tracer.schema import FIELDS
 
 
@@ -217,22 +218,10 @@ def nonfinite_fields(tensors: dict[str, torch.Tensor], buffers: dict[str, Any] |
             raw = buffers[name] if buffers is not None else tensor_bytes(t)
             finite = bool(np.isfinite(np.frombuffer(raw, dtype=dtype)).all())
         else:
-            finite = _finite(t)
+            finite = all_finite(t)
         if not finite:
             bad.append(name)
     return bad
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """All values finite; float8 kinds torch cannot test directly are tested in float32, and a dtype
-    that cannot be tested at all (packed float4) counts as finite rather than costing its step."""
-    try:
-        return bool(torch.isfinite(t).all())
-    except (NotImplementedError, RuntimeError):
-        try:
-            return bool(torch.isfinite(t.float()).all())
-        except (NotImplementedError, RuntimeError):
-            return True
 
 
 def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None) -> str | None:

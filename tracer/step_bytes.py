@@ -27,6 +27,18 @@ MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
 CONCAT_BYTES = 2**20  # float fields up to this size in all are scanned as one concatenated array
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """All values finite; float8 kinds torch cannot test directly are tested in float32, and a dtype
+    that cannot be tested at all (packed float4) counts as finite rather than costing its step."""
+    try:
+        return bool(torch.isfinite(t).all())
+    except (NotImplementedError, RuntimeError):
+        try:
+            return bool(torch.isfinite(t.float()).all())
+        except (NotImplementedError, RuntimeError):
+            return True
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What a field signature fixes: the hashing order and each tensor's hash head, the float fields
@@ -95,7 +107,7 @@ def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
         small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
         if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
             bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
-    bad.update(n for n in plan.torch_floats if not bool(torch.isfinite(tensors[n]).all()))
+    bad.update(n for n in plan.torch_floats if not all_finite(tensors[n]))
     specs = None
     if plan.pointer_specs:
         specs = {name: TensorSpec(dtype=plan.spec_dtypes[name], shape=tensors[name].shape, data_ptr=ptr,
