@@ -324,15 +324,18 @@ def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]
     return {k: v for k, v in out.items() if k in terms and k not in d}
 
 
-def read_frame(frame: FrameType, name_map: NameMap, algorithm: str, checks: dict | None = None) -> FrameCapture:
+def read_frame(frame: FrameType, name_map: NameMap, algorithm: str, checks: dict | None = None,
+               hyperparameters: Mapping[str, Any] | None = None) -> FrameCapture:
     """Everything one backward's frame gives (fields empty when the policy logprobs are absent);
-    ``checks``: a dict the caller keeps across captures, remembering schema-check outcomes."""
+    ``checks``: a dict the caller keeps across captures, remembering schema-check outcomes;
+    ``hyperparameters``: the run's own (``tracer run --meta``), which win over the frame's values,
+    also for what is derived from them (``group_ids`` from ``num_generations``, DPO terms from ``beta``)."""
     capture = FrameCapture(scopes=scopes_of(frame), checks=checks)
     read_fields(frame, name_map, algorithm, capture)
     if capture.anchor is None:
         return capture
     capture.indices = read_indices(frame, name_map)
-    capture.metadata = read_metadata(frame, name_map, capture.scopes)
+    capture.metadata = {**read_metadata(frame, name_map, capture.scopes), **dict(hyperparameters or {})}
     derive_fields(capture, name_map, algorithm)
     return capture
 

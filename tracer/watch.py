@@ -304,7 +304,7 @@ class Watcher:
             del frame
 
     def _capture(self, frame) -> None:
-        capture = frames.read_frame(frame, self.name_map, self.algorithm, self._checks)
+        capture = frames.read_frame(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters)
         self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1
