@@ -78,6 +78,17 @@ def test_view_without_streamlit_names_the_extra(tmp_path, capsys, monkeypatch):
     assert "the web UI needs streamlit" in err and "pip install 'tracer[app]'" in err
 
 
+@pytest.mark.parametrize("algo, missing", [("grpo-trl", "trl"), ("grpo", "transformers")])
+def test_demo_without_its_extra_names_it(tmp_path, capsys, monkeypatch, algo, missing):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr("tracer.cli.importlib.util.find_spec",
+                        lambda name, *a: None if name == missing else real_find_spec(name, *a))
+    assert main(["demo", "--algo", algo, "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert f"--algo {algo} needs {missing}" in err and "pip install 'tracer[trl]'" in err
+    assert not (tmp_path / "d").exists()
+
+
 def test_python_dash_m_tracer(tmp_path):
     root = write_trace(tmp_path / "run")
     proc = subprocess.run([sys.executable, "-m", "tracer", "info", str(root), "--json"],

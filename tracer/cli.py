@@ -285,6 +285,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         what = "--algo grpo-vllm" if args.algo == "grpo-vllm" else "--rollout vllm"
         raise TraceError(f"{what} needs vLLM in this environment: `make .venv-vllm` builds one "
                          "(torch 2.13.0 first, then pip install -e '.[vllm]'); see README, 'vLLM'")
+    missing = [m for m in ("transformers", "tokenizers") + (("trl",) if args.algo.endswith(("-trl", "-vllm")) else ())
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TraceError(f"--algo {args.algo} needs {', '.join(missing)} (its tiny model is a transformers model"
+                         f"{', trained by TRL' if 'trl' in missing else ''}): install the trl extra, "
+                         "pip install 'tracer[trl]' (from a checkout: pip install -e '.[trl]')")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug,
                    rollout=args.rollout)
