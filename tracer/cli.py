@@ -413,7 +413,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))
     else:
-        Console().print(render_findings(findings, title=str(args.path), max_per_check=args.max_per_check))
+        # into a pipe or file, one finding's message stays on its line (grep finds it whole); on a
+        # terminal it wraps to the window
+        Console().print(render_findings(findings, title=str(args.path), max_per_check=args.max_per_check),
+                        soft_wrap=not sys.stdout.isatty())
     return 1 if has_errors(findings) else 0
 
 
