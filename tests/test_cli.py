@@ -108,3 +108,11 @@ def test_demo_command_writes_a_trace_and_refuses_to_overwrite_it(tmp_path, capsy
     assert main(["demo", "--algo", "dpo", "--out", str(out), "--steps", "1", "--seed", "1"]) == 2
     assert "already holds a trace" in capsys.readouterr().err
     assert weights.stat().st_mtime_ns == before  # the trace's model was not rebuilt over
+
+
+def test_check_on_a_folder_of_traces_names_them(tmp_path, capsys):
+    write_trace(tmp_path / "runs" / "a")
+    write_trace(tmp_path / "runs" / "b")
+    assert main(["check", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder of 2 trace(s), not a trace" in err and f"tracer check {tmp_path / 'runs' / 'a'}" in err

@@ -400,6 +400,18 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
+def _refuse_a_folder_of_traces(path: str) -> None:
+    """A folder that is not a trace but holds some (``runs/``): say which, rather than 'not a trace'."""
+    folder = Path(path)
+    if not folder.is_dir() or (folder / "manifest.json").exists() or (folder / "steps").is_dir():
+        return
+    inside = [t for t in find_traces(folder) if t != folder]
+    if inside:
+        shown = ", ".join(str(t) for t in inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+        raise TraceError(f"{folder} is a folder of {len(inside)} trace(s), not a trace: check one at a time, "
+                         f"e.g. tracer check {inside[0]} ({shown})")
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -408,6 +420,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if not args.sampler_ratio_bound > 1:
         raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
+    _refuse_a_folder_of_traces(args.path)
     findings = run_checks(args.path, select=args.select,
                           options=CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound))
     if args.json:
