@@ -27,12 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from tracer import formulas
-from tracer.layout import tensor_bytes
-from tracer.step_bytes import all_finite
+from tracer import formulas, step_bytes
 from tracer.schema import FIELDS
 
 
@@ -200,33 +197,20 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     return staged, event, pinned, nbytes
 
 
-_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+def nonfinite_fields(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the float tensors holding a NaN or an infinity, in order (:func:`tracer.step_bytes.nonfinite`
+    for contiguous CPU tensors, torch for any other)."""
+    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
+        return step_bytes.nonfinite(tensors)
+    return [n for n, t in tensors.items() if t.is_floating_point() and t.numel() and not step_bytes.all_finite(t)]
 
 
-def nonfinite_fields(tensors: dict[str, torch.Tensor], buffers: dict[str, Any] | None = None) -> list[str]:
-    """Names of the (contiguous, CPU) float tensors holding a NaN or an infinity, in order. float16/32/64
-    are scanned by numpy over the tensor's own memory (:func:`tracer.layout.tensor_bytes`): on small
-    tensors that keeps the interpreter lock instead of handing it to the training loop and waiting
-    to get it back, as each torch call does; other float dtypes (bfloat16, float8) go through torch.
-    ``buffers``: the tensors' :func:`tracer.layout.tensor_bytes`, when the caller has them already."""
-    bad = []
-    for name, t in tensors.items():
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        dtype = _NUMPY_FLOATS.get(t.dtype)
-        if dtype is not None and t.device.type == "cpu" and t.is_contiguous():
-            raw = buffers[name] if buffers is not None else tensor_bytes(t)
-            finite = bool(np.isfinite(np.frombuffer(raw, dtype=dtype)).all())
-        else:
-            finite = all_finite(t)
-        if not finite:
-            bad.append(name)
-    return bad
-
-
-def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None) -> str | None:
-    """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None."""
-    bad = nonfinite_fields(tensors)
+def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None,
+                   nonfinite: list[str] | None = None) -> str | None:
+    """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None.
+    ``nonfinite``: the step's non-finite fields when already known (the writer found them while
+    checksumming the step), else they are scanned here."""
+    bad = nonfinite_fields(tensors) if nonfinite is None else nonfinite
     if bad:
         return f"non-finite values in {bad}"
     mask = tensors.get("completion_mask")
@@ -436,7 +420,8 @@ class BackgroundWriter:
 
     def _route(self, item: StagedStep) -> None:
         """With the anomaly ring on: write the step (and the ring before it) or hold it."""
-        reason = anomaly_reason(item.tensors, self._kl_spike)
+        known = item.metadata.get("nonfinite_fields", []) if "content_sha256" in item.metadata else None
+        reason = anomaly_reason(item.tensors, self._kl_spike, known)
         if reason is not None:
             while self._ring:
                 before = self._ring.popleft()

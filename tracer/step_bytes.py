@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracer.layout import TensorSpec, digest_head
+from tracer.layout import TensorSpec, digest_head, tensor_bytes
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
@@ -101,15 +101,27 @@ def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
     for name in plan.order:
         digest.update(plan.heads[name])
         digest.update(buffers[name])
-    bad: set[str] = set()
-    for dtype, names in plan.numpy_floats.items():
-        arrays = [np.frombuffer(buffers[n], dtype=dtype) for n in names]
-        small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
-        if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
-            bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
-    bad.update(n for n in plan.torch_floats if not all_finite(tensors[n]))
     specs = None
     if plan.pointer_specs:
         specs = {name: TensorSpec(dtype=plan.spec_dtypes[name], shape=tensors[name].shape, data_ptr=ptr,
                                   data_len=plan.nbytes[name]) for name, ptr in pointers.items()}
-    return StepBytes(digest.hexdigest(), [n for n in tensors if n in bad], specs, buffers)
+    return StepBytes(digest.hexdigest(), nonfinite(tensors, plan, buffers), specs, buffers)
+
+
+def nonfinite(tensors: dict[str, torch.Tensor], plan: StepPlan | None = None,
+              buffers: dict[str, Any] | None = None) -> list[str]:
+    """Names of the (contiguous, CPU) float tensors holding a NaN or an infinity, in order.
+    float16/32/64 are scanned by numpy over the tensors' own memory (small ones as one array): that
+    keeps the interpreter lock instead of handing it to the training loop at each torch call; other
+    float dtypes (bfloat16, float8) through torch (:func:`all_finite`). ``plan``/``buffers``: the
+    step's, when the caller has them."""
+    plan = plan or make_plan(tensors)
+    bad: set[str] = set()
+    for dtype, names in plan.numpy_floats.items():
+        arrays = [np.frombuffer(buffers[n] if buffers is not None else tensor_bytes(tensors[n]), dtype=dtype)
+                  for n in names]
+        small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
+        if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
+            bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
+    bad.update(n for n in plan.torch_floats if not all_finite(tensors[n]))
+    return [n for n in tensors if n in bad]
