@@ -328,3 +328,68 @@ def test_step_bytes_equal_the_reference_checksum_and_nonfinite_scan(seed):
     got = step_bytes.describe(tensors, step_bytes.make_plan(tensors))
     assert got.specs is not None and set(got.specs) == set(tensors)
     assert got.content_sha256 == content_sha256(tensors)
+
+
+def test_a_known_cpu_signature_is_staged_into_one_reused_buffer_group(tmp_path):
+    from tracer.capture import BufferGroup, BufferPool, stage
+
+    pool = BufferPool(per_key=8)
+    grad = torch.randn(3, 4, requires_grad=True)
+    base = torch.arange(12.0).reshape(3, 4)
+    step = {"ratio": grad * 1, "policy_logprobs": base.t(), "completion_mask": torch.ones(3, 4, dtype=torch.bool),
+            "empty": torch.zeros(0, 4)}
+    key = tuple((n, t.shape, t.dtype, "cpu") for n, t in step.items())
+    want = {n: t.detach().clone() for n, t in step.items()}
+    staged, event, buffers, nbytes = stage(step, pool, reuse=True, group_key=key)
+    assert event is None and len(buffers) == 1 and isinstance(buffers[0][0], BufferGroup)
+    assert nbytes == sum(t.nbytes for t in step.values())
+    for name, t in staged.items():  # the values at record time, contiguous, no graph, each its own memory
+        assert torch.equal(t, want[name]) and t.is_contiguous() and not t.requires_grad and t._base is None
+    base += 100  # the loop mutates its tensors right after recording: the staged copy keeps the old values
+    assert torch.equal(staged["policy_logprobs"], want["policy_logprobs"])
+    again, _, buffers2, _ = stage(step, pool, reuse=True, group_key=key)  # step 1 is not written yet
+    assert again["ratio"].data_ptr() != staged["ratio"].data_ptr()
+    pool.give(buffers)  # step 1 written: its group may be reused
+    base += 100
+    third, _, _, _ = stage(step, pool, reuse=True, group_key=key)
+    assert third["ratio"].data_ptr() == staged["ratio"].data_ptr()  # the written step's group, reused warm
+    assert torch.equal(third["policy_logprobs"], base.t())
+    assert torch.equal(again["policy_logprobs"], base.t() - 100)  # the queued step 2 keeps its own values
+    # through the writer: every step's file holds its own values though the groups are reused
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        for s in range(40):
+            writer.record(s, {**_step(0), "rewards": torch.full((4,), float(s))})
+    trace = Trace(tmp_path / "run")
+    assert [trace.load_step(k)["rewards"][0].item() for k in trace.steps()] == [float(s) for s in range(40)]
+
+
+class _CountingCondition(threading.Condition):
+    """Counts the notifications made by the thread that created it (the training thread's put())."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner, self.notified = threading.get_ident(), 0  # get_ident: no Thread object made while patched
+
+    def notify_all(self) -> None:
+        if threading.get_ident() == self.owner:
+            self.notified += 1
+        super().notify_all()
+
+
+def test_a_lingering_writer_thread_is_woken_only_by_a_first_step_or_a_full_batch():
+    """Every wake-up of the writer thread is a hand-off of the interpreter lock in the middle of the
+    training thread's record(): put() wakes it for the first step of a batch and when the batch is
+    full, not for each step in between (the lingering wait ends by itself)."""
+    written: list[int] = []
+    with mock.patch("tracer.capture.threading.Condition", _CountingCondition):
+        bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
+                              lambda r: None, max_steps=64, max_bytes=10**6, linger_s=3600.0, max_batch=4)
+    for step in range(4):
+        bg.put(StagedStep(step, 0, 0, {"x": torch.zeros(1)}, {}, 10))
+    for _ in range(600):  # the full batch is written without a flush
+        if len(written) == 4:
+            break
+        threading.Event().wait(0.1)
+    assert written == [0, 1, 2, 3]
+    assert bg._cond.notified == 2, "put() woke the lingering writer thread for steps in the middle of a batch"
+    bg.stop()

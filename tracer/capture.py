@@ -133,11 +133,26 @@ class BufferPool:
                 return buf
         return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
+    def take_group(self, key: tuple, tensors: list[torch.Tensor]) -> "BufferGroup":
+        """Plain buffers shaped like ``tensors``, as one :class:`BufferGroup` kept under ``key`` (the
+        step's field signature: the same key always means the same shapes and dtypes): one lookup
+        per step instead of one per tensor."""
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                group = free.pop()
+                self._idle_bytes[False] -= group.nbytes
+                if not free:
+                    del self._free[key]
+                return group
+        return BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype) for t in tensors])
+
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
-        """Hand back ``(buffer, pinned)`` pairs that hold nothing anyone reads (or writes) any more."""
+        """Hand back ``(buffer, pinned)`` pairs (a buffer may be a :class:`BufferGroup`) that hold
+        nothing anyone reads (or writes) any more."""
         with self._lock:
             for buf, pinned in buffers:
-                key = (tuple(buf.shape), buf.dtype, pinned)
+                key = buf.key if isinstance(buf, BufferGroup) else (tuple(buf.shape), buf.dtype, pinned)
                 free = self._free.get(key, [])
                 idle = self._idle_bytes[pinned] + buf.nbytes
                 if len(free) < self._per_key[pinned] and idle <= self._max_idle[pinned]:
@@ -149,8 +164,19 @@ class BufferPool:
 PinnedPool = BufferPool  # the name it had when it held pinned buffers only
 
 
+class BufferGroup(list):
+    """The plain staging buffers of one step's fields, in field order, reused together
+    (:meth:`BufferPool.take_group`); ``key`` is the field signature they were made for."""
+
+    def __init__(self, key: tuple, buffers: list[torch.Tensor]) -> None:
+        super().__init__(buffers)
+        self.key = key
+        self.nbytes = sum(b.nbytes for b in buffers)
+
+
 def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
-          owned: frozenset[str] | set[str] = frozenset(), reuse: bool = False) -> tuple[dict, Any, list, int]:
+          owned: frozenset[str] | set[str] = frozenset(), reuse: bool = False,
+          group_key: tuple | None = None) -> tuple[dict, Any, list, int]:
     """Copy ``tensors`` to host memory the caller cannot mutate; returns (staged, event, buffers, nbytes).
 
     CPU tensors (and those of devices other than CUDA) are copied (contiguous, to host memory) into
@@ -160,7 +186,18 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) through a side stream;
     ``event`` must be waited on before the staged tensors are read. ``buffers``: the ``(buffer,
     pinned)`` pairs to give back (:meth:`BufferPool.give`) once the step is written.
+
+    ``group_key``: the field signature of ``tensors`` when the caller knows every one is a CPU
+    tensor and none is ``owned`` (with ``reuse`` and a ``pool``): the copies then go into one
+    :class:`BufferGroup` in a single ``torch._foreach_copy_`` (the training thread's Python per step
+    no longer grows with the number of fields).
     """
+    if group_key is not None and reuse and pool is not None and not owned:
+        sources = list(tensors.values())
+        group = pool.take_group(group_key, sources)
+        with torch.no_grad():  # one call; as copy_ (any strides in, contiguous out); no graph to the buffers
+            torch._foreach_copy_(group, sources)
+        return dict(zip(tensors, group)), None, [(group, False)], group.nbytes
     staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
         for name, t in tensors.items():
@@ -297,10 +334,12 @@ class BackgroundWriter:
                 finally:
                     self._hurry -= 1
             item.arrived = time.monotonic()
+            wake = not self._queue  # the writer thread waits for a first step (else it is busy or lingering)
             self._queue.append(item)
             self._bytes += item.nbytes
             self.peak_bytes = max(self.peak_bytes, self._bytes)
-            self._cond.notify_all()
+            if wake or len(self._queue) >= self._max_batch or not self._roomy():
+                self._cond.notify_all()  # a lingering writer thread wakes by itself when its time is up
         return True
 
     def flush(self) -> None:

@@ -268,7 +268,7 @@ class TraceWriter:
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        source_dtype = self._checked_signature(tensors)
+        source_dtype, group_key = self._checked_signature(tensors)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
@@ -287,10 +287,12 @@ class TraceWriter:
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
-        if self.sampling.first_k_sequences is not None:
+        if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
+            group_key = group_key and (group_key, self.sampling.first_k_sequences)
         try:
-            staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None)
+            staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None,
+                                                  group_key=group_key)
         except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
             self._fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
             self._raise_pending()
@@ -372,11 +374,13 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _checked_signature(self, tensors: dict[str, Any]) -> str:
+    def _checked_signature(self, tensors: dict[str, Any]) -> tuple[str, tuple | None]:
         """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
         signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
         set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
-        every time. Returns the ``source_dtype`` metadata of the signature. Raises SchemaError."""
+        every time. Returns the ``source_dtype`` metadata of the signature and, when every tensor is
+        on the CPU and the signature is cached, the signature itself (the key of the step's staging
+        buffers, :meth:`tracer.capture.BufferPool.take_group`), else None. Raises SchemaError."""
         try:
             signature = tuple((name, t.shape, t.dtype, t.device.type) for name, t in tensors.items())
             cached = self._signatures.get(signature)
@@ -388,13 +392,15 @@ class TraceWriter:
                                       if t.is_floating_point()}))
             value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
                                   and t.dtype != torch.bool and t.device.type == "cpu")
-            cached = (source, value_checked)
+            on_cpu = all(t.device.type == "cpu" for t in tensors.values())
+            cached = (source, value_checked, on_cpu)
             if signature is not None and len(self._signatures) < MAX_SIGNATURES:
                 self._signatures[signature] = cached
-            return source
+                return source, signature if on_cpu else None
+            return source, None
         for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
             check_mask_field(name, tensors[name])
-        return cached[0]
+        return cached[0], signature if cached[2] else None
 
     def _header(self, step, inner_step, micro_batch, metadata, source_dtype: str) -> dict[str, Any]:
         return {
