@@ -143,7 +143,7 @@ def test_step_page_lists_the_worst_token_first_with_a_link(monkeypatch, root):
                                                  "token": 1})
     assert len(at.get("plotly_chart")) == 2  # heatmap and histograms
     heatmap = json.loads(at.get("plotly_chart")[0].proto.spec)["data"][0]
-    assert heatmap["type"] == "heatmap" and heatmap["zmid"] == 0
+    assert heatmap["type"] == "heatmap" and heatmap["zmin"] == 0 < heatmap["zmax"]  # |policy − old| >= 0
     assert_no_raw_markup(at)
     # the link reopens that sequence with the token marked
     at = start(monkeypatch, root, query={k: v[0] for k, v in _query(first["open"]).items()})
