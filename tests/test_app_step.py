@@ -162,7 +162,7 @@ def _query(link: str) -> dict:
     return parse_qs(urlsplit(link).query)
 
 
-@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo")])
+@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))])  # the pages it offers
 def test_every_page_reopens_from_its_url(monkeypatch, root, page):
     """Open a page, choose step 1 · mb 1 · sequence 3: the URL says so; a new session started on
     that URL shows the same selection on the same page."""
