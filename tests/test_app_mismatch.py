@@ -131,7 +131,7 @@ def test_a_run_without_sampler_logprobs_has_no_mismatch_page_and_the_sidebar_say
     at = start(monkeypatch, tmp_path, query={"run": "plain"})
     assert not at.exception, [e.value for e in at.exception]
     note = " ".join(t.value for t in at.sidebar.text)
-    assert "Hidden for this run: Mismatch (no step file records sampler_logprobs)." in note
+    assert "Hidden for this run: Mismatch (no sampler_logprobs in the first or the selected step file)." in note
     with pytest.raises(ValueError, match="Could not find a navigation page"):  # not in the navigation
         at.switch_page("app_pages/mismatch.py")
     at = open_mismatch(monkeypatch, tmp_path, "vllm")  # a run that records them keeps the page
