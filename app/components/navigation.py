@@ -65,5 +65,6 @@ def hidden_pages_note(algorithm: str | None, recorded: Collection[str] | None = 
     by_algorithm = [spec.title for spec in PAGES if spec not in pages_for(algorithm)]
     by_field = [spec for spec in pages_for(algorithm) if spec not in pages_for(algorithm, recorded)]
     parts = [f"Hidden for a {algorithm} run: " + ", ".join(by_algorithm) + "."] if by_algorithm else []
-    parts += [f"Hidden for this run: {spec.title} (no {', '.join(spec.needs)} in the first or the selected step file)." for spec in by_field]
+    parts += [f"Hidden for this run: {spec.title} (no {', '.join(spec.needs)} in the first or the selected "
+              "step file)." for spec in by_field]
     return " ".join(parts) or None
