@@ -38,25 +38,9 @@ if selection.error is not None:
     st.stop()
 store_selection(selection)
 
-
-
-def recorded_fields(trace, key) -> set[str] | None:
-    """The fields of the run's first step file and of the selected one (headers, cached); None when
-    neither can be read (the navigation then offers every page of the algorithm)."""
-    keys = trace.steps()
-    fields = None
-    for step_key in {k for k in (keys[0] if keys else None, key) if k is not None}:
-        try:
-            found = trace_cache.step_fields(str(selection.trace_path), str(step_key.path),
-                                            trace_cache.file_id(step_key.path))
-        except (TraceError, OSError):
-            continue
-        fields = (fields or set()) | set(found)
-    return fields
-
-
 trace = trace_cache.open_trace(str(selection.trace_path))
-algorithm, recorded = trace.algorithm, recorded_fields(trace, selection.key)
+first_and_selected = [k for k in (trace.steps()[:1] + [selection.key]) if k is not None]
+algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
 page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
                       *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
                         for spec in pages_for(algorithm, recorded)]])
