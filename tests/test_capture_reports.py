@@ -4,7 +4,11 @@ report is kept and ``tracer info`` shows each, not only rank 0's (the manifest i
 import contextlib
 import io
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +44,26 @@ def two_rank_trace(tmp_path_factory):
                              "--model_dir", str(model_dir), "--steps", str(steps)])
             assert code == 0
     return out
+
+
+def test_under_torchrun_both_ranks_leave_their_report(two_rank_trace, tmp_path):
+    """The real launcher: two processes at once, RANK 0 and 1, one trace (1 step x 2 iterations each)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "trace"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(port), "-m", "tracer", "run", "--algo", "grpo", "--out", str(out), "--",
+         str(SCRIPTS / "minimind_grpo.py"), "--model_dir", str(two_rank_trace.parent / "model"), "--steps", "1"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = trace_info(out)["capture_reports"]
+    assert {rank: r["steps_recorded"] for rank, r in reports.items()} == {"0": 2, "1": 2}
+    text = info_text(out)
+    assert "capture, rank 0: 2 step file(s)" in text and "capture, rank 1: 2 step file(s)" in text
 
 
 def info_text(path) -> str:
