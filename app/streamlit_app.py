@@ -38,12 +38,14 @@ if selection.error is not None:
     st.stop()
 store_selection(selection)
 
-algorithm = trace_cache.open_trace(str(selection.trace_path)).algorithm
+trace = trace_cache.open_trace(str(selection.trace_path))
+first_and_selected = [k for k in (trace.steps()[:1] + [selection.key]) if k is not None]
+algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
 page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
                       *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
-                        for spec in pages_for(algorithm)]])
+                        for spec in pages_for(algorithm, recorded)]])
 urls.drop_other_pages_params(page.url_path)
-note = hidden_pages_note(algorithm)
+note = hidden_pages_note(algorithm, recorded)
 if note:
     st.sidebar.text(note)
 try:

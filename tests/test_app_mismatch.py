@@ -123,11 +123,28 @@ def test_worst_token_opens_on_the_tokens_page(monkeypatch, vllm_root):
     assert f"finding: sampler.mismatch at token {int(first['token'])}" in [c.value for c in at.caption]
 
 
-def test_page_without_sampler_logprobs_says_so(monkeypatch, tmp_path):
-    with TraceWriter(tmp_path / "runs" / "plain", "grpo", tokenizer=ToyTokenizer()) as writer:
-        writer.record(0, {"completion_ids": torch.tensor([[2, 1]]), "completion_mask": torch.ones(1, 2, dtype=torch.bool),
-                          "policy_logprobs": torch.tensor([[-0.1, -0.2]])})
-    at = start(monkeypatch, tmp_path / "runs")
+def test_a_run_without_sampler_logprobs_has_no_mismatch_page_and_the_sidebar_says_why(monkeypatch, tmp_path):
+    # the bundled GRPO demo trace (hand-written loop, no inference engine) next to a vLLM-sampled run
+    shutil.copytree(SAMPLES / "grpo-tiny", tmp_path / "plain", ignore=shutil.ignore_patterns("model"))
+    shutil.copytree(HEALTHY, tmp_path / "vllm", ignore=shutil.ignore_patterns("model"))
+    assert all("sampler_logprobs" not in Trace(tmp_path / "plain").fields(k) for k in Trace(tmp_path / "plain").steps())
+    at = start(monkeypatch, tmp_path, query={"run": "plain"})
+    assert not at.exception, [e.value for e in at.exception]
+    note = " ".join(t.value for t in at.sidebar.text)
+    assert "Hidden for this run: Mismatch (no sampler_logprobs in the first or the selected step file)." in note
+    with pytest.raises(ValueError, match="Could not find a navigation page"):  # not in the navigation
+        at.switch_page("app_pages/mismatch.py")
+    at = open_mismatch(monkeypatch, tmp_path, "vllm")  # a run that records them keeps the page
+    assert "Mismatch" not in " ".join(t.value for t in at.sidebar.text)
+
+
+def test_a_step_file_without_sampler_logprobs_in_a_run_with_them_says_so(monkeypatch, tmp_path):
+    step = {"completion_ids": torch.tensor([[2, 1]]), "completion_mask": torch.ones(1, 2, dtype=torch.bool),
+            "old_logprobs": torch.tensor([[-0.1, -0.2]]), "policy_logprobs": torch.tensor([[-0.1, -0.2]])}
+    with TraceWriter(tmp_path / "runs" / "mixed", "grpo", tokenizer=ToyTokenizer()) as writer:
+        writer.record(0, {**step, "sampler_logprobs": torch.tensor([[-0.15, -0.2]])})  # step 0 sampled by an engine
+        writer.record(1, step)  # step 1 not
+    at = start(monkeypatch, tmp_path / "runs", query={"run": "mixed", "step": "1"})
     at.switch_page("app_pages/mismatch.py").run()
-    assert not at.exception
-    assert any("no sampler_logprobs" in i.value for i in at.info)
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("This step file has no sampler_logprobs" in i.value for i in at.info)

@@ -143,7 +143,7 @@ def test_step_page_lists_the_worst_token_first_with_a_link(monkeypatch, root):
                                                  "token": 1})
     assert len(at.get("plotly_chart")) == 2  # heatmap and histograms
     heatmap = json.loads(at.get("plotly_chart")[0].proto.spec)["data"][0]
-    assert heatmap["type"] == "heatmap" and heatmap["zmid"] == 0
+    assert heatmap["type"] == "heatmap" and heatmap["zmin"] == 0 < heatmap["zmax"]  # |policy − old| >= 0
     assert_no_raw_markup(at)
     # the link reopens that sequence with the token marked
     at = start(monkeypatch, root, query={k: v[0] for k, v in _query(first["open"]).items()})
@@ -162,7 +162,7 @@ def _query(link: str) -> dict:
     return parse_qs(urlsplit(link).query)
 
 
-@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo")])
+@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))])  # the pages it offers
 def test_every_page_reopens_from_its_url(monkeypatch, root, page):
     """Open a page, choose step 1 · mb 1 · sequence 3: the URL says so; a new session started on
     that URL shows the same selection on the same page."""

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from tracer.capture_report import describe_capture_reports, read_capture_reports
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.reader import Trace, find_traces
@@ -170,7 +171,9 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "ranks": sorted({k.rank for k in keys}),
         "dropped_steps": trace.manifest.get("dropped_steps", 0),
         "drop_reasons": trace.manifest.get("drop_reasons", []),
-        "capture_report": trace.manifest.get("capture_report"),
+        "capture_report": trace.manifest.get("capture_report"),  # rank 0's (the manifest's), as before
+        "capture_reports": {str(rank): report for rank, report in  # every rank's, zero-edit tracing only
+                            (read_capture_reports(trace.root, trace.manifest) if trace.path.is_dir() else {}).items()},
         "unreadable": unreadable,
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
@@ -230,15 +233,8 @@ def _print_info(info: dict[str, Any]) -> None:
         f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
     for reason in info["drop_reasons"][:5]:
         say(f"  dropped: {reason}")
-    report = info.get("capture_report")
-    if isinstance(report, dict):  # zero-edit tracing: what was and was not captured
-        say(f"capture: {report.get('steps_recorded')} step file(s) from {report.get('backward_calls')} backward "
-            f"call(s), {report.get('unmatched_calls')} without policy logprobs, {report.get('failures')} failed")
-        mapped = report.get("fields_mapped")
-        if isinstance(mapped, dict) and mapped:
-            say("  fields mapped: " + ", ".join(f"{k} <- {v}" for k, v in mapped.items()))
-        for entry in (report.get("map_entries_unused") or [])[:10]:
-            say(f"  not recorded: {entry}")
+    for line in describe_capture_reports(info.get("capture_reports") or {}, info["ranks"]):
+        say(line)
     table = Table(title="fields (first readable step file)")
     for col in ("field", "shape", "dtype"):
         table.add_column(col)

@@ -6,6 +6,7 @@ atomic JSON, the content checksum. Shared by the writer (which produces it) and 
     steps/step_00000003.inner_0.mb_0.rank_0.safetensors
     summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,
                            coordinates and summary (an accelerator for run overviews; tracer.run_index)
+    capture_report.rank_0.json   zero-edit tracing only: what rank 0's watcher captured (tracer.capture_report)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ TOKENS_NAME = "tokens.json"
 STEPS_DIR = "steps"
 FORMAT_NAME = "tracer-trace"
 SUMMARY_INDEX_GLOB = "summary_index.rank_*.jsonl"
+CAPTURE_REPORT_GLOB = "capture_report.rank_*.json"
 
 
 def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
@@ -46,6 +48,11 @@ def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: i
 def summary_index_name(rank: int = 0) -> str:
     """The file name of one rank's summary index at the trace root (:mod:`tracer.run_index`)."""
     return f"summary_index.rank_{rank}.jsonl"
+
+
+def capture_report_name(rank: int = 0) -> str:
+    """The file name of one rank's capture report at the trace root (:mod:`tracer.capture_report`)."""
+    return f"capture_report.rank_{rank}.json"
 
 
 def listed_step_files(folder: Path) -> list[Path]:

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from tracer import frames
+from tracer.capture_report import write_capture_report
 from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
 from tracer.name_maps import NameMap, load_name_map
@@ -174,13 +175,15 @@ class Watcher:
         self._ended = True
         _uninstall(self)
         if self.writer is not None:
-            self.writer.annotate_manifest("capture_report", self.report())
+            report = self.report()
+            self.writer.annotate_manifest("capture_report", report)  # rank 0's copy (the manifest is rank 0's)
             try:
                 self.writer.close()
             except TraceError as err:
                 if exc_type is None and self.strict:
                     raise
                 warnings.warn(f"tracer.watch: closing the trace failed: {err}", RuntimeWarning, stacklevel=2)
+            write_capture_report(self.writer.root, self.writer.rank, report, self.strict and exc_type is None)
         self._log_summary()
         if self.steps_recorded == 0 and exc_type is None:
             if self.nothing_traced == "raise":

@@ -53,8 +53,9 @@ if "section" in table and (table["section"] == "completion").any():
     colour_by = st.selectbox("Colour tokens by", values or [None], key="colour_by",
                              index=(values or [None]).index(urls.page_param("colour", values, preferred[0])),
                              format_func=lambda c: "—" if c is None else c + (" (derived)" if c in derived else ""),
-                             help="diverging scale centred on 1 for the ratio, 0 for the others; hover a token "
-                                  "for all its values and its mask reason")
+                             help="diverging scale centred on 1 for the ratio, 0 for the others, over the values "
+                                  "the quantity can take (from 0 for k3, k2 and the ratio; up to 0 for logprobs); "
+                                  "hover a token for all its values and its mask reason")
     urls.set_page_param("colour", colour_by)
     st.html(coloured_html(table, colour_by, values))
     st.html(legend_html(colour_by, table))

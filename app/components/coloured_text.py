@@ -1,6 +1,7 @@
 """A completion as text, each token's background coloured by a chosen per-token quantity (a
-diverging scale centred on its neutral value: 1 for the ratio, 0 for KL and advantage), hover
-showing all its values and its mask reason; masked positions drawn apart by reason.
+diverging scale centred on its neutral value: 1 for the ratio, 0 for KL and advantage; the legend
+shows only the range the quantity can take, :mod:`app.components.colour_scale`), hover showing all
+its values and its mask reason; masked positions drawn apart by reason.
 
 Pure: :func:`coloured_html` returns an HTML string for ``st.html``. Every token string and every
 hover text goes through ``html.escape`` (quotes too), so a token ``<script>`` is shown as those
@@ -15,10 +16,11 @@ import math
 import pandas as pd
 from plotly.colors import sample_colorscale
 
+from app.components.colour_scale import SCALE, colour_of, legend_values, neutral_of, scale_ends
 from app.components.token_table import FILLER_REASONS, filler_marker
 from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
 
-SCALE = "RdBu_r"
+__all__ = ["REASON_STYLE", "coloured_html", "colour_of", "legend_html", "neutral_of", "span_of"]
 # How a position that does not enter the loss looks, by reason (no colour of the scale).
 REASON_STYLE: dict[str, str] = {
     AFTER_EOS: "background:#d9d9d9;color:#555;text-decoration:line-through;",
@@ -32,22 +34,10 @@ _BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.95r
         "padding:0.6rem;border:1px solid #ddd;border-radius:0.4rem;background:#fff;color:#111;")
 
 
-def neutral_of(quantity: str) -> float:
-    """1 for the ratio (and any ``*ratio``), 0 for the other quantities."""
-    return 1.0 if quantity.endswith("ratio") else 0.0
-
-
 def span_of(values: pd.Series, centre: float) -> float:
     """Half-width of the scale: the largest |x − centre| over the finite values (1 when none)."""
     finite = values[values.map(lambda v: isinstance(v, (int, float)) and math.isfinite(v))]
     return float((finite - centre).abs().max()) if len(finite) and (finite - centre).abs().max() > 0 else 1.0
-
-
-def colour_of(value: float, centre: float, span: float) -> str:
-    """The scale's colour for ``value`` (``rgb(r, g, b)``): white at ``centre``, full blue / red at
-    ``centre ∓ span``; values beyond are clipped."""
-    t = min(max(0.5 + (value - centre) / (2 * span), 0.0), 1.0)
-    return sample_colorscale(SCALE, [t])[0]
 
 
 def _ink(rgb: str) -> str:
@@ -117,13 +107,15 @@ def _filler(run: list[dict]) -> list[str]:
 
 
 def legend_html(quantity: str | None, table: pd.DataFrame) -> str:
-    """One line: the scale's ends for ``quantity`` and a chip per masked reason."""
+    """One line: the scale's ends and middle for ``quantity`` (only values it can take: from 0 for
+    k3, k2 and the ratio, up to 0 for logprobs; :func:`scale_ends`) and a chip per masked reason."""
     rows = table[table["section"] == "completion"] if "section" in table else table
     chips = []
     if quantity in rows:
         centre = neutral_of(quantity)
         span = span_of(rows.loc[rows["mask_reason"] == KEPT, quantity], centre)
-        for value in (centre - span, centre, centre + span):
+        low, high = scale_ends(quantity, centre, span)
+        for value in legend_values(low, centre, high):
             colour = colour_of(value, centre, span)
             chips.append(f'<span style="{_SPAN}background:{colour};color:{_ink(colour)};padding:1px 6px;">'
                          f'{html.escape(quantity)} {value:.4g}</span>')

@@ -16,13 +16,13 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from app.components.colour_scale import plotly_colorscale, scale_ends
 from app.components.figures import empty_figure, integer_ticks
 from tracer.views.step import QUANTITIES, neutral
 
 MAX_HEATMAP_COLUMNS = 512
 MAX_HEATMAP_ROWS = 512
 HISTOGRAM_BINS = 60
-SCALE = "RdBu_r"  # diverging: blue below the neutral value, white at it, red above
 FARTHEST, LARGEST, SMALLEST = "farthest from neutral", "largest first", "smallest first"
 ORDERS = (FARTHEST, LARGEST, SMALLEST)
 # Histogram panels: (column, title, neutral line).
@@ -128,7 +128,9 @@ def scale_span(values: np.ndarray | pd.Series, centre: float) -> float:
 
 def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tuple = ()) -> go.Figure:
     """Sequence x position heatmap of ``quantity``: masked cells blank, a diverging scale centred
-    on the neutral value (1 for the ratio, 0 for KL and advantage)."""
+    on the neutral value (1 for the ratio, 0 for KL and advantage), its colour axis cut to the values
+    the quantity can take (from 0 for k3, k2, |differences|, entropy and the ratio;
+    :func:`app.components.colour_scale.scale_ends`), symmetric for signed ones (advantage)."""
     if frame.empty or quantity not in frame or not frame.loc[frame["kept"].astype(bool), quantity].notna().any():
         return empty_figure(f"no kept token has {quantity}")
     z, names, starts, col_w, row_w = heatmap_matrix(frame, quantity)
@@ -136,8 +138,9 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
     span = scale_span(z, centre)
     hover = ("%{y} · position %{x}" + (f"–%{{x}}+{col_w - 1}" if col_w > 1 else "") +
              f"<br>{label(quantity, derived)} = %{{z:.4g}}<extra></extra>")
-    fig = go.Figure(go.Heatmap(z=z, x=starts, y=names, colorscale=SCALE, zmid=centre, zmin=centre - span,
-                               zmax=centre + span, hovertemplate=hover, hoverongaps=False,
+    low, high = scale_ends(quantity, centre, span)
+    fig = go.Figure(go.Heatmap(z=z, x=starts, y=names, colorscale=plotly_colorscale(low, high, centre, span),
+                               zmin=low, zmax=high, hovertemplate=hover, hoverongaps=False,
                                colorbar={"title": {"text": quantity}}))
     fig.update_yaxes(autorange="reversed", title_text="sequence", type="category")
     fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""))

@@ -28,6 +28,7 @@ from tracer.views import step as step_view
 from tracer.checks import run_checks
 from tracer.diff import DiffReport, diff, token_diff_table
 from tracer.diff import comparable as comparable_traces
+from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME
 from tracer.reader import StepKey, Trace
 
@@ -90,6 +91,19 @@ def step_fields(trace_path: str, step_path: str, identity: FileId) -> dict[str, 
     """``{field: (shape, dtype)}`` of one step file (header only)."""
     trace = open_trace(trace_path)
     return trace.fields(step_key(trace, step_path))
+
+
+def recorded_fields(trace_path: str, keys: list[StepKey]) -> set[str] | None:
+    """The fields the step files ``keys`` hold (:func:`step_fields`: headers, cached); None when
+    none of them can be read. The navigation asks it for a run's first and selected step files."""
+    fields = None
+    for key in dict.fromkeys(keys):
+        try:
+            found = step_fields(trace_path, str(key.path), file_id(key.path))
+        except (TraceError, OSError):
+            continue
+        fields = (fields or set()) | set(found)
+    return fields
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
