@@ -338,7 +338,7 @@ def test_a_known_cpu_signature_is_staged_into_one_reused_buffer_group(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     step = {"ratio": grad * 1, "policy_logprobs": base.t(), "completion_mask": torch.ones(3, 4, dtype=torch.bool),
             "empty": torch.zeros(0, 4)}
-    key = tuple((n, t.shape, t.dtype, "cpu") for n, t in step.items())
+    key = tuple((n, t.shape, t.dtype, t.device) for n, t in step.items())
     want = {n: t.detach().clone() for n, t in step.items()}
     staged, event, buffers, nbytes = stage(step, pool, reuse=True, group_key=key)
     assert event is None and len(buffers) == 1 and isinstance(buffers[0][0], BufferGroup)

@@ -382,7 +382,7 @@ class TraceWriter:
         on the CPU and the signature is cached, the signature itself (the key of the step's staging
         buffers, :meth:`tracer.capture.BufferPool.take_group`), else None. Raises SchemaError."""
         try:
-            signature = tuple((name, t.shape, t.dtype, t.device.type) for name, t in tensors.items())
+            signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])  # device: cheaper than .type
             cached = self._signatures.get(signature)
         except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
             cached, signature = None, None
