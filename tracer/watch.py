@@ -40,6 +40,8 @@ from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
 from tracer.name_maps import NameMap, load_name_map
 from tracer.schema import ALGORITHMS
+from tracer import site_plans
+from tracer.site_plans import SitePlans
 from tracer.writer import TraceWriter
 
 MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
@@ -160,6 +162,8 @@ class Watcher:
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
         self._checks: dict = {}  # schema-check outcomes by signature (frames.read_frame)
+        self.plans = SitePlans()  # per call site: what the full read of its frame did (tracer.site_plans)
+        self.plan_differences: list[str] | None = None  # a list: every plan's capture is compared with a full read
         self._pauses = 0  # paused() blocks open (nested ones count)
         self._ended = False  # the watcher's block was left
 
@@ -287,8 +291,9 @@ class Watcher:
         if frame is None:  # a backward from library code only (e.g. inside the autograd engine)
             return
         self.backward_calls += 1
+        local = None
         try:
-            self._capture(frame)
+            local = self._capture(frame)
         except Exception as err:  # never break the user's training because tracing failed
             self.failures += 1
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
@@ -301,20 +306,23 @@ class Watcher:
                 warnings.warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
                               "continues; strict=True (--strict) raises instead.", RuntimeWarning, stacklevel=4)
         finally:
-            del frame
+            if local is not None:
+                site_plans.release_locals(frame, local)
+            del frame, local
 
-    def _capture(self, frame) -> None:
-        capture = frames.read_frame(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters)
+    def _capture(self, frame) -> dict | None:
+        capture = self.plans.read(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters,
+                                  self.plan_differences)
         self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1
             self.last_unmatched = (f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}(), "
                                    f"tensor variables {frames.tensor_variables(frame)}")
-            return
+            return capture.scopes[0]
         base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
         if self._last_anchor is not None and self._last_anchor[0]() is base and self._last_anchor[1] == base._version:
             self.repeated_calls += 1
-            return
+            return capture.scopes[0]
         step, inner, mb = self.clock.key(capture.indices)
         metadata = {k: v for k, v in capture.metadata.items() if k not in self.hyperparameters}
         if "epoch" in capture.indices:
@@ -326,6 +334,7 @@ class Watcher:
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1
+        return capture.scopes[0]  # the frame's locals snapshot, released by on_backward
 
     def _open_writer(self, frame, capture: frames.FrameCapture) -> TraceWriter:
         tokenizer, frame_config = frames.read_objects(frame, self.name_map)
