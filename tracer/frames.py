@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from collections import abc
 import operator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -85,9 +86,8 @@ def scopes_of(frame: FrameType) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
 
 
 def _lookup(name: str, local: Mapping, global_: Mapping) -> Any:
-    if name in local:
-        return local[name]
-    return global_[name] if name in global_ else _MISSING
+    value = local.get(name, _MISSING)
+    return global_.get(name, _MISSING) if value is _MISSING else value
 
 
 def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] | None = None) -> Any:
@@ -99,20 +99,33 @@ def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] 
 
 def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
     """:func:`resolve` in the scopes ``local`` and ``global_`` (a frame's ``f_locals``, ``f_globals``)."""
-    value = _lookup(expr.path[0], local, global_)
-    for attr in expr.path[1:]:
+    path = expr.path
+    value = local.get(path[0], _MISSING)
+    if value is _MISSING:
+        value = global_.get(path[0], _MISSING)
+    for attr in path[1:] if len(path) > 1 else ():
         if value is _MISSING:
             return _MISSING
-        if isinstance(value, Mapping) and attr in value:
+        if isinstance(value, abc.Mapping) and attr in value:
             value = value[attr]
         else:
             value = getattr(value, attr, _MISSING)
     if value is _MISSING or expr.index is None:
         return value
     index = _lookup(expr.index, local, global_)
-    if not isinstance(value, torch.Tensor) or not isinstance(index, torch.Tensor) or index.dim() != 1:
-        return _MISSING
-    if index.dtype == torch.bool or index.is_floating_point():
+    return take_rows(value, index) if row_index(index) else _MISSING
+
+
+def row_index(index: Any) -> bool:
+    """True for what ``name[index]`` reads rows by: a 1-d tensor of integers."""
+    return (isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype != torch.bool
+            and not index.is_floating_point())
+
+
+def take_rows(value: Any, index: torch.Tensor) -> Any:
+    """``value[index]`` (rows; the index moved to ``value``'s device), or ``_MISSING`` when ``value`` is
+    no tensor or the rows are not there."""
+    if not isinstance(value, torch.Tensor):
         return _MISSING
     try:
         return value[index if index.device == value.device else index.to(value.device)]
@@ -291,6 +304,8 @@ def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: Fr
 
 
 def _as_int(value: Any) -> int | None:
+    if type(value) is int:
+        return value
     if isinstance(value, bool) or value is _MISSING:
         return None
     try:
@@ -318,29 +333,42 @@ def _caller_scopes(frame: FrameType, heads: frozenset[str]) -> tuple[Mapping[str
     return scopes_of(frame)
 
 
+_INDEX_HEADS: dict[int, tuple] = {}  # id(name map's indices) -> (that mapping, the variable names it reads)
+
+
+def _index_heads(indices: Mapping[str, tuple[Expression, ...]]) -> frozenset[str]:
+    cached = _INDEX_HEADS.get(id(indices))
+    if cached is None or cached[0] is not indices:
+        if len(_INDEX_HEADS) >= 64:
+            _INDEX_HEADS.clear()
+        cached = _INDEX_HEADS[id(indices)] = (indices, frozenset(e.path[0] for exprs in indices.values() for e in exprs))
+    return cached[1]
+
+
 def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, int]:
     """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers
     (their variables are read only when a key is not found nearer); ``scopes``: the frame's own."""
     out: dict[str, int] = {}
     if not name_map.indices:
         return out
-    heads = frozenset(e.path[0] for exprs in name_map.indices.values() for e in exprs)
+    heads = _index_heads(name_map.indices)
     callers = _user_frames(frame, INDEX_DEPTH)
     next(callers)
     levels = [scopes or scopes_of(frame)]
     for key, exprs in name_map.indices.items():
         level = 0
-        while True:
+        while key not in out:
             if level == len(levels):
                 caller = next(callers, None)
                 if caller is None:
                     break
                 levels.append(_caller_scopes(caller, heads))
             local, global_ = levels[level]
-            found = next((v for v in (_as_int(resolve_in(e, local, global_)) for e in exprs) if v is not None), None)
-            if found is not None:
-                out[key] = found
-                break
+            for expr in exprs:
+                found = _as_int(resolve_in(expr, local, global_))
+                if found is not None:
+                    out[key] = found
+                    break
             level += 1
     return out
 

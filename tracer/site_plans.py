@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import SchemaError
-from tracer.frames import (FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame,
-                           resolve_in, scopes_of, tensor_signature)
+from tracer.frames import (_MISSING, FrameCapture, Probe, _check, _lookup, anchor_field, candidate, finish_capture,
+                           read_frame, resolve_in, row_index, scopes_of, take_rows, tensor_signature)
 from tracer.name_maps import NameMap
 
 PLANS_PER_SITE = 4  # plans kept per call site (a last minibatch of another size is another plan)
@@ -64,34 +64,54 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
     fits the plan (then the caller reads it in full)."""
     local, global_ = scopes
     picked: dict[str, torch.Tensor] = {}
-    rejected = plan.rejected
-    check_algo = None if plan.algorithm == "dpo" else plan.algorithm
+    rejected = plan.rejected  # copied when a value-checked rejection's message changes
+    rows: dict[str, Any] = {}  # index variable -> its rows tensor, or _MISSING when it is none
     for probe in plan.probes:
-        value = resolve_in(probe.expr, local, global_)
+        expr = probe.expr
+        if len(expr.path) == 1:  # `name` or `name[index]`: resolve_in's steps, the index checked once
+            value = local.get(expr.path[0], _MISSING)
+            if value is _MISSING:
+                value = global_.get(expr.path[0], _MISSING)
+            if expr.index is not None and value is not _MISSING:
+                index = rows.get(expr.index)
+                if index is None:
+                    index = _lookup(expr.index, local, global_)
+                    index = rows[expr.index] = index if row_index(index) else _MISSING
+                value = _MISSING if index is _MISSING else take_rows(value, index)
+        else:
+            value = resolve_in(expr, local, global_)
         if tensor_signature(value) != probe.signature:
             return None
         if probe.outcome == "picked":
+            if probe.sizes is None and probe.names == (probe.key,):
+                picked[probe.key] = value
+                continue
             produced = candidate(probe.key, value)
-            if len(produced) != len(probe.names):
-                produced = {k: produced[k] for k in probe.names}
-            if probe.sizes is not None:  # a mask that is not bool: its values are checked every time
-                try:
-                    _check(produced, check_algo, dict(probe.sizes), None)
-                except SchemaError:
-                    return None
+            produced = {k: produced[k] for k in probe.names}
+            if probe.sizes is not None and _recheck(probe, produced, plan) is not None:
+                return None  # a mask's values that passed now fail
             picked.update(produced)
         elif probe.outcome == "rejected" and probe.sizes is not None:
-            try:
-                _check(candidate(probe.key, value), check_algo, dict(probe.sizes), None)
+            message = _recheck(probe, candidate(probe.key, value), plan)
+            if message is None:
                 return None  # it passes now
-            except SchemaError as err:
-                if str(err) != probe.message:
-                    rejected = {**rejected, (probe.key, probe.expr.text): str(err)}
+            if message != rejected[(probe.key, expr.text)]:
+                rejected = {**rejected, (probe.key, expr.text): message}
     fields = picked if len(picked) == len(plan.names) else {n: picked[n] for n in plan.names}
     capture = FrameCapture(fields=fields, sources=dict(plan.sources), scopes=scopes, rejected=dict(rejected),
                            anchor=fields[plan.anchor], owned=set(plan.owned), checks=checks)
     finish_capture(capture, frame, plan.name_map, hyperparameters, plan.algorithm)
     return capture
+
+
+def _recheck(probe: Probe, produced: dict[str, torch.Tensor], plan: Plan) -> str | None:
+    """The schema check of a probe whose check reads values (a mask that is not bool), run again
+    against the sizes it had: None when it passes, else the message."""
+    try:
+        _check(produced, None if plan.algorithm == "dpo" else plan.algorithm, dict(probe.sizes), None)
+    except SchemaError as err:
+        return str(err)
+    return None
 
 
 class SitePlans:
