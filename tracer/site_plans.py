@@ -26,8 +26,9 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import SchemaError
-from tracer.frames import (_MISSING, FrameCapture, Probe, _check, _lookup, anchor_field, candidate, finish_capture,
-                           read_frame, resolve_in, row_index, scopes_of, take_rows, tensor_signature)
+from tracer.frame_lookup import _MISSING, _lookup, resolve_in, row_index, scopes_of, take_rows
+from tracer.frames import (FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame,
+                           tensor_signature)
 from tracer.name_maps import NameMap
 
 PLANS_PER_SITE = 4  # plans kept per call site (a last minibatch of another size is another plan)
