@@ -22,23 +22,24 @@ INDEX_DEPTH = 4
 _MISSING = object()
 
 
-_LIBRARY_MODULES: dict[str, bool] = {}  # module name -> is_library_frame's answer (a backward walks past a few)
+_KINDS: dict[tuple[str, frozenset], bool] = {}  # (module name, roots) -> whether it is of those roots
 
 
-def _module_root(frame: FrameType) -> tuple[str, str]:
+def _of_roots(frame: FrameType, roots: frozenset[str]) -> bool:
+    """True when ``frame``'s module is under one of ``roots`` and not ``tracer.demo`` (remembered by
+    module name: a backward walks past the same few modules every time)."""
     name = frame.f_globals.get("__name__") or ""
-    return name, name.split(".")[0]
+    found = _KINDS.get((name, roots))
+    if found is None:
+        found = name.split(".")[0] in roots and not name.startswith("tracer.demo")
+        if len(_KINDS) < 4096:
+            _KINDS[name, roots] = found
+    return found
 
 
 def is_library_frame(frame: FrameType) -> bool:
     """True for frames of torch / accelerate / deepspeed / tracer itself (not ``tracer.demo``)."""
-    name = frame.f_globals.get("__name__") or ""
-    library = _LIBRARY_MODULES.get(name)
-    if library is None:
-        library = name.split(".")[0] in LIBRARY_ROOTS and not name.startswith("tracer.demo")
-        if len(_LIBRARY_MODULES) < 4096:
-            _LIBRARY_MODULES[name] = library
-    return library
+    return _of_roots(frame, LIBRARY_ROOTS)
 
 
 def calling_frame(frame: FrameType | None) -> FrameType | None:
@@ -49,8 +50,7 @@ def calling_frame(frame: FrameType | None) -> FrameType | None:
 
 
 def _is_runner(frame: FrameType) -> bool:
-    name, root = _module_root(frame)
-    return root in RUNNER_ROOTS and not name.startswith("tracer.demo")
+    return _of_roots(frame, RUNNER_ROOTS)
 
 
 def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:

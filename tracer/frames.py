@@ -12,6 +12,10 @@ Rules (documented in README "Zero-edit"):
   are read first: without them the frame holds nothing to trace.
 * Fields the loop lacks are computed only when the map's ``derive`` lists them, with
   :mod:`tracer.formulas`, from fields that were read.
+* A backward from a line seen before is read by that line's plan (:mod:`tracer.site_plans`), made
+  from the :class:`Probe` list of a full read; it gives what the full read gives.
+
+Looking values up (the calling frame, expressions, indices, metadata) is :mod:`tracer.frame_lookup`.
 """
 
 from __future__ import annotations

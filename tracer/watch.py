@@ -35,13 +35,11 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from tracer import frames
+from tracer import frames, site_plans
 from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
 from tracer.name_maps import NameMap, load_name_map
 from tracer.schema import ALGORITHMS
-from tracer import site_plans
-from tracer.site_plans import SitePlans
 from tracer.writer import TraceWriter
 
 MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
@@ -162,7 +160,7 @@ class Watcher:
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
         self._checks: dict = {}  # schema-check outcomes by signature (frames.read_frame)
-        self.plans = SitePlans()  # per call site: what the full read of its frame did (tracer.site_plans)
+        self.plans = site_plans.SitePlans()  # per call site: what the full read of its frame did
         self.plan_differences: list[str] | None = None  # a list: every plan's capture is compared with a full read
         self._pauses = 0  # paused() blocks open (nested ones count)
         self._ended = False  # the watcher's block was left
