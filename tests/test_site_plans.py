@@ -183,3 +183,24 @@ def test_the_locals_snapshot_is_released_after_a_capture(tmp_path):
     assert w.steps_recorded == 2 and not alive
     if sys.version_info < (3, 13):
         assert "per_token_logps" in kept  # the loop's own locals() dict: not emptied
+
+
+def test_a_loop_at_module_level_keeps_its_namespace(tmp_path):
+    """A script whose loop is at module level: its frame's f_locals is the module's namespace, which
+    is never emptied (only a function frame's snapshot is), and its call site gets a plan like any."""
+    script = tmp_path / "flat_loop.py"
+    script.write_text(
+        "import torch\n"
+        "weight = torch.nn.Parameter(torch.zeros(2, 3))\n"
+        "completion_mask = torch.ones(2, 3, dtype=torch.bool)\n"
+        "for step in range(3):\n"
+        "    per_token_logps = torch.log_softmax(weight, dim=-1)\n"
+        "    (-(per_token_logps * completion_mask).mean()).backward()\n"
+        "    assert completion_mask.all() and per_token_logps.shape == (2, 3) and weight.grad is not None\n"
+        "assert step == 2\n")
+
+    def run(watcher):
+        assert run_script(script, [], watcher) == 0
+
+    planned = _assert_same_runs(run, tmp_path, algo="grpo")
+    assert (planned.steps_recorded, planned.plans.hits) == (3, 2)
