@@ -11,7 +11,8 @@
 How it works: ``torch.Tensor.backward`` and ``torch.autograd.backward`` are wrapped (and restored
 on exit). Before the real backward runs, the calling frame's variables are read through a name map
 (:mod:`tracer.name_maps`, rules in :mod:`tracer.frames`), so the tensors recorded are the ones the
-loss was built from. Steps are numbered from the frame's indices (:class:`StepClock`). The trace
+loss was built from; a line seen before is read by its plan (:mod:`tracer.site_plans`), which gives
+the same capture for less. Steps are numbered from the frame's indices (:class:`StepClock`). The trace
 writer is created at the first traced backward, so a script that never traces leaves no empty
 trace behind, and ``torch.distributed`` ranks (initialised by the script) are known by then.
 
@@ -136,7 +137,10 @@ class Watcher:
 
     Attributes:
         backward_calls, steps_recorded, unmatched_calls (frame without policy logprobs),
-        repeated_calls (same policy tensor as the previous record, e.g. a second loss), failures.
+        repeated_calls (same policy tensor as the previous record, e.g. a second loss), failures;
+        plans (:class:`tracer.site_plans.SitePlans`: ``hits``, ``misses``, ``built``; ``enabled``);
+        plan_differences (None; a list makes every plan's capture be compared with a full read, and
+        receive what differs: tests).
     """
 
     def __init__(self, algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None, *,
