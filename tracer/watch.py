@@ -159,7 +159,7 @@ class Watcher:
         self.writer: TraceWriter | None = None
         self.backward_calls = self.steps_recorded = self.unmatched_calls = self.repeated_calls = self.failures = 0
         self.clock = StepClock()
-        self.last_unmatched: str | None = None
+        self._last_unmatched: tuple | None = None  # (file, line, function, [(name, shape)]) of the last one
         self._last_anchor: tuple[weakref.ref, int] | None = None
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
@@ -270,6 +270,15 @@ class Watcher:
         for line in self.summary_lines():
             logger.log(logging.WARNING if incomplete else logging.INFO, line)
 
+    @property
+    def last_unmatched(self) -> str | None:
+        """Where the last backward without policy logprobs in its frame ran, and the frame's tensor
+        variables (``name [shape]``, at most 30), or None."""
+        if self._last_unmatched is None:
+            return None
+        filename, line, function, shapes = self._last_unmatched
+        return f"{filename}:{line} in {function}(), tensor variables {[f'{k} {list(s)}' for k, s in shapes]}"
+
     def nothing_traced_message(self) -> str:
         """Why no step was traced, and what to do."""
         if self.backward_calls == 0:
@@ -318,8 +327,9 @@ class Watcher:
         self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1
-            self.last_unmatched = (f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}(), "
-                                   f"tensor variables {frames.tensor_variables(frame)}")
+            code, local = frame.f_code, capture.scopes[0]
+            shapes = [(k, v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
+            self._last_unmatched = (code.co_filename, frame.f_lineno, code.co_name, shapes)  # text made when asked
             return capture.scopes[0]
         base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
         if self._last_anchor is not None and self._last_anchor[0]() is base and self._last_anchor[1] == base._version:
