@@ -12,99 +12,29 @@ Rules (documented in README "Zero-edit"):
   are read first: without them the frame holds nothing to trace.
 * Fields the loop lacks are computed only when the map's ``derive`` lists them, with
   :mod:`tracer.formulas`, from fields that were read.
+* A backward from a line seen before is read by that line's plan (:mod:`tracer.site_plans`), made
+  from the :class:`Probe` list of a full read; it gives what the full read gives.
+
+Looking values up (the calling frame, expressions, indices, metadata) is :mod:`tracer.frame_lookup`.
 """
 
 from __future__ import annotations
 
-import argparse
-import operator
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from tracer import formulas
 from tracer.errors import SchemaError
+from tracer.frame_lookup import (INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS, calling_frame,  # noqa: F401  (re-exported)
+                                 is_library_frame, read_indices, read_metadata, read_objects, resolve, resolve_in,
+                                 scopes_of)
 from tracer.name_maps import STACKED_STEMS, Expression, NameMap
 from tracer.schema import BOOL, FIELDS, check_tensors
 
-LIBRARY_ROOTS = frozenset({"torch", "accelerate", "deepspeed", "tracer"})
-RUNNER_ROOTS = frozenset({"runpy", "tracer", "IPython", "ipykernel", "_pytest", "pytest", "pluggy"})
-INDEX_DEPTH = 4
 GROUPED = ("grpo", "cispo", "rloo")
-_MISSING = object()
-
-
-def _module_root(frame: FrameType) -> tuple[str, str]:
-    name = frame.f_globals.get("__name__") or ""
-    return name, name.split(".")[0]
-
-
-def is_library_frame(frame: FrameType) -> bool:
-    """True for frames of torch / accelerate / deepspeed / tracer itself (not ``tracer.demo``)."""
-    name, root = _module_root(frame)
-    return root in LIBRARY_ROOTS and not name.startswith("tracer.demo")
-
-
-def calling_frame(frame: FrameType | None) -> FrameType | None:
-    """The first frame from ``frame`` outwards that is not library code (see the module rules)."""
-    while frame is not None and is_library_frame(frame):
-        frame = frame.f_back
-    return frame
-
-
-def _is_runner(frame: FrameType) -> bool:
-    name, root = _module_root(frame)
-    return root in RUNNER_ROOTS and not name.startswith("tracer.demo")
-
-
-def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:
-    """``frame`` and up to ``depth - 1`` of its callers, up to the first runner (runpy, pytest...)."""
-    yield frame
-    for _ in range(depth - 1):
-        frame = frame.f_back
-        if frame is None or _is_runner(frame):
-            return
-        yield frame
-
-
-def scopes_of(frame: FrameType) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    """``(locals, globals)`` of ``frame``. Reading ``f_locals`` copies every local of a function
-    frame, so a capture takes it once and passes it to each :func:`resolve`."""
-    return frame.f_locals, frame.f_globals
-
-
-def _lookup(name: str, scopes: tuple[Mapping, Mapping]) -> Any:
-    local, global_ = scopes
-    if name in local:
-        return local[name]
-    return global_[name] if name in global_ else _MISSING
-
-
-def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] | None = None) -> Any:
-    """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``; ``scopes``:
-    :func:`scopes_of` the frame, when the caller has it already."""
-    scopes = scopes or scopes_of(frame)
-    value = _lookup(expr.path[0], scopes)
-    for attr in expr.path[1:]:
-        if value is _MISSING:
-            return _MISSING
-        if isinstance(value, Mapping) and attr in value:
-            value = value[attr]
-        else:
-            value = getattr(value, attr, _MISSING)
-    if value is _MISSING or expr.index is None:
-        return value
-    index = _lookup(expr.index, scopes)
-    if not isinstance(value, torch.Tensor) or not isinstance(index, torch.Tensor) or index.dim() != 1:
-        return _MISSING
-    if index.dtype == torch.bool or index.is_floating_point():
-        return _MISSING
-    try:
-        return value[index if index.device == value.device else index.to(value.device)]
-    except (IndexError, RuntimeError):
-        return _MISSING
 
 
 @dataclass
@@ -121,6 +51,8 @@ class FrameCapture:
     anchor: torch.Tensor | None = None  # the policy logprobs tensor as the loop holds it
     owned: set[str] = field(default_factory=set)  # fields made here (indexed rows, derived): no copy needed
     checks: dict | None = None  # schema-check outcomes by signature (a CheckMemo's dict), shared across captures
+    probes: list | None = None  # the candidates tried (Probe), when the caller builds a call-site plan
+    read: tuple | None = None  # (fields' names, sources, owned, rejected) as read_fields left them, with probes
 
 
 MAX_CHECK_MEMO = 4096  # schema-check outcomes a watcher remembers (cleared when full)
@@ -132,8 +64,7 @@ def _check(produced: dict[str, torch.Tensor], algorithm: str | None, sizes: dict
     the check depends on nothing else, except the values of a non-bool mask, which are checked every
     time. A loop's backward frames repeat their signatures, so later captures skip the check.
     Raises SchemaError as the check does."""
-    if memo is None or any(k in FIELDS and FIELDS[k].kind == BOOL and v.dtype != torch.bool
-                           for k, v in produced.items()):
+    if memo is None or value_checked(produced):
         check_tensors(produced, algorithm, sizes=sizes)
         return
     key = (tuple((k, v.shape, v.dtype, v.device.type) for k, v in produced.items()), algorithm,
@@ -159,20 +90,49 @@ def anchor_field(algorithm: str) -> str:
     return "chosen_policy_logprobs" if algorithm == "dpo" else "policy_logprobs"
 
 
-def _candidates(key: str, name_map: NameMap, frame: FrameType, scopes=None) -> Iterator[tuple[str, dict]]:
-    """``(expression, {field: tensor})`` for ``key`` (a field, or ``stacked:<stem>`` for DPO)."""
+def candidate(key: str, value: Any) -> dict[str, torch.Tensor] | None:
+    """``{field: tensor}`` that ``value`` gives for ``key`` (a field, or ``stacked:<stem>`` for DPO:
+    rows split in halves), or None when it is no candidate (not a tensor; stacked: no even rows)."""
+    if not isinstance(value, torch.Tensor):
+        return None
     if key.startswith("stacked:"):
-        stem = key.split(":", 1)[1]
-        for expr in name_map.stacked.get(stem, ()):
-            value = resolve(expr, frame, scopes)
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] % 2 == 0 and value.shape[0]:
-                half = value.shape[0] // 2
-                yield expr.text, {f"chosen_{stem}": value[:half], f"rejected_{stem}": value[half:]}
-        return
-    for expr in name_map.fields.get(key, ()):
-        value = resolve(expr, frame, scopes)
-        if isinstance(value, torch.Tensor):
-            yield expr.text, {key: value}
+        if value.dim() >= 1 and value.shape[0] % 2 == 0 and value.shape[0]:
+            stem, half = key[len("stacked:"):], value.shape[0] // 2
+            return {f"chosen_{stem}": value[:half], f"rejected_{stem}": value[half:]}
+        return None
+    return {key: value}
+
+
+def expressions(key: str, name_map: NameMap) -> tuple[Expression, ...]:
+    """The candidate expressions of ``key`` (a field, or ``stacked:<stem>``), in the order tried."""
+    if key.startswith("stacked:"):
+        return name_map.stacked.get(key[len("stacked:"):], ())
+    return name_map.fields.get(key, ())
+
+
+def tensor_signature(value: Any) -> tuple | None:
+    """What the field rules read of a value: ``(shape, dtype, device)`` of a tensor, None otherwise."""
+    return (value.shape, value.dtype, value.device) if isinstance(value, torch.Tensor) else None
+
+
+def value_checked(produced: Mapping[str, torch.Tensor]) -> bool:
+    """True when checking ``produced`` reads data (a mask field that is not bool: its 0/1 values)."""
+    return any(k in FIELDS and FIELDS[k].kind == BOOL and v.dtype != torch.bool for k, v in produced.items())
+
+
+@dataclass
+class Probe:
+    """One candidate expression the full read tried, what it found and what became of it (a call
+    site's plan replays these, :mod:`tracer.site_plans`). ``outcome``: ``none`` (no candidate),
+    ``skip`` (its fields were read already), ``rejected`` (``message``), ``picked`` (``names``)."""
+
+    key: str
+    expr: Expression
+    signature: tuple | None
+    outcome: str = "none"
+    names: tuple[str, ...] = ()
+    sizes: dict | None = None  # the sizes it was checked against, kept when the check reads data
+    message: str = ""
 
 
 def _order(name_map: NameMap, algorithm: str) -> tuple[list[str], list[str]]:
@@ -187,24 +147,41 @@ def _order(name_map: NameMap, algorithm: str) -> tuple[list[str], list[str]]:
 
 
 def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture: FrameCapture) -> None:
-    """Add the first candidate of ``key`` that agrees with the fields already read."""
-    picked = capture.fields
+    """Add the first candidate of ``key`` that agrees with the fields already read (each expression
+    tried is noted in ``capture.probes`` when that is a list)."""
+    picked, probes = capture.fields, capture.probes
     check_algo = None if algorithm == "dpo" else algorithm  # DPO sides are paired at the end
-    for text, produced in _candidates(key, name_map, frame, capture.scopes):
+    local, global_ = capture.scopes or scopes_of(frame)
+    for expr in expressions(key, name_map):
+        value = resolve_in(expr, local, global_)
+        probe = None if probes is None else Probe(key, expr, tensor_signature(value))
+        if probe is not None:
+            probes.append(probe)
+        produced = candidate(key, value)
+        if produced is None:
+            continue
         produced = {k: v for k, v in produced.items() if k not in picked}
         if not produced:
+            if probe is not None:
+                probe.outcome = "skip"
             return
         sizes = dict(capture.sizes)  # the fields picked so far passed together: check the new ones against them
+        if probe is not None and value_checked(produced):
+            probe.sizes = dict(sizes)
         try:
             _check(produced, check_algo, sizes, capture.checks)
         except SchemaError as err:
-            capture.rejected[(key, text)] = str(err)
+            capture.rejected[(key, expr.text)] = str(err)
+            if probe is not None:
+                probe.outcome, probe.message = "rejected", str(err)
             continue
         capture.sizes = sizes
         picked.update(produced)
-        capture.sources.update({k: text for k in produced})
-        if "[" in text and not key.startswith("stacked:"):  # ``x[inds]``: a new tensor, not the loop's
+        capture.sources.update({k: expr.text for k in produced})
+        if expr.index is not None and not key.startswith("stacked:"):  # ``x[inds]``: a new tensor, not the loop's
             capture.owned.update(produced)
+        if probe is not None:
+            probe.outcome, probe.names = "picked", tuple(produced)
         return
 
 
@@ -230,83 +207,24 @@ def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: Fr
         picked.clear()
 
 
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool) or value is _MISSING:
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def read_indices(frame: FrameType, name_map: NameMap) -> dict[str, int]:
-    """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers."""
-    out: dict[str, int] = {}
-    scopes = [(f, scopes_of(f)) for f in _user_frames(frame, INDEX_DEPTH)] if name_map.indices else []
-    for key, exprs in name_map.indices.items():
-        for f, sc in scopes:
-            found = next((v for v in (_as_int(resolve(e, f, sc)) for e in exprs) if v is not None), None)
-            if found is not None:
-                out[key] = found
-                break
-    return out
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-able scalar for step metadata, or ``_MISSING``."""
-    if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else _MISSING
-    if isinstance(value, (bool, int, float, str)):
-        return value
-    if hasattr(value, "item") and callable(value.item):  # numpy scalars
-        try:
-            return _plain(value.item())
-        except (TypeError, ValueError):
-            return _MISSING
-    return _MISSING
-
-
-def read_metadata(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, Any]:
-    """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame."""
-    out = {}
-    scopes = scopes or scopes_of(frame)
-    for key, exprs in name_map.metadata.items():
-        value = next((v for v in (_plain(resolve(e, frame, scopes)) for e in exprs) if v is not _MISSING), _MISSING)
-        if value is not _MISSING:
-            out[key] = value
-    return out
-
-
-def read_objects(frame: FrameType, name_map: NameMap) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizer or None, config dict)``: the first candidate that looks like a tokenizer
-    (has ``convert_ids_to_tokens``) and the JSON-able entries of an argparse Namespace or dict."""
-    tokenizer = next((v for v in (resolve(e, frame) for e in name_map.objects.get("tokenizer", ()))
-                      if hasattr(v, "convert_ids_to_tokens")), None)
-    config: dict[str, Any] = {}
-    for expr in name_map.objects.get("config", ()):
-        value = resolve(expr, frame)
-        items = vars(value) if isinstance(value, argparse.Namespace) else value if isinstance(value, Mapping) else None
-        if items is not None:
-            config = {str(k): v for k, v in items.items() if _plain(v) is not _MISSING or v is None}
-            break
-    return tokenizer, config
+_PAIRS = {"ratio": ("old_logprobs", formulas.ratio), "approx_kl_k2": ("old_logprobs", formulas.approx_kl_k2),
+          "ref_kl_k3": ("ref_logprobs", formulas.ref_kl_k3)}
 
 
 def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> None:
     """Compute the map's ``derive`` fields the frame lacked, from fields that were read."""
-    d = {k: v.detach() for k, v in capture.fields.items()}
+    d = capture.fields  # read only; inputs are detached where used
     new: dict[str, torch.Tensor] = {}
-    wanted = set(name_map.derive)
-    pairs = {"ratio": ("old_logprobs", formulas.ratio), "approx_kl_k2": ("old_logprobs", formulas.approx_kl_k2),
-             "ref_kl_k3": ("ref_logprobs", formulas.ref_kl_k3)}
-    for name, (other, fn) in pairs.items():
+    wanted = name_map.derive
+    for name, (other, fn) in _PAIRS.items():
         if name in wanted and name not in d and "policy_logprobs" in d and other in d:
-            new[name] = fn(d["policy_logprobs"], d[other])
+            new[name] = fn(d["policy_logprobs"].detach(), d[other].detach())
     G = capture.metadata.get("num_generations")
     if ("group_ids" in wanted and "group_ids" not in d and algorithm in GROUPED and "row_ids" not in d
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
         new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
-    new.update(_dpo_terms(d, capture.metadata.get("beta")) if "dpo_terms" in wanted and algorithm == "dpo" else {})
+    if "dpo_terms" in wanted and algorithm == "dpo":
+        new.update(_dpo_terms({k: v.detach() for k, v in d.items()}, capture.metadata.get("beta")))
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
@@ -325,19 +243,33 @@ def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]
 
 
 def read_frame(frame: FrameType, name_map: NameMap, algorithm: str, checks: dict | None = None,
-               hyperparameters: Mapping[str, Any] | None = None) -> FrameCapture:
+               hyperparameters: Mapping[str, Any] | None = None, scopes=None,
+               probes: list | None = None) -> FrameCapture:
     """Everything one backward's frame gives (fields empty when the policy logprobs are absent);
     ``checks``: a dict the caller keeps across captures, remembering schema-check outcomes;
     ``hyperparameters``: the run's own (``tracer run --meta``), which win over the frame's values,
-    also for what is derived from them (``group_ids`` from ``num_generations``, DPO terms from ``beta``)."""
-    capture = FrameCapture(scopes=scopes_of(frame), checks=checks)
+    also for what is derived from them (``group_ids`` from ``num_generations``, DPO terms from ``beta``);
+    ``scopes``: :func:`scopes_of` the frame when the caller took it; ``probes``: a list that receives
+    the candidates tried (:class:`Probe`), and then ``capture.read`` what they gave (a call-site plan)."""
+    capture = FrameCapture(scopes=scopes or scopes_of(frame), checks=checks, probes=probes)
     read_fields(frame, name_map, algorithm, capture)
     if capture.anchor is None:
         return capture
-    capture.indices = read_indices(frame, name_map)
-    capture.metadata = {**read_metadata(frame, name_map, capture.scopes), **dict(hyperparameters or {})}
-    derive_fields(capture, name_map, algorithm)
+    if probes is not None:
+        capture.read = (tuple(capture.fields), dict(capture.sources), set(capture.owned), dict(capture.rejected))
+    finish_capture(capture, frame, name_map, hyperparameters, algorithm)
     return capture
+
+
+def finish_capture(capture: FrameCapture, frame: FrameType, name_map: NameMap,
+                   hyperparameters: Mapping[str, Any] | None, algorithm: str) -> None:
+    """Indices, step metadata and derived fields of a capture whose fields were read."""
+    capture.indices = read_indices(frame, name_map, capture.scopes)
+    metadata = read_metadata(frame, name_map, capture.scopes)
+    if hyperparameters:
+        metadata.update(hyperparameters)
+    capture.metadata = metadata
+    derive_fields(capture, name_map, algorithm)
 
 
 def tensor_variables(frame: FrameType) -> list[str]:

@@ -11,7 +11,8 @@
 How it works: ``torch.Tensor.backward`` and ``torch.autograd.backward`` are wrapped (and restored
 on exit). Before the real backward runs, the calling frame's variables are read through a name map
 (:mod:`tracer.name_maps`, rules in :mod:`tracer.frames`), so the tensors recorded are the ones the
-loss was built from. Steps are numbered from the frame's indices (:class:`StepClock`). The trace
+loss was built from; a line seen before is read by its plan (:mod:`tracer.site_plans`), which gives
+the same capture for less. Steps are numbered from the frame's indices (:class:`StepClock`). The trace
 writer is created at the first traced backward, so a script that never traces leaves no empty
 trace behind, and ``torch.distributed`` ranks (initialised by the script) are known by then.
 
@@ -35,7 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from tracer import frames
+from tracer import frames, site_plans
 from tracer.capture_report import write_capture_report
 from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
@@ -137,7 +138,10 @@ class Watcher:
 
     Attributes:
         backward_calls, steps_recorded, unmatched_calls (frame without policy logprobs),
-        repeated_calls (same policy tensor as the previous record, e.g. a second loss), failures.
+        repeated_calls (same policy tensor as the previous record, e.g. a second loss), failures;
+        plans (:class:`tracer.site_plans.SitePlans`: ``hits``, ``misses``, ``built``; ``enabled``);
+        plan_differences (None; a list makes every plan's capture be compared with a full read, and
+        receive what differs: tests).
     """
 
     def __init__(self, algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None, *,
@@ -156,11 +160,13 @@ class Watcher:
         self.writer: TraceWriter | None = None
         self.backward_calls = self.steps_recorded = self.unmatched_calls = self.repeated_calls = self.failures = 0
         self.clock = StepClock()
-        self.last_unmatched: str | None = None
+        self._last_unmatched: tuple | None = None  # (file, line, function, [(name, shape)]) of the last one
         self._last_anchor: tuple[weakref.ref, int] | None = None
         self.rejected: dict[tuple[str, str], str] = {}  # (field or key, variable text) -> why not recorded
         self.sources: dict[str, str] = {}  # field -> the variable it was read from
         self._checks: dict = {}  # schema-check outcomes by signature (frames.read_frame)
+        self.plans = site_plans.SitePlans()  # per call site: what the full read of its frame did
+        self.plan_differences: list[str] | None = None  # a list: every plan's capture is compared with a full read
         self._pauses = 0  # paused() blocks open (nested ones count)
         self._ended = False  # the watcher's block was left
 
@@ -267,6 +273,15 @@ class Watcher:
         for line in self.summary_lines():
             logger.log(logging.WARNING if incomplete else logging.INFO, line)
 
+    @property
+    def last_unmatched(self) -> str | None:
+        """Where the last backward without policy logprobs in its frame ran, and the frame's tensor
+        variables (``name [shape]``, at most 30), or None."""
+        if self._last_unmatched is None:
+            return None
+        filename, line, function, shapes = self._last_unmatched
+        return f"{filename}:{line} in {function}(), tensor variables {[f'{k} {list(s)}' for k, s in shapes]}"
+
     def nothing_traced_message(self) -> str:
         """Why no step was traced, and what to do."""
         if self.backward_calls == 0:
@@ -290,8 +305,9 @@ class Watcher:
         if frame is None:  # a backward from library code only (e.g. inside the autograd engine)
             return
         self.backward_calls += 1
+        local = None
         try:
-            self._capture(frame)
+            local = self._capture(frame)
         except Exception as err:  # never break the user's training because tracing failed
             self.failures += 1
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
@@ -304,20 +320,24 @@ class Watcher:
                 warnings.warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
                               "continues; strict=True (--strict) raises instead.", RuntimeWarning, stacklevel=4)
         finally:
-            del frame
+            if local is not None:
+                site_plans.release_locals(frame, local)
+            del frame, local
 
-    def _capture(self, frame) -> None:
-        capture = frames.read_frame(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters)
+    def _capture(self, frame) -> dict | None:
+        capture = self.plans.read(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters,
+                                  self.plan_differences)
         self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1
-            self.last_unmatched = (f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}(), "
-                                   f"tensor variables {frames.tensor_variables(frame)}")
-            return
+            code, local = frame.f_code, capture.scopes[0]
+            shapes = [(k, v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
+            self._last_unmatched = (code.co_filename, frame.f_lineno, code.co_name, shapes)  # text made when asked
+            return capture.scopes[0]
         base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
         if self._last_anchor is not None and self._last_anchor[0]() is base and self._last_anchor[1] == base._version:
             self.repeated_calls += 1
-            return
+            return capture.scopes[0]
         step, inner, mb = self.clock.key(capture.indices)
         metadata = {k: v for k, v in capture.metadata.items() if k not in self.hyperparameters}
         if "epoch" in capture.indices:
@@ -329,6 +349,7 @@ class Watcher:
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1
+        return capture.scopes[0]  # the frame's locals snapshot, released by on_backward
 
     def _open_writer(self, frame, capture: frames.FrameCapture) -> TraceWriter:
         tokenizer, frame_config = frames.read_objects(frame, self.name_map)

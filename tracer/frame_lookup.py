@@ -1,0 +1,235 @@
+"""Looking a training loop's variables up in its frames (zero-edit tracing; the rules are in
+:mod:`tracer.frames`): the calling frame of a backward, the value a map expression names there, and
+the integer indices, step metadata and objects (tokenizer, config) the frame and its callers hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import operator
+from collections import abc
+from types import FrameType
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from tracer.name_maps import Expression, NameMap
+
+LIBRARY_ROOTS = frozenset({"torch", "accelerate", "deepspeed", "tracer"})
+RUNNER_ROOTS = frozenset({"runpy", "tracer", "IPython", "ipykernel", "_pytest", "pytest", "pluggy"})
+INDEX_DEPTH = 4
+_MISSING = object()
+
+
+_KINDS: dict[tuple[str, frozenset], bool] = {}  # (module name, roots) -> whether it is of those roots
+
+
+def _of_roots(frame: FrameType, roots: frozenset[str]) -> bool:
+    """True when ``frame``'s module is under one of ``roots`` and not ``tracer.demo`` (remembered by
+    module name: a backward walks past the same few modules every time)."""
+    name = frame.f_globals.get("__name__") or ""
+    found = _KINDS.get((name, roots))
+    if found is None:
+        found = name.split(".")[0] in roots and not name.startswith("tracer.demo")
+        if len(_KINDS) < 4096:
+            _KINDS[name, roots] = found
+    return found
+
+
+def is_library_frame(frame: FrameType) -> bool:
+    """True for frames of torch / accelerate / deepspeed / tracer itself (not ``tracer.demo``)."""
+    return _of_roots(frame, LIBRARY_ROOTS)
+
+
+def calling_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame from ``frame`` outwards that is not library code (see the module rules)."""
+    while frame is not None and is_library_frame(frame):
+        frame = frame.f_back
+    return frame
+
+
+def _is_runner(frame: FrameType) -> bool:
+    return _of_roots(frame, RUNNER_ROOTS)
+
+
+def _user_frames(frame: FrameType, depth: int) -> Iterator[FrameType]:
+    """``frame`` and up to ``depth - 1`` of its callers, up to the first runner (runpy, pytest...)."""
+    yield frame
+    for _ in range(depth - 1):
+        frame = frame.f_back
+        if frame is None or _is_runner(frame):
+            return
+        yield frame
+
+
+def scopes_of(frame: FrameType) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """``(locals, globals)`` of ``frame``. Reading ``f_locals`` copies every local of a function
+    frame, so a capture takes it once and passes it to each :func:`resolve`."""
+    return frame.f_locals, frame.f_globals
+
+
+def _lookup(name: str, local: Mapping, global_: Mapping) -> Any:
+    value = local.get(name, _MISSING)
+    return global_.get(name, _MISSING) if value is _MISSING else value
+
+
+def resolve(expr: Expression, frame: FrameType, scopes: tuple[Mapping, Mapping] | None = None) -> Any:
+    """The value ``expr`` names in ``frame`` (locals, then globals), or ``_MISSING``; ``scopes``:
+    :func:`scopes_of` the frame, when the caller has it already."""
+    local, global_ = scopes or scopes_of(frame)
+    return resolve_in(expr, local, global_)
+
+
+def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
+    """:func:`resolve` in the scopes ``local`` and ``global_`` (a frame's ``f_locals``, ``f_globals``)."""
+    path = expr.path
+    value = local.get(path[0], _MISSING)
+    if value is _MISSING:
+        value = global_.get(path[0], _MISSING)
+    for attr in path[1:] if len(path) > 1 else ():
+        if value is _MISSING:
+            return _MISSING
+        if isinstance(value, abc.Mapping) and attr in value:
+            value = value[attr]
+        else:
+            value = getattr(value, attr, _MISSING)
+    if value is _MISSING or expr.index is None:
+        return value
+    index = _lookup(expr.index, local, global_)
+    return take_rows(value, index) if row_index(index) else _MISSING
+
+
+def row_index(index: Any) -> bool:
+    """True for what ``name[index]`` reads rows by: a 1-d tensor of integers."""
+    return (isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype != torch.bool
+            and not index.is_floating_point())
+
+
+def take_rows(value: Any, index: torch.Tensor) -> Any:
+    """``value[index]`` (rows; the index moved to ``value``'s device), or ``_MISSING`` when ``value`` is
+    no tensor or the rows are not there."""
+    if not isinstance(value, torch.Tensor):
+        return _MISSING
+    try:
+        return value[index if index.device == value.device else index.to(value.device)]
+    except (IndexError, RuntimeError):
+        return _MISSING
+
+
+def _as_int(value: Any) -> int | None:
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or value is _MISSING:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+_CO_OPTIMIZED = inspect.CO_OPTIMIZED
+_CODE_NAMES: dict = {}  # code object -> the names its frames' f_locals can hold (function frames)
+
+
+def _caller_scopes(frame: FrameType, heads: frozenset[str]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """:func:`scopes_of` a caller, without copying the locals of a function none of whose variables is
+    among ``heads`` (a function frame's ``f_locals`` holds its variables only): ``({}, globals)``."""
+    code = frame.f_code
+    if code.co_flags & _CO_OPTIMIZED:
+        names = _CODE_NAMES.get(code)
+        if names is None:
+            names = frozenset(code.co_varnames + code.co_cellvars + code.co_freevars)
+            if len(_CODE_NAMES) < 4096:
+                _CODE_NAMES[code] = names
+        if heads.isdisjoint(names):
+            return {}, frame.f_globals
+    return scopes_of(frame)
+
+
+_INDEX_HEADS: dict[int, tuple] = {}  # id(name map's indices) -> (that mapping, the variable names it reads)
+
+
+def _index_heads(indices: Mapping[str, tuple[Expression, ...]]) -> frozenset[str]:
+    cached = _INDEX_HEADS.get(id(indices))
+    if cached is None or cached[0] is not indices:
+        if len(_INDEX_HEADS) >= 64:
+            _INDEX_HEADS.clear()
+        heads = frozenset(e.path[0] for exprs in indices.values() for e in exprs)
+        cached = _INDEX_HEADS[id(indices)] = (indices, heads)
+    return cached[1]
+
+
+def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, int]:
+    """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers
+    (their variables are read only when a key is not found nearer); ``scopes``: the frame's own."""
+    out: dict[str, int] = {}
+    if not name_map.indices:
+        return out
+    heads = _index_heads(name_map.indices)
+    callers = _user_frames(frame, INDEX_DEPTH)
+    next(callers)
+    levels = [scopes or scopes_of(frame)]
+    for key, exprs in name_map.indices.items():
+        level = 0
+        while key not in out:
+            if level == len(levels):
+                caller = next(callers, None)
+                if caller is None:
+                    break
+                levels.append(_caller_scopes(caller, heads))
+            local, global_ = levels[level]
+            for expr in exprs:
+                found = _as_int(resolve_in(expr, local, global_))
+                if found is not None:
+                    out[key] = found
+                    break
+            level += 1
+    return out
+
+
+_PLAIN_TYPES = frozenset({bool, int, float, str})
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-able scalar for step metadata, or ``_MISSING``."""
+    if value is _MISSING or type(value) in _PLAIN_TYPES:
+        return value
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else _MISSING
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        try:
+            return _plain(value.item())
+        except (TypeError, ValueError):
+            return _MISSING
+    return _MISSING
+
+
+def read_metadata(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, Any]:
+    """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame."""
+    out = {}
+    local, global_ = scopes or scopes_of(frame)
+    for key, exprs in name_map.metadata.items():
+        for expr in exprs:
+            value = _plain(resolve_in(expr, local, global_))
+            if value is not _MISSING:
+                out[key] = value
+                break
+    return out
+
+
+def read_objects(frame: FrameType, name_map: NameMap) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizer or None, config dict)``: the first candidate that looks like a tokenizer
+    (has ``convert_ids_to_tokens``) and the JSON-able entries of an argparse Namespace or dict."""
+    tokenizer = next((v for v in (resolve(e, frame) for e in name_map.objects.get("tokenizer", ()))
+                      if hasattr(v, "convert_ids_to_tokens")), None)
+    config: dict[str, Any] = {}
+    for expr in name_map.objects.get("config", ()):
+        value = resolve(expr, frame)
+        items = vars(value) if isinstance(value, argparse.Namespace) else value if isinstance(value, Mapping) else None
+        if items is not None:
+            config = {str(k): v for k, v in items.items() if _plain(v) is not _MISSING or v is None}
+            break
+    return tokenizer, config
