@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, strategies as st
 from safetensors.torch import save_file
 
 from tracer import SchemaError, Trace, TraceError, TraceWriter
 from tracer.cli import main
+from tracer.schema import encode_metadata
 
 
 def tensors():
@@ -170,3 +172,8 @@ def test_a_numpy_array_hyperparameter_becomes_a_list(tmp_path):
         w.record(0, tensors())
     trace = Trace(tmp_path / "run")
     assert trace.metadata(trace.steps()[0])["reward_weights"] == [0.0, 0.5, 1.0]
+
+
+@given(st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True)))
+def test_scalar_metadata_is_encoded_exactly_as_json_dumps_writes_it(value):
+    assert encode_metadata({"k": value}) == {"k": json.dumps(value, allow_nan=True)}

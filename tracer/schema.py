@@ -191,6 +191,18 @@ def jsonable(value: Any) -> Any:
 _JSON_SCALARS = frozenset({int, float, bool, type(None)})
 
 
+def _float_json(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float.__repr__(value)
+
+
+# json.dumps(value, allow_nan=True) for the scalar types, as json's own encoder writes them
+_SCALAR_JSON = {int: int.__repr__, bool: lambda v: "true" if v else "false", float: _float_json}
+
+
 def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     """Encode step metadata as the ``dict[str, str]`` a safetensors header holds.
 
@@ -201,6 +213,10 @@ def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in metadata.items():
         if value is None:
+            continue
+        scalar = _SCALAR_JSON.get(type(value))
+        if scalar is not None:  # what json.dumps writes for it, without an encoder per value
+            out[str(key)] = scalar(value)
             continue
         if type(value) in _JSON_SCALARS or (type(value) is dict and all(
                 type(k) is str and type(v) in _JSON_SCALARS for k, v in value.items())):
