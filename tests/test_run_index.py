@@ -313,8 +313,9 @@ def test_a_live_index_is_read_where_it_grew(tmp_path, monkeypatch):
     assert parsed == [3]  # nothing new: not read again
     for step in range(3, 5):
         writer.record(step, _step(step))
-    writer.close()
-    assert trace.step_summary().attrs["from_index"] == 5 and parsed == [3, 2]  # only the two new lines
+    writer.close()  # compacts the index into columns: the writer parses its five lines once
+    assert parsed == [3, 5]
+    assert trace.step_summary().attrs["from_index"] == 5 and parsed == [3, 5, 2]  # the reader: only the two new lines
     pd.testing.assert_frame_equal(trace.step_summary(), _from_headers(tmp_path / "run"))
 
 

@@ -6,6 +6,7 @@ atomic JSON, the content checksum. Shared by the writer (which produces it) and 
     steps/step_00000003.inner_0.mb_0.rank_0.safetensors
     summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,
                            coordinates and summary (an accelerator for run overviews; tracer.run_index)
+    summary_index.rank_0.columns  the same, compacted into columns at close (safetensors format; tracer.summary_store)
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: i
 def summary_index_name(rank: int = 0) -> str:
     """The file name of one rank's summary index at the trace root (:mod:`tracer.run_index`)."""
     return f"summary_index.rank_{rank}.jsonl"
+
+
+def summary_store_name(rank: int = 0) -> str:
+    """The file name of one rank's summary columns at the trace root (:mod:`tracer.summary_store`)."""
+    return f"summary_index.rank_{rank}.columns"
 
 
 def listed_step_files(folder: Path) -> list[Path]:

@@ -15,14 +15,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pandas as pd
 import torch
-from tracer import run_index, summaries, tables
+from tracer import overview, run_index, summaries, tables
 from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
+from tracer.summary_store import SummaryColumns
 from tracer.text import clean_str
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
@@ -401,14 +403,24 @@ class Trace:
         Values a step lacks are NaN. When a step file cannot be read, its row has only its
         coordinates and a ``problem`` column says why.
 
-        A step file that the run's summary index (:mod:`tracer.run_index`) lists under its name,
-        coordinates and current size is not opened: its row comes from the index (the same
-        numbers as its header); the others are read as above. ``attrs["from_index"]`` counts the
-        rows read from the index. Cost: one listing of the steps, one ``stat`` per step file and
-        one read of the index, plus one header per file the index does not vouch for."""
-        records, from_index = [], 0
+        A step file that the run's summary columns (:mod:`tracer.summary_store`) or summary index
+        (:mod:`tracer.run_index`) list under its name, coordinates and current size is not opened:
+        its row comes from them (the same numbers as its header); the others are read as above.
+        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps,
+        one ``stat`` per step file, one load of the columns and a parse of the index lines after
+        them, plus one header per file they do not vouch for; the rows of the columns are put in
+        the frame as arrays (:mod:`tracer.overview`)."""
+        keys = self.steps()
         index = self.summary_index()
-        for key in self.steps():
+        columns = self.summary_columns()
+        coordinates = overview.coordinates_of(keys)
+        rows = overview.vouched_rows(columns, keys, coordinates, self._steps_folder, index) if columns \
+            else np.full(len(keys), -1, dtype=np.int64)
+        stored = np.flatnonzero(rows >= 0)
+        records, rest = [], np.flatnonzero(rows < 0)
+        from_index = len(stored)
+        for i in rest.tolist():
+            key = keys[i]
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             listed = run_index.summary_row(index, key, self._steps_folder) if index else None
@@ -423,14 +435,18 @@ class Trace:
             except TraceFormatError as err:
                 rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
-        frame = pd.DataFrame.from_records(records)
+        parts = [(rest, pd.DataFrame.from_records(records))]
+        if len(stored):
+            parts.append((stored, overview.columns_frame(columns, rows[stored], coordinates[stored])))
+        frame = overview.combined(parts, len(keys))
         frame.attrs["from_index"] = from_index
         return frame
 
     def summary_index(self) -> dict[str, dict[str, Any]]:
-        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`);
-        {} for a single step file or a trace without one. Only what a live writer appended since the
-        last call is read (:class:`tracer.run_index.IndexReader`)."""
+        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`)
+        beyond what their summary columns hold (:meth:`summary_columns`); {} for a single step file
+        or a trace without one. Only what a live writer appended since the last call is read
+        (:class:`tracer.run_index.IndexReader`)."""
         if self._single:
             return {}
         reader = self.__dict__.get("_index_reader")
@@ -438,14 +454,39 @@ class Trace:
             reader = self._index_reader = run_index.IndexReader(self.root)
         return reader.entries()
 
+    def summary_columns(self) -> SummaryColumns | None:
+        """The rows of the run's summary columns (:mod:`tracer.summary_store`, every rank's) that
+        go with its index as of the last :meth:`summary_index`, or None."""
+        reader = self.__dict__.get("_index_reader")
+        return None if reader is None else reader.columns()
+
     def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
-        """True when the summary index lists the step file ``path`` (in ``steps/``, named by its
-        coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
-        entry = (self.summary_index() if index is None else index).get(path.name)
-        if entry is None or entry["size"] != size or os.path.dirname(str(path)) != self._steps_folder:
-            return False
-        match = _STEP_RE.match(path.name)
-        return match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size)
+        """True when the summary index or columns list the step file ``path`` (in ``steps/``, named
+        by its coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
+        return bool(self.index_vouched([path], [size], index)[0])
+
+    def index_vouched(self, paths: list[Path], sizes: list[int],
+                      index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouches` of each of ``paths`` at ``sizes``, as ``bool [n]``: the columns'
+        rows compared as arrays, index lines (those after the columns) one by one."""
+        index = self.summary_index() if index is None else index
+        columns = self.summary_columns()
+        out = np.zeros(len(paths), dtype=bool)
+        if columns is not None and len(paths):
+            names = np.array([p.name for p in paths], dtype=str)
+            rows = overview.rows_of(columns, names)
+            out = (rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
+            prefix = self._steps_folder + os.sep
+            for i in np.flatnonzero(out).tolist():
+                out[i] = str(paths[i]) == prefix + names[i]
+        for i, (path, size) in enumerate(zip(paths, sizes)):
+            entry = index.get(path.name) if index else None
+            if entry is None:
+                continue
+            match = _STEP_RE.match(path.name)  # an index line after the columns speaks for its file
+            out[i] = (entry["size"] == size and os.path.dirname(str(path)) == self._steps_folder
+                      and match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size))
+        return out
 
     @cached_property
     def _steps_folder(self) -> str:

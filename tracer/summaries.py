@@ -49,7 +49,10 @@ def _stat_keys(name: str) -> list[str]:
     return [f"mean_{name}"] + [f"{name}_{q}" for q in QUANTILES]
 
 
-KEYS = frozenset([*COUNT_KEYS, *CLIP_KEYS, *(k for n in (*TOKEN_STATS, "reward", "advantage") for k in _stat_keys(n))])
+# Every key, in the order a summary holds them (counts, token statistics, per-sequence ones, clip, NaN counts).
+ORDER = ("kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
+         *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *CLIP_KEYS, "nonfinite_values", "nonfinite_kept")
+KEYS = frozenset(ORDER)
 _FLOAT_KEYS = KEYS - frozenset(COUNT_KEYS)
 
 
@@ -157,10 +160,7 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
 
 def _ordered(out: dict[str, Any]) -> dict[str, Any]:
     """The keys in a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)."""
-    order = ["kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
-             *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *CLIP_KEYS, "nonfinite_values",
-             "nonfinite_kept"]
-    return {k: out[k] for k in order if k in out}
+    return {k: out[k] for k in ORDER if k in out}
 
 
 def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,

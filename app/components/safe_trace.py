@@ -196,33 +196,34 @@ class SafeTrace(Trace):
         """Why each of ``paths`` is set aside (files absent from the result are fine). A file is
         resolved only when it is a symlink or its folder leaves the trace directory; its header is
         checked once per (l)stat signature, so listing a trace of many steps costs one lstat per
-        file once the headers have been checked; a file the run's summary index vouches for
-        (:meth:`tracer.reader.Trace.index_vouches`: listed under its name at its size) is not
-        opened at all."""
+        file once the headers have been checked; a file the run's summary index or columns vouch
+        for (:meth:`tracer.reader.Trace.index_vouched`: listed under its name at its size, compared
+        as arrays) is not opened at all."""
         names = [str(p) for p in paths]
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)
             problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
         folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
-        index = self.summary_index()  # tracer.run_index: the step files the writer listed
-        out = {}
+        out, listed = {}, []  # listed: (path, name, lstat, stat) of the files that could be stat'ed
         for path, name in zip(paths, names):
             try:
                 link = os.lstat(name)
-                target = os.stat(name) if stat.S_ISLNK(link.st_mode) else link
+                listed.append((path, name, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
             except OSError as err:
                 out[path] = f"{UNREADABLE}: {path}: {err}"
-                continue
+        # a file the run's summary index or columns list at this size was written whole by the
+        # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
+        vouched = self.index_vouched([p for p, *_ in listed], [t.st_size for *_, t in listed])
+        for (path, name, link, target), ok in zip(listed, vouched.tolist()):
             if not folders[os.path.dirname(name)] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
+                continue
+            if ok:
                 continue
             signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
             memo = self._header_memo.get(name)
             if memo is None or memo[0] != signature:
-                # a file the run's summary index lists at this size was written whole by the writer:
-                # its header is not read here (a bad one still fails cleanly when a page reads it)
-                problem = None if self.index_vouches(path, target.st_size, index) else \
-                    header_problem(path, self._manifest_algorithm())
+                problem = header_problem(path, self._manifest_algorithm())
                 memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
                 self._header_memo[name] = memo
             if memo[1] is not None:
