@@ -6,7 +6,7 @@ page (the DPO pairs page for DPO)."""
 import streamlit as st
 
 from app.components import trace_cache, urls
-from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, step_curves_figure
+from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, clicked_step, step_curves_figure
 from app.components.sidebar import current_selection, discover_traces, run_param
 
 OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
@@ -73,12 +73,10 @@ else:
 
 points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyState is a dict too
 if points:
-    point = points[0]
-    inner, run_index = (point.get("customdata") or [None, 0, 0])[1:3]
-    run_label = list(runs)[int(run_index)]
+    step, inner, run_index = clicked_step(figure, points[0])
+    run_label = list(runs)[run_index]
     target = "app_pages/dpo.py" if trace.algorithm == "dpo" else "app_pages/step.py"
-    st.switch_page(target, query_params={"run": run_label, "step": str(int(point["x"])),
-                                         "inner": str(int(inner or 0))})
+    st.switch_page(target, query_params={"run": run_label, "step": str(step), "inner": str(inner)})
 
 with st.expander("Per-step table"):
     st.dataframe(summary, hide_index=True, width="stretch")
