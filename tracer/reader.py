@@ -33,6 +33,7 @@ from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part o
 QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
 MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
 _STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
+_STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
 
 
 @dataclass(frozen=True, order=True)
@@ -146,7 +147,25 @@ class Trace:
 
     def _keys(self, paths: list[Path]) -> list[StepKey]:
         """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
-        meanwhile is either in both or in neither)."""
+        meanwhile is either in both or in neither). When every file is named by its coordinates (as
+        the writer names them) the names are parsed by one regular-expression scan and sorted as
+        arrays; otherwise one by one."""
+        names = [p.name for p in paths]
+        joined = "\n".join(names)
+        found = _STEP_LINES.findall(joined) if joined.count("\n") == len(names) - 1 else []
+        if names and len(found) == len(names):
+            try:
+                coordinates = np.array(found, dtype=np.int64).reshape(len(names), 4)
+            except (ValueError, OverflowError):  # a step number beyond int64: the slow path
+                coordinates = None
+            if coordinates is not None:
+                order = np.lexsort(coordinates.T[::-1])
+                ranked = coordinates[order]
+                if not (ranked[1:] == ranked[:-1]).all(axis=1).any():  # no two files share coordinates
+                    return [StepKey(a, b, c, d, paths[i]) for (a, b, c, d), i in zip(ranked.tolist(), order.tolist())]
+        return self._keys_one_by_one(paths)
+
+    def _keys_one_by_one(self, paths: list[Path]) -> list[StepKey]:
         keys = []
         named = self.__dict__.setdefault("_named_keys", {})  # {path: key} of files named by their coordinates
         for p in paths:

@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from tracer import summaries
+from tracer.layout import _FILE_MODE
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ def write_store(path: Path, columns: SummaryColumns, rank: int, writer: str, ind
     tmp = path.with_name(path.name + ".tmp")
     try:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        os.chmod(tmp, _FILE_MODE)  # as the index and the step files (the serialiser makes it 0600)
         os.replace(tmp, path)
     except Exception as err:
         try:

@@ -24,7 +24,7 @@ if not keys:
 def summary_of(path) -> "tuple":
     """(summary frame, panels) of one run: DPO runs get their own per-step summary."""
     run = trace_cache.open_trace(str(path))
-    files = trace_cache.step_files(run)
+    files = trace_cache.listing_token(run)
     if run.algorithm == "dpo":
         return trace_cache.dpo_step_summary(str(path), files), DPO_STEP_PANELS
     frame = trace_cache.step_summary(str(path), files)

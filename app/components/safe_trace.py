@@ -95,6 +95,33 @@ def header_problem(path: Path, algorithm: str | None = None) -> str | None:
     return None
 
 
+class _Folders:
+    """Open folders (``O_DIRECTORY`` descriptors) by path, for ``stat(name, dir_fd=...)``; a folder
+    that cannot be opened, or a platform without ``dir_fd``, gives None. Closed on exit."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int | None] = {}
+
+    def __enter__(self) -> "_Folders":
+        return self
+
+    def __call__(self, folder: str) -> int | None:
+        if folder not in self._fds:
+            fd = None
+            if os.stat in os.supports_dir_fd and folder:
+                try:
+                    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                except OSError:
+                    fd = None
+            self._fds[folder] = fd
+        return self._fds[folder]
+
+    def __exit__(self, *exc: Any) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
 class SafeTrace(Trace):
     """A trace that reads only files inside its own directory and skips unreadable step files.
 
@@ -205,12 +232,15 @@ class SafeTrace(Trace):
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
         folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
         out, listed = {}, []  # listed: (path, name, lstat, stat) of the files that could be stat'ed
-        for path, name in zip(paths, names):
-            try:
-                link = os.lstat(name)
-                listed.append((path, name, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
-            except OSError as err:
-                out[path] = f"{UNREADABLE}: {path}: {err}"
+        with _Folders() as folder_fd:
+            for path, name in zip(paths, names):
+                folder, base = os.path.split(name)
+                fd = folder_fd(folder)
+                try:  # relative to the open folder: the path is not resolved again for every file
+                    link = os.lstat(base, dir_fd=fd) if fd is not None else os.lstat(name)
+                    listed.append((path, name, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
+                except OSError as err:
+                    out[path] = f"{UNREADABLE}: {path}: {err}"
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
         vouched = self.index_vouched([p for p, *_ in listed], [t.st_size for *_, t in listed])
