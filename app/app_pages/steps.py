@@ -46,7 +46,8 @@ if selection.rank is not None:
     st.text(f"rank {selection.rank} (the sidebar's rank filter)")
 elif "rank" in summary and summary["rank"].nunique() > 1:
     st.text(f"ranks {', '.join(map(str, sorted(summary['rank'].unique())))}: one line per inner step and rank")
-derived = {name for text in summary.get("derived", []) if isinstance(text, str) for name in text.split(", ") if name}
+derived = {name for text in (summary["derived"].unique() if "derived" in summary else ())  # a few distinct texts
+           if isinstance(text, str) for name in text.split(", ") if name}
 if derived:  # curves over fields the reader derived (tracer.derived): say so in their titles
     uses = {"mean_ratio": "ratio", "clip_fraction": "ratio", "mean_ref_kl_k3": "ref_kl_k3",
             "mean_approx_kl_k2": "approx_kl_k2"}

@@ -106,6 +106,9 @@ class _Folders:
         return self
 
     def __call__(self, folder: str) -> int | None:
+        fd = self._fds.get(folder, -1)
+        if fd != -1:
+            return fd
         if folder not in self._fds:
             fd = None
             if os.stat in os.supports_dir_fd and folder:
@@ -230,22 +233,24 @@ class SafeTrace(Trace):
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)
             problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
-        folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
-        out, listed = {}, []  # listed: (path, name, lstat, stat) of the files that could be stat'ed
+        folders: dict[str, bool] = {}  # {folder: inside the trace directory}
+        out, listed = {}, []  # listed: (path, name, folder, lstat, stat) of the files that could be stat'ed
         with _Folders() as folder_fd:
             for path, name in zip(paths, names):
-                folder, base = os.path.split(name)
+                folder, _, base = name.rpartition(os.sep)
+                if folder not in folders:
+                    folders[folder] = inside(folder, self._base)
                 fd = folder_fd(folder)
                 try:  # relative to the open folder: the path is not resolved again for every file
                     link = os.lstat(base, dir_fd=fd) if fd is not None else os.lstat(name)
-                    listed.append((path, name, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
+                    listed.append((path, name, folder, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
                 except OSError as err:
                     out[path] = f"{UNREADABLE}: {path}: {err}"
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
         vouched = self.index_vouched([p for p, *_ in listed], [t.st_size for *_, t in listed])
-        for (path, name, link, target), ok in zip(listed, vouched.tolist()):
-            if not folders[os.path.dirname(name)] or (link is not target and not inside(path, self._base)):
+        for (path, name, folder, link, target), ok in zip(listed, vouched.tolist()):
+            if not folders[folder] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
                 continue
             if ok:
