@@ -238,6 +238,7 @@ class SafeTrace(Trace):
         with _Folders() as folder_fd:
             for path, name in zip(paths, names):
                 folder, _, base = name.rpartition(os.sep)
+                folder = folder or (os.sep if name.startswith(os.sep) else "")  # as os.path.dirname
                 if folder not in folders:
                     folders[folder] = inside(folder, self._base)
                 fd = folder_fd(folder)
