@@ -13,7 +13,7 @@ of the step keys.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,10 +54,12 @@ def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:
 
 
 def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.ndarray, steps_folder: str,
-                 later: dict[str, Any]) -> np.ndarray:
+                 later: dict[str, Any], sizes: Callable[[str, list[str]], list[int]] | None = None) -> np.ndarray:
     """``int64 [n]``: the row of ``columns`` that vouches for each of ``keys``, -1 where none does
     (not listed, listed under other coordinates, not in ``steps_folder``, named in ``later`` (index
-    lines after the columns), gone, or of another size now). One ``stat`` per candidate file."""
+    lines after the columns), gone, or of another size now). ``sizes(folder, names)``: the current
+    size of each named file of ``folder``, -1 when gone (default :func:`current_sizes`: one
+    ``stat`` per candidate file)."""
     n = len(keys)
     rows = np.full(n, -1, dtype=np.int64)
     if not n or not len(columns):
@@ -68,14 +70,13 @@ def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.n
     prefix = steps_folder + os.sep
     candidates = [i for i in np.flatnonzero(hit).tolist()
                   if str(keys[i].path) == prefix + names[i] and names[i] not in later]
-    sizes = _sizes(steps_folder, [names[i] for i in candidates])
-    for i, size in zip(candidates, sizes):
+    for i, size in zip(candidates, (sizes or current_sizes)(steps_folder, [names[i] for i in candidates])):
         if size == columns.size[found[i]]:
             rows[i] = found[i]
     return rows
 
 
-def _sizes(folder: str, names: list[str]) -> list[int]:
+def current_sizes(folder: str, names: list[str]) -> list[int]:
     """The size of each file of ``folder`` (-1 when it cannot be stat'ed), stat'ed by name relative
     to the open folder (no path built and resolved per file)."""
     try:

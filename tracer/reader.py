@@ -36,7 +36,7 @@ _STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]
 _STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)  # slots: one object per step file, not two (10,000-step runs)
 class StepKey:
     """Identifies one step file: (step, inner_step, micro_batch, rank) and where it lies."""
 
@@ -433,8 +433,8 @@ class Trace:
         index = self.summary_index()
         columns = self.summary_columns()
         coordinates = overview.coordinates_of(keys)
-        rows = overview.vouched_rows(columns, keys, coordinates, self._steps_folder, index) if columns \
-            else np.full(len(keys), -1, dtype=np.int64)
+        rows = overview.vouched_rows(columns, keys, coordinates, self._steps_folder, index, self._current_sizes) \
+            if columns else np.full(len(keys), -1, dtype=np.int64)
         stored = np.flatnonzero(rows >= 0)
         records, rest = [], np.flatnonzero(rows < 0)
         from_index = len(stored)
@@ -506,6 +506,10 @@ class Trace:
             out[i] = (entry["size"] == size and os.path.dirname(str(path)) == self._steps_folder
                       and match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size))
         return out
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
+        return overview.current_sizes(folder, names)
 
     @cached_property
     def _steps_folder(self) -> str:

@@ -166,9 +166,9 @@ def write_store(path: Path, columns: SummaryColumns, rank: int, writer: str, ind
 
 def read_store(path: Path) -> SummaryColumns | None:
     """The columns at ``path``, or None when there are none, they are of another format or version,
-    too large, or inconsistent (any shape, dtype, key or value a writer would not have written, a
-    file name other than :func:`tracer.layout.step_file_name` of its row's coordinates: a hostile
-    or damaged file is ignored, never raised from)."""
+    too large, or inconsistent (any shape, dtype, key or value a writer would not have written: a
+    hostile or damaged file is ignored, never raised from). A row whose name and coordinates
+    disagree is never used by ``step_summary`` (the coordinates of the listed file are compared)."""
     try:
         if os.stat(path).st_size > MAX_STORE_BYTES:
             return None
@@ -203,12 +203,11 @@ def _checked(t: dict[str, np.ndarray], meta: Mapping[str, str]) -> SummaryColumn
         return None
     if name.shape[1] == 0:
         return None
-    names = np.char.decode(np.ascontiguousarray(name).view(f"S{name.shape[1]}").reshape(N), "utf-8", "surrogateescape")
-    c = t["coordinates"].astype(str)
-    canonical = np.char.add(np.char.add(np.char.add(np.char.add(np.char.add(np.char.add(np.char.add(
-        "step_", np.char.zfill(c[:, 0], 8)), ".inner_"), c[:, 1]), ".mb_"), c[:, 2]), ".rank_"), c[:, 3])
-    if N and not (names == np.char.add(canonical, ".safetensors")).all():
-        return None  # the writer names every file by its coordinates (tracer.layout.step_file_name)
+    raw = np.ascontiguousarray(name).view(f"S{name.shape[1]}").reshape(N)
+    try:
+        names = raw.astype("U")  # the writer's names are ASCII: a plain widening
+    except UnicodeDecodeError:
+        names = np.char.decode(raw, "utf-8", "surrogateescape")
     return SummaryColumns(names=names, coordinates=t["coordinates"], size=t["size"],
                           content_sha256=t["content_sha256"], derived=t["derived"], derived_texts=tuple(texts),
                           keys=tuple(keys), values=t["values"], present=t["present"],

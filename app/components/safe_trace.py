@@ -27,6 +27,7 @@ from tracer.schema import decode_metadata
 # one of them changed less than this long ago: file times have the kernel's coarse clock tick, so a
 # file added in the same tick as a listing could leave the directory's time unchanged.
 RACY_LISTING_NS = 2_000_000_000
+SIZES_FRESH_S = 0.5  # sizes stat'ed by a listing this recent stand for the files' current sizes
 
 OUTSIDE = "outside"  # problems(): the file resolves outside the trace directory
 UNREADABLE = "unreadable"  # problems(): the safetensors header does not open
@@ -166,9 +167,9 @@ class SafeTrace(Trace):
         if not hasattr(self, "manifest"):  # Trace.__init__ asks before the manifest is read: no memo yet
             paths = self._all_step_paths()
             problems = self._problems(paths)
-            return [p for p in paths if p not in problems]
+            return [p for p in paths if p not in problems] if problems else paths
         _, paths, problems, _, _ = self._listed()
-        return [p for p in paths if p not in problems]
+        return [p for p in paths if p not in problems] if problems else list(paths)
 
     def steps(self) -> list[StepKey]:
         """As :meth:`Trace.steps` (the readable step files inside the directory), from the memo."""
@@ -203,7 +204,7 @@ class SafeTrace(Trace):
             return memo
         paths = self._all_step_paths()
         problems = self._problems(paths)
-        keys = self._keys([p for p in paths if p not in problems])
+        keys = self._keys([p for p in paths if p not in problems] if problems else paths)
         listing = (sig, paths, problems, keys, {str(k.path): k for k in keys})
         if sig is not None:
             self._safe_listing = listing
@@ -249,7 +250,9 @@ class SafeTrace(Trace):
                     out[path] = f"{UNREADABLE}: {path}: {err}"
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
-        vouched = self.index_vouched([p for p, *_ in listed], [t.st_size for *_, t in listed])
+        sizes = [t.st_size for *_, t in listed]
+        vouched = self.index_vouched([p for p, *_ in listed], sizes)
+        self._sizes_seen = (time.monotonic(), dict(zip((n for _, n, *_ in listed), sizes)))
         for (path, name, folder, link, target), ok in zip(listed, vouched.tolist()):
             if not folders[folder] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
@@ -265,6 +268,20 @@ class SafeTrace(Trace):
             if memo[1] is not None:
                 out[path] = memo[1]
         return out
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """As :meth:`Trace._current_sizes`, from the sizes this listing stat'ed when it was taken
+        under :data:`SIZES_FRESH_S` ago (the listing and the overview of one page run: one stat per
+        file, not two); else stat'ed again."""
+        seen_at, seen = self.__dict__.get("_sizes_seen") or (0.0, {})
+        if time.monotonic() - seen_at >= SIZES_FRESH_S:
+            return super()._current_sizes(folder, names)
+        prefix = folder + os.sep
+        sizes = [seen.get(prefix + name, -1) for name in names]
+        missing = [i for i, size in enumerate(sizes) if size < 0]
+        for i, size in zip(missing, super()._current_sizes(folder, [names[i] for i in missing])):
+            sizes[i] = size
+        return sizes
 
     def _manifest_algorithm(self) -> str | None:
         algorithm = getattr(self, "manifest", {}).get("algorithm")  # no manifest yet while Trace.__init__ lists

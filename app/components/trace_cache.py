@@ -14,6 +14,7 @@ the idle handles.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from pathlib import Path
 
@@ -36,6 +37,19 @@ from tracer.reader import StepKey, Trace
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")
 MAX_OPEN_STEP_FILES = 64  # bounds of the shared handle cache (each handle maps one step file)
 MAX_OPEN_STEP_BYTES = 512 * 2**20  # summed size of the open step files
+
+
+@st.cache_resource(show_spinner=False)
+def freeze_startup_objects() -> bool:
+    """Once per server process (the entry script calls it): collect, then move every object alive
+    (the imported modules' ~270,000) out of the cyclic garbage collector's generations
+    (``gc.freeze``). A page that allocates many objects, such as the listing of a 10,000-step
+    run, triggers a full collection, which otherwise walks all of them: about 170 ms each time on
+    this machine, more than the rest of that page's work. Frozen objects are never collected;
+    they are the process's import-time state, which lives as long as the process."""
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 @st.cache_resource(show_spinner=False)
