@@ -67,9 +67,9 @@ def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.n
     names = np.array([k.path.name for k in keys], dtype=str)
     found = rows_of(columns, names)
     hit = (found >= 0) & (columns.coordinates[found] == coordinates).all(axis=1)
-    prefix = steps_folder + os.sep
-    candidates = [i for i in np.flatnonzero(hit).tolist()
-                  if str(keys[i].path) == prefix + names[i] and names[i] not in later]
+    hit &= np.array([str(k.path) for k in keys], dtype=str) == np.char.add(steps_folder + os.sep, names)  # in steps/
+    candidates = [i for i in np.flatnonzero(hit).tolist() if names[i] not in later] if later \
+        else np.flatnonzero(hit).tolist()
     for i, size in zip(candidates, (sizes or current_sizes)(steps_folder, [names[i] for i in candidates])):
         if size == columns.size[found[i]]:
             rows[i] = found[i]

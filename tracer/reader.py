@@ -488,23 +488,23 @@ class Trace:
                       index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
         """:meth:`index_vouches` of each of ``paths`` at ``sizes``, as ``bool [n]``: the columns'
         rows compared as arrays, index lines (those after the columns) one by one."""
+        split = [str(p).rpartition(os.sep) for p in paths]
+        return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
+
+    def _vouched(self, folders: list[str], names: list[str], sizes: list[int],
+                 index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each)."""
         index = self.summary_index() if index is None else index
         columns = self.summary_columns()
-        out = np.zeros(len(paths), dtype=bool)
-        if columns is not None and len(paths):
-            names = np.array([p.name for p in paths], dtype=str)
-            rows = overview.rows_of(columns, names)
-            out = (rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
-            prefix = self._steps_folder + os.sep
-            for i in np.flatnonzero(out).tolist():
-                out[i] = str(paths[i]) == prefix + names[i]
-        for i, (path, size) in enumerate(zip(paths, sizes)):
-            entry = index.get(path.name) if index else None
-            if entry is None:
-                continue
-            match = _STEP_RE.match(path.name)  # an index line after the columns speaks for its file
-            out[i] = (entry["size"] == size and os.path.dirname(str(path)) == self._steps_folder
-                      and match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size))
+        out = np.zeros(len(names), dtype=bool)
+        if columns is not None and len(names):
+            rows = overview.rows_of(columns, np.array(names, dtype=str))
+            out = ((rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
+                   & (np.array(folders, dtype=str) == self._steps_folder))
+        for i in [i for i, name in enumerate(names) if name in index] if index else ():
+            entry, match = index[names[i]], _STEP_RE.match(names[i])  # a line after the columns speaks for its file
+            out[i] = (entry["size"] == sizes[i] and folders[i] == self._steps_folder and match is not None
+                      and run_index.vouched(entry, tuple(int(g) for g in match.groups()), sizes[i]))
         return out
 
     def _current_sizes(self, folder: str, names: list[str]) -> list[int]:

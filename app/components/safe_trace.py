@@ -235,7 +235,7 @@ class SafeTrace(Trace):
             problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
         folders: dict[str, bool] = {}  # {folder: inside the trace directory}
-        out, listed = {}, []  # listed: (path, name, folder, lstat, stat) of the files that could be stat'ed
+        out, listed = {}, []  # listed: (path, name, folder, base name, lstat, stat) of the files stat'ed
         with _Folders() as folder_fd:
             for path, name in zip(paths, names):
                 folder, _, base = name.rpartition(os.sep)
@@ -245,15 +245,16 @@ class SafeTrace(Trace):
                 fd = folder_fd(folder)
                 try:  # relative to the open folder: the path is not resolved again for every file
                     link = os.lstat(base, dir_fd=fd) if fd is not None else os.lstat(name)
-                    listed.append((path, name, folder, link, os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
+                    listed.append((path, name, folder, base, link,
+                                   os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
                 except OSError as err:
                     out[path] = f"{UNREADABLE}: {path}: {err}"
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
         sizes = [t.st_size for *_, t in listed]
-        vouched = self.index_vouched([p for p, *_ in listed], sizes)
+        vouched = self._vouched([f for _, _, f, *_ in listed], [b for _, _, _, b, *_ in listed], sizes)
         self._sizes_seen = (time.monotonic(), dict(zip((n for _, n, *_ in listed), sizes)))
-        for (path, name, folder, link, target), ok in zip(listed, vouched.tolist()):
+        for (path, name, folder, _, link, target), ok in zip(listed, vouched.tolist()):
             if not folders[folder] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
                 continue
