@@ -96,6 +96,23 @@ def header_problem(path: Path, algorithm: str | None = None) -> str | None:
     return None
 
 
+def _lstats(names: list[str], folders: list[str], bases: list[str], folder_fd: "_Folders") -> list[Any]:
+    """``os.lstat`` of each file (``bases[i]`` of ``folders[i]``, full path ``names[i]``), relative to
+    the open folder (the path is not resolved again for every file); the OSError where one fails."""
+    fds = {folder: folder_fd(folder) for folder in set(folders)}
+    try:
+        return [os.lstat(b, dir_fd=fds[f]) if fds[f] is not None else os.lstat(n)
+                for n, f, b in zip(names, folders, bases)]
+    except OSError:  # a file gone since the listing: one by one, keeping each error
+        out: list[Any] = []
+        for n, f, b in zip(names, folders, bases):
+            try:
+                out.append(os.lstat(b, dir_fd=fds[f]) if fds[f] is not None else os.lstat(n))
+            except OSError as err:
+                out.append(err)
+        return out
+
+
 class _Folders:
     """Open folders (``O_DIRECTORY`` descriptors) by path, for ``stat(name, dir_fd=...)``; a folder
     that cannot be opened, or a platform without ``dir_fd``, gives None. Closed on exit."""
@@ -234,31 +251,36 @@ class SafeTrace(Trace):
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)
             problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
-        folders: dict[str, bool] = {}  # {folder: inside the trace directory}
-        out, listed = {}, []  # listed: (path, name, folder, base name, lstat, stat) of the files stat'ed
+        split = [name.rpartition(os.sep) for name in names]
+        folder_of = [f or (os.sep if n.startswith(os.sep) else "") for (f, _, _), n in zip(split, names)]  # dirname
+        bases = [b for _, _, b in split]
+        folders = {folder: inside(folder, self._base) for folder in set(folder_of)}
         with _Folders() as folder_fd:
-            for path, name in zip(paths, names):
-                folder, _, base = name.rpartition(os.sep)
-                folder = folder or (os.sep if name.startswith(os.sep) else "")  # as os.path.dirname
-                if folder not in folders:
-                    folders[folder] = inside(folder, self._base)
-                fd = folder_fd(folder)
-                try:  # relative to the open folder: the path is not resolved again for every file
-                    link = os.lstat(base, dir_fd=fd) if fd is not None else os.lstat(name)
-                    listed.append((path, name, folder, base, link,
-                                   os.stat(name) if stat.S_ISLNK(link.st_mode) else link))
-                except OSError as err:
-                    out[path] = f"{UNREADABLE}: {path}: {err}"
+            stats = _lstats(names, folder_of, bases, folder_fd)
+        out = {paths[i]: f"{UNREADABLE}: {paths[i]}: {st}" for i, st in enumerate(stats) if isinstance(st, OSError)}
+        ok = [i for i, st in enumerate(stats) if not isinstance(st, OSError)] if out else range(len(paths))
+        targets = {}  # {i: stat of the target} for the symlinks
+        for i in [i for i in ok if stat.S_ISLNK(stats[i].st_mode)]:
+            try:
+                targets[i] = os.stat(names[i])
+            except OSError as err:
+                out[paths[i]] = f"{UNREADABLE}: {paths[i]}: {err}"
+        ok = [i for i in ok if paths[i] not in out] if out else ok
+        sizes = [targets[i].st_size if i in targets else stats[i].st_size for i in ok] if targets \
+            else [stats[i].st_size for i in ok]
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
-        sizes = [t.st_size for *_, t in listed]
-        vouched = self._vouched([f for _, _, f, *_ in listed], [b for _, _, _, b, *_ in listed], sizes)
-        self._sizes_seen = (time.monotonic(), dict(zip((n for _, n, *_ in listed), sizes)))
-        for (path, name, folder, _, link, target), ok in zip(listed, vouched.tolist()):
-            if not folders[folder] or (link is not target and not inside(path, self._base)):
+        vouched = self._vouched([folder_of[i] for i in ok], [bases[i] for i in ok], sizes)
+        self._sizes_seen = (time.monotonic(), dict(zip((names[i] for i in ok), sizes)))
+        inside_all = all(folders.values())
+        for j in [j for j, v in enumerate(vouched.tolist()) if not v or not inside_all or ok[j] in targets]:
+            i = ok[j]
+            path, name, link = paths[i], names[i], stats[i]
+            target = targets.get(i, link)
+            if not folders[folder_of[i]] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
                 continue
-            if ok:
+            if vouched[j]:
                 continue
             signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
             memo = self._header_memo.get(name)
