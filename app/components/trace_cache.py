@@ -202,8 +202,9 @@ def prompt_text(trace_path: str, step_path: str, sequence: int, identity: FileId
 
 @st.cache_data(max_entries=8, show_spinner=False)
 def zero_variance_shares(trace_path: str, listing: str) -> pd.DataFrame:
-    """``views.zero_variance_shares``: share of zero-variance groups per step."""
-    return views.zero_variance_shares(open_trace(trace_path))
+    """``views.zero_variance_shares``: share of zero-variance groups per step, from the per-step
+    summaries (:func:`step_summary`, shared with the Steps page) where they hold the counts."""
+    return views.zero_variance_shares(open_trace(trace_path), step_summary(trace_path, listing))
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
