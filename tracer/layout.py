@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -37,6 +38,8 @@ TOKENS_NAME = "tokens.json"
 STEPS_DIR = "steps"
 FORMAT_NAME = "tracer-trace"
 SUMMARY_INDEX_GLOB = "summary_index.rank_*.jsonl"
+# A step file named by its coordinates (what step_file_name writes; any number of digits).
+STEP_FILE_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
 
 
 def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
@@ -55,10 +58,10 @@ def summary_store_name(rank: int = 0) -> str:
 
 
 def listed_step_files(folder: Path) -> list[Path]:
-    """The ``*.safetensors`` entries of ``folder`` (one ``os.listdir``, unsorted); [] when it
+    """The ``*.safetensors`` entries of ``folder`` (one ``os.listdir``), sorted by name; [] when it
     cannot be listed."""
     try:
-        names = [name for name in os.listdir(folder) if name.endswith(".safetensors")]
+        names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     except OSError:
         return []
     # CPython's pathlib (3.10-3.12) joins a name read from the folder without parsing it again:

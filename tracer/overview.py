@@ -18,7 +18,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from tracer import summaries
+from tracer import run_index, summaries
+from tracer.layout import STEP_FILE_RE
 from tracer.summary_store import SummaryColumns
 
 COORDINATES = ("step", "inner_step", "micro_batch", "rank")
@@ -51,6 +52,24 @@ def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:
     order = np.argsort(columns.names, kind="stable")
     found = order[np.minimum(np.searchsorted(columns.names, names, sorter=order), len(order) - 1)]
     return np.where(columns.names[found] == names, found, -1)
+
+
+def vouched_files(columns: SummaryColumns | None, later: dict[str, Any], folders: list[str], names: list[str],
+                  sizes: list[int], steps_folder: str) -> np.ndarray:
+    """``bool [n]``: whether the columns or an index line after them (``later``) vouch for each file
+    ``names[i]`` of ``folders[i]`` at ``sizes[i]`` bytes: listed under that name at that size, in
+    ``steps_folder`` (and, for an index line, under the coordinates its name gives). The columns'
+    rows are compared as arrays, index lines one by one."""
+    out = np.zeros(len(names), dtype=bool)
+    if columns is not None and len(names):
+        rows = rows_of(columns, np.array(names, dtype=str))
+        out = ((rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
+               & (np.array(folders, dtype=str) == steps_folder))
+    for i in [i for i, name in enumerate(names) if name in later] if later else ():
+        entry, match = later[names[i]], STEP_FILE_RE.match(names[i])
+        out[i] = (entry["size"] == sizes[i] and folders[i] == steps_folder and match is not None
+                  and run_index.vouched(entry, tuple(int(g) for g in match.groups()), sizes[i]))
+    return out
 
 
 def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.ndarray, steps_folder: str,

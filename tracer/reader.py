@@ -26,13 +26,13 @@ from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_
 from tracer.schema import FIELDS, decode_metadata
 from tracer.summary_store import SummaryColumns
 from tracer.text import clean_str
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
+from tracer.layout import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
 QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
 MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
-_STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
+_STEP_RE = STEP_FILE_RE
 _STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
 
 
@@ -136,7 +136,9 @@ class Trace:
         cached = self.__dict__.get("_listing_cache")
         if signature is not None and cached is not None and cached[0] == signature:
             return cached[1]
-        paths = sorted([*listed_step_files(folders[0]), *listed_step_files(folders[1])], key=str)  # text: cheap
+        in_steps, at_root = listed_step_files(folders[0]), listed_step_files(folders[1])  # each sorted by name
+        # one folder's files sorted by name are sorted by text (one prefix): the common case, no Path compared
+        paths = (in_steps or at_root) if not (in_steps and at_root) else sorted([*in_steps, *at_root], key=str)
         quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
         self._listing_cache = (signature, paths) if quiet else None
         return paths
@@ -495,17 +497,7 @@ class Trace:
                  index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
         """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each)."""
         index = self.summary_index() if index is None else index
-        columns = self.summary_columns()
-        out = np.zeros(len(names), dtype=bool)
-        if columns is not None and len(names):
-            rows = overview.rows_of(columns, np.array(names, dtype=str))
-            out = ((rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
-                   & (np.array(folders, dtype=str) == self._steps_folder))
-        for i in [i for i, name in enumerate(names) if name in index] if index else ():
-            entry, match = index[names[i]], _STEP_RE.match(names[i])  # a line after the columns speaks for its file
-            out[i] = (entry["size"] == sizes[i] and folders[i] == self._steps_folder and match is not None
-                      and run_index.vouched(entry, tuple(int(g) for g in match.groups()), sizes[i]))
-        return out
+        return overview.vouched_files(self.summary_columns(), index, folders, names, sizes, self._steps_folder)
 
     def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
         """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
