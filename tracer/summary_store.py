@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,15 +88,12 @@ def build_columns(entries: Iterable[Mapping[str, Any]]) -> SummaryColumns | None
         return None
     kept = list(rows.values())
     keys = [k for k in summaries.ORDER if any(k in e["summary"] for e in kept)]
-    column = {k: j for j, k in enumerate(keys)}
     texts = list(dict.fromkeys(e["derived"] for e in kept))
     text_id = {t: i for i, t in enumerate(texts)}
     N, K = len(kept), len(keys)
-    values, present = np.full((N, K), np.nan), np.zeros((N, K), dtype=bool)
-    for i, entry in enumerate(kept):
-        for key, value in entry["summary"].items():
-            values[i, column[key]] = value
-            present[i, column[key]] = True
+    nan = math.nan  # one list of K values per row, then one array: no per-value numpy assignment
+    values = np.array([[e["summary"].get(k, nan) for k in keys] for e in kept], dtype=np.float64).reshape(N, K)
+    present = np.array([[k in e["summary"] for k in keys] for e in kept], dtype=bool).reshape(N, K)
     return SummaryColumns(
         names=np.array([e["file"] for e in kept], dtype=str),
         coordinates=np.array([[e["step"], e["inner_step"], e["micro_batch"], e["rank"]] for e in kept], dtype=np.int64),
