@@ -83,10 +83,11 @@ def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.n
     rows = np.full(n, -1, dtype=np.int64)
     if not n or not len(columns):
         return rows
-    names = np.array([k.path.name for k in keys], dtype=str)
+    split = [str(k.path).rpartition(os.sep) for k in keys]
+    names = np.array([b for _, _, b in split], dtype=str)
     found = rows_of(columns, names)
-    hit = (found >= 0) & (columns.coordinates[found] == coordinates).all(axis=1)
-    hit &= np.array([str(k.path) for k in keys], dtype=str) == np.char.add(steps_folder + os.sep, names)  # in steps/
+    hit = ((found >= 0) & (columns.coordinates[found] == coordinates).all(axis=1)
+           & (np.array([f for f, _, _ in split], dtype=str) == steps_folder))  # in steps/
     candidates = [i for i in np.flatnonzero(hit).tolist() if names[i] not in later] if later \
         else np.flatnonzero(hit).tolist()
     for i, size in zip(candidates, (sizes or current_sizes)(steps_folder, [names[i] for i in candidates])):

@@ -266,12 +266,14 @@ class SafeTrace(Trace):
             except OSError as err:
                 out[paths[i]] = f"{UNREADABLE}: {paths[i]}: {err}"
         ok = [i for i in ok if paths[i] not in out] if out else ok
+        whole = len(ok) == len(paths)  # every file stat'ed (the common case): no per-file selection
         sizes = [targets[i].st_size if i in targets else stats[i].st_size for i in ok] if targets \
-            else [stats[i].st_size for i in ok]
+            else [st.st_size for st in stats] if whole else [stats[i].st_size for i in ok]
         # a file the run's summary index or columns list at this size was written whole by the
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
-        vouched = self._vouched([folder_of[i] for i in ok], [bases[i] for i in ok], sizes)
-        self._sizes_seen = (time.monotonic(), dict(zip((names[i] for i in ok), sizes)))
+        vouched = self._vouched(folder_of if whole else [folder_of[i] for i in ok],
+                                bases if whole else [bases[i] for i in ok], sizes)
+        self._sizes_seen = (time.monotonic(), dict(zip(names if whole else (names[i] for i in ok), sizes)))
         inside_all = all(folders.values())
         for j in [j for j, v in enumerate(vouched.tolist()) if not v or not inside_all or ok[j] in targets]:
             i = ok[j]
