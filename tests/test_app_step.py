@@ -318,3 +318,20 @@ def test_a_page_keeps_only_its_own_parameters_in_the_url(monkeypatch, root):
     at.switch_page("app_pages/groups.py").run()
     assert "group" in at.query_params and "q" not in at.query_params
     assert at.query_params["step"] == "1"  # the selection stays
+
+
+def test_a_long_runs_per_step_table_is_sent_when_asked_for(monkeypatch, root):
+    from app.components import figures
+
+    def summaries(at):
+        return [d.value for d in at.dataframe if "summary_source" in d.value.columns]
+
+    at = start(monkeypatch, root, query={"run": "run"})
+    at.switch_page("app_pages/steps.py").run()
+    assert len(summaries(at)) == 1 and [t.key for t in at.toggle] == ["auto_refresh"]  # 4 step files: the table at once
+    monkeypatch.setattr(figures, "STEP_TABLE_ROWS", 3)  # 4 rows are now a long run's table
+    at.run()
+    assert summaries(at) == [] and at.toggle(key="step_table").label == "Show all 4 rows"
+    at.toggle(key="step_table").set_value(True).run()
+    (table,) = summaries(at)
+    assert len(table) == 4 and table["step"].tolist() == [0, 0, 1, 1]

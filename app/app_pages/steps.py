@@ -5,7 +5,7 @@ page (the DPO pairs page for DPO)."""
 
 import streamlit as st
 
-from app.components import trace_cache, urls
+from app.components import figures, trace_cache, urls
 from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, clicked_step, step_curves_figure
 from app.components.sidebar import current_selection, discover_traces, run_param
 
@@ -80,4 +80,7 @@ if points:
     st.switch_page(target, query_params={"run": run_label, "step": str(step), "inner": str(inner)})
 
 with st.expander("Per-step table"):
-    st.dataframe(summary, hide_index=True, width="stretch")
+    # a long run's table (10,000 rows x ~45 columns: ~3 MB to the browser) is sent when asked for
+    if len(summary) <= figures.STEP_TABLE_ROWS or st.toggle(f"Show all {len(summary)} rows", key="step_table",
+                                                help="the per-step summary of every step file, as a table"):
+        st.dataframe(summary, hide_index=True, width="stretch")

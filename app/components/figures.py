@@ -140,6 +140,7 @@ DPO_STEP_PANELS: tuple[tuple[str, str], ...] = (
     ("mean_rejected_logps", "rejected logp (policy, summed, nats)"),
 )
 WEBGL_POINTS = 2000  # step curves longer than this are drawn with WebGL (Scattergl): SVG markers are slow
+STEP_TABLE_ROWS = 2000  # the Steps page sends a longer per-step table to the browser only when asked
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star")
