@@ -24,6 +24,7 @@ from tracer.errors import TraceError  # noqa: E402
 # (the app makes no request beyond 127.0.0.1).
 st.set_page_config(page_title="tracer", page_icon=str(_REPO / "app" / "assets" / "icon.png"), layout="wide")
 
+trace_cache.freeze_startup_objects()  # once per process (cheaper full garbage collections on big runs)
 root = resolve_root(sys.argv[1:], os.environ)
 selection = render_sidebar(root)
 if selection is None:

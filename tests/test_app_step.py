@@ -199,8 +199,9 @@ def test_steps_page_overlays_another_run(monkeypatch, root):
     colours = {t["name"]: t["line"]["color"] for t in spec["data"]}
     assert colours["run · inner step 1"] != colours["other · inner step 1"]
     assert spec["layout"]["xaxis"]["dtick"] == 1 and spec["layout"]["xaxis"]["tickformat"] == "d"
-    # each point carries its inner step and run: what a click opens
-    assert spec["data"][0]["customdata"][0][1:] == [1, 0]
+    # each line carries its inner step and run: what a click opens (figures.clicked_step)
+    assert {t["name"]: tuple(t["meta"]) for t in spec["data"]} == {"run · inner step 1": (1, 0),
+                                                                    "other · inner step 1": (1, 1)}
 
 
 @pytest.mark.skipif(not (SAMPLES / "ppo-tiny").is_dir() or not (SAMPLES / "dpo-tiny").is_dir(),
@@ -300,8 +301,8 @@ def test_dpo_step_summary_has_the_logps_of_each_side(tmp_path):
 def test_clicking_a_point_on_the_steps_curves_opens_that_step(monkeypatch, root):
     at = start(monkeypatch, root, query={"run": "run"})
     at.switch_page("app_pages/steps.py").run()
-    # what the browser sends for a click on step 1 of the only line: customdata [files, inner step, run]
-    point = {"x": 1, "y": 1.0, "customdata": [2, 1, 0], "curve_number": 0, "point_number": 1, "point_index": 1}
+    # what the browser sends for a click on step 1 of the only line (customdata: its number of files)
+    point = {"x": 1, "y": 1.0, "customdata": 2, "curve_number": 0, "point_number": 1, "point_index": 1}
     at.session_state["step_curves"] = {"selection": {"points": [point], "point_indices": [1], "box": [], "lasso": []}}
     at.run()
     assert not at.exception, [e.value for e in at.exception]
@@ -317,3 +318,20 @@ def test_a_page_keeps_only_its_own_parameters_in_the_url(monkeypatch, root):
     at.switch_page("app_pages/groups.py").run()
     assert "group" in at.query_params and "q" not in at.query_params
     assert at.query_params["step"] == "1"  # the selection stays
+
+
+def test_a_long_runs_per_step_table_is_sent_when_asked_for(monkeypatch, root):
+    from app.components import figures
+
+    def summaries(at):
+        return [d.value for d in at.dataframe if "summary_source" in d.value.columns]
+
+    at = start(monkeypatch, root, query={"run": "run"})
+    at.switch_page("app_pages/steps.py").run()
+    assert len(summaries(at)) == 1 and [t.key for t in at.toggle] == ["auto_refresh"]  # 4 step files: the table at once
+    monkeypatch.setattr(figures, "STEP_TABLE_ROWS", 3)  # 4 rows are now a long run's table
+    at.run()
+    assert summaries(at) == [] and at.toggle(key="step_table").label == "Show all 4 rows"
+    at.toggle(key="step_table").set_value(True).run()
+    (table,) = summaries(at)
+    assert len(table) == 4 and table["step"].tolist() == [0, 0, 1, 1]

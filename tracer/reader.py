@@ -15,25 +15,28 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import pandas as pd
 import torch
-from tracer import run_index, summaries, tables
+from tracer import overview, run_index, summaries, tables
 from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
+from tracer.summary_store import SummaryColumns
 from tracer.text import clean_str
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
+from tracer.layout import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
     AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS, mask_reasons)
 
 QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
 MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
-_STEP_RE = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$")
+_STEP_RE = STEP_FILE_RE
+_STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)  # slots: one object per step file, not two (10,000-step runs)
 class StepKey:
     """Identifies one step file: (step, inner_step, micro_batch, rank) and where it lies."""
 
@@ -133,7 +136,9 @@ class Trace:
         cached = self.__dict__.get("_listing_cache")
         if signature is not None and cached is not None and cached[0] == signature:
             return cached[1]
-        paths = sorted([*listed_step_files(folders[0]), *listed_step_files(folders[1])], key=str)  # text: cheap
+        in_steps, at_root = listed_step_files(folders[0]), listed_step_files(folders[1])  # each sorted by name
+        # one folder's files sorted by name are sorted by text (one prefix): the common case, no Path compared
+        paths = (in_steps or at_root) if not (in_steps and at_root) else sorted([*in_steps, *at_root], key=str)
         quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
         self._listing_cache = (signature, paths) if quiet else None
         return paths
@@ -144,7 +149,25 @@ class Trace:
 
     def _keys(self, paths: list[Path]) -> list[StepKey]:
         """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
-        meanwhile is either in both or in neither)."""
+        meanwhile is either in both or in neither). When every file is named by its coordinates (as
+        the writer names them) the names are parsed by one regular-expression scan and sorted as
+        arrays; otherwise one by one."""
+        names = [p.name for p in paths]
+        joined = "\n".join(names)
+        found = _STEP_LINES.findall(joined) if joined.count("\n") == len(names) - 1 else []
+        if names and len(found) == len(names):
+            try:
+                coordinates = np.array(found, dtype=np.int64).reshape(len(names), 4)
+            except (ValueError, OverflowError):  # a step number beyond int64: the slow path
+                coordinates = None
+            if coordinates is not None:
+                order = np.lexsort(coordinates.T[::-1])
+                ranked = coordinates[order]
+                if not (ranked[1:] == ranked[:-1]).all(axis=1).any():  # no two files share coordinates
+                    return [StepKey(a, b, c, d, paths[i]) for (a, b, c, d), i in zip(ranked.tolist(), order.tolist())]
+        return self._keys_one_by_one(paths)
+
+    def _keys_one_by_one(self, paths: list[Path]) -> list[StepKey]:
         keys = []
         named = self.__dict__.setdefault("_named_keys", {})  # {path: key} of files named by their coordinates
         for p in paths:
@@ -401,14 +424,24 @@ class Trace:
         Values a step lacks are NaN. When a step file cannot be read, its row has only its
         coordinates and a ``problem`` column says why.
 
-        A step file that the run's summary index (:mod:`tracer.run_index`) lists under its name,
-        coordinates and current size is not opened: its row comes from the index (the same
-        numbers as its header); the others are read as above. ``attrs["from_index"]`` counts the
-        rows read from the index. Cost: one listing of the steps, one ``stat`` per step file and
-        one read of the index, plus one header per file the index does not vouch for."""
-        records, from_index = [], 0
+        A step file that the run's summary columns (:mod:`tracer.summary_store`) or summary index
+        (:mod:`tracer.run_index`) list under its name, coordinates and current size is not opened:
+        its row comes from them (the same numbers as its header); the others are read as above.
+        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps,
+        one ``stat`` per step file, one load of the columns and a parse of the index lines after
+        them, plus one header per file they do not vouch for; the rows of the columns are put in
+        the frame as arrays (:mod:`tracer.overview`)."""
+        keys = self.steps()
         index = self.summary_index()
-        for key in self.steps():
+        columns = self.summary_columns()
+        coordinates = overview.coordinates_of(keys)
+        rows = overview.vouched_rows(columns, keys, coordinates, self._steps_folder, index, self._current_sizes) \
+            if columns else np.full(len(keys), -1, dtype=np.int64)
+        stored = np.flatnonzero(rows >= 0)
+        records, rest = [], np.flatnonzero(rows < 0)
+        from_index = len(stored)
+        for i in rest.tolist():
+            key = keys[i]
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             listed = run_index.summary_row(index, key, self._steps_folder) if index else None
@@ -423,14 +456,18 @@ class Trace:
             except TraceFormatError as err:
                 rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
-        frame = pd.DataFrame.from_records(records)
+        parts = [(rest, pd.DataFrame.from_records(records))]
+        if len(stored):
+            parts.append((stored, overview.columns_frame(columns, rows[stored], coordinates[stored])))
+        frame = overview.combined(parts, len(keys))
         frame.attrs["from_index"] = from_index
         return frame
 
     def summary_index(self) -> dict[str, dict[str, Any]]:
-        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`);
-        {} for a single step file or a trace without one. Only what a live writer appended since the
-        last call is read (:class:`tracer.run_index.IndexReader`)."""
+        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`)
+        beyond what their summary columns hold (:meth:`summary_columns`); {} for a single step file
+        or a trace without one. Only what a live writer appended since the last call is read
+        (:class:`tracer.run_index.IndexReader`)."""
         if self._single:
             return {}
         reader = self.__dict__.get("_index_reader")
@@ -438,14 +475,33 @@ class Trace:
             reader = self._index_reader = run_index.IndexReader(self.root)
         return reader.entries()
 
+    def summary_columns(self) -> SummaryColumns | None:
+        """The rows of the run's summary columns (:mod:`tracer.summary_store`, every rank's) that
+        go with its index as of the last :meth:`summary_index`, or None."""
+        reader = self.__dict__.get("_index_reader")
+        return None if reader is None else reader.columns()
+
     def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
-        """True when the summary index lists the step file ``path`` (in ``steps/``, named by its
-        coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
-        entry = (self.summary_index() if index is None else index).get(path.name)
-        if entry is None or entry["size"] != size or os.path.dirname(str(path)) != self._steps_folder:
-            return False
-        match = _STEP_RE.match(path.name)
-        return match is not None and run_index.vouched(entry, tuple(int(g) for g in match.groups()), size)
+        """True when the summary index or columns list the step file ``path`` (in ``steps/``, named
+        by its coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
+        return bool(self.index_vouched([path], [size], index)[0])
+
+    def index_vouched(self, paths: list[Path], sizes: list[int],
+                      index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouches` of each of ``paths`` at ``sizes``, as ``bool [n]``: the columns'
+        rows compared as arrays, index lines (those after the columns) one by one."""
+        split = [str(p).rpartition(os.sep) for p in paths]
+        return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
+
+    def _vouched(self, folders: list[str], names: list[str], sizes: list[int],
+                 index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each)."""
+        index = self.summary_index() if index is None else index
+        return overview.vouched_files(self.summary_columns(), index, folders, names, sizes, self._steps_folder)
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
+        return overview.current_sizes(folder, names)
 
     @cached_property
     def _steps_folder(self) -> str:

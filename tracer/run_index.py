@@ -18,6 +18,10 @@ name is listed, its coordinates agree and its size on disk is the size listed; e
 (no index, an unknown format, a torn last line, a file not listed or of another size) is read from
 its header as before (:meth:`tracer.reader.Trace.step_summary`). A file replaced by another of
 exactly the same size is not detected here (``tracer check`` / ``info --verify`` compare bytes).
+
+At close the index is also compacted into the rank's summary columns (:mod:`tracer.summary_store`,
+``summary_index.rank_N.columns``): a reader that finds columns of the same writer token loads them
+as arrays and parses only the lines written after them.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from tracer.derived import derivable
-from tracer.layout import SUMMARY_INDEX_GLOB, summary_index_name
+from tracer import summary_store
+from tracer.layout import SUMMARY_INDEX_GLOB, summary_index_name, summary_store_name
 from tracer.schema import decode_metadata
 from tracer.summaries import SUMMARY_KEY, read_summary
 
@@ -42,6 +47,8 @@ INDEX_FORMAT = "tracer-summary-index"
 INDEX_VERSION = 1
 FLUSH_INTERVAL_S = 1.0  # buffered lines are appended at most this often (and at flush / close)
 MAX_INDEX_BYTES = 1 << 30  # a larger index file is ignored (the headers are read instead)
+MIN_COMPACT_LINES = 4096  # a forced flush compacts the index into columns from this many new lines (each
+# line is parsed once in the whole run, at a flush or at close: ~30-100 us a line on this machine)
 COORDINATES = ("step", "inner_step", "micro_batch", "rank")
 
 
@@ -54,17 +61,31 @@ class IndexWriter:
     their headers). The file is created (truncated) when the writer starts: a writer for a rank
     starts only when that rank has no step files (``refuse_existing_trace``), so an older index of
     the rank lists nothing that still exists.
+
+    At :meth:`close` (and at a forced :meth:`flush` once the index has grown by at least as many
+    lines as the columns hold, and by :data:`MIN_COMPACT_LINES`) the index is compacted into the
+    rank's summary columns (:mod:`tracer.summary_store`); a failure there is logged and leaves the
+    index as the only accelerator.
     """
 
     def __init__(self, root: Path, rank: int) -> None:
         self.path = Path(root) / summary_index_name(rank)
+        self.store_path = Path(root) / summary_store_name(rank)
+        self.rank = rank
         self._lock = threading.Lock()
         # the token tells a reader that the file was started again (same inode, truncated, rewritten)
-        head = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "rank": rank, "writer": uuid.uuid4().hex}
+        self.token = uuid.uuid4().hex
+        head = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "rank": rank, "writer": self.token}
         self._lines = [json.dumps(head) + "\n"]
         self._flushed_at = time.monotonic()
         self._fd: int | None = None
         self._failed = False
+        self._written = 0  # bytes of the index written so far
+        self._stored_bytes = self._stored_rows = self._unstored_lines = 0  # what the columns hold
+        try:
+            os.unlink(self.store_path)  # an older run's columns (another token: readers ignore them anyway)
+        except OSError:
+            pass
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
         except OSError as err:
@@ -91,27 +112,64 @@ class IndexWriter:
             return
         with self._lock:
             self._lines.append(line)
+            self._unstored_lines += 1
 
     def flush(self, due_only: bool = False) -> None:
-        """Append the queued lines (when ``due_only``, only if :data:`FLUSH_INTERVAL_S` has passed)."""
+        """Append the queued lines (when ``due_only``, only if :data:`FLUSH_INTERVAL_S` has passed);
+        a forced flush also compacts the index into columns when it has grown enough (see above)."""
         if due_only and time.monotonic() - self._flushed_at < FLUSH_INTERVAL_S:
             return
         with self._lock:
-            if not self._lines or self._fd is None:
-                return
-            data, self._lines = "".join(self._lines).encode(), []
-            self._flushed_at = time.monotonic()
-            try:
-                while data:  # os.write may write less than asked (a signal, a nearly full disk)
-                    data = data[os.write(self._fd, data):]
-            except OSError as err:
-                self._fail(err)
+            self._append()
+            if not due_only and self._unstored_lines >= max(MIN_COMPACT_LINES, self._stored_rows):
+                self._compact()
+
+    def _append(self) -> None:
+        if not self._lines or self._fd is None:
+            return
+        data, self._lines = "".join(self._lines).encode(), []
+        self._flushed_at = time.monotonic()
+        try:
+            while data:  # os.write may write less than asked (a signal, a nearly full disk)
+                n = os.write(self._fd, data)
+                self._written += n
+                data = data[n:]
+        except OSError as err:
+            self._fail(err)
 
     def close(self) -> None:
-        """Flush and close the file (idempotent)."""
-        self.flush()
+        """Flush, compact the index into columns and close the file (idempotent)."""
         with self._lock:
+            self._append()
+            if self._unstored_lines:
+                self._compact()
             self._close_fd()
+
+    def _compact(self) -> None:
+        """Rewrite the columns with the index lines written since they were last written (read
+        back from the file: the writer keeps no copy). Never raises."""
+        if self._fd is None or self._failed:
+            return
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._stored_bytes)
+                data = fh.read(self._written - self._stored_bytes)
+            lines = data.split(b"\n")[:-1]
+            if self._stored_bytes == 0:
+                lines = lines[1:]  # the first line (format, writer token)
+            old = summary_store.read_store(self.store_path) if self._stored_rows else None
+            if self._stored_rows and (old is None or old.writer != self.token):
+                self._stored_bytes = self._stored_rows = 0  # our columns are gone: compact from the start
+                return self._compact()
+            columns = summary_store.merged(old, summary_store.build_columns(_entries(lines).values()))
+            if columns is not None:
+                summary_store.write_store(self.store_path, columns, self.rank, self.token, self._written)
+                self._stored_rows = len(columns)
+            self._stored_bytes, self._unstored_lines = self._written, 0
+        except Exception as err:  # noqa: BLE001  (the columns are an optimisation; the index is on disk)
+            log.warning("tracer: summary columns %s not written (%s: %s); readers read the index instead",
+                        self.store_path.name, type(err).__name__, err)
+            self._unstored_lines = 0  # not retried at every flush
 
     def _close_fd(self) -> None:
         if self._fd is not None:
@@ -156,13 +214,17 @@ def read_index(paths: Iterable[Path]) -> dict[str, dict[str, Any]]:
 class IndexReader:
     """The summary index files of one trace root, read again only where they grew: a live writer
     appends, and each call parses only the lines added since the last (a file started again by a
-    new writer, truncated or replaced, is read whole). :meth:`entries` as :func:`read_index`."""
+    new writer, truncated or replaced, is read whole). :meth:`entries` as :func:`read_index`, for
+    the lines that the rank's summary columns (:mod:`tracer.summary_store`) do not hold: an index
+    read from its start with columns of the same writer token that compact a prefix of it is read
+    only after that prefix, and :meth:`columns` gives those rows."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._files: dict[str, _IndexFile] = {}
         self._signature: list[tuple] | None = None
         self._entries: dict[str, dict[str, Any]] = {}
+        self._columns: summary_store.SummaryColumns | None = None
 
     def entries(self) -> dict[str, dict[str, Any]]:
         """``{step file name: entry}``; one listing of the root and one ``stat`` per index file
@@ -183,20 +245,28 @@ class IndexReader:
             state.update(path)
             files[path.name] = state
         self._files, self._signature = files, signature
-        self._entries = {}
+        self._entries, self._columns = {}, None
         for state in files.values():
             self._entries.update(state.entries)
+            self._columns = summary_store.merged(self._columns, state.columns)
         return self._entries
+
+    def columns(self) -> summary_store.SummaryColumns | None:
+        """The rows of the summary columns used with the index files (every rank's, together), as
+        of the last :meth:`entries`; a file :meth:`entries` lists is not to be taken from here."""
+        return self._columns
 
 
 class _IndexFile:
-    """What has been read of one index file: its inode, first line, bytes consumed, entries."""
+    """What has been read of one index file: its inode, first line, bytes consumed, entries, and
+    the summary columns that stand for its first ``columns.index_bytes`` bytes (or None)."""
 
     def __init__(self) -> None:
         self.inode: int | None = None
         self.head = b""
         self.consumed = 0
         self.entries: dict[str, dict[str, Any]] = {}
+        self.columns: summary_store.SummaryColumns | None = None
 
     def update(self, path: Path) -> None:
         try:
@@ -209,6 +279,8 @@ class _IndexFile:
                 if self.inode != st.st_ino or st.st_size < self.consumed or fh.read(len(self.head)) != self.head:
                     self.__init__()  # a new file, or one started again: read it whole
                     self.inode = st.st_ino
+                if self.consumed == 0 and not self._start(path, fh, st.st_size):
+                    return
                 fh.seek(self.consumed)
                 data = fh.read(MAX_INDEX_BYTES + 1 - self.consumed)
         except OSError as err:
@@ -216,17 +288,27 @@ class _IndexFile:
             self.__init__()
             return
         end = data.rfind(b"\n") + 1  # what follows the last newline is torn or being written
-        lines = data[:end].split(b"\n")[:-1]
-        if self.consumed == 0:
-            if not lines:
-                return
-            head = _parse(lines[0])
-            if head.get("format") != INDEX_FORMAT or head.get("version") != INDEX_VERSION:
-                self.consumed = 0  # no index, or another format or version: the headers are read
-                return
-            self.head, lines = lines[0] + b"\n", lines[1:]
         self.consumed += end
-        self.entries.update(_entries(lines))
+        self.entries.update(_entries(data[:end].split(b"\n")[:-1]))
+
+    def _start(self, path: Path, fh: Any, size: int) -> bool:
+        """Read the first line (False when it is incomplete, or not this format and version: the
+        headers are read) and take the rank's columns when they compact a prefix of this file."""
+        first = fh.readline(1 << 16)
+        head = _parse(first) if first.endswith(b"\n") else {}
+        if head.get("format") != INDEX_FORMAT or head.get("version") != INDEX_VERSION:
+            return False
+        self.head, self.consumed = first, len(first)
+        rank, token = head.get("rank"), head.get("writer")
+        if not _count(rank) or not isinstance(token, str):
+            return True
+        columns = summary_store.read_store(path.with_name(summary_store_name(rank)))
+        if columns is None or columns.writer != token or not len(first) <= columns.index_bytes <= size:
+            return True
+        fh.seek(columns.index_bytes - 1)
+        if fh.read(1) == b"\n" and (columns.coordinates[:, 3] == rank).all():  # the end of a line
+            self.columns, self.consumed = columns, columns.index_bytes
+        return True
 
 
 def _entries(lines: list[bytes]) -> dict[str, dict[str, Any]]:

@@ -11,6 +11,11 @@ Keys of a summary (all optional; a step has those its fields allow):
     mean_mismatch, mismatch_{...}        old_logprobs - sampler_logprobs over kept tokens (nats)
     mean_reward, reward_{...}            over all B sequences
     mean_advantage, advantage_{...}      over B ([B] advantages) or kept tokens ([B, T], PPO)
+    groups, zero_variance_groups         groups of rewards (group_ids, else num_generations consecutive
+                                         rows) and those whose rewards are all equal
+                                         (formulas.zero_variance_groups), with group_ids_recorded 1
+                                         when the groups came from a group_ids field (0: from
+                                         num_generations); absent in older traces
     clip_fraction{,_low,_high}, clip_region
                                          formulas.clip_fractions, when clip_epsilon_low/high are known
     nonfinite_values, nonfinite_kept     NaN/Inf values in the fields above (all positions / the kept
@@ -37,8 +42,9 @@ QUANTILES = {"p10": 0.1, "p50": 0.5, "p90": 0.9, "max": 1.0}
 TOKEN_STATS = ("ratio", "ref_kl_k3", "approx_kl_k2", "mismatch")
 # The fields a summary reads (the reader loads only these for a file without a summary).
 FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "old_logprobs", "sampler_logprobs",
-          "rewards", "advantages")
-COUNT_KEYS = ("kept_tokens", "nonfinite_values", "nonfinite_kept")
+          "rewards", "advantages", "group_ids")
+GROUP_KEYS = ("groups", "zero_variance_groups", "group_ids_recorded")
+COUNT_KEYS = ("kept_tokens", "nonfinite_values", "nonfinite_kept", *GROUP_KEYS)
 # Steps are stacked only up to this many values per field: the stacked copies, sort and masks cost
 # several times the steps' own bytes, and batching pays off for small steps only (interpreter time).
 MAX_STACKED_VALUES = 2**18
@@ -49,7 +55,11 @@ def _stat_keys(name: str) -> list[str]:
     return [f"mean_{name}"] + [f"{name}_{q}" for q in QUANTILES]
 
 
-KEYS = frozenset([*COUNT_KEYS, *CLIP_KEYS, *(k for n in (*TOKEN_STATS, "reward", "advantage") for k in _stat_keys(n))])
+# Every key, in the order a summary holds them (counts, token statistics, per-sequence ones, clip, NaN counts).
+ORDER = ("kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
+         *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *GROUP_KEYS, *CLIP_KEYS, "nonfinite_values",
+         "nonfinite_kept")
+KEYS = frozenset(ORDER)
 _FLOAT_KEYS = KEYS - frozenset(COUNT_KEYS)
 
 
@@ -106,7 +116,8 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
     for i, (tensors, metadata) in enumerate(steps):
         used = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()
                      if n in FIELDS and isinstance(t, torch.Tensor))
-        eps = (_number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high")))
+        eps = (_number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high")),
+               _number(metadata.get("num_generations")))
         groups.setdefault((used, eps), []).append(i)
     out: list[dict[str, Any]] = [{} for _ in steps]
     for (used, _eps), members in groups.items():
@@ -147,6 +158,8 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
     if per_seq:
         _stats(out, list(per_seq), list(per_seq.values()), None)
     _clip(out, tensors, mask, metadata)
+    if "reward" in per_seq:
+        _groups(out, per_seq["reward"], tensors.get("group_ids"), metadata)
     token_bad = _nonfinite(list(token.values()), mask) if token else ([0] * S, [0] * S)
     seq_bad = _nonfinite(list(per_seq.values()), None) if per_seq else ([0] * S, [0] * S)
     for s in range(S):
@@ -157,10 +170,7 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
 
 def _ordered(out: dict[str, Any]) -> dict[str, Any]:
     """The keys in a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)."""
-    order = ["kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
-             *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *CLIP_KEYS, "nonfinite_values",
-             "nonfinite_kept"]
-    return {k: out[k] for k in order if k in out}
+    return {k: out[k] for k in ORDER if k in out}
 
 
 def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
@@ -178,6 +188,26 @@ def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: 
         o["clip_fraction_low"], o["clip_fraction_high"] = float(fr["low"][s]), float(fr["high"][s])
         o["clip_fraction"] = float(fr["low"][s] + fr["high"][s])
         o["clip_region"] = float(fr["region"][s])
+
+
+def _groups(out: list[dict[str, Any]], rewards: torch.Tensor, group_ids: torch.Tensor | None,
+            metadata: Mapping[str, Any]) -> None:
+    """Group counts of S steps (``rewards`` ``[S, B]``): groups from ``group_ids`` ``[S, B]`` when
+    recorded, else ``num_generations`` consecutive rows (as ``tracer.views.groups.group_ids_of``);
+    nothing when neither tells the groups apart (the reader then counts from the tensors)."""
+    S, B = rewards.shape
+    if group_ids is not None:
+        if group_ids.shape != rewards.shape or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+            return
+        ids, recorded = group_ids.long(), 1
+    else:
+        G = _number(metadata.get("num_generations"))
+        if not G or G != int(G) or G < 1 or B % int(G):
+            return
+        ids, recorded = (torch.arange(B) // int(G)).expand(S, B), 0
+    groups, zero = formulas.zero_variance_groups(rewards, ids)
+    for o, g, z in zip(out, groups.tolist(), zero.tolist()):
+        o.update(groups=g, zero_variance_groups=z, group_ids_recorded=recorded)
 
 
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:

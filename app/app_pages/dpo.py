@@ -51,7 +51,7 @@ st.plotly_chart(pair_logprobs_figure(tokens), width="stretch")
 st.caption("Grey: positions the side's mask drops (chosen_mask / rejected_mask = False).")
 
 st.header("Margin and preference accuracy over steps")
-summary = trace_cache.dpo_step_summary(trace_path, trace_cache.step_files(trace))
+summary = trace_cache.dpo_step_summary(trace_path, trace_cache.listing_token(trace))
 st.plotly_chart(dpo_curves_figure(summary), width="stretch")
 st.caption("margin: mean of chosen_rewards − rejected_rewards over the step's pairs; preference accuracy: "
            "share of pairs with chosen_rewards > rejected_rewards (a tie counts as wrong).")

@@ -82,7 +82,7 @@ else:
     _show_group(groups)
 
 st.header("Share of zero-variance groups over steps")
-shares = trace_cache.zero_variance_shares(trace_path, trace_cache.step_files(trace))
+shares = trace_cache.zero_variance_shares(trace_path, trace_cache.listing_token(trace))
 st.plotly_chart(zero_variance_figure(shares), width="stretch")
 with st.expander("Per-step table"):
     st.dataframe(shares, hide_index=True, width="stretch")

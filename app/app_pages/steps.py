@@ -5,8 +5,8 @@ page (the DPO pairs page for DPO)."""
 
 import streamlit as st
 
-from app.components import trace_cache, urls
-from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, step_curves_figure
+from app.components import figures, trace_cache, urls
+from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, clicked_step, step_curves_figure
 from app.components.sidebar import current_selection, discover_traces, run_param
 
 OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
@@ -24,7 +24,7 @@ if not keys:
 def summary_of(path) -> "tuple":
     """(summary frame, panels) of one run: DPO runs get their own per-step summary."""
     run = trace_cache.open_trace(str(path))
-    files = trace_cache.step_files(run)
+    files = trace_cache.listing_token(run)
     if run.algorithm == "dpo":
         return trace_cache.dpo_step_summary(str(path), files), DPO_STEP_PANELS
     frame = trace_cache.step_summary(str(path), files)
@@ -46,7 +46,8 @@ if selection.rank is not None:
     st.text(f"rank {selection.rank} (the sidebar's rank filter)")
 elif "rank" in summary and summary["rank"].nunique() > 1:
     st.text(f"ranks {', '.join(map(str, sorted(summary['rank'].unique())))}: one line per inner step and rank")
-derived = {name for text in summary.get("derived", []) if isinstance(text, str) for name in text.split(", ") if name}
+derived = {name for text in (summary["derived"].unique() if "derived" in summary else ())  # a few distinct texts
+           if isinstance(text, str) for name in text.split(", ") if name}
 if derived:  # curves over fields the reader derived (tracer.derived): say so in their titles
     uses = {"mean_ratio": "ratio", "clip_fraction": "ratio", "mean_ref_kl_k3": "ref_kl_k3",
             "mean_approx_kl_k2": "approx_kl_k2"}
@@ -73,12 +74,13 @@ else:
 
 points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyState is a dict too
 if points:
-    point = points[0]
-    inner, run_index = (point.get("customdata") or [None, 0, 0])[1:3]
-    run_label = list(runs)[int(run_index)]
+    step, inner, run_index = clicked_step(figure, points[0])
+    run_label = list(runs)[run_index]
     target = "app_pages/dpo.py" if trace.algorithm == "dpo" else "app_pages/step.py"
-    st.switch_page(target, query_params={"run": run_label, "step": str(int(point["x"])),
-                                         "inner": str(int(inner or 0))})
+    st.switch_page(target, query_params={"run": run_label, "step": str(step), "inner": str(inner)})
 
 with st.expander("Per-step table"):
-    st.dataframe(summary, hide_index=True, width="stretch")
+    # a long run's table (10,000 rows x ~45 columns: ~3 MB to the browser) is sent when asked for
+    if len(summary) <= figures.STEP_TABLE_ROWS or st.toggle(f"Show all {len(summary)} rows", key="step_table",
+                                                help="the per-step summary of every step file, as a table"):
+        st.dataframe(summary, hide_index=True, width="stretch")

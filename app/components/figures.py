@@ -140,6 +140,7 @@ DPO_STEP_PANELS: tuple[tuple[str, str], ...] = (
     ("mean_rejected_logps", "rejected logp (policy, summed, nats)"),
 )
 WEBGL_POINTS = 2000  # step curves longer than this are drawn with WebGL (Scattergl): SVG markers are slow
+STEP_TABLE_ROWS = 2000  # the Steps page sends a longer per-step table to the browser only when asked
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star")
@@ -153,8 +154,10 @@ def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
     summaries (overlay); inner steps differ by dash and marker so that a line under another stays
     visible. Step files of the same line and step (micro-batches) are shown as the plain mean of
     their values (the hover says how many). Panels whose column is absent or all NaN are left out.
-    Each point's ``customdata`` is ``[files, inner_step, run index]`` (a click opens that step).
-    Lines of more than :data:`WEBGL_POINTS` steps are ``Scattergl`` traces (drawn by WebGL).
+    Each point's ``customdata`` is its number of files; each trace's ``meta`` is ``[inner_step,
+    run index]`` (:func:`clicked_step` turns a click into the step to open). Every point is drawn
+    (no decimation). Lines of more than :data:`WEBGL_POINTS` steps are ``Scattergl`` traces (drawn
+    by WebGL).
     """
     runs = summary if isinstance(summary, dict) else {"": summary}
     runs = {k: v for k, v in runs.items() if not v.empty and "step" in v}
@@ -174,20 +177,21 @@ def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
             colour = PALETTE[(r if len(runs) > 1 else n) % len(PALETTE)]
             style = {"color": colour, "dash": DASHES[inner_step % len(DASHES)], "width": 2}
             marker = {"symbol": SYMBOLS[inner_step % len(SYMBOLS)], "size": 9 - 2 * min(line, 2), "color": colour}
-            # an object array, not nested lists (Plotly validates and copies lists element by element,
-            # 10x slower at 10,000 steps); object, not int: the browser gets plain lists, as before
-            custom = np.column_stack([agg["files"].to_numpy(), np.full(len(agg), inner_step),
-                                      np.full(len(agg), r)]).astype(object)  # [files, inner step, run]
+            # the files per point as an int array (sent as a typed array, not a list per point: at
+            # 10,000 steps a [files, inner, run] object array cost ~100 ms to copy and encode); what a
+            # click needs is the trace's meta, [inner step, run index], found by the point's curve number
+            files = agg["files"].to_numpy(dtype=np.int64)
             scatter = go.Scattergl if len(agg) > WEBGL_POINTS else go.Scatter
+            x = agg["step"].to_numpy()
             for i, (col, title) in enumerate(shown):
                 if col not in agg:
                     continue
                 fig.add_trace(scatter(
-                    x=agg["step"], y=agg[col], mode="lines+markers", name=name, legendgroup=name,
-                    showlegend=i == 0 or not any(c in agg for c, _ in shown[:i]), line=style, marker=marker,
-                    opacity=0.9, customdata=custom,
+                    x=x, y=agg[col].to_numpy(dtype=np.float64, na_value=np.nan), mode="lines+markers", name=name,
+                    legendgroup=name, showlegend=i == 0 or not any(c in agg for c, _ in shown[:i]), line=style,
+                    marker=marker, opacity=0.9, customdata=files, meta=[inner_step, r],
                     hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · {name}"
-                                   "<br>%{customdata[0]} file(s) · click to open this step<extra></extra>")),
+                                   "<br>%{customdata} file(s) · click to open this step<extra></extra>")),
                     row=i // ncols + 1, col=i % ncols + 1)
             n += 1
     steps = [s for v in runs.values() for s in v["step"].tolist()]
@@ -199,14 +203,27 @@ def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
     return fig
 
 
+def clicked_step(fig: go.Figure, point: dict) -> tuple[int, int, int]:
+    """``(step, inner_step, run index)`` of a point the browser reports clicked on a
+    :func:`step_curves_figure` (its ``x`` and ``curve_number``)."""
+    inner_step, run = fig.data[int(point.get("curve_number") or 0)].meta or (0, 0)
+    return int(point["x"]), int(inner_step), int(run)
+
+
 def _lines(frame: pd.DataFrame, columns: list[str]):
-    """``(inner_step, rank or None, per-step means)`` per line of one run's summary."""
+    """``(inner_step, rank or None, per-step means)`` per line of one run's summary (a line with one
+    file per step, the common case, is taken as it is, sorted by step)."""
     frame = frame.assign(inner_step=frame["inner_step"] if "inner_step" in frame else 0,
                          rank=frame["rank"] if "rank" in frame else 0)
     per_rank = frame["rank"].nunique() > 1
     present = [c for c in columns if c in frame]
     for (inner_step, rank), group in frame.groupby(["inner_step", "rank"] if per_rank
                                                    else ["inner_step", lambda _: 0]):
-        agg = group.groupby("step").agg(**{c: (c, "mean") for c in present},
-                                        files=("step", "size")).reset_index()
+        if group["step"].is_unique:
+            agg = group[["step", *present]].sort_values("step", kind="stable").reset_index(drop=True)
+            agg[present] = agg[present].astype(np.float64)
+            agg["files"] = 1
+        else:
+            agg = group.groupby("step").agg(**{c: (c, "mean") for c in present},
+                                            files=("step", "size")).reset_index()
         yield int(inner_step), (int(rank) if per_rank else None), agg

@@ -27,6 +27,7 @@ from tracer.schema import decode_metadata
 # one of them changed less than this long ago: file times have the kernel's coarse clock tick, so a
 # file added in the same tick as a listing could leave the directory's time unchanged.
 RACY_LISTING_NS = 2_000_000_000
+SIZES_FRESH_S = 0.5  # sizes stat'ed by a listing this recent stand for the files' current sizes
 
 OUTSIDE = "outside"  # problems(): the file resolves outside the trace directory
 UNREADABLE = "unreadable"  # problems(): the safetensors header does not open
@@ -95,6 +96,53 @@ def header_problem(path: Path, algorithm: str | None = None) -> str | None:
     return None
 
 
+def _lstats(names: list[str], folders: list[str], bases: list[str], folder_fd: "_Folders") -> list[Any]:
+    """``os.lstat`` of each file (``bases[i]`` of ``folders[i]``, full path ``names[i]``), relative to
+    the open folder (the path is not resolved again for every file); the OSError where one fails."""
+    fds = {folder: folder_fd(folder) for folder in set(folders)}
+    try:
+        return [os.lstat(b, dir_fd=fds[f]) if fds[f] is not None else os.lstat(n)
+                for n, f, b in zip(names, folders, bases)]
+    except OSError:  # a file gone since the listing: one by one, keeping each error
+        out: list[Any] = []
+        for n, f, b in zip(names, folders, bases):
+            try:
+                out.append(os.lstat(b, dir_fd=fds[f]) if fds[f] is not None else os.lstat(n))
+            except OSError as err:
+                out.append(err)
+        return out
+
+
+class _Folders:
+    """Open folders (``O_DIRECTORY`` descriptors) by path, for ``stat(name, dir_fd=...)``; a folder
+    that cannot be opened, or a platform without ``dir_fd``, gives None. Closed on exit."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int | None] = {}
+
+    def __enter__(self) -> "_Folders":
+        return self
+
+    def __call__(self, folder: str) -> int | None:
+        fd = self._fds.get(folder, -1)
+        if fd != -1:
+            return fd
+        if folder not in self._fds:
+            fd = None
+            if os.stat in os.supports_dir_fd and folder:
+                try:
+                    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+                except OSError:
+                    fd = None
+            self._fds[folder] = fd
+        return self._fds[folder]
+
+    def __exit__(self, *exc: Any) -> None:
+        for fd in self._fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
 class SafeTrace(Trace):
     """A trace that reads only files inside its own directory and skips unreadable step files.
 
@@ -136,9 +184,9 @@ class SafeTrace(Trace):
         if not hasattr(self, "manifest"):  # Trace.__init__ asks before the manifest is read: no memo yet
             paths = self._all_step_paths()
             problems = self._problems(paths)
-            return [p for p in paths if p not in problems]
+            return [p for p in paths if p not in problems] if problems else paths
         _, paths, problems, _, _ = self._listed()
-        return [p for p in paths if p not in problems]
+        return [p for p in paths if p not in problems] if problems else list(paths)
 
     def steps(self) -> list[StepKey]:
         """As :meth:`Trace.steps` (the readable step files inside the directory), from the memo."""
@@ -173,7 +221,7 @@ class SafeTrace(Trace):
             return memo
         paths = self._all_step_paths()
         problems = self._problems(paths)
-        keys = self._keys([p for p in paths if p not in problems])
+        keys = self._keys([p for p in paths if p not in problems] if problems else paths)
         listing = (sig, paths, problems, keys, {str(k.path): k for k in keys})
         if sig is not None:
             self._safe_listing = listing
@@ -196,38 +244,69 @@ class SafeTrace(Trace):
         """Why each of ``paths`` is set aside (files absent from the result are fine). A file is
         resolved only when it is a symlink or its folder leaves the trace directory; its header is
         checked once per (l)stat signature, so listing a trace of many steps costs one lstat per
-        file once the headers have been checked; a file the run's summary index vouches for
-        (:meth:`tracer.reader.Trace.index_vouches`: listed under its name at its size) is not
-        opened at all."""
+        file once the headers have been checked; a file the run's summary index or columns vouch
+        for (:meth:`tracer.reader.Trace.index_vouched`: listed under its name at its size, compared
+        as arrays) is not opened at all."""
         names = [str(p) for p in paths]
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)
             problems = {p: header_problem(p, self._manifest_algorithm()) for p in paths}
             return {p: f"{UNREADABLE}: {problem}" for p, problem in problems.items() if problem is not None}
-        folders = {folder: inside(folder, self._base) for folder in {os.path.dirname(n) for n in names}}
-        index = self.summary_index()  # tracer.run_index: the step files the writer listed
-        out = {}
-        for path, name in zip(paths, names):
+        split = [name.rpartition(os.sep) for name in names]
+        folder_of = [f or (os.sep if n.startswith(os.sep) else "") for (f, _, _), n in zip(split, names)]  # dirname
+        bases = [b for _, _, b in split]
+        folders = {folder: inside(folder, self._base) for folder in set(folder_of)}
+        with _Folders() as folder_fd:
+            stats = _lstats(names, folder_of, bases, folder_fd)
+        out = {paths[i]: f"{UNREADABLE}: {paths[i]}: {st}" for i, st in enumerate(stats) if isinstance(st, OSError)}
+        ok = [i for i, st in enumerate(stats) if not isinstance(st, OSError)] if out else range(len(paths))
+        targets = {}  # {i: stat of the target} for the symlinks
+        for i in [i for i in ok if stat.S_ISLNK(stats[i].st_mode)]:
             try:
-                link = os.lstat(name)
-                target = os.stat(name) if stat.S_ISLNK(link.st_mode) else link
+                targets[i] = os.stat(names[i])
             except OSError as err:
-                out[path] = f"{UNREADABLE}: {path}: {err}"
-                continue
-            if not folders[os.path.dirname(name)] or (link is not target and not inside(path, self._base)):
+                out[paths[i]] = f"{UNREADABLE}: {paths[i]}: {err}"
+        ok = [i for i in ok if paths[i] not in out] if out else ok
+        whole = len(ok) == len(paths)  # every file stat'ed (the common case): no per-file selection
+        sizes = [targets[i].st_size if i in targets else stats[i].st_size for i in ok] if targets \
+            else [st.st_size for st in stats] if whole else [stats[i].st_size for i in ok]
+        # a file the run's summary index or columns list at this size was written whole by the
+        # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
+        vouched = self._vouched(folder_of if whole else [folder_of[i] for i in ok],
+                                bases if whole else [bases[i] for i in ok], sizes)
+        self._sizes_seen = (time.monotonic(), dict(zip(names if whole else (names[i] for i in ok), sizes)))
+        inside_all = all(folders.values())
+        for j in [j for j, v in enumerate(vouched.tolist()) if not v or not inside_all or ok[j] in targets]:
+            i = ok[j]
+            path, name, link = paths[i], names[i], stats[i]
+            target = targets.get(i, link)
+            if not folders[folder_of[i]] or (link is not target and not inside(path, self._base)):
                 out[path] = f"{OUTSIDE}: {path} resolves to {_resolved(path)}, outside the trace directory; not read"
+                continue
+            if vouched[j]:
                 continue
             signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
             memo = self._header_memo.get(name)
             if memo is None or memo[0] != signature:
-                # a file the run's summary index lists at this size was written whole by the writer:
-                # its header is not read here (a bad one still fails cleanly when a page reads it)
-                problem = None if self.index_vouches(path, target.st_size, index) else \
-                    header_problem(path, self._manifest_algorithm())
+                problem = header_problem(path, self._manifest_algorithm())
                 memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
                 self._header_memo[name] = memo
             if memo[1] is not None:
                 out[path] = memo[1]
         return out
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """As :meth:`Trace._current_sizes`, from the sizes this listing stat'ed when it was taken
+        under :data:`SIZES_FRESH_S` ago (the listing and the overview of one page run: one stat per
+        file, not two); else stat'ed again."""
+        seen_at, seen = self.__dict__.get("_sizes_seen") or (0.0, {})
+        if time.monotonic() - seen_at >= SIZES_FRESH_S:
+            return super()._current_sizes(folder, names)
+        prefix = folder + os.sep
+        sizes = [seen.get(prefix + name, -1) for name in names]
+        missing = [i for i, size in enumerate(sizes) if size < 0]
+        for i, size in zip(missing, super()._current_sizes(folder, [names[i] for i in missing])):
+            sizes[i] = size
+        return sizes
 
     def _manifest_algorithm(self) -> str | None:
         algorithm = getattr(self, "manifest", {}).get("algorithm")  # no manifest yet while Trace.__init__ lists

@@ -148,30 +148,64 @@ def group_prompt_text(trace: Trace, key: StepKey, sequence: int) -> str:
     return trace.decode(ids[keep].tolist())
 
 
-def zero_variance_shares(trace: Trace) -> pd.DataFrame:
+def zero_variance_shares(trace: Trace, summary: pd.DataFrame | None = None) -> pd.DataFrame:
     """Share of zero-variance groups per (step, inner_step): ``step, inner_step, groups,
     zero_variance_groups, zero_variance_share``.
 
     Micro-batch files of one (step, inner_step, rank) are pooled by ``group_ids`` (a group split
     across micro-batches counts once); without ``group_ids`` each file's G consecutive rows form
     its groups. Counts are summed over ranks. Files without rewards are skipped; a step whose files
-    hold no rows (B = 0) has 0 groups and a NaN share. Reads ``[B]`` fields only.
+    hold no rows (B = 0) has 0 groups and a NaN share.
+
+    The counts of a file come from its summary (``groups``, ``zero_variance_groups``,
+    :mod:`tracer.summaries`: no tensor read) unless its groups may span several files (group_ids
+    recorded and another file of its step, inner step and rank that may hold them too) or its
+    summary lacks them (older traces, files without rewards): then its ``[B]`` fields are read and
+    pooled as described. ``summary``: ``trace.step_summary()`` when the caller has it; else it is
+    read when the run has a summary index (cheap), and every file is read otherwise.
     """
-    pooled: dict[tuple[int, int], dict[Any, list[torch.Tensor]]] = {}
-    for n, key in enumerate(trace.steps()):
+    keys = trace.steps()
+    if summary is None:
+        summary = trace.step_summary() if keys and (trace.summary_index() or trace.summary_columns()) \
+            else pd.DataFrame()
+    known, pooled = _summarised_group_counts(keys, summary)
+    groups_by_file: dict[tuple[int, int], dict[Any, list[torch.Tensor]]] = {}
+    for n, key in enumerate(keys):
+        if known[n]:
+            continue
         data = trace.load_step(key, ["rewards", "group_ids"])
         if "rewards" not in data:
             continue
         group_ids = group_ids_of(data, trace.metadata(key), key.path)
-        groups = pooled.setdefault((key.step, key.inner_step), {})
+        groups = groups_by_file.setdefault((key.step, key.inner_step), {})
         for g in torch.unique(group_ids).tolist():
             where = (key.rank, g) if "group_ids" in data else (n, g)
             groups.setdefault(where, []).append(data["rewards"][group_ids == g])
-    records = []
-    for (step, inner_step), groups in sorted(pooled.items()):
+    for step, groups in groups_by_file.items():
         zero = sum(bool((r := torch.cat(parts)).eq(r[0]).all()) for parts in groups.values())
-        share = zero / len(groups) if groups else math.nan  # an empty step (B = 0) has no groups
-        records.append({"step": step, "inner_step": inner_step, "groups": len(groups),
-                        "zero_variance_groups": zero, "zero_variance_share": share})
+        total = pooled.setdefault(step, [0, 0])
+        total[0] += len(groups)
+        total[1] += zero
+    records = [{"step": step, "inner_step": inner_step, "groups": g, "zero_variance_groups": z,
+                "zero_variance_share": z / g if g else math.nan}  # an empty step (B = 0) has no groups
+               for (step, inner_step), (g, z) in sorted(pooled.items())]
     return pd.DataFrame.from_records(records, columns=["step", "inner_step", "groups", "zero_variance_groups",
                                                        "zero_variance_share"])
+
+
+def _summarised_group_counts(keys: list[StepKey], summary: pd.DataFrame
+                             ) -> tuple[list[bool], dict[tuple[int, int], list[int]]]:
+    """Which of ``keys`` the run overview ``summary`` (one row per key, in order) counts exactly, and
+    those counts summed per (step, inner_step) as ``[groups, zero_variance_groups]``."""
+    if summary.empty or "groups" not in summary or len(summary) != len(keys):
+        return [False] * len(keys), {}
+    frame = summary[["step", "inner_step", "rank"]].copy()
+    frame["groups"] = summary["groups"]
+    frame["zero"] = summary["zero_variance_groups"]
+    by_ids = summary["group_ids_recorded"].fillna(1) != 0  # unknown: may pool
+    mates = by_ids.groupby([frame["step"], frame["inner_step"], frame["rank"]]).transform("sum")
+    known = frame["groups"].notna() & (~by_ids | (mates <= 1))
+    sums = frame[known].groupby(["step", "inner_step"])[["groups", "zero"]].sum()
+    pooled = {(int(s), int(i)): [int(g), int(z)] for (s, i), g, z in
+              zip(sums.index, sums["groups"].tolist(), sums["zero"].tolist())}
+    return known.tolist(), pooled

@@ -1,0 +1,145 @@
+"""The run overview's frame (:meth:`tracer.reader.Trace.step_summary`) from the run's summary
+columns (:mod:`tracer.summary_store`) as arrays: which listed step files the columns vouch for
+(name, coordinates and current size, compared as arrays), their rows as columns of the frame, and
+the one column order that every way of building the frame gives.
+
+A row is taken from the columns only when its file lies in ``steps/``, under the name the columns
+list, with the coordinates they list, and its size on disk now is the size they list, and when no
+later index line (the index tail the reader parsed) speaks for that file; every other file is
+summarised as before (index line, header, tensors), and the frames are put together in the order
+of the step keys.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from tracer import run_index, summaries
+from tracer.layout import STEP_FILE_RE
+from tracer.summary_store import SummaryColumns
+
+COORDINATES = ("step", "inner_step", "micro_batch", "rank")
+TRAILING = ("summary_source", "derived", "problem")
+
+
+def ordered(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with its columns in the overview's order: coordinates, summary keys in
+    :data:`tracer.summaries.ORDER`, any other column as it came, then ``summary_source``,
+    ``derived``, ``problem``."""
+    known = [c for c in (*COORDINATES, *summaries.ORDER) if c in frame.columns]
+    tail = [c for c in TRAILING if c in frame.columns]
+    middle = [c for c in frame.columns if c not in known and c not in tail]
+    order = [*known, *middle, *tail]
+    return frame if list(frame.columns) == order else frame[order]
+
+
+def coordinates_of(keys: Sequence[Any]) -> np.ndarray:
+    """``int64 [n, 4]``: step, inner_step, micro_batch, rank of each :class:`tracer.reader.StepKey`."""
+    flat = np.fromiter((v for k in keys for v in (k.step, k.inner_step, k.micro_batch, k.rank)),
+                       dtype=np.int64, count=4 * len(keys))
+    return flat.reshape(len(keys), 4)
+
+
+def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:
+    """``int64 [n]``: the row of ``columns`` listing each of the file ``names`` (``str [n]``), -1 for
+    a name they do not list (a sort and a binary search, no loop over the names)."""
+    if not len(columns) or not len(names):
+        return np.full(len(names), -1, dtype=np.int64)
+    order = np.argsort(columns.names, kind="stable")
+    found = order[np.minimum(np.searchsorted(columns.names, names, sorter=order), len(order) - 1)]
+    return np.where(columns.names[found] == names, found, -1)
+
+
+def vouched_files(columns: SummaryColumns | None, later: dict[str, Any], folders: list[str], names: list[str],
+                  sizes: list[int], steps_folder: str) -> np.ndarray:
+    """``bool [n]``: whether the columns or an index line after them (``later``) vouch for each file
+    ``names[i]`` of ``folders[i]`` at ``sizes[i]`` bytes: listed under that name at that size, in
+    ``steps_folder`` (and, for an index line, under the coordinates its name gives). The columns'
+    rows are compared as arrays, index lines one by one."""
+    out = np.zeros(len(names), dtype=bool)
+    if columns is not None and len(names):
+        rows = rows_of(columns, np.array(names, dtype=str))
+        out = ((rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
+               & (np.array(folders, dtype=str) == steps_folder))
+    for i in [i for i, name in enumerate(names) if name in later] if later else ():
+        entry, match = later[names[i]], STEP_FILE_RE.match(names[i])
+        out[i] = (entry["size"] == sizes[i] and folders[i] == steps_folder and match is not None
+                  and run_index.vouched(entry, tuple(int(g) for g in match.groups()), sizes[i]))
+    return out
+
+
+def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.ndarray, steps_folder: str,
+                 later: dict[str, Any], sizes: Callable[[str, list[str]], list[int]] | None = None) -> np.ndarray:
+    """``int64 [n]``: the row of ``columns`` that vouches for each of ``keys``, -1 where none does
+    (not listed, listed under other coordinates, not in ``steps_folder``, named in ``later`` (index
+    lines after the columns), gone, or of another size now). ``sizes(folder, names)``: the current
+    size of each named file of ``folder``, -1 when gone (default :func:`current_sizes`: one
+    ``stat`` per candidate file)."""
+    n = len(keys)
+    rows = np.full(n, -1, dtype=np.int64)
+    if not n or not len(columns):
+        return rows
+    split = [str(k.path).rpartition(os.sep) for k in keys]
+    names = np.array([b for _, _, b in split], dtype=str)
+    found = rows_of(columns, names)
+    hit = ((found >= 0) & (columns.coordinates[found] == coordinates).all(axis=1)
+           & (np.array([f for f, _, _ in split], dtype=str) == steps_folder))  # in steps/
+    candidates = [i for i in np.flatnonzero(hit).tolist() if names[i] not in later] if later \
+        else np.flatnonzero(hit).tolist()
+    for i, size in zip(candidates, (sizes or current_sizes)(steps_folder, [names[i] for i in candidates])):
+        if size == columns.size[found[i]]:
+            rows[i] = found[i]
+    return rows
+
+
+def current_sizes(folder: str, names: list[str]) -> list[int]:
+    """The size of each file of ``folder`` (-1 when it cannot be stat'ed), stat'ed by name relative
+    to the open folder (no path built and resolved per file)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return [-1] * len(names)
+    try:
+        out = []
+        for name in names:
+            try:
+                out.append(os.stat(name, dir_fd=fd).st_size)
+            except OSError:
+                out.append(-1)
+        return out
+    finally:
+        os.close(fd)
+
+
+def columns_frame(columns: SummaryColumns, rows: np.ndarray, coordinates: np.ndarray) -> pd.DataFrame:
+    """The overview rows of ``columns``' ``rows`` (step files at ``coordinates``), as the header
+    path would build them: a count column is int64 when every row holds it, float64 with NaN
+    otherwise; ``summary_source`` is ``header``; ``derived`` the text of the derived fields."""
+    data: dict[str, Any] = {name: coordinates[:, j] for j, name in enumerate(COORDINATES)}
+    values, present = columns.values[rows], columns.present[rows]
+    for j, key in enumerate(columns.keys):
+        held = present[:, j]
+        if not held.any():
+            continue
+        column = np.where(held, values[:, j], np.nan)
+        data[key] = column.astype(np.int64) if key in summaries.COUNT_KEYS and held.all() else column
+    data["summary_source"] = np.full(len(rows), "header", dtype=object)
+    data["derived"] = np.array(columns.derived_texts, dtype=object)[columns.derived[rows]]
+    return pd.DataFrame(data)
+
+
+def combined(parts: list[tuple[np.ndarray, pd.DataFrame]], n: int) -> pd.DataFrame:
+    """One frame of ``n`` rows from ``(positions, frame)`` parts (row i of a part is row
+    ``positions[i]`` of the result)."""
+    parts = [(p, f) for p, f in parts if len(p)]
+    if not parts:
+        return pd.DataFrame()
+    if len(parts) == 1:
+        return ordered(parts[0][1])
+    frame = pd.concat([f for _, f in parts], ignore_index=True)
+    where = np.concatenate([p for p, _ in parts])
+    return ordered(frame.iloc[np.argsort(where, kind="stable")].reset_index(drop=True))
