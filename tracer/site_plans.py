@@ -87,13 +87,12 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
             if probe.sizes is None and probe.names == (probe.key,):
                 picked[probe.key] = value
                 continue
-            produced = candidate(probe.key, value)
-            produced = {k: produced[k] for k in probe.names}
+            produced = _checked_as(probe, value)
             if probe.sizes is not None and _recheck(probe, produced, plan) is not None:
                 return None  # a mask's values that passed now fail
             picked.update(produced)
         elif probe.outcome == "rejected" and probe.sizes is not None:
-            message = _recheck(probe, candidate(probe.key, value), plan)
+            message = _recheck(probe, _checked_as(probe, value), plan)
             if message is None:
                 return None  # it passes now
             if message != rejected[(probe.key, expr.text)]:
@@ -103,6 +102,13 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
                            anchor=fields[plan.anchor], owned=set(plan.owned), checks=checks)
     finish_capture(capture, frame, plan.name_map, hyperparameters, plan.algorithm)
     return capture
+
+
+def _checked_as(probe: Probe, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The fields the full read checked ``value`` as: of a DPO stacked candidate, only the sides not
+    read before it (the other side's half is never looked at, so neither its values)."""
+    produced = candidate(probe.key, value)
+    return {k: produced[k] for k in probe.names}
 
 
 def _recheck(probe: Probe, produced: dict[str, torch.Tensor], plan: Plan) -> str | None:

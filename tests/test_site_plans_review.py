@@ -1,0 +1,249 @@
+"""Review of the call-site plans and the f_locals release (tracer/site_plans.py, tracer/frame_lookup.py):
+inputs where a plan's replay could give another capture than the full read, and where emptying the
+frame's ``f_locals`` snapshot could change what the user's program sees.
+
+Each plan test runs its loop twice (``tests/test_site_plans.py``'s ``_assert_same_runs``): with plans,
+every plan's capture also compared with a full read of the same frame, and with plans off. Both traces,
+capture reports and warnings must be equal, and the values asserted are worked out by hand."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import tracer
+from tracer import Trace
+from tests.test_site_plans import _assert_same_runs, _in
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- DPO: a stacked candidate of which one side was read from its own variable ---------------------
+
+def dpo_half_masks(masks: list[str]) -> None:
+    """A DPO loop with ``mask_chosen`` (bool) but no ``mask_rejected``: the rejected side's mask comes
+    from the stacked float ``mask`` (rows ``[chosen; rejected]``), whose chosen half the full read never
+    checks (chosen_mask is read already). ``masks[step]``: which half of ``mask`` holds a 0.5."""
+    weight = torch.nn.Parameter(torch.zeros(4, 3, 5))
+    mask_chosen = torch.tensor([[True, True, False]] * 2)
+    for step, bad in enumerate(masks):
+        policy_log_probs = weight.log_softmax(-1)[..., 0]  # [2 pairs stacked, T=3]
+        ref_log_probs = policy_log_probs.detach() - 0.1
+        mask = torch.tensor([[1.0, 1.0, 0.0]] * 4)
+        mask[0 if bad == "chosen" else 2, 0] = 0.5
+        loss = -(policy_log_probs * mask).sum()
+        loss.backward()
+        assert ref_log_probs is not None and mask_chosen is not None
+
+
+def test_a_stacked_candidate_is_value_checked_on_the_rows_the_full_read_checks(tmp_path):
+    """Step 0: ``mask``'s rejected half holds 0.5: refused, and chosen_mask (from mask_chosen) then
+    lacks its other side. Steps 1-2: its *chosen* half holds 0.5, which the full read does not look at
+    (chosen_mask came from mask_chosen): rejected_mask is read from ``mask``. A replay of step 0's plan
+    must not check the chosen half (it did, and refused rejected_mask, dropping both masks)."""
+    order = ["rejected", "chosen", "chosen", "rejected"]
+    planned = _assert_same_runs(lambda w: _in(w, lambda: dpo_half_masks(order)), tmp_path, algo="dpo",
+                                hyperparameters={"beta": 0.1})
+    trace = Trace(tmp_path / "planned")
+    keys = trace.steps()
+    has_masks = [{"chosen_mask", "rejected_mask"} <= set(trace.fields(k)) for k in keys]
+    assert has_masks == [False, True, True, False]
+    step1 = trace.load_step(keys[1])
+    assert step1["chosen_mask"].tolist() == [[True, True, False]] * 2
+    assert step1["rejected_mask"].tolist() == [[True, True, False]] * 2  # mask[2:] != 0
+    assert "dpo_loss" in step1 and "dpo_loss" not in trace.load_step(keys[0])  # the DPO terms need both masks
+    assert planned.plans.hits == 2  # step 2 by step 1's plan, step 3 by step 0's
+
+
+# -- a seeded loop whose frame changes at random between backwards -----------------------------
+
+ABSENT = object()
+ROWS, T = 6, 4
+
+
+def _tensor(kind: str, rows: int) -> object:
+    return {"absent": ABSENT, "none": None, "list": [0.0] * rows, "t": -torch.rand(rows, T),
+            "f64": -torch.rand(rows, T, dtype=torch.float64), "short": -torch.rand(rows, T - 1),
+            "view": (-torch.rand(T, rows)).t(), "param": torch.nn.Parameter(-torch.rand(rows, T)),
+            "1d": -torch.rand(rows)}[kind]
+
+
+def _mask(kind: str, rows: int) -> object:
+    base = torch.ones(rows, T)
+    base[:, -1] = 0
+    bad_first, bad_last = base.clone(), base.clone()
+    bad_first[0, 0] = bad_last[-1, 0] = 0.5
+    return {"absent": ABSENT, "bool": base.bool(), "f01": base, "i01": base.long(), "bad_first": bad_first,
+            "bad_last": bad_last, "short": base[:, :-1].bool()}[kind]
+
+
+def _index(kind: str, B: int) -> object:
+    return {"absent": ABSENT, "t": torch.randperm(ROWS)[:B], "bool": torch.ones(ROWS, dtype=torch.bool),
+            "list": list(range(B)), "np": np.arange(B), "out_of_range": torch.tensor([0] * (B - 1) + [99]),
+            "float": torch.arange(B).float(), "i32": torch.arange(B, dtype=torch.int32)}[kind]
+
+
+CHOICES = {
+    "ppo": {"old_resp_logp": ["absent", "t", "none", "list", "f64", "short", "view", "param", "1d"],
+            "old_per_token_logps": ["absent", "t", "f64", "short"], "ratio": ["absent", "t", "1d"],
+            "advantages": ["absent", "t", "1d"], "mb_resp_logp": ["absent", "absent", "t"],
+            "completion_mask": ["absent", "bool", "f01", "i01", "bad_first", "short"],
+            "resp_policy_mask": ["absent", "absent", "bool", "f01", "bad_last"],
+            "inds": ["absent", "t", "t", "bool", "list", "np", "out_of_range", "float", "i32"],
+            "whole": [True, False], "B": [3, 3, 2]},
+    "dpo": {"mask": ["absent", "bool", "f01", "bad_first", "bad_last", "short"],
+            "mask_chosen": ["absent", "bool", "f01", "bad_first", "short"],
+            "mask_rejected": ["absent", "absent", "bool", "f01", "bad_last"],
+            "ref_log_probs": ["absent", "t", "odd"], "y": ["absent", "t", "float"], "B": [2, 2, 3]},
+}
+VALUE_KINDS = ("f01", "bad_first", "bad_last")
+
+
+def schedule(algo: str, seed: int, steps: int = 12) -> list[dict]:
+    """``steps`` frames drawn from three kinds, a float mask's values redrawn now and then (so plans are
+    replayed, and the value checks flip)."""
+    rng = random.Random(seed)
+    pool = [{k: rng.choice(v) for k, v in CHOICES[algo].items()} for _ in range(3)]
+    out = []
+    for _ in range(steps):
+        s = dict(rng.choice(pool))
+        for k, v in s.items():
+            if v in VALUE_KINDS and rng.random() < 0.5:
+                s[k] = rng.choice(VALUE_KINDS)
+        out.append(s)
+    return out
+
+
+def random_ppo_loop(plan: list[dict]) -> None:
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.zeros(ROWS, T, 5))
+    for s in plan:
+        B = s["B"]
+        rows = ROWS if s["whole"] else B  # a whole-rollout tensor, read at `inds`, or the minibatch's own
+        per_token_logps = weight[:B].log_softmax(-1)[..., 0]
+        inds = _index(s["inds"], B)
+        old_resp_logp = _tensor(s["old_resp_logp"], rows)
+        old_per_token_logps = _tensor(s["old_per_token_logps"], B)
+        ratio, advantages = _tensor(s["ratio"], B), _tensor(s["advantages"], B)
+        mb_resp_logp = per_token_logps * 1.0 if s["mb_resp_logp"] == "t" else ABSENT
+        completion_mask, resp_policy_mask = _mask(s["completion_mask"], rows), _mask(s["resp_policy_mask"], B)
+        if inds is ABSENT:
+            del inds
+        if old_resp_logp is ABSENT:
+            del old_resp_logp
+        if old_per_token_logps is ABSENT:
+            del old_per_token_logps
+        if ratio is ABSENT:
+            del ratio
+        if advantages is ABSENT:
+            del advantages
+        if mb_resp_logp is ABSENT:
+            del mb_resp_logp
+        if completion_mask is ABSENT:
+            del completion_mask
+        if resp_policy_mask is ABSENT:
+            del resp_policy_mask
+        loss = per_token_logps.sum()
+        loss.backward()
+
+
+def random_dpo_loop(plan: list[dict]) -> None:
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.zeros(ROWS, T, 5))
+    for s in plan:
+        B = s["B"]
+        policy_log_probs = weight[:2 * B].log_softmax(-1)[..., 0]
+        mask = _mask(s["mask"], 2 * B)
+        mask_chosen, mask_rejected = _mask(s["mask_chosen"], B), _mask(s["mask_rejected"], B)
+        ref_log_probs = {"absent": ABSENT, "t": -torch.rand(2 * B, T), "odd": -torch.rand(2 * B + 1, T)}[s["ref_log_probs"]]
+        y = {"absent": ABSENT, "t": torch.randint(0, 5, (2 * B, T)), "float": torch.rand(2 * B, T)}[s["y"]]
+        if mask is ABSENT:
+            del mask
+        if mask_chosen is ABSENT:
+            del mask_chosen
+        if mask_rejected is ABSENT:
+            del mask_rejected
+        if ref_log_probs is ABSENT:
+            del ref_log_probs
+        if y is ABSENT:
+            del y
+        loss = policy_log_probs.sum()
+        loss.backward()
+
+
+@pytest.mark.parametrize("algo,seed", [("ppo", s) for s in (0, 3, 7, 11)] + [("dpo", s) for s in (16, 17, 28, 58)])
+def test_a_frame_that_changes_at_random_is_captured_as_the_full_read_captures_it(algo, seed, tmp_path):
+    loop = random_ppo_loop if algo == "ppo" else random_dpo_loop
+    plan = schedule(algo, seed)
+    _assert_same_runs(lambda w: _in(w, lambda: loop(plan)), tmp_path, algo=algo, hyperparameters={"beta": 0.1})
+
+
+# -- the f_locals release leaves what the user's program reads as it was -----------------------
+
+def test_names_written_into_the_locals_snapshot_by_exec_stay_there(tmp_path):
+    """CPython before 3.13: ``exec()`` in a function (a config file read with ``exec(open(f).read())``)
+    and ``locals()[k] = v`` write into the frame's f_locals snapshot, and later ``locals()`` / ``eval()``
+    calls still see those names (they are no variables: refreshing the snapshot leaves them). Emptying
+    the snapshot after a capture lost them: KeyError / NameError in the user's loop."""
+    def loop():
+        exec("lr = 0.5")
+        locals()["note"] = "kept"
+        weight = torch.nn.Parameter(torch.zeros(2, 3))
+        seen = []
+        for step in range(3):
+            per_token_logps = torch.log_softmax(weight, dim=-1)
+            per_token_logps.sum().backward()
+            seen.append((locals().get("lr"), locals().get("note"), eval("lr")))
+        return seen
+
+    if sys.version_info >= (3, 13):
+        pytest.skip("f_locals is a write-through proxy from 3.13: exec() cannot add names to a function")
+    assert loop() == [(0.5, "kept", 0.5)] * 3  # the loop on its own
+    with tracer.watch(algo="grpo", out=tmp_path / "t") as w:
+        seen = loop()
+    assert w.steps_recorded == 3 and seen == [(0.5, "kept", 0.5)] * 3
+
+
+HELD_SNAPSHOT = textwrap.dedent("""
+    import sys
+    def trace(frame, event, arg):  # a Python trace function on tracer's own files only, as
+        return trace if "{sep}tracer{sep}" in frame.f_code.co_filename else None  # coverage --timid --source=tracer
+    sys.settrace(trace)
+    import torch, tracer
+    sys.settrace(None)
+
+    def loop(held):
+        weight = torch.nn.Parameter(torch.zeros(2, 3))
+        per_token_logps = torch.log_softmax(weight, dim=-1)
+        held.append(locals())  # the loop keeps its locals() dict (one reference more)
+        per_token_logps.sum().backward()
+
+    held = []
+    with tracer.watch(algo="grpo", out=sys.argv[1]) as w:
+        loop(held)
+    assert w.steps_recorded == 1
+    print(sorted(held[0]))
+""")
+
+
+def test_a_held_locals_dict_is_kept_when_tracer_was_imported_under_a_trace_function(tmp_path):
+    """The release tells a snapshot nothing else holds by its reference count, measured once at import.
+    Measured while a Python trace function ran (coverage's Python tracer, a debugger), that count came
+    out one higher, and a locals() dict the loop kept was then emptied under it."""
+    if sys.version_info >= (3, 13):
+        pytest.skip("f_locals is a proxy from 3.13: nothing is released")
+    script = tmp_path / "held.py"
+    script.write_text(HELD_SNAPSHOT.format(sep=os.sep))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "t")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['held', 'per_token_logps', 'weight']"
