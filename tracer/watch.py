@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from tracer import frames, site_plans
+from tracer import frame_lookup, frames, site_plans
 from tracer.capture_report import write_capture_report
 from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
@@ -321,7 +321,7 @@ class Watcher:
                               "continues; strict=True (--strict) raises instead.", RuntimeWarning, stacklevel=4)
         finally:
             if local is not None:
-                site_plans.release_locals(frame, local)
+                frame_lookup.release_locals(frame, local)
             del frame, local
 
     def _capture(self, frame) -> dict | None:
