@@ -247,3 +247,79 @@ def test_a_held_locals_dict_is_kept_when_tracer_was_imported_under_a_trace_funct
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['held', 'per_token_logps', 'weight']"
+
+
+# -- one backward line reached from frames of many kinds ---------------------------------------
+
+def train_step(per_token_logps, completion_mask, old_logps=None):
+    """A helper both loops below call: its one backward line sees the caller's tensors by parameter."""
+    if old_logps is None:
+        del old_logps
+    loss = -(per_token_logps * completion_mask).sum()
+    loss.backward()
+
+
+class Trainer:
+    """A TRL-like class loop: ``training_step``'s code object is shared by the subclasses."""
+
+    rows = 2
+
+    def logps(self, weight):
+        return weight[:self.rows].log_softmax(-1)[..., 0]
+
+    def training_step(self, weight):
+        per_token_logps = self.logps(weight)
+        completion_mask = torch.ones_like(per_token_logps, dtype=torch.bool)
+        torch.autograd.backward([(-per_token_logps * completion_mask).sum()])
+
+
+class WideTrainer(Trainer):
+    rows = 3
+
+
+def recursive(weight, depth):
+    """The same line at several recursion depths, with and without ``old_logps`` in the frame."""
+    per_token_logps = weight[:depth].log_softmax(-1)[..., 0]
+    if depth % 2:
+        old_logps = per_token_logps.detach() + 0.0
+    per_token_logps.sum().backward()
+    if depth > 1:
+        recursive(weight, depth - 1)
+
+
+def generator_loop(weight, steps):
+    for i in range(steps):  # no step / micro_batch index anywhere: every recorded backward is a step of its own
+        per_token_logps = weight[:2].log_softmax(-1)[..., 0]
+        for _ in range(2):  # gradient accumulation: two backwards from one line, one policy tensor
+            (per_token_logps.sum() / 2).backward(retain_graph=True)
+        yield i
+
+
+def many_frames() -> None:
+    """Every kind of frame above, twice over."""
+    weight = torch.nn.Parameter(torch.zeros(4, 3, 5))
+    for _ in range(2):
+        for B in (2, 3):
+            logp = weight[:B].log_softmax(-1)[..., 0]
+            train_step(logp, torch.ones(B, 3), old_logps=logp.detach() if B == 3 else None)
+        for trainer in (Trainer(), WideTrainer(), Trainer()):
+            trainer.training_step(weight)
+        recursive(weight, 3)
+        for _ in generator_loop(weight, 2):
+            pass
+        per_token_logps = weight[:1].log_softmax(-1)[..., 0]
+        closure = lambda: per_token_logps.sum().backward()  # noqa: E731  (a lambda's frame: a free variable)
+        closure()
+
+
+def test_one_line_reached_from_many_kinds_of_frame_is_captured_as_the_full_read_captures_it(tmp_path):
+    planned = _assert_same_runs(lambda w: _in(w, many_frames), tmp_path, algo="grpo")
+    trace = Trace(tmp_path / "planned")
+    keys = trace.steps()
+    # the policy rows of each backward: train_step (2, 3), the trainers (2, 3, 2), recursion (3, 2, 1), the
+    # generator (2, 2: each step's second backward is the same policy tensor, not recorded again), the lambda
+    assert [trace.load_step(k)["policy_logprobs"].shape[0] for k in keys] == [2, 3, 2, 3, 2, 3, 2, 1, 2, 2, 1] * 2
+    assert planned.repeated_calls == 4
+    # old_logprobs where the frame holds them: train_step with B = 3, recursive at depths 3 and 1
+    with_old = [i for i, k in enumerate(keys) if "old_logprobs" in trace.fields(k)]
+    assert with_old == [i + o for o in (0, 11) for i in (1, 5, 7)]
