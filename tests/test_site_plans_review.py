@@ -323,3 +323,23 @@ def test_one_line_reached_from_many_kinds_of_frame_is_captured_as_the_full_read_
     # old_logprobs where the frame holds them: train_step with B = 3, recursive at depths 3 and 1
     with_old = [i for i, k in enumerate(keys) if "old_logprobs" in trace.fields(k)]
     assert with_old == [i + o for o in (0, 11) for i in (1, 5, 7)]
+
+
+def test_plans_give_what_the_full_read_gives_on_a_loop_with_its_own_map(tmp_path):
+    """The custom-names GRPO script (``--map custom_names.toml``: attribute and indexed expressions of
+    its own), as a baseline beside the MiniMind scripts of tests/test_site_plans.py."""
+    import contextlib
+    import io
+
+    from tracer.demo.tiny_model import build_tiny_model
+    from tracer.watch import run_script
+
+    scripts = Path(__file__).parent / "scripts"
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+
+    def run(watcher):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert run_script(scripts / "custom_names_grpo.py", ["--model_dir", str(model_dir)], watcher) == 0
+
+    planned = _assert_same_runs(run, tmp_path, algo="grpo", name_map=scripts / "custom_names.toml")
+    assert planned.steps_recorded == 4 and planned.report()["fields_mapped"]["policy_logprobs"] == "logp_new"
