@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import operator
+import sys
 from collections import abc
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -132,19 +133,48 @@ _CO_OPTIMIZED = inspect.CO_OPTIMIZED
 _CODE_NAMES: dict = {}  # code object -> the names its frames' f_locals can hold (function frames)
 
 
+def code_variables(code: CodeType) -> frozenset[str]:
+    """The variables of a function's code (``co_varnames``, cell and free variables): the keys its
+    frames' ``f_locals`` refreshes (remembered per code object)."""
+    names = _CODE_NAMES.get(code)
+    if names is None:
+        names = frozenset(code.co_varnames + code.co_cellvars + code.co_freevars)
+        if len(_CODE_NAMES) < 4096:
+            _CODE_NAMES[code] = names
+    return names
+
+
 def _caller_scopes(frame: FrameType, heads: frozenset[str]) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     """:func:`scopes_of` a caller, without copying the locals of a function none of whose variables is
     among ``heads`` (a function frame's ``f_locals`` holds its variables only): ``({}, globals)``."""
-    code = frame.f_code
-    if code.co_flags & _CO_OPTIMIZED:
-        names = _CODE_NAMES.get(code)
-        if names is None:
-            names = frozenset(code.co_varnames + code.co_cellvars + code.co_freevars)
-            if len(_CODE_NAMES) < 4096:
-                _CODE_NAMES[code] = names
-        if heads.isdisjoint(names):
-            return {}, frame.f_globals
+    if frame.f_code.co_flags & _CO_OPTIMIZED and heads.isdisjoint(code_variables(frame.f_code)):
+        return {}, frame.f_globals
     return scopes_of(frame)
+
+
+_held: dict = {}
+_ONE_HOLDER = sys.getrefcount(_held)  # a dict one name holds, as getrefcount counts it (the name, its argument)
+del _held
+# What release_locals counts for a snapshot nothing else holds: the frame's own reference, and the caller's
+# variable and release_locals's parameter. Counted here, at module level, where no trace function can copy a
+# variable into a snapshot of its own (in a function, each traced frame holding the dict adds one reference).
+_UNSHARED_REFS = _ONE_HOLDER + 2
+
+
+def release_locals(frame: FrameType, local: Any) -> None:
+    """Empty ``frame``'s ``f_locals`` snapshot ``local`` (the dict :func:`scopes_of` took) once a capture is
+    done with it, when nothing else holds it: CPython before 3.13 keeps the dict on the frame, so it
+    would hold the loop's tensors of this backward (a whole rollout after a step's last one) until the
+    next capture refreshes it. Unobservable: a function frame's next ``f_locals`` / ``locals()`` fills
+    the dict again from the variables. Left alone: another holder (a ``locals()`` kept by the loop), a
+    traced frame (a debugger's), a module or class body (there ``f_locals`` is the namespace itself), and
+    a snapshot holding names that are not the function's variables (written by ``exec()`` or
+    ``locals()[k] = v``: a refresh keeps them, and later ``locals()`` / ``eval()`` calls read them).
+    The caller passes its only reference to ``local`` (``on_backward``'s variable)."""
+    if (type(local) is not dict or frame.f_trace is not None or not frame.f_code.co_flags & _CO_OPTIMIZED
+            or sys.getrefcount(local) > _UNSHARED_REFS or not local.keys() <= code_variables(frame.f_code)):
+        return
+    local.clear()
 
 
 _INDEX_HEADS: dict[int, tuple] = {}  # id(name map's indices) -> (that mapping, the variable names it reads)

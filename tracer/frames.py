@@ -124,7 +124,9 @@ def value_checked(produced: Mapping[str, torch.Tensor]) -> bool:
 class Probe:
     """One candidate expression the full read tried, what it found and what became of it (a call
     site's plan replays these, :mod:`tracer.site_plans`). ``outcome``: ``none`` (no candidate),
-    ``skip`` (its fields were read already), ``rejected`` (``message``), ``picked`` (``names``)."""
+    ``skip`` (its fields were read already), ``rejected`` (``message``), ``picked``. ``names``: the
+    fields it was checked as (``rejected``, ``picked``): of a DPO stacked candidate, only the sides not
+    read already."""
 
     key: str
     expr: Expression
@@ -166,8 +168,10 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
                 probe.outcome = "skip"
             return
         sizes = dict(capture.sizes)  # the fields picked so far passed together: check the new ones against them
-        if probe is not None and value_checked(produced):
-            probe.sizes = dict(sizes)
+        if probe is not None:
+            probe.names = tuple(produced)
+            if value_checked(produced):
+                probe.sizes = dict(sizes)
         try:
             _check(produced, check_algo, sizes, capture.checks)
         except SchemaError as err:
@@ -181,7 +185,7 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         if expr.index is not None and not key.startswith("stacked:"):  # ``x[inds]``: a new tensor, not the loop's
             capture.owned.update(produced)
         if probe is not None:
-            probe.outcome, probe.names = "picked", tuple(produced)
+            probe.outcome = "picked"
         return
 
 

@@ -17,8 +17,6 @@ the full read reads them (:func:`tracer.frames.finish_capture`): their values ch
 
 from __future__ import annotations
 
-import inspect
-import sys
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Mapping
@@ -87,13 +85,12 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
             if probe.sizes is None and probe.names == (probe.key,):
                 picked[probe.key] = value
                 continue
-            produced = candidate(probe.key, value)
-            produced = {k: produced[k] for k in probe.names}
+            produced = _checked_as(probe, value)
             if probe.sizes is not None and _recheck(probe, produced, plan) is not None:
                 return None  # a mask's values that passed now fail
             picked.update(produced)
         elif probe.outcome == "rejected" and probe.sizes is not None:
-            message = _recheck(probe, candidate(probe.key, value), plan)
+            message = _recheck(probe, _checked_as(probe, value), plan)
             if message is None:
                 return None  # it passes now
             if message != rejected[(probe.key, expr.text)]:
@@ -103,6 +100,13 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
                            anchor=fields[plan.anchor], owned=set(plan.owned), checks=checks)
     finish_capture(capture, frame, plan.name_map, hyperparameters, plan.algorithm)
     return capture
+
+
+def _checked_as(probe: Probe, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The fields the full read checked ``value`` as: of a DPO stacked candidate, only the sides not
+    read before it (the other side's half is never looked at, so neither its values)."""
+    produced = candidate(probe.key, value)
+    return {k: produced[k] for k in probe.names}
 
 
 def _recheck(probe: Probe, produced: dict[str, torch.Tensor], plan: Plan) -> str | None:
@@ -178,35 +182,3 @@ def differences(full: FrameCapture, planned: FrameCapture) -> list[str]:
             full.anchor is not None and full.anchor.data_ptr() != planned.anchor.data_ptr()):
         out.append("anchor differs")
     return out
-
-
-def _refs(local: Any) -> int:
-    return sys.getrefcount(local)
-
-
-def _unshared_refs() -> int:
-    """The references :func:`release_locals` sees to a snapshot that only its frame and the caller's
-    variable hold (calls as deep as ``on_backward -> release_locals -> _refs``)."""
-    frame = sys._getframe()
-    local = frame.f_locals
-    return _count(frame, local)
-
-
-def _count(frame: FrameType, local: Any) -> int:
-    return _refs(local)
-
-
-_UNSHARED_REFS = _unshared_refs()
-
-
-def release_locals(frame: FrameType, local: Any) -> None:
-    """Empty ``frame``'s ``f_locals`` snapshot ``local`` once a capture is done with it, when nothing
-    else holds it (CPython before 3.13 keeps the dict on the frame: it would hold the loop's tensors of
-    this backward, a whole rollout after a step's last one, until the next capture refreshes it).
-    Unobservable: a function frame's next ``f_locals`` / ``locals()`` fills the dict again from the
-    variables. Left alone: another holder (a ``locals()`` kept by the loop), a traced frame (a
-    debugger's), a module or class body (there ``f_locals`` is the namespace itself)."""
-    if (type(local) is not dict or frame.f_trace is not None or not frame.f_code.co_flags & inspect.CO_OPTIMIZED
-            or _refs(local) > _UNSHARED_REFS):
-        return
-    local.clear()
