@@ -52,6 +52,8 @@ class ManifestBook:
         self.dirty = False  # counts changed since the manifest was last written
         self.written_at = 0.0
         self.on_writer_thread: Callable[[], bool] = lambda: False  # where a warning must not raise
+        # counts made here that a writer process must hear of (tracer.writer_process), else None
+        self.forward: dict[str, Any] | None = None
 
     # -- counting (any thread) ----------------------------------------------------------------
 
@@ -66,15 +68,30 @@ class ManifestBook:
     def skipped(self, count: int = 1) -> None:
         with self.lock:
             self.skipped_steps += count
+            if self.forward is not None:
+                self.forward["skipped"] = self.forward.get("skipped", 0) + count
 
-    def count_drop(self, reason: str, warn: bool = True) -> None:
-        """Count a dropped step in memory (no I/O: the manifest is written later)."""
+    def add_drops(self, count: int, reasons: list[str]) -> None:
+        """Count ``count`` drops at once (``reasons``: the first of them), without a warning."""
+        with self.lock:
+            self.dropped_steps += count
+            self.drop_reasons.extend(reasons[:MAX_DROP_REASONS - len(self.drop_reasons)])
+            self.dirty = True
+
+    def count_drop(self, reason: str, warn: bool = True, forward: bool = True) -> None:
+        """Count a dropped step in memory (no I/O: the manifest is written later). ``forward``: tell
+        the writer process (when there is one) about it."""
         with self.lock:
             self.dropped_steps += 1
             if len(self.drop_reasons) < MAX_DROP_REASONS:
                 self.drop_reasons.append(reason)
             dropped = self.dropped_steps
             self.dirty = True
+            if forward and self.forward is not None:
+                self.forward["drops"] = self.forward.get("drops", 0) + 1
+                reasons = self.forward.setdefault("reasons", [])
+                if len(reasons) < MAX_DROP_REASONS:
+                    reasons.append(reason)
         if not warn:
             return
         message = (f"tracer: dropped a step ({dropped} so far): {reason}. "
@@ -86,18 +103,28 @@ class ManifestBook:
                 raise
             log.error("%s", message)  # the drop is counted; the writer goes on (or flush would hang)
 
-    def fail(self, reason: str, err: BaseException) -> None:
+    def fail(self, reason: str, err: BaseException, forward: bool = True) -> None:
         """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""
         if self.strict:
             with self.lock:
                 self.error = self.error or (reason, err)
                 self.failures_pending += 1
-        self.count_drop(reason, warn=not self.strict)
+        self.count_drop(reason, warn=not self.strict, forward=forward)
 
     def annotate(self, key: str, value: Any) -> None:
         with self.lock:
             self.manifest[key] = value
             self.dirty = True
+            if self.forward is not None:
+                self.forward.setdefault("notes", {})[key] = value
+
+    def take_forward(self) -> dict[str, Any] | None:
+        """The counts to forward since the last call (None when there are none), and start again."""
+        with self.lock:
+            if not self.forward:
+                return None
+            taken, self.forward = self.forward, {}
+            return taken
 
     def raise_pending(self) -> None:
         """Raise the first failure kept by strict mode (TraceError, with the count of those since)."""

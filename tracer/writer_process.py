@@ -1,0 +1,404 @@
+"""The writer process (``TraceWriter(writer="process")`` or ``TRACER_WRITER=process``): the write side
+(:class:`tracer.step_writer.StepWriter`: stored form, checksum, summaries, step files, summary
+index) runs in a child process, so the training process holds no writer thread that takes the
+interpreter lock (GIL) from the training loop at every step.
+
+How a step travels:
+
+* ``record`` (training thread) checks the step as always, then copies its tensors straight into a
+  shared-memory ring (an anonymous ``memfd`` mapped by both processes: nothing in ``/dev/shm`` to
+  leak, whatever dies) and writes a descriptor of a few dozen bytes to a pipe. The ring holds
+  ``max_queue_bytes``; with ``max_queue_steps`` it bounds the steps in flight, and the
+  ``when_full`` policy (block / drop and count) applies as with the thread. CUDA tensors are copied
+  into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
+  asynchronous pinned path): correct by construction, and the reason ``"thread"`` stays the default
+  on GPUs. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
+* The child (:mod:`tracer.writer_child`) batches what arrives, writes the files, and sends back one
+  small result per batch (ring space freed, steps written, failures with their reason), which
+  ``record`` / ``flush`` / ``close`` read without blocking. The parent's
+  :class:`~tracer.manifest_book.ManifestBook` mirrors the counts; drops and skips made in the
+  parent travel to the child with the next message. The child rewrites the live manifest at most
+  once a second; ``flush()`` and ``close()`` write it in the parent, as with the thread.
+
+Start-up: the child is a fresh interpreter (``subprocess``, never a plain ``fork`` of a process that
+may hold CUDA or threads); importing torch takes 1-2 s, during which ``record`` already stages into
+the ring (the step bound is lifted to :data:`STARTUP_STEPS` until the child is ready, the byte bound
+stays). Failures: a child that dies (killed, out of memory) is noticed at the next call; the steps it
+held are counted as dropped with its exit status as the reason (strict mode raises it), and the
+writer goes on with a writer thread. The child ignores SIGINT (Ctrl-C reaches the whole process
+group) and exits after writing what it was handed when the parent closes the writer, or dies: it
+sees the pipe's end.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import mmap
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.manifest_book import ManifestBook
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
+STARTUP_STEPS = 4096  # steps that may wait in the ring before the child is ready (its import of torch)
+PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
+POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
+_F_SETPIPE_SZ = 1031
+# The child imports this very copy of tracer's write side, without the package's __init__ (which
+# imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
+_CHILD_MAIN = ("import sys, types; package = types.ModuleType('tracer'); package.__path__ = [sys.argv[1]]; "
+               "sys.modules['tracer'] = package; from tracer.writer_child import main; sys.exit(main(sys.argv[2:]))")
+_FRAME = struct.Struct("<I")
+
+
+def frame(message: dict[str, Any]) -> bytes:
+    """A message as the pipes carry it: 4-byte little-endian length, then JSON."""
+    body = json.dumps(message, allow_nan=True, default=repr).encode()
+    return _FRAME.pack(len(body)) + body
+
+
+def unframe(buffer: bytearray) -> list[dict[str, Any]]:
+    """The complete messages at the head of ``buffer`` (removed from it)."""
+    out, at = [], 0
+    while len(buffer) - at >= 4:
+        (size,) = _FRAME.unpack_from(buffer, at)
+        if len(buffer) - at - 4 < size:
+            break
+        out.append(json.loads(bytes(buffer[at + 4:at + 4 + size])))
+        at += 4 + size
+    del buffer[:at]
+    return out
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Layout:
+    """Where each tensor of one field signature lies in a step's region of the ring."""
+
+    def __init__(self, ident: int, tensors: dict[str, torch.Tensor]) -> None:
+        self.ident, self.fields, at = ident, [], 0
+        for name, t in tensors.items():
+            self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
+            at = _align(at + t.nbytes)
+        self.size = max(at, ALIGN)
+
+    def message(self) -> dict[str, Any]:
+        return {"k": "layout", "id": self.ident, "size": self.size,
+                "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}
+
+
+class ProcessWriter:
+    """The parent's side: the ring, the pipes and the child (see the module docstring).
+
+    Args:
+        config: what the child needs (:meth:`tracer.writer.TraceWriter._child_config`).
+        book: the parent's counts; results from the child are applied to it.
+        max_steps, max_bytes, when_full: the queue's bounds and policy (``max_bytes`` sizes the ring).
+        lock_fd: the trace's rank lock, held by the child too while it writes.
+    Raises:
+        TraceError: the ring or the child could not be made (no memfd, no memory, no interpreter).
+    """
+
+    def __init__(self, config: dict[str, Any], book: ManifestBook, max_steps: int, max_bytes: int,
+                 when_full: str, lock_fd: int | None = None) -> None:
+        if when_full not in ("block", "drop"):
+            raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
+        self.book, self.max_steps, self.when_full = book, max(1, max_steps), when_full
+        self.size = _align(max(max_bytes, ALIGN))
+        self.dead: str | None = None  # why the child is gone
+        self.peak_bytes = self._bytes = 0
+        self._inflight: collections.deque[tuple[int, int, int, int, int]] = collections.deque()  # seq, start, end, nbytes, step
+        self._seq = 0
+        self._layouts: dict[tuple, _Layout] = {}
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._ready = False
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._acked = self._token = 0
+        self._closed_ack = False
+        try:
+            self._start(config, lock_fd)
+        except OSError as err:
+            raise TraceError(f"tracer: could not start the writer process for {config['root']}: {err}; "
+                             "use writer='thread'") from err
+        book.forward = {}
+
+    def _start(self, config: dict[str, Any], lock_fd: int | None) -> None:
+        self._ring_fd = os.memfd_create("tracer-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self._ring_fd, self.size)
+        self._mm = mmap.mmap(self._ring_fd, self.size)
+        self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
+        cmd_r, self._cmd = os.pipe()
+        self._res, res_w = os.pipe()
+        try:
+            import fcntl
+
+            fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
+        except (ImportError, OSError):
+            pass
+        fds = [cmd_r, res_w, self._ring_fd] + ([lock_fd] if lock_fd is not None else [])
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_MAIN, str(Path(__file__).resolve().parent), str(cmd_r), str(res_w),
+                 str(self._ring_fd)],
+                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(cmd_r)
+            os.close(res_w)
+        self.pid = self._child.pid
+        os.set_blocking(self._cmd, False)
+        os.set_blocking(self._res, False)
+        self._send({"k": "config", **config, "ring_bytes": self.size})
+
+    # -- training thread ----------------------------------------------------------------------
+
+    def submit(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor], sampled: bool,
+               source_dtype: str, metadata: dict[str, Any] | None) -> bool:
+        """Copy one checked step into the ring and hand it over; False when it was dropped (queue
+        full under ``when_full="drop"``, or the child is gone: :attr:`dead`). Raises RuntimeError
+        when a device copy fails."""
+        layout = self._layout(tensors)
+        start = self._room(layout.size, coordinates[0])
+        if start is None:
+            return False
+        seq, self._seq = self._seq, self._seq + 1
+        message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident, "d": source_dtype}
+        if metadata:
+            message["x"] = metadata
+        nbytes = sum(t.nbytes for t in tensors.values())
+        self._bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        if start < 0:  # larger than the ring: through the pipe, once nothing else is in flight
+            buffer = bytearray(layout.size)
+            self._copy(torch.frombuffer(buffer, dtype=torch.uint8), layout, 0, tensors, cache=False)
+            self._inflight.append((seq, 0, 0, nbytes, coordinates[0]))
+            message["inline"] = layout.size
+            self._send(message, payload=buffer, wait=True)
+        else:
+            self._copy(self._ring, layout, start, tensors)
+            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0]))
+            message["o"] = start
+            self._send(message)
+        return True
+
+    def poll(self) -> None:
+        """Read and apply the child's results so far, without waiting; notice a child that died."""
+        if self.dead is not None:
+            return
+        self._pump()
+        while True:
+            try:
+                data = os.read(self._res, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                self._gone(f"its result pipe failed ({err})")
+                return
+            if not data:
+                self._gone()
+                return
+            self._inbox += data
+            for message in unframe(self._inbox):
+                self._apply(message)
+
+    def flush(self) -> None:
+        """Wait until the child has handled every step handed over (or died)."""
+        if self.dead is not None:
+            return
+        self._token += 1
+        self._send_forward()
+        self._send({"k": "flush", "t": self._token})
+        while self.dead is None and self._acked < self._token:
+            self._wait()
+
+    def stop(self) -> None:
+        """Hand over the rest, tell the child to finish, wait for it to exit; release the ring."""
+        if self.dead is None:
+            self._send_forward()
+            self._send({"k": "close"})
+            while self.dead is None and not self._closed_ack:
+                self._wait()
+        try:
+            self._child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+        for fd in (self._cmd, self._res):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._views.clear()
+        self._ring = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view still exported: the mapping goes with the last one
+            pass
+        os.close(self._ring_fd)
+
+    def on_writer_thread(self) -> bool:
+        return False
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> _Layout:
+        key = tuple((name, t.dtype, t.shape) for name, t in tensors.items())
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _Layout(len(self._layouts), tensors)
+            if len(self._layouts) < 4096:
+                self._layouts[key] = layout
+            self._send(layout.message())
+        return layout
+
+    def _copy(self, ring: torch.Tensor, layout: _Layout, start: int, tensors: dict[str, torch.Tensor],
+              cache: bool = True) -> None:
+        """Copy ``tensors`` into their places at ``start``; the views of a (layout, start) are kept."""
+        views = self._views.get((layout.ident, start)) if cache else None
+        if views is None:
+            views = [ring[start + at:start + at + nbytes].view(dtype).view(shape) if nbytes else None
+                     for _, dtype, shape, at, nbytes in layout.fields]
+            if cache:
+                if len(self._views) >= 4096:
+                    self._views.clear()
+                self._views[(layout.ident, start)] = views
+        with torch.no_grad():
+            for view, t in zip(views, tensors.values()):
+                if view is not None:
+                    view.copy_(t)  # CUDA: a synchronous copy to host memory (module docstring)
+
+    def _room(self, size: int, step: int) -> int | None:
+        """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
+        under ``block``; None when dropped."""
+        while True:
+            self.poll()
+            if self.dead is not None:
+                self.book.fail(f"step {step}: not written: {self.dead}", TraceError(self.dead), forward=False)
+                return None
+            start = self._place(size)
+            if start is not None:
+                return start
+            if self.when_full == "drop":
+                self.book.count_drop(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
+                                     f"bounds {self.max_steps} steps, {self.size} bytes)")
+                return None
+            self._wait()
+
+    def _place(self, size: int) -> int | None:
+        inflight = self._inflight
+        if not inflight:
+            return 0 if size <= self.size else -1
+        bound = self.max_steps if self._ready else max(self.max_steps, STARTUP_STEPS)
+        if len(inflight) >= bound or size > self.size or self._outbox:
+            return None
+        tail, last_start, last_end = inflight[0][1], inflight[-1][1], inflight[-1][2]
+        if last_start >= tail:  # in use: [tail, last_end)
+            if last_end + size <= self.size:
+                return last_end
+            return 0 if size <= tail else None
+        return last_end if last_end + size <= tail else None  # wrapped; in use: [tail, end) + [0, last_end)
+
+    def _send_forward(self) -> None:
+        forward = self.book.take_forward()
+        if forward:
+            self._send({"k": "counts", **forward})
+
+    def _send(self, message: dict[str, Any], payload: bytes | bytearray | None = None, wait: bool = False) -> None:
+        if message["k"] in ("step", "layout"):
+            self._send_forward()  # drops and skips before this step reach the child first
+        self._outbox += frame(message)
+        if payload is not None:
+            self._outbox += payload
+        self._pump()
+        while wait and self._outbox and self.dead is None:
+            self._wait()
+
+    def _pump(self) -> None:
+        """Write what the command pipe takes now (never blocks)."""
+        while self._outbox and self.dead is None:
+            try:
+                written = os.write(self._cmd, self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:  # EPIPE: the child is gone
+                self._gone()
+                return
+            del self._outbox[:written]
+
+    def _wait(self) -> None:
+        """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice
+        a child that died."""
+        writable = [self._cmd] if self._outbox else []
+        try:
+            select.select([self._res], writable, [], POLL_S)
+        except InterruptedError:
+            pass
+        self.poll()
+        if self.dead is None and self._child.poll() is not None:
+            self.poll()  # its last results first
+            if self.dead is None:
+                self._gone()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        kind = message.get("k")
+        if kind == "done":
+            freed = message["freed"]
+            while self._inflight and self._inflight[0][0] <= freed:
+                self._bytes -= self._inflight.popleft()[3]
+            for _ in range(message.get("w", 0)):
+                self.book.written(True)
+            for _ in range(message.get("u", 0)):
+                self.book.written(False)
+            for reason in message.get("f", []):
+                self.book.fail(reason, TraceError(reason), forward=False)
+        elif kind == "ready":
+            self._ready = True
+        elif kind == "ack":
+            self._acked = max(self._acked, message["t"])
+        elif kind == "closed":
+            self._closed_ack = True
+
+    def _gone(self, why: str | None = None) -> None:
+        """The child is gone: every step it held is counted as dropped, with its exit as the reason."""
+        if self.dead is not None:
+            return
+        deadline = time.monotonic() + 2.0
+        while self._child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._child.poll() is None:
+            self._child.kill()
+        reason = f"the writer process (pid {self.pid}) {why or describe_exit(self._child.poll())}"
+        self.dead = reason
+        for _, _, _, _, step in self._inflight:
+            self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
+        self._inflight.clear()
+        self._bytes = 0
+        self._outbox.clear()
+        self.book.forward = None
