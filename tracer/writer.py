@@ -426,7 +426,8 @@ class TraceWriter:
         except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
             self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)
             handed = False
-        self._poll_process()
+        if self._process.dead is not None:
+            self._poll_process()  # the writer thread from now on
         self._book.raise_pending()
         if handed and not sampled:
             self._book.skipped()  # unless an anomaly brings it out of the ring

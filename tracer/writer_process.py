@@ -32,6 +32,7 @@ sees the pipe's end.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import logging
@@ -54,7 +55,7 @@ from tracer.manifest_book import ManifestBook
 log = logging.getLogger(__name__)
 
 ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
-STARTUP_STEPS = 4096  # steps that may wait in the ring before the child is ready (its import of torch)
+STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
 PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
 POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
 _F_SETPIPE_SZ = 1031
@@ -135,6 +136,7 @@ class ProcessWriter:
         self.dead: str | None = None  # why the child is gone
         self.peak_bytes = self._bytes = 0
         self._inflight: collections.deque[tuple[int, int, int, int, int]] = collections.deque()  # seq, start, end, nbytes, step
+        self._regions: list[tuple[int, int]] = []  # (start, end) of the ring regions in flight, sorted
         self._seq = 0
         self._layouts: dict[tuple, _Layout] = {}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -204,6 +206,7 @@ class ProcessWriter:
         else:
             self._copy(self._ring, layout, start, tensors)
             self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0]))
+            bisect.insort(self._regions, (start, start + layout.size))
             message["o"] = start
             self._send(message)
         return True
@@ -297,33 +300,37 @@ class ProcessWriter:
     def _room(self, size: int, step: int) -> int | None:
         """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
         under ``block``; None when dropped."""
-        while True:
-            self.poll()
+        start = self._place(size) if self.dead is None else None
+        while start is None:
+            self.poll()  # results free room
             if self.dead is not None:
                 self.book.fail(f"step {step}: not written: {self.dead}", TraceError(self.dead), forward=False)
                 return None
             start = self._place(size)
             if start is not None:
-                return start
+                break
             if self.when_full == "drop":
                 self.book.count_drop(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
                                      f"bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
             self._wait()
+        return start
 
     def _place(self, size: int) -> int | None:
-        inflight = self._inflight
-        if not inflight:
+        """The lowest start of a free stretch of ``size`` bytes (first fit: the ring's start stays warm
+        and its views known), -1 for a step larger than the ring when nothing is in flight, None when
+        there is no room (or the steps bound is reached)."""
+        if not self._inflight:
             return 0 if size <= self.size else -1
         bound = self.max_steps if self._ready else max(self.max_steps, STARTUP_STEPS)
-        if len(inflight) >= bound or size > self.size or self._outbox:
+        if len(self._inflight) >= bound or size > self.size or self._outbox:
             return None
-        tail, last_start, last_end = inflight[0][1], inflight[-1][1], inflight[-1][2]
-        if last_start >= tail:  # in use: [tail, last_end)
-            if last_end + size <= self.size:
-                return last_end
-            return 0 if size <= tail else None
-        return last_end if last_end + size <= tail else None  # wrapped; in use: [tail, end) + [0, last_end)
+        cursor = 0
+        for start, end in self._regions:
+            if start - cursor >= size:
+                return cursor
+            cursor = max(cursor, end)
+        return cursor if self.size - cursor >= size else None
 
     def _send_forward(self) -> None:
         forward = self.book.take_forward()
@@ -371,7 +378,10 @@ class ProcessWriter:
         if kind == "done":
             freed = message["freed"]
             while self._inflight and self._inflight[0][0] <= freed:
-                self._bytes -= self._inflight.popleft()[3]
+                _, start, end, nbytes, _ = self._inflight.popleft()
+                self._bytes -= nbytes
+                if end > start:
+                    del self._regions[bisect.bisect_left(self._regions, (start, end))]
             for _ in range(message.get("w", 0)):
                 self.book.written(True)
             for _ in range(message.get("u", 0)):
@@ -399,6 +409,7 @@ class ProcessWriter:
         for _, _, _, _, step in self._inflight:
             self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
         self._inflight.clear()
+        self._regions.clear()
         self._bytes = 0
         self._outbox.clear()
         self.book.forward = None
