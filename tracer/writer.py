@@ -40,7 +40,8 @@ from tracer import summaries
 from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
-from tracer.schema import ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors, encode_metadata, jsonable
+from tracer.record_checks import MAX_SIGNATURES, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, jsonable
 from tracer.step_writer import StepWriter, step_header
 
 log = logging.getLogger(__name__)
@@ -61,21 +62,8 @@ def _distributed_rank() -> tuple[int, int]:
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
                          "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summaries.SUMMARY_KEY})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
-MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 WRITERS = ("thread", "process")
 WRITER_ENV = "TRACER_WRITER"  # thread | process: the writer of TraceWriters that do not name one
-
-
-def _coordinate(name: str, value: Any) -> int:
-    """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = value.item()
-    if hasattr(value, "__index__") and not isinstance(value, bool):
-        value = value.__index__()
-        if 0 <= value < 2**62:
-            return value
-    raise SchemaError(f"{name} must be an integer in [0, 2**62), got {value!r:.40} ({type(value).__name__}); "
-                      f"pass the {name.replace('_', ' ')} counter as an int")
 
 
 class TraceWriter:
@@ -164,7 +152,7 @@ class TraceWriter:
         # a non-JSON hyperparameter raises SchemaError now, naming it
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
-        self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
+        self._signatures = SignatureCache(algorithm)  # field signatures checked once
         self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
@@ -263,13 +251,13 @@ class TraceWriter:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
-        step, inner_step, micro_batch = (_coordinate("step", step), _coordinate("inner_step", inner_step),
-                                         _coordinate("micro_batch", micro_batch))
+        step, inner_step, micro_batch = (coordinate("step", step), coordinate("inner_step", inner_step),
+                                         coordinate("micro_batch", micro_batch))
         reserved = WRITER_KEYS.intersection(metadata or {})
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        source_dtype = self._checked_signature(tensors)
+        source_dtype = self._signatures.check(tensors)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
@@ -393,30 +381,6 @@ class TraceWriter:
         self.close()
 
     # -- private: training thread -------------------------------------------------------------
-
-    def _checked_signature(self, tensors: dict[str, Any]) -> str:
-        """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
-        signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
-        set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
-        every time. Returns the ``source_dtype`` metadata of the signature. Raises SchemaError."""
-        try:
-            signature = tuple((name, t.shape, t.dtype, t.device.type) for name, t in tensors.items())
-            cached = self._signatures.get(signature)
-        except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
-            cached, signature = None, None
-        if cached is None:
-            check_tensors(tensors, self.algorithm)
-            source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
-                                      if t.is_floating_point()}))
-            value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
-                                  and t.dtype != torch.bool and t.device.type == "cpu")
-            cached = (source, value_checked)
-            if signature is not None and len(self._signatures) < MAX_SIGNATURES:
-                self._signatures[signature] = cached
-            return source
-        for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
-            check_mask_field(name, tensors[name])
-        return cached[0]
 
     def _hand_over(self, coordinates, tensors, sampled, source_dtype, metadata, path) -> Path | None:
         """Process mode: copy the step into the writer process's shared ring (False: dropped)."""
