@@ -49,17 +49,20 @@ def _rotate(plain, traced: dict, rounds: int) -> dict[str, dict]:
     medians and the spread of the per-round ratios (traced / that round's plain)."""
     kinds = ["off", *traced]
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all its threads
     for r in range(rounds):
         for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plain() if kind == "off" else traced[kind](r)
             times[kind].append(time.perf_counter() - t0)
+            cpu[kind].append(time.process_time() - c0)
     off = times["off"]
     out = {}
     for kind in traced:
         ratios = [a / b for a, b in zip(times[kind], off)]
         out[kind] = {"off_s": median(off), "on_s": median(times[kind]), "ratio": median(times[kind]) / median(off),
-                     "spread": (min(ratios), max(ratios))}
+                     "spread": (min(ratios), max(ratios)),
+                     "cpu_extra_s": median(cpu[kind]) - median(cpu["off"])}
     return out
 
 
@@ -99,7 +102,8 @@ def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: 
             opened[kind] = (writer, open_s + time.perf_counter() - t0)
     return {kind: {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps,
                    "open_close_ms": 1e3 * opened[kind][1],
-                   "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}"}
+                   "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}",
+                   "cpu_us": 1e6 * res["cpu_extra_s"] / steps}
             for kind, res in results.items()}
 
 
@@ -172,6 +176,7 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
     assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
     return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
+            "cpu_us": 1e6 * res["cpu_extra_s"] / backwards,
             "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
@@ -209,7 +214,8 @@ def main() -> None:
         unit = "backward" if name == "ppo" else "record"
         print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
-              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)"
+              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block), training process CPU "
+              f"+{r['cpu_us']:.0f} us per {unit}"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
                  if "capture_us" in r else ""))

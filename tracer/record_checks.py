@@ -33,6 +33,7 @@ class SignatureCache(dict):
     def __init__(self, algorithm: str) -> None:
         super().__init__()
         self.algorithm = algorithm
+        self.last: tuple | None = None  # the signature of the tensors last checked (None: not hashable)
 
     def check(self, tensors: dict[str, Any]) -> str:
         """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
@@ -44,6 +45,7 @@ class SignatureCache(dict):
             cached = self.get(signature)
         except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
             cached, signature = None, None
+        self.last = signature
         if cached is None:
             check_tensors(tensors, self.algorithm)
             source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()

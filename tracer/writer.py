@@ -199,8 +199,16 @@ class TraceWriter:
         if mode == "process":
             from tracer.writer_process import ProcessWriter  # imported only by those who use it
 
-            self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
-                                          when_full, self._lock_fd)
+            try:
+                self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
+                                              when_full, self._lock_fd)
+            except TraceError as err:
+                if strict:
+                    unlock_rank(self._lock_fd)
+                    raise
+                warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning, stacklevel=2)
+                self._book.manifest["capture"]["writer"] = "thread"
+                self._start_writing(background=True)
         else:
             self._start_writing(background=async_write)
         _OPEN_WRITERS.add(self)
@@ -386,7 +394,8 @@ class TraceWriter:
         """Process mode: copy the step into the writer process's shared ring (False: dropped)."""
         try:
             handed = self._process.submit(coordinates, tensors, sampled, source_dtype,
-                                          jsonable(dict(metadata)) if metadata else None)
+                                          jsonable(dict(metadata)) if metadata else None,
+                                          None if self.sampling.first_k_sequences else self._signatures.last)
         except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
             self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)
             handed = False

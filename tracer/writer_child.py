@@ -36,7 +36,7 @@ from tracer.capture import MAX_BATCH, WRITER_NICENESS, StagedStep
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header
-from tracer.writer_process import frame
+from tracer.writer_process import frame, parse_body
 
 log = logging.getLogger("tracer.writer_child")
 _FRAME = struct.Struct("<I")
@@ -86,14 +86,12 @@ class _Channel:
         return carried + self._messages()
 
     def _messages(self) -> list[dict[str, Any]]:
-        import json
-
         out, at, buf = [], 0, self._buffer
         while len(buf) - at >= 4:
             (size,) = _FRAME.unpack_from(buf, at)
             if len(buf) - at - 4 < size:
                 break
-            message = json.loads(bytes(buf[at + 4:at + 4 + size]))
+            message = parse_body(bytes(buf[at + 4:at + 4 + size]))
             end = at + 4 + size + message.get("inline", 0)
             if len(buf) < end:
                 if self.eof:  # a torn last step: the parent died while handing it over
@@ -206,7 +204,7 @@ class Child:
             nbytes += size
         step, inner_step, micro_batch = message["c"]
         header = step_header(self.hyperparameters, message.get("x"), self.algorithm, step, inner_step, micro_batch,
-                             self.rank, self.world_size, message["d"])
+                             self.rank, self.world_size, layout["d"])
         self.pending.append((message["q"], StagedStep(step, inner_step, micro_batch, tensors, header, nbytes,
                                                       message["p"])))
         self.pending_bytes += nbytes

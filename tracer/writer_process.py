@@ -66,10 +66,34 @@ _CHILD_MAIN = ("import sys, types; package = types.ModuleType('tracer'); package
 _FRAME = struct.Struct("<I")
 
 
+_STEP = struct.Struct("<qqqqBIQ")  # seq, step, inner_step, micro_batch, sampled, layout, ring offset
+
+
 def frame(message: dict[str, Any]) -> bytes:
     """A message as the pipes carry it: 4-byte little-endian length, then JSON."""
     body = json.dumps(message, allow_nan=True, default=repr).encode()
     return _FRAME.pack(len(body)) + body
+
+
+def step_frame(seq: int, coordinates: tuple[int, int, int], sampled: bool, layout: int, offset: int,
+               metadata: dict[str, Any] | None) -> bytes:
+    """The frame of a step in the ring: ``S``, :data:`_STEP`'s fields, then its metadata's JSON (if any)."""
+    body = b"S" + _STEP.pack(seq, *coordinates, sampled, layout, offset)
+    if metadata:
+        body += json.dumps(metadata, allow_nan=True, default=repr).encode()
+    return _FRAME.pack(len(body)) + body
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """A frame's body as a message (:func:`frame`, :func:`step_frame`)."""
+    if body[:1] != b"S":
+        return json.loads(body)
+    seq, step, inner_step, micro_batch, sampled, layout, offset = _STEP.unpack_from(body, 1)
+    message = {"k": "step", "q": seq, "c": (step, inner_step, micro_batch), "p": bool(sampled), "l": layout,
+               "o": offset}
+    if len(body) > 1 + _STEP.size:
+        message["x"] = json.loads(body[1 + _STEP.size:])
+    return message
 
 
 def unframe(buffer: bytearray) -> list[dict[str, Any]]:
@@ -100,18 +124,31 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def _ring_file() -> int:
+    """A file descriptor of anonymous shared memory: a memfd (Linux), else a file in /dev/shm (or
+    the temporary folder) removed at once; either way nothing is left when both processes end."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("tracer-ring", os.MFD_CLOEXEC)
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="tracer-ring-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.unlink(path)
+    return fd
+
+
 class _Layout:
     """Where each tensor of one field signature lies in a step's region of the ring."""
 
-    def __init__(self, ident: int, tensors: dict[str, torch.Tensor]) -> None:
-        self.ident, self.fields, at = ident, [], 0
+    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str) -> None:
+        self.ident, self.fields, self.source_dtype, at = ident, [], source_dtype, 0
         for name, t in tensors.items():
             self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
             at = _align(at + t.nbytes)
         self.size = max(at, ALIGN)
+        self.nbytes = sum(field[4] for field in self.fields)
 
     def message(self) -> dict[str, Any]:
-        return {"k": "layout", "id": self.ident, "size": self.size,
+        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype,
                 "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}
 
 
@@ -147,13 +184,13 @@ class ProcessWriter:
         self._closed_ack = False
         try:
             self._start(config, lock_fd)
-        except OSError as err:
-            raise TraceError(f"tracer: could not start the writer process for {config['root']}: {err}; "
-                             "use writer='thread'") from err
+        except (OSError, ValueError) as err:
+            raise TraceError(f"tracer: could not start the writer process for {config['root']}: "
+                             f"{type(err).__name__}: {err}") from err
         book.forward = {}
 
     def _start(self, config: dict[str, Any], lock_fd: int | None) -> None:
-        self._ring_fd = os.memfd_create("tracer-ring", os.MFD_CLOEXEC)
+        self._ring_fd = _ring_file()
         os.ftruncate(self._ring_fd, self.size)
         self._mm = mmap.mmap(self._ring_fd, self.size)
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
@@ -177,38 +214,36 @@ class ProcessWriter:
         self.pid = self._child.pid
         os.set_blocking(self._cmd, False)
         os.set_blocking(self._res, False)
-        self._send({"k": "config", **config, "ring_bytes": self.size})
+        self._send(frame({"k": "config", **config, "ring_bytes": self.size}))
 
     # -- training thread ----------------------------------------------------------------------
 
     def submit(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor], sampled: bool,
-               source_dtype: str, metadata: dict[str, Any] | None) -> bool:
+               source_dtype: str, metadata: dict[str, Any] | None, signature: tuple | None = None) -> bool:
         """Copy one checked step into the ring and hand it over; False when it was dropped (queue
-        full under ``when_full="drop"``, or the child is gone: :attr:`dead`). Raises RuntimeError
-        when a device copy fails."""
-        layout = self._layout(tensors)
+        full under ``when_full="drop"``, or the child is gone: :attr:`dead`). ``signature``: a key
+        of the tensors' names, dtypes and shapes when the caller has one. Raises RuntimeError when
+        a device copy fails."""
+        layout = self._layout(tensors, signature, source_dtype)
         start = self._room(layout.size, coordinates[0])
         if start is None:
             return False
         seq, self._seq = self._seq, self._seq + 1
-        message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident, "d": source_dtype}
-        if metadata:
-            message["x"] = metadata
-        nbytes = sum(t.nbytes for t in tensors.values())
+        nbytes = layout.nbytes
         self._bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         if start < 0:  # larger than the ring: through the pipe, once nothing else is in flight
             buffer = bytearray(layout.size)
             self._copy(torch.frombuffer(buffer, dtype=torch.uint8), layout, 0, tensors, cache=False)
             self._inflight.append((seq, 0, 0, nbytes, coordinates[0]))
-            message["inline"] = layout.size
-            self._send(message, payload=buffer, wait=True)
+            message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident,
+                       "inline": layout.size, **({"x": metadata} if metadata else {})}
+            self._send(frame(message), payload=buffer, wait=True)
         else:
             self._copy(self._ring, layout, start, tensors)
             self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0]))
             bisect.insort(self._regions, (start, start + layout.size))
-            message["o"] = start
-            self._send(message)
+            self._send(step_frame(seq, coordinates, sampled, layout.ident, start, metadata))
         return True
 
     def poll(self) -> None:
@@ -237,7 +272,7 @@ class ProcessWriter:
             return
         self._token += 1
         self._send_forward()
-        self._send({"k": "flush", "t": self._token})
+        self._send(frame({"k": "flush", "t": self._token}))
         while self.dead is None and self._acked < self._token:
             self._wait()
 
@@ -245,7 +280,7 @@ class ProcessWriter:
         """Hand over the rest, tell the child to finish, wait for it to exit; release the ring."""
         if self.dead is None:
             self._send_forward()
-            self._send({"k": "close"})
+            self._send(frame({"k": "close"}))
             while self.dead is None and not self._closed_ack:
                 self._wait()
         try:
@@ -271,14 +306,14 @@ class ProcessWriter:
 
     # -- private ------------------------------------------------------------------------------
 
-    def _layout(self, tensors: dict[str, torch.Tensor]) -> _Layout:
-        key = tuple((name, t.dtype, t.shape) for name, t in tensors.items())
+    def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str) -> _Layout:
+        key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = _Layout(len(self._layouts), tensors)
+            layout = _Layout(len(self._layouts), tensors, source_dtype)
             if len(self._layouts) < 4096:
                 self._layouts[key] = layout
-            self._send(layout.message())
+            self._send(frame(layout.message()))
         return layout
 
     def _copy(self, ring: torch.Tensor, layout: _Layout, start: int, tensors: dict[str, torch.Tensor],
@@ -335,12 +370,14 @@ class ProcessWriter:
     def _send_forward(self) -> None:
         forward = self.book.take_forward()
         if forward:
-            self._send({"k": "counts", **forward})
+            self._outbox += frame({"k": "counts", **forward})
 
-    def _send(self, message: dict[str, Any], payload: bytes | bytearray | None = None, wait: bool = False) -> None:
-        if message["k"] in ("step", "layout"):
-            self._send_forward()  # drops and skips before this step reach the child first
-        self._outbox += frame(message)
+    def _send(self, data: bytes, payload: bytes | bytearray | None = None, wait: bool = False) -> None:
+        """Queue ``data`` (a frame) for the child, after the counts it must hear of first, and write
+        what the pipe takes now (``wait``: all of it, and ``payload`` after the frame)."""
+        if self.book.forward:
+            self._send_forward()  # drops and skips before this message reach the child first
+        self._outbox += data
         if payload is not None:
             self._outbox += payload
         self._pump()
