@@ -22,7 +22,6 @@ import mmap
 import os
 import select
 import signal
-import struct
 import sys
 import time
 from pathlib import Path
@@ -32,14 +31,17 @@ import torch
 
 from tracer import capture
 from tracer.batches import BatchHandler
-from tracer.capture import MAX_BATCH, WRITER_NICENESS, StagedStep
+from tracer.capture import MAX_BATCH, StagedStep
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header
-from tracer.writer_process import frame, parse_body
+from tracer.writer_pipe import FRAME, frame, parse_body
 
 log = logging.getLogger("tracer.writer_child")
-_FRAME = struct.Struct("<I")
+# Added to the writer process's nice value. Less than the writer thread's 10: a process at nice 10
+# gets about a tenth of a core against ordinary load, falls behind, and the training process then
+# waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
+WRITER_PROCESS_NICENESS = 5
 
 
 class _ChildBook(ManifestBook):
@@ -88,7 +90,7 @@ class _Channel:
     def _messages(self) -> list[dict[str, Any]]:
         out, at, buf = [], 0, self._buffer
         while len(buf) - at >= 4:
-            (size,) = _FRAME.unpack_from(buf, at)
+            (size,) = FRAME.unpack_from(buf, at)
             if len(buf) - at - 4 < size:
                 break
             message = parse_body(bytes(buf[at + 4:at + 4 + size]))
@@ -242,7 +244,7 @@ def main(argv: list[str]) -> int:
     cmd, res, ring_fd = (int(arg) for arg in argv[:3])
     parent = os.getppid()
     try:
-        os.nice(WRITER_NICENESS)
+        os.nice(WRITER_PROCESS_NICENESS)
     except OSError:
         pass
     torch.set_num_threads(1)

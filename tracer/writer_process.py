@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import bisect
 import collections
-import json
 import logging
 import mmap
 import os
 import select
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -51,6 +49,7 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.manifest_book import ManifestBook
+from tracer.writer_pipe import frame, step_frame, unframe
 
 log = logging.getLogger(__name__)
 
@@ -63,52 +62,6 @@ _F_SETPIPE_SZ = 1031
 # imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
 _CHILD_MAIN = ("import sys, types; package = types.ModuleType('tracer'); package.__path__ = [sys.argv[1]]; "
                "sys.modules['tracer'] = package; from tracer.writer_child import main; sys.exit(main(sys.argv[2:]))")
-_FRAME = struct.Struct("<I")
-
-
-_STEP = struct.Struct("<qqqqBIQ")  # seq, step, inner_step, micro_batch, sampled, layout, ring offset
-
-
-def frame(message: dict[str, Any]) -> bytes:
-    """A message as the pipes carry it: 4-byte little-endian length, then JSON."""
-    body = json.dumps(message, allow_nan=True, default=repr).encode()
-    return _FRAME.pack(len(body)) + body
-
-
-def step_frame(seq: int, coordinates: tuple[int, int, int], sampled: bool, layout: int, offset: int,
-               metadata: dict[str, Any] | None) -> bytes:
-    """The frame of a step in the ring: ``S``, :data:`_STEP`'s fields, then its metadata's JSON (if any)."""
-    body = b"S" + _STEP.pack(seq, *coordinates, sampled, layout, offset)
-    if metadata:
-        body += json.dumps(metadata, allow_nan=True, default=repr).encode()
-    return _FRAME.pack(len(body)) + body
-
-
-def parse_body(body: bytes) -> dict[str, Any]:
-    """A frame's body as a message (:func:`frame`, :func:`step_frame`)."""
-    if body[:1] != b"S":
-        return json.loads(body)
-    seq, step, inner_step, micro_batch, sampled, layout, offset = _STEP.unpack_from(body, 1)
-    message = {"k": "step", "q": seq, "c": (step, inner_step, micro_batch), "p": bool(sampled), "l": layout,
-               "o": offset}
-    if len(body) > 1 + _STEP.size:
-        message["x"] = json.loads(body[1 + _STEP.size:])
-    return message
-
-
-def unframe(buffer: bytearray) -> list[dict[str, Any]]:
-    """The complete messages at the head of ``buffer`` (removed from it)."""
-    out, at = [], 0
-    while len(buffer) - at >= 4:
-        (size,) = _FRAME.unpack_from(buffer, at)
-        if len(buffer) - at - 4 < size:
-            break
-        out.append(json.loads(bytes(buffer[at + 4:at + 4 + size])))
-        at += 4 + size
-    del buffer[:at]
-    return out
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
