@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,13 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _ring_file() -> int:
@@ -165,6 +173,8 @@ class ProcessWriter:
             os.close(cmd_r)
             os.close(res_w)
         self.pid = self._child.pid
+        # a writer dropped without close(): the command pipe's end tells the child to finish and exit
+        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd)
         os.set_blocking(self._cmd, False)
         os.set_blocking(self._res, False)
         self._send(frame({"k": "config", **config, "ring_bytes": self.size}))
@@ -241,11 +251,8 @@ class ProcessWriter:
         except subprocess.TimeoutExpired:
             self._child.kill()
             self._child.wait()
-        for fd in (self._cmd, self._res):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._hang_up()
+        _close_quietly(self._res)
         self._views.clear()
         self._ring = None
         try:
