@@ -378,9 +378,18 @@ class TraceWriter:
         return "process" if self._process is not None else "thread" if self._background is not None else "inline"
 
     steps_written = property(lambda self: self._book.steps_written, doc="Step files written so far.")
-    dropped_steps = property(lambda self: self._book.dropped_steps, doc="Steps lost (every cause), counted.")
     skipped_steps = property(lambda self: self._book.skipped_steps, doc="Steps the sampling policy left out.")
-    drop_reasons = property(lambda self: list(self._book.drop_reasons), doc="The first 20 drops' reasons.")
+    drop_reasons = property(lambda self: self._book.drop_reasons, doc="The first 20 drops' reasons (the live list).")
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps lost (every cause), counted. Prefer :meth:`count_drop` to setting it."""
+        return self._book.dropped_steps
+
+    @dropped_steps.setter
+    def dropped_steps(self, value: int) -> None:
+        with self._book.lock:
+            self._book.dropped_steps, self._book.dirty = value, True
 
     def __enter__(self) -> "TraceWriter":
         return self
