@@ -23,7 +23,6 @@ from tracer.writer import TraceWriter
 log = logging.getLogger(__name__)
 
 
-
 def require_methods(trainer: Any, names: Iterable[str], expected: str) -> None:
     """Raise TraceError naming the methods ``trainer`` lacks (the ones the hook wraps)."""
     missing = [name for name in names if not callable(getattr(trainer, name, None))]
