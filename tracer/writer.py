@@ -420,7 +420,9 @@ class TraceWriter:
         self._process.poll()
         if self._process.dead is None:
             return
-        reason, self._process = self._process.dead, None
+        gone, self._process = self._process, None
+        reason = gone.dead
+        gone.stop()  # the child has exited: this releases the ring and the pipes
         warnings.warn(f"tracer: {reason}; the steps it held are counted as dropped, later steps are written by a "
                       "thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
         with self._book.lock:

@@ -143,9 +143,13 @@ class ProcessWriter:
         self._inbox = bytearray()
         self._acked = self._token = 0
         self._closed_ack = False
+        self._ring_fd = None
         try:
             self._start(config, lock_fd)
         except (OSError, ValueError) as err:
+            for fd in (self._ring_fd, getattr(self, "_cmd", None), getattr(self, "_res", None)):
+                if fd is not None:
+                    _close_quietly(fd)
             raise TraceError(f"tracer: could not start the writer process for {config['root']}: "
                              f"{type(err).__name__}: {err}") from err
         book.forward = {}
@@ -240,7 +244,10 @@ class ProcessWriter:
             self._wait()
 
     def stop(self) -> None:
-        """Hand over the rest, tell the child to finish, wait for it to exit; release the ring."""
+        """Hand over the rest, tell the child to finish, wait for it to exit; release the ring
+        (idempotent)."""
+        if self._ring_fd is None:
+            return
         if self.dead is None:
             self._send_forward()
             self._send(frame({"k": "close"}))
@@ -259,7 +266,8 @@ class ProcessWriter:
             self._mm.close()
         except BufferError:  # a view still exported: the mapping goes with the last one
             pass
-        os.close(self._ring_fd)
+        _close_quietly(self._ring_fd)
+        self._ring_fd = None
 
     def on_writer_thread(self) -> bool:
         return False
