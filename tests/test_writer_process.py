@@ -355,3 +355,17 @@ def test_zero_edit_capture_and_paused_with_the_writer_process(tmp_path):
     assert [k.step for k in trace.steps()] == [0, 1, 2]
     manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
     assert manifest["capture"]["writer"] == "process" and manifest["capture_report"]["steps_recorded"] == 3
+
+
+def test_a_writer_process_that_cannot_start_leaves_a_thread_writing(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    with pytest.warns(RuntimeWarning, match=r"could not start the writer process .*FileNotFoundError.*writing on a "
+                                            r"thread instead"):
+        writer = TraceWriter(tmp_path / "t", "grpo", writer="process")
+    assert writer.writer == "thread"
+    writer.record(0, grpo_step(0))
+    writer.close()
+    assert [k.step for k in Trace(tmp_path / "t").steps()] == [0]
+    assert json.loads((tmp_path / "t" / "manifest.json").read_text())["capture"]["writer"] == "thread"
+    with pytest.raises(TraceError, match="could not start the writer process"):
+        TraceWriter(tmp_path / "strict", "grpo", writer="process", strict=True)
