@@ -9,20 +9,40 @@ while counting, never during I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from tracer.errors import TraceError
-from tracer.layout import MANIFEST_NAME
+from tracer.layout import FORMAT_NAME, MANIFEST_NAME, producers
+from tracer.schema import SCHEMA_VERSION, jsonable
 
 log = logging.getLogger(__name__)
 
 MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 MAX_DROP_REASONS = 20  # reasons kept in the manifest (every drop is counted)
+
+
+def new_manifest(algorithm: str, world_size: int, hyperparameters: Mapping[str, Any],
+                 config: Mapping[str, Any] | None, sampling: Any, capture: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a trace just started (SPEC.md section 5); the counts are added when written."""
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "algorithm": algorithm,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "producers": producers(),
+        "world_size": world_size,
+        "hyperparameters": jsonable(dict(hyperparameters)),
+        "config": jsonable(dict(config or {})),
+        "sampling": dataclasses.asdict(sampling),
+        "capture": capture,
+        "status": "running",
+    }
 
 
 class ManifestBook:

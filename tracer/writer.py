@@ -8,10 +8,8 @@ partial file.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -39,7 +37,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
 from tracer import summaries
 from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
-from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
+from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
 from tracer.record_checks import MAX_SIGNATURES, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, jsonable
 from tracer.step_writer import StepWriter, step_header
@@ -157,21 +155,9 @@ class TraceWriter:
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
-        manifest: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "schema_version": SCHEMA_VERSION,
-            "algorithm": algorithm,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "producers": producers(),
-            "world_size": self.world_size,
-            "hyperparameters": jsonable(self.hyperparameters),
-            "config": jsonable(dict(config or {})),
-            "sampling": dataclasses.asdict(self.sampling),
-            "capture": {"async_write": async_write, "max_queue_steps": max_queue_steps,
-                        "max_queue_bytes": max_queue_bytes, "when_full": when_full,
-                        "writer": mode},
-            "status": "running",
-        }
+        manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
+                                {"async_write": async_write, "max_queue_steps": max_queue_steps,
+                                 "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode})
         self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
         if tokenizer is not None:
             manifest["tokenizer"] = tokenizer_identity(tokenizer)
@@ -197,18 +183,7 @@ class TraceWriter:
         self._background: BackgroundWriter | None = None
         self._process = None  # tracer.writer_process.ProcessWriter
         if mode == "process":
-            from tracer.writer_process import ProcessWriter  # imported only by those who use it
-
-            try:
-                self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
-                                              when_full, self._lock_fd)
-            except TraceError as err:
-                if strict:
-                    unlock_rank(self._lock_fd)
-                    raise
-                warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning, stacklevel=2)
-                self._book.manifest["capture"]["writer"] = "thread"
-                self._start_writing(background=True)
+            self._start_process()
         else:
             self._start_writing(background=async_write)
         _OPEN_WRITERS.add(self)
@@ -429,6 +404,22 @@ class TraceWriter:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
         self._start_writing(background=True)
+
+    def _start_process(self) -> None:
+        """Start the writer process; one that cannot start leaves a thread writing (strict: raises)."""
+        from tracer.writer_process import ProcessWriter  # imported only by those who use it
+
+        max_queue_steps, max_queue_bytes, when_full = self._queue
+        try:
+            self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
+                                          when_full, self._lock_fd)
+        except TraceError as err:
+            if self.strict:
+                unlock_rank(self._lock_fd)
+                raise
+            warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning, stacklevel=3)
+            self._book.manifest["capture"]["writer"] = "thread"
+            self._start_writing(background=True)
 
     def _start_writing(self, background: bool) -> None:
         """Write in this process: on a background thread, or inside ``record``."""
