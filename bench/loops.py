@@ -7,12 +7,15 @@
   rollout, then 3 PPO epochs over minibatches drawn by ``inds``) on the tiny local model, traced
   with zero edits through ``tracer.watch`` (every ``loss.backward()`` captured by name).
 
-Each round runs one plain and one traced block of ``steps`` steps, the order alternating (one writer
-for the whole run, flushed at the end of each traced block; its open + close is reported apart); the
-ratio is median(traced) / median(plain) over rounds, with the spread of the per-round ratios.
-Targets: toy <= 1.05, realistic <= 1.03, ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
+Each round runs one plain block and one traced block per writer (``--writer thread,process``: the
+writer thread and the writer process, ``TraceWriter(writer=...)``) of ``steps`` steps, the order
+rotating from round to round (one writer per kind for the whole run, flushed at the end of each of
+its traced blocks; its open + close is reported apart); the ratio is median(traced) / median(plain)
+over rounds, with the spread of the per-round ratios. The ppo shape measures each writer in its own
+series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realistic <= 1.03,
+ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
-    python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1]
+    python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1] [--writer thread,process]
 """
 
 from __future__ import annotations
@@ -38,46 +41,70 @@ TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
 
 def _alternate(plain, traced, rounds: int) -> dict:
     """``plain()`` and ``traced(i)`` once per round, order alternating; seconds of each."""
-    off, on = [], []
+    return _rotate(plain, {"on": traced}, rounds)["on"]
+
+
+def _rotate(plain, traced: dict, rounds: int) -> dict[str, dict]:
+    """``plain()`` and each ``traced[kind](i)`` once per round, the order rotating; per kind, the
+    medians and the spread of the per-round ratios (traced / that round's plain)."""
+    kinds = ["off", *traced]
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all its threads
     for r in range(rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            t0 = time.perf_counter()
-            if mode == "off":
-                plain()
-                off.append(time.perf_counter() - t0)
-            else:
-                traced(r)
-                on.append(time.perf_counter() - t0)
-    ratios = [a / b for a, b in zip(on, off)]
-    return {"off_s": median(off), "on_s": median(on), "ratio": median(on) / median(off),
-            "spread": (min(ratios), max(ratios))}
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            plain() if kind == "off" else traced[kind](r)
+            times[kind].append(time.perf_counter() - t0)
+            cpu[kind].append(time.process_time() - c0)
+    off = times["off"]
+    out = {}
+    for kind in traced:
+        ratios = [a / b for a, b in zip(times[kind], off)]
+        out[kind] = {"off_s": median(off), "on_s": median(times[kind]), "ratio": median(times[kind]) / median(off),
+                     "spread": (min(ratios), max(ratios)),
+                     "cpu_extra_s": median(cpu[kind]) - median(cpu["off"])}
+    return out
 
 
-def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str) -> dict:
-    """One writer for the whole measurement, as in a run (opened and closed once, outside the timed
-    blocks: that cost is reported apart); each traced block ends with ``flush()``, so all the writer's
-    work for its steps falls inside the block that recorded them (the last batch's work then runs
-    beside nothing, which a run would overlap with its next steps: blocks are long enough, 0.7 s for
-    the toy loop, that this costs well under 1%)."""
+def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str,
+               writers: tuple[str, ...] = ("thread",)) -> dict[str, dict]:
+    """One writer per kind for the whole measurement, as in a run (opened and closed once, outside
+    the timed blocks: that cost is reported apart); each traced block ends with ``flush()``, so all
+    the writer's work for its steps falls inside the block that recorded them (the last batch's work
+    then runs beside nothing, which a run would overlap with its next steps: blocks are long enough,
+    0.7 s for the toy loop, that this costs well under 1%). The writer process is started and warmed
+    by one flushed step before the rounds (its start, 1-2 s, is part of open + close)."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     run_loop(model, optimizer, 2, B, T, L, None)  # warm-up
-    t0 = time.perf_counter()
-    writer = TraceWriter(f"{tmp}/{name}", "grpo", hyperparameters={"num_generations": 8})
-    open_s = time.perf_counter() - t0
-
-    def traced(r: int) -> None:
-        run_loop(model, optimizer, steps, B, T, L, writer, step0=r * steps)
+    opened: dict[str, tuple[TraceWriter, float]] = {}
+    for kind in writers:
+        t0 = time.perf_counter()
+        writer = TraceWriter(f"{tmp}/{name}_{kind}", "grpo", hyperparameters={"num_generations": 8}, writer=kind)
+        run_loop(model, optimizer, 1, B, T, L, writer, step0=10**6)  # its first step: the child's start
         writer.flush()
+        opened[kind] = (writer, time.perf_counter() - t0)
+
+    def traced(kind: str):
+        def run(r: int) -> None:
+            writer = opened[kind][0]
+            run_loop(model, optimizer, steps, B, T, L, writer, step0=r * steps)
+            writer.flush()
+        return run
 
     try:
-        res = _alternate(lambda: run_loop(model, optimizer, steps, B, T, L, None), traced, rounds)
+        results = _rotate(lambda: run_loop(model, optimizer, steps, B, T, L, None),
+                          {kind: traced(kind) for kind in writers}, rounds)
     finally:
-        t0 = time.perf_counter()
-        writer.close()
-        close_s = time.perf_counter() - t0
-    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps, "open_close_ms": 1e3 * (open_s + close_s),
-            "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}"}
+        for kind, (writer, open_s) in opened.items():
+            t0 = time.perf_counter()
+            writer.close()
+            opened[kind] = (writer, open_s + time.perf_counter() - t0)
+    return {kind: {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": steps,
+                   "open_close_ms": 1e3 * opened[kind][1],
+                   "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / steps, "shape": f"B={B} T={T}",
+                   "cpu_us": 1e6 * res["cpu_extra_s"] / steps}
+            for kind, res in results.items()}
 
 
 def _load_script():
@@ -105,7 +132,7 @@ def _timed(real, inside: list):
     return scope["timed"]
 
 
-def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
+def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict:
     import copy
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,7 +157,8 @@ def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
     inside: list[float] = []
     # One watcher for the whole measurement (one trace, as in a run); the plain blocks run inside
     # ``paused()`` (torch's own backward), each traced block ends with a flush of the writer.
-    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo") as w:
+    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo_{writer}",
+                                                                 writer=writer) as w:
         w.on_backward = _timed(w.on_backward, inside)
 
         def plain() -> None:
@@ -148,20 +176,25 @@ def ppo_shape(steps: int, rounds: int, tmp: str) -> dict:
     assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
     return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
+            "cpu_us": 1e6 * res["cpu_extra_s"] / backwards,
             "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
 
 
-def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo")) -> dict[str, dict]:
+def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo"),
+            writers: tuple[str, ...] = ("thread",)) -> dict[tuple[str, str], dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "toy" in only:
-            out["toy"] = grpo_shape("toy", 8, 16, 16, steps=120, rounds=rounds, tmp=tmp)
+            for kind, res in grpo_shape("toy", 8, 16, 16, 120, rounds, tmp, writers).items():
+                out["toy", kind] = res
         if "realistic" in only:
-            out["realistic"] = grpo_shape("realistic", 64, 128, 32, steps=4, rounds=rounds, tmp=tmp)
+            for kind, res in grpo_shape("realistic", 64, 128, 32, 4, rounds, tmp, writers).items():
+                out["realistic", kind] = res
         if "ppo" in only:
-            out["ppo"] = ppo_shape(steps=2, rounds=rounds, tmp=tmp)
+            for kind in writers:
+                out["ppo", kind] = ppo_shape(steps=2, rounds=rounds, tmp=tmp, writer=kind)
     return out
 
 
@@ -172,14 +205,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the writer thread gets the other core; with "
                              "2 threads on a shared 2-core machine torch's spinning threads make both modes erratic)")
+    parser.add_argument("--writer", default="thread",
+                        help="comma-separated writers measured side by side: thread, process (default thread)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
-    for name, r in measure(args.rounds, tuple(args.only.split(","))).items():
+    for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(","))).items():
         unit = "backward" if name == "ppo" else "record"
-        print(f"{name:9s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
+        print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
-              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block)"
+              f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block), training process CPU "
+              f"+{r['cpu_us']:.0f} us per {unit}"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
                  if "capture_us" in r else ""))

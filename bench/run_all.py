@@ -53,8 +53,8 @@ def main() -> None:
     c = record_cost.measure()
     rows.append(("record() of 14 small fields (B=8 T=16), steps 4 ms apart, vs a plain copy",
                  f"{c['record_us']:.0f} vs {c['copy_us']:.0f} us", f"{c['record_us']:.0f} us", "<= 100 us"))
-    for name, r in loops.measure().items():
-        rows.append((f"loop {name} ({r['shape']}), traced / plain, alternating blocks",
+    for (name, kind), r in loops.measure(writers=("thread", "process")).items():
+        rows.append((f"loop {name} ({r['shape']}), writer {kind}, traced / plain, alternating blocks",
                      f"{r['step_ms']:.1f} ms/step plain", f"{r['ratio']:.3f} ({r['spread'][0]:.2f}-{r['spread'][1]:.2f})",
                      f"<= {loops.TARGETS[name]}"))
         if "capture_us" in r:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from tracer import formulas, step_bytes
+from tracer.batches import BatchHandler, anomaly_reason, nonfinite_fields  # noqa: F401  (re-exported)
 from tracer.schema import FIELDS
 
 
@@ -234,32 +233,6 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     return staged, event, pinned, nbytes
 
 
-def nonfinite_fields(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the float tensors holding a NaN or an infinity, in order (:func:`tracer.step_bytes.nonfinite`
-    for contiguous CPU tensors, torch for any other)."""
-    if all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values()):
-        return step_bytes.nonfinite(tensors)
-    return [n for n, t in tensors.items() if t.is_floating_point() and t.numel() and not step_bytes.all_finite(t)]
-
-
-def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None,
-                   nonfinite: list[str] | None = None) -> str | None:
-    """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None.
-    ``nonfinite``: the step's non-finite fields when already known (the writer found them while
-    checksumming the step), else they are scanned here."""
-    bad = nonfinite_fields(tensors) if nonfinite is None else nonfinite
-    if bad:
-        return f"non-finite values in {bad}"
-    mask = tensors.get("completion_mask")
-    if kl_spike is not None and mask is not None:
-        for name in ("ref_kl_k3", "approx_kl_k2"):
-            if name in tensors:
-                value = float(formulas.masked_mean(tensors[name], mask))
-                if value > kl_spike or math.isnan(value):
-                    return f"{name} masked mean {value:.4g} > kl_spike {kl_spike:g}"
-    return None
-
-
 class BackgroundWriter:
     """A bounded queue of :class:`StagedStep` drained by one daemon thread calling ``write_fn``.
 
@@ -299,13 +272,14 @@ class BackgroundWriter:
                  linger_s: float | None = None, max_batch: int = MAX_BATCH) -> None:
         if when_full not in ("block", "drop"):
             raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
-        self._write_fn, self._normalise, self._on_drop, self._on_error = write_fn, normalise, on_drop, on_error
+        self._on_drop = on_drop
         self.max_steps, self.max_bytes, self.when_full = max(1, max_steps), max(1, max_bytes), when_full
-        self._ring: collections.deque[StagedStep] = collections.deque(maxlen=ring)
-        self._kl_spike = kl_spike
         self._pool = pool
+        self._prepare = prepare
+        self._handler = BatchHandler(write_fn, normalise, on_error, self._release, ring, kl_spike,
+                                     (lambda items: self._prepare(items)) if prepare is not None else None)
         self._tick, self._tick_interval = tick, tick_interval
-        self._prepare, self._max_batch = prepare, max(1, max_batch)
+        self._max_batch = max(1, max_batch)
         self._linger_s = LINGER_S if linger_s is None else linger_s
         self._hurry = 0  # flush() calls and producers waiting for room: no lingering while > 0
         self._queue: collections.deque[StagedStep | None] = collections.deque()
@@ -390,17 +364,9 @@ class BackgroundWriter:
                 return
             if batch:
                 try:
-                    self._handle_batch(batch)
+                    self._handler.handle(batch)
                 except Exception as err:  # noqa: BLE001  (a bug here must not kill the thread: flush() would hang)
-                    lost = [item for item in batch if not item.settled]  # not those written or held by the ring
-                    log.error("tracer: the writer thread failed on steps %s: %s: %s",
-                              [item.step for item in lost], type(err).__name__, err)
-                    for item in lost:
-                        try:
-                            self._on_error(item, err)  # counted; strict mode raises it from the next call
-                        except Exception as again:  # noqa: BLE001  (the thread must live on)
-                            log.error("tracer: reporting the loss of step %s failed: %s", item.step, again)
-                        self._release(item)
+                    self._handler.lost(batch, err, log)  # not those written or held by the ring
                 finally:
                     with self._cond:
                         self._bytes -= sum(item.nbytes for item in batch)
@@ -436,52 +402,11 @@ class BackgroundWriter:
             self._busy = True
             return batch
 
-    def _handle_batch(self, batch: list[StagedStep]) -> None:
-        ready = []
-        for item in batch:
-            item.wait()
-            try:
-                self._normalise(item)
-            except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5)
-                self._on_error(item, err)
-                self._release(item)
-                continue
-            ready.append(item)
-        if self._ring.maxlen:  # the anomaly ring decides step by step, in order
-            for item in ready:
-                self._route(item)
-            return
-        if self._prepare is not None and ready:
-            self._prepare(ready)
-        for item in ready:
-            self._write_fn(item, None)
-            self._release(item)
-
-    def _route(self, item: StagedStep) -> None:
-        """With the anomaly ring on: write the step (and the ring before it) or hold it."""
-        known = item.metadata.get("nonfinite_fields", []) if "content_sha256" in item.metadata else None
-        reason = anomaly_reason(item.tensors, self._kl_spike, known)
-        if reason is not None:
-            while self._ring:
-                before = self._ring.popleft()
-                self._write_fn(before, f"before anomaly at step {item.step}: {reason}")
-                self._release(before)
-            self._write_fn(item, reason)
-        elif item.sampled:
-            self._write_fn(item, None)
-        else:  # held in memory; its buffers are released when it leaves the ring
-            if len(self._ring) == self._ring.maxlen:
-                self._release(self._ring.popleft())
-            self._ring.append(item)
-            item.settled = True
-            return
-        self._release(item)
-
     def _release(self, item: StagedStep) -> None:
         """The step is done with: its buffers go back to the pool, unless a copy into them may still
         be in flight (a step dropped before the writer waited on its CUDA event): those are left to
         the CUDA host allocator, which frees them only once the copy has completed."""
-        item.settled = True
+        item.settled = True  # (also set by the batch handler, which calls this)
         if item.event is not None and not item.event.query():
             item.pinned = []
         if item.pinned and self._pool is not None:

@@ -162,9 +162,10 @@ def stored_content_sha256(fh: Any, header: Mapping[str, Any], data_start: int, f
     return digest.hexdigest()
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (never a half-written file)."""
-    tmp = path.with_name(path.name + ".partial")
+def write_json_atomic(path: Path, payload: Any, tmp_name: str | None = None) -> None:
+    """Write JSON to ``path`` through a temporary file (``tmp_name``, default ``<name>.partial``, in
+    the same directory) and a rename (never a half-written file)."""
+    tmp = path.with_name(tmp_name or path.name + ".partial")
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(payload, fh, indent=1, ensure_ascii=False, default=repr)  # non-JSON config values: repr

@@ -8,11 +8,8 @@ partial file.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import os
-import threading
-import time
 import warnings
 import weakref
 from pathlib import Path
@@ -37,14 +34,13 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare,
     write_json_atomic,
 )
-from tracer import step_bytes, summaries
-from tracer.run_index import IndexWriter
-from tracer.derived import derive_fields
-from tracer.capture import (MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences,
-                            stage)
+from tracer import summaries
+from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
-from tracer.schema import (ALGORITHMS, BOOL, FIELDS, SCHEMA_VERSION, check_mask_field, check_tensors,
-                           encode_metadata, jsonable, normalise_tensors)
+from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
+from tracer.record_checks import MAX_SIGNATURES, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, jsonable
+from tracer.step_writer import StepWriter, step_header
 
 log = logging.getLogger(__name__)
 
@@ -64,20 +60,8 @@ def _distributed_rank() -> tuple[int, int]:
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
                          "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summaries.SUMMARY_KEY})
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
-MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
-MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
-
-
-def _coordinate(name: str, value: Any) -> int:
-    """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
-        value = value.item()
-    if hasattr(value, "__index__") and not isinstance(value, bool):
-        value = value.__index__()
-        if 0 <= value < 2**62:
-            return value
-    raise SchemaError(f"{name} must be an integer in [0, 2**62), got {value!r:.40} ({type(value).__name__}); "
-                      f"pass the {name.replace('_', ' ')} counter as an int")
+WRITERS = ("thread", "process")
+WRITER_ENV = "TRACER_WRITER"  # thread | process: the writer of TraceWriters that do not name one
 
 
 class TraceWriter:
@@ -107,6 +91,11 @@ class TraceWriter:
         when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk).
+        writer: where the background writing runs: ``"thread"`` (a thread of this process) or
+            ``"process"`` (a writer process fed through shared memory: :mod:`tracer.writer_process`;
+            the training thread then shares the interpreter lock with nobody). None (default): the
+            ``TRACER_WRITER`` environment variable, else ``"thread"``. Ignored when
+            ``async_write=False``. The manifest's ``capture.writer`` records which one wrote.
 
     Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
     clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
@@ -124,7 +113,7 @@ class TraceWriter:
     (the writer thread and the file lock stayed in the parent); create a new writer in the child.
 
     Raises:
-        TraceError: unknown algorithm, or ``out_dir`` already holds a trace.
+        TraceError: unknown algorithm or writer, or ``out_dir`` already holds a trace.
     """
 
     def __init__(
@@ -141,12 +130,14 @@ class TraceWriter:
         max_queue_steps: int = 16,
         max_queue_bytes: int = 512 * 2**20,
         when_full: str = "block",
+        writer: str | None = None,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
         if sampling is not None and sampling.anomaly_ring and not async_write:
             raise TraceError("the anomaly ring (sampling.anomaly_ring > 0) holds steps on the writer thread; "
                              "use async_write=True (the default) with it")
+        mode = _writer_mode(writer) if async_write else "inline"
         self.root = Path(out_dir)
         self.algorithm = algorithm
         self.strict = strict
@@ -154,45 +145,22 @@ class TraceWriter:
         self.hyperparameters = dict(hyperparameters or {})
         self.sampling = sampling or SamplingPolicy()
         self.rank, self.world_size = _distributed_rank()
-        self.steps_written = 0
-        self.dropped_steps = 0
-        self.skipped_steps = 0  # not selected by the sampling policy (not an error)
-        self.drop_reasons: list[str] = []
-        self._error: tuple[str, BaseException] | None = None  # strict mode: the first failure not yet raised
-        self._failures_pending = 0  # strict mode: failures since the last one raised
-        self._lock = threading.Lock()  # counts; held briefly, never during I/O
-        self._manifest_lock = threading.Lock()  # one manifest write at a time (writer thread, flush, close)
-        self._dirty = False  # counts changed since the manifest was last written
-        self._manifest_written_at = 0.0
         self._closed = False
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         # a non-JSON hyperparameter raises SchemaError now, naming it
-        self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
-        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in self._hyperparameters_encoded.items())
+        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
-        self._signatures: dict[tuple, tuple[str, tuple[str, ...]]] = {}  # checked field signatures
-        self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
+        self._signatures = SignatureCache(algorithm)  # field signatures checked once
         self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
-        steps_dir = self.root / STEPS_DIR
-        steps_dir.mkdir(parents=True, exist_ok=True)
+        self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
-        self._manifest: dict[str, Any] = {
-            "format": FORMAT_NAME,
-            "schema_version": SCHEMA_VERSION,
-            "algorithm": algorithm,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "producers": producers(),
-            "world_size": self.world_size,
-            "hyperparameters": jsonable(self.hyperparameters),
-            "config": jsonable(dict(config or {})),
-            "sampling": dataclasses.asdict(self.sampling),
-            "capture": {"async_write": async_write, "max_queue_steps": max_queue_steps,
-                        "max_queue_bytes": max_queue_bytes, "when_full": when_full},
-            "status": "running",
-        }
+        manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
+                                {"async_write": async_write, "max_queue_steps": max_queue_steps,
+                                 "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode})
+        self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
         if tokenizer is not None:
-            self._manifest["tokenizer"] = tokenizer_identity(tokenizer)
+            manifest["tokenizer"] = tokenizer_identity(tokenizer)
             if self.rank == 0:
                 try:
                     write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
@@ -203,19 +171,21 @@ class TraceWriter:
                     warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
                                   "will show without text. Training continues.", RuntimeWarning, stacklevel=2)
         try:
-            self._write_manifest()
+            self._book.write()
         except OSError as err:
             if strict:
                 unlock_rank(self._lock_fd)
                 raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
             log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
-        self._index = IndexWriter(self.root, self.rank)  # the run's summary index (tracer.run_index)
+        self._queue = (max_queue_steps, max_queue_bytes, when_full)
         self._pool = BufferPool(per_key=max(4, 2 * min(max_queue_steps, MAX_BATCH)))
-        self._background = BackgroundWriter(
-            self._write_staged, self._normalise_staged, self._on_normalise_error, self._count_drop,
-            max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
-            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S,
-            prepare=self._summarise) if async_write else None
+        self._steps: StepWriter | None = None  # the write side, when it runs in this process
+        self._background: BackgroundWriter | None = None
+        self._process = None  # tracer.writer_process.ProcessWriter
+        if mode == "process":
+            self._start_process()
+        else:
+            self._start_writing(background=async_write)
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
@@ -257,18 +227,21 @@ class TraceWriter:
         """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
         capture's indexed rows and derived fields), staged without a copy."""
         self._check_process()
-        self._raise_pending()
+        if self._process is not None:
+            self._poll_process()  # the writer process's results so far (a strict failure raises next)
+        self._book.raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
-        step, inner_step, micro_batch = (_coordinate("step", step), _coordinate("inner_step", inner_step),
-                                         _coordinate("micro_batch", micro_batch))
+        step, inner_step, micro_batch = (coordinate("step", step), coordinate("inner_step", inner_step),
+                                         coordinate("micro_batch", micro_batch))
         reserved = WRITER_KEYS.intersection(metadata or {})
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        source_dtype, group_key = self._checked_signature(tensors)
+        source_dtype = self._signatures.check(tensors)
+        group_key = self._signatures.cpu_key  # the key of the step's staging buffers (CPU tensors only)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
@@ -278,9 +251,8 @@ class TraceWriter:
         self._recorded.add(coordinates)
         sampled = self.sampling.sampled(step)
         if not sampled and not self.sampling.anomaly_ring:
-            self.skipped_steps += 1
+            self._book.skipped()
             return None
-        header = self._header(step, inner_step, micro_batch, metadata, source_dtype)
         # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
         encoded = encode_metadata(metadata) if metadata else {}
         size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
@@ -290,29 +262,33 @@ class TraceWriter:
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
+        path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
+        if self._process is not None:
+            return self._hand_over(coordinates, tensors, sampled, source_dtype, metadata, path)
+        header = step_header(self.hyperparameters, metadata, self.algorithm, step, inner_step, micro_batch,
+                             self.rank, self.world_size, source_dtype)
         try:
             staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None,
                                                   group_key=group_key)
         except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
-            self._fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
-            self._raise_pending()
+            self._book.fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
+            self._book.raise_pending()
             return None
         item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
-        path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._background is None:
             item.wait()
             try:
-                self._normalise_staged(item)
+                self._steps.normalise(item)
             except Exception as err:
-                self._on_normalise_error(item, err)
-                self._raise_pending()
+                self._steps.on_normalise_error(item, err)
+                self._book.raise_pending()
                 return None
-            self._write_staged(item, None)
+            self._steps.write(item, None)
             self._update_manifest()  # writing synchronously: this thread is the writer thread
-            self._raise_pending()
+            self._book.raise_pending()
             return path if path.exists() else None
         if not sampled:
-            self.skipped_steps += 1  # unless an anomaly brings it out of the ring
+            self._book.skipped()  # unless an anomaly brings it out of the ring
         return path if self._background.put(item) and sampled else None
 
     def flush(self) -> None:
@@ -320,37 +296,44 @@ class TraceWriter:
         when a write failed, or when the writer was inherited through fork(). The manifest's live
         counts are brought up to date."""
         self._check_process()
-        if self._background is not None:
+        if self._process is not None:
+            self._process.flush()
+            self._poll_process()
+        elif self._background is not None:
             self._background.flush()
         self._update_manifest(force=True)
-        self._raise_pending()
+        self._book.raise_pending()
 
     def close(self) -> None:
-        """Flush, stop the writer thread and mark the trace finished in the manifest (idempotent)."""
+        """Flush, stop the writer thread (or process) and mark the trace finished in the manifest
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
         _OPEN_WRITERS.discard(self)
         if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
             return
+        if self._process is not None:
+            self._process.stop()
         if self._background is not None:
             self._background.stop()
-        self._index.close()
-        with self._lock:
-            self._manifest["status"] = "finished"
+        if self._steps is not None:
+            self._steps.index.close()
+        with self._book.lock:
+            self._book.manifest["status"] = "finished"
         try:
-            self._write_manifest()
+            self._book.write()
         except OSError as err:
-            self._manifest_failed(err)
+            self._book.manifest_failed(err)
         unlock_rank(self._lock_fd, self.root, self.rank)
         self._lock_fd = None
-        self._raise_pending()
+        self._book.raise_pending()
 
     def count_drop(self, reason: str) -> None:
         """Count a step lost outside the writer (e.g. an integration failed to capture it). Raises
         TraceError in a process that inherited the writer through fork()."""
         self._check_process()
-        self._count_drop(reason, warn=False)
+        self._book.count_drop(reason, warn=False)
 
     def annotate_manifest(self, key: str, value: Any) -> None:
         """Keep ``value`` (JSON-able) under ``key`` in the manifest; written at the next manifest update
@@ -358,13 +341,33 @@ class TraceWriter:
         Raises TraceError for a key the writer owns."""
         if key in _MANIFEST_OWN_KEYS:
             raise TraceError(f"manifest key {key!r} is written by the trace writer itself; choose another key")
-        with self._lock:
-            self._manifest[key] = value
+        self._book.annotate(key, value)
 
     @property
     def peak_queued_bytes(self) -> int:
         """Most bytes the background queue held at once (0 when writing synchronously)."""
-        return self._background.peak_bytes if self._background is not None else 0
+        backend = self._process or self._background
+        return backend.peak_bytes if backend is not None else 0
+
+    @property
+    def writer(self) -> str:
+        """Where steps are written now: ``"thread"``, ``"process"``, or ``"inline"`` (``async_write=False``);
+        a writer whose process died goes on with ``"thread"``."""
+        return "process" if self._process is not None else "thread" if self._background is not None else "inline"
+
+    steps_written = property(lambda self: self._book.steps_written, doc="Step files written so far.")
+    skipped_steps = property(lambda self: self._book.skipped_steps, doc="Steps the sampling policy left out.")
+    drop_reasons = property(lambda self: self._book.drop_reasons, doc="The first 20 drops' reasons (the live list).")
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps lost (every cause), counted. Prefer :meth:`count_drop` to setting it."""
+        return self._book.dropped_steps
+
+    @dropped_steps.setter
+    def dropped_steps(self, value: int) -> None:
+        with self._book.lock:
+            self._book.dropped_steps, self._book.dirty = value, True
 
     def __enter__(self) -> "TraceWriter":
         return self
@@ -374,47 +377,73 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _checked_signature(self, tensors: dict[str, Any]) -> tuple[str, tuple | None]:
-        """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
-        signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
-        set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
-        every time. Returns the ``source_dtype`` metadata of the signature and, when every tensor is
-        on the CPU and the signature is cached, the signature itself (the key of the step's staging
-        buffers, :meth:`tracer.capture.BufferPool.take_group`), else None. Raises SchemaError."""
+    def _hand_over(self, coordinates, tensors, sampled, source_dtype, metadata, path) -> Path | None:
+        """Process mode: copy the step into the writer process's shared ring (False: dropped)."""
         try:
-            signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])  # device: cheaper than .type
-            cached = self._signatures.get(signature)
-        except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
-            cached, signature = None, None
-        if cached is None:
-            check_tensors(tensors, self.algorithm)
-            source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
-                                      if t.is_floating_point()}))
-            value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
-                                  and t.dtype != torch.bool and t.device.type == "cpu")
-            on_cpu = all(t.device.type == "cpu" for t in tensors.values())
-            cached = (source, value_checked, on_cpu)
-            if signature is not None and len(self._signatures) < MAX_SIGNATURES:
-                self._signatures[signature] = cached
-                return source, signature if on_cpu else None
-            return source, None
-        for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
-            check_mask_field(name, tensors[name])
-        return cached[0], signature if cached[2] else None
+            handed = self._process.submit(coordinates, tensors, sampled, source_dtype,
+                                          jsonable(dict(metadata)) if metadata else None,
+                                          None if self.sampling.first_k_sequences else self._signatures.last)
+        except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
+            self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)
+            handed = False
+        if self._process.dead is not None:
+            self._poll_process()  # the writer thread from now on
+        self._book.raise_pending()
+        if handed and not sampled:
+            self._book.skipped()  # unless an anomaly brings it out of the ring
+        return path if handed and sampled else None
 
-    def _header(self, step, inner_step, micro_batch, metadata, source_dtype: str) -> dict[str, Any]:
-        return {
-            **self.hyperparameters,
-            **dict(metadata or {}),
-            "schema_version": SCHEMA_VERSION,
-            "algorithm": self.algorithm,
-            "step": int(step),
-            "inner_step": int(inner_step),
-            "micro_batch": int(micro_batch),
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "source_dtype": source_dtype,
-        }
+    def _poll_process(self) -> None:
+        """Apply the writer process's results; when it is gone, write on a thread from now on."""
+        self._process.poll()
+        if self._process.dead is None:
+            return
+        gone, self._process = self._process, None
+        reason = gone.dead
+        gone.stop()  # the child has exited: this releases the ring and the pipes
+        warnings.warn(f"tracer: {reason}; the steps it held are counted as dropped, later steps are written by a "
+                      "thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
+        with self._book.lock:
+            self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
+                                              "writer_process_exit": reason}
+        self._start_writing(background=True)
+
+    def _start_process(self) -> None:
+        """Start the writer process; one that cannot start leaves a thread writing (strict: raises)."""
+        from tracer.writer_process import ProcessWriter  # imported only by those who use it
+
+        max_queue_steps, max_queue_bytes, when_full = self._queue
+        try:
+            self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
+                                          when_full, self._lock_fd)
+        except TraceError as err:
+            if self.strict:
+                unlock_rank(self._lock_fd)
+                raise
+            warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning, stacklevel=3)
+            self._book.manifest["capture"]["writer"] = "thread"
+            self._start_writing(background=True)
+
+    def _start_writing(self, background: bool) -> None:
+        """Write in this process: on a background thread, or inside ``record``."""
+        self._steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
+                                 self._book, lambda *args: _save_atomic(*args))  # looked up at call time
+        if not background:
+            return
+        max_queue_steps, max_queue_bytes, when_full = self._queue
+        self._background = BackgroundWriter(
+            self._steps.write, self._steps.normalise, self._steps.on_normalise_error, self._book.count_drop,
+            max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
+            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=self._steps.summarise)
+        self._book.on_writer_thread = self._background.on_writer_thread
+
+    def _child_config(self) -> dict[str, Any]:
+        """What the writer process needs to write this trace's steps (JSON)."""
+        return {"root": os.fspath(self.root), "rank": self.rank, "world_size": self.world_size,
+                "algorithm": self.algorithm, "keep_source_dtype": self.keep_source_dtype,
+                "hyperparameters": jsonable(self.hyperparameters), "manifest": self._book.manifest,
+                "anomaly_ring": self.sampling.anomaly_ring, "kl_spike": self.sampling.kl_spike,
+                "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1]}
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -424,147 +453,24 @@ class TraceWriter:
                 "lock stayed in the parent, so records here would be lost or wait forever); create a new "
                 "TraceWriter in the child (its own out_dir, or its own rank) or record only in the parent")
 
-    def _raise_pending(self) -> None:
-        if self._error is None or not self.strict:
-            return
-        with self._lock:
-            (reason, err), self._error = self._error, None
-            count, self._failures_pending = self._failures_pending, 0
-        more = (f" ({count} writes failed since the last error raised; all are counted in the manifest's "
-                "dropped_steps)") if count > 1 else ""
-        raise TraceError(f"tracer: writing {self.root} failed: {reason}{more}") from err
-
-    # -- private: writer thread ---------------------------------------------------------------
-
-    def _normalise_staged(self, item: StagedStep) -> None:
-        """Stored form, non-finite fields and checksum of a staged step (writer thread). Staged tensors
-        are contiguous CPU copies, each its own; a signature already in stored form skips the
-        conversion pass, and its :class:`tracer.step_bytes.StepPlan` is remembered."""
-        staged = step_bytes.signature(item.tensors)
-        plan = self._plans.get(staged)
-        if plan is None:
-            item.tensors = _unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
-            plan = step_bytes.make_plan(item.tensors)
-            # same signature out as in: nothing was converted (a 0/1 float mask always is, so never lands here)
-            if step_bytes.signature(item.tensors) == staged and len(self._plans) < step_bytes.MAX_PLANS:
-                self._plans[staged] = plan
-        described = step_bytes.describe(item.tensors, plan)
-        if described.nonfinite:
-            item.metadata["nonfinite_fields"] = described.nonfinite
-        item.metadata["content_sha256"] = described.content_sha256
-        item.specs = described.specs
-
-    def _on_normalise_error(self, item: StagedStep, err: Exception) -> None:
-        self._fail(f"step {item.step}: {type(err).__name__}: {err}", err)
-
-    def _write_staged(self, item: StagedStep, anomaly: str | None) -> None:
-        if anomaly is not None:
-            item.metadata["anomaly"] = anomaly
-        path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
-        if not item.summarised:  # written alone (synchronously, or through the anomaly ring)
-            self._summarise([item])
-        try:
-            encoded = self._encoded_metadata(item.metadata)
-            _save_atomic(path, item.tensors, encoded, item.specs)
-        except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
-            self._fail(f"{path.name}: {type(err).__name__}: {err}", err)
-            return
-        with self._lock:
-            self.steps_written += 1
-            if not item.sampled:
-                self.skipped_steps -= 1
-            self._dirty = True
-        self._index.add(path, item.tensors, encoded, item.metadata)  # never raises
-
-    def _summarise(self, items: list[StagedStep]) -> None:
-        """Put each step's summary (:mod:`tracer.summaries`, steps of one batch computed together)
-        into its metadata. A failure leaves it out of the steps it concerns (readers then summarise
-        those files from their tensors) and never costs a step."""
-        for item in items:
-            item.summarised = True
-        try:
-            batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
-            for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
-                item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summary)
-        except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
-            if len(items) > 1:  # find the step that fails; the others keep theirs
-                for item in items:
-                    self._summarise([item])
-                return
-            log.warning("tracer: step %s: no summary in its header (%s: %s)", items[0].step, type(err).__name__, err)
-
-    def _encoded_metadata(self, metadata: dict[str, Any]) -> dict[str, str]:
-        """``encode_metadata(metadata)``, reusing the hyperparameters' encoding made once (the header
-        holds them unchanged unless the step's metadata overrode one)."""
-        hyper = self.hyperparameters
-        own = {k: v for k, v in metadata.items() if k not in hyper or v is not hyper[k]}
-        return {**{k: v for k, v in self._hyperparameters_encoded.items() if k not in own}, **encode_metadata(own)}
-
-    def _fail(self, reason: str, err: Exception) -> None:
-        """A write (or staging) failed: counted in every mode; strict mode keeps it to raise."""
-        if self.strict:
-            with self._lock:
-                self._error = self._error or (reason, err)
-                self._failures_pending += 1
-        self._count_drop(reason, warn=not self.strict)
-
-    def _manifest_failed(self, err: OSError) -> None:
-        """The manifest could not be rewritten: strict mode raises it from the next call."""
-        if not self.strict:
-            log.warning("tracer: could not update the manifest of %s: %s", self.root, err)
-            return
-        with self._lock:
-            self._error = self._error or (f"{MANIFEST_NAME}: {type(err).__name__}: {err}", err)
-            self._failures_pending += 1
-
-    def _count_drop(self, reason: str, warn: bool = True) -> None:
-        """Count a dropped step in memory (any thread; no I/O: the writer thread writes the count)."""
-        with self._lock:
-            self.dropped_steps += 1
-            if len(self.drop_reasons) < 20:
-                self.drop_reasons.append(reason)
-            dropped = self.dropped_steps
-            self._dirty = True
-        if not warn:
-            return
-        message = (f"tracer: dropped a step ({dropped} so far): {reason}. "
-                   "Training continues; pass strict=True to raise instead.")
-        try:
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-        except Warning:  # warnings made errors (-W error): raised on the caller's thread, never on the writer thread
-            background = getattr(self, "_background", None)
-            if background is None or not background.on_writer_thread():
-                raise
-            log.error("%s", message)  # the drop is counted; the writer thread goes on (or flush would hang)
-
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
         unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
-        to raise from the next call), never raised here. Also appends the summary index's lines."""
-        self._index.flush(due_only=not force)
-        if not self._dirty or (not force and time.monotonic() - self._manifest_written_at < MANIFEST_INTERVAL_S):
-            return
-        try:
-            self._write_manifest()
-        except OSError as err:
-            self._manifest_failed(err)
+        to raise from the next call), never raised here. Also appends the summary index's lines
+        (when the index is written in this process)."""
+        if self._steps is not None:
+            self._steps.index.flush(due_only=not force)
+        self._book.update(force)
 
-    def _write_manifest(self) -> None:
-        """Write the manifest with the current counts (rank 0 only). Raises OSError."""
-        if self.rank != 0:
-            return
-        with self._manifest_lock:
-            with self._lock:
-                self._manifest.update(steps_written=self.steps_written, dropped_steps=self.dropped_steps,
-                                      skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons))
-                payload, self._dirty = dict(self._manifest), False
-            try:
-                write_json_atomic(self.root / MANIFEST_NAME, payload)
-            except OSError:
-                self._dirty = True
-                raise
-            finally:
-                self._manifest_written_at = time.monotonic()
+
+def _writer_mode(writer: str | None) -> str:
+    """``writer`` or, when None, the ``TRACER_WRITER`` environment variable, else "thread"."""
+    chosen = writer if writer is not None else (os.environ.get(WRITER_ENV) or "thread")
+    if chosen not in WRITERS:
+        named = f"writer={writer!r}" if writer is not None else f"{WRITER_ENV}={chosen!r}"
+        raise TraceError(f"{named} is not one of {list(WRITERS)}; use 'thread' (a writer thread, the default) "
+                         "or 'process' (a writer process fed through shared memory)")
+    return chosen
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()

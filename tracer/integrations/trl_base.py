@@ -22,8 +22,6 @@ from tracer.writer import TraceWriter
 
 log = logging.getLogger(__name__)
 
-_MAX_DROP_REASONS = 20
-
 
 def require_methods(trainer: Any, names: Iterable[str], expected: str) -> None:
     """Raise TraceError naming the methods ``trainer`` lacks (the ones the hook wraps)."""
@@ -118,10 +116,7 @@ class TrainerTraceHook:
     def _count_failure(self, where: str, err: Exception) -> None:
         self.capture_failures += 1
         reason = f"capture in {where}: {type(err).__name__}: {err}"
-        writer = self.writer
-        writer.dropped_steps += 1  # public counters; the manifest is rewritten at close
-        if len(writer.drop_reasons) < _MAX_DROP_REASONS:
-            writer.drop_reasons.append(reason)
+        self.writer.count_drop(reason)  # counted in the manifest (and by a writer process)
         log.debug("tracer capture failure", exc_info=err)
         warnings.warn(
             f"tracer: could not record a step ({self.capture_failures} capture failures so far): {reason}. "

@@ -1,0 +1,128 @@
+"""The write side of a trace: a staged step (contiguous host tensors and its header values) becomes
+a step file and a summary-index line. The same code runs on the writer thread
+(``TraceWriter(writer="thread")``), inside ``record`` (``async_write=False``) and in the writer
+process (``writer="process"``, :mod:`tracer.writer_process`).
+
+Per step: stored form (:func:`tracer.schema.normalise_tensors`, skipped for a field signature
+already in stored form), checksum and non-finite fields in one pass (:mod:`tracer.step_bytes`),
+the summary (:mod:`tracer.summaries`, steps of a batch together), the header encoding (the
+hyperparameters' made once), the atomic file (:func:`tracer.layout.save_atomic`) and the index
+line (:mod:`tracer.run_index`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from tracer import step_bytes, summaries
+from tracer.capture import StagedStep
+from tracer.derived import derive_fields
+from tracer.layout import STEPS_DIR, step_file_name, unshare
+from tracer.manifest_book import ManifestBook
+from tracer.run_index import IndexWriter
+from tracer.schema import SCHEMA_VERSION, encode_metadata, normalise_tensors
+
+log = logging.getLogger(__name__)
+
+
+class StepWriter:
+    """Writes staged steps of one (trace, rank).
+
+    Args:
+        root, rank, algorithm, keep_source_dtype: the writer's.
+        hyperparameters: the values every header holds (a step's metadata may override them).
+        book: counts written steps and failures (:class:`tracer.manifest_book.ManifestBook`).
+        save: ``save_atomic(path, tensors, metadata, specs)``; the caller's name for it, looked up
+            at call time (tests replace it to simulate a full disk).
+    """
+
+    def __init__(self, root: Path, rank: int, algorithm: str, keep_source_dtype: bool,
+                 hyperparameters: Mapping[str, Any], book: ManifestBook,
+                 save: Callable[[Path, dict, dict, Any], None]) -> None:
+        self.root, self.rank, self.algorithm, self.keep_source_dtype = Path(root), rank, algorithm, keep_source_dtype
+        self.hyperparameters = dict(hyperparameters)
+        self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
+        self.book, self._save = book, save
+        self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
+        self.index = IndexWriter(self.root, rank)  # the run's summary index (tracer.run_index)
+
+    def normalise(self, item: StagedStep) -> None:
+        """Stored form, non-finite fields and checksum of a staged step. Staged tensors are contiguous
+        CPU tensors, each its own; a signature already in stored form skips the conversion pass, and
+        its :class:`tracer.step_bytes.StepPlan` is remembered. Raises what normalising raises."""
+        staged = step_bytes.signature(item.tensors)
+        plan = self._plans.get(staged)
+        if plan is None:
+            item.tensors = unshare(normalise_tensors(item.tensors, self.algorithm, self.keep_source_dtype))
+            plan = step_bytes.make_plan(item.tensors)
+            # same signature out as in: nothing was converted (a 0/1 float mask always is, so never lands here)
+            if step_bytes.signature(item.tensors) == staged and len(self._plans) < step_bytes.MAX_PLANS:
+                self._plans[staged] = plan
+        described = step_bytes.describe(item.tensors, plan)
+        if described.nonfinite:
+            item.metadata["nonfinite_fields"] = described.nonfinite
+        item.metadata["content_sha256"] = described.content_sha256
+        item.specs = described.specs
+
+    def on_normalise_error(self, item: StagedStep, err: Exception) -> None:
+        self.book.fail(f"step {item.step}: {type(err).__name__}: {err}", err)
+
+    def write(self, item: StagedStep, anomaly: str | None) -> None:
+        """Write one normalised step (and queue its index line); a failure is counted, never raised."""
+        if anomaly is not None:
+            item.metadata["anomaly"] = anomaly
+        path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
+        if not item.summarised:  # written alone (synchronously, or through the anomaly ring)
+            self.summarise([item])
+        try:
+            encoded = self.encoded_metadata(item.metadata)
+            self._save(path, item.tensors, encoded, item.specs)
+        except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
+            self.book.fail(f"{path.name}: {type(err).__name__}: {err}", err)
+            return
+        self.book.written(item.sampled)
+        self.index.add(path, item.tensors, encoded, item.metadata)  # never raises
+
+    def summarise(self, items: list[StagedStep]) -> None:
+        """Put each step's summary (:mod:`tracer.summaries`, steps of one batch computed together)
+        into its metadata. A failure leaves it out of the steps it concerns (readers then summarise
+        those files from their tensors) and never costs a step."""
+        for item in items:
+            item.summarised = True
+        try:
+            batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
+            for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
+                item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summary)
+        except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
+            if len(items) > 1:  # find the step that fails; the others keep theirs
+                for item in items:
+                    self.summarise([item])
+                return
+            log.warning("tracer: step %s: no summary in its header (%s: %s)", items[0].step, type(err).__name__, err)
+
+    def encoded_metadata(self, metadata: dict[str, Any]) -> dict[str, str]:
+        """``encode_metadata(metadata)``, reusing the hyperparameters' encoding made once (the header
+        holds them unchanged unless the step's metadata overrode one)."""
+        hyper = self.hyperparameters
+        own = {k: v for k, v in metadata.items() if k not in hyper or v is not hyper[k]}
+        return {**{k: v for k, v in self._hyperparameters_encoded.items() if k not in own}, **encode_metadata(own)}
+
+
+def step_header(hyperparameters: Mapping[str, Any], metadata: Mapping[str, Any] | None, algorithm: str, step: int,
+                inner_step: int, micro_batch: int, rank: int, world_size: int, source_dtype: str) -> dict[str, Any]:
+    """The header values of one step: the hyperparameters, the step's own metadata over them, then
+    the keys the writer sets (SPEC.md section 4)."""
+    return {
+        **hyperparameters,
+        **dict(metadata or {}),
+        "schema_version": SCHEMA_VERSION,
+        "algorithm": algorithm,
+        "step": int(step),
+        "inner_step": int(inner_step),
+        "micro_batch": int(micro_batch),
+        "rank": rank,
+        "world_size": world_size,
+        "source_dtype": source_dtype,
+    }

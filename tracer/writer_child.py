@@ -1,0 +1,277 @@
+"""The writer process's side of :mod:`tracer.writer_process` (``python -m tracer.writer_child CMD RES
+RING``: the command pipe to read, the result pipe to write, the shared ring's memfd; all three
+inherited from the training process, which starts it).
+
+It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
+:class:`tracer.batches.BatchHandler`): steps that arrive close together are handled as one batch
+(their summaries computed together), after lingering up to :data:`tracer.capture.LINGER_S` for more
+while the queue is roomy and nobody waits. After each batch it sends one result message (ring
+space freed up to a step, steps written, failures with their reason). Steps the anomaly ring holds
+are copied out of shared memory first, so their ring space is freed at once.
+
+It ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group: the training process
+decides), and it ends after a ``close`` message or when the command pipe reaches its end (the
+training process died, or closed the pipe), in both cases after writing every step it was handed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer import capture
+from tracer.batches import BatchHandler
+from tracer.capture import MAX_BATCH, StagedStep
+from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
+from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
+from tracer.step_writer import StepWriter, step_header
+from tracer.writer_pipe import FRAME, frame, parse_body
+
+log = logging.getLogger("tracer.writer_child")
+# Added to the writer process's nice value. Less than the writer thread's 10: a process at nice 10
+# gets about a tenth of a core against ordinary load, falls behind, and the training process then
+# waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
+WRITER_PROCESS_NICENESS = 5
+PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
+
+
+class _ChildBook(ManifestBook):
+    """The child's counts (for its live manifest), and the report of each batch for the parent."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.report: dict[str, Any] = {"w": 0, "u": 0, "f": []}
+
+    def written(self, sampled: bool = True) -> None:
+        super().written(sampled)
+        self.report["w" if sampled else "u"] += 1
+
+    def fail(self, reason: str, err: BaseException, forward: bool = True) -> None:
+        self.count_drop(reason, warn=False)  # the parent warns (or raises, strict) when it reads the report
+        self.report["f"].append(reason)
+
+    def take_report(self) -> dict[str, Any]:
+        report, self.report = self.report, {"w": 0, "u": 0, "f": []}
+        return report
+
+
+class _Channel:
+    """Framed messages in (a step too large for the ring carries its bytes after its frame), out."""
+
+    def __init__(self, cmd: int, res: int) -> None:
+        self.cmd, self.res, self.eof = cmd, res, False
+        self._buffer = bytearray()
+        self.parent_alive = True
+        self.carried: list[dict[str, Any]] = []  # read with the config, handled after it
+
+    def read(self, timeout: float) -> list[dict[str, Any]]:
+        """The messages complete after waiting up to ``timeout`` s for more bytes."""
+        if not self.eof:
+            ready, _, _ = select.select([self.cmd], [], [], max(0.0, timeout))
+            while ready:
+                data = os.read(self.cmd, 1 << 20)
+                if not data:
+                    self.eof = True
+                    break
+                self._buffer += data
+                ready, _, _ = select.select([self.cmd], [], [], 0)
+        carried, self.carried = self.carried, []
+        return carried + self._messages()
+
+    def _messages(self) -> list[dict[str, Any]]:
+        out, at, buf = [], 0, self._buffer
+        while len(buf) - at >= 4:
+            (size,) = FRAME.unpack_from(buf, at)
+            if len(buf) - at - 4 < size:
+                break
+            message = parse_body(bytes(buf[at + 4:at + 4 + size]))
+            end = at + 4 + size + message.get("inline", 0)
+            if len(buf) < end:
+                if self.eof:  # a torn last step: the parent died while handing it over
+                    break
+                self._read_exactly(end - len(buf))
+                buf = self._buffer
+                if len(buf) < end:
+                    break
+            if "inline" in message:
+                message["payload"] = bytearray(buf[at + 4 + size:end])
+            out.append(message)
+            at = end
+        del self._buffer[:at]
+        return out
+
+    def _read_exactly(self, missing: int) -> None:
+        while missing > 0:
+            data = os.read(self.cmd, missing)
+            if not data:
+                self.eof = True
+                return
+            self._buffer += data
+            missing -= len(data)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.parent_alive:
+            return
+        data = frame(message)
+        try:
+            while data:
+                data = data[os.write(self.res, data):]
+        except OSError:  # the parent is gone: write what was handed over all the same
+            self.parent_alive = False
+
+
+class Child:
+    """Writes the steps the training process hands over (module docstring)."""
+
+    def __init__(self, config: dict[str, Any], ring_fd: int, channel: _Channel) -> None:
+        self.channel = channel
+        self.root = Path(config["root"])
+        self.rank, self.world_size, self.algorithm = config["rank"], config["world_size"], config["algorithm"]
+        self.hyperparameters = config["hyperparameters"]
+        self.max_steps, self.max_bytes = max(1, config["max_queue_steps"]), max(1, config["max_queue_bytes"])
+        self.ring = mmap.mmap(ring_fd, config["ring_bytes"])
+        _populate(self.ring, min(config["ring_bytes"], PREFAULT_BYTES))
+        tmp_name = f".{MANIFEST_NAME}.writer-{os.getpid()}.partial"  # never the parent's temporary name
+        self.book = _ChildBook(self.root, self.rank, config["manifest"], False,
+                               lambda path, data: write_json_atomic(path, data, tmp_name))
+        self.steps = StepWriter(self.root, self.rank, self.algorithm, config["keep_source_dtype"],
+                                self.hyperparameters, self.book, save_atomic)
+        self.handler = BatchHandler(self.steps.write, self.steps.normalise, self.steps.on_normalise_error,
+                                    lambda item: None, config["anomaly_ring"], config["kl_spike"],
+                                    self.steps.summarise, hold=_own_copy)
+        self.layouts: dict[int, dict[str, Any]] = {}
+        self.pending: list[tuple[int, StagedStep]] = []
+        self.pending_bytes = 0
+        self.first_at: float | None = None
+        self.linger_s = capture.LINGER_S
+
+    def run(self, parent: int) -> int:
+        self.channel.send({"k": "ready", "pid": os.getpid()})
+        while True:
+            now = time.monotonic()
+            timeout = (self.first_at + self.linger_s - now) if self.pending else MANIFEST_INTERVAL_S
+            flushes, close = [], False
+            for message in self.channel.read(timeout):
+                kind = message["k"]
+                if kind == "step":
+                    self._arrive(message)
+                elif kind == "layout":
+                    self.layouts[message["id"]] = message
+                elif kind == "counts":
+                    self._counts(message)
+                elif kind == "flush":
+                    flushes.append(message["t"])
+                elif kind == "close":
+                    close = True
+            gone = self.channel.eof or os.getppid() != parent
+            if self.pending and (flushes or close or gone or not self._lingering()):
+                self._write_pending()
+            self.steps.index.flush(due_only=True)
+            self.book.update()
+            if flushes:
+                self.steps.index.flush()
+                self.channel.send({"k": "ack", "t": max(flushes)})
+            if close or gone:
+                self.steps.index.close()
+                if not close:  # the training process died: nobody else will write the counts
+                    self.book.update(force=True)
+                self.channel.send({"k": "closed"})
+                return 0
+
+    def _lingering(self) -> bool:
+        """Wait for more steps to batch with: fewer than a batch, room to spare, time left."""
+        roomy = len(self.pending) < self.max_steps // 2 and self.pending_bytes <= self.max_bytes // 2
+        return (len(self.pending) < MAX_BATCH and roomy
+                and time.monotonic() < self.first_at + self.linger_s)
+
+    def _arrive(self, message: dict[str, Any]) -> None:
+        layout = self.layouts[message["l"]]
+        buffer, base = (message["payload"], 0) if "inline" in message else (self.ring, message["o"])
+        tensors, nbytes = {}, 0
+        for name, dtype_name, shape, at, size in layout["fields"]:
+            dtype = getattr(torch, dtype_name)
+            if size:
+                tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape),
+                                                 offset=base + at).view(shape)
+            else:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+            nbytes += size
+        step, inner_step, micro_batch = message["c"]
+        header = step_header(self.hyperparameters, message.get("x"), self.algorithm, step, inner_step, micro_batch,
+                             self.rank, self.world_size, layout["d"])
+        self.pending.append((message["q"], StagedStep(step, inner_step, micro_batch, tensors, header, nbytes,
+                                                      message["p"])))
+        self.pending_bytes += nbytes
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+
+    def _counts(self, message: dict[str, Any]) -> None:
+        if message.get("drops"):
+            self.book.add_drops(message["drops"], message.get("reasons", []))
+        if message.get("skipped"):
+            self.book.skipped(message["skipped"])
+        for key, value in message.get("notes", {}).items():
+            self.book.annotate(key, value)
+
+    def _write_pending(self) -> None:
+        batch, self.pending, self.pending_bytes, self.first_at = self.pending, [], 0, None
+        items = [item for _, item in batch]
+        for at in range(0, len(items), MAX_BATCH):
+            chunk = items[at:at + MAX_BATCH]
+            try:
+                self.handler.handle(chunk)
+            except Exception as err:  # noqa: BLE001  (a bug here must not end the writer: the parent would wait)
+                self.handler.lost(chunk, err, log)
+        self.channel.send({"k": "done", "freed": batch[-1][0], **self.book.take_report()})
+
+
+def _populate(ring: mmap.mmap, nbytes: int) -> None:
+    """Fault in the ring's first ``nbytes`` (where first-fit placement puts the steps of a writer
+    that keeps up) without touching their contents: the training process's copies then meet
+    mapped pages instead of a page fault per 4 KiB (Linux's MADV_POPULATE_WRITE; elsewhere
+    nothing)."""
+    try:
+        ring.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), 0, nbytes)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _own_copy(item: StagedStep) -> None:
+    """A step the anomaly ring holds leaves shared memory (its ring space is reused at once)."""
+    item.tensors = {name: t.clone() for name, t in item.tensors.items()}
+    item.specs = None  # they pointed into the ring; save_atomic makes new ones
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cmd, res, ring_fd = (int(arg) for arg in argv[:3])
+    parent = os.getppid()
+    try:
+        os.nice(WRITER_PROCESS_NICENESS)
+    except OSError:
+        pass
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="tracer writer process: %(message)s")
+    channel = _Channel(cmd, res)
+    config = None
+    while config is None:
+        messages = channel.read(MANIFEST_INTERVAL_S)
+        if messages:
+            config, channel.carried = messages[0], messages[1:]
+        elif channel.eof:
+            return 0
+    return Child(config, ring_fd, channel).run(parent)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,420 @@
+"""The writer process (``TraceWriter(writer="process")`` or ``TRACER_WRITER=process``): the write side
+(:class:`tracer.step_writer.StepWriter`: stored form, checksum, summaries, step files, summary
+index) runs in a child process, so the training process holds no writer thread that takes the
+interpreter lock (GIL) from the training loop at every step.
+
+How a step travels:
+
+* ``record`` (training thread) checks the step as always, then copies its tensors straight into a
+  shared-memory ring (an anonymous ``memfd`` mapped by both processes: nothing in ``/dev/shm`` to
+  leak, whatever dies) and writes a descriptor of a few dozen bytes to a pipe. The ring holds
+  ``max_queue_bytes``; with ``max_queue_steps`` it bounds the steps in flight, and the
+  ``when_full`` policy (block / drop and count) applies as with the thread. CUDA tensors are copied
+  into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
+  asynchronous pinned path): correct by construction, and the reason ``"thread"`` stays the default
+  on GPUs. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
+* The child (:mod:`tracer.writer_child`) batches what arrives, writes the files, and sends back one
+  small result per batch (ring space freed, steps written, failures with their reason), which
+  ``record`` / ``flush`` / ``close`` read without blocking. The parent's
+  :class:`~tracer.manifest_book.ManifestBook` mirrors the counts; drops and skips made in the
+  parent travel to the child with the next message. The child rewrites the live manifest at most
+  once a second; ``flush()`` and ``close()`` write it in the parent, as with the thread.
+
+Start-up: the child is a fresh interpreter (``subprocess``, never a plain ``fork`` of a process that
+may hold CUDA or threads); importing torch takes 1-2 s, during which ``record`` already stages into
+the ring (the step bound is lifted to :data:`STARTUP_STEPS` until the child is ready, the byte bound
+stays). Failures: a child that dies (killed, out of memory) is noticed at the next call; the steps it
+held are counted as dropped with its exit status as the reason (strict mode raises it), and the
+writer goes on with a writer thread. The child ignores SIGINT (Ctrl-C reaches the whole process
+group) and exits after writing what it was handed when the parent closes the writer, or dies: it
+sees the pipe's end.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+import mmap
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.errors import TraceError
+from tracer.manifest_book import ManifestBook
+from tracer.writer_pipe import frame, step_frame, unframe
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
+STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
+PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
+POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
+_F_SETPIPE_SZ = 1031
+# The child imports this very copy of tracer's write side, without the package's __init__ (which
+# imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
+_CHILD_MAIN = ("import sys, types; package = types.ModuleType('tracer'); package.__path__ = [sys.argv[1]]; "
+               "sys.modules['tracer'] = package; from tracer.writer_child import main; sys.exit(main(sys.argv[2:]))")
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        try:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _ring_file() -> int:
+    """A file descriptor of anonymous shared memory: a memfd (Linux), else a file in /dev/shm (or
+    the temporary folder) removed at once; either way nothing is left when both processes end."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("tracer-ring", os.MFD_CLOEXEC)
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="tracer-ring-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.unlink(path)
+    return fd
+
+
+class _Layout:
+    """Where each tensor of one field signature lies in a step's region of the ring."""
+
+    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str) -> None:
+        self.ident, self.fields, self.source_dtype, at = ident, [], source_dtype, 0
+        for name, t in tensors.items():
+            self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
+            at = _align(at + t.nbytes)
+        self.size = max(at, ALIGN)
+        self.nbytes = sum(field[4] for field in self.fields)
+
+    def message(self) -> dict[str, Any]:
+        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype,
+                "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}
+
+
+class ProcessWriter:
+    """The parent's side: the ring, the pipes and the child (see the module docstring).
+
+    Args:
+        config: what the child needs (:meth:`tracer.writer.TraceWriter._child_config`).
+        book: the parent's counts; results from the child are applied to it.
+        max_steps, max_bytes, when_full: the queue's bounds and policy (``max_bytes`` sizes the ring).
+        lock_fd: the trace's rank lock, held by the child too while it writes.
+    Raises:
+        TraceError: the ring or the child could not be made (no memfd, no memory, no interpreter).
+    """
+
+    def __init__(self, config: dict[str, Any], book: ManifestBook, max_steps: int, max_bytes: int,
+                 when_full: str, lock_fd: int | None = None) -> None:
+        if when_full not in ("block", "drop"):
+            raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
+        self.book, self.max_steps, self.when_full = book, max(1, max_steps), when_full
+        self.size = _align(max(max_bytes, ALIGN))
+        self.dead: str | None = None  # why the child is gone
+        self.peak_bytes = self._bytes = 0
+        self._inflight: collections.deque[tuple[int, int, int, int, int]] = collections.deque()  # seq, start, end, nbytes, step
+        self._regions: list[tuple[int, int]] = []  # (start, end) of the ring regions in flight, sorted
+        self._seq = 0
+        self._layouts: dict[tuple, _Layout] = {}
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._ready = False
+        self._outbox = bytearray()
+        self._inbox = bytearray()
+        self._acked = self._token = 0
+        self._closed_ack = False
+        self._ring_fd = None
+        try:
+            self._start(config, lock_fd)
+        except (OSError, ValueError) as err:
+            for fd in (self._ring_fd, getattr(self, "_cmd", None), getattr(self, "_res", None)):
+                if fd is not None:
+                    _close_quietly(fd)
+            raise TraceError(f"tracer: could not start the writer process for {config['root']}: "
+                             f"{type(err).__name__}: {err}") from err
+        book.forward = {}
+
+    def _start(self, config: dict[str, Any], lock_fd: int | None) -> None:
+        self._ring_fd = _ring_file()
+        os.ftruncate(self._ring_fd, self.size)
+        self._mm = mmap.mmap(self._ring_fd, self.size)
+        self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
+        cmd_r, self._cmd = os.pipe()
+        self._res, res_w = os.pipe()
+        try:
+            import fcntl
+
+            fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
+        except (ImportError, OSError):
+            pass
+        fds = [cmd_r, res_w, self._ring_fd] + ([lock_fd] if lock_fd is not None else [])
+        try:
+            self._child = subprocess.Popen(
+                [sys.executable, "-c", _CHILD_MAIN, str(Path(__file__).resolve().parent), str(cmd_r), str(res_w),
+                 str(self._ring_fd)],
+                pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+        finally:
+            os.close(cmd_r)
+            os.close(res_w)
+        self.pid = self._child.pid
+        # a writer dropped without close(): the command pipe's end tells the child to finish and exit
+        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd)
+        os.set_blocking(self._cmd, False)
+        os.set_blocking(self._res, False)
+        self._send(frame({"k": "config", **config, "ring_bytes": self.size}))
+
+    # -- training thread ----------------------------------------------------------------------
+
+    def submit(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor], sampled: bool,
+               source_dtype: str, metadata: dict[str, Any] | None, signature: tuple | None = None) -> bool:
+        """Copy one checked step into the ring and hand it over; False when it was dropped (queue
+        full under ``when_full="drop"``, or the child is gone: :attr:`dead`). ``signature``: a key
+        of the tensors' names, dtypes and shapes when the caller has one. Raises RuntimeError when
+        a device copy fails."""
+        layout = self._layout(tensors, signature, source_dtype)
+        start = self._room(layout.size, coordinates[0])
+        if start is None:
+            return False
+        seq, self._seq = self._seq, self._seq + 1
+        nbytes = layout.nbytes
+        self._bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        if start < 0:  # larger than the ring: through the pipe, once nothing else is in flight
+            buffer = bytearray(layout.size)
+            self._copy(torch.frombuffer(buffer, dtype=torch.uint8), layout, 0, tensors, cache=False)
+            self._inflight.append((seq, 0, 0, nbytes, coordinates[0]))
+            message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident,
+                       "inline": layout.size, **({"x": metadata} if metadata else {})}
+            self._send(frame(message), payload=buffer, wait=True)
+        else:
+            self._copy(self._ring, layout, start, tensors)
+            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0]))
+            bisect.insort(self._regions, (start, start + layout.size))
+            self._send(step_frame(seq, coordinates, sampled, layout.ident, start, metadata))
+        return True
+
+    def poll(self) -> None:
+        """Read and apply the child's results so far, without waiting; notice a child that died."""
+        if self.dead is not None:
+            return
+        self._pump()
+        while True:
+            try:
+                data = os.read(self._res, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                self._gone(f"its result pipe failed ({err})")
+                return
+            if not data:
+                self._gone()
+                return
+            self._inbox += data
+            for message in unframe(self._inbox):
+                self._apply(message)
+
+    def flush(self) -> None:
+        """Wait until the child has handled every step handed over (or died)."""
+        if self.dead is not None:
+            return
+        self._token += 1
+        self._send_forward()
+        self._send(frame({"k": "flush", "t": self._token}))
+        while self.dead is None and self._acked < self._token:
+            self._wait()
+
+    def stop(self) -> None:
+        """Hand over the rest, tell the child to finish, wait for it to exit; release the ring
+        (idempotent)."""
+        if self._ring_fd is None:
+            return
+        if self.dead is None:
+            self._send_forward()
+            self._send(frame({"k": "close"}))
+            while self.dead is None and not self._closed_ack:
+                self._wait()
+        try:
+            self._child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
+        self._hang_up()
+        _close_quietly(self._res)
+        self._views.clear()
+        self._ring = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view still exported: the mapping goes with the last one
+            pass
+        _close_quietly(self._ring_fd)
+        self._ring_fd = None
+
+    def on_writer_thread(self) -> bool:
+        return False
+
+    # -- private ------------------------------------------------------------------------------
+
+    def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str) -> _Layout:
+        key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = _Layout(len(self._layouts), tensors, source_dtype)
+            if len(self._layouts) < 4096:
+                self._layouts[key] = layout
+            self._send(frame(layout.message()))
+        return layout
+
+    def _copy(self, ring: torch.Tensor, layout: _Layout, start: int, tensors: dict[str, torch.Tensor],
+              cache: bool = True) -> None:
+        """Copy ``tensors`` into their places at ``start``; the views of a (layout, start) are kept."""
+        views = self._views.get((layout.ident, start)) if cache else None
+        if views is None:
+            views = [ring[start + at:start + at + nbytes].view(dtype).view(shape) if nbytes else None
+                     for _, dtype, shape, at, nbytes in layout.fields]
+            if cache:
+                if len(self._views) >= 4096:
+                    self._views.clear()
+                self._views[(layout.ident, start)] = views
+        with torch.no_grad():
+            for view, t in zip(views, tensors.values()):
+                if view is not None:
+                    view.copy_(t)  # CUDA: a synchronous copy to host memory (module docstring)
+
+    def _room(self, size: int, step: int) -> int | None:
+        """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
+        under ``block``; None when dropped."""
+        start = self._place(size) if self.dead is None else None
+        while start is None:
+            self.poll()  # results free room
+            if self.dead is not None:
+                self.book.fail(f"step {step}: not written: {self.dead}", TraceError(self.dead), forward=False)
+                return None
+            start = self._place(size)
+            if start is not None:
+                break
+            if self.when_full == "drop":
+                self.book.count_drop(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
+                                     f"bounds {self.max_steps} steps, {self.size} bytes)")
+                return None
+            self._wait()
+        return start
+
+    def _place(self, size: int) -> int | None:
+        """The lowest start of a free stretch of ``size`` bytes (first fit: the ring's start stays warm
+        and its views known), -1 for a step larger than the ring when nothing is in flight, None when
+        there is no room (or the steps bound is reached)."""
+        if not self._inflight:
+            return 0 if size <= self.size else -1
+        bound = self.max_steps if self._ready else max(self.max_steps, STARTUP_STEPS)
+        if len(self._inflight) >= bound or size > self.size or self._outbox:
+            return None
+        cursor = 0
+        for start, end in self._regions:
+            if start - cursor >= size:
+                return cursor
+            cursor = max(cursor, end)
+        return cursor if self.size - cursor >= size else None
+
+    def _send_forward(self) -> None:
+        forward = self.book.take_forward()
+        if forward:
+            self._outbox += frame({"k": "counts", **forward})
+
+    def _send(self, data: bytes, payload: bytes | bytearray | None = None, wait: bool = False) -> None:
+        """Queue ``data`` (a frame) for the child, after the counts it must hear of first, and write
+        what the pipe takes now (``wait``: all of it, and ``payload`` after the frame)."""
+        if self.book.forward:
+            self._send_forward()  # drops and skips before this message reach the child first
+        self._outbox += data
+        if payload is not None:
+            self._outbox += payload
+        self._pump()
+        while wait and self._outbox and self.dead is None:
+            self._wait()
+
+    def _pump(self) -> None:
+        """Write what the command pipe takes now (never blocks)."""
+        while self._outbox and self.dead is None:
+            try:
+                written = os.write(self._cmd, self._outbox)
+            except BlockingIOError:
+                return
+            except OSError:  # EPIPE: the child is gone
+                self._gone()
+                return
+            del self._outbox[:written]
+
+    def _wait(self) -> None:
+        """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice
+        a child that died."""
+        writable = [self._cmd] if self._outbox else []
+        try:
+            select.select([self._res], writable, [], POLL_S)
+        except InterruptedError:
+            pass
+        self.poll()
+        if self.dead is None and self._child.poll() is not None:
+            self.poll()  # its last results first
+            if self.dead is None:
+                self._gone()
+
+    def _apply(self, message: dict[str, Any]) -> None:
+        kind = message.get("k")
+        if kind == "done":
+            freed = message["freed"]
+            while self._inflight and self._inflight[0][0] <= freed:
+                _, start, end, nbytes, _ = self._inflight.popleft()
+                self._bytes -= nbytes
+                if end > start:
+                    del self._regions[bisect.bisect_left(self._regions, (start, end))]
+            for _ in range(message.get("w", 0)):
+                self.book.written(True)
+            for _ in range(message.get("u", 0)):
+                self.book.written(False)
+            for reason in message.get("f", []):
+                self.book.fail(reason, TraceError(reason), forward=False)
+        elif kind == "ready":
+            self._ready = True
+        elif kind == "ack":
+            self._acked = max(self._acked, message["t"])
+        elif kind == "closed":
+            self._closed_ack = True
+
+    def _gone(self, why: str | None = None) -> None:
+        """The child is gone: every step it held is counted as dropped, with its exit as the reason."""
+        if self.dead is not None:
+            return
+        deadline = time.monotonic() + 2.0
+        while self._child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._child.poll() is None:
+            self._child.kill()
+        reason = f"the writer process (pid {self.pid}) {why or describe_exit(self._child.poll())}"
+        self.dead = reason
+        for _, _, _, _, step in self._inflight:
+            self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
+        self._inflight.clear()
+        self._regions.clear()
+        self._bytes = 0
+        self._outbox.clear()
+        self.book.forward = None
