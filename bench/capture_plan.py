@@ -42,41 +42,23 @@ def _timed(real, out: list, module: str):
 
 
 def measure(rounds: int, steps: int) -> dict:
-    import copy
-    from argparse import Namespace
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from bench.loops import _load_script
+    from bench.loops import ppo_setup
     from tracer import watch
-    from tracer.demo.ppo_loop import Critic
-    from tracer.demo.tiny_model import build_tiny_model
 
-    script = _load_script()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", seed=0, warmup_steps=20)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        torch.manual_seed(0)
-        actor = AutoModelForCausalLM.from_pretrained(model_dir)
-        ref_model = copy.deepcopy(actor).eval().requires_grad_(False)
-        critic = Critic(actor)
-        optimizer = torch.optim.AdamW(list(actor.parameters()) + list(critic.parameters()), lr=1e-4)
-        args = Namespace(steps=steps, batch_size=16, mini_batch_size=4, ppo_update_iters=3, max_new_tokens=16,
-                         temperature=1.0, clip_epsilon=0.2, kl_coef=0.02, target_kl=1e9, gamma=1.0, lam=0.95,
-                         vf_coef=0.5, seed=0, bug=None, whiten_advantages=False)
+        epoch, _ = ppo_setup(tmp, steps)
         times = {(part, on): [] for part in ("read", "capture") for on in (False, True)}
         with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo") as w:
             reads: list[float] = []
             captures: list[float] = []
             w.plans.read = _timed(w.plans.read, reads, "tracer._bench_timer")
             w.on_backward = _timed(w.on_backward, captures, "tracer._bench_timer")
-            script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)  # warm-up, opens the writer
+            epoch()  # warm-up, opens the writer
             for r in range(rounds):
                 for on in ((True, False) if r % 2 else (False, True)):
                     w.plans.enabled = on
                     del reads[:], captures[:]
-                    script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+                    epoch()
                     w.writer.flush()
                     times["read", on] += reads[1:]  # the block's first backward may build a plan
                     times["capture", on] += captures[1:]

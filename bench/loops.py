@@ -132,12 +132,13 @@ def _timed(real, inside: list):
     return scope["timed"]
 
 
-def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict:
+def ppo_setup(tmp: str, steps: int):
+    """The MiniMind-style PPO script and what its ``ppo_train_epoch`` takes, on the tiny local model:
+    ``(epoch, args)`` where ``epoch()`` runs one call of it."""
     import copy
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tracer import watch
     from tracer.demo.ppo_loop import Critic
     from tracer.demo.tiny_model import build_tiny_model
 
@@ -152,6 +153,13 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
     args = Namespace(steps=steps, batch_size=16, mini_batch_size=4, ppo_update_iters=3, max_new_tokens=16,
                      temperature=1.0, clip_epsilon=0.2, kl_coef=0.02, target_kl=1e9, gamma=1.0, lam=0.95,
                      vf_coef=0.5, seed=0, bug=None, whiten_advantages=False)
+    return (lambda: script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)), args
+
+
+def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict:
+    from tracer import watch
+
+    epoch, args = ppo_setup(tmp, steps)
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
 
     inside: list[float] = []
@@ -163,10 +171,10 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
 
         def plain() -> None:
             with w.paused():
-                script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+                epoch()
 
         def traced(r: int) -> None:
-            script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)
+            epoch()
             w.writer.flush()
 
         traced(-1)  # warm-up; opens the writer
