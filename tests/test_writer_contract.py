@@ -177,3 +177,31 @@ def test_a_numpy_array_hyperparameter_becomes_a_list(tmp_path):
 @given(st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True)))
 def test_scalar_metadata_is_encoded_exactly_as_json_dumps_writes_it(value):
     assert encode_metadata({"k": value}) == {"k": json.dumps(value, allow_nan=True)}
+
+
+@pytest.mark.parametrize("fsync_steps", [False, True])
+def test_step_files_are_fsynced_only_when_asked_and_complete_either_way(tmp_path, monkeypatch, fsync_steps):
+    """An fsync per step file costs a loop of small steps several percent on virtualised disks, so it
+    is opt-in (``fsync_steps=True``); either way every file is renamed into place complete."""
+    import tracer.layout as layout
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(layout.os, "fsync", counting_fsync)
+    root = tmp_path / "run"
+    with TraceWriter(root, "grpo", fsync_steps=fsync_steps) as writer:
+        for step in range(3):
+            writer.record(step, policy_logprobs=-torch.rand(2, 3), completion_mask=torch.ones(2, 3, dtype=torch.bool))
+    step_syncs = [p for p in synced if "/steps/" in p]
+    assert len(step_syncs) == (3 if fsync_steps else 0), step_syncs
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["capture"]["fsync_steps"] is fsync_steps
+    trace = Trace(root)
+    assert len(trace.steps()) == 3 and not list((root / "steps").glob("*.partial"))
+    for key in trace.steps():
+        assert trace.load_step(key)["policy_logprobs"].shape == (2, 3)

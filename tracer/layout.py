@@ -322,12 +322,14 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
 
 
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                specs: dict[str, Any] | None = None) -> None:
+                specs: dict[str, Any] | None = None, fsync: bool = True) -> None:
     """safetensors ``serialize_file`` (``save_file`` for tensors its pointer specs cannot describe)
-    to ``<path>.partial``, fsync, then rename: the file appears complete or not at all, and survives
-    a power loss once renamed. ``tensors`` must not share storage (:func:`unshare`) and must stay
-    alive during the call. ``specs``: their pointer specs when the caller made them already
-    (:mod:`tracer.step_bytes`)."""
+    to ``<path>.partial``, then rename: the file appears complete or not at all. With ``fsync`` the
+    file is flushed to the device before the rename, so it also survives a power loss once renamed;
+    without, it survives a crash or kill of the process (the kernel holds the bytes) and reaches the
+    device with the kernel's writeback. ``tensors`` must not share storage (:func:`unshare`) and
+    must stay alive during the call. ``specs``: their pointer specs when the caller made them
+    already (:mod:`tracer.step_bytes`). Raises OSError (the partial file is removed)."""
     tmp = path.with_name(path.name + ".partial")
     try:
         specs = specs if specs is not None else _tensor_specs(tensors)
@@ -335,12 +337,15 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
             save_file(tensors, str(tmp), metadata=metadata)
         else:
             serialize_file(specs, str(tmp), metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fchmod(fd, _FILE_MODE)  # safetensors creates 0600 files; others must read a shared trace
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fchmod(fd, _FILE_MODE)  # safetensors creates 0600 files; others must read a shared trace
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes

@@ -34,13 +34,16 @@ class StepWriter:
         root, rank, algorithm, keep_source_dtype: the writer's.
         hyperparameters: the values every header holds (a step's metadata may override them).
         book: counts written steps and failures (:class:`tracer.manifest_book.ManifestBook`).
-        save: ``save_atomic(path, tensors, metadata, specs)``; the caller's name for it, looked up
-            at call time (tests replace it to simulate a full disk).
+        save: ``save_atomic(path, tensors, metadata, specs, fsync)``; the caller's name for it, looked
+            up at call time (tests replace it to simulate a full disk).
+        fsync_steps: flush each step file to the device before its rename
+            (:func:`tracer.layout.save_atomic`).
     """
 
     def __init__(self, root: Path, rank: int, algorithm: str, keep_source_dtype: bool,
                  hyperparameters: Mapping[str, Any], book: ManifestBook,
-                 save: Callable[[Path, dict, dict, Any], None]) -> None:
+                 save: Callable[..., None], fsync_steps: bool = False) -> None:
+        self.fsync_steps = fsync_steps
         self.root, self.rank, self.algorithm, self.keep_source_dtype = Path(root), rank, algorithm, keep_source_dtype
         self.hyperparameters = dict(hyperparameters)
         self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
@@ -78,7 +81,7 @@ class StepWriter:
             self.summarise([item])
         try:
             encoded = self.encoded_metadata(item.metadata)
-            self._save(path, item.tensors, encoded, item.specs)
+            self._save(path, item.tensors, encoded, item.specs, self.fsync_steps)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
             self.book.fail(f"{path.name}: {type(err).__name__}: {err}", err)
             return

@@ -1,8 +1,8 @@
 """Write traces: one safetensors file per (step, inner step, micro-batch, rank), atomic, plus a
 manifest and the token strings at the trace root (SPEC.md section 5; layout in :mod:`tracer.layout`).
 
-A step file is written to ``<name>.partial``, flushed to disk, then renamed: readers never see a
-partial file.
+A step file is written to ``<name>.partial``, then renamed (flushed to the device first with
+``fsync_steps=True``): readers never see a partial file.
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ class TraceWriter:
             the training thread then shares the interpreter lock with nobody). None (default): the
             ``TRACER_WRITER`` environment variable, else ``"thread"``. Ignored when
             ``async_write=False``. The manifest's ``capture.writer`` records which one wrote.
+        fsync_steps: flush each step file to the device before renaming it into place (survives a
+            power loss or an OS crash once renamed). Default False: a step file is still complete or
+            absent for every reader, and survives a crash or kill of the training process (the
+            kernel holds its bytes and writes them back within seconds); only an OS crash or power
+            loss may lose the last seconds of step files (such a file is absent or empty, and
+            readers report it unreadable instead of using it). An fsync per step file
+            costs the loop several percent at small steps on virtualised disks, even from the writer
+            process (BENCHMARKS.md, "fsync"). The manifest is always fsync'd.
 
     Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
     clip fractions, kept tokens, NaN counts; :mod:`tracer.summaries`), computed by the writer thread
@@ -131,6 +139,7 @@ class TraceWriter:
         max_queue_bytes: int = 512 * 2**20,
         when_full: str = "block",
         writer: str | None = None,
+        fsync_steps: bool = False,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
@@ -142,6 +151,7 @@ class TraceWriter:
         self.algorithm = algorithm
         self.strict = strict
         self.keep_source_dtype = keep_source_dtype
+        self.fsync_steps = fsync_steps
         self.hyperparameters = dict(hyperparameters or {})
         self.sampling = sampling or SamplingPolicy()
         self.rank, self.world_size = _distributed_rank()
@@ -157,7 +167,8 @@ class TraceWriter:
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
         manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
                                 {"async_write": async_write, "max_queue_steps": max_queue_steps,
-                                 "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode})
+                                 "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode,
+                                 "fsync_steps": fsync_steps})
         self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
         if tokenizer is not None:
             manifest["tokenizer"] = tokenizer_identity(tokenizer)
@@ -427,7 +438,8 @@ class TraceWriter:
     def _start_writing(self, background: bool) -> None:
         """Write in this process: on a background thread, or inside ``record``."""
         self._steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
-                                 self._book, lambda *args: _save_atomic(*args))  # looked up at call time
+                                 self._book, lambda *args: _save_atomic(*args),  # looked up at call time
+                                 fsync_steps=self.fsync_steps)
         if not background:
             return
         max_queue_steps, max_queue_bytes, when_full = self._queue
@@ -441,6 +453,7 @@ class TraceWriter:
         """What the writer process needs to write this trace's steps (JSON)."""
         return {"root": os.fspath(self.root), "rank": self.rank, "world_size": self.world_size,
                 "algorithm": self.algorithm, "keep_source_dtype": self.keep_source_dtype,
+                "fsync_steps": self.fsync_steps,
                 "hyperparameters": jsonable(self.hyperparameters), "manifest": self._book.manifest,
                 "anomaly_ring": self.sampling.anomaly_ring, "kl_spike": self.sampling.kl_spike,
                 "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1]}

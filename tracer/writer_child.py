@@ -145,7 +145,7 @@ class Child:
         self.book = _ChildBook(self.root, self.rank, config["manifest"], False,
                                lambda path, data: write_json_atomic(path, data, tmp_name))
         self.steps = StepWriter(self.root, self.rank, self.algorithm, config["keep_source_dtype"],
-                                self.hyperparameters, self.book, save_atomic)
+                                self.hyperparameters, self.book, save_atomic, config.get("fsync_steps", False))
         self.handler = BatchHandler(self.steps.write, self.steps.normalise, self.steps.on_normalise_error,
                                     lambda item: None, config["anomaly_ring"], config["kl_spike"],
                                     self.steps.summarise, hold=_own_copy)
