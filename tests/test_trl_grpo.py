@@ -190,6 +190,21 @@ def test_without_old_logprobs_the_ratio_is_one_by_construction(tmp_path, model_d
     assert meta["num_generations"] == trainer.num_generations and meta["num_iterations"] == 1
 
 
+def test_attach_passes_the_writer_options_so_a_real_run_can_be_sampled(tmp_path, model_dir):
+    from tracer.capture import SamplingPolicy
+
+    trainer = grpo_trl.make_trainer(model_dir, tmp_path / "trl", steps=3, progress=False, num_iterations=1)
+    hook = tracer.attach(trainer, tmp_path / "trace", sampling=SamplingPolicy(every_n_steps=2), max_queue_steps=4)
+    trainer.train()
+    assert hook.capture_failures == 0 and trainer.state.global_step == 3
+    trace = Trace(tmp_path / "trace")
+    assert sorted({key.step for key in trace.steps()}) == [0, 2]  # steps 0, 1, 2: every second one written
+    assert trace.manifest["sampling"]["every_n_steps"] == 2 and trace.manifest["capture"]["max_queue_steps"] == 4
+    with pytest.raises(TypeError, match="every_n_steps"):  # a typo names itself
+        tracer.attach(grpo_trl.make_trainer(model_dir, tmp_path / "trl2", steps=1, progress=False),
+                      tmp_path / "trace2", every_n_steps=2)
+
+
 def test_unwritable_steps_dir_drops_steps_and_training_finishes(tmp_path, model_dir):
     trainer = grpo_trl.make_trainer(model_dir, tmp_path / "trl", steps=1, progress=False)
     out = tmp_path / "trace"

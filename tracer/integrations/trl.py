@@ -62,7 +62,7 @@ def hook_class_for(trainer: Any) -> type[TrainerTraceHook]:
 
 
 def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_source_dtype: bool = False,
-           config: Mapping[str, Any] | None = None) -> TrainerTraceHook:
+           config: Mapping[str, Any] | None = None, **writer_options: Any) -> TrainerTraceHook:
     """Trace a TRL trainer into ``out_dir``; call before ``trainer.train()``.
 
     Args:
@@ -73,6 +73,9 @@ def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_
             instead of warning, counting it in the manifest and training on.
         keep_source_dtype: store logprobs in the trainer's dtype instead of float32.
         config: extra run facts for the manifest's ``config`` (e.g. how the model was built).
+        **writer_options: passed to :class:`~tracer.writer.TraceWriter`: ``sampling`` (e.g.
+            ``SamplingPolicy(every_n_steps=10)``), ``max_queue_steps``, ``max_queue_bytes``,
+            ``when_full``, ``writer``, ``fsync_steps``.
 
     Returns:
         The hook (:class:`GRPOTraceHook`, :class:`RLOOTraceHook` or :class:`DPOTraceHook`); the trace is
@@ -80,6 +83,8 @@ def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_
 
     Raises:
         TraceError: ``trainer`` lacks the methods tracer wraps, or ``out_dir`` already holds a trace.
+        TypeError: a writer option TraceWriter does not take.
     """
     hook_class = hook_class_for(trainer)
-    return hook_class(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config)
+    return hook_class(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config,
+                      **writer_options)

@@ -44,12 +44,13 @@ class TrainerTraceHook:
 
     def __init__(self, trainer: Any, out_dir: str | os.PathLike, algorithm: str, hyperparameters: Mapping[str, Any],
                  run_config: Mapping[str, Any], tokenizer: Any = None, strict: bool = False,
-                 keep_source_dtype: bool = False) -> None:
+                 keep_source_dtype: bool = False, **writer_options: Any) -> None:
         self.trainer = trainer
         self.strict = strict
         self.capture_failures = 0
         self.writer = TraceWriter(out_dir, algorithm, tokenizer=tokenizer, config=run_config,
-                                  hyperparameters=hyperparameters, strict=strict, keep_source_dtype=keep_source_dtype)
+                                  hyperparameters=hyperparameters, strict=strict, keep_source_dtype=keep_source_dtype,
+                                  **writer_options)
         self._originals: dict[str, Callable] = {}
         self._loss_calls = 0
 

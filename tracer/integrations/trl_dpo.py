@@ -73,14 +73,15 @@ class DPOTraceHook(TrainerTraceHook):
     trainer_name = "DPOTrainer"
 
     def __init__(self, trainer: Any, out_dir: str | os.PathLike, strict: bool = False,
-                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None) -> None:
+                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None,
+                 **writer_options: Any) -> None:
         require_methods(trainer, ("compute_loss",), self.trainer_name)
         if not isinstance(getattr(trainer, "model", None), torch.nn.Module) or getattr(trainer, "beta", None) is None:
             raise TraceError(f"cannot trace a {type(trainer).__name__}: tracer needs a DPOTrainer's model (an "
                              "nn.Module) and beta; pass a trl.DPOTrainer (TRL >= 1.0)")
         super().__init__(trainer, out_dir, "dpo", dpo_hyperparameters_of(trainer),
                          run_config_of(trainer, config, DPO_CONFIG_KEYS), tokenizer=tokenizer_of(trainer),
-                         strict=strict, keep_source_dtype=keep_source_dtype)
+                         strict=strict, keep_source_dtype=keep_source_dtype, **writer_options)
         self._in_loss = False
         self._forwards: list[tuple[str, torch.Tensor | None]] = []  # (role, log_probs [2B, S - 1]) in call order
         self._forward_error: Exception | None = None

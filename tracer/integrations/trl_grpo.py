@@ -98,11 +98,12 @@ class GRPOTraceHook(TrainerTraceHook):
     trainer_name = "GRPOTrainer"
 
     def __init__(self, trainer: Any, out_dir: str | os.PathLike, strict: bool = False,
-                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None) -> None:
+                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None,
+                 **writer_options: Any) -> None:
         require_methods(trainer, _WRAPPED, self.trainer_name)
         super().__init__(trainer, out_dir, algorithm_of(trainer), self._hyperparameters(trainer),
                          run_config_of(trainer, config), tokenizer=tokenizer_of(trainer), strict=strict,
-                         keep_source_dtype=keep_source_dtype)
+                         keep_source_dtype=keep_source_dtype, **writer_options)
         self._rollout: _Rollout | None = None
         self._rollouts_seen = 0
         self._rewards_per_func: torch.Tensor | None = None

@@ -61,8 +61,10 @@ class RLOOTraceHook(GRPOTraceHook):
     trainer_name = "RLOOTrainer"
 
     def __init__(self, trainer: Any, out_dir: str | os.PathLike, strict: bool = False,
-                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None) -> None:
-        super().__init__(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config)
+                 keep_source_dtype: bool = False, config: Mapping[str, Any] | None = None,
+                 **writer_options: Any) -> None:
+        super().__init__(trainer, out_dir, strict=strict, keep_source_dtype=keep_source_dtype, config=config,
+                         **writer_options)
         self._rollout_calls: list[torch.Tensor] = []  # per-token logps computed during the current rollout
         self._rollout_logprobs: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # (index, old, ref)
 
