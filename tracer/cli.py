@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tracer.capture_report import describe_capture_reports, read_capture_reports
 import tracer
+from tracer.capture_report import describe_capture_reports, read_capture_reports
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
