@@ -121,7 +121,7 @@ def test_drops_warn_once_then_once_per_100_and_count_every_one(tmp_path, kind, m
     """Step 1 takes the one place (thread: queued behind step 0 in flight; process: in flight), so
     steps 2..250 are dropped: 249 drops, warned at the 1st, 101st and 201st (the interval is made
     too long to matter), the 246 others logged at debug. Before: one warning per drop (249)."""
-    monkeypatch.setattr(manifest_book, "QUEUE_DROP_WARN_INTERVAL_S", 1e9)
+    monkeypatch.setattr(manifest_book, "QUEUE_DROP_WARN_INTERVAL_S", 1e9, raising=False)
     caplog.set_level(logging.DEBUG, logger="tracer.manifest_book")
     writer, release = _stall(kind, monkeypatch, tmp_path / "d")
     try:
@@ -153,7 +153,7 @@ def test_drops_warn_once_then_once_per_100_and_count_every_one(tmp_path, kind, m
 def test_a_summary_warning_also_comes_after_the_interval(tmp_path, monkeypatch, caplog):
     """Interval 2 s: drop 1 warns, drop 2 (right after) does not, drop 3 (2.1 s later) sums up the
     two since the last warning, drop 4 (right after) does not."""
-    monkeypatch.setattr(manifest_book, "QUEUE_DROP_WARN_INTERVAL_S", 2.0)
+    monkeypatch.setattr(manifest_book, "QUEUE_DROP_WARN_INTERVAL_S", 2.0, raising=False)
     writer, release = _stall("thread", monkeypatch, tmp_path / "d")
     try:
         with warnings.catch_warnings(record=True) as caught:
