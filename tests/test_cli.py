@@ -2,15 +2,19 @@
 
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from tracer import TraceWriter
 from tracer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_trace(root):
@@ -116,3 +120,52 @@ def test_check_on_a_folder_of_traces_names_them(tmp_path, capsys):
     assert main(["check", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "is a folder of 2 trace(s), not a trace" in err and f"tracer check {tmp_path / 'runs' / 'a'}" in err
+
+
+def test_version_names_the_version_and_the_copy_of_tracer_that_runs(tmp_path):
+    """``tracer --version`` through the real entry (``python -m tracer``), from another folder: the
+    version pyproject declares, and the folder of the package imported (this checkout's)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 (pyproject's tomli extra)
+        import tomli as tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tracer", "--version"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"tracer {declared} ({ROOT / 'tracer'})\n"
+    import tracer
+
+    assert tracer.__version__ == declared  # the package and pyproject say the same
+
+
+def test_info_on_a_step_file_of_a_trace_reads_the_trace_manifest(tmp_path, capsys):
+    """A step file in ``steps/`` of a trace: status and drops come from the manifest two levels up
+    (it said 'unknown (no readable manifest)'). A lone copy of the file has no manifest to read."""
+    root = write_trace(tmp_path / "run")
+    writer = TraceWriter(tmp_path / "dropping", "grpo")
+    writer.record(0, {"policy_logprobs": torch.zeros(2, 3), "completion_mask": torch.ones(2, 3, dtype=torch.bool)})
+    writer.count_drop("step 1: lost by the test")
+    writer.close()
+    step_file = root / "steps" / "step_00000001.inner_1.mb_0.rank_0.safetensors"
+    assert main(["info", str(step_file), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["status"], info["status_text"], info["num_step_files"]) == ("finished", "finished", 1)
+    assert (info["steps"], info["inner_steps"], info["manifest_of"]) == ([1], [1], str(root))
+    dropping = next((tmp_path / "dropping" / "steps").iterdir())
+    assert main(["info", str(dropping)]) == 0
+    out = capsys.readouterr().out
+    assert "status: finished" in out and "dropped: 1" in out and "dropped: step 1: lost by the test" in out
+    assert f"a step file of the trace {tmp_path / 'dropping'}" in out
+    lone = tmp_path / "lone.safetensors"  # outside any trace
+    lone.write_bytes(step_file.read_bytes())
+    (tmp_path / "other" / "steps").mkdir(parents=True)  # a steps/ folder without a manifest above it
+    orphan = tmp_path / "other" / "steps" / step_file.name
+    orphan.write_bytes(step_file.read_bytes())
+    for path in (lone, orphan):
+        assert main(["info", str(path), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert (info["status_text"], info["manifest_of"], info["num_step_files"]) == (
+            "unknown (no readable manifest)", None, 1)

@@ -4,7 +4,8 @@ normalise each step, route it through the anomaly ring when one is on, compute t
 summaries together, write the steps in order, and hand each step's buffers back.
 
 The anomaly ring keeps the last N unsampled steps in memory and writes them when a step shows
-NaN/Inf or a KL spike, so the steps before a blow-up reach the disk.
+NaN/Inf or a KL spike, so the steps before a blow-up reach the disk. A KL field the step does not
+record is derived from its inputs for the test, exactly as readers derive it (:mod:`tracer.derived`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tracer import formulas, step_bytes
+from tracer import derived, formulas, step_bytes
 
 if TYPE_CHECKING:
     from tracer.capture import StagedStep
@@ -29,21 +30,34 @@ def nonfinite_fields(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [n for n, t in tensors.items() if t.is_floating_point() and t.numel() and not step_bytes.all_finite(t)]
 
 
+KL_FIELDS = ("ref_kl_k3", "approx_kl_k2")  # the fields a KL spike is measured on, in this order
+
+
 def anomaly_reason(tensors: dict[str, torch.Tensor], kl_spike: float | None,
-                   nonfinite: list[str] | None = None) -> str | None:
+                   nonfinite: list[str] | None = None, metadata: dict | None = None) -> str | None:
     """Why a (normalised, CPU) step is an anomaly: non-finite float fields or a KL spike; else None.
-    ``nonfinite``: the step's non-finite fields when already known (the writer found them while
-    checksumming the step), else they are scanned here."""
+
+    A KL spike: the masked mean (over ``completion_mask``) of ``ref_kl_k3`` or ``approx_kl_k2``
+    exceeds ``kl_spike`` nats. A field not recorded is derived from the recorded inputs, as readers
+    derive it (:func:`tracer.derived.derive_fields`: k3 from ref/policy, k2 from policy/old; the
+    step's ``metadata`` tells when old is the detached policy). ``nonfinite``: the step's non-finite
+    fields when already known (the writer found them while checksumming the step), else they are
+    scanned here."""
     bad = nonfinite_fields(tensors) if nonfinite is None else nonfinite
     if bad:
         return f"non-finite values in {bad}"
     mask = tensors.get("completion_mask")
     if kl_spike is not None and mask is not None:
-        for name in ("ref_kl_k3", "approx_kl_k2"):
-            if name in tensors:
-                value = float(formulas.masked_mean(tensors[name], mask))
+        meta = metadata or {}
+        kl = {name: tensors[name] for name in KL_FIELDS if name in tensors}
+        kl.update(derived.derive_fields(tensors, meta, wanted=KL_FIELDS))
+        for name in KL_FIELDS:
+            if name in kl:
+                value = float(formulas.masked_mean(kl[name], mask))
                 if value > kl_spike or math.isnan(value):
-                    return f"{name} masked mean {value:.4g} > kl_spike {kl_spike:g}"
+                    inputs = derived.derivation_inputs(tensors, meta, [name])
+                    how = "" if name in tensors else f" (derived from {', '.join(inputs)})"
+                    return f"{name}{how} masked mean {value:.4g} > kl_spike {kl_spike:g}"
     return None
 
 
@@ -113,7 +127,7 @@ class BatchHandler:
     def _route(self, item: "StagedStep") -> None:
         """With the anomaly ring on: write the step (and the ring before it) or hold it."""
         known = item.metadata.get("nonfinite_fields", []) if "content_sha256" in item.metadata else None
-        reason = anomaly_reason(item.tensors, self._kl_spike, known)
+        reason = anomaly_reason(item.tensors, self._kl_spike, known, item.metadata)
         if reason is not None:
             while self._ring:
                 before = self._ring.popleft()

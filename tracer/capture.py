@@ -49,7 +49,9 @@ class SamplingPolicy:
         anomaly_ring: hold the last N unsampled steps in memory; write them when a step shows
             NaN/Inf in a float field or a KL spike (0 = off).
         kl_spike: a step whose masked mean ``ref_kl_k3`` or ``approx_kl_k2`` exceeds this (nats) is
-            an anomaly (None = only NaN/Inf count).
+            an anomaly (None = only NaN/Inf count). A KL field the step does not record is derived
+            from the recorded logprobs as readers derive it (``approx_kl_k2`` from policy/old,
+            ``ref_kl_k3`` from policy/ref: :func:`tracer.batches.anomaly_reason`).
     """
 
     every_n_steps: int = 1

@@ -20,9 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import tracer
 from tracer.capture_report import describe_capture_reports, read_capture_reports
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
+from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import Trace, find_traces
 from tracer.schema import ALGORITHMS
 from tracer.summaries import SUMMARY_KEY
@@ -43,8 +45,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def version_text() -> str:
+    """``tracer <version> (<package folder>)``: which copy of tracer runs (``tracer.__version__``, the
+    pyproject version; the folder tells one checkout or install from another)."""
+    return f"tracer {tracer.__version__} ({Path(tracer.__file__).resolve().parent})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracer", description="Trace, browse, check and diff RL training tensors.")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the version and the folder of the tracer package that runs, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a tiny real trainer on CPU with the tracer attached")
@@ -147,6 +157,9 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     step lists count only readable step files. With ``verify``, ``integrity`` holds
     :func:`verify_trace` of the readable step files (reads every byte)."""
     trace = Trace(path)
+    home = _home_trace(trace)  # a step file in the steps/ folder of a trace: that trace's manifest
+    manifest = home.manifest if home is not None else trace.manifest
+    status = str(manifest.get("status", "unknown"))
     unreadable = {str(p): why for p, why in trace.scan().items()}
     keys = [k for k in trace.steps() if str(k.path) not in unreadable]
     if not keys and trace.path.is_file():
@@ -161,19 +174,20 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     return {
         "path": str(trace.path),
         "algorithm": trace.algorithm,
-        "status": trace.status,
-        "status_text": STATUS_TEXT.get(trace.status, trace.status),
-        "schema_version": trace.manifest.get("schema_version", metadata.get("schema_version")),
+        "manifest_of": str(home.root) if home is not None else None,
+        "status": status,
+        "status_text": STATUS_TEXT.get(status, status),
+        "schema_version": manifest.get("schema_version", metadata.get("schema_version")),
         "num_step_files": len(keys),
         "steps": sorted({k.step for k in keys}),
         "inner_steps": sorted({k.inner_step for k in keys}),
         "micro_batches": sorted({k.micro_batch for k in keys}),
         "ranks": sorted({k.rank for k in keys}),
-        "dropped_steps": trace.manifest.get("dropped_steps", 0),
-        "drop_reasons": trace.manifest.get("drop_reasons", []),
-        "capture_report": trace.manifest.get("capture_report"),  # rank 0's (the manifest's), as before
+        "dropped_steps": manifest.get("dropped_steps", 0),
+        "drop_reasons": manifest.get("drop_reasons", []),
+        "capture_report": manifest.get("capture_report"),  # rank 0's (the manifest's), as before
         "capture_reports": {str(rank): report for rank, report in  # every rank's, zero-edit tracing only
-                            (read_capture_reports(trace.root, trace.manifest) if trace.path.is_dir() else {}).items()},
+                            (read_capture_reports(trace.root, manifest) if trace.path.is_dir() else {}).items()},
         "unreadable": unreadable,
         "has_token_strings": trace.tokens is not None,
         "fields": fields,
@@ -181,6 +195,18 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         **({"integrity": verify_trace(trace, keys)} if verify else {}),
         "overview": _overview(trace),
     }
+
+
+def _home_trace(trace: Trace) -> Trace | None:
+    """The trace a single step file belongs to: the file sits in ``steps/`` of a directory holding a
+    manifest (SPEC.md section 5); None otherwise, or when that directory cannot be opened as a trace."""
+    folder = trace.path.parent
+    if not trace.path.is_file() or folder.name != STEPS_DIR or not (folder.parent / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return Trace(folder.parent)
+    except TraceError:
+        return None
 
 
 OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", "mean_approx_kl_k2", "mean_mismatch",
@@ -228,6 +254,8 @@ def _print_info(info: dict[str, Any]) -> None:
     steps = info["steps"]
     span = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
     console.print(info["path"], style="bold", markup=False)
+    if info.get("manifest_of"):
+        say(f"a step file of the trace {info['manifest_of']} (status and drops from its manifest)")
     say(f"algorithm: {info['algorithm']}   status: {info['status_text']}   schema: {info['schema_version']}")
     say(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
         f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")

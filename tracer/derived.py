@@ -50,14 +50,16 @@ def derivation_inputs(present: Iterable[str], meta: dict[str, Any], wanted: Iter
     return list(dict.fromkeys(f for n in names for f in _inputs(n, meta)))
 
 
-def derive_fields(data: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+def derive_fields(data: dict[str, torch.Tensor], meta: dict[str, Any],
+                  wanted: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """The derived tensors ``data`` lacks but can give, computed by :mod:`tracer.formulas` in float32
     (float64 inputs stay float64), same shape as the inputs (``[B, T]``, or ``[T]`` for one row):
     ``ratio = exp(policy - old)``, ``ref_kl_k3 = exp(ref - policy) - (ref - policy) - 1``,
     ``approx_kl_k2 = 0.5 (policy - old)^2`` (SPEC.md section 4). Inputs of different shapes are
-    left alone (the schema check reports them)."""
+    left alone (the schema check reports them). ``wanted``: derive only these names (None = all)."""
     out: dict[str, torch.Tensor] = {}
-    for name in derivable(data, meta):
+    names = derivable(data, meta)
+    for name in names if wanted is None else [n for n in names if n in set(wanted)]:
         inputs = [data[f] for f in _inputs(name, meta)]
         if any(t.shape != inputs[0].shape or not t.is_floating_point() for t in inputs):
             continue

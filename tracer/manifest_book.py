@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 MANIFEST_INTERVAL_S = 1.0  # the live manifest (steps_written, drops) is rewritten at most this often
 MAX_DROP_REASONS = 20  # reasons kept in the manifest (every drop is counted)
+# A full queue (when_full="drop") warns on its first drop, then once more per this many drops or
+# after this many seconds since its last warning, whichever comes first; the others log at debug.
+QUEUE_DROP_WARN_EVERY = 100
+QUEUE_DROP_WARN_INTERVAL_S = 60.0
 
 
 def new_manifest(algorithm: str, world_size: int, hyperparameters: Mapping[str, Any],
@@ -72,6 +76,8 @@ class ManifestBook:
         self.dirty = False  # counts changed since the manifest was last written
         self.written_at = 0.0
         self.on_writer_thread: Callable[[], bool] = lambda: False  # where a warning must not raise
+        self.queue_drops = 0  # steps dropped because the queue was full (when_full="drop")
+        self._queue_drops_warned, self._queue_warned_at = 0, 0.0  # the count at, and time of, the last warning
         # counts made here that a writer process must hear of (tracer.writer_process), else None
         self.forward: dict[str, Any] | None = None
 
@@ -114,10 +120,40 @@ class ManifestBook:
                     reasons.append(reason)
         if not warn:
             return
-        message = (f"tracer: dropped a step ({dropped} so far): {reason}. "
+        self._warn(f"tracer: dropped a step ({dropped} so far): {reason}. "
                    "Training continues; pass strict=True to raise instead.")
+
+    def queue_full(self, reason: str) -> None:
+        """Count a step dropped because the queue was full (``when_full="drop"``), exactly as
+        :meth:`count_drop` does. Only the first such drop warns; then one summary warning per
+        :data:`QUEUE_DROP_WARN_EVERY` drops or after :data:`QUEUE_DROP_WARN_INTERVAL_S` seconds since
+        the last one, whichever comes first; the drops in between are logged at debug level."""
+        self.count_drop(reason, warn=False)
+        now = time.monotonic()
+        with self.lock:
+            self.queue_drops += 1
+            count, dropped, since = self.queue_drops, self.dropped_steps, self.queue_drops - self._queue_drops_warned
+            due = (count == 1 or since >= QUEUE_DROP_WARN_EVERY
+                   or now - self._queue_warned_at >= QUEUE_DROP_WARN_INTERVAL_S)
+            if due:
+                self._queue_drops_warned, self._queue_warned_at = count, now
+        if not due:
+            log.debug("tracer: dropped a step (%d so far): %s", dropped, reason)
+            return
+        if count == 1:
+            self._warn(f"tracer: dropped a step ({dropped} so far): {reason}. Training continues; pass "
+                       "when_full='block' to wait for the writer instead. Further drops are counted in the "
+                       "manifest's dropped_steps (shown by `tracer info`) without a warning each: one warning "
+                       f"sums them up per {QUEUE_DROP_WARN_EVERY} drops or {QUEUE_DROP_WARN_INTERVAL_S:g} s.")
+        else:
+            self._warn(f"tracer: dropped {since} more steps because the queue was full ({dropped} dropped so far; "
+                       f"the latest: {reason}). They are counted in the manifest's dropped_steps (`tracer info`).")
+
+    def _warn(self, message: str) -> None:
+        """Warn (RuntimeWarning); warnings made errors raise on the caller's thread, never on the
+        writer's (logged there)."""
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
         except Warning:  # warnings made errors (-W error): raised on the caller's thread, never on the writer's
             if not self.on_writer_thread():
                 raise

@@ -90,7 +90,8 @@ class TraceWriter:
         max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
         when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
             count is kept in memory and written to the manifest by the writer thread, so ``record``
-            never waits on the disk).
+            never waits on the disk; the first drop warns, then one summary warning per 100 drops
+            or 60 s: :meth:`tracer.manifest_book.ManifestBook.queue_full`).
         writer: where the background writing runs: ``"thread"`` (a thread of this process) or
             ``"process"`` (a writer process fed through shared memory: :mod:`tracer.writer_process`;
             the training thread then shares the interpreter lock with nobody). None (default): the
@@ -444,7 +445,7 @@ class TraceWriter:
             return
         max_queue_steps, max_queue_bytes, when_full = self._queue
         self._background = BackgroundWriter(
-            self._steps.write, self._steps.normalise, self._steps.on_normalise_error, self._book.count_drop,
+            self._steps.write, self._steps.normalise, self._steps.on_normalise_error, self._book.queue_full,
             max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
             self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=self._steps.summarise)
         self._book.on_writer_thread = self._background.on_writer_thread

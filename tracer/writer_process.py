@@ -313,7 +313,7 @@ class ProcessWriter:
             if start is not None:
                 break
             if self.when_full == "drop":
-                self.book.count_drop(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
+                self.book.queue_full(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
                                      f"bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
             self._wait()
