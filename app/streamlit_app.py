@@ -29,7 +29,7 @@ root = resolve_root(sys.argv[1:], os.environ)
 hidden_slot = st.sidebar.container()  # first in the sidebar: right under the page list
 selection = render_sidebar(root)
 if selection is None:
-    st.title("No trace found")
+    st.title("No trace to open")
     st.warning(no_trace_message(root))
     st.stop()
 if selection.error is not None:

@@ -110,9 +110,9 @@ def no_trace_message(root: Path, refused: list[Path] | None = None) -> str:
                    f"`streamlit run app/streamlit_app.py -- --root DIR` (or set `{ROOT_ENV}=DIR`).")
     if refused:
         target = _link_targets(refused)
-        return (f"`{root}` holds no trace of its own: the {len(refused)} trace(s) found under it are links that "
-                "leave it, and the app opens only traces inside the directory it was started on. To browse "
-                f"them, start the viewer on the directory they point to: `{view_command(target)}`.")
+        return (f"The {len(refused)} trace(s) found under `{root}` are links that leave it (named in the sidebar), "
+                "and the app opens only traces inside the directory it was started on. To browse them, start "
+                f"the viewer on the directory they point to: `{view_command(target)}`.")
     where = "does not exist" if not root.exists() else "holds no trace"
     return (
         f"`{root}` {where}. Expected a trace directory written by tracer (a `{MANIFEST_NAME}` and "
