@@ -88,7 +88,7 @@ def test_root_holding_only_links_out_says_so_and_how_to_open_them(monkeypatch, t
     # and that command opens them: `tracer view PATH` starts the app with --root PATH
     at = start(monkeypatch, Path(view.path))
     assert not at.exception
-    assert at.selectbox(key="run").options == [outside.resolve() / "run_a", outside.resolve() / "run_b"]
+    assert at.selectbox(key="run").options == ["run_a", "run_b"]
 
 
 # -- 2. a crashed writer -----------------------------------------------------------------------------
