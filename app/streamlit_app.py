@@ -16,7 +16,7 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the
     sys.path.insert(0, str(_REPO))
 
 from app.components import trace_cache, urls  # noqa: E402
-from app.components.navigation import HOME_PAGE, hidden_pages_note, pages_for  # noqa: E402
+from app.components.navigation import HOME_PAGE, PAGES, hidden_pages_note, pages_for  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 
@@ -26,9 +26,10 @@ st.set_page_config(page_title="tracer", page_icon=str(_REPO / "app" / "assets" /
 
 trace_cache.freeze_startup_objects()  # once per process (cheaper full garbage collections on big runs)
 root = resolve_root(sys.argv[1:], os.environ)
+hidden_slot = st.sidebar.container()  # first in the sidebar: right under the page list
 selection = render_sidebar(root)
 if selection is None:
-    st.title("No trace found")
+    st.title("No trace to open")
     st.warning(no_trace_message(root))
     st.stop()
 if selection.error is not None:
@@ -42,13 +43,16 @@ store_selection(selection)
 trace = trace_cache.open_trace(str(selection.trace_path))
 first_and_selected = [k for k in (trace.steps()[:1] + [selection.key]) if k is not None]
 algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
+offered = pages_for(algorithm, recorded)
 page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
                       *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
-                        for spec in pages_for(algorithm, recorded)]])
+                        for spec in offered]])
 urls.drop_other_pages_params(page.url_path)
 note = hidden_pages_note(algorithm, recorded)
-if note:
-    st.sidebar.text(note)
+if note:  # once, collapsed, under the page list (not a note on every page)
+    with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",
+                              icon=":material/visibility_off:"):
+        st.text(note)
 try:
     page.run()
 except TraceError as err:  # a step file whose header opened but whose data cannot be used

@@ -276,7 +276,7 @@ def test_hostile_root_in_chromium(sync_playwright, server, tmp_path):
             page.screenshot(path=str(shots / "refused_outside_root.png"), full_page=True)
 
             page.goto(f"{server}/?run=mixed")
-            expect(page.locator("[data-testid=stSidebar]")).to_contain_text("running · 7 step files")
+            expect(page.locator("[data-testid=stSidebar]")).to_contain_text("unfinished (the writer did not close: crashed or still running) · 7 step files")
             choose(page, "Step file", "step 30 · inner 0")  # a good step after 13 unreadable ones
             check_no_error(page)
             expect(page.locator("[data-testid=stMain]")).to_contain_text("step 30 · inner 0 · mb 0 · rank 0")

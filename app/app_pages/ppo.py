@@ -52,8 +52,8 @@ minibatches = trace_cache.ppo_minibatch_table(trace_path, step, files)
 st.dataframe(early_stop_grid(minibatches), hide_index=True, width="stretch")
 st.plotly_chart(early_stop_figure(minibatches), width="stretch")
 st.caption("Each cell is one minibatch file. early stop: its metadata says early_stop = true (mean "
-           "approx_kl_k2 over kept tokens above target_kl; the seed does not apply that minibatch and ends "
-           "the epochs); not run: after the early stop; no file: missing for another reason.")
+           "approx_kl_k2 over kept tokens above target_kl; MiniMind's train_ppo.py then does not apply that "
+           "minibatch and ends the epochs); not run: after the early stop; no file: missing for another reason.")
 with st.expander("Minibatch table"):
     st.dataframe(style_minibatch_table(minibatches), hide_index=True, width="stretch")
 with st.expander("Early stops over all steps"):

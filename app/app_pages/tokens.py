@@ -14,6 +14,8 @@ from app.components.token_table import (
     token_display_frame)
 from tracer.reader import TOKEN_VALUE_FIELDS
 
+WHITESPACE_NOTE = ("a token made only of whitespace shows as ␣ (space), ⏎ (newline), ⇥ (tab), ␍ (carriage "
+                   "return) or · (other whitespace), an empty one as ∅; hover a coloured token for its real string")
 KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
               "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")
 
@@ -66,7 +68,7 @@ if "section" in table and (table["section"] == "prompt").any():
         st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
 st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
            "the table below lists them one by one. Struck through: after EOS; dotted: padding; hatched: "
-           "masked for another reason.")
+           f"masked for another reason. In the coloured text and the table, {WHITESPACE_NOTE}.")
 if derived:
     st.caption(f"{', '.join(derived)}: derived by the reader from the recorded logprobs (tracer.formulas); "
                "the step file does not record them.")
@@ -87,7 +89,8 @@ url_token = urls.page_param("token", list(frame["position"].unique()) if "positi
 highlight = target.token if target is not None else url_token
 hits = frame.index[highlighted_rows(frame, highlight)]
 config = {
-    "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
+    "token_text": st.column_config.TextColumn("token text",
+                                              help=f"the token's string, shown literally; {WHITESPACE_NOTE}"),
     "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),
     "section": st.column_config.TextColumn("section", width="small"),
     "position": st.column_config.NumberColumn("position", width="small"),

@@ -17,7 +17,7 @@ import pandas as pd
 from plotly.colors import sample_colorscale
 
 from app.components.colour_scale import SCALE, colour_of, legend_values, neutral_of, scale_ends
-from app.components.token_table import FILLER_REASONS, filler_marker
+from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
 from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
 
 __all__ = ["REASON_STYLE", "coloured_html", "colour_of", "legend_html", "neutral_of", "span_of"]
@@ -56,7 +56,9 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
 
     Kept tokens get the colour of ``quantity`` (none when ``quantity`` is None or the value is NaN);
     masked ones the style of their reason (:data:`REASON_STYLE`); a run of filler positions
-    (padding, after EOS) is one marker ``⟪N × reason⟫``. Hover (``title``) lists ``value_columns``.
+    (padding, after EOS) is one marker ``⟪N × reason⟫``; a whitespace-only token shows its marker
+    (``token_table.visible_token``: ``␣``, ``⏎``, ``⇥``). Hover (``title``) lists ``value_columns``
+    and the token's real string.
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
     kept_values = rows.loc[rows["mask_reason"] == KEPT, quantity] if quantity in rows else pd.Series(dtype=float)
@@ -94,7 +96,8 @@ def _token_span(row: dict, colour: str | None, value_columns: list[str]) -> str:
     if colour is not None:
         style = f"background:{colour};color:{_ink(colour)};"
     title = html.escape(_hover(row, value_columns), quote=True)
-    return f'<span title="{title}" style="{_SPAN}{style}">{html.escape(str(row["token_text"]), quote=True)}</span>'
+    text = html.escape(str(visible_token(row["token_text"])), quote=True)
+    return f'<span title="{title}" style="{_SPAN}{style}">{text}</span>'
 
 
 def _filler(run: list[dict]) -> list[str]:

@@ -83,7 +83,7 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
 
 def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> str:
     """How this run's advantages relate to the group's rewards, for the page's header line: RLOO's
-    leave-one-out baseline (no std), TRL's Bessel-corrected std, or the seed's population std.
+    leave-one-out baseline (no std), TRL's Bessel-corrected std, or the population std of MiniMind's train_grpo.py.
     ``meta`` is the step file's metadata; ``estimator`` is ``views.group_std_estimator`` of it."""
     rule = meta.get("advantage_rule")
     if algorithm == "rloo" or (isinstance(rule, str) and rule.startswith("rloo")):
@@ -94,4 +94,5 @@ def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> st
         return f"advantage: r − group mean (scale_rewards none: not divided) · group std: {estimator}"
     if estimator == "unbiased":
         return "advantage: (r − group mean) / group std · group std: unbiased (Bessel-corrected, as TRL)"
-    return "advantage: (r − group mean) / (group std + eps) · group std: population (unbiased=False, as the seed)"
+    return ("advantage: (r − group mean) / (group std + eps) · group std: population (unbiased=False, as MiniMind's "
+            "train_grpo.py)")

@@ -7,11 +7,18 @@ from typing import Any, Mapping
 
 import pandas as pd
 
+from tracer.cli import STATUS_TEXT
 from tracer.schema import FIELDS, METADATA_KEYS
 
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+
+
+def status_text(status: Any) -> str:
+    """A manifest ``status`` in words, as ``tracer info`` says it (``tracer.cli.STATUS_TEXT``): a
+    manifest still saying ``running`` is a writer that did not close (crashed or still running)."""
+    return STATUS_TEXT.get(status, status) if isinstance(status, str) else _text(status)
 
 
 def key_value_frame(mapping: Mapping[str, Any] | None, describe: bool = False) -> pd.DataFrame:
@@ -30,7 +37,7 @@ def manifest_facts(manifest: Mapping[str, Any], n_step_files: int) -> pd.DataFra
     tokenizer = manifest.get("tokenizer") or {}
     facts = {
         "algorithm": manifest.get("algorithm", "unknown"),
-        "status": manifest.get("status", "unknown"),
+        "status": status_text(manifest.get("status", "unknown")),
         "schema_version": manifest.get("schema_version", "unknown"),
         "created": manifest.get("created", ""),
         "step files on disk": n_step_files,

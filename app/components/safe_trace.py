@@ -65,7 +65,7 @@ def resolve_request(root: Path, requested: str) -> Path:
         raise OutsideRootError(
             f"refused to open {requested!r}: it resolves to {_resolved(candidate)}, outside the root "
             f"{_resolved(root)} that the app was started with. The app opens only traces under its "
-            "root; start it with another --root to browse elsewhere.")
+            "root; to browse elsewhere, start the viewer on that directory: python -m tracer view DIR.")
     try:
         return candidate.resolve()
     except (OSError, RuntimeError, ValueError) as err:

@@ -10,6 +10,8 @@ through :mod:`app.components.token_jump` before they are drawn.
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -17,6 +19,7 @@ from typing import Mapping, Sequence
 import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
+from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
@@ -80,15 +83,42 @@ def discover_traces(root: Path) -> list[Path]:
     return [p for p in _candidates(root) if inside(p, root)]
 
 
-def no_trace_message(root: Path) -> str:
-    """What the app says when ``root`` holds no trace (Markdown; the path is in a code span)."""
+def refused_traces(root: Path) -> list[Path]:
+    """The traces found at or under ``root`` through a link that leaves it (never listed, never opened)."""
+    return [p for p in _candidates(root) if not inside(p, root)]
+
+
+def view_command(directory: Path | str) -> str:
+    """The command that opens the viewer on ``directory`` (``tracer view`` takes the path as its
+    argument), quoted for a POSIX shell."""
+    return f"python -m tracer view {shlex.quote(str(directory))}"
+
+
+def _link_targets(refused: list[Path]) -> Path:
+    """One directory holding every trace the links in ``refused`` point to (their common parent;
+    the trace itself when there is one)."""
+    targets = [str(p.resolve()) for p in refused]
+    return Path(targets[0] if len(targets) == 1 else os.path.commonpath(targets))
+
+
+def no_trace_message(root: Path, refused: list[Path] | None = None) -> str:
+    """What the app says when ``root`` lists no trace (Markdown; paths and commands in code spans):
+    it does not exist, holds no trace, or holds only ``refused`` traces (:func:`refused_traces`,
+    found when None), links that leave it; each case says the command that opens a trace."""
+    refused = refused_traces(root) if refused is None else refused
+    how_to_open = (f"open it with `{view_command('DIR')}`, or start the app itself with "
+                   f"`streamlit run app/streamlit_app.py -- --root DIR` (or set `{ROOT_ENV}=DIR`).")
+    if refused:
+        target = _link_targets(refused)
+        return (f"The {len(refused)} trace(s) found under `{root}` are links that leave it (named in the sidebar), "
+                "and the app opens only traces inside the directory it was started on. To browse them, start "
+                f"the viewer on the directory they point to: `{view_command(target)}`.")
     where = "does not exist" if not root.exists() else "holds no trace"
     return (
         f"`{root}` {where}. Expected a trace directory written by tracer (a `{MANIFEST_NAME}` and "
         f"a `{STEPS_DIR}/` folder of `.safetensors` step files), at the root or up to two levels "
-        "below it, or a single `.safetensors` step file. Write one with `python -m tracer demo OUT` "
-        f"or by attaching `TraceWriter` to a trainer, then start the app with `--root DIR` "
-        f"(or set `{ROOT_ENV}`)."
+        "below it, or a single `.safetensors` step file. Write one with `python -m tracer demo --out DIR` "
+        f"or by attaching `TraceWriter` to a trainer, then {how_to_open}"
     )
 
 
@@ -132,7 +162,7 @@ def render_sidebar(root: Path) -> Selection | None:
     except TraceError as err:
         sb.error("This run cannot be opened; pick another one.")
         return Selection(root, run, None, None, error=str(err))
-    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {trace.status} · {len(keys)} step files")
+    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(keys)} step files")
     _render_status_notes(trace, problems)
     _render_auto_refresh(str(run))
     if jump is not None:
@@ -239,7 +269,8 @@ def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
         sb.warning(f"Part of this run's {MANIFEST_NAME} / token strings was ignored; the steps are still shown.")
         sb.text(printable("\n".join(notes)))
     if trace.status == "running":
-        sb.caption("The trainer is still writing this run: new steps appear on Reload or with auto-refresh.")
+        sb.caption("The writer has not closed this run: the trainer crashed or is still writing it. While it "
+                   "writes, new steps appear on Reload or with auto-refresh.")
     if problems:
         sb.warning(f"{len(problems)} step file(s) set aside: they cannot be read or leave the trace "
                    "directory. The other steps are shown.")

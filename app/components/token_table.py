@@ -2,7 +2,8 @@
 look, and the prompt / completion as plain text. Pure pandas, no Streamlit: tests call it.
 
 Token text is always shown literally (a token ``<b>`` is the four characters ``<b>``): tables go
-through ``st.dataframe``, text through ``st.code``; nothing here produces HTML or Markdown.
+through ``st.dataframe``, text through ``st.code``; nothing here produces HTML or Markdown. Only a
+token made of whitespace alone, invisible otherwise, is drawn as markers (:func:`visible_token`).
 """
 
 from __future__ import annotations
@@ -42,12 +43,34 @@ MAX_STYLED_CELLS = 200_000
 FILLER_REASONS = (PROMPT_PADDING, AFTER_EOS, PADDING)
 
 
+# How a token made only of whitespace is drawn (it would be invisible); the real string stays in the
+# hover of the coloured text and in the plain-text views.
+WHITESPACE_MARKERS: dict[str, str] = {" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"}
+OTHER_WHITESPACE_MARKER = "·"  # another whitespace character (no-break space, ideographic space...)
+EMPTY_TOKEN_MARKER = "∅"  # a token that decodes to the empty string
+
+
+def visible_token(text: object) -> object:
+    """``text`` as drawn in the token views: a whitespace-only token has each character replaced by
+    its marker (``' '`` → ``␣``, ``'\\n'`` → ``⏎``, ``'\\t'`` → ``⇥``, ``'\\r'`` → ``␍``, other
+    whitespace → ``·``) and the empty string is ``∅``; any other token (and a non-string) is
+    returned unchanged."""
+    if not isinstance(text, str):
+        return text
+    if text == "":
+        return EMPTY_TOKEN_MARKER
+    if not text.isspace():
+        return text
+    return "".join(WHITESPACE_MARKERS.get(ch, OTHER_WHITESPACE_MARKER) for ch in text)
+
+
 def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.DataFrame:
     """The columns of ``Trace.token_table(key, sequence)`` worth showing, in reading order.
 
     Completion rows come first, then prompt rows (``include_prompt``). Drops the columns that are
     constant for one sequence (step, inner_step, rank, sequence) and the ``kept`` flag (``mask_reason == "kept"`` says the same). Value columns follow the order
     old, policy, ref, sampler logprobs, ratio, ref_kl_k3, approx_kl_k2, advantages, then the rest.
+    ``token_text`` goes through :func:`visible_token` (a whitespace-only token shows as ``␣``…).
     """
     if not include_prompt and "section" in table:
         table = table[table["section"] != "prompt"]
@@ -56,7 +79,10 @@ def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.
     values = [c for c in VALUE_COLUMNS if c in table]
     values += [c for c in TOKEN_VALUE_FIELDS if c in table and c not in values]
     columns = [c for c in LEAD_COLUMNS if c in table] + values
-    return table[columns].reset_index(drop=True)
+    frame = table[columns].reset_index(drop=True)
+    if "token_text" in frame:  # a whitespace-only token shows its marker (:func:`visible_token`)
+        frame["token_text"] = frame["token_text"].map(visible_token)
+    return frame
 
 
 def _row_style(reason: str) -> str:
