@@ -11,7 +11,7 @@ from tracer.capture import SamplingPolicy
 from tracer.cli import main
 from tracer.diff import DiffInputError, comparable
 
-from tests.test_diff import B, T, ListTokenizer, step_tensors, write_trace
+from test_diff import B, T, ListTokenizer, step_tensors, write_trace
 
 KEPT = 13  # kept positions of COMPLETION_MASK per step (tests/test_diff.py)
 # policy - old = 1/128 at every position (step_tensors), so approx_kl_k2 = 0.5 * 2**-14 = 2**-15, exactly

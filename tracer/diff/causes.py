@@ -125,7 +125,7 @@ def render_short(report: DiffReport) -> str:
     compared = (f"{len(report.fields)} fields compared" if report.fields or report.identical_by_checksum < report.step_pairs
                 else "nothing left to compare")
     lines.append(f"  {report.algorithm or 'unknown algorithm'} · {report.step_pairs} step pairs "
-                 f"({report.identical_by_checksum} identical) · {report.verified_files} files verified by "
+                 f"({report.identical_by_checksum} byte-identical) · {report.verified_files} files verified by "
                  f"checksum · {compared}")
     cause = report.cause
     failing = ([cause] if cause else []) + report.downstream
