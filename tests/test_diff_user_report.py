@@ -123,6 +123,14 @@ def test_steps_on_one_side_are_listed_without_ambiguous_commas(tmp_path, capsys)
     assert f"  {line}\n" in capsys.readouterr().out
 
 
+def test_steps_missing_because_of_every_n_steps_say_so(tmp_path):
+    full = write_trace(tmp_path / "full", steps=range(6))
+    sampled = write_trace(tmp_path / "every_5", steps=range(6), sampling=SamplingPolicy(every_n_steps=5))
+    assert diff(full, sampled).findings() == [
+        "steps only in a (4 step files, steps 1-4): 1, 2, 3, 4 (b was recorded with every_n_steps=5: only steps "
+        "divisible by 5 are written)"]
+
+
 # -- 3. --verbose: the per-sequence count agrees with the lines listed ---------------------------
 
 

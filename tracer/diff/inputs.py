@@ -149,6 +149,12 @@ def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> N
                 f"{sorted(names)}); check the spelling")
 
 
+def sampling_of(trace: Trace) -> dict:
+    """The trace manifest's ``sampling`` (``every_n_steps``, ``first_k_sequences``...); {} when absent."""
+    sampling = trace.manifest.get("sampling")
+    return dict(sampling) if isinstance(sampling, dict) else {}
+
+
 def batch_size(heads: Mapping[str, tuple], algorithm: str | None) -> int | None:
     """B of one step file: the first dimension of its first schema field whose dims start with B."""
     for name in sorted(heads):
@@ -171,7 +177,7 @@ def check_batch(trace_a: Trace, trace_b: Trace, step: StepId, heads_a, heads_b, 
             "per-sequence field ([B], [B, T], [B, L], [B, F]) can be compared row by row")
     sampled = []
     for side, trace, size, other in (("a", trace_a, *sizes), ("b", trace_b, *sizes[::-1])):
-        k = (trace.manifest.get("sampling") or {}).get("first_k_sequences")
+        k = sampling_of(trace).get("first_k_sequences")
         if isinstance(k, int) and size <= k < other:  # the other side kept more rows than this one may
             sampled.append(f"{side} was recorded with first_k_sequences={k} (its manifest's sampling: only the "
                            f"first {k} sequences of each step are written)")

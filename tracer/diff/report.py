@@ -165,6 +165,8 @@ class DiffReport:
         unreadable: ``{step label: reason}`` for step pairs not compared because a file on either
             side cannot be read (the reason names the file); such a pair makes the traces unequal.
         token_alignment: ``{ids field: TokenAlignment}``, how the sampled tokens line up.
+        sampling: ``{"a": .., "b": ..}``, each trace's manifest ``sampling`` (``every_n_steps``...),
+            to say why steps are on one side only.
     """
 
     a: str
@@ -181,6 +183,7 @@ class DiffReport:
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
     token_alignment: dict[str, "TokenAlignment"] = field(default_factory=dict)
+    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -242,7 +245,11 @@ class DiffReport:
         out = [f"unreadable at {label}: {reason}" for label, reason in self.unreadable.items()]
         for side, steps in (("a", self.only_in_a), ("b", self.only_in_b)):
             if steps:
-                out.append(f"steps only in {side} {step_list(steps)}")
+                other = "b" if side == "a" else "a"
+                every = (self.sampling.get(other) or {}).get("every_n_steps")
+                why = (f" ({other} was recorded with every_n_steps={every}: only steps divisible by {every} are "
+                       "written)" if isinstance(every, int) and every > 1 else "")
+                out.append(f"steps only in {side} {step_list(steps)}{why}")
         for name, m in self.missing_fields.items():
             out.append(f"{name}: only in {m['only_in']} ({m['step_pairs']} step pairs, first at "
                        f"{step_label(m['first_step'])})")
