@@ -178,7 +178,7 @@ def test_different_step_sets_are_listed(tmp_path, base, capsys):
     report = diff(base, other)
     assert report.only_in_a == [(0, 0, 0, 0)] and report.only_in_b == [(3, 0, 0, 0), (4, 0, 0, 0)]
     assert report.step_pairs == 2 and not report.equal
-    assert report.findings() == ["steps only in a: step 0", "steps only in b: step 3, step 4"]
+    assert report.findings() == ["steps only in a (1 step file): 0", "steps only in b (2 step files, steps 3-4): 3, 4"]
     assert main(["diff", str(base), str(other), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["equal"] is False and out["only_in_b"] == [[3, 0, 0, 0], [4, 0, 0, 0]]
@@ -269,10 +269,10 @@ def test_a_field_with_different_shapes(tmp_path, base, capsys):
     other = write_trace(tmp_path / "b", edit=more_rows)
     assert main(["diff", str(base), str(other)]) == 2
     assert capsys.readouterr().err == (
-        "tracer diff: error: field 'group_ids' has shape [3] in a but [4] in b at step 0: diff "
-        "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both "
-        "with the same batch size and maximum completion length, or leave the field out (fields=/--fields)\n")
-    with pytest.raises(DiffInputError, match="'group_ids' has shape"):
+        "tracer diff: error: a has 3 sequences (B) per step file but b has 4 at step 0, so no per-sequence field "
+        "([B], [B, T], [B, L], [B, F]) can be compared row by row: the runs used different batch sizes (B = prompts "
+        "x num_generations; pairs for DPO); re-run both with the same batch size\n")
+    with pytest.raises(DiffInputError, match=r"a has 3 sequences \(B\)"):
         diff(base, other)
 
 

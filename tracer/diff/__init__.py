@@ -3,7 +3,8 @@
 The stage in four steps, one module each: ``inputs`` (what can be compared, step pairing,
 tolerances), ``engine`` (the comparison, after verifying every file), ``stats`` (per-field
 statistics: tolerance test, drift, shift), ``tokens`` (where the sampled tokens agree), and the
-result: ``report`` (DiffReport, verbose text, JSON) and ``causes`` (the headline and the short text).
+result: ``report`` (DiffReport, verbose text, JSON; ``locations``: step labels, positions) and ``causes``
+(the headline and the short text).
 
 Rules (documented in docs/regression-testing.md):
 
@@ -13,6 +14,14 @@ Rules (documented in docs/regression-testing.md):
   2). Step pairs whose two *verified* checksums agree are identical and not compared further.
 - Step files are matched by ``(step, inner_step, micro_batch, rank)``; two single step files are
   compared with each other whatever their step numbers. Steps on one side only are findings.
+- A field that one side records and the other side derives (``tracer.derived``: ``ratio``,
+  ``ref_kl_k3``, ``approx_kl_k2`` from the recorded logprobs, as the reader does) is derived on
+  that side from its own inputs and metadata and compared by value like any field; equal, it is a
+  note (``report.notes()``), not "only in b"; different, it is a finding marked ``[derived in a]``.
+- Step metadata: a key both sides record with different values (``beta`` 0.04 vs 0.1) is a finding
+  (``report.metadata_conflicts``; exit 1; the verdict says "metadata only" when the tensors are
+  equal); a key only one side records (hyperparameters the zero-edit ``tracer run`` cannot know) is
+  a note: it does not make the traces unequal (exit 0).
 - Per-token fields are compared only where both sides keep the position: ``completion_mask`` for
   ``[B, T]`` fields, ``chosen_mask``/``rejected_mask`` for ``chosen_*``/``rejected_*`` fields,
   ``prompt_mask`` for ``[B, L]`` fields. Masks themselves are compared everywhere, exactly. Fields

@@ -97,6 +97,11 @@ def _others(report: DiffReport) -> list[str]:
 
 def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
     lines = ["what to do:"]
+    if report.metadata_conflicts:
+        keys = list(report.metadata_conflicts)
+        flags = " ".join(f"--ignore-metadata {k}" for k in keys)
+        lines.append(f"  step metadata {', '.join(keys)} differs (hyperparameters the runs were configured with); "
+                     f"if that is intended: {flags}")
     floats = [f for f in failing if f.kind == FLOAT and f.differing and math.isfinite(f.max_abs_diff)]
     exact = [f.name for f in failing if f.kind in (EXACT, MASK)]
     if exact:
@@ -113,17 +118,14 @@ def render_short(report: DiffReport) -> str:
     """The default text report: fits a screen for the common case."""
     findings = report.findings()
     head = headline(report)
-    if not findings:
-        verdict = "EQUAL within tolerance"
-    else:
-        verdict = f"DIFFERENT: {head}" if head else f"DIFFERENT ({len(findings)} finding{'s' * (len(findings) > 1)})"
+    verdict = f"DIFFERENT: {head}" if head else report.verdict()
     lines = [f"tracer diff: {verdict}"]
     for side, label, path in (("a", report.labels[0], report.a), ("b", report.labels[1], report.b)):
         lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
     compared = (f"{len(report.fields)} fields compared" if report.fields or report.identical_by_checksum < report.step_pairs
                 else "nothing left to compare")
     lines.append(f"  {report.algorithm or 'unknown algorithm'} · {report.step_pairs} step pairs "
-                 f"({report.identical_by_checksum} identical) · {report.verified_files} files verified by "
+                 f"({report.identical_by_checksum} byte-identical) · {report.verified_files} files verified by "
                  f"checksum · {compared}")
     cause = report.cause
     failing = ([cause] if cause else []) + report.downstream
@@ -138,6 +140,9 @@ def render_short(report: DiffReport) -> str:
     others = _others(report)
     if others:
         lines += ["", "also:", *("  " + line for line in others)]
+    notes = report.notes()
+    if notes:
+        lines += ["", "notes (not differences):", *("  " + line for line in notes)]
     if findings:
         lines += ["", *_what_to_do(report, failing)]
     return "\n".join(lines)

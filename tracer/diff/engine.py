@@ -11,8 +11,9 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from tracer.diff.inputs import (DiffInputError, check_compatible, check_names, check_pair, open_checked,
-                                pair_steps, per_field, step_id)
+from tracer.derived import derivation_inputs, derive_fields
+from tracer.diff.inputs import (DiffInputError, check_batch, check_compatible, check_names, check_pair,
+                                derive_missing, open_checked, pair_steps, per_field, sampling_of, step_id)
 from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, StepId, Tolerance, step_label
 from tracer.diff.stats import FieldStats, coarseness, default_tolerance, mismatch
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
@@ -65,7 +66,8 @@ def diff(
     check_compatible(trace_a, trace_b)
     pairs, only_a, only_b = pair_steps(trace_a, trace_b)
     report = DiffReport(str(a), str(b), tuple(labels), trace_a.algorithm or trace_b.algorithm,
-                        step_pairs=len(pairs), only_in_a=only_a, only_in_b=only_b)
+                        step_pairs=len(pairs), only_in_a=only_a, only_in_b=only_b,
+                        sampling={"a": sampling_of(trace_a), "b": sampling_of(trace_b)})
     atols, rtols = per_field(atol, "atol"), per_field(rtol, "rtol")
     wanted = None if fields is None else list(fields)
     if pairs:
@@ -241,10 +243,13 @@ class _Engine:
             for side, fh in (("a", fa), ("b", fb)):
                 heads[side] = {n: (list(fh.get_slice(n).get_shape()), fh.get_slice(n).get_dtype()) for n in fh.keys()}
             names = [n for n in _ordered(set(heads["a"]) | set(heads["b"])) if self.wanted is None or n in self.wanted]
+            metas = {"a": meta_a, "b": meta_b}
+            derived = derive_missing(heads, metas, names)  # recorded on one side, derived on the other
             for name in names:
                 if (name in heads["a"]) != (name in heads["b"]):
                     self._missing(step, name, "a" if name in heads["a"] else "b")
             common = [n for n in names if n in heads["a"] and n in heads["b"]]
+            check_batch(self.trace_a, self.trace_b, step, heads["a"], heads["b"], self.algorithm)
             for name in common:
                 check_pair(name, step, heads["a"][name], heads["b"][name], self.algorithm)
             masks = {side: {m: fh.get_tensor(m) for m in _MASKS if m in heads[side]}
@@ -255,8 +260,10 @@ class _Engine:
             keeps: dict[tuple, torch.Tensor | None] = {}  # (mask, token-aligned, shape) -> positions compared
             for name in common:
                 acc = self._accumulator(name, heads["a"][name][1], heads["b"][name][1], len(heads["a"][name][0]))
-                ta = masks["a"][name] if name in masks["a"] else fa.get_tensor(name)
-                tb = masks["b"][name] if name in masks["b"] else fb.get_tensor(name)
+                if name in derived:
+                    acc.r.derived_in = acc.r.derived_in or derived[name]
+                ta, tb = (_read(fh, name, masks[side], metas[side], derived.get(name) == side)
+                          for side, fh in (("a", fa), ("b", fb)))
                 ta, tb = _pad_pair(ta, tb, left=_is_prompt(name))
                 which = (acc.r.mask, _token_aligned(name, acc.dims), tuple(ta.shape))
                 if which not in keeps:
@@ -336,9 +343,21 @@ class _Engine:
     def _diff_metadata(self, step: StepId, meta_a: dict[str, Any], meta_b: dict[str, Any]) -> None:
         for key in sorted((set(meta_a) | set(meta_b)) - self.ignored):
             if meta_a.get(key) != meta_b.get(key):
-                entry = self.report.metadata.setdefault(
-                    key, {"a": meta_a.get(key), "b": meta_b.get(key), "step_pairs": 0, "first_step": step})
+                only = None if key in meta_a and key in meta_b else ("a" if key in meta_a else "b")
+                entry = self.report.metadata.setdefault(key, {"a": meta_a.get(key), "b": meta_b.get(key),
+                                                              "only_in": only, "step_pairs": 0, "first_step": step})
                 entry["step_pairs"] += 1
+
+
+def _read(fh, name: str, masks: dict[str, torch.Tensor], meta: dict[str, Any], derive: bool) -> torch.Tensor:
+    """One side's tensor of ``name``: its mask already read, the recorded tensor, or (``derive``)
+    the value the reader derives from the recorded inputs (``tracer.derived.derive_fields``)."""
+    if name in masks:
+        return masks[name]
+    if not derive:
+        return fh.get_tensor(name)
+    inputs = derivation_inputs(fh.keys(), meta, [name])
+    return derive_fields({f: fh.get_tensor(f) for f in inputs}, meta)[name]
 
 
 def _ordered(names: set[str]) -> list[str]:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs
 from tracer.diff.report import StepId, step_label
 from tracer.diff.stats import coarseness
 from tracer.errors import TraceError, TraceFormatError
@@ -95,6 +96,7 @@ def comparable(a: str | Path, b: str | Path) -> str | None:
             return "no step file in common"
         heads = [trace_a.fields(pairs[0][0]), trace_b.fields(pairs[0][1])]
         algorithm = trace_a.algorithm or trace_b.algorithm
+        check_batch(trace_a, trace_b, step_id(pairs[0][0]), heads[0], heads[1], algorithm)
         for name in set(heads[0]) & set(heads[1]):
             check_pair(name, step_id(pairs[0][0]), heads[0][name], heads[1][name], algorithm)
     except TraceError as err:
@@ -147,6 +149,73 @@ def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> N
                 f"{sorted(names)}); check the spelling")
 
 
+def sampling_of(trace: Trace) -> dict:
+    """The trace manifest's ``sampling`` (``every_n_steps``, ``first_k_sequences``...); {} when absent."""
+    sampling = trace.manifest.get("sampling")
+    return dict(sampling) if isinstance(sampling, dict) else {}
+
+
+def batch_size(heads: Mapping[str, tuple], algorithm: str | None) -> int | None:
+    """B of one step file: the first dimension of its first schema field whose dims start with B."""
+    for name in sorted(heads):
+        spec = FIELDS.get(name)
+        dims = spec.dims_for(algorithm) if spec else ()
+        shape = heads[name][0]
+        if dims[:1] == ("B",) and len(shape) == len(dims):
+            return int(shape[0])
+    return None
+
+
+def check_batch(trace_a: Trace, trace_b: Trace, step: StepId, heads_a, heads_b, algorithm: str | None) -> None:
+    """Raise DiffInputError when the two step files hold different numbers of sequences (B): no
+    per-sequence field can then be compared row by row. The message names a side's
+    ``first_k_sequences`` sampling (its manifest) when it explains the difference."""
+    sizes = batch_size(heads_a, algorithm), batch_size(heads_b, algorithm)
+    if None in sizes or sizes[0] == sizes[1]:
+        return
+    text = (f"a has {sizes[0]} sequences (B) per step file but b has {sizes[1]} at {step_label(step)}, so no "
+            "per-sequence field ([B], [B, T], [B, L], [B, F]) can be compared row by row")
+    sampled = []
+    for side, trace, size, other in (("a", trace_a, *sizes), ("b", trace_b, *sizes[::-1])):
+        k = sampling_of(trace).get("first_k_sequences")
+        if isinstance(k, int) and size <= k < other:  # the other side kept more rows than this one may
+            sampled.append(f"{side} was recorded with first_k_sequences={k} (its manifest's sampling: only the "
+                           f"first {k} sequences of each step are written)")
+    if sampled:
+        text += (f": {'; '.join(sampled)}. tracer diff has no option to compare only the first rows of the "
+                 "other trace; record both traces with the same first_k_sequences (or both without it), then "
+                 "diff again")
+    else:
+        text += (": the runs used different batch sizes (B = prompts x num_generations; pairs for DPO); re-run "
+                 "both with the same batch size")
+    raise DiffInputError(text)
+
+
+def derive_missing(heads: dict[str, dict[str, tuple]], metas: dict[str, dict], names: Iterable[str]) -> dict[str, str]:
+    """``{field: side}`` for the fields of ``names`` that one side records and the other side
+    (``side``) lacks but derives from its own recorded inputs, as the reader does
+    (:mod:`tracer.derived`: ``ratio``, ``ref_kl_k3``, ``approx_kl_k2``). Adds their header
+    ``(shape, dtype)`` to ``heads[side]`` (float32, float64 when an input is float64), so they are
+    compared by value like a recorded field."""
+    out = {}
+    for name in names:
+        sides = [s for s in ("a", "b") if name in heads[s]]
+        if len(sides) != 1 or name not in DERIVED_FIELDS:
+            continue
+        side = "b" if sides[0] == "a" else "a"
+        if name not in derivable(heads[side], metas[side]):
+            continue
+        inputs = [heads[side][f] for f in derivation_inputs(heads[side], metas[side], [name])]
+        if any(shape != inputs[0][0] or not coarseness(dtype) for shape, dtype in inputs):
+            continue  # the reader does not derive from inputs of different shapes or kinds either
+        recorded = heads[sides[0]][name][0]
+        if len(recorded) != len(inputs[0][0]) or recorded[:1] != inputs[0][0][:1]:
+            continue  # recorded otherwise (a sequence-level ratio [B]): not the derived quantity, stays "only in"
+        heads[side][name] = (inputs[0][0], "F64" if any(d == "F64" for _, d in inputs) else "F32")
+        out[name] = side
+    return out
+
+
 def check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None = None) -> None:
     """Raise DiffInputError when a field's shapes (other than the T/L widths) or kinds differ."""
     (shape_a, dtype_a), (shape_b, dtype_b) = head_a, head_b
@@ -156,10 +225,17 @@ def check_pair(name: str, step: StepId, head_a, head_b, algorithm: str | None = 
             and shape_a[0] == shape_b[0]):
         pass  # completions (prompts) of different widths: compared over the wider one, extra positions not kept
     elif shape_a != shape_b:
+        where = f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}"
+        if dims[:1] == ("B",) and len(shape_a) == len(shape_b) and shape_a[0] != shape_b[0]:
+            raise DiffInputError(
+                f"{where}: the two step files hold different numbers of sequences (B), so no per-sequence "
+                "field can be compared row by row; re-run both with the same batch size (and the same "
+                "first_k_sequences sampling)")
+        differ = [d for d, x, y in zip(dims or ("?",) * len(shape_a), shape_a, shape_b) if x != y]
+        which = f" ({', '.join(differ)} differs)" if len(shape_a) == len(shape_b) and differ else ""
         raise DiffInputError(
-            f"field {name!r} has shape {shape_a} in a but {shape_b} in b at {step_label(step)}: diff "
-            "compares position by position, so both traces need the same B and F (widths T and L may differ); re-run both with "
-            "the same batch size and maximum completion length, or leave the field out (fields=/--fields)")
+            f"{where}: diff compares position by position, so every dimension but the widths T and L must "
+            f"agree{which}; record the field with the same shape on both sides, or leave it out (fields=/--fields)")
     kinds = {d: ("float" if coarseness(d) else "integer/bool") for d in (dtype_a, dtype_b)}
     if kinds[dtype_a] != kinds[dtype_b]:
         raise DiffInputError(

@@ -13,101 +13,14 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tracer.diff.locations import (EXACT, FLOAT, MASK, Location, StepId, Tolerance, short_step,  # noqa: F401
+                                   step_label, step_list)
 from tracer.schema import flow_rank
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from tracer.diff.tokens import TokenAlignment
-
-StepId = tuple[int, int, int, int]  # (step, inner_step, micro_batch, rank)
-FLOAT, EXACT, MASK = "float", "exact", "mask"  # how a field is compared
-_SHOWN_STEPS = 10
-
-
-def step_label(step: StepId) -> str:
-    """``step 3`` plus ``inner``/``mb``/``rank`` when they are not 0: ``step 3, inner 1``."""
-    s, inner, mb, rank = step
-    extra = [f"{n} {v}" for n, v in (("inner", inner), ("mb", mb), ("rank", rank)) if v]
-    return ", ".join([f"step {s}", *extra])
-
-
-def _value(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.7g}"
-    return str(v)
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """A position passes when ``|b - a| <= atol + rtol * |a|`` (both finite), or a and b are equal
-    (NaN equals NaN, inf equals inf of the same sign)."""
-
-    atol: float
-    rtol: float
-
-    def at(self, a: float) -> float:
-        """The allowed ``|b - a|`` at reference value ``a``."""
-        return self.atol + self.rtol * abs(a)
-
-
-@dataclass
-class Location:
-    """One differing position of one field.
-
-    Attributes:
-        step: ``(step, inner_step, micro_batch, rank)`` of the step pair.
-        index: position in the tensor, e.g. ``(sequence, token)`` for a ``[B, T]`` field.
-        dims: the dimension names of ``index`` (``("B", "T")``); ``"?"`` for fields outside the schema.
-        a, b: the two values (float, int or bool).
-        abs_diff: ``|b - a|`` (inf when exactly one side is NaN/inf).
-        row_differing: differing positions in the same sequence of the same step pair.
-        token_text: text of the token at this position in ``a`` (None for non-token fields).
-        token_text_b: text of the token in ``b`` when its id differs from ``a``'s.
-    """
-
-    step: StepId
-    index: tuple[int, ...]
-    dims: tuple[str, ...]
-    a: Any
-    b: Any
-    abs_diff: float
-    row_differing: int = 1
-    token_text: str | None = None
-    token_text_b: str | None = None
-
-    @property
-    def sequence(self) -> int | None:
-        return self.index[0] if self.dims[:1] == ("B",) else None
-
-    @property
-    def token(self) -> int | None:
-        return self.index[1] if len(self.dims) > 1 and self.dims[1] in ("T", "L") else None
-
-    def position(self) -> str:
-        """``seq 3, tok 17 'cat'`` (prompt tokens: ``prompt tok``; ``[B, F]``: ``component``)."""
-        if not self.index:
-            return ""
-        if self.dims[0] != "B":
-            return f"index {self.index}"
-        parts = [f"seq {self.index[0]}"]
-        if len(self.index) > 1:
-            name = {"T": "tok", "L": "prompt tok", "F": "component"}.get(self.dims[1], "index")
-            parts.append(f"{name} {', '.join(map(str, self.index[1:]))}")
-        text = f" {self.token_text!r}" if self.token_text is not None else ""
-        return ", ".join(parts) + text
-
-    def where(self) -> str:
-        """``step 12, seq 3, tok 17 'cat'``."""
-        pos = self.position()
-        return step_label(self.step) + (f", {pos}" if pos else "")
-
-    def values(self) -> str:
-        """``a=-0.25, b=0.25`` (with both token texts when token ids differ)."""
-        a, b = _value(self.a), _value(self.b)
-        if self.token_text_b is not None:
-            a, b = f"{a} {self.token_text!r}", f"{b} {self.token_text_b!r}"
-        return f"a={a}, b={b}"
 
 
 @dataclass
@@ -128,6 +41,8 @@ class FieldDiff:
         kept_only_in_a, kept_only_in_b: for masks, positions one side keeps and the other does not.
         first: the first differing position (step order, then position).
         worst: the worst differing positions (largest ``|b - a|`` first; exact kinds: first ones).
+        derived_in: ``"a"``/``"b"`` when that side does not record the field and it was derived
+            there from the recorded inputs, as the reader does (``tracer.derived``); None: recorded.
     """
 
     name: str
@@ -150,6 +65,7 @@ class FieldDiff:
     kept_only_in_b: int = 0
     first: Location | None = None
     worst: list[Location] = field(default_factory=list)
+    derived_in: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -174,7 +90,12 @@ class FieldDiff:
         return loc.abs_diff / allowed if allowed > 0 else math.inf
 
     def summary(self) -> str:
-        """One line in the style of TRL's invariant tests."""
+        """One line in the style of TRL's invariant tests (``[derived in a]`` at the end for a
+        field one side derives)."""
+        return self._summary() + (f" [derived in {self.derived_in}, recorded in {'b' if self.derived_in == 'a' else 'a'}]"
+                                  if self.derived_in else "")
+
+    def _summary(self) -> str:
         n = f"{self.differing} of {self.compared} {'kept ' if self.mask else ''}positions"
         if self.kind == MASK:
             first = f", first at {self.first.where()} ({self.first.values()})" if self.first else ""
@@ -209,7 +130,9 @@ class FieldDiff:
             groups[(loc.step, loc.index[:1] if per_sequence else ())].append(loc)
         for (step, seq), locs in groups.items():
             if seq:
-                lines.append(f"{step_label(step)}, seq {seq[0]} ({locs[0].row_differing} differing)")
+                n = locs[0].row_differing
+                count = f"{n} differing" if len(locs) >= n else f"showing {len(locs)} of {n} differing"
+                lines.append(f"{step_label(step)}, seq {seq[0]} ({count})")
             else:
                 lines.append(step_label(step))
             for loc in locs:
@@ -234,11 +157,16 @@ class DiffReport:
         only_in_a, only_in_b: steps ``(step, inner_step, micro_batch, rank)`` on one side only.
         fields: every compared field, passing or not, in comparison order.
         missing_fields: ``{field: {"only_in": "a"|"b", "step_pairs": n, "first_step": StepId}}``.
-        metadata: ``{key: {"a": .., "b": .., "step_pairs": n, "first_step": StepId}}`` for step
-            metadata that differs (``content_sha256``, ``source_dtype`` and step identity ignored).
+        metadata: ``{key: {"a": .., "b": .., "only_in": "a"|"b"|None, "step_pairs": n, "first_step":
+            StepId}}`` for step metadata that differs (``content_sha256``, ``source_dtype``, ``summary``
+            and step identity ignored). A key both sides record with different values is a finding
+            (:attr:`metadata_conflicts`); a key only one side records (``only_in``) is a note: the
+            other trace does not say, which is no difference between the runs.
         unreadable: ``{step label: reason}`` for step pairs not compared because a file on either
             side cannot be read (the reason names the file); such a pair makes the traces unequal.
         token_alignment: ``{ids field: TokenAlignment}``, how the sampled tokens line up.
+        sampling: ``{"a": .., "b": ..}``, each trace's manifest ``sampling`` (``every_n_steps``...),
+            to say why steps are on one side only.
     """
 
     a: str
@@ -255,6 +183,7 @@ class DiffReport:
     metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
     unreadable: dict[str, str] = field(default_factory=dict)
     token_alignment: dict[str, "TokenAlignment"] = field(default_factory=dict)
+    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -264,9 +193,26 @@ class DiffReport:
         return sorted(bad, key=lambda f: (order[f.kind], f.differing == 0, -f.severity()))
 
     @property
+    def tensors_equal(self) -> bool:
+        """The same step files and fields, every field within tolerance (step metadata aside)."""
+        return not (self.only_in_a or self.only_in_b or self.missing_fields or self.differing_fields
+                    or self.unreadable)
+
+    @property
+    def metadata_conflicts(self) -> dict[str, dict[str, Any]]:
+        """Metadata keys both sides record, with different values (findings)."""
+        return {k: m for k, m in self.metadata.items() if m.get("only_in") is None}
+
+    @property
     def equal(self) -> bool:
-        return not (self.only_in_a or self.only_in_b or self.missing_fields or self.metadata
-                    or self.differing_fields or self.unreadable)
+        """Nothing differs: :attr:`tensors_equal` and no :attr:`metadata_conflicts` (a metadata key
+        recorded on one side only, or a field derived on one side and equal, is a note)."""
+        return self.tensors_equal and not self.metadata_conflicts
+
+    @property
+    def metadata_only(self) -> bool:
+        """The tensors are equal within tolerance and only step metadata values differ."""
+        return self.tensors_equal and bool(self.metadata_conflicts)
 
     @property
     def cause(self) -> FieldDiff | None:
@@ -299,17 +245,46 @@ class DiffReport:
         out = [f"unreadable at {label}: {reason}" for label, reason in self.unreadable.items()]
         for side, steps in (("a", self.only_in_a), ("b", self.only_in_b)):
             if steps:
-                shown = ", ".join(step_label(s) for s in steps[:_SHOWN_STEPS])
-                more = f" … and {len(steps) - _SHOWN_STEPS} more" if len(steps) > _SHOWN_STEPS else ""
-                out.append(f"steps only in {side}: {shown}{more}")
+                other = "b" if side == "a" else "a"
+                every = (self.sampling.get(other) or {}).get("every_n_steps")
+                why = (f" ({other} was recorded with every_n_steps={every}: only steps divisible by {every} are "
+                       "written)" if isinstance(every, int) and every > 1 else "")
+                out.append(f"steps only in {side} {step_list(steps)}{why}")
         for name, m in self.missing_fields.items():
             out.append(f"{name}: only in {m['only_in']} ({m['step_pairs']} step pairs, first at "
                        f"{step_label(m['first_step'])})")
-        for key, m in self.metadata.items():
+        for key, m in self.metadata_conflicts.items():
             out.append(f"metadata {key}: a={m['a']!r}, b={m['b']!r} ({m['step_pairs']} step pairs, "
                        f"first at {step_label(m['first_step'])})")
         out.extend(f.summary() for f in self.differing_fields)
         return out
+
+    def notes(self) -> list[str]:
+        """What is not a difference but worth saying: metadata keys one side records and the other
+        does not, and fields recorded on one side and derived on the other that agree."""
+        out = []
+        for side in ("a", "b"):
+            keys = {k: m[side] for k, m in self.metadata.items() if m.get("only_in") == side}
+            if keys:
+                other = "b" if side == "a" else "a"
+                out.append(f"metadata only in {side} (not recorded in {other}, so not compared): "
+                           + ", ".join(f"{k}={v!r}" for k, v in keys.items()))
+        for f in self.fields.values():
+            if f.derived_in and f.passed:
+                out.append(f"{f.name}: recorded in {'b' if f.derived_in == 'a' else 'a'}, derived in {f.derived_in} "
+                           f"from its recorded inputs (as the reader does); equal within tolerance at {f.compared} "
+                           "positions")
+        return out
+
+    def verdict(self) -> str:
+        """``EQUAL within tolerance``, ``DIFFERENT (metadata only: …)`` or ``DIFFERENT (n findings)``."""
+        findings = self.findings()
+        if not findings:
+            return "EQUAL within tolerance"
+        if self.metadata_only:
+            keys = ", ".join(self.metadata_conflicts)
+            return f"DIFFERENT (metadata only: the tensors are equal within tolerance; step metadata {keys} differs)"
+        return f"DIFFERENT ({len(findings)} finding{'s' * (len(findings) > 1)})"
 
     def format(self, max_locations: int = 10, verbose: bool = False) -> str:
         """The readable report. Short by default (``tracer.diff.causes.render_short``: the headline,
@@ -321,9 +296,7 @@ class DiffReport:
 
             return render_short(self)
         findings = self.findings()
-        plural = "s" if len(findings) > 1 else ""
-        verdict = f"DIFFERENT ({len(findings)} finding{plural})" if findings else "EQUAL within tolerance"
-        lines = [f"tracer diff: {verdict}"]
+        lines = [f"tracer diff: {self.verdict()}"]
         for side, label, path in (("a", self.labels[0], self.a), ("b", self.labels[1], self.b)):
             lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
         lines.append(f"  {self.algorithm or 'unknown algorithm'} · {self.step_pairs} step pairs "
@@ -334,6 +307,8 @@ class DiffReport:
             lines.append(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
         if findings:
             lines += ["", *findings]
+        if self.notes():
+            lines += ["", "notes (not differences):", *("  " + n for n in self.notes())]
         tokens = [t.summary() for t in self.token_alignment.values() if t.differing_tokens or t.prompt_rows_differing]
         if tokens:
             lines += ["", "tokens:", *("  " + line for line in tokens)]
@@ -374,7 +349,8 @@ class DiffReport:
             fields[name] = {**asdict(f), "passed": f.passed, "share": f.share, "min_atol": f.min_atol}
         first = self.first_divergence
         out = {
-            "equal": self.equal, "findings": self.findings(), "a": self.a, "b": self.b,
+            "equal": self.equal, "tensors_equal": self.tensors_equal, "findings": self.findings(),
+            "notes": self.notes(), "a": self.a, "b": self.b,
             "labels": list(self.labels), "algorithm": self.algorithm, "step_pairs": self.step_pairs,
             "identical_by_checksum": self.identical_by_checksum, "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
