@@ -21,6 +21,8 @@ from tracer.cli import trace_info
 from tracer.demo.tiny_model import build_tiny_model
 from tracer.layout import capture_report_name
 
+from tests.test_watch import tiny_loop  # noqa: E402  (the same model-free MiniMind-named loop)
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
@@ -115,17 +117,6 @@ def test_a_trace_from_before_per_rank_reports_and_an_unreadable_report(two_rank_
     text = info_text(old)
     assert "capture, rank 1: report unreadable: " in text and "could not read the capture report" in text
     assert "capture, rank 0: 4 step file(s)" in text
-
-
-def tiny_loop(steps=2):
-    """A model-free loop with MiniMind's names: per_token_logps [2, 3] from a parameter."""
-    weight = torch.nn.Parameter(torch.zeros(2, 3, 5))
-    completion_ids = torch.tensor([[1, 2, 3], [4, 0, 0]])
-    completion_mask = completion_ids != 0
-    for _ in range(steps):
-        per_token_logps = weight.log_softmax(-1).gather(2, completion_ids.unsqueeze(-1)).squeeze(-1)  # (2, 3)
-        loss = -(per_token_logps * completion_mask).sum()
-        loss.backward()
 
 
 def test_a_report_that_cannot_be_written_never_stops_training_unless_strict(tmp_path):

@@ -122,31 +122,28 @@ class BufferPool:
         self._max_idle = {False: max_idle_bytes, True: max_idle_pinned_bytes}
         self._idle_bytes = {False: 0, True: 0}
 
-    def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
-        key = (tuple(shape), dtype, pinned)
+    def _pop_idle(self, key: tuple, pinned: bool) -> Any:
+        """An idle buffer (or group) kept under ``key``, taken out of the pool; None when there is none."""
         with self._lock:
             free = self._free.get(key)
-            if free:
-                buf = free.pop()
-                self._idle_bytes[pinned] -= buf.nbytes
-                if not free:
-                    del self._free[key]
-                return buf
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+            if not free:
+                return None
+            buf = free.pop()
+            self._idle_bytes[pinned] -= buf.nbytes
+            if not free:
+                del self._free[key]
+            return buf
+
+    def take(self, shape: torch.Size, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        buf = self._pop_idle((tuple(shape), dtype, pinned), pinned)
+        return buf if buf is not None else torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
     def take_group(self, key: tuple, tensors: list[torch.Tensor]) -> "BufferGroup":
         """Plain buffers shaped like ``tensors``, as one :class:`BufferGroup` kept under ``key`` (the
         step's field signature: the same key always means the same shapes and dtypes): one lookup
         per step instead of one per tensor."""
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                group = free.pop()
-                self._idle_bytes[False] -= group.nbytes
-                if not free:
-                    del self._free[key]
-                return group
-        return BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype) for t in tensors])
+        group = self._pop_idle(key, False)
+        return group if group is not None else BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype) for t in tensors])
 
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
         """Hand back ``(buffer, pinned)`` pairs (a buffer may be a :class:`BufferGroup`) that hold
