@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from tracer import summaries
 from tracer.errors import SchemaError
@@ -90,3 +91,26 @@ def test_a_failing_summary_never_costs_the_step(tmp_path):
     trace = Trace(tmp_path / "run")
     assert "summary" not in trace.metadata(trace.step_key(0))
     assert trace.step_summary()["summary_source"].tolist() == ["tensors"]
+
+
+@pytest.mark.parametrize("writer_kind", ["thread", "process"])
+def test_step_metadata_is_encoded_again_whenever_it_changes_even_by_type_or_in_place(tmp_path, writer_kind):
+    """record() keeps the last metadata's encoding (a zero-edit capture repeats it every step); each
+    file's header (read with safetensors itself) still holds that step's own values: 1, then 1.0
+    and True (equal in Python, not in JSON), a NaN, a list changed in place after its step was
+    recorded (the writer thread encodes later: it must not see the change), a key added."""
+    listed = [1, 2]
+    metas = [{"beta": 1}, {"beta": 1}, {"beta": 1.0}, {"beta": True}, {"beta": float("nan")},
+             {"beta": float("nan")}, {"beta": 1, "ids": listed}, None, {"beta": 1, "ids": listed}, {"beta": 1, "x": "a"}]
+    with TraceWriter(tmp_path / "run", "grpo", writer=writer_kind) as writer:
+        for step, meta in enumerate(metas):
+            if step == 8:
+                listed.append(3)  # the same list object, changed in place since step 6
+            writer.record(step, _step(), metadata=meta)
+    headers = []
+    for step in range(len(metas)):
+        with safe_open(str(tmp_path / "run" / "steps" / f"step_{step:08d}.inner_0.mb_0.rank_0.safetensors"), "pt") as f:
+            headers.append(f.metadata())
+    assert [h.get("beta") for h in headers] == ["1", "1", "1.0", "true", "NaN", "NaN", "1", None, "1", "1"]
+    assert [h.get("ids") for h in headers] == [None] * 6 + ["[1, 2]", None, "[1, 2, 3]", None]
+    assert [h.get("x") for h in headers] == [None] * 9 + ["a"]

@@ -1,14 +1,15 @@
 """What ``record`` checks on the training thread before a step is staged: its coordinates, and its
-tensors against the schema once per field signature (:class:`SignatureCache`)."""
+tensors against the schema once per field signature (:class:`SignatureCache`), and its metadata
+(:class:`MetadataCache`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from tracer.errors import SchemaError
-from tracer.schema import BOOL, FIELDS, check_mask_field, check_tensors
+from tracer.schema import BOOL, FIELDS, check_mask_field, check_tensors, encode_metadata, jsonable
 
 MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 
@@ -64,3 +65,40 @@ class SignatureCache(dict):
             check_mask_field(name, tensors[name])
         self.cpu_key = signature if cached[2] else None
         return cached[0]
+
+
+class MetadataCache:
+    """The last step metadata ``record`` checked, with its header encoding
+    (:func:`tracer.schema.encode_metadata`) and, once asked for, its JSON form
+    (:func:`tracer.schema.jsonable`, what the writer process is sent). A zero-edit capture passes
+    the same values at every step (the hyperparameters it reads from the loop's ``args``), which
+    then cost one comparison instead of an encoding. The same keys with values of the same types
+    that compare equal are the same metadata (a NaN never is: encoded again); only scalars are
+    remembered (a list could change in place)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] | None = None  # the metadata last encoded, when all scalars
+        self._encoded: dict[str, str] = {}
+        self._json: dict[str, Any] | None = None
+
+    def encoded(self, metadata: Mapping[str, Any]) -> dict[str, str]:
+        """``encode_metadata(metadata)``. Raises SchemaError (a value that is not JSON)."""
+        last = self._last
+        if (last is not None and last.keys() == metadata.keys()
+                and all(type(v) is type(last[k]) and v == last[k] for k, v in metadata.items())):
+            return self._encoded
+        encoded = encode_metadata(metadata)
+        scalars = all(type(v) in _SCALARS for v in metadata.values())
+        self._last, self._encoded, self._json = (dict(metadata) if scalars else None), encoded, None
+        return encoded
+
+    def json_form(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """``jsonable(metadata)`` of the metadata :meth:`encoded` was last given."""
+        if self._last is None:
+            return jsonable(dict(metadata))
+        if self._json is None:
+            self._json = jsonable(self._last)
+        return self._json
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})

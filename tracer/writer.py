@@ -38,7 +38,7 @@ from tracer import summaries
 from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
-from tracer.record_checks import MAX_SIGNATURES, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
+from tracer.record_checks import MAX_SIGNATURES, MetadataCache, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, jsonable
 from tracer.step_writer import StepWriter, step_header
 
@@ -162,6 +162,7 @@ class TraceWriter:
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
         self._recorded: set[tuple[int, int, int]] = set()
         self._signatures = SignatureCache(algorithm)  # field signatures checked once
+        self._metadata = MetadataCache()  # the last step metadata and its encodings
         self._steps_dir = self.root / STEPS_DIR
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
@@ -266,7 +267,7 @@ class TraceWriter:
             self._book.skipped()
             return None
         # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
-        encoded = encode_metadata(metadata) if metadata else {}
+        encoded = self._metadata.encoded(metadata) if metadata else {}
         size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
@@ -276,9 +277,11 @@ class TraceWriter:
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
         path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._process is not None:
-            return self._hand_over(coordinates, tensors, sampled, source_dtype, metadata, path)
-        header = step_header(self.hyperparameters, metadata, self.algorithm, step, inner_step, micro_batch,
-                             self.rank, self.world_size, source_dtype)
+            return self._hand_over(coordinates, tensors, sampled, source_dtype,
+                                   self._metadata.json_form(metadata) if metadata else None, path)
+        # the metadata's values at record time (its JSON form: a list the loop changes later is not this step's)
+        header = step_header(self.hyperparameters, self._metadata.json_form(metadata) if metadata else None,
+                             self.algorithm, step, inner_step, micro_batch, self.rank, self.world_size, source_dtype)
         try:
             staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None,
                                                   group_key=group_key)
@@ -389,11 +392,11 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _hand_over(self, coordinates, tensors, sampled, source_dtype, metadata, path) -> Path | None:
-        """Process mode: copy the step into the writer process's shared ring (False: dropped)."""
+    def _hand_over(self, coordinates, tensors, sampled, source_dtype, json_form, path) -> Path | None:
+        """Process mode: copy the step into the writer process's shared ring (False: dropped);
+        ``json_form``: the step metadata's JSON form, or None."""
         try:
-            handed = self._process.submit(coordinates, tensors, sampled, source_dtype,
-                                          jsonable(dict(metadata)) if metadata else None,
+            handed = self._process.submit(coordinates, tensors, sampled, source_dtype, json_form,
                                           None if self.sampling.first_k_sequences else self._signatures.last)
         except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
             self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)

@@ -3,9 +3,12 @@ RING``: the command pipe to read, the result pipe to write, the shared ring's me
 inherited from the training process, which starts it).
 
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
-:class:`tracer.batches.BatchHandler`): steps that arrive close together are handled as one batch
-(their summaries computed together), after lingering up to :data:`tracer.capture.LINGER_S` for more
-while the queue is roomy and nobody waits. After each batch it sends one result message (ring
+:class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
+batch (their summaries computed together). Unlike the writer thread it does not linger for more
+(:data:`CHILD_LINGER_S`): the thread batches so as to take the interpreter lock from the training
+thread less often, while this process's work costs the training thread nothing, so it writes each
+step as it arrives and a ``flush()`` waits for little more than the step in hand; a child that
+falls behind batches what queued up meanwhile. After each batch it sends one result message (ring
 space freed up to a step, steps written, failures with their reason). Steps the anomaly ring holds
 are copied out of shared memory first, so their ring space is freed at once.
 
@@ -29,7 +32,6 @@ from typing import Any
 
 import torch
 
-from tracer import capture
 from tracer.batches import BatchHandler
 from tracer.capture import MAX_BATCH, StagedStep
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
@@ -42,6 +44,7 @@ log = logging.getLogger("tracer.writer_child")
 # gets about a tenth of a core against ordinary load, falls behind, and the training process then
 # waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
 WRITER_PROCESS_NICENESS = 5
+CHILD_LINGER_S = 0.0  # the child waits for no more steps before writing (module docstring)
 PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
 
 
@@ -153,7 +156,7 @@ class Child:
         self.pending: list[tuple[int, StagedStep]] = []
         self.pending_bytes = 0
         self.first_at: float | None = None
-        self.linger_s = capture.LINGER_S
+        self.linger_s = CHILD_LINGER_S
 
     def run(self, parent: int) -> int:
         self.channel.send({"k": "ready", "pid": os.getpid()})

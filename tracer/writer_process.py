@@ -295,9 +295,12 @@ class ProcessWriter:
                 if len(self._views) >= 4096:
                     self._views.clear()
                 self._views[(layout.ident, start)] = views
+        pairs = [(view, t) for view, t in zip(views, tensors.values()) if view is not None]
         with torch.no_grad():
-            for view, t in zip(views, tensors.values()):
-                if view is not None:
+            if pairs and all(t.device.type == "cpu" for _, t in pairs):  # one call for the step (usual on CPU)
+                torch._foreach_copy_([view for view, _ in pairs], [t for _, t in pairs])
+            else:
+                for view, t in pairs:
                     view.copy_(t)  # CUDA: a synchronous copy to host memory (module docstring)
 
     def _room(self, size: int, step: int) -> int | None:
