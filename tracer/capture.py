@@ -88,6 +88,7 @@ class StagedStep:
     specs: Any = None  # safetensors pointer specs made with its checksum (tracer.step_bytes)
     summarised: bool = False  # its summary was computed (or tried) with its batch
     settled: bool = False  # written, lost or held by the anomaly ring: a batch's error handler leaves it alone
+    derive: tuple[str, ...] = ()  # fields the writer derives and records (tracer.derived.derive_recorded)
 
     def wait(self) -> None:
         if self.event is not None:

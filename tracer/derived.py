@@ -69,3 +69,18 @@ def derive_fields(data: dict[str, torch.Tensor], meta: dict[str, Any],
         fn = {"ratio": formulas.ratio, "ref_kl_k3": formulas.ref_kl_k3, "approx_kl_k2": formulas.approx_kl_k2}[name]
         out[name] = fn(a.detach(), b.detach())
     return out
+
+
+def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The fields a zero-edit capture asked to be recorded as derived (its name map's ``derive``:
+    :func:`tracer.frames.derive_fields`), computed by the writer from the step's staged copies of
+    their inputs, as the capture would have on the training thread: by :mod:`tracer.formulas`, in
+    the inputs' own dtype, same shape (``[B, T]``). A name whose inputs are absent is skipped."""
+    fns = {"ratio": formulas.ratio, "ref_kl_k3": formulas.ref_kl_k3, "approx_kl_k2": formulas.approx_kl_k2}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        inputs = DERIVED_FIELDS[name][0]
+        if name not in data and all(f in data for f in inputs):
+            with torch.no_grad():
+                out[name] = fns[name](data[inputs[0]], data[inputs[-1]])
+    return out

@@ -53,6 +53,7 @@ class FrameCapture:
     checks: dict | None = None  # schema-check outcomes by signature (a CheckMemo's dict), shared across captures
     probes: list | None = None  # the candidates tried (Probe), when the caller builds a call-site plan
     read: tuple | None = None  # (fields' names, sources, owned, rejected) as read_fields left them, with probes
+    derive: list[str] = field(default_factory=list)  # fields the writer derives from the ones read (derive_fields)
 
 
 MAX_CHECK_MEMO = 4096  # schema-check outcomes a watcher remembers (cleared when full)
@@ -211,18 +212,21 @@ def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: Fr
         picked.clear()
 
 
-_PAIRS = {"ratio": ("old_logprobs", formulas.ratio), "approx_kl_k2": ("old_logprobs", formulas.approx_kl_k2),
-          "ref_kl_k3": ("ref_logprobs", formulas.ref_kl_k3)}
+_PAIRS = {"ratio": "old_logprobs", "approx_kl_k2": "old_logprobs", "ref_kl_k3": "ref_logprobs"}
 
 
 def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> None:
-    """Compute the map's ``derive`` fields the frame lacked, from fields that were read."""
+    """The map's ``derive`` fields the frame lacked, from fields that were read: ``ratio``, ``approx_kl_k2``
+    and ``ref_kl_k3`` are named in ``capture.derive`` for the writer to compute from its staged copies
+    (:func:`tracer.derived.derive_recorded`: off the training thread); ``group_ids`` and the DPO terms
+    are computed here."""
     d = capture.fields  # read only; inputs are detached where used
     new: dict[str, torch.Tensor] = {}
     wanted = name_map.derive
-    for name, (other, fn) in _PAIRS.items():
+    for name, other in _PAIRS.items():
         if name in wanted and name not in d and "policy_logprobs" in d and other in d:
-            new[name] = fn(d["policy_logprobs"].detach(), d[other].detach())
+            capture.derive.append(name)
+            capture.sources[name] = "derived"
     G = capture.metadata.get("num_generations")
     if ("group_ids" in wanted and "group_ids" not in d and algorithm in GROUPED and "row_ids" not in d
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):

@@ -164,7 +164,7 @@ def differences(full: FrameCapture, planned: FrameCapture) -> list[str]:
     """What differs between a full read and a plan's capture of the same frame (empty: nothing).
     Fields compare by identity when the loop's own tensor (or a view of it), by value otherwise."""
     out = []
-    for what in ("sources", "owned", "rejected", "indices", "metadata"):
+    for what in ("sources", "owned", "rejected", "indices", "metadata", "derive"):
         a, b = getattr(full, what), getattr(planned, what)
         if a != b or (isinstance(a, dict) and list(a) != list(b)):
             out.append(f"{what}: full {a!r} != plan {b!r}")

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from tracer import step_bytes, summaries
 from tracer.capture import StagedStep
-from tracer.derived import derive_fields
+from tracer.derived import derive_fields, derive_recorded
 from tracer.layout import STEPS_DIR, step_file_name, unshare
 from tracer.manifest_book import ManifestBook
 from tracer.run_index import IndexWriter
@@ -54,7 +54,10 @@ class StepWriter:
     def normalise(self, item: StagedStep) -> None:
         """Stored form, non-finite fields and checksum of a staged step. Staged tensors are contiguous
         CPU tensors, each its own; a signature already in stored form skips the conversion pass, and
-        its :class:`tracer.step_bytes.StepPlan` is remembered. Raises what normalising raises."""
+        its :class:`tracer.step_bytes.StepPlan` is remembered. Fields the capture left to the writer
+        (``item.derive``) are derived first. Raises what normalising raises."""
+        if item.derive:
+            item.tensors.update(derive_recorded(item.tensors, item.derive))
         staged = step_bytes.signature(item.tensors)
         plan = self._plans.get(staged)
         if plan is None:

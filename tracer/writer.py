@@ -236,9 +236,12 @@ class TraceWriter:
         return self._record(step, {**dict(tensors or {}), **named_tensors}, inner_step, micro_batch, metadata)
 
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
-                metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset()) -> Path | None:
+                metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
+                derive: tuple[str, ...] = ()) -> Path | None:
         """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
-        capture's indexed rows and derived fields), staged without a copy."""
+        capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
+        writer derives from the recorded ones and records with them (zero-edit capture's ``ratio``,
+        ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.derived.derive_recorded`), off this thread."""
         self._check_process()
         if self._process is not None:
             self._poll_process()  # the writer process's results so far (a strict failure raises next)
@@ -278,7 +281,7 @@ class TraceWriter:
         path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
         if self._process is not None:
             return self._hand_over(coordinates, tensors, sampled, source_dtype,
-                                   self._metadata.json_form(metadata) if metadata else None, path)
+                                   self._metadata.json_form(metadata) if metadata else None, path, derive)
         # the metadata's values at record time (its JSON form: a list the loop changes later is not this step's)
         header = step_header(self.hyperparameters, self._metadata.json_form(metadata) if metadata else None,
                              self.algorithm, step, inner_step, micro_batch, self.rank, self.world_size, source_dtype)
@@ -289,7 +292,8 @@ class TraceWriter:
             self._book.fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
             self._book.raise_pending()
             return None
-        item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned)
+        item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned,
+                          derive=derive)
         if self._background is None:
             item.wait()
             try:
@@ -392,12 +396,12 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _hand_over(self, coordinates, tensors, sampled, source_dtype, json_form, path) -> Path | None:
+    def _hand_over(self, coordinates, tensors, sampled, source_dtype, json_form, path, derive) -> Path | None:
         """Process mode: copy the step into the writer process's shared ring (False: dropped);
         ``json_form``: the step metadata's JSON form, or None."""
         try:
             handed = self._process.submit(coordinates, tensors, sampled, source_dtype, json_form,
-                                          None if self.sampling.first_k_sequences else self._signatures.last)
+                                          None if self.sampling.first_k_sequences else self._signatures.last, derive)
         except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
             self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)
             handed = False

@@ -213,7 +213,7 @@ class Child:
         header = step_header(self.hyperparameters, message.get("x"), self.algorithm, step, inner_step, micro_batch,
                              self.rank, self.world_size, layout["d"])
         self.pending.append((message["q"], StagedStep(step, inner_step, micro_batch, tensors, header, nbytes,
-                                                      message["p"])))
+                                                      message["p"], derive=tuple(layout.get("v", ())))))
         self.pending_bytes += nbytes
         if self.first_at is None:
             self.first_at = time.monotonic()

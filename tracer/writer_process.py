@@ -100,8 +100,9 @@ def _ring_file() -> int:
 class _Layout:
     """Where each tensor of one field signature lies in a step's region of the ring."""
 
-    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str) -> None:
-        self.ident, self.fields, self.source_dtype, at = ident, [], source_dtype, 0
+    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str,
+                 derive: tuple[str, ...] = ()) -> None:
+        self.ident, self.fields, self.source_dtype, self.derive, at = ident, [], source_dtype, derive, 0
         for name, t in tensors.items():
             self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
             at = _align(at + t.nbytes)
@@ -109,7 +110,7 @@ class _Layout:
         self.nbytes = sum(field[4] for field in self.fields)
 
     def message(self) -> dict[str, Any]:
-        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype,
+        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype, "v": list(self.derive),
                 "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}
 
 
@@ -186,12 +187,14 @@ class ProcessWriter:
     # -- training thread ----------------------------------------------------------------------
 
     def submit(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor], sampled: bool,
-               source_dtype: str, metadata: dict[str, Any] | None, signature: tuple | None = None) -> bool:
+               source_dtype: str, metadata: dict[str, Any] | None, signature: tuple | None = None,
+               derive: tuple[str, ...] = ()) -> bool:
         """Copy one checked step into the ring and hand it over; False when it was dropped (queue
         full under ``when_full="drop"``, or the child is gone: :attr:`dead`). ``signature``: a key
-        of the tensors' names, dtypes and shapes when the caller has one. Raises RuntimeError when
-        a device copy fails."""
-        layout = self._layout(tensors, signature, source_dtype)
+        of the tensors' names, dtypes and shapes when the caller has one; ``derive``: fields the
+        child derives and records (``TraceWriter._record``), part of the layout. Raises RuntimeError
+        when a device copy fails."""
+        layout = self._layout(tensors, signature, source_dtype, derive)
         start = self._room(layout.size, coordinates[0])
         if start is None:
             return False
@@ -274,11 +277,12 @@ class ProcessWriter:
 
     # -- private ------------------------------------------------------------------------------
 
-    def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str) -> _Layout:
-        key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype)
+    def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str,
+                derive: tuple[str, ...] = ()) -> _Layout:
+        key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype, derive)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = _Layout(len(self._layouts), tensors, source_dtype)
+            layout = _Layout(len(self._layouts), tensors, source_dtype, derive)
             if len(self._layouts) < 4096:
                 self._layouts[key] = layout
             self._send(frame(layout.message()))
