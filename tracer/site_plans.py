@@ -25,8 +25,7 @@ import torch
 
 from tracer.errors import SchemaError
 from tracer.frame_lookup import _MISSING, _lookup, resolve_in, row_index, scopes_of, take_rows
-from tracer.frames import (FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame,
-                           tensor_signature)
+from tracer.frames import FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame
 from tracer.name_maps import NameMap
 
 PLANS_PER_SITE = 4  # plans kept per call site (a last minibatch of another size is another plan)
@@ -46,6 +45,7 @@ class Plan:
     owned: frozenset[str]
     rejected: Mapping[tuple[str, str], str]  # the rejections, in order, with each data-checked one's latest text
     anchor: str
+    steps: tuple = ()  # the probes compiled for replay (:func:`_compile`)
 
 
 def build(capture: FrameCapture, name_map: NameMap, algorithm: str) -> Plan | None:
@@ -53,8 +53,28 @@ def build(capture: FrameCapture, name_map: NameMap, algorithm: str) -> Plan | No
     if capture.anchor is None or capture.read is None or capture.probes is None:
         return None
     names, sources, owned, rejected = capture.read
-    return Plan(name_map, algorithm, tuple(capture.probes), names, sources, frozenset(owned), rejected,
-                anchor_field(algorithm))
+    probes = tuple(capture.probes)
+    return Plan(name_map, algorithm, probes, names, sources, frozenset(owned), rejected, anchor_field(algorithm),
+                tuple(_compile(probe) for probe in probes))
+
+
+_LOOK, _TAKE, _CHECK_PICK, _CHECK_REJECT = 0, 1, 2, 3  # what a replayed probe does with the value found
+
+
+def _compile(probe: Probe) -> tuple:
+    """``(head, index, signature, action, probe)`` of one probe: ``head`` the variable of a one-name
+    expression (None: resolved in full by :func:`resolve_in`), ``index`` its row variable, and the
+    action: only guard the value (``_LOOK``), take it as the field (``_TAKE``), take it after the
+    checks that read data (``_CHECK_PICK``), or check that it still fails them (``_CHECK_REJECT``)."""
+    expr = probe.expr
+    if probe.outcome == "picked":
+        action = _TAKE if probe.sizes is None and probe.names == (probe.key,) else _CHECK_PICK
+    elif probe.outcome == "rejected" and probe.sizes is not None:
+        action = _CHECK_REJECT
+    else:
+        action = _LOOK
+    head = expr.path[0] if len(expr.path) == 1 else None
+    return head, expr.index if head is not None else None, probe.signature, action, probe
 
 
 def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
@@ -65,36 +85,38 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
     picked: dict[str, torch.Tensor] = {}
     rejected = plan.rejected  # copied when a value-checked rejection's message changes
     rows: dict[str, Any] = {}  # index variable -> its rows tensor, or _MISSING when it is none
-    for probe in plan.probes:
-        expr = probe.expr
-        if len(expr.path) == 1:  # `name` or `name[index]`: resolve_in's steps, the index checked once
-            value = local.get(expr.path[0], _MISSING)
+    tensor = torch.Tensor
+    for head, index_name, signature, action, probe in plan.steps:
+        if head is not None:  # `name` or `name[index]`: resolve_in's steps, the index checked once
+            value = local.get(head, _MISSING)
             if value is _MISSING:
-                value = global_.get(expr.path[0], _MISSING)
-            if expr.index is not None and value is not _MISSING:
-                index = rows.get(expr.index)
+                value = global_.get(head, _MISSING)
+            if index_name is not None and value is not _MISSING:
+                index = rows.get(index_name)
                 if index is None:
-                    index = _lookup(expr.index, local, global_)
-                    index = rows[expr.index] = index if row_index(index) else _MISSING
+                    index = _lookup(index_name, local, global_)
+                    index = rows[index_name] = index if row_index(index) else _MISSING
                 value = _MISSING if index is _MISSING else take_rows(value, index)
         else:
-            value = resolve_in(expr, local, global_)
-        if tensor_signature(value) != probe.signature:
+            value = resolve_in(probe.expr, local, global_)
+        if signature is None:  # tensor_signature(value) inline: the guard runs for every probe
+            if isinstance(value, tensor):
+                return None
+        elif not isinstance(value, tensor) or (value.shape, value.dtype, value.device) != signature:
             return None
-        if probe.outcome == "picked":
-            if probe.sizes is None and probe.names == (probe.key,):
-                picked[probe.key] = value
-                continue
+        if action == _TAKE:
+            picked[probe.key] = value
+        elif action == _CHECK_PICK:
             produced = _checked_as(probe, value)
             if probe.sizes is not None and _recheck(probe, produced, plan) is not None:
                 return None  # a mask's values that passed now fail
             picked.update(produced)
-        elif probe.outcome == "rejected" and probe.sizes is not None:
+        elif action == _CHECK_REJECT:
             message = _recheck(probe, _checked_as(probe, value), plan)
             if message is None:
                 return None  # it passes now
-            if message != rejected[(probe.key, expr.text)]:
-                rejected = {**rejected, (probe.key, expr.text): message}
+            if message != rejected[(probe.key, probe.expr.text)]:
+                rejected = {**rejected, (probe.key, probe.expr.text): message}
     fields = picked if len(picked) == len(plan.names) else {n: picked[n] for n in plan.names}
     capture = FrameCapture(fields=fields, sources=dict(plan.sources), scopes=scopes, rejected=dict(rejected),
                            anchor=fields[plan.anchor], owned=set(plan.owned), checks=checks)

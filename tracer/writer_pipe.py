@@ -21,12 +21,20 @@ def frame(message: dict[str, Any]) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
+_last_metadata: list = [None, b""]  # the metadata object last encoded, and its JSON bytes
+
+
 def step_frame(seq: int, coordinates: tuple[int, int, int], sampled: bool, layout: int, offset: int,
                metadata: dict[str, Any] | None) -> bytes:
-    """The frame of a step in the ring: ``S``, :data:`STEP`'s fields, then its metadata's JSON (if any)."""
+    """The frame of a step in the ring: ``S``, :data:`STEP`'s fields, then its metadata's JSON (if any).
+    ``metadata`` must not change once passed: the JSON of the object last passed is reused when the
+    same object comes again (the writer passes one JSON form for as long as the metadata stays the
+    same: :class:`tracer.record_checks.MetadataCache`)."""
     body = b"S" + STEP.pack(seq, *coordinates, sampled, layout, offset)
     if metadata:
-        body += json.dumps(metadata, allow_nan=True, default=repr).encode()
+        if _last_metadata[0] is not metadata:
+            _last_metadata[:] = [metadata, json.dumps(metadata, allow_nan=True, default=repr).encode()]
+        body += _last_metadata[1]
     return FRAME.pack(len(body)) + body
 
 
