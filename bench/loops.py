@@ -5,7 +5,8 @@
 * ``realistic``: the same loop at B = 64, T = 128;
 * ``ppo``: ``tests/scripts/minimind_ppo.py`` (MiniMind's ``train_ppo.py`` in the seed's names: a
   rollout, then 3 PPO epochs over minibatches drawn by ``inds``) on the tiny local model, traced
-  with zero edits through ``tracer.watch`` (every ``loss.backward()`` captured by name).
+  with zero edits through ``tracer.watch`` (every ``loss.backward()`` captured by name), in blocks of
+  :data:`PPO_STEPS` PPO steps (``--ppo-steps``); the flush that closes each traced block is printed.
 
 Each round runs one plain block and one traced block per writer (``--writer thread,process``: the
 writer thread and the writer process, ``TraceWriter(writer=...)``) of ``steps`` steps, the order
@@ -16,6 +17,7 @@ series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realis
 ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
     python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1] [--writer thread,process]
+                          [--ppo-steps 6]
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from tracer.writer import TraceWriter
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "minimind_ppo.py"
 TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
+# PPO steps per timed block: 6 (about 0.5 s, as the toy loop's 0.7 s blocks) so that the flush closing
+# each traced block (the writer's queued work waited for, which a run overlaps with its next steps) is
+# a small part of it; before the fourth pass of issue 16 it was 2 (0.16 s blocks).
+PPO_STEPS = 6
 
 
 def _alternate(plain, traced, rounds: int) -> dict:
@@ -163,6 +169,7 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
 
     inside: list[float] = []
+    drains: list[float] = []  # each traced block's closing flush (the writer's work still queued)
     # One watcher for the whole measurement (one trace, as in a run); the plain blocks run inside
     # ``paused()`` (torch's own backward), each traced block ends with a flush of the writer.
     with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo_{writer}",
@@ -175,7 +182,9 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
 
         def traced(r: int) -> None:
             epoch()
+            t0 = time.perf_counter()
             w.writer.flush()
+            drains.append(time.perf_counter() - t0)
 
         traced(-1)  # warm-up; opens the writer
         before = w.steps_recorded
@@ -186,12 +195,13 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
             "cpu_us": 1e6 * res["cpu_extra_s"] / backwards,
             "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
+            "drain_ms": 1e3 * median(drains[1:]), "block_ms": 1e3 * res["off_s"],
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
 
 
 def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo"),
-            writers: tuple[str, ...] = ("thread",)) -> dict[tuple[str, str], dict]:
+            writers: tuple[str, ...] = ("thread",), ppo_steps: int = PPO_STEPS) -> dict[tuple[str, str], dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "toy" in only:
@@ -202,7 +212,7 @@ def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo")
                 out["realistic", kind] = res
         if "ppo" in only:
             for kind in writers:
-                out["ppo", kind] = ppo_shape(steps=2, rounds=rounds, tmp=tmp, writer=kind)
+                out["ppo", kind] = ppo_shape(steps=ppo_steps, rounds=rounds, tmp=tmp, writer=kind)
     return out
 
 
@@ -213,12 +223,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the writer thread gets the other core; with "
                              "2 threads on a shared 2-core machine torch's spinning threads make both modes erratic)")
+    parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS, help=f"PPO steps per timed block (default {PPO_STEPS})")
     parser.add_argument("--writer", default="thread",
                         help="comma-separated writers measured side by side: thread, process (default thread)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
-    for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(","))).items():
+    for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
+                                   args.ppo_steps).items():
         unit = "backward" if name == "ppo" else "record"
         print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
@@ -226,7 +238,7 @@ def main() -> None:
               f"+{r['cpu_us']:.0f} us per {unit}"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
-                 if "capture_us" in r else ""))
+                 f"; closing flush {r['drain_ms']:.1f} ms per {r['block_ms']:.0f} ms block" if "capture_us" in r else ""))
 
 
 if __name__ == "__main__":
