@@ -26,6 +26,7 @@ from tracer.errors import TraceError
 from tracer.integrity import verify_step_file
 from tracer.reader import Trace
 from tracer.writer import TraceWriter
+from tracer.writer_process import RESULTS_EVERY_S
 
 from test_writer_review import _as_stored, _random_step
 
@@ -230,10 +231,13 @@ def test_a_failed_write_warns_and_training_goes_on(tmp_path):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_a_killed_child_costs_the_steps_it_held_and_nothing_else(tmp_path, strict):
+@pytest.mark.parametrize("noticed_by", ["results", "hand-over"])
+def test_a_killed_child_loses_no_step_it_was_handed(tmp_path, strict, noticed_by):
     """kill -9 of the writer process with 3 steps handed over and not written (it was stopped): the
-    next record notices, counts those 3 as dropped naming the signal (strict: raises it), and the
-    writer goes on with a thread: later steps are written."""
+    writer notices (by the result pipe's end at a due poll, or by the command pipe's at the next
+    hand-over), warns naming the signal, copies the 3 steps out of the shared ring and writes them
+    on a thread, which also writes every later step: nothing is dropped (strict mode has nothing to
+    raise), each file holds its own step's values."""
     writer = TraceWriter(tmp_path / "k", "grpo", writer="process", strict=strict)
     writer.record(0, grpo_step(0))
     writer.flush()
@@ -243,21 +247,22 @@ def test_a_killed_child_costs_the_steps_it_held_and_nothing_else(tmp_path, stric
         writer.record(step, grpo_step(step))
     os.kill(child.pid, signal.SIGKILL)
     child.wait(timeout=30)
+    if noticed_by == "results":
+        time.sleep(RESULTS_EVERY_S)  # the next record reads the result pipe: its end says the child is gone
+    else:
+        writer._process._polled_at = time.monotonic() + 3600  # no poll due: the hand-over meets the pipe's end
     killed = rf"writer process \(pid {child.pid}\) was killed by signal 9 \(SIGKILL\)"
-    with pytest.warns(RuntimeWarning, match=killed):
-        if strict:
-            with pytest.raises(TraceError, match=rf"step 1: not written: the {killed} \(3 writes failed"):
-                writer.record(4, grpo_step(4))
-            writer.record(4, grpo_step(4))  # the raise came before step 4 was taken
-        else:
-            with pytest.warns(RuntimeWarning, match=rf"dropped a step \(1 so far\): step 1: not written: the {killed}"):
-                writer.record(4, grpo_step(4))
+    with pytest.warns(RuntimeWarning, match=killed + r".*(3|4) step\(s\) it had not written"):
+        writer.record(4, grpo_step(4))
     assert writer.writer == "thread"
     writer.record(5, grpo_step(5))
     writer.close()
-    assert [k.step for k in Trace(tmp_path / "k").steps()] == [0, 4, 5]
+    trace = Trace(tmp_path / "k")
+    assert [k.step for k in trace.steps()] == [0, 1, 2, 3, 4, 5]
+    for key in trace.steps():
+        torch.testing.assert_close(trace.load_step(key)["policy_logprobs"], grpo_step(key.step)["policy_logprobs"])
     manifest = json.loads((tmp_path / "k" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["dropped_steps"], manifest["status"]) == (3, 3, "finished")
+    assert (manifest["steps_written"], manifest["dropped_steps"], manifest["status"]) == (6, 0, "finished")
     assert manifest["capture"]["writer"] == "process, then thread"
     assert "killed by signal 9" in manifest["capture"]["writer_process_exit"]
     assert all("killed by signal 9" in reason for reason in manifest["drop_reasons"])
@@ -268,6 +273,7 @@ import os, signal, sys, time, torch
 sys.path.insert(0, {tests!r})
 from test_writer_process import grpo_step
 from tracer.writer import TraceWriter
+from tracer.writer_process import RESULTS_EVERY_S
 writer = TraceWriter({root!r}, "grpo", writer="process")
 for step in range(4):
     writer.record(step, grpo_step(step))
@@ -369,3 +375,27 @@ def test_a_writer_process_that_cannot_start_leaves_a_thread_writing(tmp_path, mo
     assert json.loads((tmp_path / "t" / "manifest.json").read_text())["capture"]["writer"] == "thread"
     with pytest.raises(TraceError, match="could not start the writer process"):
         TraceWriter(tmp_path / "strict", "grpo", writer="process", strict=True)
+
+
+def test_record_reads_the_childs_results_only_when_due_yet_the_bounds_hold(tmp_path, monkeypatch):
+    """A record reads the result pipe (a syscall) at most every RESULTS_EVERY_S, not at each step;
+    a step that finds the ring's step bound reached reads it at once, so the bound holds."""
+    from tracer import writer_process
+
+    polls = []
+    real = writer_process.ProcessWriter.poll
+    monkeypatch.setattr(writer_process.ProcessWriter, "poll", lambda self: (polls.append(1), real(self))[1])
+    with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_steps=4) as writer:
+        writer.record(0, grpo_step(0))
+        writer.flush()
+        process = writer._process
+        process._polled_at = time.monotonic() + 3600  # no poll is due for the rest of the test
+        polls.clear()
+        for step in range(1, 4):
+            writer.record(step, grpo_step(step))
+        assert polls == []  # three records, no read of the result pipe
+        for step in range(4, 12):  # the bound of 4 steps in flight is reached: each waits for results
+            writer.record(step, grpo_step(step))
+            assert len(process._inflight) <= 4
+        assert polls
+    assert [k.step for k in Trace(tmp_path / "p").steps()] == list(range(12))

@@ -244,7 +244,7 @@ class TraceWriter:
         ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.derived.derive_recorded`), off this thread."""
         self._check_process()
         if self._process is not None:
-            self._poll_process()  # the writer process's results so far (a strict failure raises next)
+            self._poll_process(due_only=True)  # the writer process's results so far (a strict failure raises next)
         self._book.raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
@@ -279,12 +279,23 @@ class TraceWriter:
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
         path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
+        json_metadata = self._metadata.json_form(metadata) if metadata else None
         if self._process is not None:
-            return self._hand_over(coordinates, tensors, sampled, source_dtype,
-                                   self._metadata.json_form(metadata) if metadata else None, path, derive)
-        # the metadata's values at record time (its JSON form: a list the loop changes later is not this step's)
-        header = step_header(self.hyperparameters, self._metadata.json_form(metadata) if metadata else None,
-                             self.algorithm, step, inner_step, micro_batch, self.rank, self.world_size, source_dtype)
+            handed = self._hand_over(coordinates, tensors, sampled, source_dtype, json_metadata, derive)
+            if handed is not None:
+                return path if handed and sampled else None
+            # the writer process was gone before it took the step: the writer thread now in its place writes it
+        return self._stage(coordinates, tensors, json_metadata, source_dtype, sampled, owned, derive, group_key, path)
+
+    def _stage(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor],
+               json_metadata: dict[str, Any] | None, source_dtype: str, sampled: bool, owned, derive: tuple[str, ...],
+               group_key: tuple | None, path: Path) -> Path | None:
+        """Stage a checked step for the writer thread (or write it here, ``async_write=False``).
+        ``json_metadata``: the step metadata's JSON form at record time (a list the loop changes
+        later is not this step's)."""
+        step, inner_step, micro_batch = coordinates
+        header = step_header(self.hyperparameters, json_metadata, self.algorithm, step, inner_step, micro_batch,
+                             self.rank, self.world_size, source_dtype)
         try:
             staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None,
                                                   group_key=group_key)
@@ -396,9 +407,9 @@ class TraceWriter:
 
     # -- private: training thread -------------------------------------------------------------
 
-    def _hand_over(self, coordinates, tensors, sampled, source_dtype, json_form, path, derive) -> Path | None:
-        """Process mode: copy the step into the writer process's shared ring (False: dropped);
-        ``json_form``: the step metadata's JSON form, or None."""
+    def _hand_over(self, coordinates, tensors, sampled, source_dtype, json_form, derive) -> bool | None:
+        """Process mode: copy the step into the writer process's shared ring. True: handed over;
+        False: dropped; None: the process was gone and did not take it (the thread now writes it)."""
         try:
             handed = self._process.submit(coordinates, tensors, sampled, source_dtype, json_form,
                                           None if self.sampling.first_k_sequences else self._signatures.last, derive)
@@ -410,22 +421,29 @@ class TraceWriter:
         self._book.raise_pending()
         if handed and not sampled:
             self._book.skipped()  # unless an anomaly brings it out of the ring
-        return path if handed and sampled else None
+        return handed
 
-    def _poll_process(self) -> None:
-        """Apply the writer process's results; when it is gone, write on a thread from now on."""
-        self._process.poll()
+    def _poll_process(self, due_only: bool = False) -> None:
+        """Apply the writer process's results (``due_only``: when due, ``ProcessWriter.poll_due``);
+        when it is gone, write on a thread from now on, starting with the steps it had not written
+        (copied out of its ring: nothing handed over is lost)."""
+        self._process.poll_due() if due_only else self._process.poll()
         if self._process.dead is None:
             return
         gone, self._process = self._process, None
         reason = gone.dead
         gone.stop()  # the child has exited: this releases the ring and the pipes
-        warnings.warn(f"tracer: {reason}; the steps it held are counted as dropped, later steps are written by a "
-                      "thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
+        rescued = [orphan for orphan in gone.orphans if orphan.sampled]  # unsampled ones only waited for an anomaly
+        warnings.warn(f"tracer: {reason}; the {len(rescued)} step(s) it had not written and all later steps are "
+                      "written by a thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
         self._start_writing(background=True)
+        for orphan in rescued:
+            self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, True,
+                        frozenset(orphan.tensors), orphan.derive, None,
+                        self._steps_dir / step_file_name(*orphan.coordinates, self.rank))
 
     def _start_process(self) -> None:
         """Start the writer process; one that cannot start leaves a thread writing (strict: raises)."""

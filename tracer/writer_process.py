@@ -13,9 +13,10 @@ How a step travels:
   into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
   asynchronous pinned path): correct by construction, and the reason ``"thread"`` stays the default
   on GPUs. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
-* The child (:mod:`tracer.writer_child`) batches what arrives, writes the files, and sends back one
-  small result per batch (ring space freed, steps written, failures with their reason), which
-  ``record`` / ``flush`` / ``close`` read without blocking. The parent's
+* The child (:mod:`tracer.writer_child`) writes what arrives, and sends back one small result per
+  batch (ring space freed, steps written, failures with their reason), which ``flush`` / ``close``
+  and ``record`` (at most every :data:`RESULTS_EVERY_S`, or when the ring is full) read without
+  blocking. The parent's
   :class:`~tracer.manifest_book.ManifestBook` mirrors the counts; drops and skips made in the
   parent travel to the child with the next message. The child rewrites the live manifest at most
   once a second; ``flush()`` and ``close()`` write it in the parent, as with the thread.
@@ -23,9 +24,11 @@ How a step travels:
 Start-up: the child is a fresh interpreter (``subprocess``, never a plain ``fork`` of a process that
 may hold CUDA or threads); importing torch takes 1-2 s, during which ``record`` already stages into
 the ring (the step bound is lifted to :data:`STARTUP_STEPS` until the child is ready, the byte bound
-stays). Failures: a child that dies (killed, out of memory) is noticed at the next call; the steps it
-held are counted as dropped with its exit status as the reason (strict mode raises it), and the
-writer goes on with a writer thread. The child ignores SIGINT (Ctrl-C reaches the whole process
+stays). Failures: a child that dies (killed, out of memory) is noticed within
+:data:`RESULTS_EVERY_S` or at the next hand-over (the pipe's end); nothing it was handed is lost: the
+steps it had not written are still in the ring (the child only reads it), so they are copied out
+(:class:`Orphan`) and written by the writer thread that takes over, with a warning naming the
+child's exit status (a step too large for the ring, carried by the pipe, is counted as dropped). The child ignores SIGINT (Ctrl-C reaches the whole process
 group) and exits after writing what it was handed when the parent closes the writer, or dies: it
 sees the pipe's end.
 """
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,7 @@ ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
 STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
 PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
 POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
+RESULTS_EVERY_S = 0.05  # record() reads the child's results at most this often (ProcessWriter.poll_due)
 _F_SETPIPE_SZ = 1031
 # The child imports this very copy of tracer's write side, without the package's __init__ (which
 # imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
@@ -97,6 +102,19 @@ def _ring_file() -> int:
     return fd
 
 
+@dataclass
+class Orphan:
+    """A step handed to a writer process that died before writing it, copied out of the ring:
+    what ``TraceWriter`` needs to write it on its writer thread instead."""
+
+    coordinates: tuple[int, int, int]
+    tensors: dict[str, torch.Tensor]
+    sampled: bool
+    source_dtype: str
+    metadata: dict[str, Any] | None
+    derive: tuple[str, ...]
+
+
 class _Layout:
     """Where each tensor of one field signature lies in a step's region of the ring."""
 
@@ -134,7 +152,10 @@ class ProcessWriter:
         self.size = _align(max(max_bytes, ALIGN))
         self.dead: str | None = None  # why the child is gone
         self.peak_bytes = self._bytes = 0
-        self._inflight: collections.deque[tuple[int, int, int, int, int]] = collections.deque()  # seq, start, end, nbytes, step
+        # seq, start, end, nbytes, step, and (coordinates, layout, sampled, metadata) of a step in the ring
+        self._inflight: collections.deque[tuple] = collections.deque()
+        self.orphans: list[Orphan] = []  # the steps a dead child had not written, copied out of the ring
+        self._polled_at = 0.0
         self._regions: list[tuple[int, int]] = []  # (start, end) of the ring regions in flight, sorted
         self._seq = 0
         self._layouts: dict[tuple, _Layout] = {}
@@ -190,14 +211,16 @@ class ProcessWriter:
                source_dtype: str, metadata: dict[str, Any] | None, signature: tuple | None = None,
                derive: tuple[str, ...] = ()) -> bool:
         """Copy one checked step into the ring and hand it over; False when it was dropped (queue
-        full under ``when_full="drop"``, or the child is gone: :attr:`dead`). ``signature``: a key
+        full under ``when_full="drop"``), None when the child is gone (:attr:`dead`) and the step
+        was not taken (the caller writes it another way). A step handed over to a child that turns
+        out to be dead is kept for rescue (:attr:`orphans`). ``signature``: a key
         of the tensors' names, dtypes and shapes when the caller has one; ``derive``: fields the
         child derives and records (``TraceWriter._record``), part of the layout. Raises RuntimeError
         when a device copy fails."""
         layout = self._layout(tensors, signature, source_dtype, derive)
         start = self._room(layout.size, coordinates[0])
         if start is None:
-            return False
+            return None if self.dead is not None else False
         seq, self._seq = self._seq, self._seq + 1
         nbytes = layout.nbytes
         self._bytes += nbytes
@@ -205,21 +228,31 @@ class ProcessWriter:
         if start < 0:  # larger than the ring: through the pipe, once nothing else is in flight
             buffer = bytearray(layout.size)
             self._copy(torch.frombuffer(buffer, dtype=torch.uint8), layout, 0, tensors, cache=False)
-            self._inflight.append((seq, 0, 0, nbytes, coordinates[0]))
+            self._inflight.append((seq, 0, 0, nbytes, coordinates[0], None))
             message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident,
                        "inline": layout.size, **({"x": metadata} if metadata else {})}
             self._send(frame(message), payload=buffer, wait=True)
         else:
             self._copy(self._ring, layout, start, tensors)
-            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0]))
+            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0],
+                                   (coordinates, layout, sampled, metadata)))
             bisect.insort(self._regions, (start, start + layout.size))
             self._send(step_frame(seq, coordinates, sampled, layout.ident, start, metadata))
         return True
+
+    def poll_due(self) -> None:
+        """:meth:`poll` when :data:`RESULTS_EVERY_S` has passed since the last one or the pipe holds
+        what is still to be written: a record need not pay a read of the result pipe (a syscall)
+        each time. A child that died meanwhile loses nothing: what it had not written stays in the
+        ring (:attr:`orphans`), and a step that finds no room polls at once, so the bounds hold."""
+        if self._outbox or time.monotonic() - self._polled_at >= RESULTS_EVERY_S:
+            self.poll()
 
     def poll(self) -> None:
         """Read and apply the child's results so far, without waiting; notice a child that died."""
         if self.dead is not None:
             return
+        self._polled_at = time.monotonic()
         self._pump()
         while True:
             try:
@@ -314,8 +347,7 @@ class ProcessWriter:
         while start is None:
             self.poll()  # results free room
             if self.dead is not None:
-                self.book.fail(f"step {step}: not written: {self.dead}", TraceError(self.dead), forward=False)
-                return None
+                return None  # the caller writes the step another way
             start = self._place(size)
             if start is not None:
                 break
@@ -390,7 +422,7 @@ class ProcessWriter:
         if kind == "done":
             freed = message["freed"]
             while self._inflight and self._inflight[0][0] <= freed:
-                _, start, end, nbytes, _ = self._inflight.popleft()
+                _, start, end, nbytes, _, _ = self._inflight.popleft()
                 self._bytes -= nbytes
                 if end > start:
                     del self._regions[bisect.bisect_left(self._regions, (start, end))]
@@ -407,8 +439,28 @@ class ProcessWriter:
         elif kind == "closed":
             self._closed_ack = True
 
+    def _read_last_results(self) -> None:
+        """The results the dead child sent before it died (the pipe keeps them after its end closed)."""
+        while True:
+            try:
+                data = os.read(self._res, 1 << 16)
+            except OSError:  # BlockingIOError: nothing more now; any other: nothing more at all
+                return
+            if not data:
+                return
+            self._inbox += data
+            for message in unframe(self._inbox):
+                self._apply(message)
+
+    def _copy_out(self, layout: "_Layout", start: int) -> dict[str, torch.Tensor]:
+        """A step's tensors, copied out of the ring at ``start``."""
+        return {name: self._ring[start + at:start + at + nbytes].view(dtype).view(shape).clone() if nbytes
+                else torch.empty(shape, dtype=dtype) for name, dtype, shape, at, nbytes in layout.fields}
+
     def _gone(self, why: str | None = None) -> None:
-        """The child is gone: every step it held is counted as dropped, with its exit as the reason."""
+        """The child is gone: its last results are read, and every step it had not written is
+        copied out of the ring into :attr:`orphans` (the caller writes them another way); a step
+        that travelled through the pipe is counted as dropped, with the child's exit as the reason."""
         if self.dead is not None:
             return
         deadline = time.monotonic() + 2.0
@@ -416,10 +468,17 @@ class ProcessWriter:
             time.sleep(0.01)
         if self._child.poll() is None:
             self._child.kill()
+            self._child.wait()
+        self._read_last_results()
         reason = f"the writer process (pid {self.pid}) {why or describe_exit(self._child.poll())}"
         self.dead = reason
-        for _, _, _, _, step in self._inflight:
-            self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
+        for _, start, _, _, step, rescue in self._inflight:
+            if rescue is None:
+                self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
+            else:
+                coordinates, layout, sampled, metadata = rescue
+                self.orphans.append(Orphan(coordinates, self._copy_out(layout, start), sampled,
+                                           layout.source_dtype, metadata, layout.derive))
         self._inflight.clear()
         self._regions.clear()
         self._bytes = 0
