@@ -75,12 +75,18 @@ def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict
     """The fields a zero-edit capture asked to be recorded as derived (its name map's ``derive``:
     :func:`tracer.frames.derive_fields`), computed by the writer from the step's staged copies of
     their inputs, as the capture would have on the training thread: by :mod:`tracer.formulas`, in
-    the inputs' own dtype, same shape (``[B, T]``). A name whose inputs are absent is skipped."""
+    the inputs' own dtype (float8 ones in float32: torch promotes no float8 dtype with another), same
+    shape (``[B, T]``). A name whose inputs are absent is skipped."""
     fns = {"ratio": formulas.ratio, "ref_kl_k3": formulas.ref_kl_k3, "approx_kl_k2": formulas.approx_kl_k2}
     out: dict[str, torch.Tensor] = {}
     for name in names:
         inputs = DERIVED_FIELDS[name][0]
         if name not in data and all(f in data for f in inputs):
+            a, b = (_for_maths(data[f]) for f in (inputs[0], inputs[-1]))
             with torch.no_grad():
-                out[name] = fns[name](data[inputs[0]], data[inputs[-1]])
+                out[name] = fns[name](a, b)
     return out
+
+
+def _for_maths(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor
