@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import numpy as np
 import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
@@ -24,6 +25,7 @@ from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resol
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import StepKey, find_traces
+from tracer.step_table import StepTable
 from tracer.text import clean_str
 
 ROOT_ENV = "TRACER_ROOT"
@@ -133,10 +135,8 @@ def _run_label(root: Path, path: Path) -> str:
 
 
 def _step_labels(keys: list[StepKey]) -> list[str]:
-    labels = [k.label for k in keys]
-    if len(set(labels)) < len(labels):  # user-named files claiming the same step
-        labels = [f"{k.label} · {k.path.name}" for k in keys]
-    return labels
+    """The Step file chooser's labels of ``keys`` (as :meth:`tracer.step_table.StepTable.labels`)."""
+    return StepTable.from_keys(keys).labels()
 
 
 def render_sidebar(root: Path) -> Selection | None:
@@ -157,26 +157,26 @@ def render_sidebar(root: Path) -> Selection | None:
                        on_change=_remember_run, args=(root,))
     try:
         trace = trace_cache.open_trace(str(run))
-        keys = trace.steps()
+        table = trace.step_table()  # names and coordinates as arrays: no key per step file is built
         problems = trace.problems()
     except TraceError as err:
         sb.error("This run cannot be opened; pick another one.")
         return Selection(root, run, None, None, error=str(err))
-    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(keys)} step files")
+    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(table)} step files")
     _render_status_notes(trace, problems)
     _render_auto_refresh(str(run))
     if jump is not None:
-        token_jump.select_step(jump, run, keys, _step_labels)
+        token_jump.select_step(jump, run, table.keys(), _step_labels)
     else:
-        _apply_url_selection(keys)
-    chosen = _choose_step(root, run, keys)
+        _apply_url_selection(table)
+    chosen = _choose_step(root, run, table)
     # a refused ?run= stays in the URL (its message with it) until another run is chosen
     urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
                keep=("run",) if refused else ())
     return chosen
 
 
-def _apply_url_selection(keys: list[StepKey]) -> None:
+def _apply_url_selection(table: StepTable) -> None:
     """Point the Rank, Step file and Sequence choosers at the URL's ``step, inner, mb, rank, seq``
     (before they are drawn) when the URL names a selection the app did not write itself."""
     wanted = urls.pending()
@@ -185,6 +185,7 @@ def _apply_url_selection(keys: list[StepKey]) -> None:
     params = urls.parse(wanted)
     if "step" not in params:
         return
+    keys = table.keys()
     match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
         name not in params or getattr(k, attr) == params[name]
         for name, attr in (("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank")))]
@@ -214,18 +215,20 @@ def _listed_traces(root: Path) -> list[Path]:
     return [p for p in candidates if p not in refused]
 
 
-def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
-    """The Rank (with several ranks), Step file and Sequence choosers of ``run``."""
+def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
+    """The Rank (with several ranks), Step file and Sequence choosers of ``run`` (``table``: its
+    step files; only the chosen one's :class:`StepKey` is built)."""
     sb = st.sidebar
-    ranks = sorted({k.rank for k in keys})
+    ranks = np.unique(table.coordinates[:, 3]).tolist()
     rank = None
     if len(ranks) > 1:
         rank = sb.selectbox("Rank", [None, *ranks], key="rank", format_func=_rank_label,
                             help="show the step files of one rank, or of all ranks")
-        keys = [k for k in keys if k.rank == rank] if rank is not None else keys
-    if not keys:
+        if rank is not None:
+            table = table.take(np.flatnonzero(table.coordinates[:, 3] == rank))
+    if not len(table):
         return Selection(root, run, None, None, rank)
-    labels = _step_labels(keys)
+    labels = table.labels()
     if st.session_state.get("step_file") not in labels:
         st.session_state.pop("step_file", None)
     if _URL_NOTE in st.session_state:
@@ -233,7 +236,7 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
     label = sb.selectbox("Step file", labels, key="step_file",
                          on_change=lambda: st.session_state.pop(_URL_NOTE, None),
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
-    key = keys[labels.index(label)]
+    key = table.key(labels.index(label))
     try:
         seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.file_id(key.path))
     except TraceError as err:
