@@ -42,24 +42,35 @@ def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:
     a name they do not list (a sort and a binary search, no loop over the names)."""
     if not len(columns) or not len(names):
         return np.full(len(names), -1, dtype=np.int64)
-    order = np.argsort(columns.names, kind="stable")
+    order = columns.name_order
     found = order[np.minimum(np.searchsorted(columns.names, names, sorter=order), len(order) - 1)]
     return np.where(columns.names[found] == names, found, -1)
 
 
+def table_rows(columns: SummaryColumns, table: Any) -> np.ndarray:
+    """:func:`rows_of` the names of ``table`` (a :class:`tracer.step_table.StepTable`), computed
+    once per table and columns (the listing and the overview of one page share it)."""
+    held = table.__dict__.get("_rows_of")
+    if held is not None and held[0] is columns:
+        return held[1]
+    found = rows_of(columns, table.name_array)
+    table.__dict__["_rows_of"] = (columns, found)
+    return found
+
+
 def vouched_files(columns: SummaryColumns | None, later: dict[str, Any], folders: list[str] | str,
-                  names: list[str], sizes: Any, steps_folder: str) -> np.ndarray:
+                  names: list[str], sizes: Any, steps_folder: str, rows: np.ndarray | None = None) -> np.ndarray:
     """``bool [n]``: whether the columns or an index line after them (``later``) vouch for each file
     ``names[i]`` of ``folders[i]`` (of ``folders`` when it is one folder's ``str``) at ``sizes[i]``
     bytes (a list or ``int64 [n]``): listed under that name at that size, in ``steps_folder``
     (and, for an index line, under the coordinates its name gives). The columns' rows are
-    compared as arrays, index lines one by one."""
+    compared as arrays, index lines one by one. ``rows``: :func:`rows_of` the names, when known."""
     out = np.zeros(len(names), dtype=bool)
     one = folders if isinstance(folders, str) else None
     if one is not None and one != steps_folder:
         return out
     if columns is not None and len(names):
-        rows = rows_of(columns, np.array(names, dtype=str))
+        rows = rows_of(columns, np.array(names, dtype=str)) if rows is None else rows
         out = (rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
         if one is None:
             out &= np.array(folders, dtype=str) == steps_folder
@@ -82,12 +93,11 @@ def vouched_rows(columns: SummaryColumns, table: Any, steps_folder: str, later: 
     rows = np.full(n, -1, dtype=np.int64)
     if not n or not len(columns):
         return rows
-    names = np.array(table.names, dtype=str)
     if table.folder is not None:  # one folder for the whole table
         in_folder: Any = str(table.folder) == steps_folder
     else:
         in_folder = np.array([str(k.path).rpartition(os.sep)[0] for k in table.keys_list], dtype=str) == steps_folder
-    found = rows_of(columns, names)
+    found = table_rows(columns, table)
     hit = (found >= 0) & (columns.coordinates[found] == table.coordinates).all(axis=1) & in_folder  # in steps/
     candidates = np.flatnonzero(hit)
     if later:

@@ -9,6 +9,7 @@ from the arrays; :meth:`StepTable.key` builds the key of the one step file a pag
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -123,17 +124,22 @@ class StepTable:
         """Every file's key, in the table's order (a new list each call)."""
         return list(self.keys_list)
 
-    def index(self) -> dict[str, int]:
-        """``{str(path): position}`` of every file (built once)."""
-        held = self.__dict__.get("_index")
-        if held is None:
-            if self.folder is None:
-                held = {str(k.path): i for i, k in enumerate(self.keys_list)}
-            else:
-                prefix = str(self.folder / "x")[:-1]  # the folder and its separator
-                held = {prefix + name: i for i, name in enumerate(self.names)}
-            self.__dict__["_index"] = held
-        return held
+    @cached_property
+    def name_array(self) -> np.ndarray:
+        """``str_ [n]``: :attr:`names` as a numpy array (built once)."""
+        return np.array(self.names, dtype=str)
+
+    def position(self, path: str) -> int | None:
+        """Where the file at ``path`` (a ``str``) is in the table, or None."""
+        if self.folder is None:
+            return next((i for i, k in enumerate(self.keys_list) if str(k.path) == path), None)
+        folder, sep, name = path.rpartition(os.sep)
+        if not sep or folder != str(self.folder):
+            return None
+        try:
+            return self.names.index(name)  # one scan in C: ~0.1 ms at 10,000 files
+        except ValueError:
+            return None
 
     def take(self, positions: Sequence[int] | np.ndarray) -> "StepTable":
         """The table of the files at ``positions`` (in that order)."""

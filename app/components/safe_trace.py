@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tracer import overview
 from tracer.errors import TraceError
 from tracer.integrity import check_step_header, open_step_file
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
@@ -202,7 +203,7 @@ class SafeTrace(Trace):
     def key_of(self, step_path: str) -> StepKey | None:
         """The :class:`StepKey` of the listed step file at ``step_path`` (its ``str``), or None: O(1)."""
         table = self._listed()[1]
-        found = table.index().get(step_path)
+        found = table.position(step_path)
         return None if found is None else table.key(found)
 
     def _listing_signature(self) -> tuple | None:
@@ -279,7 +280,10 @@ class SafeTrace(Trace):
         if ((modes & 0o170000) != stat.S_IFREG).any():  # a link or not a file
             return None
         sizes = np.fromiter((st.st_size for st in stats), dtype=np.int64, count=n)
-        vouched = self._vouched(folder, table.names, sizes)
+        index = self.summary_index()  # before the columns: it refreshes them
+        columns = self.summary_columns()
+        vouched = overview.vouched_files(columns, index, folder, table.names, sizes, self._steps_folder,
+                                         None if columns is None else overview.table_rows(columns, table))
         self._sizes_seen = (time.monotonic(), folder, dict(zip(table.names, sizes.tolist())))
         problems, bad = {}, []
         for i in np.flatnonzero(~vouched).tolist():

@@ -35,6 +35,8 @@ _URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run s
 _URL_NOTE = "_tracer_url_note"  # why the URL's step could not be shown
 RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
+MAX_STEP_OPTIONS = 2_000  # a run with more step files picks a step number, then one of its files
+STEP_NUMBER = "step_number"  # the session state of that Step number input
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
             table = table.take(np.flatnonzero(table.coordinates[:, 3] == rank))
     if not len(table):
         return Selection(root, run, None, None, rank)
-    labels = table.labels()
+    table, labels = _step_file_choices(table)
     if st.session_state.get("step_file") not in labels:
         st.session_state.pop("step_file", None)
     if _URL_NOTE in st.session_state:
@@ -250,6 +252,46 @@ def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
         sequence = sb.selectbox("Sequence", range(len(seq_labels)), format_func=seq_labels.__getitem__,
                                 key="sequence")
     return Selection(root, run, key, sequence, rank)
+
+
+def _step_file_choices(table: StepTable) -> tuple[StepTable, list[str]]:
+    """The step files the Step file chooser offers and their labels: every file of ``table``, or,
+    on a run of more than :data:`MAX_STEP_OPTIONS` files, those of the step picked in a Step number
+    input drawn here (a 10,000-option list would cost the page, and the browser, for each
+    option). A Step file label set before the choosers are drawn (the URL, a Health finding)
+    moves the number to its step."""
+    if len(table) <= MAX_STEP_OPTIONS:
+        return table, table.labels()
+    steps = table.coordinates[:, 0]  # ascending: the table is sorted by coordinates
+    wanted, number = st.session_state.get("step_file"), st.session_state.get(STEP_NUMBER)
+    if number is None or not steps[0] <= number <= steps[-1]:
+        number = st.session_state[STEP_NUMBER] = int(steps[0])
+    if wanted is not None and wanted not in _labels_at(table, np.flatnonzero(steps == number)):
+        labels = table.labels()  # every label once, only when something outside the choosers set one
+        if wanted in labels:
+            number = st.session_state[STEP_NUMBER] = int(steps[labels.index(wanted)])
+    number = st.sidebar.number_input(
+        "Step", min_value=int(steps[0]), max_value=int(steps[-1]), step=1, key=STEP_NUMBER,
+        on_change=_new_step_number, help=f"{len(table)} step files: pick a step, then one of its files")
+    shown = int(steps[min(int(np.searchsorted(steps, number)), len(steps) - 1)])  # the next step with files
+    if shown != number:
+        st.sidebar.caption(f"No step file at step {number}: showing step {shown}.")
+    positions = np.flatnonzero(steps == shown)
+    return table.take(positions), _labels_at(table, positions)
+
+
+def _labels_at(table: StepTable, positions: np.ndarray) -> list[str]:
+    """The labels of ``table``'s files at ``positions``, as :meth:`StepTable.labels` of the whole table."""
+    if table.folder is None:  # user-named files: a label may name its file because of another one
+        labels = table.labels()
+        return [labels[i] for i in positions.tolist()]
+    return table.take(positions).labels()
+
+
+def _new_step_number() -> None:
+    """The Step number's on_change: that step's first file, and no URL note."""
+    st.session_state.pop("step_file", None)
+    st.session_state.pop(_URL_NOTE, None)
 
 
 def _rank_label(rank: int | None) -> str:
