@@ -411,7 +411,8 @@ class Trace:
         A step file that the run's summary columns (:mod:`tracer.summary_store`) or summary index
         (:mod:`tracer.run_index`) list under its name, coordinates and current size is not opened:
         its row comes from them (the same numbers as its header); the others are read as above.
-        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps,
+        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps
+        (:meth:`step_table`: a key is built only for a file the columns do not vouch for),
         one ``stat`` per step file, one load of the columns and a parse of the index lines after
         them, plus one header per file they do not vouch for; the rows of the columns are put in
         the frame as arrays (:mod:`tracer.overview`)."""

@@ -153,7 +153,11 @@ class SafeTrace(Trace):
     Listing the step files (``steps()``, ``problems()``, :meth:`key_of`) is done once per state of
     the directory: it is reused while the trace directory and its ``steps/`` keep their (inode,
     modification time), so a rerun of the app on a trace of many steps costs two ``stat`` calls,
-    not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). With
+    not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). A trace
+    whose step files are all regular files in ``steps/`` under the writer's names is listed as a
+    :class:`tracer.step_table.StepTable` (one ``listdir``, one ``lstat`` per file, the index's
+    vouching compared as arrays) and builds no ``Path`` or :class:`StepKey` per file until
+    ``steps()`` asks for them; any other trace is listed file by file as before. With
     ``handles``, step files are read through that shared cache of open handles, and each handle's
     header is checked against the schema once.
 
