@@ -41,7 +41,8 @@ if selection.error is not None:
 store_selection(selection)
 
 trace = trace_cache.open_trace(str(selection.trace_path))
-first_and_selected = [k for k in (trace.steps()[:1] + [selection.key]) if k is not None]
+table = trace.step_table()  # the first step file's key only, not one per step file
+first_and_selected = [k for k in ([table.key(0)] if len(table) else []) + [selection.key] if k is not None]
 algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
 offered = pages_for(algorithm, recorded)
 page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),

@@ -200,8 +200,8 @@ def test_the_listing_is_reused_until_a_step_appears(tmp_path, monkeypatch):
     writer.record(0, healthy_step_tensors(0, 0))
     trace = SafeTrace(run)
     listings = []
-    inner = trace._all_step_paths
-    monkeypatch.setattr(trace, "_all_step_paths", lambda: (listings.append(1), inner())[1])
+    inner = trace._step_names  # every listing of steps/ starts here
+    monkeypatch.setattr(trace, "_step_names", lambda: (listings.append(1), inner())[1])
     assert [k.step for k in trace.steps()] == [0]
     assert [k.step for k in trace.steps()] == [0] and trace.problems() == {}
     assert len(listings) == 1  # the second steps() and problems() reused the listing
@@ -220,8 +220,8 @@ def test_a_young_listing_is_not_reused(tmp_path, monkeypatch):
     run = write_trace(tmp_path / "run", steps=1)
     trace = SafeTrace(run)
     listings = []
-    inner = trace._all_step_paths
-    monkeypatch.setattr(trace, "_all_step_paths", lambda: (listings.append(1), inner())[1])
+    inner = trace._step_names  # every listing of steps/ starts here
+    monkeypatch.setattr(trace, "_step_names", lambda: (listings.append(1), inner())[1])
     trace.steps()
     trace.steps()
     assert len(listings) == 2

@@ -13,7 +13,7 @@ of the step keys.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -37,62 +37,77 @@ def ordered(frame: pd.DataFrame) -> pd.DataFrame:
     return frame if list(frame.columns) == order else frame[order]
 
 
-def coordinates_of(keys: Sequence[Any]) -> np.ndarray:
-    """``int64 [n, 4]``: step, inner_step, micro_batch, rank of each :class:`tracer.reader.StepKey`."""
-    flat = np.fromiter((v for k in keys for v in (k.step, k.inner_step, k.micro_batch, k.rank)),
-                       dtype=np.int64, count=4 * len(keys))
-    return flat.reshape(len(keys), 4)
-
-
 def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:
     """``int64 [n]``: the row of ``columns`` listing each of the file ``names`` (``str [n]``), -1 for
     a name they do not list (a sort and a binary search, no loop over the names)."""
     if not len(columns) or not len(names):
         return np.full(len(names), -1, dtype=np.int64)
-    order = np.argsort(columns.names, kind="stable")
+    order = columns.name_order
     found = order[np.minimum(np.searchsorted(columns.names, names, sorter=order), len(order) - 1)]
     return np.where(columns.names[found] == names, found, -1)
 
 
-def vouched_files(columns: SummaryColumns | None, later: dict[str, Any], folders: list[str], names: list[str],
-                  sizes: list[int], steps_folder: str) -> np.ndarray:
+def table_rows(columns: SummaryColumns, table: Any) -> np.ndarray:
+    """:func:`rows_of` the names of ``table`` (a :class:`tracer.step_table.StepTable`), computed
+    once per table and columns (the listing and the overview of one page share it)."""
+    held = table.__dict__.get("_rows_of")
+    if held is not None and held[0] is columns:
+        return held[1]
+    found = rows_of(columns, table.name_array)
+    table.__dict__["_rows_of"] = (columns, found)
+    return found
+
+
+def vouched_files(columns: SummaryColumns | None, later: dict[str, Any], folders: list[str] | str,
+                  names: list[str], sizes: Any, steps_folder: str, rows: np.ndarray | None = None) -> np.ndarray:
     """``bool [n]``: whether the columns or an index line after them (``later``) vouch for each file
-    ``names[i]`` of ``folders[i]`` at ``sizes[i]`` bytes: listed under that name at that size, in
-    ``steps_folder`` (and, for an index line, under the coordinates its name gives). The columns'
-    rows are compared as arrays, index lines one by one."""
+    ``names[i]`` of ``folders[i]`` (of ``folders`` when it is one folder's ``str``) at ``sizes[i]``
+    bytes (a list or ``int64 [n]``): listed under that name at that size, in ``steps_folder``
+    (and, for an index line, under the coordinates its name gives). The columns' rows are
+    compared as arrays, index lines one by one. ``rows``: :func:`rows_of` the names, when known."""
     out = np.zeros(len(names), dtype=bool)
+    one = folders if isinstance(folders, str) else None
+    if one is not None and one != steps_folder:
+        return out
     if columns is not None and len(names):
-        rows = rows_of(columns, np.array(names, dtype=str))
-        out = ((rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
-               & (np.array(folders, dtype=str) == steps_folder))
+        rows = rows_of(columns, np.array(names, dtype=str)) if rows is None else rows
+        out = (rows >= 0) & (columns.size[rows] == np.asarray(sizes, dtype=np.int64))
+        if one is None:
+            out &= np.array(folders, dtype=str) == steps_folder
     for i in [i for i, name in enumerate(names) if name in later] if later else ():
         entry, match = later[names[i]], STEP_FILE_RE.match(names[i])
-        out[i] = (entry["size"] == sizes[i] and folders[i] == steps_folder and match is not None
-                  and run_index.vouched(entry, tuple(int(g) for g in match.groups()), sizes[i]))
+        folder = one if one is not None else folders[i]
+        out[i] = (entry["size"] == int(sizes[i]) and folder == steps_folder and match is not None
+                  and run_index.vouched(entry, tuple(int(g) for g in match.groups()), int(sizes[i])))
     return out
 
 
-def vouched_rows(columns: SummaryColumns, keys: Sequence[Any], coordinates: np.ndarray, steps_folder: str,
-                 later: dict[str, Any], sizes: Callable[[str, list[str]], list[int]] | None = None) -> np.ndarray:
-    """``int64 [n]``: the row of ``columns`` that vouches for each of ``keys``, -1 where none does
-    (not listed, listed under other coordinates, not in ``steps_folder``, named in ``later`` (index
-    lines after the columns), gone, or of another size now). ``sizes(folder, names)``: the current
-    size of each named file of ``folder``, -1 when gone (default :func:`current_sizes`: one
-    ``stat`` per candidate file)."""
-    n = len(keys)
+def vouched_rows(columns: SummaryColumns, table: Any, steps_folder: str, later: dict[str, Any],
+                 sizes: Callable[[str, list[str]], list[int]] | None = None) -> np.ndarray:
+    """``int64 [n]``: the row of ``columns`` that vouches for each file of ``table`` (a
+    :class:`tracer.step_table.StepTable`), -1 where none does (not listed, listed under other
+    coordinates, not in ``steps_folder``, named in ``later`` (index lines after the columns), gone,
+    or of another size now). ``sizes(folder, names)``: the current size of each named file of
+    ``folder``, -1 when gone (default :func:`current_sizes`: one ``stat`` per candidate file)."""
+    n = len(table)
     rows = np.full(n, -1, dtype=np.int64)
     if not n or not len(columns):
         return rows
-    split = [str(k.path).rpartition(os.sep) for k in keys]
-    names = np.array([b for _, _, b in split], dtype=str)
-    found = rows_of(columns, names)
-    hit = ((found >= 0) & (columns.coordinates[found] == coordinates).all(axis=1)
-           & (np.array([f for f, _, _ in split], dtype=str) == steps_folder))  # in steps/
-    candidates = [i for i in np.flatnonzero(hit).tolist() if names[i] not in later] if later \
-        else np.flatnonzero(hit).tolist()
-    for i, size in zip(candidates, (sizes or current_sizes)(steps_folder, [names[i] for i in candidates])):
-        if size == columns.size[found[i]]:
-            rows[i] = found[i]
+    if table.folder is not None:  # one folder for the whole table
+        in_folder: Any = str(table.folder) == steps_folder
+    else:
+        in_folder = np.array([str(k.path).rpartition(os.sep)[0] for k in table.keys_list], dtype=str) == steps_folder
+    found = table_rows(columns, table)
+    hit = (found >= 0) & (columns.coordinates[found] == table.coordinates).all(axis=1) & in_folder  # in steps/
+    candidates = np.flatnonzero(hit)
+    if later:
+        candidates = np.array([i for i in candidates.tolist() if table.names[i] not in later], dtype=np.int64)
+    if not len(candidates):
+        return rows
+    now = np.asarray((sizes or current_sizes)(steps_folder, [table.names[i] for i in candidates.tolist()]),
+                     dtype=np.int64)
+    match = now == columns.size[found[candidates]]
+    rows[candidates[match]] = found[candidates[match]]
     return rows
 
 

@@ -8,9 +8,7 @@ step file with canonical field names (metadata optional).
 from __future__ import annotations
 
 import os
-import re
 import time
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
@@ -25,6 +23,7 @@ from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
 from tracer.schema import FIELDS, decode_metadata
 from tracer.summary_store import SummaryColumns
+from tracer.step_table import StepKey, StepTable, parse_names  # noqa: F401  (StepKey re-exported)
 from tracer.text import clean_str
 from tracer.layout import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)
@@ -33,22 +32,6 @@ from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part o
 QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
 MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
 _STEP_RE = STEP_FILE_RE
-_STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
-
-
-@dataclass(frozen=True, order=True, slots=True)  # slots: one object per step file, not two (10,000-step runs)
-class StepKey:
-    """Identifies one step file: (step, inner_step, micro_batch, rank) and where it lies."""
-
-    step: int
-    inner_step: int
-    micro_batch: int
-    rank: int
-    path: Path
-
-    @property
-    def label(self) -> str:
-        return f"step {self.step} · inner {self.inner_step} · mb {self.micro_batch} · rank {self.rank}"
 
 
 def _int_or(value: Any, default: int = 0) -> int:
@@ -147,24 +130,25 @@ class Trace:
         """Every step file, sorted by (step, inner_step, micro_batch, rank). Reads no tensor data."""
         return self._keys(self._step_paths())
 
+    def step_table(self) -> StepTable:
+        """:meth:`steps` as arrays (:class:`tracer.step_table.StepTable`: names and coordinates in
+        the same order, keys built when asked for). Reads no tensor data."""
+        return StepTable.from_keys(self.steps())
+
+    def step_count(self) -> int:
+        """The number of step files :meth:`steps` lists."""
+        return len(self.step_table())
+
     def _keys(self, paths: list[Path]) -> list[StepKey]:
         """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
         meanwhile is either in both or in neither). When every file is named by its coordinates (as
         the writer names them) the names are parsed by one regular-expression scan and sorted as
         arrays; otherwise one by one."""
-        names = [p.name for p in paths]
-        joined = "\n".join(names)
-        found = _STEP_LINES.findall(joined) if joined.count("\n") == len(names) - 1 else []
-        if names and len(found) == len(names):
-            try:
-                coordinates = np.array(found, dtype=np.int64).reshape(len(names), 4)
-            except (ValueError, OverflowError):  # a step number beyond int64: the slow path
-                coordinates = None
-            if coordinates is not None:
-                order = np.lexsort(coordinates.T[::-1])
-                ranked = coordinates[order]
-                if not (ranked[1:] == ranked[:-1]).all(axis=1).any():  # no two files share coordinates
-                    return [StepKey(a, b, c, d, paths[i]) for (a, b, c, d), i in zip(ranked.tolist(), order.tolist())]
+        parsed = parse_names([p.name for p in paths])
+        if parsed is not None:
+            coordinates, order = parsed
+            return [StepKey(a, b, c, d, paths[i])
+                    for (a, b, c, d), i in zip(coordinates[order].tolist(), order.tolist())]
         return self._keys_one_by_one(paths)
 
     def _keys_one_by_one(self, paths: list[Path]) -> list[StepKey]:
@@ -427,21 +411,22 @@ class Trace:
         A step file that the run's summary columns (:mod:`tracer.summary_store`) or summary index
         (:mod:`tracer.run_index`) list under its name, coordinates and current size is not opened:
         its row comes from them (the same numbers as its header); the others are read as above.
-        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps,
+        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps
+        (:meth:`step_table`: a key is built only for a file the columns do not vouch for),
         one ``stat`` per step file, one load of the columns and a parse of the index lines after
         them, plus one header per file they do not vouch for; the rows of the columns are put in
         the frame as arrays (:mod:`tracer.overview`)."""
-        keys = self.steps()
+        table = self.step_table()
         index = self.summary_index()
         columns = self.summary_columns()
-        coordinates = overview.coordinates_of(keys)
-        rows = overview.vouched_rows(columns, keys, coordinates, self._steps_folder, index, self._current_sizes) \
-            if columns else np.full(len(keys), -1, dtype=np.int64)
+        coordinates = table.coordinates
+        rows = overview.vouched_rows(columns, table, self._steps_folder, index, self._current_sizes) \
+            if columns else np.full(len(table), -1, dtype=np.int64)
         stored = np.flatnonzero(rows >= 0)
         records, rest = [], np.flatnonzero(rows < 0)
         from_index = len(stored)
         for i in rest.tolist():
-            key = keys[i]
+            key = table.key(i)
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
             listed = run_index.summary_row(index, key, self._steps_folder) if index else None
@@ -459,7 +444,7 @@ class Trace:
         parts = [(rest, pd.DataFrame.from_records(records))]
         if len(stored):
             parts.append((stored, overview.columns_frame(columns, rows[stored], coordinates[stored])))
-        frame = overview.combined(parts, len(keys))
+        frame = overview.combined(parts, len(table))
         frame.attrs["from_index"] = from_index
         return frame
 
@@ -493,9 +478,9 @@ class Trace:
         split = [str(p).rpartition(os.sep) for p in paths]
         return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
 
-    def _vouched(self, folders: list[str], names: list[str], sizes: list[int],
+    def _vouched(self, folders: list[str] | str, names: list[str], sizes: Any,
                  index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
-        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each)."""
+        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each, or one folder's ``str``)."""
         index = self.summary_index() if index is None else index
         return overview.vouched_files(self.summary_columns(), index, folders, names, sizes, self._steps_folder)
 

@@ -33,6 +33,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -70,6 +71,11 @@ class SummaryColumns:
 
     def __len__(self) -> int:
         return int(self.size.shape[0])
+
+    @cached_property
+    def name_order(self) -> np.ndarray:
+        """``int64 [N]``: the rows in the order of their names (a stable sort, done once)."""
+        return np.argsort(self.names, kind="stable")
 
 
 def build_columns(entries: Iterable[Mapping[str, Any]]) -> SummaryColumns | None:

@@ -13,10 +13,10 @@ OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
-keys = trace.steps()
+count = trace.step_count()  # from the listing's arrays: no key per step file
 st.title("Steps")
-st.text(f"{selection.trace_path} · {trace.algorithm or 'unknown algorithm'} · {len(keys)} step files")
-if not keys:
+st.text(f"{selection.trace_path} · {trace.algorithm or 'unknown algorithm'} · {count} step files")
+if not count:
     st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
     st.stop()
 

@@ -17,10 +17,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tracer import overview
 from tracer.errors import TraceError
 from tracer.integrity import check_step_header, open_step_file
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 from tracer.reader import StepKey, Trace
+from tracer.step_table import StepTable
 from tracer.schema import decode_metadata
 
 # A listing is reused while the trace directory and steps/ keep their modification times, unless
@@ -149,7 +153,11 @@ class SafeTrace(Trace):
     Listing the step files (``steps()``, ``problems()``, :meth:`key_of`) is done once per state of
     the directory: it is reused while the trace directory and its ``steps/`` keep their (inode,
     modification time), so a rerun of the app on a trace of many steps costs two ``stat`` calls,
-    not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). With
+    not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). A trace
+    whose step files are all regular files in ``steps/`` under the writer's names is listed as a
+    :class:`tracer.step_table.StepTable` (one ``listdir``, one ``lstat`` per file, the index's
+    vouching compared as arrays) and builds no ``Path`` or :class:`StepKey` per file until
+    ``steps()`` asks for them; any other trace is listed file by file as before. With
     ``handles``, step files are read through that shared cache of open handles, and each handle's
     header is checked against the schema once.
 
@@ -167,7 +175,7 @@ class SafeTrace(Trace):
         self._base = Path(path).resolve()
         self._header_memo: dict[str, tuple[tuple[int, ...], str | None]] = {}
         self._handles = handles
-        self._safe_listing: tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]] | None = None
+        self._safe_listing: tuple[Any, StepTable, dict[Path, str]] | None = None
         if Path(path).is_dir():
             for name in (MANIFEST_NAME, TOKENS_NAME, STEPS_DIR):
                 part = Path(path) / name
@@ -185,16 +193,22 @@ class SafeTrace(Trace):
             paths = self._all_step_paths()
             problems = self._problems(paths)
             return [p for p in paths if p not in problems] if problems else paths
-        _, paths, problems, _, _ = self._listed()
-        return [p for p in paths if p not in problems] if problems else list(paths)
+        return [k.path for k in self._listed()[1].keys_list]
 
     def steps(self) -> list[StepKey]:
         """As :meth:`Trace.steps` (the readable step files inside the directory), from the memo."""
-        return list(self._listed()[3])
+        return self._listed()[1].keys()
+
+    def step_table(self) -> StepTable:
+        """As :meth:`Trace.step_table`, from the memo: on a trace whose step files all lie in
+        ``steps/`` under the writer's names, no ``Path`` or key per file is built for it."""
+        return self._listed()[1]
 
     def key_of(self, step_path: str) -> StepKey | None:
         """The :class:`StepKey` of the listed step file at ``step_path`` (its ``str``), or None: O(1)."""
-        return self._listed()[4].get(step_path)
+        table = self._listed()[1]
+        found = table.position(step_path)
+        return None if found is None else table.key(found)
 
     def _listing_signature(self) -> tuple | None:
         """(inode, mtime_ns) of the trace directory and of ``steps/``; None when the listing must
@@ -213,19 +227,87 @@ class SafeTrace(Trace):
             return None
         return tuple(sig)
 
-    def _listed(self) -> tuple[Any, list[Path], dict[Path, str], list[StepKey], dict[str, StepKey]]:
-        """(signature, every step path, problems, keys of the readable ones, {str(path): key})."""
+    def _listed(self) -> tuple[Any, StepTable, dict[Path, str]]:
+        """(signature, the table of the readable step files, problems)."""
         sig = self._listing_signature()
         memo = self._safe_listing
         if sig is not None and memo is not None and memo[0] == sig:
             return memo
-        paths = self._all_step_paths()
-        problems = self._problems(paths)
-        keys = self._keys([p for p in paths if p not in problems] if problems else paths)
-        listing = (sig, paths, problems, keys, {str(k.path): k for k in keys})
+        fast = self._listed_by_name()
+        if fast is None:  # links, files at the root or named by the user, a file gone meanwhile: one by one
+            paths = self._all_step_paths()
+            problems = self._problems(paths)
+            fast = StepTable.from_keys(self._keys([p for p in paths if p not in problems] if problems else paths)), \
+                problems
+        listing = (sig, *fast)
         if sig is not None:
             self._safe_listing = listing
         return listing
+
+    def _step_names(self) -> tuple[list[str], bool] | None:
+        """The ``*.safetensors`` names in ``steps/`` (one ``listdir``) and whether the trace directory
+        holds any too; None for a single step file or a folder that cannot be listed."""
+        if self._single:
+            return None
+        try:
+            names = [name for name in os.listdir(self.root / STEPS_DIR) if name.endswith(".safetensors")]
+            at_root = any(name.endswith(".safetensors") for name in os.listdir(self.root))
+        except OSError:
+            return None
+        return names, at_root
+
+    def _listed_by_name(self) -> tuple[StepTable, dict[Path, str]] | None:
+        """The listing of a trace whose step files are all regular files in ``steps/`` (a folder
+        inside the trace directory) under the writer's names with distinct coordinates: the table
+        and the problems, with one ``lstat`` per file and the index's vouching compared as arrays
+        (a file vouched for only at its current size); None when another case holds (the general
+        path, :meth:`_problems`, decides those)."""
+        listed = self._step_names()
+        if listed is None or listed[1] or os.stat not in os.supports_dir_fd:
+            return None
+        table = StepTable.of_folder(self.root / STEPS_DIR, listed[0])
+        folder = str(self.root / STEPS_DIR)
+        if table is None or not inside(folder, self._base):
+            return None
+        try:
+            fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except OSError:
+            return None
+        try:
+            stats = [os.lstat(name, dir_fd=fd) for name in table.names]
+        except OSError:  # a file gone since the listing
+            return None
+        finally:
+            os.close(fd)
+        n = len(stats)
+        modes = np.fromiter((st.st_mode for st in stats), dtype=np.int64, count=n)
+        if ((modes & 0o170000) != stat.S_IFREG).any():  # a link or not a file
+            return None
+        sizes = np.fromiter((st.st_size for st in stats), dtype=np.int64, count=n)
+        index = self.summary_index()  # before the columns: it refreshes them
+        columns = self.summary_columns()
+        vouched = overview.vouched_files(columns, index, folder, table.names, sizes, self._steps_folder,
+                                         None if columns is None else overview.table_rows(columns, table))
+        self._sizes_seen = (time.monotonic(), folder, dict(zip(table.names, sizes.tolist())))
+        problems, bad = {}, []
+        for i in np.flatnonzero(~vouched).tolist():
+            path = table.path(i)
+            problem = self._header_verdict(path, str(path), stats[i], stats[i])
+            if problem is not None:
+                problems[path] = problem
+                bad.append(i)
+        return (table.take(np.setdiff1d(np.arange(n), bad)) if bad else table), problems
+
+    def _header_verdict(self, path: Path, name: str, link: Any, target: Any) -> str | None:
+        """Why the header of ``path`` is unusable (the problem text), or None; checked once per
+        (l)stat signature of the file (``link``) and of what it points to (``target``)."""
+        signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
+        memo = self._header_memo.get(name)
+        if memo is None or memo[0] != signature:
+            problem = header_problem(path, self._manifest_algorithm())
+            memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
+            self._header_memo[name] = memo
+        return memo[1]
 
     def _open(self, path: Path):
         if self._handles is None:
@@ -273,7 +355,8 @@ class SafeTrace(Trace):
         # writer: its header is not read here (a bad one still fails cleanly when a page reads it)
         vouched = self._vouched(folder_of if whole else [folder_of[i] for i in ok],
                                 bases if whole else [bases[i] for i in ok], sizes)
-        self._sizes_seen = (time.monotonic(), dict(zip(names if whole else (names[i] for i in ok), sizes)))
+        in_steps = [j for j, i in enumerate(ok) if folder_of[i] == self._steps_folder]
+        self._sizes_seen = (time.monotonic(), self._steps_folder, {bases[ok[j]]: sizes[j] for j in in_steps})
         inside_all = all(folders.values())
         for j in [j for j, v in enumerate(vouched.tolist()) if not v or not inside_all or ok[j] in targets]:
             i = ok[j]
@@ -284,25 +367,19 @@ class SafeTrace(Trace):
                 continue
             if vouched[j]:
                 continue
-            signature = (link.st_ino, link.st_mtime_ns, target.st_ino, target.st_mtime_ns, target.st_size)
-            memo = self._header_memo.get(name)
-            if memo is None or memo[0] != signature:
-                problem = header_problem(path, self._manifest_algorithm())
-                memo = (signature, None if problem is None else f"{UNREADABLE}: {problem}")
-                self._header_memo[name] = memo
-            if memo[1] is not None:
-                out[path] = memo[1]
+            problem = self._header_verdict(path, name, link, target)
+            if problem is not None:
+                out[path] = problem
         return out
 
     def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
         """As :meth:`Trace._current_sizes`, from the sizes this listing stat'ed when it was taken
         under :data:`SIZES_FRESH_S` ago (the listing and the overview of one page run: one stat per
         file, not two); else stat'ed again."""
-        seen_at, seen = self.__dict__.get("_sizes_seen") or (0.0, {})
-        if time.monotonic() - seen_at >= SIZES_FRESH_S:
+        seen_at, seen_folder, seen = self.__dict__.get("_sizes_seen") or (0.0, None, {})
+        if time.monotonic() - seen_at >= SIZES_FRESH_S or folder != seen_folder:
             return super()._current_sizes(folder, names)
-        prefix = folder + os.sep
-        sizes = [seen.get(prefix + name, -1) for name in names]
+        sizes = [seen.get(name, -1) for name in names]
         missing = [i for i, size in enumerate(sizes) if size < 0]
         for i, size in zip(missing, super()._current_sizes(folder, [names[i] for i in missing])):
             sizes[i] = size

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import numpy as np
 import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
@@ -24,6 +25,7 @@ from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resol
 from tracer.errors import TraceError
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import StepKey, find_traces
+from tracer.step_table import StepTable
 from tracer.text import clean_str
 
 ROOT_ENV = "TRACER_ROOT"
@@ -33,6 +35,8 @@ _URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run s
 _URL_NOTE = "_tracer_url_note"  # why the URL's step could not be shown
 RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
+MAX_STEP_OPTIONS = 2_000  # a run with more step files picks a step number, then one of its files
+STEP_NUMBER = "step_number"  # the session state of that Step number input
 
 
 @dataclass(frozen=True)
@@ -133,10 +137,8 @@ def _run_label(root: Path, path: Path) -> str:
 
 
 def _step_labels(keys: list[StepKey]) -> list[str]:
-    labels = [k.label for k in keys]
-    if len(set(labels)) < len(labels):  # user-named files claiming the same step
-        labels = [f"{k.label} · {k.path.name}" for k in keys]
-    return labels
+    """The Step file chooser's labels of ``keys`` (as :meth:`tracer.step_table.StepTable.labels`)."""
+    return StepTable.from_keys(keys).labels()
 
 
 def render_sidebar(root: Path) -> Selection | None:
@@ -157,26 +159,26 @@ def render_sidebar(root: Path) -> Selection | None:
                        on_change=_remember_run, args=(root,))
     try:
         trace = trace_cache.open_trace(str(run))
-        keys = trace.steps()
+        table = trace.step_table()  # names and coordinates as arrays: no key per step file is built
         problems = trace.problems()
     except TraceError as err:
         sb.error("This run cannot be opened; pick another one.")
         return Selection(root, run, None, None, error=str(err))
-    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(keys)} step files")
+    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(table)} step files")
     _render_status_notes(trace, problems)
     _render_auto_refresh(str(run))
     if jump is not None:
-        token_jump.select_step(jump, run, keys, _step_labels)
+        token_jump.select_step(jump, run, table.keys(), _step_labels)
     else:
-        _apply_url_selection(keys)
-    chosen = _choose_step(root, run, keys)
+        _apply_url_selection(table)
+    chosen = _choose_step(root, run, table)
     # a refused ?run= stays in the URL (its message with it) until another run is chosen
     urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
                keep=("run",) if refused else ())
     return chosen
 
 
-def _apply_url_selection(keys: list[StepKey]) -> None:
+def _apply_url_selection(table: StepTable) -> None:
     """Point the Rank, Step file and Sequence choosers at the URL's ``step, inner, mb, rank, seq``
     (before they are drawn) when the URL names a selection the app did not write itself."""
     wanted = urls.pending()
@@ -185,6 +187,7 @@ def _apply_url_selection(keys: list[StepKey]) -> None:
     params = urls.parse(wanted)
     if "step" not in params:
         return
+    keys = table.keys()
     match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
         name not in params or getattr(k, attr) == params[name]
         for name, attr in (("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank")))]
@@ -214,18 +217,20 @@ def _listed_traces(root: Path) -> list[Path]:
     return [p for p in candidates if p not in refused]
 
 
-def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
-    """The Rank (with several ranks), Step file and Sequence choosers of ``run``."""
+def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
+    """The Rank (with several ranks), Step file and Sequence choosers of ``run`` (``table``: its
+    step files; only the chosen one's :class:`StepKey` is built)."""
     sb = st.sidebar
-    ranks = sorted({k.rank for k in keys})
+    ranks = np.unique(table.coordinates[:, 3]).tolist()
     rank = None
     if len(ranks) > 1:
         rank = sb.selectbox("Rank", [None, *ranks], key="rank", format_func=_rank_label,
                             help="show the step files of one rank, or of all ranks")
-        keys = [k for k in keys if k.rank == rank] if rank is not None else keys
-    if not keys:
+        if rank is not None:
+            table = table.take(np.flatnonzero(table.coordinates[:, 3] == rank))
+    if not len(table):
         return Selection(root, run, None, None, rank)
-    labels = _step_labels(keys)
+    table, labels = _step_file_choices(table)
     if st.session_state.get("step_file") not in labels:
         st.session_state.pop("step_file", None)
     if _URL_NOTE in st.session_state:
@@ -233,7 +238,7 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
     label = sb.selectbox("Step file", labels, key="step_file",
                          on_change=lambda: st.session_state.pop(_URL_NOTE, None),
                          help="step · inner step (PPO epoch / GRPO iteration) · micro-batch · rank")
-    key = keys[labels.index(label)]
+    key = table.key(labels.index(label))
     try:
         seq_labels = trace_cache.sequence_labels(str(run), str(key.path), trace_cache.file_id(key.path))
     except TraceError as err:
@@ -247,6 +252,46 @@ def _choose_step(root: Path, run: Path, keys: list[StepKey]) -> Selection:
         sequence = sb.selectbox("Sequence", range(len(seq_labels)), format_func=seq_labels.__getitem__,
                                 key="sequence")
     return Selection(root, run, key, sequence, rank)
+
+
+def _step_file_choices(table: StepTable) -> tuple[StepTable, list[str]]:
+    """The step files the Step file chooser offers and their labels: every file of ``table``, or,
+    on a run of more than :data:`MAX_STEP_OPTIONS` files, those of the step picked in a Step number
+    input drawn here (a 10,000-option list would cost the page, and the browser, for each
+    option). A Step file label set before the choosers are drawn (the URL, a Health finding)
+    moves the number to its step."""
+    if len(table) <= MAX_STEP_OPTIONS:
+        return table, table.labels()
+    steps = table.coordinates[:, 0]  # ascending: the table is sorted by coordinates
+    wanted, number = st.session_state.get("step_file"), st.session_state.get(STEP_NUMBER)
+    if number is None or not steps[0] <= number <= steps[-1]:
+        number = st.session_state[STEP_NUMBER] = int(steps[0])
+    if wanted is not None and wanted not in _labels_at(table, np.flatnonzero(steps == number)):
+        labels = table.labels()  # every label once, only when something outside the choosers set one
+        if wanted in labels:
+            number = st.session_state[STEP_NUMBER] = int(steps[labels.index(wanted)])
+    number = st.sidebar.number_input(
+        "Step", min_value=int(steps[0]), max_value=int(steps[-1]), step=1, key=STEP_NUMBER,
+        on_change=_new_step_number, help=f"{len(table)} step files: pick a step, then one of its files")
+    shown = int(steps[min(int(np.searchsorted(steps, number)), len(steps) - 1)])  # the next step with files
+    if shown != number:
+        st.sidebar.caption(f"No step file at step {number}: showing step {shown}.")
+    positions = np.flatnonzero(steps == shown)
+    return table.take(positions), _labels_at(table, positions)
+
+
+def _labels_at(table: StepTable, positions: np.ndarray) -> list[str]:
+    """The labels of ``table``'s files at ``positions``, as :meth:`StepTable.labels` of the whole table."""
+    if table.folder is None:  # user-named files: a label may name its file because of another one
+        labels = table.labels()
+        return [labels[i] for i in positions.tolist()]
+    return table.take(positions).labels()
+
+
+def _new_step_number() -> None:
+    """The Step number's on_change: that step's first file, and no URL note."""
+    st.session_state.pop("step_file", None)
+    st.session_state.pop(_URL_NOTE, None)
 
 
 def _rank_label(rank: int | None) -> str:

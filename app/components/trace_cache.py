@@ -162,7 +162,7 @@ def step_summary(trace_path: str, listing: str) -> pd.DataFrame:
 
 def step_files(trace: Trace) -> tuple[str, ...]:
     """The names of the trace's step files: the cache key of whole-trace tables."""
-    return tuple(k.path.name for k in trace.steps())
+    return tuple(trace.step_table().names)
 
 
 def listing_token(trace: Trace) -> str:
