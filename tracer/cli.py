@@ -14,9 +14,7 @@ import errno
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,7 +27,7 @@ from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import Trace, find_traces
 from tracer.schema import ALGORITHMS
 from tracer.summaries import SUMMARY_KEY
-from tracer.view_server import EXITED, HEALTH_PATH, SERVING, TIMED_OUT, ServerOutput, wait_until_serving
+from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -383,18 +381,6 @@ def _cmd_view(args: argparse.Namespace) -> int:
                   start_timeout_s=args.start_timeout)
 
 
-def _parent_death_signal():
-    """A ``preexec_fn`` for the Streamlit child (Linux): the child gets SIGTERM when ``tracer view``
-    dies, even by SIGKILL, so no server is left holding the port. None where prctl is missing."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def _echo(line: str) -> None:
     """Pass one line of the server's output on to tracer view's stdout (quietly, if that is gone)."""
     try:
@@ -404,58 +390,19 @@ def _echo(line: str) -> None:
         pass
 
 
-def _serve(cmd: list[str], port: int, announcement: str, start_timeout_s: float = 60.0,
-           grace_s: float = 10.0) -> int:
-    """Run the Streamlit server ``cmd`` (listening on 127.0.0.1:``port``) until it ends.
-
-    Its output is held back until it answers on ``/_stcore/health``; then ``announcement`` (the URL)
-    is printed, followed by the server's output. A server that exits first, or does not answer
-    within ``start_timeout_s`` seconds (it is then stopped), is reported on stderr with what it
-    printed, exit code 1. SIGTERM, SIGINT or SIGHUP sent to ``tracer view`` (``kill``, systemd,
-    ``docker stop``, Ctrl+C) is passed on to the server, which is waited for (killed after
-    ``grace_s`` seconds), so the port is free when ``tracer view`` exits."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its last words reach the pipe even if it is killed
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="backslashreplace", env=env,
-                            preexec_fn=_parent_death_signal() if sys.platform.startswith("linux") else None)
-    output = ServerOutput(proc.stdout, _echo)
-    received: list[int] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
-    previous = {s: signal.signal(s, forward) for s in handled}
-    try:
-        state = wait_until_serving(proc, port, start_timeout_s, stopped=lambda: bool(received))
-        if state == SERVING:
-            output.release(lambda: print(announcement, flush=True))
-        elif state == TIMED_OUT:
-            proc.terminate()
-        code = _wait_for(proc, grace_s if received or state == TIMED_OUT else None)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if state in (EXITED, TIMED_OUT) and not received:
-        what = (f"exited with code {code} before it answered" if state == EXITED else
+def _serve(cmd: list[str], port: int, announcement: str, start_timeout_s: float = 60.0) -> int:
+    """Run the Streamlit server ``cmd`` (:func:`tracer.view_server.serve`): print ``announcement``
+    (the URL) once it answers, then its output; report on stderr, exit code 1, a server that exits
+    during start-up or does not answer within ``start_timeout_s`` seconds, with what it printed."""
+    run = serve(cmd, port, lambda: print(announcement, flush=True), _echo, start_timeout_s=start_timeout_s)
+    if run.state in (EXITED, TIMED_OUT):
+        what = (f"exited with code {run.code} before it answered" if run.state == EXITED else
                 f"did not answer within {start_timeout_s:g} s (stopped it; a slow machine may need "
                 f"--start-timeout {max(2 * start_timeout_s, 120):g})")
-        printed = output.tail().rstrip() or "(nothing)"
         print(f"tracer view: error: the Streamlit server {what} on http://127.0.0.1:{port}{HEALTH_PATH}; "
-              f"it printed:\n{printed}", file=sys.stderr)
+              f"it printed:\n{run.printed.rstrip() or '(nothing)'}", file=sys.stderr)
         return 1
-    return 0 if received else code
-
-
-def _wait_for(proc: subprocess.Popen, grace_s: float | None) -> int:
-    """Wait for ``proc``; past ``grace_s`` seconds (None: forever) kill it. Returns its exit code."""
-    while True:
-        try:
-            return proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:  # the server ignored the signal: end it
-            proc.kill()
+    return 0 if run.state == STOPPED else run.code
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
