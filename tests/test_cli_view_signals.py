@@ -146,3 +146,11 @@ def test_a_server_that_does_not_answer_in_time_is_stopped_and_reported():
                           "it printed:\n"), err
     time.sleep(1)  # the server was waited for; give a late bind no chance to hide
     assert _port_free(port) and not _healthy(port)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_start_timeout_must_be_a_positive_number_of_seconds(value):
+    proc = _view(_free_port(), "--start-timeout", value)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert "argument --start-timeout: expected a number of seconds > 0, got " in err, err

@@ -39,6 +39,17 @@ STREAMLIT_OPTIONS = ("--server.headless", "true", "--browser.gatherUsageStats", 
                      "--client.toolbarMode", "viewer")
 
 
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     try:
@@ -87,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
                       help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
-    view.add_argument("--start-timeout", type=float, default=60.0, metavar="SECONDS",
+    view.add_argument("--start-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
                       help="how long to wait for the server to answer before giving up (default 60)")
 
     check = sub.add_parser("check", help="run the invariants of SPEC.md section 6, listed in docs/checks.md "
