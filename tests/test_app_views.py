@@ -28,6 +28,7 @@ from app.components.navigation import PAGES, hidden_pages_note, pages_for  # noq
 from app.components.ppo import (  # noqa: E402
     STATUS_BACKGROUND, STATUS_COLOUR, early_stop_figure, early_stop_grid, gae_figure, gae_token_frame,
     style_minibatch_table)
+from app.components.token_table import visible_token  # noqa: E402
 from tracer.writer import TraceWriter  # noqa: E402
 
 APP = REPO / "app" / "streamlit_app.py"
@@ -276,7 +277,8 @@ def test_ppo_page_shows_the_chosen_rollout_row_from_its_minibatch_file(monkeypat
     for name in ("token_rewards", "values", "returns", "advantages"):
         assert shown[name].tolist() == pytest.approx(data[name][index].tolist())
     tokens = token_strings(run)
-    assert shown["token_text"].tolist() == [tokens[i] for i in data["completion_ids"][index].tolist()]
+    # as drawn: a whitespace-only token shows its marker (visible_token, pinned in test_app_first_use)
+    assert shown["token_text"].tolist() == [visible_token(tokens[i]) for i in data["completion_ids"][index].tolist()]
 
 
 @needs_samples
@@ -337,7 +339,7 @@ def test_dpo_page_shows_the_files_logits_and_the_pair(monkeypatch):
     assert metrics["chosen_rewards"] == f"{float(data['chosen_rewards'][2]):.4g}"
     pair = frame_with(at, {"chosen_token_text", "rejected_token_text", "chosen_kept"})
     tokens = token_strings(run)
-    assert pair["chosen_token_text"].tolist() == [tokens[i] for i in data["chosen_ids"][2].tolist()]
+    assert pair["chosen_token_text"].tolist() == [visible_token(tokens[i]) for i in data["chosen_ids"][2].tolist()]
     assert pair["rejected_kept"].tolist() == data["rejected_mask"][2].tolist()
     assert pair["chosen_policy_logprobs"].tolist() == pytest.approx(data["chosen_policy_logprobs"][2].tolist())
     summary = frame_with(at, {"step", "margin", "preference_accuracy"})

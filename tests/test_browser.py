@@ -14,6 +14,7 @@ it fails: CI installs both (.ci/run).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -358,16 +359,31 @@ PAGES_BY_URL = (
 )
 
 
+def streamlit_base_path_probe(url: str, page_paths: set[str]) -> bool:
+    """Whether a failed request is Streamlit's own base-path discovery: opened at ``/groups``, its
+    frontend first tries ``/groups/_stcore/health`` and ``/groups/_stcore/host-config`` (in case the
+    app is served under a path prefix; ``getPossibleBaseUris`` in its bundle), then ``/_stcore/...``.
+    Those 404 answers come from Streamlit's frontend and server, not from the app."""
+    parts = urlsplit(url)
+    head, _, tail = parts.path.rpartition("/_stcore/")
+    return tail in ("health", "host-config") and head in page_paths
+
+
 def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_path):
     """Each page opened by its URL shows what the URL names, makes no request beyond 127.0.0.1
-    (scripts, fonts, the tab icon), and is saved as a screenshot."""
+    (scripts, fonts, the tab icon), has no Deploy button (a local debugger: toolbar in viewer
+    mode), gets no error answer beyond Streamlit's own base-path probes, and is saved as a
+    screenshot."""
     from playwright.sync_api import expect
 
     shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     outside: list[str] = []
+    failed: list[str] = []
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs, outside, height=2400)
+        page.on("response", lambda response: failed.append(f"{response.status} {response.url}")
+                if response.status >= 400 else None)
         try:
             for path, heading, text in PAGES_BY_URL:
                 page.goto(samples_server + path)
@@ -376,6 +392,9 @@ def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_p
                 expect(main).to_contain_text(text)
                 wait_idle(page)
                 check_no_error(page)
+                expect(page.locator("[data-testid=stToolbar]")).to_have_count(1)  # the toolbar is drawn...
+                expect(page.locator("[data-testid=stAppDeployButton]")).to_have_count(0)  # ...without Deploy
+                expect(page.get_by_role("button", name="Deploy")).to_have_count(0)
                 assert urlsplit(page.url).path == urlsplit(path).path, (path, page.url)
                 name = urlsplit(path).path.strip("/") + "_" + parse_qs(urlsplit(path).query)["run"][0]
                 page.screenshot(path=str(shots / f"url_{name}.png"), full_page=True)
@@ -389,6 +408,54 @@ def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_p
         finally:
             browser.close()
     assert outside == [], f"requests left 127.0.0.1: {sorted(set(outside))}"
+    assert dialogs == []
+    page_paths = {urlsplit(path).path for path, _, _ in PAGES_BY_URL} | {"/steps", "/step"}
+    ours = [f for f in failed if not streamlit_base_path_probe(f.split(" ", 1)[1], page_paths - {"/"})]
+    assert ours == [], f"error answers beyond Streamlit's base-path probes: {ours}"
+
+
+def is_round_ladder(labels: list[str]) -> bool:
+    """Tick labels a reader can use: evenly spaced numbers, the spacing 1, 2 or 5 × 10^k, each tick a
+    multiple of it (``-1, -0.5, 0, 0.5`` yes; ``0.904, 0.002, -0.9`` no)."""
+    values = [float(t.replace("\u2212", "-").rstrip("%")) for t in labels]
+    if len(values) < 2:
+        return True
+    steps = [b - a for a, b in zip(values, values[1:])]
+    step = abs(steps[0])
+    if step == 0 or any(abs(abs(d) - step) > 1e-9 * max(1.0, step) for d in steps):
+        return False
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    return any(abs(mantissa - m) < 1e-6 for m in (1, 2, 5)) and all(
+        abs(v / step - round(v / step)) < 1e-6 for v in values)
+
+
+def test_groups_page_axes_have_round_ticks(sync_playwright, samples_server, tmp_path):
+    """The Groups page of both GRPO samples: the reward figure's advantage axis (right) and reward
+    axis show round ticks, and the zero-variance figure's step axis whole steps, as drawn by
+    plotly.js in the browser (an overlaying axis synced its ticks to the other's grid: 0.904, 0.002...)."""
+    from playwright.sync_api import expect
+
+    shots = screenshot_dir(tmp_path)
+    dialogs: list[str] = []
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs, height=2400)
+        try:
+            for run, steps in (("grpo-tiny", ["0", "1", "2"]), ("grpo-trl-tiny", ["0", "1", "2", "3"])):
+                page.goto(f"{samples_server}/groups?run={run}")
+                expect(page.get_by_role("heading", name="Groups", exact=True)).to_be_visible()
+                wait_idle(page)
+                check_no_error(page)
+                plots = page.locator(".js-plotly-plot")
+                expect(plots).to_have_count(2)
+                rewards, shares = plots.nth(0), plots.nth(1)
+                labels = {axis: [t.text_content() for t in rewards.locator(f"g.{axis} text").all()]
+                          for axis in ("ytick", "y2tick")}
+                assert len(labels["y2tick"]) >= 3 and is_round_ladder(labels["y2tick"]), (run, labels)
+                assert is_round_ladder(labels["ytick"]), (run, labels)
+                assert [t.text_content() for t in shares.locator("g.xtick text").all()] == steps
+                page.screenshot(path=str(shots / f"groups_{run}.png"), full_page=True)
+        finally:
+            browser.close()
     assert dialogs == []
 
 

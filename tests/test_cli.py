@@ -63,7 +63,7 @@ def test_info_and_view_on_a_missing_or_non_trace_directory(tmp_path, capsys):
 
 def test_view_on_a_busy_port_says_so_before_starting_streamlit(tmp_path, capsys, monkeypatch):
     root = write_trace(tmp_path / "run")
-    monkeypatch.setattr("tracer.cli.subprocess.call", lambda cmd: pytest.fail("streamlit was started"))
+    monkeypatch.setattr("tracer.cli.serve", lambda *a, **k: pytest.fail("streamlit was started"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -1,6 +1,8 @@
-"""``tracer view`` stops its Streamlit server when it is stopped: SIGTERM (``kill``, systemd,
-``docker stop``, CI scripts) and SIGINT (Ctrl+C) are passed on to the server and waited for, so the
-port is free and no server process is left once ``tracer view`` has exited."""
+"""``tracer view`` runs its Streamlit server as a user meets it: the URL is printed only once the
+server answers (a click on it never meets "connection refused"); a server that exits or stays silent
+during start-up is reported with what it printed, and none is left behind; SIGTERM (``kill``,
+systemd, ``docker stop``, CI scripts) and SIGINT (Ctrl+C) are passed on to the server and waited
+for, so the port is free and no server process is left once ``tracer view`` has exited."""
 
 from __future__ import annotations
 
@@ -87,3 +89,68 @@ def test_stopping_tracer_view_stops_the_server_and_frees_the_port(signum):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def _view(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port),
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status
+
+
+def test_the_url_is_printed_once_the_server_answers():
+    port = _free_port()
+    proc = _view(port)
+    try:
+        first = proc.stdout.readline()  # blocks until tracer view prints
+        assert first.startswith("tracer: serving ") and f"http://127.0.0.1:{port} " in first, first
+        # the moment the URL is printed, both the page and Streamlit's health endpoint answer
+        assert _get(f"http://127.0.0.1:{port}/") == 200
+        assert _get(f"http://127.0.0.1:{port}/_stcore/health") == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert _port_free(port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_server_that_exits_during_start_up_is_reported_with_what_it_printed(tmp_path):
+    # a user setting Streamlit cannot honour (TLS files that do not exist): the server dies on start-up
+    port = _free_port()
+    proc = _view(port, env={"STREAMLIT_SERVER_SSL_CERT_FILE": str(tmp_path / "missing.pem"),
+                            "STREAMLIT_SERVER_SSL_KEY_FILE": str(tmp_path / "missing.key")})
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out, err)
+    assert "http://" not in out, out  # no URL to click: nothing serves it
+    assert err.startswith("tracer view: error: the Streamlit server exited with code 1 before it answered on "
+                          f"http://127.0.0.1:{port}/_stcore/health; it printed:\n"), err
+    assert "FileNotFoundError" in err  # the server's own words: why it died
+    assert _port_free(port)
+
+
+def test_a_server_that_does_not_answer_in_time_is_stopped_and_reported():
+    # 0.05 s is far less than Python takes to import Streamlit: the server cannot answer in time
+    port = _free_port()
+    proc = _view(port, "--start-timeout", "0.05")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, (out, err)
+    assert "http://" not in out, out
+    assert err.startswith(f"tracer view: error: the Streamlit server did not answer within 0.05 s (stopped it; a "
+                          f"slow machine may need --start-timeout 120) on http://127.0.0.1:{port}/_stcore/health; "
+                          "it printed:\n"), err
+    time.sleep(1)  # the server was waited for; give a late bind no chance to hide
+    assert _port_free(port) and not _healthy(port)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_start_timeout_must_be_a_positive_number_of_seconds(value):
+    proc = _view(_free_port(), "--start-timeout", value)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and out == ""
+    assert "argument --start-timeout: expected a number of seconds > 0, got " in err, err

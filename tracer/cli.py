@@ -3,7 +3,8 @@
 Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, a step file whose
 bytes disagree with its recorded checksum in ``diff`` and ``info --verify``); ``diff`` exits 1
 when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
-the script's own exit code, or 3 when the script succeeded but nothing was traced.
+the script's own exit code, or 3 when the script succeeded but nothing was traced; ``view`` exits
+1 when its Streamlit server exits or does not answer during start-up (``--start-timeout``).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import errno
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,10 +27,27 @@ from tracer.layout import MANIFEST_NAME, STEPS_DIR
 from tracer.reader import Trace, find_traces
 from tracer.schema import ALGORITHMS
 from tracer.summaries import SUMMARY_KEY
+from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
 DEFAULT_VIEW_ROOT = REPO_ROOT / "sample_traces"
+# Streamlit settings of every `tracer view` server (mirrored by .streamlit/config.toml for a plain
+# `streamlit run app/streamlit_app.py` from the checkout): no browser to open, no usage statistics,
+# and the toolbar in viewer mode (no Deploy / Rerun / Clear cache: a local debugger deploys nothing).
+STREAMLIT_OPTIONS = ("--server.headless", "true", "--browser.gatherUsageStats", "false",
+                     "--client.toolbarMode", "viewer")
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -82,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
                       help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    view.add_argument("--start-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
+                      help="how long to wait for the server to answer before giving up (default 60)")
 
     check = sub.add_parser("check", help="run the invariants of SPEC.md section 6, listed in docs/checks.md "
                                   "(exit 1 on any error, 2 unusable)",
@@ -367,51 +385,35 @@ def _cmd_view(args: argparse.Namespace) -> int:
     if root.is_file():
         Trace(root)  # validates a single step file
     _require_free_port(args.port)
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
+    cmd = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), *STREAMLIT_OPTIONS,
            "--server.address", "127.0.0.1", "--server.port", str(args.port),
-           "--server.headless", "true", "--browser.gatherUsageStats", "false",
            "--", "--root", str(root.resolve())]
-    print(f"tracer: serving {root} at http://127.0.0.1:{args.port} (Ctrl+C to stop)", flush=True)
-    return _serve(cmd)
+    return _serve(cmd, args.port, f"tracer: serving {root} at http://127.0.0.1:{args.port} (Ctrl+C to stop)",
+                  start_timeout_s=args.start_timeout)
 
 
-def _parent_death_signal():
-    """A ``preexec_fn`` for the Streamlit child (Linux): the child gets SIGTERM when ``tracer view``
-    dies, even by SIGKILL, so no server is left holding the port. None where prctl is missing."""
+def _echo(line: str) -> None:
+    """Pass one line of the server's output on to tracer view's stdout (quietly, if that is gone)."""
     try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
-def _serve(cmd: list[str], grace_s: float = 10.0) -> int:
-    """Run the Streamlit server ``cmd`` until it ends; SIGTERM, SIGINT or SIGHUP sent to ``tracer
-    view`` (``kill``, systemd, ``docker stop``, Ctrl+C) is passed on to the server, which is waited
-    for (killed after ``grace_s`` seconds), so the port is free when ``tracer view`` exits."""
-    proc = subprocess.Popen(cmd, preexec_fn=_parent_death_signal() if sys.platform.startswith("linux") else None)
-    received: list[int] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
-    previous = {s: signal.signal(s, forward) for s in handled}
-    try:
-        while True:
-            try:
-                code = proc.wait(timeout=grace_s if received else None)
-                break
-            except subprocess.TimeoutExpired:  # the server ignored the signal: end it
-                proc.kill()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    return 0 if received else code
+def _serve(cmd: list[str], port: int, announcement: str, start_timeout_s: float = 60.0) -> int:
+    """Run the Streamlit server ``cmd`` (:func:`tracer.view_server.serve`): print ``announcement``
+    (the URL) once it answers, then its output; report on stderr, exit code 1, a server that exits
+    during start-up or does not answer within ``start_timeout_s`` seconds, with what it printed."""
+    run = serve(cmd, port, lambda: print(announcement, flush=True), _echo, start_timeout_s=start_timeout_s)
+    if run.state in (EXITED, TIMED_OUT):
+        what = (f"exited with code {run.code} before it answered" if run.state == EXITED else
+                f"did not answer within {start_timeout_s:g} s (stopped it; a slow machine may need "
+                f"--start-timeout {max(2 * start_timeout_s, 120):g})")
+        print(f"tracer view: error: the Streamlit server {what} on http://127.0.0.1:{port}{HEALTH_PATH}; "
+              f"it printed:\n{run.printed.rstrip() or '(nothing)'}", file=sys.stderr)
+        return 1
+    return 0 if run.state == STOPPED else run.code
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from app.components.diff_view import (cli_command, common_steps, declared_baseli
                                       side_by_side_frame, split_tolerances, style_side_by_side)
 from app.components.safe_trace import OUTSIDE
 from app.components.sidebar import current_selection, discover_traces
+from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.diff import DiffInputError, parse_tolerances, step_label
 from tracer.diff.causes import headline
 from tracer.errors import TraceError
@@ -173,8 +174,8 @@ differing = int((frame["differs"] != "").sum())
 st.text(f"{step_label(step)} · sequence {sequence} · {differing} of {len(frame)} positions differ")
 st.dataframe(style_side_by_side(frame, table), hide_index=True, width="stretch", height=480, key="diff_tokens",
              column_config={
-                 "token_text_a": st.column_config.TextColumn("token a", help="shown literally"),
-                 "token_text_b": st.column_config.TextColumn("token b", help="shown literally"),
+                 "token_text_a": st.column_config.TextColumn("token a", help=TOKEN_TEXT_HELP),
+                 "token_text_b": st.column_config.TextColumn("token b", help=TOKEN_TEXT_HELP),
                  "differs": st.column_config.TextColumn("differs", help="what differs beyond tolerance here")})
 st.caption("Red cells: values that differ beyond the field's tolerance (both shown, a then b), token ids or "
            "masks that differ. Grey rows: positions whose values are not compared (not kept on both sides, or "

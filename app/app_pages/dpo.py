@@ -6,6 +6,7 @@ import streamlit as st
 from app.components import trace_cache
 from app.components.dpo import dpo_curves_figure, pair_logprobs_figure, side_text, style_pair_table
 from app.components.sidebar import current_selection
+from app.components.token_table import TOKEN_TEXT_HELP
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -45,8 +46,8 @@ for column, side in ((left, "chosen"), (right, "rejected")):
     column.code(side_text(tokens, side), language=None, wrap_lines=True)
 st.caption("The kept tokens of each side (the mask's True positions): what the sums run over.")
 st.dataframe(style_pair_table(tokens), hide_index=True, width="stretch", column_config={
-    "chosen_token_text": st.column_config.TextColumn("chosen token"),
-    "rejected_token_text": st.column_config.TextColumn("rejected token")})
+    "chosen_token_text": st.column_config.TextColumn("chosen token", help=TOKEN_TEXT_HELP),
+    "rejected_token_text": st.column_config.TextColumn("rejected token", help=TOKEN_TEXT_HELP)})
 st.plotly_chart(pair_logprobs_figure(tokens), width="stretch")
 st.caption("Grey: positions the side's mask drops (chosen_mask / rejected_mask = False).")
 

@@ -12,6 +12,7 @@ from app.components.health import (
     DISPLAY_ORDER, NO_PROBLEMS, filter_findings, opens_groups, per_check_counts, per_step_counts, severity_counts,
     style_findings, target_of, verdict)
 from app.components.sidebar import current_selection
+from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.checks import SEVERITIES, SKIPPED
 from tracer.views import GROUPED_ALGORITHMS
 
@@ -75,7 +76,7 @@ event = st.dataframe(
     style_findings(shown), hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
     key=f"health_findings_{digest}", column_order=[c for c in DISPLAY_ORDER if c in shown],
     column_config={
-        "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
+        "token_text": st.column_config.TextColumn("token text", help=TOKEN_TEXT_HELP),
         "message": st.column_config.TextColumn("message", width="large", help="the whole message is below the table"),
         "inner_step": st.column_config.NumberColumn("inner", width="small"),
         "rank": st.column_config.NumberColumn("rank", width="small"),

@@ -12,6 +12,7 @@ import streamlit as st
 from app.components import mismatch, token_jump, trace_cache
 from app.components.health import FindingTarget
 from app.components.sidebar import current_selection
+from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.views.mismatch import correction_settings
 
 _HANDLED_STATE = "_tracer_mismatch_handled"  # the worst-tokens selection already acted on
@@ -72,8 +73,7 @@ worst = mismatch.worst_tokens(frame)
 digest = hashlib.sha1(repr((trace_path, step_path)).encode()).hexdigest()[:12]
 event = st.dataframe(worst, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
                      key=f"mismatch_worst_{digest}", column_config={
-                         "token_text": st.column_config.TextColumn("token text", help="the token's string, shown "
-                                                                   "literally"),
+                         "token_text": st.column_config.TextColumn("token text", help=TOKEN_TEXT_HELP),
                          "log_diff": st.column_config.NumberColumn("trainer − sampler", format="%+.4f"),
                          "prob_diff": st.column_config.NumberColumn("|Δp|", format="%.4f"),
                          "cut": st.column_config.CheckboxColumn("cut by cap")})

@@ -7,7 +7,7 @@ from app.components import trace_cache
 from app.components.ppo import (
     early_stop_figure, early_stop_grid, gae_figure, gae_token_frame, style_minibatch_table)
 from app.components.sidebar import current_selection
-from app.components.token_table import section_text, style_token_table
+from app.components.token_table import TOKEN_TEXT_HELP, section_text, style_token_table
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -45,7 +45,7 @@ else:
                "returns = advantages + values, advantages (GAE with the run's gamma and lam). "
                "Grey bands: positions that do not enter the loss.")
     st.dataframe(style_token_table(gae_token_frame(table)), hide_index=True, width="stretch",
-                 column_config={"token_text": st.column_config.TextColumn("token text")})
+                 column_config={"token_text": st.column_config.TextColumn("token text", help=TOKEN_TEXT_HELP)})
 
 st.header(f"Epochs of step {step}: which ran before the early stop")
 minibatches = trace_cache.ppo_minibatch_table(trace_path, step, files)

@@ -7,6 +7,7 @@ import streamlit as st
 
 from app.components import trace_cache, urls
 from app.components.sidebar import current_selection, run_param
+from app.components.token_table import TOKEN_TEXT_HELP, visible_tokens
 from app.components.step_view import (
     ORDERS, filter_sort, heatmap_figure, histograms_figure, label, page_of, short_label)
 from tracer.views.common import hyperparameter
@@ -70,9 +71,9 @@ columns = ["open", "rank", "micro_batch", "sequence", "position", "token_text", 
            *[q for q in quantities if q != quantity and q in shown]]
 columns.insert(6, quantity)
 st.text(f"{len(rows)} tokens match; showing {len(shown)} ({order}, by {quantity})")
-st.dataframe(shown[columns], hide_index=True, width="stretch", height=420, key="step_table", column_config={
+st.dataframe(visible_tokens(shown[columns]), hide_index=True, width="stretch", height=420, key="step_table", column_config={
     "open": st.column_config.LinkColumn("open", display_text="open", help="this token's sequence on the Tokens page"),
-    "token_text": st.column_config.TextColumn("token text", help="the token's string, shown literally"),
+    "token_text": st.column_config.TextColumn("token text", help=TOKEN_TEXT_HELP),
     "micro_batch": st.column_config.NumberColumn("mb", width="small"),
     "rank": st.column_config.NumberColumn("rank", width="small"),
     "sequence": st.column_config.NumberColumn("seq", width="small"),

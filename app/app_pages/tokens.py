@@ -11,11 +11,9 @@ from app.components.sidebar import current_selection
 from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
     VALUE_COLUMNS, highlighted_rows, legend_frame, reason_counts, section_text, style_token_table,
-    token_display_frame)
+    TOKEN_TEXT_HELP, WHITESPACE_NOTE, token_display_frame)
 from tracer.reader import TOKEN_VALUE_FIELDS
 
-WHITESPACE_NOTE = ("a token made only of whitespace shows as ␣ (space), ⏎ (newline), ⇥ (tab), ␍ (carriage "
-                   "return) or · (other whitespace), an empty one as ∅; hover a coloured token for its real string")
 KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
               "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")
 
@@ -68,7 +66,8 @@ if "section" in table and (table["section"] == "prompt").any():
         st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
 st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
            "the table below lists them one by one. Struck through: after EOS; dotted: padding; hatched: "
-           f"masked for another reason. In the coloured text and the table, {WHITESPACE_NOTE}.")
+           f"masked for another reason. In the coloured text and the table, {WHITESPACE_NOTE}; hover a coloured "
+           "token for its real string.")
 if derived:
     st.caption(f"{', '.join(derived)}: derived by the reader from the recorded logprobs (tracer.formulas); "
                "the step file does not record them.")
@@ -90,7 +89,7 @@ highlight = target.token if target is not None else url_token
 hits = frame.index[highlighted_rows(frame, highlight)]
 config = {
     "token_text": st.column_config.TextColumn("token text",
-                                              help=f"the token's string, shown literally; {WHITESPACE_NOTE}"),
+                                              help=f"{TOKEN_TEXT_HELP}; hover a coloured token for its real string"),
     "mask_reason": st.column_config.TextColumn("mask_reason", help="why the position is (not) in the loss"),
     "section": st.column_config.TextColumn("section", width="small"),
     "position": st.column_config.NumberColumn("position", width="small"),

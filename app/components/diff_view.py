@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS
+from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS, visible_tokens
 from tracer.diff.report import StepId
 from tracer.reader import MASKED, TOKEN_VALUE_FIELDS, StepKey
 
@@ -116,12 +116,13 @@ def differing_names(table: pd.DataFrame) -> pd.Series:
 def side_by_side_frame(table: pd.DataFrame) -> pd.DataFrame:
     """The columns of ``token_diff_table`` worth showing: position, token text and mask reason of
     a and b, what differs, then ``<field>_a, <field>_b`` for each value field. The ``*_differs``
-    and ``kept_*`` flags are left out (:func:`style_side_by_side` shows them as colours)."""
+    and ``kept_*`` flags are left out (:func:`style_side_by_side` shows them as colours). Token
+    texts go through ``token_table.visible_tokens`` (a space token reads ``␣``)."""
     frame = table.assign(**{DIFFERS_COLUMN: differing_names(table)})
     columns = [c for c in LEAD_COLUMNS if c in frame]
     for name in value_fields(table):
         columns += [f"{name}_a", f"{name}_b"]
-    return frame[columns].reset_index(drop=True)
+    return visible_tokens(frame[columns].reset_index(drop=True))
 
 
 def _greyed(table: pd.DataFrame) -> pd.Series:

@@ -4,7 +4,6 @@ No Streamlit and no RL maths: the numbers come from ``tracer.views``."""
 
 from __future__ import annotations
 
-import html
 
 import numpy as np
 import pandas as pd
@@ -13,7 +12,7 @@ from pandas.io.formats.style import Styler
 from plotly.subplots import make_subplots
 
 from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
-from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR
+from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, hover_tokens, visible_tokens
 from tracer.reader import MASKED
 
 SIDES = ("chosen", "rejected")
@@ -32,7 +31,8 @@ def _kept(value: object) -> bool:
 
 def style_pair_table(frame: pd.DataFrame) -> Styler:
     """``views.dpo_pair_tokens`` with each side's cells greyed where that side's mask drops the
-    position (``chosen_kept`` / ``rejected_kept`` False); floats to 4 significant digits."""
+    position (``chosen_kept`` / ``rejected_kept`` False); floats to 4 significant digits; token
+    texts through ``token_table.visible_tokens`` (a space token reads ``␣``)."""
     def side_styles(col: pd.Series) -> list[str]:
         side = next((s for s in SIDES if col.name.startswith(f"{s}_")), None)
         if side is None or f"{side}_kept" not in frame:
@@ -40,7 +40,7 @@ def style_pair_table(frame: pd.DataFrame) -> Styler:
         return ["" if _kept(k) else MASKED_CELL for k in frame[f"{side}_kept"]]
 
     floats = [c for c in frame.columns if pd.api.types.is_float_dtype(frame[c])]
-    return frame.style.apply(side_styles, axis=0).format("{:.4g}", subset=floats, na_rep="")
+    return visible_tokens(frame).style.apply(side_styles, axis=0).format("{:.4g}", subset=floats, na_rep="")
 
 
 def side_text(pair_tokens: pd.DataFrame, side: str) -> str:
@@ -65,7 +65,7 @@ def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
                         subplot_titles=[f"{s} (nats)" for s in sides])
     positions = pair_tokens["position"].tolist()
     for i, side in enumerate(sides, start=1):
-        texts = [html.escape(str(t)) for t in pair_tokens.get(f"{side}_token_text", [""] * len(positions))]
+        texts = hover_tokens(pair_tokens.get(f"{side}_token_text", [""] * len(positions)))
         kept = pair_tokens[f"{side}_kept"].tolist() if f"{side}_kept" in pair_tokens else [True] * len(positions)
         for model, dash in (("policy", "solid"), ("ref", "dot")):
             col = f"{side}_{model}_logprobs"

@@ -6,12 +6,13 @@ No Streamlit here and no RL maths: the values come from ``tracer.reader`` as the
 
 from __future__ import annotations
 
-import html
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from app.components.token_table import hover_tokens
 
 # Panels of the per-token figure: (title, columns drawn in it).
 TOKEN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -73,7 +74,7 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         subplot_titles=[title for title, _ in panels])
     positions = rows["position"].tolist()
-    texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
+    texts = hover_tokens(rows.get("token_text", pd.Series([""] * len(rows))))
     reasons = rows.get("mask_reason", pd.Series([""] * len(rows))).tolist()
     # numpy arrays, not lists: plotly validates an array at once, a list element by element (8 lines
     # of 256 points: ~4x faster to build)

@@ -33,7 +33,8 @@ def style_group_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
 
 def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     """The completions of one group side by side: reward bars with the group mean (dashed) and
-    ± one std band, and the recorded advantage of each completion as a marker on a second axis.
+    ± one std band, and the recorded advantage of each completion as a marker on a second axis
+    (round ticks of its own, no grid).
 
     Args:
         completions: ``views.group_completions`` (``sequence, reward, advantage, group_mean, group_std``).
@@ -51,8 +52,11 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     fig.add_hline(y=mean, line_dash="dash", line_color="#444", annotation_text=f"group mean {mean:.4g}")
     if std == std and std > 0:  # not NaN
         fig.add_hrect(y0=mean - std, y1=mean + std, fillcolor="rgba(68, 68, 68, 0.1)", line_width=0)
+    # The advantage axis picks its own round ticks (plotly.js would otherwise sync them to the reward
+    # axis's grid: 0.904, 0.002, -0.9...) and draws no grid of its own (one grid: the reward's).
     fig.update_layout(height=340, margin={"t": 60, "b": 40}, yaxis_title="reward",
-                      yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True},
+                      yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True,
+                              "tickmode": "auto", "nticks": 8, "showgrid": False},
                       legend=TOP_LEGEND)
     return fig
 

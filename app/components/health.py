@@ -13,6 +13,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from app.components.token_table import visible_tokens
 from tracer.checks import CHECKS, ERROR, SEVERITIES, WARNING, Finding
 
 LOCATION_COLUMNS = ("step", "inner_step", "micro_batch", "rank", "sequence", "token", "token_id")
@@ -131,12 +132,13 @@ def opens_groups(frame: pd.DataFrame, row: int, grouped: bool) -> bool:
 
 def style_findings(frame: pd.DataFrame):
     """Rows coloured by severity (errors red, warnings amber); info and skipped stay white. Past
-    :data:`MAX_STYLED_ROWS` rows the frame is returned unstyled (the severity column says it all)."""
+    :data:`MAX_STYLED_ROWS` rows the frame is returned unstyled (the severity column says it all).
+    ``token_text`` goes through ``token_table.visible_tokens`` (a space token reads ``␣``)."""
     if len(frame) > MAX_STYLED_ROWS:
-        return frame
+        return visible_tokens(frame)
 
     def row_style(row: pd.Series) -> list[str]:
         colour = SEVERITY_BACKGROUND.get(str(row["severity"]))
         return [f"background-color: {colour}" if colour else ""] * len(row)
 
-    return frame.style.apply(row_style, axis=1)
+    return visible_tokens(frame).style.apply(row_style, axis=1)

@@ -4,13 +4,13 @@ figure builders. No RL maths here: the values come from the views as recorded (o
 
 from __future__ import annotations
 
-import html
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
 from app.components.figures import empty_figure
+from app.components.token_table import hover_tokens, visible_tokens
 from tracer.views import mismatch as views
 
 WORST_COLUMNS = ("sequence", "token", "token_text", "trainer_logprob", "sampler_logprob", "log_diff", "prob_diff",
@@ -40,11 +40,12 @@ def steps(trace_path: str, step_files: tuple[str, ...]) -> pd.DataFrame:
 
 
 def worst_tokens(frame: pd.DataFrame, n: int = 20) -> pd.DataFrame:
-    """The ``n`` kept tokens with the largest ``|trainer - sampler|``, largest first."""
+    """The ``n`` kept tokens with the largest ``|trainer - sampler|``, largest first; ``token_text``
+    through ``token_table.visible_tokens`` (a space token reads ``␣``)."""
     if frame.empty:
         return frame.reindex(columns=list(WORST_COLUMNS))
     worst = frame.sort_values("abs_log_diff", ascending=False, kind="stable").head(n)
-    return worst[[c for c in WORST_COLUMNS if c in worst]].reset_index(drop=True)
+    return visible_tokens(worst[[c for c in WORST_COLUMNS if c in worst]].reset_index(drop=True))
 
 
 def histogram_figure(values: pd.Series, title: str, x_title: str) -> go.Figure:
@@ -71,7 +72,7 @@ def scatter_figure(frame: pd.DataFrame, x: str, x_title: str, title: str) -> go.
         part = rows[rows["cut"] == cut]
         if part.empty:
             continue
-        custom = list(zip(part["sequence"], part["token"], [html.escape(str(t)) for t in part["token_text"]]))
+        custom = list(zip(part["sequence"], part["token"], hover_tokens(part["token_text"])))
         fig.add_trace(go.Scatter(
             x=part[x].tolist(), y=part["log_diff"].tolist(), mode="markers", name=name,
             marker={"size": 6, "color": colour, "opacity": 0.7}, customdata=custom,

@@ -4,7 +4,6 @@ one step (which ran, which stopped early). No Streamlit, no RL maths: the values
 
 from __future__ import annotations
 
-import html
 import math
 
 import pandas as pd
@@ -13,6 +12,7 @@ from plotly.subplots import make_subplots
 from pandas.io.formats.style import Styler
 
 from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
+from app.components.token_table import hover_tokens, visible_tokens
 from tracer.views import EARLY_STOP, NO_FILE, NOT_RUN, RAN
 
 # Per-token columns of the GAE picture, in reading order.
@@ -27,10 +27,11 @@ def _completion_rows(table: pd.DataFrame) -> pd.DataFrame:
 
 def gae_token_frame(table: pd.DataFrame) -> pd.DataFrame:
     """The completion rows of ``Trace.token_table(key, sequence)`` with the columns of the GAE
-    picture: ``position, token_text, mask_reason`` and those of :data:`GAE_COLUMNS` present."""
+    picture: ``position, token_text, mask_reason`` and those of :data:`GAE_COLUMNS` present;
+    ``token_text`` through ``token_table.visible_tokens`` (a space token reads ``␣``)."""
     rows = _completion_rows(table)
     columns = [c for c in ("position", "token_text", "mask_reason") + GAE_COLUMNS if c in rows]
-    return rows[columns].reset_index(drop=True)
+    return visible_tokens(rows[columns].reset_index(drop=True))
 
 
 def gae_figure(table: pd.DataFrame) -> go.Figure:
@@ -52,7 +53,7 @@ def gae_figure(table: pd.DataFrame) -> go.Figure:
                         subplot_titles=["reward and value: where the reward lands",
                                         "advantage (GAE): how it flows back"])
     positions = rows["position"].tolist()
-    texts = [html.escape(str(t)) for t in rows.get("token_text", pd.Series([""] * len(rows)))]
+    texts = hover_tokens(rows.get("token_text", pd.Series([""] * len(rows))))
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(positions)
     for col in present:  # masked positions are gaps: their values are not in the loss, nor in the axis range
         values = [v if k else None for v, k in zip(rows[col].tolist(), kept)]

@@ -3,10 +3,14 @@ look, and the prompt / completion as plain text. Pure pandas, no Streamlit: test
 
 Token text is always shown literally (a token ``<b>`` is the four characters ``<b>``): tables go
 through ``st.dataframe``, text through ``st.code``; nothing here produces HTML or Markdown. Only a
-token made of whitespace alone, invisible otherwise, is drawn as markers (:func:`visible_token`).
+token made of whitespace alone, invisible otherwise, is drawn as markers (:func:`visible_token`),
+on every page that shows token text (tables through :func:`visible_tokens`, Plotly hovers through
+:func:`hover_tokens`); the plain-text views (:func:`section_text`) keep the real string.
 """
 
 from __future__ import annotations
+
+import html
 
 import pandas as pd
 from pandas.io.formats.style import Styler
@@ -48,6 +52,10 @@ FILLER_REASONS = (PROMPT_PADDING, AFTER_EOS, PADDING)
 WHITESPACE_MARKERS: dict[str, str] = {" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"}
 OTHER_WHITESPACE_MARKER = "·"  # another whitespace character (no-break space, ideographic space...)
 EMPTY_TOKEN_MARKER = "∅"  # a token that decodes to the empty string
+# The help of every "token text" column (each page's table shows token text through visible_tokens).
+WHITESPACE_NOTE = ("a token made only of whitespace shows as ␣ (space), ⏎ (newline), ⇥ (tab), ␍ (carriage "
+                   "return) or · (other whitespace), an empty one as ∅")
+TOKEN_TEXT_HELP = f"the token's string, shown literally; {WHITESPACE_NOTE}"
 
 
 def visible_token(text: object) -> object:
@@ -62,6 +70,28 @@ def visible_token(text: object) -> object:
     if not text.isspace():
         return text
     return "".join(WHITESPACE_MARKERS.get(ch, OTHER_WHITESPACE_MARKER) for ch in text)
+
+
+def is_token_text_column(name: object) -> bool:
+    """True for a column of token strings: ``token_text``, ``chosen_token_text``, ``token_text_a``..."""
+    return isinstance(name, str) and (name == "token_text" or name.endswith("_token_text")
+                                      or name.startswith("token_text_"))
+
+
+def visible_tokens(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` as the token tables show it: every token text column (:func:`is_token_text_column`)
+    through :func:`visible_token`, so a space or newline token reads ``␣`` / ``⏎``. Returns a copy
+    (``frame`` itself when it has no such column); the other columns are untouched."""
+    columns = [c for c in frame.columns if is_token_text_column(c)]
+    if not columns:
+        return frame
+    return frame.assign(**{c: frame[c].map(visible_token) for c in columns})
+
+
+def hover_tokens(texts) -> list[str]:
+    """Token strings for a Plotly hover: :func:`visible_token`, then HTML-escaped (Plotly renders
+    hover text as HTML, so ``<b>`` must arrive as ``&lt;b&gt;``)."""
+    return [html.escape(str(visible_token(t))) for t in texts]
 
 
 def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.DataFrame:
@@ -79,10 +109,7 @@ def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.
     values = [c for c in VALUE_COLUMNS if c in table]
     values += [c for c in TOKEN_VALUE_FIELDS if c in table and c not in values]
     columns = [c for c in LEAD_COLUMNS if c in table] + values
-    frame = table[columns].reset_index(drop=True)
-    if "token_text" in frame:  # a whitespace-only token shows its marker (:func:`visible_token`)
-        frame["token_text"] = frame["token_text"].map(visible_token)
-    return frame
+    return visible_tokens(table[columns].reset_index(drop=True))  # a whitespace-only token shows its marker
 
 
 def _row_style(reason: str) -> str:
