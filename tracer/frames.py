@@ -110,9 +110,67 @@ def expressions(key: str, name_map: NameMap) -> tuple[Expression, ...]:
     return name_map.fields.get(key, ())
 
 
+_READABLE = {torch.Tensor: True, torch.nn.Parameter: True}  # tensor class -> whether it runs no code of its own
+NESTED = ("a nested tensor (torch.nested): its rows have different lengths and no [B, T] shape; pad it "
+          "(`x.to_padded_tensor(0.0)`) or map the padded tensor the loop also holds")
+
+
+def _readable_class(cls: type) -> bool:
+    """True for ``torch.Tensor`` and the subclasses that run no code of their own in torch's functions
+    (``nn.Parameter``, ``nn.Buffer``, a subclass defining no ``__torch_function__`` or
+    ``__torch_dispatch__``): reading their shape or copying them is reading a tensor (remembered per class)."""
+    known = _READABLE.get(cls)
+    if known is None:
+        function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        known = (function is torch.Tensor.__torch_function__.__func__
+                 or function is torch._C._disabled_torch_function_impl) and (
+                     cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+        if len(_READABLE) < 256:
+            _READABLE[cls] = known
+    return known
+
+
+def unusable(value: torch.Tensor) -> str | None:
+    """Why no field can take the tensor ``value`` (the text of its rejection), or None when it is a dense
+    tensor with values: a nested tensor, a sparse / mkldnn (non-strided) one, one on the ``meta`` device
+    (no values), a quantized one, and a tensor subclass with its own ``__torch_function__`` /
+    ``__torch_dispatch__`` (its operations run its own code: a DTensor, a jagged nested tensor, an
+    uninitialized parameter) are refused here, before the schema check, whose operations they break.
+    Reads no attribute of such a subclass; never raises."""
+    cls = type(value)
+    if not _readable_class(cls):
+        if cls.__module__.startswith("torch.nested"):
+            return NESTED
+        return (f"a tensor subclass ({cls.__module__}.{cls.__qualname__}) with its own __torch_function__ or "
+                "__torch_dispatch__; tracer records plain tensors: map a variable holding "
+                "`x.as_subclass(torch.Tensor)` (or the local tensor of a DTensor, `x.to_local()`)")
+    try:
+        if value.is_nested:
+            return NESTED
+        if value.layout is not torch.strided:
+            return f"a {value.layout} tensor; tracer records dense tensors: map a variable holding `x.to_dense()`"
+        if value.is_meta:
+            return "a tensor on the meta device, which holds no values"
+        if value.is_quantized:
+            return f"a quantized tensor ({value.dtype}); map a variable holding `x.dequantize()`"
+        value.shape  # noqa: B018  (a tensor whose shape cannot be read is no field)
+    except Exception as err:  # noqa: BLE001  (whatever reading it raises, it is no field; tracing goes on)
+        return f"a tensor that cannot be read ({type(err).__name__}: {err})"
+    return None
+
+
 def tensor_signature(value: Any) -> tuple | None:
-    """What the field rules read of a value: ``(shape, dtype, device)`` of a tensor, None otherwise."""
-    return (value.shape, value.dtype, value.device) if isinstance(value, torch.Tensor) else None
+    """What the field rules read of a value: ``(shape, dtype, device, layout)`` of a tensor a field can
+    take, ``(class, why)`` of one none can (:func:`unusable`), None for what is no tensor. Never raises."""
+    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case: four reads
+        try:
+            return value.shape, value.dtype, value.device, value.layout
+        except Exception:  # noqa: BLE001  (a nested tensor of strided layout has no shape)
+            return torch.Tensor, unusable(value)
+    if not isinstance(value, torch.Tensor):
+        return None
+    why = unusable(value)
+    return (type(value), why) if why is not None else (value.shape, value.dtype, value.device, value.layout)
 
 
 def value_checked(produced: Mapping[str, torch.Tensor]) -> bool:
@@ -159,6 +217,8 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         probe = None if probes is None else Probe(key, expr, tensor_signature(value))
         if probe is not None:
             probes.append(probe)
+        if isinstance(value, torch.Tensor) and _refused(value, key, expr, capture, probe):
+            continue  # a nested, sparse, meta... tensor: refused before any operation on it
         produced = candidate(key, value)
         if produced is None:
             continue
@@ -175,9 +235,7 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         try:
             _check(produced, check_algo, sizes, capture.checks)
         except SchemaError as err:
-            capture.rejected[(key, expr.text)] = str(err)
-            if probe is not None:
-                probe.outcome, probe.message = "rejected", str(err)
+            _reject(capture, probe, key, expr, str(err))
             continue
         capture.sizes = sizes
         picked.update(produced)
@@ -187,6 +245,29 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         if probe is not None:
             probe.outcome = "picked"
         return
+
+
+def _refused(value: torch.Tensor, key: str, expr: Expression, capture: FrameCapture, probe: Probe | None) -> bool:
+    """True when no field can take ``value`` (:func:`unusable`); rejected, with the reason, unless the
+    fields it would give were all read already (a DPO stacked candidate)."""
+    why = unusable(value)
+    if why is None:
+        return False
+    if key.startswith("stacked:"):
+        sides = (f"chosen_{key[8:]}", f"rejected_{key[8:]}")
+        if all(side in capture.fields for side in sides):
+            return True
+        what = f"fields {sides[0]!r} and {sides[1]!r} (stacked)"
+    else:
+        what = f"field {key!r}"
+    _reject(capture, probe, key, expr, f"{what}: expected a dense tensor with values, got {why}")
+    return True
+
+
+def _reject(capture: FrameCapture, probe: Probe | None, key: str, expr: Expression, message: str) -> None:
+    capture.rejected[(key, expr.text)] = message
+    if probe is not None:
+        probe.outcome, probe.message = "rejected", message
 
 
 def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: FrameCapture) -> None:
@@ -278,4 +359,15 @@ def finish_capture(capture: FrameCapture, frame: FrameType, name_map: NameMap,
 
 def tensor_variables(frame: FrameType) -> list[str]:
     """``name [shape]`` of the tensors among the frame's locals (for the 'nothing matched' message)."""
-    return [f"{k} {list(v.shape)}" for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)][:30]
+    return [f"{k} {list(shape_of(v))}" for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)][:30]
+
+
+def shape_of(tensor: torch.Tensor) -> torch.Size | tuple[str]:
+    """``tensor.shape``, or ``("?: " + why,)`` for a tensor without one to show (:func:`unusable`: a nested
+    tensor, a subclass running its own code, whose shape is not read). Never raises."""
+    if _readable_class(type(tensor)):
+        try:
+            return tensor.shape
+        except Exception:  # noqa: BLE001  (a nested tensor of strided layout)
+            pass
+    return (f"?: {unusable(tensor)}",)

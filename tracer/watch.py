@@ -79,37 +79,53 @@ _installed: dict[str, Any] = {}  # the original backward functions while a Watch
 
 
 class StepClock:
-    """Turns the indices found in the frame into unique ``(step, inner_step, micro_batch)`` keys.
+    """Turns the indices found in the frame into ``(step, inner_step, micro_batch)`` keys, in the order of
+    the backwards: step numbers never decrease and no key is given twice, however backwards numbered by
+    the frame's ``step`` and by the clock's own count mix (a ``step`` variable that appears after some
+    backwards, two call sites of which one sees a ``step``).
 
-    * ``step``: the frame's step; when it goes back (a counter that restarts each data epoch) an
-      offset keeps the trace's steps increasing. Without one: a new step whenever the frame's
-      ``(inner_step, micro_batch)`` does not advance (every backward when neither is found).
-    * ``inner_step``: the frame's, else 0. ``micro_batch``: the frame's, else 0, 1, ... within each
-      ``(step, inner_step)``; a key already used moves to the next free micro-batch.
+    * ``step``, found: the frame's plus ``offset``. A step below the last one given (a counter that
+      restarts each data epoch), or equal to a step the clock numbered itself, raises ``offset`` so the
+      step is the last one + 1 (the watcher keeps the frame's value in metadata ``source_step``).
+    * ``step``, not found: the last step given, when the frame's inner step (and micro-batch, when
+      found) comes after the last key's in that step; otherwise the last step + 1 (the first: 0), a
+      step numbered by the clock. Neither found: every such backward is a new step.
+    * ``inner_step``: the frame's, else 0. ``micro_batch``: the frame's, else the last key's + 1 when
+      the step and inner step are the last key's, else 0; a key already given moves to the next free
+      micro-batch of its ``(step, inner_step)``.
+
+    Only the keys of the current step are remembered (earlier steps cannot come back).
     """
 
     def __init__(self) -> None:
         self.offset = 0
-        self._auto_step = -1
         self._last: tuple[int, int, int] | None = None
-        self._last_order: tuple[int, ...] = ()
-        self._seen: set[tuple[int, int, int]] = set()
+        self._counted = False  # the last key's step was numbered by the clock (no `step` found)
+        self._seen: set[tuple[int, int, int]] = set()  # keys given in the last key's step
 
     def key(self, indices: Mapping[str, int]) -> tuple[int, int, int]:
         step, inner, mb = indices.get("step"), indices.get("inner_step"), indices.get("micro_batch")
+        last, found_inner = self._last, inner is not None
+        inner = 0 if inner is None else inner
         if step is None:
-            order = tuple(v for v in (inner, mb) if v is not None)
-            if self._last is None or not order or order <= self._last_order:
-                self._auto_step += 1
-            self._last_order, step = order, self._auto_step
+            if last is None:
+                step, self._counted = 0, True
+            elif (found_inner or mb is not None) and (
+                    (inner, mb) > last[1:] if mb is not None else inner > last[1]):
+                step = last[0]  # the next inner step / micro-batch of the last step
+            else:
+                step, self._counted = last[0] + 1, True
         else:
             step += self.offset
-            if self._last is not None and step < self._last[0]:
-                self.offset += self._last[0] + 1 - step
-                step = self._last[0] + 1
-        inner = 0 if inner is None else inner
+            low = 0 if last is None else last[0] + (1 if self._counted or step < last[0] else 0)
+            if step < low:
+                self.offset += low - step
+                step = low
+            self._counted = False
+        if last is not None and step != last[0]:
+            self._seen.clear()
         if mb is None:
-            mb = self._last[2] + 1 if self._last is not None and self._last[:2] == (step, inner) else 0
+            mb = last[2] + 1 if last is not None and last[:2] == (step, inner) else 0
         while (step, inner, mb) in self._seen:
             mb += 1
         self._last = (step, inner, mb)
@@ -329,7 +345,7 @@ class Watcher:
         if capture.anchor is None:
             self.unmatched_calls += 1
             code, local = frame.f_code, capture.scopes[0]
-            shapes = [(k, v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
+            shapes = [(k, frames.shape_of(v)) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
             self._last_unmatched = (code.co_filename, frame.f_lineno, code.co_name, shapes)  # text made when asked
             return capture.scopes[0]
         base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
