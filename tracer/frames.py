@@ -8,7 +8,9 @@ Rules (documented in README "Zero-edit"):
   finds a module-level ``args``). Indices (step, epoch, inner step, micro-batch) are read from the
   calling frame, then from up to ``INDEX_DEPTH`` callers.
 * For each field the map's candidates are tried in order; the first that is a tensor of the field's
-  rank and agrees with the fields already read (the schema's B, T, L, F) wins. The policy logprobs
+  rank and agrees with the fields already read (the schema's B, T, L, F) wins. A tensor no field can
+  take (:func:`unusable`: nested, sparse, meta, quantized, a subclass running its own code) is
+  rejected like any other candidate that does not fit, before any operation on it. The policy logprobs
   are read first: without them the frame holds nothing to trace.
 * Fields the loop lacks are computed only when the map's ``derive`` lists them, with
   :mod:`tracer.formulas`, from fields that were read.
@@ -28,9 +30,9 @@ import torch
 
 from tracer import formulas
 from tracer.errors import SchemaError
-from tracer.frame_lookup import (INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS, calling_frame,  # noqa: F401  (re-exported)
-                                 is_library_frame, read_indices, read_metadata, read_objects, resolve, resolve_in,
-                                 scopes_of)
+from tracer.frame_lookup import (_MISSING, INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS,  # noqa: F401  (re-exported)
+                                 calling_frame, is_library_frame, read_indices, read_metadata, read_objects,
+                                 resolve, resolve_in, scopes_of)
 from tracer.name_maps import STACKED_STEMS, Expression, NameMap
 from tracer.schema import BOOL, FIELDS, check_tensors
 
@@ -159,15 +161,18 @@ def unusable(value: torch.Tensor) -> str | None:
     return None
 
 
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def tensor_signature(value: Any) -> tuple | None:
     """What the field rules read of a value: ``(shape, dtype, device, layout)`` of a tensor a field can
     take, ``(class, why)`` of one none can (:func:`unusable`), None for what is no tensor. Never raises."""
-    if type(value) is torch.Tensor or type(value) is torch.nn.Parameter:  # the common case: four reads
+    if type(value) in _PLAIN_TENSORS:  # the common case: four reads
         try:
             return value.shape, value.dtype, value.device, value.layout
         except Exception:  # noqa: BLE001  (a nested tensor of strided layout has no shape)
             return torch.Tensor, unusable(value)
-    if not isinstance(value, torch.Tensor):
+    if value is _MISSING or not isinstance(value, torch.Tensor):  # most candidates name no variable
         return None
     why = unusable(value)
     return (type(value), why) if why is not None else (value.shape, value.dtype, value.device, value.layout)
