@@ -159,6 +159,30 @@ def test_a_tensor_subclass_running_no_code_of_its_own_is_recorded(tmp_path):
     assert torch.allclose(step["ratio"], torch.full((2, 3), math.exp(0.5)))  # derived from the subclass
 
 
+def test_logprobs_kept_in_float8_are_recorded_and_derive_in_float32(tmp_path):
+    """Old and reference logprobs a loop keeps in float8 (to save memory) pass the schema (float), but torch
+    promotes no float8 dtype with float32: deriving the ratio and the KLs raised (every step failed)."""
+    def loop():
+        weight = torch.nn.Parameter(torch.zeros(2, 3, 5))
+        for _ in range(2):
+            per_token_logps = weight.log_softmax(-1)[..., 0]  # log(1/5) everywhere, float32
+            old_per_token_logps = (per_token_logps.detach() - 0.5).to(torch.float8_e4m3fn)
+            ref_per_token_logps = (per_token_logps.detach() + 0.25).to(torch.float8_e5m2)
+            per_token_logps.sum().backward()
+
+    planned = _assert_same_runs(lambda w: _in(w, loop), tmp_path, algo="grpo")
+    assert (planned.steps_recorded, planned.failures) == (2, 0)
+    trace = Trace(tmp_path / "planned")
+    step = trace.load_step(trace.steps()[1])
+    policy = torch.full((2, 3), -math.log(5))
+    old = (policy - 0.5).to(torch.float8_e4m3fn).float()  # the values the loop holds, rounded to float8
+    ref = (policy + 0.25).to(torch.float8_e5m2).float()
+    assert torch.equal(step["old_logprobs"], old) and torch.equal(step["ref_logprobs"], ref)
+    assert torch.allclose(step["ratio"], torch.exp(policy - old))
+    assert torch.allclose(step["approx_kl_k2"], 0.5 * (policy - old) ** 2)
+    assert torch.allclose(step["ref_kl_k3"], torch.exp(ref - policy) - (ref - policy) - 1)
+
+
 def test_a_frame_without_policy_logprobs_names_its_tensors_even_a_nested_one(tmp_path):
     """The 'nothing traced' message lists the frame's tensors with their shapes: a nested tensor has none
     (before: reading it raised, and the backward counted as a failed capture)."""

@@ -303,22 +303,29 @@ _PAIRS = {"ratio": ("old_logprobs", formulas.ratio), "approx_kl_k2": ("old_logpr
 
 def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> None:
     """Compute the map's ``derive`` fields the frame lacked, from fields that were read."""
-    d = capture.fields  # read only; inputs are detached where used
+    d = capture.fields  # read only; inputs are detached (float8 made float32) where used
     new: dict[str, torch.Tensor] = {}
     wanted = name_map.derive
     for name, (other, fn) in _PAIRS.items():
         if name in wanted and name not in d and "policy_logprobs" in d and other in d:
-            new[name] = fn(d["policy_logprobs"].detach(), d[other].detach())
+            new[name] = fn(_for_maths(d["policy_logprobs"]), _for_maths(d[other]))
     G = capture.metadata.get("num_generations")
     if ("group_ids" in wanted and "group_ids" not in d and algorithm in GROUPED and "row_ids" not in d
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
         new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
     if "dpo_terms" in wanted and algorithm == "dpo":
-        new.update(_dpo_terms({k: v.detach() for k, v in d.items()}, capture.metadata.get("beta")))
+        new.update(_dpo_terms({k: _for_maths(v) for k, v in d.items()}, capture.metadata.get("beta")))
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
         capture.owned.add(name)
+
+
+def _for_maths(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
+    logprobs kept in float8 made every derivation raise, and the step fail)."""
+    tensor = tensor.detach()
+    return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor
 
 
 def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]:
