@@ -14,7 +14,8 @@ class StepClock:
 
     * ``step``, found: the frame's plus ``offset``. A step below the last one given (a counter that
       restarts each data epoch), or equal to a step the clock numbered itself, raises ``offset`` so the
-      step is the last one + 1 (the watcher keeps the frame's value in metadata ``source_step``).
+      step is the last one + 1 (the watcher keeps the frame's value in metadata ``source_step``); a
+      negative first step is raised to 0.
     * ``step``, not found: the last step given, when the frame's inner step (and micro-batch, when
       found) comes after the last key's in that step; otherwise the last step + 1 (the first: 0), a
       step numbered by the clock. Neither found: every such backward is a new step.
