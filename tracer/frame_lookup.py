@@ -102,9 +102,14 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
 
 
 def row_index(index: Any) -> bool:
-    """True for what ``name[index]`` reads rows by: a 1-d tensor of integers."""
-    return (isinstance(index, torch.Tensor) and index.dim() == 1 and index.dtype != torch.bool
-            and not index.is_floating_point())
+    """True for what ``name[index]`` reads rows by: a 1-d tensor of integers (never raises: a tensor that
+    cannot be read, a nested one, is none)."""
+    if not isinstance(index, torch.Tensor):
+        return False
+    try:
+        return index.dim() == 1 and index.dtype != torch.bool and not index.is_floating_point()
+    except Exception:  # noqa: BLE001  (a nested tensor, a subclass that refuses: no row index)
+        return False
 
 
 def take_rows(value: Any, index: torch.Tensor) -> Any:
@@ -114,7 +119,7 @@ def take_rows(value: Any, index: torch.Tensor) -> Any:
         return _MISSING
     try:
         return value[index if index.device == value.device else index.to(value.device)]
-    except (IndexError, RuntimeError):
+    except Exception:  # noqa: BLE001  (rows that are not there, a 0-d, nested or sparse value: no rows)
         return _MISSING
 
 
@@ -125,7 +130,7 @@ def _as_int(value: Any) -> int | None:
         return None
     try:
         return operator.index(value)
-    except TypeError:
+    except Exception:  # noqa: BLE001  (no integer: a float, a meta or nested tensor, an object that refuses)
         return None
 
 
@@ -192,7 +197,9 @@ def _index_heads(indices: Mapping[str, tuple[Expression, ...]]) -> frozenset[str
 
 def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, int]:
     """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers
-    (their variables are read only when a key is not found nearer); ``scopes``: the frame's own."""
+    (their variables are read only when a key is not found nearer); ``scopes``: the frame's own.
+    The callers' ``f_locals`` snapshots taken are released before returning (:func:`release_locals`):
+    the ints read are all a capture keeps of them."""
     out: dict[str, int] = {}
     if not name_map.indices:
         return out
@@ -200,6 +207,7 @@ def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, 
     callers = _user_frames(frame, INDEX_DEPTH)
     next(callers)
     levels = [scopes or scopes_of(frame)]
+    taken: list[FrameType] = []  # the callers whose f_locals snapshot was taken, by level
     for key, exprs in name_map.indices.items():
         level = 0
         while key not in out:
@@ -208,6 +216,7 @@ def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, 
                 if caller is None:
                     break
                 levels.append(_caller_scopes(caller, heads))
+                taken.append(caller)
             local, global_ = levels[level]
             for expr in exprs:
                 found = _as_int(resolve_in(expr, local, global_))
@@ -215,7 +224,20 @@ def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, 
                     out[key] = found
                     break
             level += 1
+    if taken:
+        local = global_ = None
+        _release_callers(taken, levels)
     return out
+
+
+def _release_callers(callers: list[FrameType], levels: list[tuple]) -> None:
+    """:func:`release_locals` of each of ``callers``' snapshots (``levels[1:]``, emptied here so that the
+    snapshot's only reference left is the one release_locals counts as the caller's variable)."""
+    while len(levels) > 1:
+        caller, local = callers.pop(), levels.pop()[0]
+        if caller.f_code.co_flags & _CO_OPTIMIZED and local:  # ({}, globals): no snapshot was taken
+            release_locals(caller, local)
+        del caller, local
 
 
 _PLAIN_TYPES = frozenset({bool, int, float, str})
@@ -226,13 +248,16 @@ def _plain(value: Any) -> Any:
     if value is _MISSING or type(value) in _PLAIN_TYPES:
         return value
     if isinstance(value, torch.Tensor):
-        value = value.item() if value.numel() == 1 else _MISSING
+        try:
+            value = value.item() if value.numel() == 1 else _MISSING
+        except Exception:  # noqa: BLE001  (a meta, nested or sparse tensor has no value to read)
+            return _MISSING
     if isinstance(value, (bool, int, float, str)):
         return value
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         try:
             return _plain(value.item())
-        except (TypeError, ValueError):
+        except Exception:  # noqa: BLE001
             return _MISSING
     return _MISSING
 

@@ -8,7 +8,9 @@ Rules (documented in README "Zero-edit"):
   finds a module-level ``args``). Indices (step, epoch, inner step, micro-batch) are read from the
   calling frame, then from up to ``INDEX_DEPTH`` callers.
 * For each field the map's candidates are tried in order; the first that is a tensor of the field's
-  rank and agrees with the fields already read (the schema's B, T, L, F) wins. The policy logprobs
+  rank and agrees with the fields already read (the schema's B, T, L, F) wins. A tensor no field can
+  take (:func:`unusable`: nested, sparse, meta, quantized, a subclass running its own code) is
+  rejected like any other candidate that does not fit, before any operation on it. The policy logprobs
   are read first: without them the frame holds nothing to trace.
 * Fields the loop lacks are computed only when the map's ``derive`` lists them, with
   :mod:`tracer.formulas`, from fields that were read.
@@ -28,9 +30,9 @@ import torch
 
 from tracer import formulas
 from tracer.errors import SchemaError
-from tracer.frame_lookup import (INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS, calling_frame,  # noqa: F401  (re-exported)
-                                 is_library_frame, read_indices, read_metadata, read_objects, resolve, resolve_in,
-                                 scopes_of)
+from tracer.frame_lookup import (_MISSING, INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS,  # noqa: F401  (re-exported)
+                                 calling_frame, is_library_frame, read_indices, read_metadata, read_objects,
+                                 resolve, resolve_in, scopes_of)
 from tracer.name_maps import STACKED_STEMS, Expression, NameMap
 from tracer.schema import BOOL, FIELDS, check_tensors
 
@@ -111,9 +113,70 @@ def expressions(key: str, name_map: NameMap) -> tuple[Expression, ...]:
     return name_map.fields.get(key, ())
 
 
+_READABLE = {torch.Tensor: True, torch.nn.Parameter: True}  # tensor class -> whether it runs no code of its own
+NESTED = ("a nested tensor (torch.nested): its rows have different lengths and no [B, T] shape; pad it "
+          "(`x.to_padded_tensor(0.0)`) or map the padded tensor the loop also holds")
+
+
+def _readable_class(cls: type) -> bool:
+    """True for ``torch.Tensor`` and the subclasses that run no code of their own in torch's functions
+    (``nn.Parameter``, ``nn.Buffer``, a subclass defining no ``__torch_function__`` or
+    ``__torch_dispatch__``): reading their shape or copying them is reading a tensor (remembered per class)."""
+    known = _READABLE.get(cls)
+    if known is None:
+        function = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        known = (function is torch.Tensor.__torch_function__.__func__
+                 or function is torch._C._disabled_torch_function_impl) and (
+                     cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+        if len(_READABLE) < 256:
+            _READABLE[cls] = known
+    return known
+
+
+def unusable(value: torch.Tensor) -> str | None:
+    """Why no field can take the tensor ``value`` (the text of its rejection), or None when it is a dense
+    tensor with values: a nested tensor, a sparse / mkldnn (non-strided) one, one on the ``meta`` device
+    (no values), a quantized one, and a tensor subclass with its own ``__torch_function__`` /
+    ``__torch_dispatch__`` (its operations run its own code: a DTensor, a jagged nested tensor, an
+    uninitialized parameter) are refused here, before the schema check, whose operations they break.
+    Reads no attribute of such a subclass; never raises."""
+    cls = type(value)
+    if not _readable_class(cls):
+        if cls.__module__.startswith("torch.nested"):
+            return NESTED
+        return (f"a tensor subclass ({cls.__module__}.{cls.__qualname__}) with its own __torch_function__ or "
+                "__torch_dispatch__; tracer records plain tensors: map a variable holding "
+                "`x.as_subclass(torch.Tensor)` (or the local tensor of a DTensor, `x.to_local()`)")
+    try:
+        if value.is_nested:
+            return NESTED
+        if value.layout is not torch.strided:
+            return f"a {value.layout} tensor; tracer records dense tensors: map a variable holding `x.to_dense()`"
+        if value.is_meta:
+            return "a tensor on the meta device, which holds no values"
+        if value.is_quantized:
+            return f"a quantized tensor ({value.dtype}); map a variable holding `x.dequantize()`"
+        value.shape  # noqa: B018  (a tensor whose shape cannot be read is no field)
+    except Exception as err:  # noqa: BLE001  (whatever reading it raises, it is no field; tracing goes on)
+        return f"a tensor that cannot be read ({type(err).__name__}: {err})"
+    return None
+
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def tensor_signature(value: Any) -> tuple | None:
-    """What the field rules read of a value: ``(shape, dtype, device)`` of a tensor, None otherwise."""
-    return (value.shape, value.dtype, value.device) if isinstance(value, torch.Tensor) else None
+    """What the field rules read of a value: ``(shape, dtype, device, layout)`` of a tensor a field can
+    take, ``(class, why)`` of one none can (:func:`unusable`), None for what is no tensor. Never raises."""
+    if type(value) in _PLAIN_TENSORS:  # the common case: four reads
+        try:
+            return value.shape, value.dtype, value.device, value.layout
+        except Exception:  # noqa: BLE001  (a nested tensor of strided layout has no shape)
+            return torch.Tensor, unusable(value)
+    if value is _MISSING or not isinstance(value, torch.Tensor):  # most candidates name no variable
+        return None
+    why = unusable(value)
+    return (type(value), why) if why is not None else (value.shape, value.dtype, value.device, value.layout)
 
 
 def value_checked(produced: Mapping[str, torch.Tensor]) -> bool:
@@ -160,6 +223,8 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         probe = None if probes is None else Probe(key, expr, tensor_signature(value))
         if probe is not None:
             probes.append(probe)
+        if isinstance(value, torch.Tensor) and _refused(value, key, expr, capture, probe):
+            continue  # a nested, sparse, meta... tensor: refused before any operation on it
         produced = candidate(key, value)
         if produced is None:
             continue
@@ -176,9 +241,7 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         try:
             _check(produced, check_algo, sizes, capture.checks)
         except SchemaError as err:
-            capture.rejected[(key, expr.text)] = str(err)
-            if probe is not None:
-                probe.outcome, probe.message = "rejected", str(err)
+            _reject(capture, probe, key, expr, str(err))
             continue
         capture.sizes = sizes
         picked.update(produced)
@@ -188,6 +251,29 @@ def _pick(key: str, name_map: NameMap, frame: FrameType, algorithm: str, capture
         if probe is not None:
             probe.outcome = "picked"
         return
+
+
+def _refused(value: torch.Tensor, key: str, expr: Expression, capture: FrameCapture, probe: Probe | None) -> bool:
+    """True when no field can take ``value`` (:func:`unusable`); rejected, with the reason, unless the
+    fields it would give were all read already (a DPO stacked candidate)."""
+    why = unusable(value)
+    if why is None:
+        return False
+    if key.startswith("stacked:"):
+        sides = (f"chosen_{key[8:]}", f"rejected_{key[8:]}")
+        if all(side in capture.fields for side in sides):
+            return True
+        what = f"fields {sides[0]!r} and {sides[1]!r} (stacked)"
+    else:
+        what = f"field {key!r}"
+    _reject(capture, probe, key, expr, f"{what}: expected a dense tensor with values, got {why}")
+    return True
+
+
+def _reject(capture: FrameCapture, probe: Probe | None, key: str, expr: Expression, message: str) -> None:
+    capture.rejected[(key, expr.text)] = message
+    if probe is not None:
+        probe.outcome, probe.message = "rejected", message
 
 
 def read_fields(frame: FrameType, name_map: NameMap, algorithm: str, capture: FrameCapture) -> None:
@@ -220,7 +306,7 @@ def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> N
     and ``ref_kl_k3`` are named in ``capture.derive`` for the writer to compute from its staged copies
     (:func:`tracer.derived.derive_recorded`: off the training thread); ``group_ids`` and the DPO terms
     are computed here."""
-    d = capture.fields  # read only; inputs are detached where used
+    d = capture.fields  # read only; inputs are detached (float8 made float32) where used
     new: dict[str, torch.Tensor] = {}
     wanted = name_map.derive
     for name, other in _PAIRS.items():
@@ -232,11 +318,18 @@ def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> N
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
         new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
     if "dpo_terms" in wanted and algorithm == "dpo":
-        new.update(_dpo_terms({k: v.detach() for k, v in d.items()}, capture.metadata.get("beta")))
+        new.update(_dpo_terms({k: _for_maths(v) for k, v in d.items()}, capture.metadata.get("beta")))
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
         capture.owned.add(name)
+
+
+def _for_maths(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
+    logprobs kept in float8 made every derivation raise, and the step fail)."""
+    tensor = tensor.detach()
+    return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor
 
 
 def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]:
@@ -282,4 +375,15 @@ def finish_capture(capture: FrameCapture, frame: FrameType, name_map: NameMap,
 
 def tensor_variables(frame: FrameType) -> list[str]:
     """``name [shape]`` of the tensors among the frame's locals (for the 'nothing matched' message)."""
-    return [f"{k} {list(v.shape)}" for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)][:30]
+    return [f"{k} {list(shape_of(v))}" for k, v in frame.f_locals.items() if isinstance(v, torch.Tensor)][:30]
+
+
+def shape_of(tensor: torch.Tensor) -> torch.Size | tuple[str]:
+    """``tensor.shape``, or ``("?: " + why,)`` for a tensor without one to show (:func:`unusable`: a nested
+    tensor, a subclass running its own code, whose shape is not read). Never raises."""
+    if _readable_class(type(tensor)):
+        try:
+            return tensor.shape
+        except Exception:  # noqa: BLE001  (a nested tensor of strided layout)
+            pass
+    return (f"?: {unusable(tensor)}",)

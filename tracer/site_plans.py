@@ -4,7 +4,7 @@ A loop's ``loss.backward()`` runs from the same line again and again, with local
 same kinds of tensors each time. The full read (:func:`tracer.frames.read_frame`) tries the map's
 candidate expressions of every field in order and checks each against the fields read so far; its
 choices depend only on what each expression it tried found: nothing, or a tensor of some shape,
-dtype and device (:func:`tracer.frames.tensor_signature`), and for a mask that is not bool on the
+dtype, device and layout, or why no field can take it (:func:`tracer.frames.tensor_signature`), and for a mask that is not bool on the
 values it holds. So at the first backward from a code location (code object and line) the
 expressions tried and their outcomes are kept as a :class:`Plan`; a later backward from there
 resolves the same expressions and, when each finds what it found then (the guard), takes the same
@@ -25,7 +25,8 @@ import torch
 
 from tracer.errors import SchemaError
 from tracer.frame_lookup import _MISSING, _lookup, resolve_in, row_index, scopes_of, take_rows
-from tracer.frames import FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame
+from tracer.frames import (FrameCapture, Probe, _check, anchor_field, candidate, finish_capture, read_frame,
+                           tensor_signature)
 from tracer.name_maps import NameMap
 
 PLANS_PER_SITE = 4  # plans kept per call site (a last minibatch of another size is another plan)
@@ -85,7 +86,6 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
     picked: dict[str, torch.Tensor] = {}
     rejected = plan.rejected  # copied when a value-checked rejection's message changes
     rows: dict[str, Any] = {}  # index variable -> its rows tensor, or _MISSING when it is none
-    tensor = torch.Tensor
     for head, index_name, signature, action, probe in plan.steps:
         if head is not None:  # `name` or `name[index]`: resolve_in's steps, the index checked once
             value = local.get(head, _MISSING)
@@ -99,10 +99,7 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
                 value = _MISSING if index is _MISSING else take_rows(value, index)
         else:
             value = resolve_in(probe.expr, local, global_)
-        if signature is None:  # tensor_signature(value) inline: the guard runs for every probe
-            if isinstance(value, tensor):
-                return None
-        elif not isinstance(value, tensor) or (value.shape, value.dtype, value.device) != signature:
+        if tensor_signature(value) != signature:  # (shape, dtype, device, layout), a refusal, or None
             return None
         if action == _TAKE:
             picked[probe.key] = value

@@ -40,6 +40,7 @@ from tracer.errors import TraceError
 from tracer.layout import refuse_existing_trace
 from tracer.name_maps import NameMap, load_name_map
 from tracer.schema import ALGORITHMS
+from tracer.step_clock import StepClock  # noqa: F401  (re-exported: tracer.watch.StepClock)
 from tracer.writer import TraceWriter
 
 MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
@@ -76,45 +77,6 @@ def summary_logger(always: bool = False) -> logging.Logger:
 
 _state = threading.local()
 _installed: dict[str, Any] = {}  # the original backward functions while a Watcher is active
-
-
-class StepClock:
-    """Turns the indices found in the frame into unique ``(step, inner_step, micro_batch)`` keys.
-
-    * ``step``: the frame's step; when it goes back (a counter that restarts each data epoch) an
-      offset keeps the trace's steps increasing. Without one: a new step whenever the frame's
-      ``(inner_step, micro_batch)`` does not advance (every backward when neither is found).
-    * ``inner_step``: the frame's, else 0. ``micro_batch``: the frame's, else 0, 1, ... within each
-      ``(step, inner_step)``; a key already used moves to the next free micro-batch.
-    """
-
-    def __init__(self) -> None:
-        self.offset = 0
-        self._auto_step = -1
-        self._last: tuple[int, int, int] | None = None
-        self._last_order: tuple[int, ...] = ()
-        self._seen: set[tuple[int, int, int]] = set()
-
-    def key(self, indices: Mapping[str, int]) -> tuple[int, int, int]:
-        step, inner, mb = indices.get("step"), indices.get("inner_step"), indices.get("micro_batch")
-        if step is None:
-            order = tuple(v for v in (inner, mb) if v is not None)
-            if self._last is None or not order or order <= self._last_order:
-                self._auto_step += 1
-            self._last_order, step = order, self._auto_step
-        else:
-            step += self.offset
-            if self._last is not None and step < self._last[0]:
-                self.offset += self._last[0] + 1 - step
-                step = self._last[0] + 1
-        inner = 0 if inner is None else inner
-        if mb is None:
-            mb = self._last[2] + 1 if self._last is not None and self._last[:2] == (step, inner) else 0
-        while (step, inner, mb) in self._seen:
-            mb += 1
-        self._last = (step, inner, mb)
-        self._seen.add(self._last)
-        return self._last
 
 
 class Watcher:
@@ -329,7 +291,7 @@ class Watcher:
         if capture.anchor is None:
             self.unmatched_calls += 1
             code, local = frame.f_code, capture.scopes[0]
-            shapes = [(k, v.shape) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
+            shapes = [(k, frames.shape_of(v)) for k, v in local.items() if isinstance(v, torch.Tensor)][:30]
             self._last_unmatched = (code.co_filename, frame.f_lineno, code.co_name, shapes)  # text made when asked
             return capture.scopes[0]
         base = capture.anchor._base if capture.anchor._base is not None else capture.anchor
