@@ -114,3 +114,22 @@ def test_step_metadata_is_encoded_again_whenever_it_changes_even_by_type_or_in_p
     assert [h.get("beta") for h in headers] == ["1", "1", "1.0", "true", "NaN", "NaN", "1", None, "1", "1"]
     assert [h.get("ids") for h in headers] == [None] * 6 + ["[1, 2]", None, "[1, 2, 3]", None]
     assert [h.get("x") for h in headers] == [None] * 9 + ["a"]
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass running no code of its own (as a library's marker type would)."""
+
+
+def test_a_tensor_subclass_is_staged_through_the_one_call_group_copy(tmp_path):
+    """From the second record on, a known all-CPU signature is copied in one ``_foreach_copy_``
+    into a buffer group; a tensor subclass among the sources must not make torch rebuild the
+    group's own list type (it raised TypeError, and every later step was dropped)."""
+    with TraceWriter(tmp_path / "run", "grpo") as writer:
+        for step in range(3):
+            tensors = _step()
+            tensors["old_logprobs"] = (tensors["policy_logprobs"] - 0.5).as_subclass(_Tagged)
+            writer.record(step, tensors)
+    trace = Trace(tmp_path / "run")
+    assert [k.step for k in trace.steps()] == [0, 1, 2]
+    step = trace.load_step(trace.steps()[2])
+    torch.testing.assert_close(step["old_logprobs"], step["policy_logprobs"] - 0.5)

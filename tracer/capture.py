@@ -195,7 +195,7 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
         sources = list(tensors.values())
         group = pool.take_group(group_key, sources)
         with torch.no_grad():  # one call; as copy_ (any strides in, contiguous out); no graph to the buffers
-            torch._foreach_copy_(group, sources)
+            torch._foreach_copy_(list(group), sources)  # a plain list: a tensor subclass's dispatch rebuilds its type
         return dict(zip(tensors, group)), None, [(group, False)], group.nbytes
     staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
