@@ -188,7 +188,6 @@ class DPOTraceHook(TrainerTraceHook):
         metadata = {"ref_logprobs_source": source, "dpo_token_layout": "input_ids", "dpo_loss_is_sigmoid": plain}
         self.writer.record(self._optimizer_step(), tensors, inner_step=0,
                            micro_batch=self._loss_calls % self._accumulation_steps(), metadata=metadata)
-        self.writer._kick()  # written while TRL's backward of this loss runs without the interpreter lock
 
     def _loss_is_sigmoid_dpo(self) -> bool:
         """True when TRL's loss is ``-logsigmoid(beta * logits)`` of plain masked sums, i.e. what

@@ -195,7 +195,6 @@ class GRPOTraceHook(TrainerTraceHook):
         metadata.update(loss_metadata)
         self.writer.record(self._optimizer_step(), tensors, inner_step=self._inner_step(),
                            micro_batch=self._micro_batch(), metadata=metadata)
-        self.writer._kick()  # written while TRL's backward of this loss runs without the interpreter lock
 
     def _loss_tensors(self, inputs: Mapping[str, Any], order: torch.Tensor) -> dict[str, torch.Tensor]:
         """The loss-time tensors of the micro-batch, rows put in generation ``order``."""
