@@ -393,19 +393,3 @@ def test_a_lingering_writer_thread_is_woken_only_by_a_first_step_or_a_full_batch
     assert written == [0, 1, 2, 3]
     assert bg._cond.notified == 2, "put() woke the lingering writer thread for steps in the middle of a batch"
     bg.stop()
-
-
-def test_kick_makes_a_lingering_writer_thread_write_now():
-    """Zero-edit capture kicks the writer thread just before the backward it captured (the autograd
-    engine then runs without the interpreter lock): the queued step is written at once, not after
-    the linger (an hour here); a kick with nothing queued wakes nobody."""
-    written = threading.Event()
-    with mock.patch("tracer.capture.threading.Condition", _CountingCondition):
-        bg = BackgroundWriter(lambda it, reason: written.set(), lambda it: None, lambda it, e: None,
-                              lambda r: None, max_steps=64, max_bytes=10**6, linger_s=3600.0, max_batch=16)
-    bg.kick()
-    assert bg._cond.notified == 0
-    bg.put(StagedStep(0, 0, 0, {"x": torch.zeros(1)}, {}, 10))
-    bg.kick()
-    assert written.wait(timeout=60), "the kicked writer thread kept lingering"
-    bg.stop()

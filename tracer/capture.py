@@ -257,10 +257,10 @@ class BackgroundWriter:
             written (the writer computes their summaries together there); exceptions are its own.
         linger_s, max_batch: after a step arrives the writer thread waits up to ``linger_s`` (default
             :data:`LINGER_S`) for
-            more (at most ``max_batch``), unless a ``flush``, ``stop``, a full queue or a
-            :meth:`kick` needs it now: a batch of small steps costs about the interpreter time of
-            one (the writer thread shares the interpreter lock with the training loop). Files
-            appear at most ``linger_s`` later than they would alone.
+            more (at most ``max_batch``), unless a ``flush``, ``stop`` or a full queue needs it now:
+            a batch of small steps costs about the interpreter time of one (the writer thread
+            shares the interpreter lock with the training loop). Files appear at most
+            ``linger_s`` later than they would alone.
     """
 
     def __init__(self, write_fn: Callable[[StagedStep, str | None], None], normalise: Callable[[StagedStep], None],
@@ -282,7 +282,6 @@ class BackgroundWriter:
         self._max_batch = max(1, max_batch)
         self._linger_s = LINGER_S if linger_s is None else linger_s
         self._hurry = 0  # flush() calls and producers waiting for room: no lingering while > 0
-        self._kicked = False  # kick(): write what is queued now (the training thread is about to leave the lock)
         self._queue: collections.deque[StagedStep | None] = collections.deque()
         self._bytes = 0
         self.peak_bytes = 0
@@ -316,16 +315,6 @@ class BackgroundWriter:
             if wake or len(self._queue) >= self._max_batch or not self._roomy():
                 self._cond.notify_all()  # a lingering writer thread wakes by itself when its time is up
         return True
-
-    def kick(self) -> None:
-        """Have the writer thread write what is queued now instead of lingering for more: the caller
-        is about to run something long that releases the interpreter lock (a backward pass: the
-        autograd engine runs without it), so the writer's Python work overlaps it instead of
-        taking the lock from the training loop later. Never waits."""
-        with self._cond:
-            if self._queue and not self._kicked:
-                self._kicked = True
-                self._cond.notify_all()
 
     def flush(self) -> None:
         """Block until every queued step has been written (or dropped)."""
@@ -397,8 +386,8 @@ class BackgroundWriter:
                 self._cond.wait(timeout=self._tick_interval if self._tick is not None else None)
             if not self._queue:
                 return []
-            while (len(self._queue) < self._max_batch and not self._hurry and not self._kicked
-                   and None not in self._queue and self._roomy()):
+            while (len(self._queue) < self._max_batch and not self._hurry and None not in self._queue
+                   and self._roomy()):
                 left = self._queue[0].arrived + self._linger_s - time.monotonic()
                 if left <= 0:
                     break
@@ -410,7 +399,6 @@ class BackgroundWriter:
                         break
                     return None
                 batch.append(self._queue.popleft())
-            self._kicked = False
             self._busy = True
             return batch
 

@@ -306,7 +306,6 @@ class Watcher:
             metadata["source_step"] = capture.indices["step"]
         writer = self.writer or self._open_writer(frame, capture)
         writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive))
-        writer._kick()  # the writer thread writes it while this backward runs without the interpreter lock
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1

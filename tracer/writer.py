@@ -321,13 +321,6 @@ class TraceWriter:
             self._book.skipped()  # unless an anomaly brings it out of the ring
         return path if self._background.put(item) and sampled else None
 
-    def _kick(self) -> None:
-        """The writer thread writes what is queued now, not after lingering (zero-edit capture calls
-        this just before the backward it captured: the autograd engine runs without the interpreter
-        lock, so the writer's Python work overlaps it; :meth:`tracer.capture.BackgroundWriter.kick`)."""
-        if self._background is not None:
-            self._background.kick()
-
     def flush(self) -> None:
         """Wait until every recorded step is on disk (or dropped). Raises TraceError in strict mode
         when a write failed, or when the writer was inherited through fork(). The manifest's live
