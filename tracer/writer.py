@@ -345,6 +345,8 @@ class TraceWriter:
             return
         if self._process is not None:
             self._process.stop()
+            if self._process.dead is not None:  # it died before writing all it was handed: a thread writes the rest
+                self._poll_process()
         if self._background is not None:
             self._background.stop()
         if self._steps is not None:
