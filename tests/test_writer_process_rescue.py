@@ -10,11 +10,13 @@ import os
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from tracer.capture import SamplingPolicy
 from tracer.cli import main
 from tracer.reader import Trace
 from tracer.writer import TraceWriter
@@ -84,3 +86,89 @@ def test_a_child_killed_while_close_waits_for_it_loses_no_step(tmp_path):
     finally:
         killer.join()
     _assert_whole(tmp_path / "k", [0, 1, 2, 3, 4])
+
+
+def _manifest(root: Path) -> dict:
+    return json.loads((root / "manifest.json").read_text())
+
+
+def test_steps_of_two_layouts_in_flight_are_each_rescued_with_their_own_shapes(tmp_path):
+    """Steps of two field signatures (4 rows, then 2) in the ring when the child dies."""
+    writer, pid = _stopped_with_steps_in_flight(tmp_path / "k", range(1, 3))
+    small = {name: t[:2] for name, t in grpo_step(3).items()}
+    writer.record(3, small)
+    writer.record(4, grpo_step(4))
+    os.kill(pid, signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match=r"the 4 step\(s\) it had not written"):
+        writer.close()
+    trace = Trace(tmp_path / "k")
+    assert [k.step for k in trace.steps()] == [0, 1, 2, 3, 4]
+    for key in trace.steps():
+        expected = small if key.step == 3 else grpo_step(key.step)
+        data = trace.load_step(key)
+        for name in ("policy_logprobs", "advantages", "completion_ids"):
+            torch.testing.assert_close(data[name], expected[name], rtol=0, atol=0)
+    assert trace.step_summary()["step"].tolist() == [0, 1, 2, 3, 4]
+    assert (_manifest(tmp_path / "k")["steps_written"], _manifest(tmp_path / "k")["dropped_steps"]) == (5, 0)
+
+
+def test_drops_of_a_full_queue_stay_counted_once_and_the_rest_is_rescued(tmp_path):
+    """when_full="drop", 2 steps in flight at most: of steps 1-4 handed to the stopped child, 3 and 4
+    are dropped (queue full); the child dies; 1 and 2 are rescued; the counts are exact."""
+    writer, pid = _stopped_with_steps_in_flight(tmp_path / "k", range(1, 3), max_queue_steps=2, when_full="drop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (3, 4):
+            assert writer.record(step, grpo_step(step)) is None
+    os.kill(pid, signal.SIGKILL)
+    with pytest.warns(RuntimeWarning, match=r"the 2 step\(s\) it had not written"):
+        writer.close()
+    assert [k.step for k in Trace(tmp_path / "k").steps()] == [0, 1, 2]
+    manifest = _manifest(tmp_path / "k")
+    assert (manifest["steps_written"], manifest["dropped_steps"]) == (3, 2)
+    assert all("queue full" in reason for reason in manifest["drop_reasons"])
+
+
+def test_a_step_larger_than_the_ring_in_flight_is_counted_as_dropped_once(tmp_path):
+    """A step larger than the ring travels through the pipe; the child dies before writing it: it is
+    the one step counted as dropped (its reason names the signal); later steps are written."""
+    writer = TraceWriter(tmp_path / "k", "grpo", writer="process", max_queue_bytes=256)
+    writer.record(0, grpo_step(0))
+    writer.flush()
+    child = _child_of(writer)
+    os.kill(child.pid, signal.SIGSTOP)
+    writer.record(1, grpo_step(1))  # ~0.5 KiB: through the pipe
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    with pytest.warns(RuntimeWarning):
+        writer.record(2, grpo_step(2))
+    writer.close()
+    assert [k.step for k in Trace(tmp_path / "k").steps()] == [0, 2]
+    manifest = _manifest(tmp_path / "k")
+    assert (manifest["steps_written"], manifest["dropped_steps"]) == (2, 1)
+    assert ["killed by signal 9" in reason for reason in manifest["drop_reasons"]] == [True]
+
+
+@pytest.mark.parametrize("noticed_by", ["results", "hand-over"])
+def test_unsampled_steps_in_flight_still_precede_a_later_anomaly(tmp_path, noticed_by):
+    """The anomaly ring on, only step 0 sampled: steps 1-3 (unsampled, waiting in the stopped
+    child's queue for an anomaly) are in the ring when the child dies; step 4 holds a NaN (and is
+    itself handed to the dead child when the hand-over is what notices): the thread that took over
+    writes 1-3 as the steps before the anomaly, and 4, as the child would have."""
+    policy = SamplingPolicy(every_n_steps=100, anomaly_ring=4)
+    writer, pid = _stopped_with_steps_in_flight(tmp_path / "k", range(1, 4), sampling=policy)
+    os.kill(pid, signal.SIGKILL)
+    writer._process._child.wait(timeout=30)  # gone: the next hand-over meets the command pipe's end
+    if noticed_by == "results":
+        writer._process._polled_at = 0.0  # the next record reads the result pipe first: its end
+    bad = grpo_step(4)
+    bad["policy_logprobs"][0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="killed by signal 9"):
+        writer.record(4, bad)
+    writer.close()
+    trace = Trace(tmp_path / "k")
+    assert [k.step for k in trace.steps()] == [0, 1, 2, 3, 4]
+    assert [trace.metadata(k).get("anomaly", "").startswith("before anomaly at step 4") for k in trace.steps()] == \
+        [False, True, True, True, False]
+    manifest = _manifest(tmp_path / "k")
+    assert (manifest["steps_written"], manifest["dropped_steps"], manifest["skipped_steps"]) == (5, 0, 0)
