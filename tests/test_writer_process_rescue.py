@@ -18,6 +18,7 @@ import torch
 
 from tracer.capture import SamplingPolicy
 from tracer.cli import main
+from tracer.errors import TraceError
 from tracer.reader import Trace
 from tracer.writer import TraceWriter
 
@@ -172,3 +173,24 @@ def test_unsampled_steps_in_flight_still_precede_a_later_anomaly(tmp_path, notic
         [False, True, True, True, False]
     manifest = _manifest(tmp_path / "k")
     assert (manifest["steps_written"], manifest["dropped_steps"], manifest["skipped_steps"]) == (5, 0, 0)
+
+
+def test_a_child_failure_is_raised_by_the_next_flush_even_when_no_poll_came_due(tmp_path):
+    """Strict mode: the child fails to write step 1 (its steps folder replaced by a file); step 2 is
+    recorded before any poll of the results is due (RESULTS_EVERY_S), so record does not raise yet;
+    the flush right after reads every result and raises the failure, naming the file."""
+    from test_writer_process import _break_steps_dir
+
+    writer = TraceWriter(tmp_path / "s", "grpo", writer="process", strict=True)
+    writer.record(0, grpo_step(0))
+    writer.flush()
+    _break_steps_dir(tmp_path / "s")
+    writer.record(1, grpo_step(1))
+    time.sleep(0.5)  # the child (writing each step as it arrives) has tried step 1 and sent its failure
+    writer._process._polled_at = time.monotonic() + 3600  # no poll due for the next record
+    writer.record(2, grpo_step(2))
+    with pytest.raises(TraceError, match=r"step_00000001\.inner_0\.mb_0\.rank_0\.safetensors.*2 writes failed"):
+        writer.flush()  # steps 1 and 2 both failed by then: one raise tells of both
+    writer.close()
+    manifest = _manifest(tmp_path / "s")
+    assert (manifest["steps_written"], manifest["dropped_steps"]) == (1, 2)
