@@ -57,6 +57,10 @@ def _assert_whole(root: Path, steps: list[int]) -> None:
         torch.testing.assert_close(trace.load_step(key)["policy_logprobs"], grpo_step(key.step)["policy_logprobs"])
     summary = trace.step_summary()
     assert summary["step"].tolist() == steps  # one row per file
+    # the index lists each file once: the child's lines (flushed at step 0's flush), then the thread's
+    lines = (root / "summary_index.rank_0.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines[1:]] == steps
+    assert (root / "summary_index.rank_0.columns").exists()  # compacted at close, the child's lines too
     manifest = json.loads((root / "manifest.json").read_text())
     assert (manifest["steps_written"], manifest["dropped_steps"], manifest["status"]) == (len(steps), 0, "finished")
     assert manifest["capture"]["writer"] == "process, then thread"
@@ -194,3 +198,34 @@ def test_a_child_failure_is_raised_by_the_next_flush_even_when_no_poll_came_due(
     writer.close()
     manifest = _manifest(tmp_path / "s")
     assert (manifest["steps_written"], manifest["dropped_steps"]) == (1, 2)
+
+
+def test_a_resumed_index_ends_a_torn_last_line_and_keeps_every_whole_one(tmp_path):
+    """The index a dead writer left ends in a torn line (it died appending step 1's): the writer
+    that resumes it ends that line (readers skip it) and appends its own after; the file keeps its
+    writer token, and step 0's line and the new one are read."""
+    from safetensors import safe_open
+
+    from tracer import summary_store
+    from tracer.run_index import IndexWriter, index_paths, read_index
+
+    root = tmp_path / "t"
+    with TraceWriter(root, "grpo") as writer:
+        for step in (0, 1):
+            writer.record(step, grpo_step(step))
+    index = root / "summary_index.rank_0.jsonl"
+    head, line0, line1 = index.read_bytes().splitlines(keepends=True)
+    index.write_bytes(head + line0 + line1[: len(line1) // 2])
+    resumed = IndexWriter(root, 0, resume=True)
+    assert resumed.token == json.loads(head)["writer"]
+    path = root / "steps" / json.loads(line1)["file"]
+    with safe_open(str(path), "pt") as fh:
+        resumed.add(path, list(fh.keys()), fh.metadata())
+    resumed.flush()  # appended, not yet compacted
+    lines = index.read_bytes().splitlines(keepends=True)
+    assert lines[:2] == [head, line0] and lines[2] == line1[: len(line1) // 2] + b"\n"
+    assert sorted(entry["step"] for entry in read_index(index_paths(root)).values()) == [0, 1]  # the lines
+    resumed.close()
+    columns = summary_store.read_store(root / "summary_index.rank_0.columns")  # compacted at close, of the same token
+    assert (columns.writer, len(columns)) == (resumed.token, 2)
+    assert Trace(root).step_summary()["step"].tolist() == [0, 1]

@@ -442,7 +442,7 @@ class TraceWriter:
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
-        self._start_writing(background=True)
+        self._start_writing(background=True, resume_index=True)
         for orphan in rescued:
             self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, orphan.sampled,
                         frozenset(orphan.tensors), orphan.derive, None,
@@ -464,11 +464,12 @@ class TraceWriter:
             self._book.manifest["capture"]["writer"] = "thread"
             self._start_writing(background=True)
 
-    def _start_writing(self, background: bool) -> None:
-        """Write in this process: on a background thread, or inside ``record``."""
+    def _start_writing(self, background: bool, resume_index: bool = False) -> None:
+        """Write in this process: on a background thread, or inside ``record`` (``resume_index``:
+        append to the summary index a dead writer process left)."""
         self._steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
                                  self._book, lambda *args: _save_atomic(*args),  # looked up at call time
-                                 fsync_steps=self.fsync_steps)
+                                 fsync_steps=self.fsync_steps, resume_index=resume_index)
         if not background:
             return
         max_queue_steps, max_queue_bytes, when_full = self._queue
