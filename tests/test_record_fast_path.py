@@ -133,3 +133,32 @@ def test_a_tensor_subclass_is_staged_through_the_one_call_group_copy(tmp_path):
     assert [k.step for k in trace.steps()] == [0, 1, 2]
     step = trace.load_step(trace.steps()[2])
     torch.testing.assert_close(step["old_logprobs"], step["policy_logprobs"] - 0.5)
+
+
+@pytest.mark.parametrize("writer_kind", ["thread", "process"])
+def test_metadata_equal_in_python_but_not_in_json_is_never_taken_from_the_last_step(tmp_path, writer_kind):
+    """-0.0 == 0.0 (same type) and {True: ..} has the same keys as {1: ..} in Python, yet JSON and
+    the header tell them apart: each file's header (read with safetensors) holds its own step's."""
+    metas = [{"beta": 0.0}, {"beta": -0.0}, {"beta": -0.0}, {"beta": 0.0}, {1: "a"}, {True: "a"}, {1.0: "a"}]
+    with TraceWriter(tmp_path / "run", "grpo", writer=writer_kind) as writer:
+        for step, meta in enumerate(metas):
+            writer.record(step, _step(), metadata=meta)
+    headers = []
+    for step in range(len(metas)):
+        with safe_open(str(tmp_path / "run" / "steps" / f"step_{step:08d}.inner_0.mb_0.rank_0.safetensors"), "pt") as f:
+            headers.append(f.metadata())
+    assert [h.get("beta") for h in headers[:4]] == ["0.0", "-0.0", "-0.0", "0.0"]
+    assert [sorted(set(h) & {"1", "True", "1.0"}) for h in headers[4:]] == [["1"], ["True"], ["1.0"]]
+
+
+@pytest.mark.parametrize("writer_kind", ["thread", "process"])
+def test_an_int_too_long_for_json_is_a_schema_error_every_time(tmp_path, writer_kind):
+    """An int of more digits than Python converts to text (sys.get_int_max_str_digits, 4300) is
+    refused like any other non-JSON value, naming the key, at each record; the writer goes on."""
+    with TraceWriter(tmp_path / "run", "grpo", writer=writer_kind) as writer:
+        writer.record(0, _step(), metadata={"seed": 7})
+        for step in (1, 2):
+            with pytest.raises(SchemaError, match="metadata key 'seed'"):
+                writer.record(step, _step(), metadata={"seed": 10 ** 5000})
+        writer.record(3, _step(), metadata={"seed": 7})
+    assert [k.step for k in Trace(tmp_path / "run").steps()] == [0, 3]

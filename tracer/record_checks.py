@@ -4,6 +4,7 @@ tensors against the schema once per field signature (:class:`SignatureCache`), a
 
 from __future__ import annotations
 
+from math import copysign
 from typing import Any, Mapping
 
 import torch
@@ -72,9 +73,11 @@ class MetadataCache:
     (:func:`tracer.schema.encode_metadata`) and, once asked for, its JSON form
     (:func:`tracer.schema.jsonable`, what the writer process is sent). A zero-edit capture passes
     the same values at every step (the hyperparameters it reads from the loop's ``args``), which
-    then cost one comparison instead of an encoding. The same keys with values of the same types
-    that compare equal are the same metadata (a NaN never is: encoded again); only scalars are
-    remembered (a list could change in place)."""
+    then cost one comparison instead of an encoding. The same ``str`` keys with values of the same
+    types that compare equal are the same metadata, except floats of another sign (``-0.0 == 0.0``,
+    yet JSON writes them apart) and a NaN (never equal: encoded again); only metadata of ``str``
+    keys and scalar values is remembered (a list could change in place; ``{True: x}`` has the
+    keys of ``{1: x}``, yet another header key)."""
 
     def __init__(self) -> None:
         self._last: dict[str, Any] | None = None  # the metadata last encoded, when all scalars
@@ -84,11 +87,13 @@ class MetadataCache:
     def encoded(self, metadata: Mapping[str, Any]) -> dict[str, str]:
         """``encode_metadata(metadata)``. Raises SchemaError (a value that is not JSON)."""
         last = self._last
-        if (last is not None and last.keys() == metadata.keys()
-                and all(type(v) is type(last[k]) and v == last[k] for k, v in metadata.items())):
+        if last is not None and last.keys() == metadata.keys() and all(
+                type(k) is str and type(v) is type(last[k]) and v == last[k]
+                and (type(v) is not float or copysign(1.0, v) == copysign(1.0, last[k]))
+                for k, v in metadata.items()):
             return self._encoded
         encoded = encode_metadata(metadata)
-        scalars = all(type(v) in _SCALARS for v in metadata.values())
+        scalars = all(type(k) is str and type(v) in _SCALARS for k, v in metadata.items())
         self._last, self._encoded, self._json = (dict(metadata) if scalars else None), encoded, None
         return encoded
 

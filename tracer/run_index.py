@@ -68,7 +68,9 @@ class IndexWriter:
     index as the only accelerator.
     """
 
-    def __init__(self, root: Path, rank: int) -> None:
+    def __init__(self, root: Path, rank: int, resume: bool = False) -> None:
+        """``resume``: go on with the rank's index as another writer of this run left it (a writer
+        process that died: :meth:`_resume`) instead of starting it again."""
         self.path = Path(root) / summary_index_name(rank)
         self.store_path = Path(root) / summary_store_name(rank)
         self.rank = rank
@@ -86,11 +88,34 @@ class IndexWriter:
             os.unlink(self.store_path)  # an older run's columns (another token: readers ignore them anyway)
         except OSError:
             pass
+        if resume and self._resume():
+            return
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
         except OSError as err:
             self._fail(err)
         self.flush()  # the first line at once: a reader then never mixes this run's lines with an older run's
+
+    def _resume(self) -> bool:
+        """Append to the index file as it is, under its writer token, when its first line is this
+        format's (False: start it again). A torn last line (the other writer died appending it) is
+        ended, so it stays one line that readers skip; lines that writer had not yet appended are
+        missing (readers read those files' headers). The columns are compacted from the start."""
+        try:
+            with open(self.path, "rb") as fh:
+                head = json.loads(fh.readline())
+                fh.seek(0, os.SEEK_END)
+                size = fh.tell()
+                if size:
+                    fh.seek(size - 1)
+                    torn = fh.read(1) != b"\n"
+            if head.get("format") != INDEX_FORMAT or head.get("version") != INDEX_VERSION:
+                return False
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except (OSError, ValueError, AttributeError):
+            return False
+        self.token, self._lines, self._written = head["writer"], ["\n"] if torn else [], size
+        return True
 
     def add(self, path: Path, names: Iterable[str], metadata: Mapping[str, str],
             decoded: Mapping[str, Any] | None = None) -> None:

@@ -13,6 +13,7 @@ import enum
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -214,26 +215,35 @@ def encode_metadata(metadata: Mapping[str, Any]) -> dict[str, str]:
     for key, value in metadata.items():
         if value is None:
             continue
-        scalar = _SCALAR_JSON.get(type(value))
-        if scalar is not None:  # what json.dumps writes for it, without an encoder per value
-            out[str(key)] = scalar(value)
-            continue
-        if type(value) in _JSON_SCALARS or (type(value) is dict and all(
-                type(k) is str and type(v) in _JSON_SCALARS for k, v in value.items())):
-            out[str(key)] = json.dumps(value, allow_nan=True)  # plain already (a summary, a number)
-            continue
-        value = jsonable(value)
-        if isinstance(value, str):
-            out[str(key)] = value
-            continue
         try:
-            out[str(key)] = json.dumps(value, allow_nan=True)
-        except (TypeError, ValueError) as err:
+            out[str(key)] = _encoded_value(value)
+        except (TypeError, ValueError) as err:  # not JSON; or an int of more digits than Python writes
             raise SchemaError(
-                f"metadata key {key!r}: value {value!r} of type {type(value).__name__} is not JSON; "
+                f"metadata key {key!r}: value {_shown(value)} of type {type(value).__name__} is not JSON; "
                 "pass a str, int, float, bool, list or dict"
             ) from err
     return out
+
+
+def _encoded_value(value: Any) -> str:
+    """One metadata value's header text (:func:`encode_metadata`). Raises TypeError or ValueError."""
+    scalar = _SCALAR_JSON.get(type(value))
+    if scalar is not None:  # what json.dumps writes for it, without an encoder per value
+        return scalar(value)  # ValueError: an int longer than sys.get_int_max_str_digits()
+    if type(value) is dict and all(type(k) is str and type(v) in _JSON_SCALARS for k, v in value.items()):
+        return json.dumps(value, allow_nan=True)  # plain already (a summary)
+    value = jsonable(value)
+    return value if isinstance(value, str) else json.dumps(value, allow_nan=True)
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for an error message, at most 200 characters (one holding an int too long to
+    write: its type alone)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"(a {type(value).__name__} holding an int of more than {sys.get_int_max_str_digits()} digits)"
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def decode_metadata(raw: Mapping[str, str] | None) -> dict[str, Any]:

@@ -42,14 +42,15 @@ class StepWriter:
 
     def __init__(self, root: Path, rank: int, algorithm: str, keep_source_dtype: bool,
                  hyperparameters: Mapping[str, Any], book: ManifestBook,
-                 save: Callable[..., None], fsync_steps: bool = False) -> None:
+                 save: Callable[..., None], fsync_steps: bool = False, resume_index: bool = False) -> None:
         self.fsync_steps = fsync_steps
         self.root, self.rank, self.algorithm, self.keep_source_dtype = Path(root), rank, algorithm, keep_source_dtype
         self.hyperparameters = dict(hyperparameters)
         self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
         self.book, self._save = book, save
         self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
-        self.index = IndexWriter(self.root, rank)  # the run's summary index (tracer.run_index)
+        # the run's summary index (tracer.run_index); resume_index: go on with a dead writer process's
+        self.index = IndexWriter(self.root, rank, resume=resume_index)
 
     def normalise(self, item: StagedStep) -> None:
         """Stored form, non-finite fields and checksum of a staged step. Staged tensors are contiguous

@@ -289,10 +289,11 @@ class TraceWriter:
 
     def _stage(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor],
                json_metadata: dict[str, Any] | None, source_dtype: str, sampled: bool, owned, derive: tuple[str, ...],
-               group_key: tuple | None, path: Path) -> Path | None:
+               group_key: tuple | None, path: Path, counted: bool = False) -> Path | None:
         """Stage a checked step for the writer thread (or write it here, ``async_write=False``).
         ``json_metadata``: the step metadata's JSON form at record time (a list the loop changes
-        later is not this step's)."""
+        later is not this step's); ``counted``: an unsampled step already counted as skipped (one a
+        dead writer process was handed)."""
         step, inner_step, micro_batch = coordinates
         header = step_header(self.hyperparameters, json_metadata, self.algorithm, step, inner_step, micro_batch,
                              self.rank, self.world_size, source_dtype)
@@ -317,7 +318,7 @@ class TraceWriter:
             self._update_manifest()  # writing synchronously: this thread is the writer thread
             self._book.raise_pending()
             return path if path.exists() else None
-        if not sampled:
+        if not sampled and not counted:
             self._book.skipped()  # unless an anomaly brings it out of the ring
         return path if self._background.put(item) and sampled else None
 
@@ -345,6 +346,8 @@ class TraceWriter:
             return
         if self._process is not None:
             self._process.stop()
+            if self._process.dead is not None:  # it died before writing all it was handed: a thread writes the rest
+                self._poll_process()
         if self._background is not None:
             self._background.stop()
         if self._steps is not None:
@@ -433,17 +436,17 @@ class TraceWriter:
         gone, self._process = self._process, None
         reason = gone.dead
         gone.stop()  # the child has exited: this releases the ring and the pipes
-        rescued = [orphan for orphan in gone.orphans if orphan.sampled]  # unsampled ones only waited for an anomaly
+        rescued = gone.orphans  # unsampled ones go to this writer's anomaly ring, as they would have in the child's
         warnings.warn(f"tracer: {reason}; the {len(rescued)} step(s) it had not written and all later steps are "
                       "written by a thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
-        self._start_writing(background=True)
+        self._start_writing(background=True, resume_index=True)
         for orphan in rescued:
-            self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, True,
+            self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, orphan.sampled,
                         frozenset(orphan.tensors), orphan.derive, None,
-                        self._steps_dir / step_file_name(*orphan.coordinates, self.rank))
+                        self._steps_dir / step_file_name(*orphan.coordinates, self.rank), counted=True)
 
     def _start_process(self) -> None:
         """Start the writer process; one that cannot start leaves a thread writing (strict: raises)."""
@@ -461,11 +464,12 @@ class TraceWriter:
             self._book.manifest["capture"]["writer"] = "thread"
             self._start_writing(background=True)
 
-    def _start_writing(self, background: bool) -> None:
-        """Write in this process: on a background thread, or inside ``record``."""
+    def _start_writing(self, background: bool, resume_index: bool = False) -> None:
+        """Write in this process: on a background thread, or inside ``record`` (``resume_index``:
+        append to the summary index a dead writer process left)."""
         self._steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
                                  self._book, lambda *args: _save_atomic(*args),  # looked up at call time
-                                 fsync_steps=self.fsync_steps)
+                                 fsync_steps=self.fsync_steps, resume_index=resume_index)
         if not background:
             return
         max_queue_steps, max_queue_bytes, when_full = self._queue
