@@ -59,8 +59,13 @@ def child(steps: int, gap_ms: float) -> dict:
     from tracer.writer import TraceWriter
 
     torch.set_num_threads(1)
-    name = "_handle_batch" if hasattr(capture.BackgroundWriter, "_handle_batch") else "_handle"
-    real = getattr(capture.BackgroundWriter, name)
+    try:  # where a batch is handled: tracer.batches.BatchHandler since the writer process; before, the writer
+        from tracer.batches import BatchHandler as owner
+        name = "handle"
+    except ImportError:
+        owner = capture.BackgroundWriter
+        name = "_handle_batch" if hasattr(owner, "_handle_batch") else "_handle"
+    real = getattr(owner, name)
     spent = {"cpu": 0.0}
 
     def timed(self, work):
@@ -70,7 +75,7 @@ def child(steps: int, gap_ms: float) -> dict:
         finally:
             spent["cpu"] += time.thread_time() - t0
 
-    setattr(capture.BackgroundWriter, name, timed)
+    setattr(owner, name, timed)
     out = {}
     hyper = {"num_generations": 4, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TRACER_BENCH_TMP")) as tmp:
