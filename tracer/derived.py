@@ -82,11 +82,14 @@ def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict
     for name in names:
         inputs = DERIVED_FIELDS[name][0]
         if name not in data and all(f in data for f in inputs):
-            a, b = (_for_maths(data[f]) for f in (inputs[0], inputs[-1]))
+            a, b = (for_maths(data[f]) for f in (inputs[0], inputs[-1]))
             with torch.no_grad():
                 out[name] = fns[name](a, b)
     return out
 
 
-def _for_maths(tensor: torch.Tensor) -> torch.Tensor:
+def for_maths(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
+    logprobs kept in float8 made every derivation raise)."""
+    tensor = tensor.detach()
     return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor

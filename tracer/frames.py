@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from tracer import formulas
+from tracer.derived import for_maths
 from tracer.errors import SchemaError
 from tracer.frame_lookup import (_MISSING, INDEX_DEPTH, LIBRARY_ROOTS, RUNNER_ROOTS,  # noqa: F401  (re-exported)
                                  calling_frame, is_library_frame, read_indices, read_metadata, read_objects,
@@ -318,18 +319,11 @@ def derive_fields(capture: FrameCapture, name_map: NameMap, algorithm: str) -> N
             and isinstance(G, int) and G > 0 and "policy_logprobs" in d and d["policy_logprobs"].shape[0] % G == 0):
         new["group_ids"] = torch.arange(d["policy_logprobs"].shape[0]) // G  # G consecutive rows share a prompt
     if "dpo_terms" in wanted and algorithm == "dpo":
-        new.update(_dpo_terms({k: _for_maths(v) for k, v in d.items()}, capture.metadata.get("beta")))
+        new.update(_dpo_terms({k: for_maths(v) for k, v in d.items()}, capture.metadata.get("beta")))
     for name, tensor in new.items():
         capture.fields[name] = tensor
         capture.sources[name] = "derived"
         capture.owned.add(name)
-
-
-def _for_maths(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
-    logprobs kept in float8 made every derivation raise, and the step fail)."""
-    tensor = tensor.detach()
-    return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor
 
 
 def _dpo_terms(d: dict[str, torch.Tensor], beta: Any) -> dict[str, torch.Tensor]:
