@@ -154,3 +154,33 @@ def test_start_timeout_must_be_a_positive_number_of_seconds(value):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and out == ""
     assert "argument --start-timeout: expected a number of seconds > 0, got " in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
+def test_a_sigkilled_tracer_view_leaves_no_server(tmp_path):
+    """README: on Linux the server also stops if ``tracer view`` is killed with SIGKILL. It used to
+    get SIGTERM, whose Streamlit handler wrote to the pipe of the dead tracer view (EPIPE) and never
+    stopped, keeping the port. Run from a directory holding a ``click.py`` (which Streamlit
+    imports): the current directory must not shadow the server's modules."""
+    (tmp_path / "click.py").write_text("raise SystemExit('this click.py shadowed the real one')\n")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    server: list[int] = []
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("tracer: serving "), first + proc.stdout.read()[-2000:]
+        server = _children(proc.pid)
+        assert len(server) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while (_alive(server[0]) or not _port_free(port)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(server[0]), "the Streamlit server outlived a SIGKILLed tracer view"
+        assert _port_free(port)
+    finally:
+        for pid in [proc.pid, *server]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

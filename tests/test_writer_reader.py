@@ -3,6 +3,7 @@
 import json
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,3 +301,22 @@ def test_step_key_finds_a_step_without_listing(tmp_path):
     assert trace.load_sequence(key, 0)["rewards"].item() == 1.0
     with pytest.raises(TraceFormatError, match="no step file for step 4, inner step 0"):
         trace.step_key(4)
+
+
+def test_a_step_file_in_a_traces_steps_folder_reads_that_traces_token_strings(tmp_path):
+    """A single step file opened on its own (``tracer view <file>``) shows token text, not ``<id N>``,
+    when it sits in the ``steps/`` folder of a trace holding ``tokens.json``; a copy elsewhere has none."""
+    import shutil
+
+    from tracer.reader import Trace
+
+    trace = Trace(Path(__file__).resolve().parents[1] / "sample_traces" / "grpo-tiny")
+    key = trace.steps()[0]
+    single = Trace(key.path)
+    assert single.tokens == trace.tokens and trace.tokens
+    ids = trace.load_step(key)["completion_ids"][0].tolist()
+    assert single.token_text(ids) == trace.token_text(ids)
+    assert not any(t.startswith("<id ") for t in single.token_text(ids))
+    alone = tmp_path / key.path.name
+    shutil.copy(key.path, alone)
+    assert Trace(alone).tokens is None

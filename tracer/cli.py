@@ -385,10 +385,12 @@ def _cmd_view(args: argparse.Namespace) -> int:
     if root.is_file():
         Trace(root)  # validates a single step file
     _require_free_port(args.port)
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), *STREAMLIT_OPTIONS,
+    # -P (Python 3.11+): the current directory is not put on sys.path, so a click.py there cannot shadow Streamlit's
+    isolate = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *isolate, "-m", "streamlit", "run", str(APP_ENTRY), *STREAMLIT_OPTIONS,
            "--server.address", "127.0.0.1", "--server.port", str(args.port),
            "--", "--root", str(root.resolve())]
-    return _serve(cmd, args.port, f"tracer: serving {root} at http://127.0.0.1:{args.port} (Ctrl+C to stop)",
+    return _serve(cmd, args.port, f"tracer: serving {root.resolve()} at http://127.0.0.1:{args.port} (Ctrl+C to stop)",
                   start_timeout_s=args.start_timeout)
 
 

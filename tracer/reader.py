@@ -239,7 +239,10 @@ class Trace:
     @cached_property
     def _tokens(self) -> tuple[list[str] | None, str | None]:
         path = self.root / TOKENS_NAME
-        if self._single or not path.exists():
+        if self._single:  # a step file in the steps/ folder of a trace: that trace's token strings
+            home = self.root.parent
+            path = home / TOKENS_NAME if self.root.name == STEPS_DIR and (home / MANIFEST_NAME).is_file() else None
+        if path is None or not path.exists():
             return None, None
         try:
             return clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES, MAX_TOKEN_ENTRIES, "tokens"),

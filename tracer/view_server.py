@@ -107,15 +107,17 @@ class ServerRun:
 
 
 def _parent_death_signal():
-    """A ``preexec_fn`` for the Streamlit child (Linux): the child gets SIGTERM when ``tracer view``
-    dies, even by SIGKILL, so no server is left holding the port. None where prctl is missing."""
+    """A ``preexec_fn`` for the Streamlit child (Linux): the child is killed when ``tracer view``
+    dies, even by SIGKILL, so no server is left holding the port. SIGKILL, not SIGTERM: Streamlit's
+    own SIGTERM handler writes to its output, a pipe nobody reads once ``tracer view`` is gone, and
+    it never stopped (EPIPE). None where prctl is missing."""
     try:
         import ctypes
 
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def _wait_for(proc: subprocess.Popen, grace_s: float | None) -> int:
