@@ -97,7 +97,7 @@ class StepContext:
         missing = [f for f in fields if f not in self.data]
         if missing:
             raise Skip(f"needs field{'s' if len(missing) > 1 else ''} {', '.join(missing)}, "
-                       "which this step file does not record")
+                       "which these do not record")
         return [self.tensor(f) for f in fields]
 
     def require_recorded(self, *fields: str) -> list[torch.Tensor]:
