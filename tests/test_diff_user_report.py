@@ -169,3 +169,20 @@ def test_different_batch_sizes_name_first_k_sequences_and_say_there_is_no_option
     assert comparable(full, first_k) == err.removeprefix("tracer diff: error: ").rstrip("\n")
     with pytest.raises(DiffInputError, match="first_k_sequences=2"):
         diff(first_k, full)  # either order
+
+
+def test_verbose_keeps_the_short_reports_cause_and_advice_then_adds_the_details(capsys):
+    """New-user trial: --verbose dropped the cause analysis and the 'what to do' lines of the short
+    report; it now prints the short report first, then every finding and position."""
+    from pathlib import Path
+
+    samples = Path(__file__).resolve().parents[1] / "sample_traces"
+    args = ["diff", str(samples / "grpo-diff-baseline"), str(samples / "grpo-diff-scorer-clip")]
+    assert main(args) == 1
+    short = capsys.readouterr().out
+    assert main([*args, "--verbose"]) == 1
+    verbose = capsys.readouterr().out
+    assert verbose.startswith(short.rstrip("\n"))
+    assert "cause: rewards" in verbose and "what to do:" in verbose
+    assert "details (--verbose):" in verbose and verbose.index("details (--verbose):") > verbose.index("what to do:")
+    assert "first divergence: rewards" in verbose

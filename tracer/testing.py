@@ -34,9 +34,9 @@ __all__ = ["assert_traces_match", "failure_message", "TraceRegression", "trace_r
 
 
 def failure_message(report: DiffReport) -> str:
-    """What a failing comparison says: the short report (its first line is the headline: the
-    upstream cause), then the full report of ``tracer diff --verbose``."""
-    return f"{report.format()}\n\nfull report (tracer diff --verbose):\n{report.format(verbose=True)}"
+    """What a failing comparison says: the report of ``tracer diff --verbose``: the short report (its
+    first line is the headline: the upstream cause), then the details."""
+    return report.format(verbose=True)
 
 
 def _tolerances(atol, rtol, field_tolerances: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
@@ -175,9 +175,8 @@ class TraceRegression:
             _copy_trace(trace, baseline)
             pytest.fail(f"re-recorded the trace baseline {baseline} ({REGEN_FLAG}); it differed:\n\n"
                         f"{failure_message(report)}", pytrace=False)
-        pytest.fail(f"{report.format()}\n\nIf this change is intended, re-record the baseline with "
-                    f"pytest {REGEN_FLAG} and commit it.\n\nfull report (tracer diff --verbose):\n"
-                    f"{report.format(verbose=True)}", pytrace=False)
+        pytest.fail(f"{report.format(verbose=True)}\n\nIf this change is intended, re-record the baseline with "
+                    f"pytest {REGEN_FLAG} and commit it.", pytrace=False)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

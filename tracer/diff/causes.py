@@ -110,7 +110,7 @@ def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
     elif floats:
         flags = " ".join(passes_with(f) for f in floats)
         lines.append(f"  to accept differences this size: {flags}")
-    lines.append("  --verbose: every differing position; --json: everything; --fields F1,F2: compare some fields only")
+    lines.append("  --verbose: also every finding and each field's differing positions; --json: everything; --fields F1,F2: compare some fields only")
     return lines
 
 

@@ -289,19 +289,18 @@ class DiffReport:
     def format(self, max_locations: int = 10, verbose: bool = False) -> str:
         """The readable report. Short by default (``tracer.diff.causes.render_short``: the headline,
         a table of the diverging fields, the tolerances that would pass, what to do); with
-        ``verbose``, every finding and each differing field's details (``max_locations`` positions
-        per field)."""
-        if not verbose:
-            from tracer.diff.causes import render_short
+        ``verbose``, the short report then :meth:`details`."""
+        from tracer.diff.causes import render_short
 
-            return render_short(self)
+        short = render_short(self)
+        return f"{short}\n\ndetails (--verbose):\n{self.details_text(max_locations)}" if verbose else short
+
+    def details_text(self, max_locations: int = 10) -> str:
+        """What ``--verbose`` adds to the short report: every finding, the notes, the token
+        alignment, and each differing field's details (``max_locations`` positions per field)."""
         findings = self.findings()
-        lines = [f"tracer diff: {self.verdict()}"]
-        for side, label, path in (("a", self.labels[0], self.a), ("b", self.labels[1], self.b)):
-            lines.append(f"  {side}{f' ({label})' if label != side else ''}: {path}")
-        lines.append(f"  {self.algorithm or 'unknown algorithm'} · {self.step_pairs} step pairs "
-                     f"({self.identical_by_checksum} identical by verified checksum) · only in a: "
-                     f"{len(self.only_in_a)} · only in b: {len(self.only_in_b)}")
+        lines = [f"  {self.verdict()} · {self.step_pairs} step pairs ({self.identical_by_checksum} identical by "
+                 f"verified checksum) · only in a: {len(self.only_in_a)} · only in b: {len(self.only_in_b)}"]
         first = self.first_divergence
         if first:
             lines.append(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
