@@ -225,3 +225,31 @@ def test_a_server_that_ignores_the_signal_after_serving_is_killed_after_the_grac
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
+def test_a_closed_stdout_stops_the_server_before_tracer_view_exits():
+    """``tracer view DIR | head -0``: printing the URL fails (BrokenPipeError) once the server answers;
+    tracer view exits 1 and has stopped and waited for the server (it was left to its parent-death
+    signal, an orphan for as long as Streamlit takes to stop, and for ever where prctl is missing)."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
+                            env=env, stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    os.close(write_end)
+    server: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            server = server or _children(proc.pid)
+            time.sleep(0.01)
+        assert proc.wait(timeout=60) == 1 and len(server) == 1, (proc.returncode, server)
+        assert not _alive(server[0]), "the server outlived tracer view"
+        assert _port_free(port) and "Traceback" not in proc.stderr.read()
+    finally:
+        for pid in [proc.pid, *server]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -148,7 +148,8 @@ def serve(cmd: list[str], port: int, on_serving: Callable[[], None], sink: Calla
     that does not answer within ``start_timeout_s`` seconds is stopped. SIGTERM, SIGINT or SIGHUP
     sent to this process (``kill``, systemd, ``docker stop``, Ctrl+C) is passed on to the server,
     which is waited for (killed after ``grace_s`` seconds), so the port is free on return.
-    Raises OSError when ``cmd`` cannot be started."""
+    Raises OSError when ``cmd`` cannot be started, and what ``on_serving`` or ``sink`` raise (the
+    server stopped and waited for first)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its last words reach the pipe even if it is killed
     received: list[int] = []
     started: list[subprocess.Popen] = []
@@ -176,6 +177,12 @@ def serve(cmd: list[str], port: int, on_serving: Callable[[], None], sink: Calla
         elif state == TIMED_OUT:
             proc.terminate()
         code = _wait_for(proc, grace_s, lambda: bool(received) or state == TIMED_OUT)
+    except BaseException:  # on_serving or sink failed (stdout a closed pipe: `tracer view | head`): no server left
+        for proc in started:
+            if proc.poll() is None:
+                proc.terminate()
+                _wait_for(proc, grace_s, lambda: True)
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
