@@ -10,6 +10,7 @@ import pytest
 
 from app.components import sidebar, trace_cache
 from tests.toy_traces import healthy_step_tensors, start, write_trace
+from tracer.layout import step_file_name
 from tracer.writer import TraceWriter
 
 
@@ -70,3 +71,53 @@ def test_the_steps_page_draws_every_step_with_the_number_input(monkeypatch, root
     assert not at.exception
     assert len(at.get("plotly_chart")) == 1
     assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 0
+
+
+
+def _with_a_copy_of_step_2(tmp_path, name: str):
+    run = write_trace(tmp_path / "run", steps=4)
+    (run / "steps" / name).write_bytes((run / "steps" / step_file_name(2)).read_bytes())
+    return run
+
+
+def _shows_every_file_once(monkeypatch, tmp_path, expected: list[str], pick: str, step: int) -> None:
+    at = start(monkeypatch, tmp_path, {"run": "run"})
+    assert not at.exception
+    assert at.sidebar.selectbox(key="step_file").options == expected
+    assert not at.sidebar.number_input  # no Step number: the one list holds every file once
+    at.sidebar.selectbox(key="step_file").select(pick).run()
+    assert not at.exception
+    assert at.query_params["step"] == str(step)
+    at.switch_page("app_pages/steps.py").run()
+    assert not at.exception
+    assert len(at.get("plotly_chart")) == 1
+
+
+@pytest.mark.parametrize("options", [3, 2_000], ids=["number-input", "one-list"])
+def test_a_step_number_beyond_what_a_number_input_holds_gets_the_one_list(monkeypatch, tmp_path, options):
+    """A step file named ``step_<2**60>`` (a copy of step 2's, by a user): a Streamlit number input
+    holds no number beyond 2**53 - 1, so above MAX_STEP_OPTIONS files the one Step file list is
+    offered (every file once), and the Steps page's step axis still gets its ticks."""
+    monkeypatch.setattr(sidebar, "MAX_STEP_OPTIONS", options)
+    _with_a_copy_of_step_2(tmp_path, f"step_{2**60}.inner_0.mb_0.rank_0.safetensors")
+    expected = [label(s, i) for s in range(4) for i in (0, 1)] + [label(2**60, 0)]
+    _shows_every_file_once(monkeypatch, tmp_path, expected, label(2**60, 0), 2**60)
+
+
+def test_a_file_named_with_a_number_beyond_int64_is_listed_by_its_header(monkeypatch, tmp_path):
+    """``step_<2**70>...`` (a copy of step 2's): no int64 holds the number its name gives, so it is
+    listed as a user-named file is, at the coordinates its header gives (step 2, inner 0), and the
+    two files claiming step 2 · inner 0 name their files in every label; with the Step number
+    (more than MAX_STEP_OPTIONS files), step 2 offers its three files."""
+    run = _with_a_copy_of_step_2(tmp_path, f"step_{2**70}.inner_0.mb_0.rank_0.safetensors")
+    coords = sorted([(s, i, step_file_name(s, i)) for s in range(4) for i in (0, 1)]
+                    + [(2, 0, f"step_{2**70}.inner_0.mb_0.rank_0.safetensors")])
+    expected = [f"{label(s, i)} · {name}" for s, i, name in coords]
+    assert (run / "steps" / coords[5][2]).name.startswith("step_1180591620717411303424")
+    at = start(monkeypatch, tmp_path, {"run": "run"})
+    assert not at.exception
+    at.sidebar.number_input(key=sidebar.STEP_NUMBER).set_value(2).run()
+    assert not at.exception
+    assert at.sidebar.selectbox(key="step_file").options == expected[4:7]
+    monkeypatch.setattr(sidebar, "MAX_STEP_OPTIONS", 2_000)
+    _shows_every_file_once(monkeypatch, tmp_path, expected, expected[5], 2)

@@ -157,6 +157,105 @@ def test_start_timeout_must_be_a_positive_number_of_seconds(value):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_server_is_being_started_stops_both(signum):
+    """The signal lands the moment the server process exists (forked, maybe not yet Streamlit):
+    tracer view must neither die of it, leaving the server to its parent-death signal (SIGTERM
+    came before its handler), nor lose it and serve on (SIGINT raised inside an at-fork hook)."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    server: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not server and proc.poll() is None and time.monotonic() < deadline:
+            server = _children(proc.pid)
+        assert len(server) == 1, (proc.poll(), server)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, (proc.returncode, out, err)  # stopped, not killed
+        assert "http://" not in out and "Traceback" not in err, (out, err)
+        assert not _alive(server[0]), "the server outlived tracer view"
+        time.sleep(1)
+        assert _port_free(port) and not _healthy(port)
+    finally:
+        for pid in [proc.pid, *server]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+STUBBORN_SERVER = """
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
+def test_a_server_that_ignores_the_signal_after_serving_is_killed_after_the_grace(tmp_path):
+    """A server that serves, then ignores SIGTERM: ``serve`` (as tracer view runs it) kills it
+    ``grace_s`` seconds after the signal, instead of waiting for it for ever."""
+    port = _free_port()
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN_SERVER)
+    code = ("import sys; from tracer.view_server import serve; "
+            f"run = serve([sys.executable, {str(script)!r}, '{port}'], {port}, lambda: print('serving', flush=True), "
+            "lambda line: None, grace_s=1.0); print(run.state, run.code, flush=True)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)
+    server: list[int] = []
+    try:
+        assert proc.stdout.readline() == "serving\n"
+        server = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        assert out == f"stopped {-signal.SIGKILL}\n", (out, err)
+        assert not _alive(server[0]) and _port_free(port)
+    finally:
+        for pid in [proc.pid, *server]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
+def test_a_closed_stdout_stops_the_server_before_tracer_view_exits():
+    """``tracer view DIR | head -0``: printing the URL fails (BrokenPipeError) once the server answers;
+    tracer view exits 1 and has stopped and waited for the server (it was left to its parent-death
+    signal, an orphan for as long as Streamlit takes to stop, and for ever where prctl is missing)."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
+                            env=env, stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    os.close(write_end)
+    server: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            server = server or _children(proc.pid)
+            time.sleep(0.01)
+        assert proc.wait(timeout=60) == 1 and len(server) == 1, (proc.returncode, server)
+        assert not _alive(server[0]), "the server outlived tracer view"
+        assert _port_free(port) and "Traceback" not in proc.stderr.read()
+    finally:
+        for pid in [proc.pid, *server]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
 def test_a_sigkilled_tracer_view_leaves_no_server(tmp_path):
     """README: on Linux the server also stops if ``tracer view`` is killed with SIGKILL. It used to
     get SIGTERM, whose Streamlit handler wrote to the pipe of the dead tracer view (EPIPE) and never

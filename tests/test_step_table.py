@@ -51,3 +51,17 @@ def test_the_apps_listing_by_name_equals_the_listing_file_by_file(tmp_path):
     assert fast.step_table().labels() == [k.label for k in Trace(run).steps()]
     pd.testing.assert_frame_equal(fast.step_summary(), slow.step_summary())
     assert fast.step_summary().attrs["from_index"] == len(Trace(run).steps())
+
+
+def test_a_name_beyond_int64_is_keyed_by_its_header(tmp_path):
+    """A copy of step 1's file named ``step_<2**64>...``: no int64 holds that step, so the reader
+    keys it as a user-named file (its header says step 1) and the table, count and overview hold it."""
+    run = write_trace(tmp_path / "run", steps=2)
+    name = f"step_{2**64}.inner_0.mb_0.rank_0.safetensors"
+    (run / STEPS_DIR / name).write_bytes((run / STEPS_DIR / step_file_name(1)).read_bytes())
+    for trace in (Trace(run), SafeTrace(run)):
+        assert trace.step_count() == 5
+        assert trace.step_table().coordinates.tolist() == [[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0],
+                                                           [1, 1, 0, 0]]
+        assert trace.step_table().names[3] == name
+        assert trace.step_summary()["step"].tolist() == [0, 0, 1, 1, 1]

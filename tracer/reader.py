@@ -160,7 +160,7 @@ class Trace:
                 keys.append(key)
                 continue
             m = _STEP_RE.match(p.name)
-            if m:
+            if m and all(len(g) < 19 or int(g) < 2**63 for g in m.groups()):  # beyond int64: as user-named
                 key = StepKey(*(int(g) for g in m.groups()), path=p)
                 if len(named) < MAX_NAMED_KEYS:
                     named[p] = key

@@ -120,13 +120,25 @@ def _parent_death_signal():
     return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _wait_for(proc: subprocess.Popen, grace_s: float | None) -> int:
-    """Wait for ``proc``; past ``grace_s`` seconds (None: forever) kill it. Returns its exit code."""
+def _pass_on(proc: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to the server ``proc`` while it runs (SIGHUP as SIGTERM: Streamlit stops on it)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if signum == getattr(signal, "SIGHUP", None) else signum)
+
+
+def _wait_for(proc: subprocess.Popen, grace_s: float, stopping: Callable[[], bool], poll_s: float = 0.1) -> int:
+    """Wait for ``proc``; once ``stopping()`` is true (a signal came, or the start-up timed out),
+    kill it past ``grace_s`` more seconds. Returns its exit code."""
+    deadline = None
     while True:
+        if deadline is None and stopping():
+            deadline = time.monotonic() + grace_s
         try:
-            return proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:  # the server ignored the signal: end it
-            proc.kill()
+            return proc.wait(timeout=poll_s if deadline is None else max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:  # the server ignored the signal: end it
+                proc.kill()
+                return proc.wait()
 
 
 def serve(cmd: list[str], port: int, on_serving: Callable[[], None], sink: Callable[[str], None],
@@ -138,28 +150,41 @@ def serve(cmd: list[str], port: int, on_serving: Callable[[], None], sink: Calla
     that does not answer within ``start_timeout_s`` seconds is stopped. SIGTERM, SIGINT or SIGHUP
     sent to this process (``kill``, systemd, ``docker stop``, Ctrl+C) is passed on to the server,
     which is waited for (killed after ``grace_s`` seconds), so the port is free on return.
-    Raises OSError when ``cmd`` cannot be started."""
+    Raises OSError when ``cmd`` cannot be started, and what ``on_serving`` or ``sink`` raise (the
+    server stopped and waited for first)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its last words reach the pipe even if it is killed
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="backslashreplace", env=env,
-                            preexec_fn=_parent_death_signal() if sys.platform.startswith("linux") else None)
-    output = ServerOutput(proc.stdout, sink)
     received: list[int] = []
+    started: list[subprocess.Popen] = []
 
     def forward(signum: int, _frame: Any) -> None:
         received.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+        for proc in started:  # none yet: passed on once the server is started, below
+            _pass_on(proc, signum)
 
     handled = [s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None]
+    # installed before the server is started: a signal that came while it was being forked would
+    # otherwise kill tracer view before it could stop the server (SIGTERM), or be lost (SIGINT)
     previous = {s: signal.signal(s, forward) for s in handled}
     try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="backslashreplace", env=env,
+                                preexec_fn=_parent_death_signal() if sys.platform.startswith("linux") else None)
+        started.append(proc)
+        if received:  # a signal came while the server was being started
+            _pass_on(proc, received[0])
+        output = ServerOutput(proc.stdout, sink)
         state = wait_until_serving(proc, port, start_timeout_s, stopped=lambda: bool(received))
         if state == SERVING:
             output.release(on_serving)
         elif state == TIMED_OUT:
             proc.terminate()
-        code = _wait_for(proc, grace_s if received or state == TIMED_OUT else None)
+        code = _wait_for(proc, grace_s, lambda: bool(received) or state == TIMED_OUT)
+    except BaseException:  # on_serving or sink failed (stdout a closed pipe: `tracer view | head`): no server left
+        for proc in started:
+            if proc.poll() is None:
+                proc.terminate()
+                _wait_for(proc, grace_s, lambda: True)
+        raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

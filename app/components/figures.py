@@ -107,7 +107,8 @@ def integer_ticks(fig: go.Figure, values, axis: str = "x") -> None:
     about 12 ticks over ``values``."""
     values = [v for v in values if v is not None and v == v]
     width = (max(values) - min(values)) if values else 1
-    dtick = next(d * 10 ** e for e in range(0, 12) for d in (1, 2, 5) if width / (d * 10 ** e) <= 12)
+    exponents = range(0, len(str(int(width))) + 1)  # 10 ** len(digits) > width: always found (any step number)
+    dtick = next(d * 10 ** e for e in exponents for d in (1, 2, 5) if width / (d * 10 ** e) <= 12)
     update = fig.update_xaxes if axis == "x" else fig.update_yaxes
     update(tick0=0, dtick=dtick, tickformat="d")
 

@@ -37,6 +37,7 @@ RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
 MAX_STEP_OPTIONS = 2_000  # a run with more step files picks a step number, then one of its files
 STEP_NUMBER = "step_number"  # the session state of that Step number input
+JS_SAFE_INT = 2**53 - 1  # the largest step a Streamlit number input holds (a JavaScript number)
 
 
 @dataclass(frozen=True)
@@ -260,9 +261,9 @@ def _step_file_choices(table: StepTable) -> tuple[StepTable, list[str]]:
     input drawn here (a 10,000-option list would cost the page, and the browser, for each
     option). A Step file label set before the choosers are drawn (the URL, a Health finding)
     moves the number to its step."""
-    if len(table) <= MAX_STEP_OPTIONS:
-        return table, table.labels()
     steps = table.coordinates[:, 0]  # ascending: the table is sorted by coordinates
+    if len(table) <= MAX_STEP_OPTIONS or not -JS_SAFE_INT <= steps[0] <= steps[-1] <= JS_SAFE_INT:
+        return table, table.labels()  # (a number input holds no step beyond the browser's safe integers)
     wanted, number = st.session_state.get("step_file"), st.session_state.get(STEP_NUMBER)
     if number is None or not steps[0] <= number <= steps[-1]:
         number = st.session_state[STEP_NUMBER] = int(steps[0])
