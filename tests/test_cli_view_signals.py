@@ -61,6 +61,14 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _reap(proc: subprocess.Popen, server: list[int]) -> None:
+    """Kill what a test left running: tracer view and its server."""
+    for pid in [proc.pid, *server]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_tracer_view_stops_the_server_and_frees_the_port(signum):
@@ -85,16 +93,14 @@ def test_stopping_tracer_view_stops_the_server_and_frees_the_port(signum):
         assert not _alive(server[0]), "the Streamlit server outlived tracer view"
         assert _port_free(port)
     finally:
-        for pid in [proc.pid, *server]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _reap(proc, server)
 
 
-def _view(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _view(port: int, *extra: str, env: dict[str, str] | None = None, cwd: Path = REPO,
+          stderr: int = subprocess.PIPE) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port),
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=cwd)
 
 
 def _get(url: str) -> int:
@@ -163,9 +169,7 @@ def test_a_signal_while_the_server_is_being_started_stops_both(signum):
     tracer view must neither die of it, leaving the server to its parent-death signal (SIGTERM
     came before its handler), nor lose it and serve on (SIGINT raised inside an at-fork hook)."""
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = _view(port)
     server: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -180,10 +184,7 @@ def test_a_signal_while_the_server_is_being_started_stops_both(signum):
         time.sleep(1)
         assert _port_free(port) and not _healthy(port)
     finally:
-        for pid in [proc.pid, *server]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _reap(proc, server)
 
 
 STUBBORN_SERVER = """
@@ -221,10 +222,7 @@ def test_a_server_that_ignores_the_signal_after_serving_is_killed_after_the_grac
         assert out == f"stopped {-signal.SIGKILL}\n", (out, err)
         assert not _alive(server[0]) and _port_free(port)
     finally:
-        for pid in [proc.pid, *server]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _reap(proc, server)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
@@ -249,10 +247,7 @@ def test_a_closed_stdout_stops_the_server_before_tracer_view_exits():
         assert not _alive(server[0]), "the server outlived tracer view"
         assert _port_free(port) and "Traceback" not in proc.stderr.read()
     finally:
-        for pid in [proc.pid, *server]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        _reap(proc, server)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child processes from /proc (Linux)")
@@ -263,9 +258,7 @@ def test_a_sigkilled_tracer_view_leaves_no_server(tmp_path):
     imports): the current directory must not shadow the server's modules."""
     (tmp_path / "click.py").write_text("raise SystemExit('this click.py shadowed the real one')\n")
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tracer", "view", str(REPO / "sample_traces"), "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = _view(port, cwd=tmp_path, stderr=subprocess.STDOUT)
     server: list[int] = []
     try:
         first = proc.stdout.readline()
@@ -280,6 +273,4 @@ def test_a_sigkilled_tracer_view_leaves_no_server(tmp_path):
         assert not _alive(server[0]), "the Streamlit server outlived a SIGKILLed tracer view"
         assert _port_free(port)
     finally:
-        for pid in [proc.pid, *server]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        _reap(proc, server)
