@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tracer
-from tracer import Trace
+from tracer import Trace, frame_lookup
 from tracer.watch import StepClock
 from tests.test_site_plans import _assert_same_runs, _in
 
@@ -333,3 +333,51 @@ def test_a_callers_locals_dict_it_keeps_is_left_alone(tmp_path):
         seen = caller(weight)
     assert w.steps_recorded == 2
     assert seen == [(["kept", "lr", "rollout", "seen", "step", "weight"], 0.5)] * 2
+
+
+def test_a_released_snapshot_refreshes_to_the_variables(tmp_path):
+    """release_locals sets the snapshot's values to None, keeping its keys (so the next refresh does not
+    grow the dict again): a later ``locals()`` in the loop is exactly its bound variables and their
+    values, a deleted one absent."""
+    if sys.version_info >= (3, 13):
+        pytest.skip("f_locals is a write-through proxy from 3.13")
+    weight = torch.nn.Parameter(torch.zeros(2, 3, 5))
+    seen = {}
+
+    def loop():
+        for step in range(2):
+            extra = torch.ones(3)
+            per_token_logps = weight.log_softmax(-1)[..., 0]
+            per_token_logps.sum().backward()
+            seen[step] = {k: type(v).__name__ for k, v in locals().items()}
+            del extra
+            seen[f"del {step}"] = sorted(locals())
+
+    with tracer.watch(algo="grpo", out=tmp_path / "t") as w:
+        loop()
+    assert w.steps_recorded == 2
+    both = {"extra": "Tensor", "per_token_logps": "Tensor", "seen": "dict", "step": "int", "weight": "Parameter"}
+    assert seen[0] == seen[1] == both
+    assert seen["del 0"] == seen["del 1"] == ["per_token_logps", "seen", "step", "weight"]
+
+
+def test_release_locals_lets_go_of_the_values_and_keeps_the_keys():
+    """The snapshot a capture took, released: every value None (no tensor kept alive), keys unchanged."""
+    if sys.version_info >= (3, 13):
+        pytest.skip("f_locals is a write-through proxy from 3.13")
+    release = frame_lookup.release_locals
+
+    def body():
+        rollout = torch.randn(4, 4)
+        alive = weakref.ref(rollout)
+        frame = sys._getframe()
+        local = frame.f_locals
+        keys = sorted(local)
+        release(frame, local)
+        values = list(local.values())
+        del local, rollout
+        return keys, values, alive() is None
+
+    keys, values, freed = body()
+    assert keys == ["alive", "frame", "release", "rollout"]
+    assert values == [None] * 4 and freed
