@@ -343,6 +343,7 @@ def test_a_known_cpu_signature_is_staged_into_one_reused_buffer_group(tmp_path):
     staged, event, buffers, nbytes = stage(step, pool, reuse=True, group_key=key)
     assert event is None and len(buffers) == 1 and isinstance(buffers[0][0], BufferGroup)
     assert nbytes == sum(t.nbytes for t in step.values())
+    assert torch.is_grad_enabled()  # the grad mode the copy turned off is on again
     for name, t in staged.items():  # the values at record time, contiguous, no graph, each its own memory
         assert torch.equal(t, want[name]) and t.is_contiguous() and not t.requires_grad and t._base is None
     base += 100  # the loop mutates its tensors right after recording: the staged copy keeps the old values

@@ -194,8 +194,12 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     if group_key is not None and reuse and pool is not None and not owned:
         sources = list(tensors.values())
         group = pool.take_group(group_key, sources)
-        with torch.no_grad():  # one call; as copy_ (any strides in, contiguous out); no graph to the buffers
+        grad = torch.is_grad_enabled()  # no graph to the buffers; cheaper than a no_grad() context per step
+        torch._C._set_grad_enabled(False)
+        try:  # one call; as copy_ (any strides in, contiguous out)
             torch._foreach_copy_(list(group), sources)  # a plain list: a tensor subclass's dispatch rebuilds its type
+        finally:
+            torch._C._set_grad_enabled(grad)
         return dict(zip(tensors, group)), None, [(group, False)], group.nbytes
     staged, pinned, nbytes, cuda = {}, [], 0, []
     with torch.no_grad():  # one context instead of a detach() per tensor
