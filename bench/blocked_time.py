@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.common import grpo_step_tensors, machine, median, nbytes
+from bench.common import grpo_step_tensors, machine, median, nbytes, trace_dir_line
 from tracer.writer import TraceWriter
 
 
@@ -63,6 +63,7 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     print(machine())
+    print(trace_dir_line())
     for kind in args.writer.split(","):
         r = measure(steps=args.steps, writer=kind)
         print(f"blocked time, writer {kind}: record() {r['record_us']:.0f} us vs plain copy {r['copy_us']:.0f} us of "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -21,6 +22,27 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"Python {platform.python_version()}, {gpu}")
+
+
+def file_create_us(directory: str | None = None, files: int = 200) -> float:
+    """Median microseconds to create (and close) one empty file in a new folder under ``directory``
+    (default: the temp folder, ``TMPDIR``): the file system's part of every step file. On this
+    project's VMs it is anything from 7 us (/dev/shm) to 700 us (ext4, some folders, some hours), so
+    a writer's cost is only comparable between runs with this figure beside it."""
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        times = []
+        for i in range(files):
+            t0 = time.perf_counter()
+            os.close(os.open(os.path.join(tmp, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def trace_dir_line(directory: str | None = None) -> str:
+    """Where the benchmark's traces go and what a file costs there (:func:`file_create_us`)."""
+    where = directory or tempfile.gettempdir()
+    return (f"traces under {where}: creating a file there costs {file_create_us(directory):.0f} us "
+            "(set TMPDIR=/dev/shm to leave the disk out)")
 
 
 def median(xs: list[float]) -> float:

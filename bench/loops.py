@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine, median
+from bench.common import machine, median, trace_dir_line
 from bench.overhead import make_model, run_loop
 from tracer.writer import TraceWriter
 
@@ -229,6 +229,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
+    print(trace_dir_line())
     for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
                                    args.ppo_steps).items():
         unit = "backward" if name == "ppo" else "record"
