@@ -175,8 +175,8 @@ class TraceRegression:
             _copy_trace(trace, baseline)
             pytest.fail(f"re-recorded the trace baseline {baseline} ({REGEN_FLAG}); it differed:\n\n"
                         f"{failure_message(report)}", pytrace=False)
-        pytest.fail(f"{report.format(verbose=True)}\n\nIf this change is intended, re-record the baseline with "
-                    f"pytest {REGEN_FLAG} and commit it.", pytrace=False)
+        pytest.fail(f"{report.format()}\n\nIf this change is intended, re-record the baseline with pytest "
+                    f"{REGEN_FLAG} and commit it.\n\ndetails (--verbose):\n{report.details_text()}", pytrace=False)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
