@@ -480,7 +480,8 @@ class ProcessWriter:
         """The child stalled: say what it holds, kill it, rescue its steps as a dead child's (:meth:`_gone`)."""
         held = [step for *_, step, _ in self._inflight]
         steps = f"step {held[0]}" if len(held) == 1 else f"steps {held[0]} to {held[-1]}" if held else ""
-        what = f"holding {len(held)} step(s) not yet written ({steps}, {self._bytes} bytes)" if held else "holding no step"
+        what = (f"holding {len(held)} step(s) not yet written ({steps}, {self._bytes} bytes)" if held
+                else "holding no step")
         state = _state(self.pid)
         self.stalled = True
         self._end_child()
