@@ -16,7 +16,8 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the
     sys.path.insert(0, str(_REPO))
 
 from app.components import trace_cache, urls  # noqa: E402
-from app.components.navigation import HOME_PAGE, PAGES, hidden_pages_note, pages_for  # noqa: E402
+from app.components.navigation import HOME_PAGE, PAGES, hidden_pages_note, not_offered_reason, pages_for  # noqa: E402
+from app.components.not_offered import not_offered_page  # noqa: E402
 from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
 
@@ -47,7 +48,11 @@ algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection
 offered = pages_for(algorithm, recorded)
 page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
                       *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
-                        for spec in offered]])
+                        for spec in offered],
+                      # a link to a page this run is not offered (/groups of a PPO run) says why, and links on
+                      *[st.Page(not_offered_page(spec, not_offered_reason(spec, algorithm, recorded), offered),
+                                title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
+                        for spec in PAGES if spec not in offered]])
 urls.drop_other_pages_params(page.url_path)
 note = hidden_pages_note(algorithm, recorded)
 if note:  # once, collapsed, under the page list (not a note on every page)

@@ -24,7 +24,7 @@ from app.components.dpo import (  # noqa: E402
     MASKED_CELL, dpo_curves_figure, pair_logprobs_figure, side_text, style_pair_table)
 from app.components.groups import (  # noqa: E402
     ZERO_VARIANCE_BACKGROUND, group_label, group_rewards_figure, style_group_table, zero_variance_figure)
-from app.components.navigation import PAGES, hidden_pages_note, pages_for  # noqa: E402
+from app.components.navigation import PAGES, hidden_pages_note, not_offered_reason, pages_for  # noqa: E402
 from app.components.ppo import (  # noqa: E402
     STATUS_BACKGROUND, STATUS_COLOUR, early_stop_figure, early_stop_grid, gae_figure, gae_token_frame,
     style_minibatch_table)
@@ -96,6 +96,18 @@ def test_pages_follow_the_algorithm():
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
     assert hidden_pages_note("dpo") == "Hidden for a dpo run: Step, PPO: GAE and early stop, Groups, Mismatch."
     assert hidden_pages_note(None) is None
+
+
+def test_a_page_not_offered_says_why():
+    """The reason the page behind a link to a hidden page gives (its algorithms; a field not recorded)."""
+    by_url = {p.url_path: p for p in PAGES}
+    assert not_offered_reason(by_url["groups"], "ppo") == (
+        "The Groups page is for grpo, cispo, rloo runs; this run's algorithm is ppo.")
+    assert not_offered_reason(by_url["step"], "dpo") == (
+        "The Step page is for ppo, grpo, cispo, rloo runs; this run's algorithm is dpo.")
+    assert not_offered_reason(by_url["mismatch"], "grpo", {"policy_logprobs", "old_logprobs"}) == (
+        "The Mismatch page shows sampler_logprobs, which this run does not record (no sampler_logprobs in the "
+        "first or the selected step file).")
 
 
 # -- PPO builders -------------------------------------------------------------------------------------

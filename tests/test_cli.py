@@ -122,6 +122,21 @@ def test_check_on_a_folder_of_traces_names_them(tmp_path, capsys):
     assert "is a folder of 2 trace(s), not a trace" in err and f"tracer check {tmp_path / 'runs' / 'a'}" in err
 
 
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_info_on_a_folder_of_traces_names_them_as_check_does(tmp_path, json_flag):
+    """The real CLI on a folder holding 6 traces (one a level deeper): exit 2, and the error names
+    how many, one to pass, and the first five (sorted, as find_traces lists them) and how many more."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b", "c", "d", "sweep/e", "sweep/f"):
+        write_trace(runs / name)
+    proc = subprocess.run([sys.executable, "-m", "tracer", "info", str(runs), *json_flag],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (proc.returncode, proc.stdout) == (2, "")
+    shown = ", ".join(str(runs / name) for name in ("a", "b", "c", "d", "sweep/e"))
+    assert proc.stderr == (f"tracer info: error: {runs} is a folder of 6 trace(s), not a trace: pass one of them, "
+                           f"e.g. tracer info {runs / 'a'} ({shown} and 1 more)\n")
+
+
 def test_version_names_the_version_and_the_copy_of_tracer_that_runs(tmp_path):
     """``tracer --version`` through the real entry (``python -m tracer``), from another folder: the
     version pyproject declares, and the folder of the package imported (this checkout's)."""

@@ -126,6 +126,30 @@ def test_the_url_is_printed_once_the_server_answers():
         proc.wait(timeout=30)
 
 
+@pytest.mark.parametrize("level", [None, "info"])
+def test_streamlit_does_not_repeat_the_url_and_its_own_lines_still_come(level):
+    """The URL is printed once, by tracer view: no Streamlit banner ("You can now view your Streamlit
+    app", its URL), no "Uvicorn server started on" info line; Streamlit's other output still passes
+    (its "Stopping..." at SIGTERM), and a user's own STREAMLIT_LOGGER_LEVEL wins (info: the line shows)."""
+    port = _free_port()
+    proc = _view(port, env={"STREAMLIT_LOGGER_LEVEL": level} if level else None, stderr=subprocess.STDOUT)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("tracer: serving ") and f"http://127.0.0.1:{port} " in first, first
+        assert _get(f"http://127.0.0.1:{port}/") == 200
+        time.sleep(1)  # what the server prints after it answers has come through by now
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert "You can now view" not in rest and "Stopping..." in rest, rest
+    assert ("Uvicorn server started on" in rest) == (level == "info"), rest
+    assert (first + rest).count(f"127.0.0.1:{port}") == 1 + (level == "info"), first + rest
+
+
 def test_a_server_that_exits_during_start_up_is_reported_with_what_it_printed(tmp_path):
     # a user setting Streamlit cannot honour (TLS files that do not exist): the server dies on start-up
     port = _free_port()

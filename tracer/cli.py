@@ -341,6 +341,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    _refuse_a_folder_of_traces(args.path, "info")
     info = trace_info(args.path, verify=args.verify)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -428,16 +429,17 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     return 0 if report.equal else 1
 
 
-def _refuse_a_folder_of_traces(path: str) -> None:
-    """A folder that is not a trace but holds some (``runs/``): say which, rather than 'not a trace'."""
+def _refuse_a_folder_of_traces(path: str, command: str) -> None:
+    """A folder that is not a trace but holds some (``runs/``): say which, rather than 'not a trace'
+    (TraceError naming the first five and how to pass one to ``tracer <command>``)."""
     folder = Path(path)
     if not folder.is_dir() or (folder / "manifest.json").exists() or (folder / "steps").is_dir():
         return
     inside = [t for t in find_traces(folder) if t != folder]
     if inside:
         shown = ", ".join(str(t) for t in inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
-        raise TraceError(f"{folder} is a folder of {len(inside)} trace(s), not a trace: check one at a time, "
-                         f"e.g. tracer check {inside[0]} ({shown})")
+        raise TraceError(f"{folder} is a folder of {len(inside)} trace(s), not a trace: pass one of them, "
+                         f"e.g. tracer {command} {inside[0]} ({shown})")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -448,7 +450,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if not args.sampler_ratio_bound > 1:
         raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
-    _refuse_a_folder_of_traces(args.path)
+    _refuse_a_folder_of_traces(args.path, "check")
     findings = run_checks(args.path, select=args.select,
                           options=CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound))
     if args.json:

@@ -22,6 +22,13 @@ from dataclasses import dataclass
 from typing import IO, Any, Callable
 
 HEALTH_PATH = "/_stcore/health"
+# What tracer view tells Streamlit through its environment, so that the server does not repeat the URL
+# tracer view prints once the server answers: logger.hideWelcomeMessage (added in 2026,
+# streamlit/streamlit#14118, hidden from `streamlit config show`; a Streamlit without it ignores the
+# variable) drops the "You can now view your Streamlit app" banner, logger.level = warning the
+# "Uvicorn server started on 127.0.0.1:PORT" info line. Warnings and errors still print; the user's
+# own STREAMLIT_LOGGER_LEVEL, when set, wins.
+QUIET_ENV = {"STREAMLIT_LOGGER_HIDE_WELCOME_MESSAGE": "true", "STREAMLIT_LOGGER_LEVEL": "warning"}
 SERVING, EXITED, TIMED_OUT, STOPPED = "serving", "exited", "timed out", "stopped"
 
 
@@ -145,14 +152,15 @@ def serve(cmd: list[str], port: int, on_serving: Callable[[], None], sink: Calla
           start_timeout_s: float = 60.0, grace_s: float = 10.0) -> ServerRun:
     """Run the server ``cmd`` (listening on 127.0.0.1:``port``) until it ends.
 
-    Its stdout and stderr are held back until it answers on :data:`HEALTH_PATH`; then
+    Its stdout and stderr (without Streamlit's welcome banner: :data:`QUIET_ENV`) are held back until
+    it answers on :data:`HEALTH_PATH`; then
     ``on_serving()`` is called (print the URL) and the output goes to ``sink``, line by line. One
     that does not answer within ``start_timeout_s`` seconds is stopped. SIGTERM, SIGINT or SIGHUP
     sent to this process (``kill``, systemd, ``docker stop``, Ctrl+C) is passed on to the server,
     which is waited for (killed after ``grace_s`` seconds), so the port is free on return.
     Raises OSError when ``cmd`` cannot be started, and what ``on_serving`` or ``sink`` raise (the
     server stopped and waited for first)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its last words reach the pipe even if it is killed
+    env = {**QUIET_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}  # its last words reach the pipe even if it is killed
     received: list[int] = []
     started: list[subprocess.Popen] = []
 

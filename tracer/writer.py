@@ -62,6 +62,7 @@ WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "m
 MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
 WRITERS = ("thread", "process")
 WRITER_ENV = "TRACER_WRITER"  # thread | process: the writer of TraceWriters that do not name one
+STALL_ENV = "TRACER_WRITER_STALL_S"  # seconds: the writer process's stall limit of TraceWriters that do not set one
 
 
 class TraceWriter:
@@ -97,6 +98,14 @@ class TraceWriter:
             the training thread then shares the interpreter lock with nobody). None (default): the
             ``TRACER_WRITER`` environment variable, else ``"thread"``. Ignored when
             ``async_write=False``. The manifest's ``capture.writer`` records which one wrote.
+        writer_stall_s: with ``writer="process"``, how long (seconds, > 0; ``math.inf``: forever)
+            ``flush``, ``close`` or a ``record`` waiting for room may hear nothing from the writer
+            process before it is taken for stalled (stopped, hung): a warning names its pid, its
+            state and the steps it holds, it is killed, and those steps are written by a thread of
+            this process, as a dead one's are (strict mode: the same, then a TraceError from that
+            call, or from ``record``'s next one). None (default): the ``TRACER_WRITER_STALL_S``
+            environment variable, else 60 (:data:`tracer.writer_process.STALL_S`; at least 120
+            until the child has written its first steps: its start-up).
         fsync_steps: flush each step file to the device before renaming it into place (survives a
             power loss or an OS crash once renamed). Default False: a step file is still complete or
             absent for every reader, and survives a crash or kill of the training process (the
@@ -141,6 +150,7 @@ class TraceWriter:
         when_full: str = "block",
         writer: str | None = None,
         fsync_steps: bool = False,
+        writer_stall_s: float | None = None,
     ) -> None:
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
@@ -148,6 +158,7 @@ class TraceWriter:
             raise TraceError("the anomaly ring (sampling.anomaly_ring > 0) holds steps on the writer thread; "
                              "use async_write=True (the default) with it")
         mode = _writer_mode(writer) if async_write else "inline"
+        self._stall_s = _stall_limit(writer_stall_s)
         self.root = Path(out_dir)
         self.algorithm = algorithm
         self.strict = strict
@@ -330,7 +341,7 @@ class TraceWriter:
         if self._process is not None:
             self._process.flush()
             self._poll_process()
-        elif self._background is not None:
+        if self._process is None and self._background is not None:  # also what a dead process's rescue staged
             self._background.flush()
         self._update_manifest(force=True)
         self._book.raise_pending()
@@ -421,6 +432,8 @@ class TraceWriter:
             handed = False
         if self._process.dead is not None:
             self._poll_process()  # the writer thread from now on
+        if handed is None:  # not taken: _record stages it for the thread, and what is pending raises next
+            return None
         self._book.raise_pending()
         if handed and not sampled:
             self._book.skipped()  # unless an anomaly brings it out of the ring
@@ -442,6 +455,9 @@ class TraceWriter:
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
+            if gone.stalled and self.strict:  # raised once the rescued steps are staged (nothing is lost)
+                self._book.error = self._book.error or (f"{reason}; its steps were written by a thread instead",
+                                                        TraceError(reason))
         self._start_writing(background=True, resume_index=True)
         for orphan in rescued:
             self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, orphan.sampled,
@@ -455,7 +471,7 @@ class TraceWriter:
         max_queue_steps, max_queue_bytes, when_full = self._queue
         try:
             self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
-                                          when_full, self._lock_fd)
+                                          when_full, self._lock_fd, self._stall_s)
         except TraceError as err:
             if self.strict:
                 unlock_rank(self._lock_fd)
@@ -514,6 +530,23 @@ def _writer_mode(writer: str | None) -> str:
         raise TraceError(f"{named} is not one of {list(WRITERS)}; use 'thread' (a writer thread, the default) "
                          "or 'process' (a writer process fed through shared memory)")
     return chosen
+
+
+def _stall_limit(seconds: float | None) -> float | None:
+    """``writer_stall_s`` or, when None, the ``TRACER_WRITER_STALL_S`` environment variable, else
+    None (:data:`tracer.writer_process.STALL_S`); TraceError unless a number > 0."""
+    named = f"writer_stall_s={seconds!r}" if seconds is not None else f"{STALL_ENV}={os.environ.get(STALL_ENV)!r}"
+    value: Any = seconds if seconds is not None else os.environ.get(STALL_ENV)
+    if value is None or value == "":
+        return None  # the writer process's own default
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise TraceError(f"{named} is not a number of seconds > 0; it is how long a wait for the writer process "
+                         "may hear nothing from it before it is taken for stalled (e.g. 60; inf: wait forever)")
+    return value
 
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()

@@ -8,9 +8,10 @@ batch (their summaries computed together). Unlike the writer thread it does not 
 (:data:`CHILD_LINGER_S`): the thread batches so as to take the interpreter lock from the training
 thread less often, while this process's work costs the training thread nothing, so it writes each
 step as it arrives and a ``flush()`` waits for little more than the step in hand; a child that
-falls behind batches what queued up meanwhile. After each batch it sends one result message (ring
-space freed up to a step, steps written, failures with their reason). Steps the anomaly ring holds
-are copied out of shared memory first, so their ring space is freed at once.
+falls behind batches what queued up meanwhile. After each batch (of at most ``MAX_BATCH`` steps) it
+sends one result message (ring space freed up to a step, steps written, failures with their reason):
+a parent that waits and hears nothing for long takes the child for stalled (:mod:`tracer.writer_process`).
+Steps the anomaly ring holds are copied out of shared memory first, so their ring space is freed at once.
 
 It ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group: the training process
 decides), and it ends after a ``close`` message or when the command pipe reaches its end (the
@@ -228,14 +229,14 @@ class Child:
 
     def _write_pending(self) -> None:
         batch, self.pending, self.pending_bytes, self.first_at = self.pending, [], 0, None
-        items = [item for _, item in batch]
-        for at in range(0, len(items), MAX_BATCH):
-            chunk = items[at:at + MAX_BATCH]
+        for at in range(0, len(batch), MAX_BATCH):
+            chunk = [item for _, item in batch[at:at + MAX_BATCH]]
             try:
                 self.handler.handle(chunk)
             except Exception as err:  # noqa: BLE001  (a bug here must not end the writer: the parent would wait)
                 self.handler.lost(chunk, err, log)
-        self.channel.send({"k": "done", "freed": batch[-1][0], **self.book.take_report()})
+            # after each chunk: ring space back sooner, and the parent hears progress (its stall rule)
+            self.channel.send({"k": "done", "freed": batch[at:at + MAX_BATCH][-1][0], **self.book.take_report()})
 
 
 def _populate(ring: mmap.mmap, nbytes: int) -> None:

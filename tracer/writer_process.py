@@ -28,7 +28,14 @@ stays). Failures: a child that dies (killed, out of memory) is noticed within
 :data:`RESULTS_EVERY_S` or at the next hand-over (the pipe's end); nothing it was handed is lost: the
 steps it had not written are still in the ring (the child only reads it), so they are copied out
 (:class:`Orphan`) and written by the writer thread that takes over, with a warning naming the
-child's exit status (a step too large for the ring, carried by the pipe, is counted as dropped). The child ignores SIGINT (Ctrl-C reaches the whole process
+child's exit status (a step too large for the ring, carried by the pipe, is counted as dropped).
+A child that stalls (stopped by SIGSTOP, hung) is treated the same way, so that the training script
+never waits forever: when ``flush``, ``close`` or a ``record`` waiting for room has waited
+``stall_s`` seconds (``TraceWriter(writer_stall_s=...)``, ``TRACER_WRITER_STALL_S``, default
+:data:`STALL_S`; at least :data:`STARTUP_STALL_S` until the child's first batch) with no progress
+from the child (no result, no byte taken from the command pipe, no CPU time used), it warns naming
+the child's pid, its state and the steps it holds, kills it and rescues those steps as a dead
+child's (strict mode: then raises). The child ignores SIGINT (Ctrl-C reaches the whole process
 group) and exits after writing what it was handed when the parent closes the writer, or dies: it
 sees the pipe's end.
 """
@@ -63,6 +70,12 @@ STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is read
 PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
 POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
 RESULTS_EVERY_S = 0.05  # record() reads the child's results at most this often (ProcessWriter.poll_due)
+# A wait that hears nothing from the child for this long means the child stalled (module docstring): long
+# enough for a batch of large step files on a slow disk (the child reports after each batch of MAX_BATCH).
+STALL_S = 60.0
+# Until the child has reported its first batch (a fresh interpreter importing torch, then what writing
+# imports: 1-2 s, far more on a loaded machine) a wait may hear nothing for at least this long.
+STARTUP_STALL_S = 120.0
 _F_SETPIPE_SZ = 1031
 # The child imports this very copy of tracer's write side, without the package's __init__ (which
 # imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
@@ -81,6 +94,29 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def _state(pid: int) -> str:
+    """A process's state as Linux's /proc tells it ("stopped (T)"), or "" where it cannot be read."""
+    names = {"R": "running", "S": "sleeping", "D": "in uninterruptible sleep", "T": "stopped", "t": "stopped",
+             "Z": "a zombie"}
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            code = fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return f"{names.get(code, 'in state')} ({code})"
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    """The CPU time a process has used (clock ticks, user + system; Linux's /proc), None where it
+    cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _close_quietly(fd: int) -> None:
@@ -140,14 +176,21 @@ class ProcessWriter:
         book: the parent's counts; results from the child are applied to it.
         max_steps, max_bytes, when_full: the queue's bounds and policy (``max_bytes`` sizes the ring).
         lock_fd: the trace's rank lock, held by the child too while it writes.
+        stall_s: seconds a wait for the child may hear nothing from it before the child is declared
+            stalled, killed and its steps rescued (module docstring); ``math.inf``: wait forever;
+            None: :data:`STALL_S`.
     Raises:
         TraceError: the ring or the child could not be made (no memfd, no memory, no interpreter).
     """
 
     def __init__(self, config: dict[str, Any], book: ManifestBook, max_steps: int, max_bytes: int,
-                 when_full: str, lock_fd: int | None = None) -> None:
+                 when_full: str, lock_fd: int | None = None, stall_s: float | None = None) -> None:
         if when_full not in ("block", "drop"):
             raise ValueError(f"when_full must be 'block' or 'drop', got {when_full!r}")
+        self.stall_s = STALL_S if stall_s is None else stall_s
+        self.stalled = False  # the child was killed because it stalled (its reason is in dead)
+        self._heard_at = time.monotonic()  # when the child last showed progress (a result, a byte taken, CPU time)
+        self._cpu = None  # the child's CPU time when last looked at (_cpu_ticks)
         self.book, self.max_steps, self.when_full = book, max(1, max_steps), when_full
         self.size = _align(max(max_bytes, ALIGN))
         self.dead: str | None = None  # why the child is gone
@@ -161,6 +204,7 @@ class ProcessWriter:
         self._layouts: dict[tuple, _Layout] = {}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._ready = False
+        self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
         self._outbox = bytearray()
         self._inbox = bytearray()
         self._acked = self._token = 0
@@ -265,19 +309,21 @@ class ProcessWriter:
             if not data:
                 self._gone()
                 return
+            self._heard_at = time.monotonic()
             self._inbox += data
             for message in unframe(self._inbox):
                 self._apply(message)
 
     def flush(self) -> None:
-        """Wait until the child has handled every step handed over (or died)."""
+        """Wait until the child has handled every step handed over (or died, or stalled)."""
         if self.dead is not None:
             return
         self._token += 1
         self._send_forward()
         self._send(frame({"k": "flush", "t": self._token}))
+        since = time.monotonic()
         while self.dead is None and self._acked < self._token:
-            self._wait()
+            self._wait(since, "flush()")
 
     def stop(self) -> None:
         """Hand over the rest, tell the child to finish, wait for it to exit; release the ring
@@ -287,13 +333,13 @@ class ProcessWriter:
         if self.dead is None:
             self._send_forward()
             self._send(frame({"k": "close"}))
+            since = time.monotonic()
             while self.dead is None and not self._closed_ack:
-                self._wait()
+                self._wait(since, "close()")
         try:
             self._child.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self._child.kill()
-            self._child.wait()
+            self._end_child()
         self._hang_up()
         _close_quietly(self._res)
         self._views.clear()
@@ -344,6 +390,7 @@ class ProcessWriter:
         """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
         under ``block``; None when dropped."""
         start = self._place(size) if self.dead is None else None
+        since = time.monotonic()
         while start is None:
             self.poll()  # results free room
             if self.dead is not None:
@@ -355,7 +402,7 @@ class ProcessWriter:
                 self.book.queue_full(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
                                      f"bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
-            self._wait()
+            self._wait(since, f"record() of step {step}, for room in the ring")
         return start
 
     def _place(self, size: int) -> int | None:
@@ -388,8 +435,9 @@ class ProcessWriter:
         if payload is not None:
             self._outbox += payload
         self._pump()
+        since = time.monotonic()
         while wait and self._outbox and self.dead is None:
-            self._wait()
+            self._wait(since, "record(), for the pipe to take a step larger than the ring")
 
     def _pump(self) -> None:
         """Write what the command pipe takes now (never blocks)."""
@@ -401,11 +449,15 @@ class ProcessWriter:
             except OSError:  # EPIPE: the child is gone
                 self._gone()
                 return
+            if written:
+                self._heard_at = time.monotonic()  # the child reads: it makes progress
             del self._outbox[:written]
 
-    def _wait(self) -> None:
+    def _wait(self, since: float, waiting: str) -> None:
         """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice
-        a child that died."""
+        a child that died, or one that stalled: no progress from it (no result, no byte taken from
+        the pipe, no CPU time used) for :attr:`stall_s` (at least :data:`STARTUP_STALL_S` before its
+        first batch) of this wait, begun at ``since`` by ``waiting`` (what waits, for the warning)."""
         writable = [self._cmd] if self._outbox else []
         try:
             select.select([self._res], writable, [], POLL_S)
@@ -416,10 +468,38 @@ class ProcessWriter:
             self.poll()  # its last results first
             if self.dead is None:
                 self._gone()
+        limit = self.stall_s if self._wrote else max(self.stall_s, STARTUP_STALL_S)
+        cpu = _cpu_ticks(self.pid)
+        if cpu != self._cpu:  # it computes (imports, summaries): busy, not stalled
+            self._cpu, self._heard_at = cpu, time.monotonic()
+        quiet = time.monotonic() - max(since, self._heard_at)
+        if self.dead is None and quiet >= limit:
+            self._stall(waiting, quiet)
+
+    def _stall(self, waiting: str, quiet: float) -> None:
+        """The child stalled: say what it holds, kill it, rescue its steps as a dead child's (:meth:`_gone`)."""
+        held = [step for *_, step, _ in self._inflight]
+        steps = f"step {held[0]}" if len(held) == 1 else f"steps {held[0]} to {held[-1]}" if held else ""
+        what = (f"holding {len(held)} step(s) not yet written ({steps}, {self._bytes} bytes)" if held
+                else "holding no step")
+        state = _state(self.pid)
+        self.stalled = True
+        self._end_child()
+        self._gone(f"made no progress for {quiet:.1f} s while {waiting} waited for it ({state or 'state unknown'}; "
+                   f"{what}; stall limit {self.stall_s:g} s, TraceWriter(writer_stall_s=...)) and was killed")
+
+    def _end_child(self) -> None:
+        """Kill the child and reap it (a child stuck in the kernel is left to be reaped later)."""
+        self._child.kill()
+        try:
+            self._child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("tracer: the writer process (pid %d) did not end within 10 s of SIGKILL", self.pid)
 
     def _apply(self, message: dict[str, Any]) -> None:
         kind = message.get("k")
         if kind == "done":
+            self._wrote = True
             freed = message["freed"]
             while self._inflight and self._inflight[0][0] <= freed:
                 _, start, end, nbytes, _, _ = self._inflight.popleft()
@@ -467,8 +547,7 @@ class ProcessWriter:
         while self._child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if self._child.poll() is None:
-            self._child.kill()
-            self._child.wait()
+            self._end_child()
         self._read_last_results()
         reason = f"the writer process (pid {self.pid}) {why or describe_exit(self._child.poll())}"
         self.dead = reason

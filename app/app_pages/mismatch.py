@@ -52,13 +52,16 @@ for _, row in verdicts.iterrows():  # the message goes to st.text: it quotes set
 
 cut_total = int(frame.drop_duplicates("sequence")["cut"].sum() if str(settings.get("is_mode", "")).startswith(
     "sequence") else frame["cut"].sum())
-columns = st.columns(5)
-columns[0].metric("mean trainer − sampler", f"{frame['log_diff'].mean():+.4f} nats")
-columns[1].metric("mean |trainer − sampler|", f"{frame['abs_log_diff'].mean():.4f} nats")
-columns[2].metric("max |trainer − sampler|", f"{frame['abs_log_diff'].max():.4f} nats")
-columns[3].metric("mean |p_trainer − p_sampler|", f"{frame['prob_diff'].mean():.4f}")
+# three a row, the unit said once above them: five in a row cut their values off at common window widths
+st.caption("Log space: the trainer's minus the sampler's logprob of each kept token, in nats.")
+log_space = st.columns(3)
+log_space[0].metric("mean trainer − sampler", f"{frame['log_diff'].mean():+.4f}")
+log_space[1].metric("mean |trainer − sampler|", f"{frame['abs_log_diff'].mean():.4f}")
+log_space[2].metric("max |trainer − sampler|", f"{frame['abs_log_diff'].max():.4f}")
+probability, cut = st.columns(3)[:2]
+probability.metric("mean |p_trainer − p_sampler|", f"{frame['prob_diff'].mean():.4f}")
 unit = "sequences" if str(settings.get("is_mode", "")).startswith("sequence") else "tokens"
-columns[4].metric(f"{unit} cut by the IS cap", cut_total if frame["is_weight"].notna().any() else "n/a")
+cut.metric(f"{unit} cut by the IS cap", cut_total if frame["is_weight"].notna().any() else "n/a")
 
 left, right = st.columns(2)
 left.plotly_chart(mismatch.histogram_figure(frame["log_diff"], "log space: trainer − sampler", "nats"),

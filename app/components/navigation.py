@@ -1,7 +1,9 @@
 """Which pages the navigation shows for a run: the algorithm's own view (PPO, groups, DPO) next to
 the pages every run has, less a page whose field the run does not record (Mismatch without
-``sampler_logprobs``); the sidebar names what is hidden and why. Pure: the entry script turns the
-specs into ``st.Page`` objects."""
+``sampler_logprobs``); the sidebar names what is hidden and why, and a link to a hidden page
+(``/groups`` of a PPO run) opens a page saying why it is not offered (:func:`not_offered_reason`)
+instead of Streamlit's "Page not found". Pure: the entry script turns the specs into ``st.Page``
+objects."""
 
 from __future__ import annotations
 
@@ -68,3 +70,14 @@ def hidden_pages_note(algorithm: str | None, recorded: Collection[str] | None = 
     parts += [f"Hidden for this run: {spec.title} (no {', '.join(spec.needs)} in the first or the selected "
               "step file)." for spec in by_field]
     return " ".join(parts) or None
+
+
+def not_offered_reason(spec: PageSpec, algorithm: str | None, recorded: Collection[str] | None = None) -> str:
+    """Why ``spec`` is not among :func:`pages_for` ``(algorithm, recorded)``: the algorithms it is
+    for, or the fields it shows that the run does not record (plain text, one sentence or two)."""
+    if spec not in pages_for(algorithm):
+        return (f"The {spec.title} page is for {', '.join(spec.algorithms or ())} runs; this run's algorithm "
+                f"is {algorithm}.")
+    missing = sorted(set(spec.needs) - set(recorded or ()))
+    return (f"The {spec.title} page shows {', '.join(spec.needs)}, which this run does not record (no "
+            f"{', '.join(missing)} in the first or the selected step file).")
