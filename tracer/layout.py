@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import serialize_file
+from safetensors import serialize, serialize_file
 from safetensors.torch import save_file
 
 try:  # safetensors >= 0.7: serialise from raw pointers
@@ -284,6 +284,7 @@ def _new_file_mode() -> int:
 
 
 _FILE_MODE = _new_file_mode()
+IMAGE_BYTES = 2**20  # a step file up to this size is made in memory and written at once (save_atomic)
 
 
 def _remove_quietly(path: Path) -> None:
@@ -322,21 +323,32 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
 
 
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                specs: dict[str, Any] | None = None, fsync: bool = True) -> None:
-    """safetensors ``serialize_file`` (``save_file`` for tensors its pointer specs cannot describe)
-    to ``<path>.partial``, then rename: the file appears complete or not at all. With ``fsync`` the
-    file is flushed to the device before the rename, so it also survives a power loss once renamed;
-    without, it survives a crash or kill of the process (the kernel holds the bytes) and reaches the
-    device with the kernel's writeback. ``tensors`` must not share storage (:func:`unshare`) and
-    must stay alive during the call. ``specs``: their pointer specs when the caller made them
-    already (:mod:`tracer.step_bytes`). Raises OSError (the partial file is removed)."""
-    tmp = path.with_name(path.name + ".partial")
+                specs: dict[str, Any] | None = None, fsync: bool = True) -> int | None:
+    """Write a safetensors file to ``<path>.partial``, then rename: the file appears complete or
+    not at all. With ``fsync`` the file is flushed to the device before the rename, so it also
+    survives a power loss once renamed; without, it survives a crash or kill of the process (the
+    kernel holds the bytes) and reaches the device with the kernel's writeback. ``tensors`` must not
+    share storage (:func:`unshare`) and must stay alive during the call. ``specs``: their pointer
+    specs when the caller made them already (:mod:`tracer.step_bytes`).
+
+    A step of up to :data:`IMAGE_BYTES` is made in memory by safetensors' ``serialize`` and written
+    with one ``write`` to a file created with mode 0666 less the umask (what ``open()`` gives, so
+    others can read a shared trace); a larger one is streamed by ``serialize_file`` from the
+    tensors' memory (no copy), which creates 0600 files, so it is then given that mode; tensors
+    the pointer specs cannot describe go through ``save_file``. Returns the file's size in bytes
+    when it was made in memory, else None. Raises OSError (the partial file is removed)."""
+    tmp = os.fspath(path) + ".partial"
     try:
         specs = specs if specs is not None else _tensor_specs(tensors)
+        if specs is not None and sum(spec.data_len for spec in specs.values()) <= IMAGE_BYTES:
+            image = serialize(specs, metadata=metadata)
+            _write_new(tmp, image, fsync)
+            os.replace(tmp, path)
+            return len(image)
         if specs is None:
-            save_file(tensors, str(tmp), metadata=metadata)
+            save_file(tensors, tmp, metadata=metadata)
         else:
-            serialize_file(specs, str(tmp), metadata=metadata)
+            serialize_file(specs, tmp, metadata=metadata)
         if fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -350,3 +362,20 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     except BaseException:
         _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
         raise
+    return None
+
+
+def _write_new(path: str, data: bytes, fsync: bool) -> None:
+    """Write ``data`` to a new file ``path`` (a stale one, left by a crash, is replaced: a file
+    created here has the mode ``open()`` gives, never the stale one's)."""
+    try:
+        fh = open(path, "xb", buffering=0)
+    except FileExistsError:
+        os.unlink(path)
+        fh = open(path, "xb", buffering=0)
+    with fh:
+        view = memoryview(data)
+        while view:  # a raw write may write less than asked (a signal, a nearly full disk)
+            view = view[fh.write(view):]
+        if fsync:
+            os.fsync(fh.fileno())

@@ -42,7 +42,8 @@ def all_finite(t: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class StepPlan:
     """What a field signature fixes: the hashing order and each tensor's hash head, the float fields
-    numpy scans (grouped by dtype) and those torch scans, and safetensors' dtype names."""
+    numpy scans (grouped by dtype) and those torch scans, safetensors' dtype names, each tensor's
+    shape and the ctypes type of its buffer (None when empty)."""
 
     order: tuple[str, ...]
     heads: dict[str, bytes]
@@ -51,6 +52,9 @@ class StepPlan:
     torch_floats: tuple[str, ...]
     spec_dtypes: dict[str, str]
     pointer_specs: bool  # every tensor can be written from its pointer (else save_file)
+    shapes: dict[str, tuple[int, ...]]
+    buffer_types: dict[str, Any]
+    small: bool  # all the bytes together within CONCAT_BYTES: hashed and scanned as joined copies
 
 
 def signature(tensors: dict[str, torch.Tensor]) -> tuple:
@@ -77,6 +81,9 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
         torch_floats=tuple(torch_floats),
         spec_dtypes={name: str(t.dtype)[6:] for name, t in tensors.items()},
         pointer_specs=TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values()),
+        shapes={name: tuple(t.shape) for name, t in tensors.items()},
+        buffer_types={name: ctypes.c_ubyte * t.nbytes if t.nbytes else None for name, t in tensors.items()},
+        small=sum(t.nbytes for t in tensors.values()) <= CONCAT_BYTES,
     )
 
 
@@ -93,18 +100,25 @@ class StepBytes:
 
 def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
     """One pass over ``tensors`` (contiguous, CPU, matching ``plan``'s signature). The checksum
-    equals :func:`tracer.layout.content_sha256` (tested)."""
+    equals :func:`tracer.layout.content_sha256` (tested): a small step's heads and bytes are joined
+    into one copy and hashed in one call (the same digest as one update per piece), a larger one
+    is hashed piece by piece (no copy)."""
     pointers = {name: t.data_ptr() for name, t in tensors.items()}
-    buffers = {name: (ctypes.c_ubyte * plan.nbytes[name]).from_address(ptr) if plan.nbytes[name] else b""
-               for name, ptr in pointers.items()}
-    digest = hashlib.sha256()
-    for name in plan.order:
-        digest.update(plan.heads[name])
-        digest.update(buffers[name])
+    kinds = plan.buffer_types
+    buffers = {name: kinds[name].from_address(ptr) if kinds[name] is not None else b"" for name, ptr in pointers.items()}
+    if plan.small:
+        heads = plan.heads
+        digest = hashlib.sha256(b"".join([piece for name in plan.order for piece in (heads[name], buffers[name])]))
+    else:
+        digest = hashlib.sha256()
+        for name in plan.order:
+            digest.update(plan.heads[name])
+            digest.update(buffers[name])
     specs = None
     if plan.pointer_specs:
-        specs = {name: TensorSpec(dtype=plan.spec_dtypes[name], shape=tensors[name].shape, data_ptr=ptr,
-                                  data_len=plan.nbytes[name]) for name, ptr in pointers.items()}
+        dtypes, shapes, nbytes = plan.spec_dtypes, plan.shapes, plan.nbytes
+        specs = {name: TensorSpec(dtype=dtypes[name], shape=shapes[name], data_ptr=ptr, data_len=nbytes[name])
+                 for name, ptr in pointers.items()}
     return StepBytes(digest.hexdigest(), nonfinite(tensors, plan, buffers), specs, buffers)
 
 
@@ -116,12 +130,13 @@ def nonfinite(tensors: dict[str, torch.Tensor], plan: StepPlan | None = None,
     float dtypes (bfloat16, float8) through torch (:func:`all_finite`). ``plan``/``buffers``: the
     step's, when the caller has them."""
     plan = plan or make_plan(tensors)
+    if buffers is None:
+        buffers = {n: tensor_bytes(tensors[n]) for names in plan.numpy_floats.values() for n in names}
     bad: set[str] = set()
     for dtype, names in plan.numpy_floats.items():
-        arrays = [np.frombuffer(buffers[n] if buffers is not None else tensor_bytes(tensors[n]), dtype=dtype)
-                  for n in names]
-        small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
-        if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
-            bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
+        # a small step: one scan of the fields' bytes joined (one copy beats a call per field)
+        if plan.small and np.isfinite(np.frombuffer(b"".join([buffers[n] for n in names]), dtype=dtype)).all():
+            continue
+        bad.update(n for n in names if not np.isfinite(np.frombuffer(buffers[n], dtype=dtype)).all())
     bad.update(n for n in plan.torch_floats if not all_finite(tensors[n]))
     return [n for n in tensors if n in bad]
