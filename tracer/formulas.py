@@ -1,5 +1,6 @@
-"""The RL maths of the seed (SPEC.md section 3), once. Torch (numpy inside the two batch statistics the
-writer thread computes for every step: :func:`masked_row_quantiles`, :func:`zero_variance_groups`), no I/O.
+"""The RL maths of the seed (SPEC.md section 3), once. Torch (numpy and plain loops inside the two batch
+statistics the writer thread computes for every step: :func:`masked_row_quantiles`,
+:func:`zero_variance_groups`), no I/O.
 
 Sources: the seed lesson (shared/seed/lesson-25-reward-logprob-kl.txt), which restates MiniMind's
 ``trainer/rollout_engine.py``, ``trainer/train_ppo.py``, ``trainer/train_grpo.py`` and
@@ -169,11 +170,17 @@ def row_quantiles(rows: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
 
 
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                           torch.float32, torch.float64})
+
+
 def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
     """``t`` as a numpy array (no copy for an array, or a CPU tensor of a numpy dtype; other float
     dtypes, bfloat16 and float8, are widened to float32 exactly)."""
     if isinstance(t, np.ndarray):
         return t
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and not t.requires_grad:
+        return t.numpy()  # the usual case, in one call
     t = t.detach().cpu()
     if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
         t = t.float()
@@ -271,6 +278,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = G
     return (rewards.float() - mean_r) / (std_r + eps)
 
 
+ZERO_VARIANCE_LOOP_VALUES = 4096  # up to this many rewards, zero_variance_groups counts in a plain loop
+
+
 def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``S`` stacked steps: the number of groups and of zero-variance groups, each ``[S]``
     int64, from ``rewards`` ``[S, B]`` and ``group_ids`` ``[S, B]`` (rows of one id form a group).
@@ -278,25 +288,38 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
     A group has zero variance when every reward in it equals its first (row order) reward, so its
     group-relative advantages are all 0 and it adds no policy gradient (GRPO, Shao et al. 2024,
     eq. 3; DAPO, Yu et al. 2025, section 3.2, "dynamic sampling"). A NaN reward equals nothing, so
-    a group holding one never counts. Rows are sorted by id (stably) once for all S steps; no loop
-    over groups.
+    a group holding one never counts. Up to :data:`ZERO_VARIANCE_LOOP_VALUES` rewards are counted
+    in a plain loop (the writer thread counts a batch of small steps: a loop over a few dozen values
+    costs less than the array calls, which the training loop's work between batches leaves cold);
+    more are sorted by id (stably) once for all S steps, with no loop over groups (numpy).
     """
     S, B = rewards.shape
     if B == 0:
         return torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
-    ids_, rewards_ = _host(group_ids), _host(rewards)  # numpy: a fraction of torch's cost on small rows
+    if S * B <= ZERO_VARIANCE_LOOP_VALUES:
+        groups, zero = [], []
+        for values, ids in zip(rewards.tolist(), group_ids.tolist()):
+            first: dict[int, float] = {}
+            varied = set()
+            for group, value in zip(ids, values):
+                if value != first.setdefault(group, value):  # the first itself too, when NaN
+                    varied.add(group)
+            groups.append(len(first))
+            zero.append(len(first) - len(varied))
+        return torch.tensor(groups, dtype=torch.long), torch.tensor(zero, dtype=torch.long)
+    ids_, rewards_ = _host(group_ids), _host(rewards)
     rows = np.arange(S)[:, None]
     order = np.argsort(ids_, axis=1, kind="stable")  # (S, B)
     ids, values = ids_[rows, order], rewards_[rows, order]  # (S, B) each
     starts = np.ones((S, B), dtype=bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]  # the first row of each group
-    first = np.maximum.accumulate(np.where(starts, np.arange(B), 0), axis=1)  # (S, B): its group's first row
-    differs = values != values[rows, first]  # (S, B); NaN != NaN
+    first_row = np.maximum.accumulate(np.where(starts, np.arange(B), 0), axis=1)  # (S, B): its group's first row
+    differs = values != values[rows, first_row]  # (S, B); NaN != NaN
     segment = np.cumsum(starts, axis=1) - 1  # (S, B): the group's index within its step
     slots = (rows * B + segment).ravel()  # (step, group) as one index
-    varied = np.bincount(slots, weights=differs.ravel(), minlength=S * B).reshape(S, B) > 0  # (S, B)
-    groups = starts.sum(axis=1)
-    return torch.from_numpy(groups), torch.from_numpy(groups - varied.sum(axis=1))
+    varied_groups = np.bincount(slots, weights=differs.ravel(), minlength=S * B).reshape(S, B) > 0  # (S, B)
+    counts = starts.sum(axis=1)
+    return torch.from_numpy(counts), torch.from_numpy(counts - varied_groups.sum(axis=1))
 
 
 def clip_fractions(

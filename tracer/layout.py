@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+from dataclasses import dataclass
 import os
 import platform
 import re
@@ -307,6 +308,50 @@ def unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where safetensors puts the tensors of one field signature in a file: the header's tensor
+    entries (its JSON text, in its order) and the tensor names in the order of their bytes. Learnt
+    once per signature from safetensors' own ``serialize`` (:func:`image_layout`), so a file made
+    by :func:`file_image` has safetensors' layout without re-implementing it."""
+
+    entries: str
+    order: tuple[str, ...]
+
+
+def image_layout(specs: dict[str, Any]) -> ImageLayout:
+    """The :class:`ImageLayout` of tensors with these pointer specs (safetensors ``TensorSpec``)."""
+    image = serialize(specs, metadata=None)
+    size = int.from_bytes(image[:8], "little")
+    text = image[8:8 + size].decode("utf-8").rstrip(" ")  # the header, less its padding
+    header = json.loads(text)
+    return ImageLayout(entries=text[1:-1], order=tuple(sorted(header, key=lambda k: header[k]["data_offsets"])))
+
+
+_HEADER_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # as safetensors writes it
+
+
+@dataclass(frozen=True)
+class StepImage:
+    """What :func:`save_atomic` makes a small step file from (instead of pointer specs): the
+    layout of its signature and its tensors' bytes (views, valid while the tensors live)."""
+
+    layout: ImageLayout
+    buffers: Mapping[str, Any]
+
+
+def file_image(step: StepImage, metadata: Mapping[str, str]) -> bytes:
+    """The bytes of the safetensors file holding ``step``'s tensors and header ``metadata``: the
+    header length (8 bytes, little-endian), the header JSON (``__metadata__`` first, then the
+    tensor entries, padded with spaces to a multiple of 8 bytes) and the tensors' bytes, as
+    safetensors' ``serialize`` writes them (tested); one JSON encoding and one copy."""
+    entries = step.layout.entries
+    header = f'{{"__metadata__":{_HEADER_JSON(metadata)}{"," if entries else ""}{entries}}}'.encode("utf-8")
+    header += b" " * (-len(header) % 8)
+    buffers = step.buffers
+    return b"".join([len(header).to_bytes(8, "little"), header, *[buffers[name] for name in step.layout.order]])
+
+
 def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
     """safetensors' pointer specs of ``tensors`` (CPU, contiguous, non-empty, little-endian host),
     or None when one does not qualify (or safetensors predates ``TensorSpec``): then the caller uses
@@ -323,15 +368,17 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
 
 
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                specs: dict[str, Any] | None = None, fsync: bool = True) -> int | None:
+                specs: "dict[str, Any] | StepImage | None" = None, fsync: bool = True) -> int | None:
     """Write a safetensors file to ``<path>.partial``, then rename: the file appears complete or
     not at all. With ``fsync`` the file is flushed to the device before the rename, so it also
     survives a power loss once renamed; without, it survives a crash or kill of the process (the
     kernel holds the bytes) and reaches the device with the kernel's writeback. ``tensors`` must not
     share storage (:func:`unshare`) and must stay alive during the call. ``specs``: their pointer
-    specs when the caller made them already (:mod:`tracer.step_bytes`).
+    specs, or the :class:`StepImage` of a small step, when the caller made them already
+    (:mod:`tracer.step_bytes`).
 
-    A step of up to :data:`IMAGE_BYTES` is made in memory by safetensors' ``serialize`` and written
+    A step of up to :data:`IMAGE_BYTES` is made in memory (:func:`file_image`, or safetensors'
+    ``serialize`` from pointer specs) and written
     with one ``write`` to a file created with mode 0666 less the umask (what ``open()`` gives, so
     others can read a shared trace); a larger one is streamed by ``serialize_file`` from the
     tensors' memory (no copy), which creates 0600 files, so it is then given that mode; tensors
@@ -339,6 +386,11 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     when it was made in memory, else None. Raises OSError (the partial file is removed)."""
     tmp = os.fspath(path) + ".partial"
     try:
+        if isinstance(specs, StepImage):
+            image = file_image(specs, metadata)
+            _write_new(tmp, image, fsync)
+            os.replace(tmp, path)
+            return len(image)
         specs = specs if specs is not None else _tensor_specs(tensors)
         if specs is not None and sum(spec.data_len for spec in specs.values()) <= IMAGE_BYTES:
             image = serialize(specs, metadata=metadata)

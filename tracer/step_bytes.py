@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracer.layout import TensorSpec, digest_head, tensor_bytes
+from tracer.layout import IMAGE_BYTES, ImageLayout, StepImage, TensorSpec, digest_head, image_layout, tensor_bytes
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
@@ -55,6 +55,7 @@ class StepPlan:
     shapes: dict[str, tuple[int, ...]]
     buffer_types: dict[str, Any]
     small: bool  # all the bytes together within CONCAT_BYTES: hashed and scanned as joined copies
+    image: ImageLayout | None  # a small step with pointer specs: its file is made from this (save_atomic)
 
 
 def signature(tensors: dict[str, torch.Tensor]) -> tuple:
@@ -73,6 +74,12 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
                 torch_floats.append(name)
             else:
                 numpy_floats.setdefault(dtype, []).append(name)
+    pointer_specs = TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values())
+    small = sum(t.nbytes for t in tensors.values()) <= min(CONCAT_BYTES, IMAGE_BYTES)
+    image = None
+    if pointer_specs and small:
+        image = image_layout({name: TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape), data_ptr=t.data_ptr(),
+                                               data_len=t.nbytes) for name, t in tensors.items()})
     return StepPlan(
         order=tuple(sorted(tensors)),
         heads={name: digest_head(name, str(t.dtype), list(t.shape)) for name, t in tensors.items()},
@@ -80,17 +87,19 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
         numpy_floats={k: tuple(v) for k, v in numpy_floats.items()},
         torch_floats=tuple(torch_floats),
         spec_dtypes={name: str(t.dtype)[6:] for name, t in tensors.items()},
-        pointer_specs=TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values()),
+        pointer_specs=pointer_specs,
         shapes={name: tuple(t.shape) for name, t in tensors.items()},
         buffer_types={name: ctypes.c_ubyte * t.nbytes if t.nbytes else None for name, t in tensors.items()},
-        small=sum(t.nbytes for t in tensors.values()) <= CONCAT_BYTES,
+        small=small,
+        image=image,
     )
 
 
 @dataclass
 class StepBytes:
-    """One step's checksum, non-finite fields and safetensors specs (None: write with save_file).
-    ``buffers`` are views of the tensors' memory: valid while the tensors live."""
+    """One step's checksum, non-finite fields and what :func:`tracer.layout.save_atomic` writes it
+    from: a :class:`tracer.layout.StepImage` (a small step), safetensors pointer specs, or None
+    (write with save_file). ``buffers`` are views of the tensors' memory: valid while the tensors live."""
 
     content_sha256: str
     nonfinite: list[str]
@@ -115,7 +124,9 @@ def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
             digest.update(plan.heads[name])
             digest.update(buffers[name])
     specs = None
-    if plan.pointer_specs:
+    if plan.image is not None:  # a small step: its file is made from its bytes and its layout
+        specs = StepImage(plan.image, buffers)
+    elif plan.pointer_specs:
         dtypes, shapes, nbytes = plan.spec_dtypes, plan.shapes, plan.nbytes
         specs = {name: TensorSpec(dtype=dtypes[name], shape=shapes[name], data_ptr=ptr, data_len=nbytes[name])
                  for name, ptr in pointers.items()}

@@ -27,6 +27,7 @@ kept position makes the mean NaN, as the loss would be).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Mapping
@@ -171,7 +172,7 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
     if adv is not None and adv.is_floating_point() and adv.dim() == 2 and (not per_seq or adv.shape == rewards.shape):
         per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
     if mask is not None:
-        cols["kept_tokens"] = mask.flatten(1).sum(dim=1).tolist()
+        cols["kept_tokens"] = mask.numpy().reshape(S, -1).sum(axis=1).tolist()
         token = {n: v for n, v in token.items() if v.shape == mask.shape}
         if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
             token["advantage"] = adv  # PPO: per token
@@ -217,9 +218,16 @@ def _groups(cols: Columns, rewards: torch.Tensor, group_ids: torch.Tensor | None
         G = _number(metadata.get("num_generations"))
         if not G or G != int(G) or G < 1 or B % int(G):
             return
-        ids, recorded = (torch.arange(B) // int(G)).expand(S, B), 0
+        ids, recorded = _consecutive_groups(B, int(G)).expand(S, B), 0
     groups, zero = formulas.zero_variance_groups(rewards, ids)
     cols["groups"], cols["zero_variance_groups"], cols["group_ids_recorded"] = groups.tolist(), zero.tolist(), [recorded] * S
+
+
+@functools.lru_cache(maxsize=64)
+def _consecutive_groups(B: int, G: int) -> torch.Tensor:
+    """The group of each of B rows when groups are G consecutive rows (``[B]`` int64; a run has a
+    few (B, G), made once each)."""
+    return torch.arange(B) // G
 
 
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:
