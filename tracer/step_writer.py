@@ -106,7 +106,7 @@ class StepWriter:
         try:
             batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
             for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
-                item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summary)
+                item.metadata[summaries.SUMMARY_KEY] = summaries.header_text(summary)  # encoded once, here
         except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
             if len(items) > 1:  # find the step that fails; the others keep theirs
                 for item in items:

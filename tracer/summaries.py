@@ -28,6 +28,7 @@ kept position makes the mean NaN, as the loss would be).
 from __future__ import annotations
 
 import functools
+import json
 import math
 import numbers
 from typing import Any, Mapping
@@ -233,6 +234,12 @@ def _consecutive_groups(B: int, G: int) -> torch.Tensor:
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary as stored in the header (with its version)."""
     return {"version": SUMMARY_VERSION, **summary}
+
+
+def header_text(summary: dict[str, Any]) -> str:
+    """The summary's header text: :func:`header_value` as JSON (``tracer.schema.encode_metadata``
+    stores a string as it is, so the header holds the text it would make of the dict)."""
+    return json.dumps(header_value(summary), allow_nan=True)
 
 
 def read_summary(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
