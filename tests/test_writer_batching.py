@@ -19,7 +19,8 @@ import tracer
 from tracer import formulas, frames, summaries
 from tracer.capture import BackgroundWriter, StagedStep, nonfinite_fields
 from tracer.errors import TraceError
-from tracer.layout import StepImage, content_sha256, tensor_bytes
+from tracer.file_image import StepImage
+from tracer.layout import content_sha256, tensor_bytes
 from tracer.name_maps import load_name_map
 from tracer.reader import Trace
 from tracer.schema import encode_metadata, jsonable

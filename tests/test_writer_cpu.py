@@ -16,7 +16,8 @@ import torch
 from safetensors import TensorSpec, safe_open, serialize
 
 from tracer import formulas, layout, run_index, step_bytes, summaries
-from tracer.layout import STEPS_DIR, StepImage, file_image, image_layout, save_atomic
+from tracer.file_image import StepImage, file_image, image_layout
+from tracer.layout import STEPS_DIR, save_atomic
 from tracer.reader import Trace
 from tracer.schema import encode_metadata
 from tracer.writer import TraceWriter
@@ -103,7 +104,8 @@ def test_the_index_lists_each_file_size_without_a_stat(tmp_path, monkeypatch):
                                  "completion_mask": torch.ones(4, 3, dtype=torch.bool)})
     monkeypatch.undo()
     assert stats == []
-    lines = [json.loads(line) for line in (tmp_path / "run" / "summary_index.rank_0.jsonl").read_text().splitlines()[1:]]
+    index = (tmp_path / "run" / "summary_index.rank_0.jsonl").read_text()
+    lines = [json.loads(line) for line in index.splitlines()[1:]]
     assert len(lines) == 5
     for line in lines:
         assert line["size"] == os.stat(tmp_path / "run" / STEPS_DIR / line["file"]).st_size

@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-from dataclasses import dataclass
 import os
 import platform
 import re
@@ -34,6 +33,7 @@ except ImportError:  # pragma: no cover - older safetensors
     TensorSpec = None
 
 from tracer.errors import TraceError
+from tracer.file_image import StepImage, file_image, write_new
 
 MANIFEST_NAME = "manifest.json"
 TOKENS_NAME = "tokens.json"
@@ -308,50 +308,6 @@ def unshare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@dataclass(frozen=True)
-class ImageLayout:
-    """Where safetensors puts the tensors of one field signature in a file: the header's tensor
-    entries (its JSON text, in its order) and the tensor names in the order of their bytes. Learnt
-    once per signature from safetensors' own ``serialize`` (:func:`image_layout`), so a file made
-    by :func:`file_image` has safetensors' layout without re-implementing it."""
-
-    entries: str
-    order: tuple[str, ...]
-
-
-def image_layout(specs: dict[str, Any]) -> ImageLayout:
-    """The :class:`ImageLayout` of tensors with these pointer specs (safetensors ``TensorSpec``)."""
-    image = serialize(specs, metadata=None)
-    size = int.from_bytes(image[:8], "little")
-    text = image[8:8 + size].decode("utf-8").rstrip(" ")  # the header, less its padding
-    header = json.loads(text)
-    return ImageLayout(entries=text[1:-1], order=tuple(sorted(header, key=lambda k: header[k]["data_offsets"])))
-
-
-_HEADER_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # as safetensors writes it
-
-
-@dataclass(frozen=True)
-class StepImage:
-    """What :func:`save_atomic` makes a small step file from (instead of pointer specs): the
-    layout of its signature and its tensors' bytes (views, valid while the tensors live)."""
-
-    layout: ImageLayout
-    buffers: Mapping[str, Any]
-
-
-def file_image(step: StepImage, metadata: Mapping[str, str]) -> bytes:
-    """The bytes of the safetensors file holding ``step``'s tensors and header ``metadata``: the
-    header length (8 bytes, little-endian), the header JSON (``__metadata__`` first, then the
-    tensor entries, padded with spaces to a multiple of 8 bytes) and the tensors' bytes, as
-    safetensors' ``serialize`` writes them (tested); one JSON encoding and one copy."""
-    entries = step.layout.entries
-    header = f'{{"__metadata__":{_HEADER_JSON(metadata)}{"," if entries else ""}{entries}}}'.encode("utf-8")
-    header += b" " * (-len(header) % 8)
-    buffers = step.buffers
-    return b"".join([len(header).to_bytes(8, "little"), header, *[buffers[name] for name in step.layout.order]])
-
-
 def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
     """safetensors' pointer specs of ``tensors`` (CPU, contiguous, non-empty, little-endian host),
     or None when one does not qualify (or safetensors predates ``TensorSpec``): then the caller uses
@@ -388,13 +344,13 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     try:
         if isinstance(specs, StepImage):
             image = file_image(specs, metadata)
-            _write_new(tmp, image, fsync)
+            write_new(tmp, image, fsync)
             os.replace(tmp, path)
             return len(image)
         specs = specs if specs is not None else _tensor_specs(tensors)
         if specs is not None and sum(spec.data_len for spec in specs.values()) <= IMAGE_BYTES:
             image = serialize(specs, metadata=metadata)
-            _write_new(tmp, image, fsync)
+            write_new(tmp, image, fsync)
             os.replace(tmp, path)
             return len(image)
         if specs is None:
@@ -415,19 +371,3 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
         _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
         raise
     return None
-
-
-def _write_new(path: str, data: bytes, fsync: bool) -> None:
-    """Write ``data`` to a new file ``path`` (a stale one, left by a crash, is replaced: a file
-    created here has the mode ``open()`` gives, never the stale one's)."""
-    try:
-        fh = open(path, "xb", buffering=0)
-    except FileExistsError:
-        os.unlink(path)
-        fh = open(path, "xb", buffering=0)
-    with fh:
-        view = memoryview(data)
-        while view:  # a raw write may write less than asked (a signal, a nearly full disk)
-            view = view[fh.write(view):]
-        if fsync:
-            os.fsync(fh.fileno())

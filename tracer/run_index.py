@@ -129,7 +129,9 @@ class IndexWriter:
         try:
             if decoded is None:
                 decoded = decode_metadata({k: v for k, v in metadata.items() if k != SUMMARY_KEY})
-            head = {"file": path.name, **{k: decoded.get(k) for k in COORDINATES}, "size": os.stat(path).st_size if size is None else size,
+            if size is None:
+                size = os.stat(path).st_size
+            head = {"file": path.name, **{k: decoded.get(k) for k in COORDINATES}, "size": size,
                     "content_sha256": decoded.get("content_sha256"),
                     "derived": derivable(names, decoded)}
             line = json.dumps(head)[:-1] + f', "summary": {metadata[SUMMARY_KEY]}}}\n'

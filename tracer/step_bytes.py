@@ -1,12 +1,14 @@
 """The bytes of one staged step, for the writer thread: each tensor's buffer, the content checksum
-(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and safetensors' pointer specs,
-with everything that depends only on the step's field signature (names, dtypes, shapes) worked out
-once per signature (:class:`StepPlan`).
+(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and what the file is written
+from (a small step: its :class:`tracer.layout.StepImage`; a larger one: safetensors' pointer
+specs), with everything that depends only on the step's field signature (names, dtypes, shapes,
+the file layout) worked out once per signature (:class:`StepPlan`).
 
 Why: the writer thread shares the interpreter lock with the training loop, so its Python time per
 step is taken from a loop of small steps almost one for one (BENCHMARKS.md, issue 16). A step of
 14 small fields used to cost four passes over its tensors, each asking torch for shapes, dtypes and
-pointers again; a plan makes that one pass of a few attribute reads and buffer views.
+pointers again; a plan makes that one pass of a few attribute reads and buffer views, and a small
+step's checksum and float scan one call each over a joined copy of its bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracer.layout import IMAGE_BYTES, ImageLayout, StepImage, TensorSpec, digest_head, image_layout, tensor_bytes
+from tracer.file_image import ImageLayout, StepImage, image_layout
+from tracer.layout import IMAGE_BYTES, TensorSpec, digest_head, tensor_bytes
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
@@ -114,7 +117,8 @@ def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
     is hashed piece by piece (no copy)."""
     pointers = {name: t.data_ptr() for name, t in tensors.items()}
     kinds = plan.buffer_types
-    buffers = {name: kinds[name].from_address(ptr) if kinds[name] is not None else b"" for name, ptr in pointers.items()}
+    buffers = {name: kinds[name].from_address(ptr) if kinds[name] is not None else b""
+               for name, ptr in pointers.items()}
     if plan.small:
         heads = plan.heads
         digest = hashlib.sha256(b"".join([piece for name in plan.order for piece in (heads[name], buffers[name])]))

@@ -186,7 +186,7 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
     _clip(cols, tensors, mask, metadata)
     if "reward" in per_seq:
         _groups(cols, per_seq["reward"], tensors.get("group_ids"), metadata)
-    keys = [k for k in ORDER if k in cols]  # a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)
+    keys = [k for k in ORDER if k in cols]  # counts, token statistics, per-sequence ones, clip, NaN counts
     return [dict(zip(keys, row)) for row in zip(*(cols[k] for k in keys))]
 
 
@@ -221,7 +221,8 @@ def _groups(cols: Columns, rewards: torch.Tensor, group_ids: torch.Tensor | None
             return
         ids, recorded = _consecutive_groups(B, int(G)).expand(S, B), 0
     groups, zero = formulas.zero_variance_groups(rewards, ids)
-    cols["groups"], cols["zero_variance_groups"], cols["group_ids_recorded"] = groups.tolist(), zero.tolist(), [recorded] * S
+    cols["groups"], cols["zero_variance_groups"] = groups.tolist(), zero.tolist()
+    cols["group_ids_recorded"] = [recorded] * S
 
 
 @functools.lru_cache(maxsize=64)
