@@ -165,6 +165,9 @@ def test_clip_fractions_are_the_masked_means_of_their_indicators():
             for key, hits in (("low", low), ("high", high), ("region", region)):
                 want = formulas.masked_mean(hits.float(), mask, dims)  # the definition, as a float32 mean
                 assert got[key].dtype == torch.float32 and torch.equal(got[key], want), (shape, key)
+            host = formulas.clip_fractions(ratio.numpy(), adv.numpy(), mask.numpy(), 0.2, 0.28, dims)  # numpy path
+            for key in ("low", "high", "region"):
+                assert host[key].dtype == np.float32 and torch.equal(torch.as_tensor(host[key]), got[key]), key
 
 
 @pytest.mark.parametrize("loop_values", [0, formulas.ZERO_VARIANCE_LOOP_VALUES])
@@ -184,6 +187,7 @@ def test_zero_variance_groups_counted_in_a_loop_or_with_arrays_agree(monkeypatch
     groups, zero = formulas.zero_variance_groups(rewards, ids)
     assert groups.dtype == zero.dtype == torch.long
     assert groups.tolist() == want_groups and zero.tolist() == want_zero
+    assert formulas.zero_variance_counts(rewards, ids) == (want_groups, want_zero)
 
 
 def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit():

@@ -293,9 +293,15 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
     costs less than the array calls, which the training loop's work between batches leaves cold);
     more are sorted by id (stably) once for all S steps, with no loop over groups (numpy).
     """
+    groups, zero = zero_variance_counts(rewards, group_ids)
+    return torch.tensor(groups, dtype=torch.long), torch.tensor(zero, dtype=torch.long)
+
+
+def zero_variance_counts(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    """:func:`zero_variance_groups` as two lists of S ints (what the writer's summaries store)."""
     S, B = rewards.shape
     if B == 0:
-        return torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
+        return [0] * S, [0] * S
     if S * B <= ZERO_VARIANCE_LOOP_VALUES:
         groups, zero = [], []
         for values, ids in zip(rewards.tolist(), group_ids.tolist()):
@@ -306,7 +312,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
                     varied.add(group)
             groups.append(len(first))
             zero.append(len(first) - len(varied))
-        return torch.tensor(groups, dtype=torch.long), torch.tensor(zero, dtype=torch.long)
+        return groups, zero
     ids_, rewards_ = _host(group_ids), _host(rewards)
     rows = np.arange(S)[:, None]
     order = np.argsort(ids_, axis=1, kind="stable")  # (S, B)
@@ -319,7 +325,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
     slots = (rows * B + segment).ravel()  # (step, group) as one index
     varied_groups = np.bincount(slots, weights=differs.ravel(), minlength=S * B).reshape(S, B) > 0  # (S, B)
     counts = starts.sum(axis=1)
-    return torch.from_numpy(counts), torch.from_numpy(counts - varied_groups.sum(axis=1))
+    return counts.tolist(), (counts - varied_groups.sum(axis=1)).tolist()
 
 
 def clip_fractions(
@@ -339,8 +345,12 @@ def clip_fractions(
     Returns:
         ``{"low": ..., "high": ..., "region": ...}`` scalar shares in [0, 1]; ``region`` is the
         share outside ``[1 - eps_low, 1 + eps_high]`` whatever the sign.
+    Numpy arrays in give float32 numpy arrays out, the same values (the writer's summaries; the
+    thresholds are compared in ``ratio_``'s dtype, as torch compares a tensor with a Python float).
     Source: TRL ``grpo_trainer.py`` (``is_low_clipped`` / ``is_high_clipped``).
     """
+    if isinstance(ratio_, np.ndarray):
+        return _clip_fractions_host(ratio_, advantages, mask, clip_epsilon_low, clip_epsilon_high, dim)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
     keep = mask.bool()
     below, above = ratio_ < 1 - clip_epsilon_low, ratio_ > 1 + clip_epsilon_high
@@ -355,6 +365,19 @@ def clip_fractions(
         "high": count(above & (adv > 0) & keep) / kept,
         "region": count((below | above) & keep) / kept,
     }
+
+
+def _clip_fractions_host(ratio_: np.ndarray, advantages: np.ndarray, mask: np.ndarray, clip_epsilon_low: float,
+                         clip_epsilon_high: float, dim: int | tuple[int, ...] | None) -> dict[str, np.ndarray]:
+    """:func:`clip_fractions` of numpy arrays: the same counts, the same float32 quotients."""
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    keep = mask.astype(bool, copy=False)
+    kind = ratio_.dtype.type
+    below, above = ratio_ < kind(1 - clip_epsilon_low), ratio_ > kind(1 + clip_epsilon_high)
+    kept = np.maximum(keep.sum(axis=dim), 1).astype(np.float32)
+    return {"low": (below & (adv < 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "high": (above & (adv > 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "region": ((below | above) & keep).sum(axis=dim).astype(np.float32) / kept}
 
 
 def grpo_per_token_loss(

@@ -79,21 +79,21 @@ def _number(value: Any) -> float | None:
 Columns = dict[str, list]  # summary key -> its value at each of the S steps summarised together
 
 
-def _stats(cols: Columns, token: dict[str, torch.Tensor], per_seq: dict[str, torch.Tensor],
-           mask: torch.Tensor | None, S: int) -> None:
+def _stats(cols: Columns, token: dict[str, np.ndarray], per_seq: dict[str, np.ndarray],
+           mask: np.ndarray | None, S: int) -> None:
     """``mean_<name>`` and the quantiles of each of ``token`` (each ``[S, B, T]``, at ``mask``'s kept
     positions, ``[S, B, T]`` bool) and ``per_seq`` (each ``[S, B]``, all positions) into ``cols``,
     and the counts of non-finite values among them (``nonfinite_values``, ``nonfinite_kept``).
     Every field of every step goes through the same few operations, the quantiles of all of them
     through one (the writer thread shares the interpreter with the training loop, so the number of
-    calls is what costs): the values are stacked as float32 ``(S, K, N)`` blocks, which one
-    ``(S, K_token + K_seq, max N)`` array holds for the quantiles (the padding is not kept)."""
+    calls is what costs, and torch's more than numpy's): the values are stacked as float32
+    ``(S, K, N)`` blocks, which one ``(S, K_token + K_seq, max N)`` array holds for the quantiles
+    (the padding is not kept); the means are torch's float32 sums (:func:`tracer.formulas.masked_mean`)."""
     blocks = []  # (names, (S, K, N) float32 values, (S, N) kept positions or None for all)
     if token:
-        blocks.append((list(token), torch.stack([v.float() for v in token.values()], dim=1).flatten(2),
-                       mask.flatten(1)))
+        blocks.append((list(token), _block(token.values(), S), mask.reshape(S, -1)))
     if per_seq:
-        blocks.append((list(per_seq), torch.stack([v.float() for v in per_seq.values()], dim=1).flatten(2), None))
+        blocks.append((list(per_seq), _block(per_seq.values(), S), None))
     width = max(values.shape[2] for _, values, _ in blocks)
     rows = sum(len(names) for names, _, _ in blocks)
     padded = np.zeros((S, rows, width), dtype=np.float32)  # finite padding: counted by no NaN count
@@ -102,18 +102,18 @@ def _stats(cols: Columns, token: dict[str, torch.Tensor], per_seq: dict[str, tor
     for names, values, keep in blocks:
         K, N = len(names), values.shape[2]
         if keep is None:
-            means = values.mean(dim=2)  # = masked_mean with every position kept (tested)
+            means = torch.from_numpy(values).mean(dim=2)  # = masked_mean with every position kept (tested)
         else:
-            means = formulas.masked_mean(values, keep.unsqueeze(1).expand(S, K, N), dim=2)
+            means = formulas.masked_mean(torch.from_numpy(values), torch.from_numpy(keep).unsqueeze(1).expand(S, K, N),
+                                         dim=2)
         for name, column in zip(names, means.T.tolist()):
             cols[f"mean_{name}"] = column
-        array = values.numpy()
-        padded[:, start:start + K, :N] = array
-        kept[:, start:start + K, :N] = True if keep is None else keep.numpy()[:, None, :]
-        bad = ~np.isfinite(array)
+        padded[:, start:start + K, :N] = values
+        kept[:, start:start + K, :N] = True if keep is None else keep[:, None, :]
+        bad = ~np.isfinite(values)
         nonfinite = nonfinite + bad.sum(axis=(1, 2))
         if keep is not None:
-            nonfinite_kept = (bad & keep.numpy()[:, None, :]).sum(axis=(1, 2))
+            nonfinite_kept = (bad & keep[:, None, :]).sum(axis=(1, 2))
         start += K
     quantiles = formulas.masked_row_quantiles(padded.reshape(S * rows, width), kept.reshape(S * rows, width),
                                               tuple(QUANTILES.values()))
@@ -123,6 +123,29 @@ def _stats(cols: Columns, token: dict[str, torch.Tensor], per_seq: dict[str, tor
             cols[f"{name}_{q}"] = column
     cols["nonfinite_values"] = np.broadcast_to(nonfinite, (S,)).tolist()
     cols["nonfinite_kept"] = np.broadcast_to(nonfinite_kept, (S,)).tolist()
+
+
+def _block(values, S: int) -> np.ndarray:
+    """Arrays ``[S, ...]`` of one shape as one float32 ``(S, K, N)`` array (torch's ``.float()``
+    conversion: the same rounding)."""
+    return np.stack([v.astype(np.float32, copy=False) for v in values], axis=1).reshape(S, len(values), -1)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A stored (CPU) tensor as a numpy array, no copy for a numpy dtype; bfloat16 and float8 widened
+    to float32 exactly (as the summary's ``.float()`` would)."""
+    if t.dtype in _NUMPY_DTYPES and not t.requires_grad and t.device.type == "cpu":
+        return t.numpy()
+    t = t.detach().cpu()
+    return (t.float() if t.is_floating_point() and t.dtype not in _NUMPY_DTYPES else t).numpy()
+
+
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                           torch.float32, torch.float64})
+
+
+def _floating(a: np.ndarray | None) -> bool:
+    return a is not None and np.issubdtype(a.dtype, np.floating)
 
 
 def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,30 +175,31 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
         per_step = max([math.prod(shape) for _, shape, _ in used] + [1])
         size = max(1, MAX_STACKED_VALUES // per_step)
         for chunk in (members[c:c + size] for c in range(0, len(members), size)):
-            stacked = {n: torch.stack([steps[i][0][n] for i in chunk]) for n in names}
+            stacked = {n: np.stack([_array(steps[i][0][n]) for i in chunk]) for n in names}
             for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
                 out[i] = summary
     return out
 
 
-def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, Any], S: int) -> list[dict[str, Any]]:
-    """The summaries of S steps whose fields are stacked in ``tensors`` (``[S, ...]`` each)."""
+def _summarise_group(tensors: dict[str, np.ndarray], metadata: Mapping[str, Any], S: int) -> list[dict[str, Any]]:
+    """The summaries of S steps whose fields are stacked in ``tensors`` (``[S, ...]`` numpy arrays)."""
     cols: Columns = {}
     mask = tensors.get("completion_mask")
-    mask = mask.bool() if mask is not None else None
+    mask = mask.astype(bool, copy=False) if mask is not None else None
     token = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
     if "old_logprobs" in tensors and "sampler_logprobs" in tensors:
-        token["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
-    per_seq: dict[str, torch.Tensor] = {}
+        token["mismatch"] = (tensors["old_logprobs"].astype(np.float32, copy=False)
+                             - tensors["sampler_logprobs"].astype(np.float32, copy=False))
+    per_seq: dict[str, np.ndarray] = {}
     rewards, adv = tensors.get("rewards"), tensors.get("advantages")
-    if rewards is not None and rewards.dim() == 2 and rewards.is_floating_point():
+    if _floating(rewards) and rewards.ndim == 2:
         per_seq["reward"] = rewards
-    if adv is not None and adv.is_floating_point() and adv.dim() == 2 and (not per_seq or adv.shape == rewards.shape):
+    if _floating(adv) and adv.ndim == 2 and (not per_seq or adv.shape == rewards.shape):
         per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
     if mask is not None:
-        cols["kept_tokens"] = mask.numpy().reshape(S, -1).sum(axis=1).tolist()
+        cols["kept_tokens"] = mask.reshape(S, -1).sum(axis=1).tolist()
         token = {n: v for n, v in token.items() if v.shape == mask.shape}
-        if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
+        if _floating(adv) and adv.shape == mask.shape:
             token["advantage"] = adv  # PPO: per token
     else:
         token = {}
@@ -190,7 +214,7 @@ def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, An
     return [dict(zip(keys, row)) for row in zip(*(cols[k] for k in keys))]
 
 
-def _clip(cols: Columns, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
+def _clip(cols: Columns, tensors: Mapping[str, np.ndarray], mask: np.ndarray | None,
           metadata: Mapping[str, Any]) -> None:
     eps_low, eps_high = _number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high"))
     ratio, adv = tensors.get("ratio"), tensors.get("advantages")
@@ -198,38 +222,40 @@ def _clip(cols: Columns, tensors: Mapping[str, torch.Tensor], mask: torch.Tensor
         return
     if ratio.shape != mask.shape or adv.shape not in (mask.shape, mask.shape[:2]):
         return
-    adv = adv.float() if adv.shape == mask.shape else adv.float().unsqueeze(2)  # (S, B, 1): over T
-    dims = tuple(range(1, mask.dim()))
-    fr = {k: v.tolist() for k, v in formulas.clip_fractions(ratio.float(), adv, mask, eps_low, eps_high, dims).items()}
+    ratio, adv = ratio.astype(np.float32, copy=False), adv.astype(np.float32, copy=False)
+    adv = adv if adv.ndim == mask.ndim else adv[:, :, None]  # (S, B, 1): over T
+    dims = tuple(range(1, mask.ndim))
+    fr = {k: v.tolist() for k, v in formulas.clip_fractions(ratio, adv, mask, eps_low, eps_high, dims).items()}
     cols["clip_fraction_low"], cols["clip_fraction_high"] = fr["low"], fr["high"]
     cols["clip_fraction"] = [low + high for low, high in zip(fr["low"], fr["high"])]
     cols["clip_region"] = fr["region"]
 
 
-def _groups(cols: Columns, rewards: torch.Tensor, group_ids: torch.Tensor | None, metadata: Mapping[str, Any]) -> None:
+def _groups(cols: Columns, rewards: np.ndarray, group_ids: np.ndarray | None, metadata: Mapping[str, Any]) -> None:
     """Group counts of S steps (``rewards`` ``[S, B]``): groups from ``group_ids`` ``[S, B]`` when
     recorded, else ``num_generations`` consecutive rows (as ``tracer.views.groups.group_ids_of``);
     nothing when neither tells the groups apart (the reader then counts from the tensors)."""
     S, B = rewards.shape
     if group_ids is not None:
-        if group_ids.shape != rewards.shape or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+        if group_ids.shape != rewards.shape or _floating(group_ids) or group_ids.dtype == np.bool_:
             return
-        ids, recorded = group_ids.long(), 1
+        ids, recorded = group_ids.astype(np.int64, copy=False), 1
     else:
         G = _number(metadata.get("num_generations"))
         if not G or G != int(G) or G < 1 or B % int(G):
             return
-        ids, recorded = _consecutive_groups(B, int(G)).expand(S, B), 0
-    groups, zero = formulas.zero_variance_groups(rewards, ids)
-    cols["groups"], cols["zero_variance_groups"] = groups.tolist(), zero.tolist()
+        ids, recorded = np.broadcast_to(_consecutive_groups(B, int(G)), (S, B)), 0
+    cols["groups"], cols["zero_variance_groups"] = formulas.zero_variance_counts(rewards, ids)
     cols["group_ids_recorded"] = [recorded] * S
 
 
 @functools.lru_cache(maxsize=64)
-def _consecutive_groups(B: int, G: int) -> torch.Tensor:
-    """The group of each of B rows when groups are G consecutive rows (``[B]`` int64; a run has a
-    few (B, G), made once each)."""
-    return torch.arange(B) // G
+def _consecutive_groups(B: int, G: int) -> np.ndarray:
+    """The group of each of B rows when groups are G consecutive rows (``[B]`` int64, read-only; a
+    run has a few (B, G), made once each)."""
+    ids = np.arange(B, dtype=np.int64) // G
+    ids.flags.writeable = False
+    return ids
 
 
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:
