@@ -174,7 +174,7 @@ _NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, tor
                            torch.float32, torch.float64})
 
 
-def _host(t: torch.Tensor | np.ndarray) -> np.ndarray:
+def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
     """``t`` as a numpy array (no copy for an array, or a CPU tensor of a numpy dtype; other float
     dtypes, bfloat16 and float8, are widened to float32 exactly)."""
     if isinstance(t, np.ndarray):
@@ -201,8 +201,8 @@ def masked_row_quantiles(values: torch.Tensor | np.ndarray, mask: torch.Tensor |
     R, N = values.shape
     if N == 0:
         return torch.full((R, len(qs)), float("nan"), dtype=torch.float64)
-    v = _host(values)
-    keep = _host(mask).astype(bool, copy=False) & ~np.isnan(v)
+    v = host_array(values)
+    keep = host_array(mask).astype(bool, copy=False) & ~np.isnan(v)
     counts = keep.sum(axis=1)
     ordered = np.where(keep, v, np.inf)  # kept values first, once sorted
     ordered.sort(axis=1)
@@ -313,7 +313,7 @@ def zero_variance_counts(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
             groups.append(len(first))
             zero.append(len(first) - len(varied))
         return groups, zero
-    ids_, rewards_ = _host(group_ids), _host(rewards)
+    ids_, rewards_ = host_array(group_ids), host_array(rewards)
     rows = np.arange(S)[:, None]
     order = np.argsort(ids_, axis=1, kind="stable")  # (S, B)
     ids, values = ids_[rows, order], rewards_[rows, order]  # (S, B) each

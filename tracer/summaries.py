@@ -131,19 +131,6 @@ def _block(values, S: int) -> np.ndarray:
     return np.stack([v.astype(np.float32, copy=False) for v in values], axis=1).reshape(S, len(values), -1)
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A stored (CPU) tensor as a numpy array, no copy for a numpy dtype; bfloat16 and float8 widened
-    to float32 exactly (as the summary's ``.float()`` would)."""
-    if t.dtype in _NUMPY_DTYPES and not t.requires_grad and t.device.type == "cpu":
-        return t.numpy()
-    t = t.detach().cpu()
-    return (t.float() if t.is_floating_point() and t.dtype not in _NUMPY_DTYPES else t).numpy()
-
-
-_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64})
-
-
 def _floating(a: np.ndarray | None) -> bool:
     return a is not None and np.issubdtype(a.dtype, np.floating)
 
@@ -175,7 +162,7 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
         per_step = max([math.prod(shape) for _, shape, _ in used] + [1])
         size = max(1, MAX_STACKED_VALUES // per_step)
         for chunk in (members[c:c + size] for c in range(0, len(members), size)):
-            stacked = {n: np.stack([_array(steps[i][0][n]) for i in chunk]) for n in names}
+            stacked = {n: np.stack([formulas.host_array(steps[i][0][n]) for i in chunk]) for n in names}
             for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
                 out[i] = summary
     return out
