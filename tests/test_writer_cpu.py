@@ -190,7 +190,8 @@ def test_zero_variance_groups_counted_in_a_loop_or_with_arrays_agree(monkeypatch
     assert formulas.zero_variance_counts(rewards, ids) == (want_groups, want_zero)
 
 
-def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit(dtype):
     """Each batched summary value is exactly what the formulas give one step at a time (the means
     as float32 masked means, the quantiles by masked_quantiles' torch sort, the clip fractions,
     the NaN counts), so headers written by the batch path and summaries recomputed from tensors
@@ -205,6 +206,8 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit():
         t = {"completion_mask": mask, "ratio": torch.exp(policy - old), "approx_kl_k2": 0.5 * (policy - old) ** 2,
              "old_logprobs": old, "sampler_logprobs": old + 0.01 * torch.randn(B, T, generator=g),
              "rewards": torch.round(torch.rand(B, generator=g)), "advantages": torch.randn(B, T, generator=g)}
+        t = {n: v.to(dtype) if v.is_floating_point() else v for n, v in t.items()}
+        mask = t["completion_mask"]
         if s % 3 == 1:
             t["ratio"][0, 2], mask[0, 2] = float("nan"), True
             t["rewards"][1] = float("inf")
@@ -212,7 +215,7 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit():
     for (t, meta), got in zip(steps, summaries.compute_summaries(steps)):
         mask = t["completion_mask"]
         token = {"ratio": t["ratio"], "approx_kl_k2": t["approx_kl_k2"],
-                 "mismatch": t["old_logprobs"] - t["sampler_logprobs"], "advantage": t["advantages"]}
+                 "mismatch": t["old_logprobs"].float() - t["sampler_logprobs"].float(), "advantage": t["advantages"]}
         for name, values in token.items():
             assert _same(_f64(got[f"mean_{name}"]), formulas.masked_mean(values.float(), mask).double()), name
             qs = formulas.masked_quantiles(values.float(), mask, QS)
@@ -221,7 +224,7 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit():
         assert _same(_f64(got["mean_reward"]), formulas.masked_mean(rewards, torch.ones_like(mask[:, 0])).double())
         assert _same(_f64([got[f"reward_{q}"] for q in summaries.QUANTILES]),
                      formulas.masked_quantiles(rewards, None, QS))
-        fr = formulas.clip_fractions(t["ratio"], t["advantages"], mask, 0.2, 0.28)
+        fr = formulas.clip_fractions(t["ratio"].float(), t["advantages"].float(), mask, 0.2, 0.28)
         assert (got["clip_fraction_low"], got["clip_fraction_high"], got["clip_region"]) == (
             fr["low"].item(), fr["high"].item(), fr["region"].item())  # NaN ratios are never clipped
         bad = [~torch.isfinite(v.float()) for v in token.values()]
