@@ -30,7 +30,7 @@ sys.path.remove(str(SCRIPTS))
 
 FULL_AT, STEPS = fault_loop.FULL_AT, fault_loop.STEPS
 DROPPED = STEPS - FULL_AT
-EFBIG_TEXT = "File too large (os error 27)"
+EFBIG_TEXT = "OSError: [Errno 27] File too large"  # a small step file is written by tracer.layout._write_new
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_info_shows_the_drops_and_why(runs, capsys):
     assert main(["info", str(out / "non_strict")]) == 0
     text = capsys.readouterr().out
     assert f"dropped: {DROPPED}" in text
-    assert f"dropped: step_{FULL_AT:08d}.inner_0.mb_0.rank_0.safetensors: SafetensorError" in text
+    assert f"dropped: step_{FULL_AT:08d}.inner_0.mb_0.rank_0.safetensors: OSError" in text
 
 
 def test_when_nothing_fits_the_old_manifest_is_kept_intact(runs):
@@ -101,7 +101,7 @@ def test_strict_mode_raises_the_first_failure_with_its_cause(runs, scenario):
     else:  # the write fails on the writer thread; the next record (or the final flush) raises
         assert FULL_AT + 1 <= seen["ran"] <= STEPS
     assert seen["error"].startswith(f"tracer: writing {out / scenario} failed: step_{FULL_AT:08d}.inner_0")
-    assert seen["cause"] == "SafetensorError" and EFBIG_TEXT in seen["cause_text"]
+    assert seen["cause"] == "OSError" and seen["cause_text"] == "[Errno 27] File too large"
     trace = Trace(out / scenario)
     assert FULL_AT not in [k.step for k in trace.steps()]
     assert trace.scan() == {}

@@ -19,6 +19,7 @@ import tracer
 from tracer import formulas, frames, summaries
 from tracer.capture import BackgroundWriter, StagedStep, nonfinite_fields
 from tracer.errors import TraceError
+from tracer.file_image import StepImage
 from tracer.layout import content_sha256, tensor_bytes
 from tracer.name_maps import load_name_map
 from tracer.reader import Trace
@@ -326,8 +327,12 @@ def test_step_bytes_equal_the_reference_checksum_and_nonfinite_scan(seed):
     assert got.specs is None  # an empty tensor: written by save_file
     del tensors["empty"]
     got = step_bytes.describe(tensors, step_bytes.make_plan(tensors))
-    assert got.specs is not None and set(got.specs) == set(tensors)
+    assert isinstance(got.specs, StepImage) and sorted(got.specs.layout.order) == sorted(tensors)  # a small step
     assert got.content_sha256 == content_sha256(tensors)
+    big = {**tensors, "big": torch.zeros(step_bytes.CONCAT_BYTES // 4 + 1)}  # beyond a joined copy: per piece
+    got = step_bytes.describe(big, step_bytes.make_plan(big))
+    assert set(got.specs) == set(big) and got.content_sha256 == content_sha256(big)
+    assert got.nonfinite == nonfinite_fields(big)
 
 
 def test_a_known_cpu_signature_is_staged_into_one_reused_buffer_group(tmp_path):

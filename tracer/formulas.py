@@ -1,4 +1,6 @@
-"""The RL maths of the seed (SPEC.md section 3), once. Pure torch, no I/O.
+"""The RL maths of the seed (SPEC.md section 3), once. Torch (numpy and plain loops inside the two batch
+statistics the writer thread computes for every step: :func:`masked_row_quantiles`,
+:func:`zero_variance_groups`), no I/O.
 
 Sources: the seed lesson (shared/seed/lesson-25-reward-logprob-kl.txt), which restates MiniMind's
 ``trainer/rollout_engine.py``, ``trainer/train_ppo.py``, ``trainer/train_grpo.py`` and
@@ -9,6 +11,7 @@ Every mask is True/1 = keep. Logprobs are natural-log (nats).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -167,22 +170,50 @@ def row_quantiles(rows: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     return torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
 
 
-def masked_row_quantiles(values: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
-    """Quantiles ``qs`` of each row of ``values`` ``[R, N]`` at the positions ``mask`` (bool, ``[R, N]``)
-    keeps, NaN values left out: row ``r`` equals ``masked_quantiles(values[r], mask[r], qs)`` (linear
-    interpolation, numpy's default), with one sort for all rows, however many values each keeps.
-    Returns float64 ``[R, len(qs)]``; NaN for a row that keeps no non-NaN value."""
+_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                           torch.float32, torch.float64})
+
+
+def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``t`` as a numpy array (no copy for an array, or a CPU tensor of a numpy dtype; other float
+    dtypes, bfloat16 and float8, are widened to float32 exactly)."""
+    if isinstance(t, np.ndarray):
+        return t
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and not t.requires_grad:
+        return t.numpy()  # the usual case, in one call
+    t = t.detach().cpu()
+    if t.is_floating_point() and t.dtype not in (torch.float16, torch.float32, torch.float64):
+        t = t.float()
+    return t.numpy()
+
+
+def masked_row_quantiles(values: torch.Tensor | np.ndarray, mask: torch.Tensor | np.ndarray,
+                         qs: tuple[float, ...]) -> torch.Tensor:
+    """Quantiles ``qs`` of each row of ``values`` ``[R, N]`` (a tensor or a numpy array) at the
+    positions ``mask`` (bool, ``[R, N]``) keeps, NaN values left out: row ``r`` equals
+    ``masked_quantiles(values[r], mask[r], qs)`` (linear interpolation, numpy's default), with one
+    sort for all rows, however many values each keeps.
+    Returns float64 ``[R, len(qs)]``; NaN for a row that keeps no non-NaN value.
+
+    Computed with numpy on the host: the writer thread summarises every step with it, and on small
+    rows numpy's sort and element-wise calls cost a fraction of torch's (issue 16); the values are
+    the same (a sort orders equal values alike, and each element-wise step is one IEEE operation)."""
     R, N = values.shape
-    keep = mask & ~torch.isnan(values)
-    counts = keep.sum(dim=1)
     if N == 0:
         return torch.full((R, len(qs)), float("nan"), dtype=torch.float64)
-    ordered = torch.sort(values.masked_fill(~keep, float("inf")), dim=1).values  # kept values first
-    pos = torch.tensor(qs, dtype=torch.float64) * (counts.unsqueeze(1) - 1).clamp(min=0)  # (R, Q)
-    lo, hi = pos.floor().long(), pos.ceil().long()
-    below, above = ordered.gather(1, lo).double(), ordered.gather(1, hi).double()
-    out = torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
-    return out.masked_fill((counts == 0).unsqueeze(1), float("nan"))
+    v = host_array(values)
+    keep = host_array(mask).astype(bool, copy=False) & ~np.isnan(v)
+    counts = keep.sum(axis=1)
+    ordered = np.where(keep, v, np.inf)  # kept values first, once sorted
+    ordered.sort(axis=1)
+    pos = np.array(qs, dtype=np.float64) * np.maximum(counts - 1, 0)[:, None]  # (R, Q)
+    lo, hi = np.floor(pos).astype(np.int64), np.ceil(pos).astype(np.int64)
+    rows = np.arange(R)[:, None]
+    below, above = ordered[rows, lo].astype(np.float64), ordered[rows, hi].astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf where below == above: not the value taken
+        out = np.where(below == above, below, below + (above - below) * (pos - lo))
+    out[counts == 0] = np.nan
+    return torch.from_numpy(out)
 
 
 def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -247,6 +278,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, eps: float = G
     return (rewards.float() - mean_r) / (std_r + eps)
 
 
+ZERO_VARIANCE_LOOP_VALUES = 4096  # up to this many rewards, zero_variance_groups counts in a plain loop
+
+
 def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``S`` stacked steps: the number of groups and of zero-variance groups, each ``[S]``
     int64, from ``rewards`` ``[S, B]`` and ``group_ids`` ``[S, B]`` (rows of one id form a group).
@@ -254,22 +288,44 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> tupl
     A group has zero variance when every reward in it equals its first (row order) reward, so its
     group-relative advantages are all 0 and it adds no policy gradient (GRPO, Shao et al. 2024,
     eq. 3; DAPO, Yu et al. 2025, section 3.2, "dynamic sampling"). A NaN reward equals nothing, so
-    a group holding one never counts. Rows are sorted by id (stably) once for all S steps; no loop
-    over groups.
+    a group holding one never counts. Up to :data:`ZERO_VARIANCE_LOOP_VALUES` rewards are counted
+    in a plain loop (the writer thread counts a batch of small steps: a loop over a few dozen values
+    costs less than the array calls, which the training loop's work between batches leaves cold);
+    more are sorted by id (stably) once for all S steps, with no loop over groups (numpy).
     """
+    groups, zero = zero_variance_counts(rewards, group_ids)
+    return torch.tensor(groups, dtype=torch.long), torch.tensor(zero, dtype=torch.long)
+
+
+def zero_variance_counts(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[list[int], list[int]]:
+    """:func:`zero_variance_groups` as two lists of S ints (what the writer's summaries store)."""
     S, B = rewards.shape
     if B == 0:
-        return torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
-    order = torch.sort(group_ids, dim=1, stable=True).indices  # (S, B)
-    ids, values = group_ids.gather(1, order), rewards.gather(1, order)  # (S, B) each
-    starts = torch.ones(S, B, dtype=torch.bool)
+        return [0] * S, [0] * S
+    if S * B <= ZERO_VARIANCE_LOOP_VALUES:
+        groups, zero = [], []
+        for values, ids in zip(rewards.tolist(), group_ids.tolist()):
+            first: dict[int, float] = {}
+            varied = set()
+            for group, value in zip(ids, values):
+                if value != first.setdefault(group, value):  # the first itself too, when NaN
+                    varied.add(group)
+            groups.append(len(first))
+            zero.append(len(first) - len(varied))
+        return groups, zero
+    ids_, rewards_ = host_array(group_ids), host_array(rewards)
+    rows = np.arange(S)[:, None]
+    order = np.argsort(ids_, axis=1, kind="stable")  # (S, B)
+    ids, values = ids_[rows, order], rewards_[rows, order]  # (S, B) each
+    starts = np.ones((S, B), dtype=bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]  # the first row of each group
-    first = torch.where(starts, torch.arange(B).expand(S, B), 0).cummax(dim=1).values  # (S, B): its group's first row
-    differs = values != values.gather(1, first)  # (S, B); NaN != NaN
-    segment = starts.long().cumsum(dim=1) - 1  # (S, B): the group's index within its step
-    varied = torch.zeros(S, B, dtype=torch.long).scatter_add_(1, segment, differs.long()) > 0  # (S, B)
-    groups = starts.sum(dim=1)
-    return groups, groups - varied.sum(dim=1)
+    first_row = np.maximum.accumulate(np.where(starts, np.arange(B), 0), axis=1)  # (S, B): its group's first row
+    differs = values != values[rows, first_row]  # (S, B); NaN != NaN
+    segment = np.cumsum(starts, axis=1) - 1  # (S, B): the group's index within its step
+    slots = (rows * B + segment).ravel()  # (step, group) as one index
+    varied_groups = np.bincount(slots, weights=differs.ravel(), minlength=S * B).reshape(S, B) > 0  # (S, B)
+    counts = starts.sum(axis=1)
+    return counts.tolist(), (counts - varied_groups.sum(axis=1)).tolist()
 
 
 def clip_fractions(
@@ -289,17 +345,39 @@ def clip_fractions(
     Returns:
         ``{"low": ..., "high": ..., "region": ...}`` scalar shares in [0, 1]; ``region`` is the
         share outside ``[1 - eps_low, 1 + eps_high]`` whatever the sign.
+    Numpy arrays in give float32 numpy arrays out, the same values (the writer's summaries; the
+    thresholds are compared in ``ratio_``'s dtype, as torch compares a tensor with a Python float).
     Source: TRL ``grpo_trainer.py`` (``is_low_clipped`` / ``is_high_clipped``).
     """
+    if isinstance(ratio_, np.ndarray):
+        return _clip_fractions_host(ratio_, advantages, mask, clip_epsilon_low, clip_epsilon_high, dim)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
-    low = (ratio_ < 1 - clip_epsilon_low) & (adv < 0)
-    high = (ratio_ > 1 + clip_epsilon_high) & (adv > 0)
-    region = (ratio_ < 1 - clip_epsilon_low) | (ratio_ > 1 + clip_epsilon_high)
+    keep = mask.bool()
+    below, above = ratio_ < 1 - clip_epsilon_low, ratio_ > 1 + clip_epsilon_high
+
+    def count(hits: torch.Tensor) -> torch.Tensor:  # an exact int64 count, whatever the size
+        return hits.sum() if dim is None else hits.sum(dim=dim)
+
+    kept = count(keep).clamp(min=1)
+    # masked_mean of the 0/1 indicator, as the share count / kept (a float32 quotient, as masked_mean's)
     return {
-        "low": masked_mean(low.float(), mask, dim),
-        "high": masked_mean(high.float(), mask, dim),
-        "region": masked_mean(region.float(), mask, dim),
+        "low": count(below & (adv < 0) & keep) / kept,
+        "high": count(above & (adv > 0) & keep) / kept,
+        "region": count((below | above) & keep) / kept,
     }
+
+
+def _clip_fractions_host(ratio_: np.ndarray, advantages: np.ndarray, mask: np.ndarray, clip_epsilon_low: float,
+                         clip_epsilon_high: float, dim: int | tuple[int, ...] | None) -> dict[str, np.ndarray]:
+    """:func:`clip_fractions` of numpy arrays: the same counts, the same float32 quotients."""
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    keep = mask.astype(bool, copy=False)
+    kind = ratio_.dtype.type
+    below, above = ratio_ < kind(1 - clip_epsilon_low), ratio_ > kind(1 + clip_epsilon_high)
+    kept = np.maximum(keep.sum(axis=dim), 1).astype(np.float32)
+    return {"low": (below & (adv < 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "high": (above & (adv > 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "region": ((below | above) & keep).sum(axis=dim).astype(np.float32) / kept}
 
 
 def grpo_per_token_loss(

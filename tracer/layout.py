@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import serialize_file
+from safetensors import serialize, serialize_file
 from safetensors.torch import save_file
 
 try:  # safetensors >= 0.7: serialise from raw pointers
@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - older safetensors
     TensorSpec = None
 
 from tracer.errors import TraceError
+from tracer.file_image import StepImage, file_image, write_new
 
 MANIFEST_NAME = "manifest.json"
 TOKENS_NAME = "tokens.json"
@@ -284,6 +285,7 @@ def _new_file_mode() -> int:
 
 
 _FILE_MODE = _new_file_mode()
+IMAGE_BYTES = 2**20  # a step file up to this size is made in memory and written at once (save_atomic)
 
 
 def _remove_quietly(path: Path) -> None:
@@ -322,21 +324,39 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
 
 
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                specs: dict[str, Any] | None = None, fsync: bool = True) -> None:
-    """safetensors ``serialize_file`` (``save_file`` for tensors its pointer specs cannot describe)
-    to ``<path>.partial``, then rename: the file appears complete or not at all. With ``fsync`` the
-    file is flushed to the device before the rename, so it also survives a power loss once renamed;
-    without, it survives a crash or kill of the process (the kernel holds the bytes) and reaches the
-    device with the kernel's writeback. ``tensors`` must not share storage (:func:`unshare`) and
-    must stay alive during the call. ``specs``: their pointer specs when the caller made them
-    already (:mod:`tracer.step_bytes`). Raises OSError (the partial file is removed)."""
-    tmp = path.with_name(path.name + ".partial")
+                specs: "dict[str, Any] | StepImage | None" = None, fsync: bool = True) -> int | None:
+    """Write a safetensors file to ``<path>.partial``, then rename: the file appears complete or
+    not at all. With ``fsync`` the file is flushed to the device before the rename, so it also
+    survives a power loss once renamed; without, it survives a crash or kill of the process (the
+    kernel holds the bytes) and reaches the device with the kernel's writeback. ``tensors`` must not
+    share storage (:func:`unshare`) and must stay alive during the call. ``specs``: their pointer
+    specs, or the :class:`StepImage` of a small step, when the caller made them already
+    (:mod:`tracer.step_bytes`).
+
+    A step of up to :data:`IMAGE_BYTES` is made in memory (:func:`file_image`, or safetensors'
+    ``serialize`` from pointer specs) and written
+    with one ``write`` to a file created with mode 0666 less the umask (what ``open()`` gives, so
+    others can read a shared trace); a larger one is streamed by ``serialize_file`` from the
+    tensors' memory (no copy), which creates 0600 files, so it is then given that mode; tensors
+    the pointer specs cannot describe go through ``save_file``. Returns the file's size in bytes
+    when it was made in memory, else None. Raises OSError (the partial file is removed)."""
+    tmp = os.fspath(path) + ".partial"
     try:
+        if isinstance(specs, StepImage):
+            image = file_image(specs, metadata)
+            write_new(tmp, image, fsync)
+            os.replace(tmp, path)
+            return len(image)
         specs = specs if specs is not None else _tensor_specs(tensors)
+        if specs is not None and sum(spec.data_len for spec in specs.values()) <= IMAGE_BYTES:
+            image = serialize(specs, metadata=metadata)
+            write_new(tmp, image, fsync)
+            os.replace(tmp, path)
+            return len(image)
         if specs is None:
-            save_file(tensors, str(tmp), metadata=metadata)
+            save_file(tensors, tmp, metadata=metadata)
         else:
-            serialize_file(specs, str(tmp), metadata=metadata)
+            serialize_file(specs, tmp, metadata=metadata)
         if fsync:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -350,3 +370,4 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
     except BaseException:
         _remove_quietly(tmp)  # a full disk must not also keep the half-written bytes
         raise
+    return None

@@ -118,17 +118,20 @@ class IndexWriter:
         return True
 
     def add(self, path: Path, names: Iterable[str], metadata: Mapping[str, str],
-            decoded: Mapping[str, Any] | None = None) -> None:
+            decoded: Mapping[str, Any] | None = None, size: int | None = None) -> None:
         """Queue the line of step file ``path``, just written with tensors ``names`` and the encoded
         header ``metadata`` (``tracer.schema.encode_metadata``'s ``{key: str}``); nothing when it
         holds no summary. ``decoded``: the same header as values, when the caller has it (the writer
-        does), so it is not decoded again."""
+        does), so it is not decoded again. ``size``: the file's size in bytes when the caller knows
+        it (``tracer.layout.save_atomic`` wrote it from memory), else it is read from the file."""
         if self._failed or SUMMARY_KEY not in metadata:
             return
         try:
             if decoded is None:
                 decoded = decode_metadata({k: v for k, v in metadata.items() if k != SUMMARY_KEY})
-            head = {"file": path.name, **{k: decoded.get(k) for k in COORDINATES}, "size": os.stat(path).st_size,
+            if size is None:
+                size = os.stat(path).st_size
+            head = {"file": path.name, **{k: decoded.get(k) for k in COORDINATES}, "size": size,
                     "content_sha256": decoded.get("content_sha256"),
                     "derived": derivable(names, decoded)}
             line = json.dumps(head)[:-1] + f', "summary": {metadata[SUMMARY_KEY]}}}\n'

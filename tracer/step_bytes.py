@@ -1,12 +1,14 @@
 """The bytes of one staged step, for the writer thread: each tensor's buffer, the content checksum
-(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and safetensors' pointer specs,
-with everything that depends only on the step's field signature (names, dtypes, shapes) worked out
-once per signature (:class:`StepPlan`).
+(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and what the file is written
+from (a small step: its :class:`tracer.layout.StepImage`; a larger one: safetensors' pointer
+specs), with everything that depends only on the step's field signature (names, dtypes, shapes,
+the file layout) worked out once per signature (:class:`StepPlan`).
 
 Why: the writer thread shares the interpreter lock with the training loop, so its Python time per
 step is taken from a loop of small steps almost one for one (BENCHMARKS.md, issue 16). A step of
 14 small fields used to cost four passes over its tensors, each asking torch for shapes, dtypes and
-pointers again; a plan makes that one pass of a few attribute reads and buffer views.
+pointers again; a plan makes that one pass of a few attribute reads and buffer views, and a small
+step's checksum and float scan one call each over a joined copy of its bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracer.layout import TensorSpec, digest_head, tensor_bytes
+from tracer.file_image import ImageLayout, StepImage, image_layout
+from tracer.layout import IMAGE_BYTES, TensorSpec, digest_head, tensor_bytes
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 MAX_PLANS = 256  # signatures planned per writer (a run has a handful)
@@ -42,7 +45,8 @@ def all_finite(t: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class StepPlan:
     """What a field signature fixes: the hashing order and each tensor's hash head, the float fields
-    numpy scans (grouped by dtype) and those torch scans, and safetensors' dtype names."""
+    numpy scans (grouped by dtype) and those torch scans, safetensors' dtype names, each tensor's
+    shape and the ctypes type of its buffer (None when empty)."""
 
     order: tuple[str, ...]
     heads: dict[str, bytes]
@@ -51,6 +55,10 @@ class StepPlan:
     torch_floats: tuple[str, ...]
     spec_dtypes: dict[str, str]
     pointer_specs: bool  # every tensor can be written from its pointer (else save_file)
+    shapes: dict[str, tuple[int, ...]]
+    buffer_types: dict[str, Any]
+    small: bool  # all the bytes together within CONCAT_BYTES: hashed and scanned as joined copies
+    image: ImageLayout | None  # a small step with pointer specs: its file is made from this (save_atomic)
 
 
 def signature(tensors: dict[str, torch.Tensor]) -> tuple:
@@ -69,6 +77,12 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
                 torch_floats.append(name)
             else:
                 numpy_floats.setdefault(dtype, []).append(name)
+    pointer_specs = TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values())
+    small = sum(t.nbytes for t in tensors.values()) <= min(CONCAT_BYTES, IMAGE_BYTES)
+    image = None
+    if pointer_specs and small:
+        image = image_layout({name: TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape), data_ptr=t.data_ptr(),
+                                               data_len=t.nbytes) for name, t in tensors.items()})
     return StepPlan(
         order=tuple(sorted(tensors)),
         heads={name: digest_head(name, str(t.dtype), list(t.shape)) for name, t in tensors.items()},
@@ -76,14 +90,19 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
         numpy_floats={k: tuple(v) for k, v in numpy_floats.items()},
         torch_floats=tuple(torch_floats),
         spec_dtypes={name: str(t.dtype)[6:] for name, t in tensors.items()},
-        pointer_specs=TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values()),
+        pointer_specs=pointer_specs,
+        shapes={name: tuple(t.shape) for name, t in tensors.items()},
+        buffer_types={name: ctypes.c_ubyte * t.nbytes if t.nbytes else None for name, t in tensors.items()},
+        small=small,
+        image=image,
     )
 
 
 @dataclass
 class StepBytes:
-    """One step's checksum, non-finite fields and safetensors specs (None: write with save_file).
-    ``buffers`` are views of the tensors' memory: valid while the tensors live."""
+    """One step's checksum, non-finite fields and what :func:`tracer.layout.save_atomic` writes it
+    from: a :class:`tracer.layout.StepImage` (a small step), safetensors pointer specs, or None
+    (write with save_file). ``buffers`` are views of the tensors' memory: valid while the tensors live."""
 
     content_sha256: str
     nonfinite: list[str]
@@ -93,18 +112,28 @@ class StepBytes:
 
 def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
     """One pass over ``tensors`` (contiguous, CPU, matching ``plan``'s signature). The checksum
-    equals :func:`tracer.layout.content_sha256` (tested)."""
+    equals :func:`tracer.layout.content_sha256` (tested): a small step's heads and bytes are joined
+    into one copy and hashed in one call (the same digest as one update per piece), a larger one
+    is hashed piece by piece (no copy)."""
     pointers = {name: t.data_ptr() for name, t in tensors.items()}
-    buffers = {name: (ctypes.c_ubyte * plan.nbytes[name]).from_address(ptr) if plan.nbytes[name] else b""
+    kinds = plan.buffer_types
+    buffers = {name: kinds[name].from_address(ptr) if kinds[name] is not None else b""
                for name, ptr in pointers.items()}
-    digest = hashlib.sha256()
-    for name in plan.order:
-        digest.update(plan.heads[name])
-        digest.update(buffers[name])
+    if plan.small:
+        heads = plan.heads
+        digest = hashlib.sha256(b"".join([piece for name in plan.order for piece in (heads[name], buffers[name])]))
+    else:
+        digest = hashlib.sha256()
+        for name in plan.order:
+            digest.update(plan.heads[name])
+            digest.update(buffers[name])
     specs = None
-    if plan.pointer_specs:
-        specs = {name: TensorSpec(dtype=plan.spec_dtypes[name], shape=tensors[name].shape, data_ptr=ptr,
-                                  data_len=plan.nbytes[name]) for name, ptr in pointers.items()}
+    if plan.image is not None:  # a small step: its file is made from its bytes and its layout
+        specs = StepImage(plan.image, buffers)
+    elif plan.pointer_specs:
+        dtypes, shapes, nbytes = plan.spec_dtypes, plan.shapes, plan.nbytes
+        specs = {name: TensorSpec(dtype=dtypes[name], shape=shapes[name], data_ptr=ptr, data_len=nbytes[name])
+                 for name, ptr in pointers.items()}
     return StepBytes(digest.hexdigest(), nonfinite(tensors, plan, buffers), specs, buffers)
 
 
@@ -116,12 +145,13 @@ def nonfinite(tensors: dict[str, torch.Tensor], plan: StepPlan | None = None,
     float dtypes (bfloat16, float8) through torch (:func:`all_finite`). ``plan``/``buffers``: the
     step's, when the caller has them."""
     plan = plan or make_plan(tensors)
+    if buffers is None:
+        buffers = {n: tensor_bytes(tensors[n]) for names in plan.numpy_floats.values() for n in names}
     bad: set[str] = set()
     for dtype, names in plan.numpy_floats.items():
-        arrays = [np.frombuffer(buffers[n] if buffers is not None else tensor_bytes(tensors[n]), dtype=dtype)
-                  for n in names]
-        small = sum(plan.nbytes[n] for n in names) <= CONCAT_BYTES  # one scan of a copy beats many calls
-        if not small or not np.isfinite(np.concatenate(arrays) if len(arrays) > 1 else arrays[0]).all():
-            bad.update(n for n, a in zip(names, arrays) if not np.isfinite(a).all())
+        # a small step: one scan of the fields' bytes joined (one copy beats a call per field)
+        if plan.small and np.isfinite(np.frombuffer(b"".join([buffers[n] for n in names]), dtype=dtype)).all():
+            continue
+        bad.update(n for n in names if not np.isfinite(np.frombuffer(buffers[n], dtype=dtype)).all())
     bad.update(n for n in plan.torch_floats if not all_finite(tensors[n]))
     return [n for n in tensors if n in bad]

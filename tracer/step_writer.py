@@ -34,8 +34,9 @@ class StepWriter:
         root, rank, algorithm, keep_source_dtype: the writer's.
         hyperparameters: the values every header holds (a step's metadata may override them).
         book: counts written steps and failures (:class:`tracer.manifest_book.ManifestBook`).
-        save: ``save_atomic(path, tensors, metadata, specs, fsync)``; the caller's name for it, looked
-            up at call time (tests replace it to simulate a full disk).
+        save: ``save_atomic(path, tensors, metadata, specs, fsync)``, returning the file's size when
+            it knows it (else None: the index takes it from the file); the caller's name for it,
+            looked up at call time (tests replace it to simulate a full disk).
         fsync_steps: flush each step file to the device before its rename
             (:func:`tracer.layout.save_atomic`).
     """
@@ -51,6 +52,8 @@ class StepWriter:
         self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
         # the run's summary index (tracer.run_index); resume_index: go on with a dead writer process's
         self.index = IndexWriter(self.root, rank, resume=resume_index)
+        steps_dir = self.root / STEPS_DIR  # a step file's path: a child made without parsing (tracer.layout)
+        self._child = getattr(steps_dir, "_make_child_relpath", steps_dir.joinpath)
 
     def normalise(self, item: StagedStep) -> None:
         """Stored form, non-finite fields and checksum of a staged step. Staged tensors are contiguous
@@ -80,17 +83,19 @@ class StepWriter:
         """Write one normalised step (and queue its index line); a failure is counted, never raised."""
         if anomaly is not None:
             item.metadata["anomaly"] = anomaly
-        path = self.root / STEPS_DIR / step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
+        name = step_file_name(item.step, item.inner_step, item.micro_batch, self.rank)
+        path = self._child(name)
         if not item.summarised:  # written alone (synchronously, or through the anomaly ring)
             self.summarise([item])
         try:
             encoded = self.encoded_metadata(item.metadata)
-            self._save(path, item.tensors, encoded, item.specs, self.fsync_steps)
+            size = self._save(path, item.tensors, encoded, item.specs, self.fsync_steps)
         except Exception as err:  # disk full, directory gone, serialiser refusal: never kill training
-            self.book.fail(f"{path.name}: {type(err).__name__}: {err}", err)
+            self.book.fail(f"{name}: {type(err).__name__}: {err}", err)
             return
         self.book.written(item.sampled)
-        self.index.add(path, item.tensors, encoded, item.metadata)  # never raises
+        # never raises; the size save_atomic knows spares a stat (an int: a replaced save may return anything)
+        self.index.add(path, item.tensors, encoded, item.metadata, size if type(size) is int else None)
 
     def summarise(self, items: list[StagedStep]) -> None:
         """Put each step's summary (:mod:`tracer.summaries`, steps of one batch computed together)
@@ -101,7 +106,7 @@ class StepWriter:
         try:
             batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
             for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
-                item.metadata[summaries.SUMMARY_KEY] = summaries.header_value(summary)
+                item.metadata[summaries.SUMMARY_KEY] = summaries.header_text(summary)  # encoded once, here
         except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
             if len(items) > 1:  # find the step that fails; the others keep theirs
                 for item in items:

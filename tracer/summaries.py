@@ -27,10 +27,13 @@ kept position makes the mean NaN, as the loss would be).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import numbers
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from tracer import formulas
@@ -65,37 +68,71 @@ _FLOAT_KEYS = KEYS - frozenset(COUNT_KEYS)
 
 def _number(value: Any) -> float | None:
     """A clip epsilon as a float, when it is a real number (not a bool)."""
+    kind = type(value)
+    if kind is float or kind is int:  # the usual case, without an abstract-class check
+        return float(value)
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return None
 
 
-def _stats(out: list[dict[str, Any]], names: list[str], values: list[torch.Tensor], mask: torch.Tensor | None) -> None:
-    """``mean_<name>`` and the quantiles of each of ``values`` (each ``[S, *shape]``: S steps stacked)
-    at ``mask``'s kept positions (``[S, *shape]`` bool; all positions when None), into ``out[s]``.
-    Every field of every step goes through the same few tensor operations (the writer thread shares
-    the interpreter with the training loop, so the number of calls is what costs)."""
-    S, K = values[0].shape[0], len(values)
-    stacked = torch.stack([v.float() for v in values], dim=1).flatten(2)  # (S, K, N)
-    N = stacked.shape[2]
-    keep = (torch.ones(S, N, dtype=torch.bool) if mask is None else mask.flatten(1)).unsqueeze(1).expand(S, K, N)
-    means = formulas.masked_mean(stacked, keep, dim=2).tolist()  # (S, K)
-    quantiles = formulas.masked_row_quantiles(stacked.reshape(S * K, N), keep.reshape(S * K, N),
-                                              tuple(QUANTILES.values())).reshape(S, K, -1).tolist()
-    for s in range(S):
-        for name, mean, qs in zip(names, means[s], quantiles[s]):
-            out[s][f"mean_{name}"] = mean
-            out[s].update({f"{name}_{q}": value for q, value in zip(QUANTILES, qs)})
+Columns = dict[str, list]  # summary key -> its value at each of the S steps summarised together
 
 
-def _nonfinite(values: list[torch.Tensor], mask: torch.Tensor | None) -> tuple[list[int], list[int]]:
-    """Per step: non-finite values among ``values`` (at least one, each ``[S, *shape]``), in all and at
-    ``mask``'s kept positions (0 when ``mask`` is None)."""
-    S = values[0].shape[0]
-    bad = ~torch.isfinite(torch.stack([v.float() for v in values], dim=1).flatten(2))  # (S, K, N)
-    total = bad.sum(dim=(1, 2)).tolist()
-    kept = (bad & mask.flatten(1).unsqueeze(1)).sum(dim=(1, 2)).tolist() if mask is not None else [0] * S
-    return total, kept
+def _stats(cols: Columns, token: dict[str, np.ndarray], per_seq: dict[str, np.ndarray],
+           mask: np.ndarray | None, S: int) -> None:
+    """``mean_<name>`` and the quantiles of each of ``token`` (each ``[S, B, T]``, at ``mask``'s kept
+    positions, ``[S, B, T]`` bool) and ``per_seq`` (each ``[S, B]``, all positions) into ``cols``,
+    and the counts of non-finite values among them (``nonfinite_values``, ``nonfinite_kept``).
+    Every field of every step goes through the same few operations, the quantiles of all of them
+    through one (the writer thread shares the interpreter with the training loop, so the number of
+    calls is what costs, and torch's more than numpy's): the values are stacked as float32
+    ``(S, K, N)`` blocks, which one ``(S, K_token + K_seq, max N)`` array holds for the quantiles
+    (the padding is not kept); the means are torch's float32 sums (:func:`tracer.formulas.masked_mean`)."""
+    blocks = []  # (names, (S, K, N) float32 values, (S, N) kept positions or None for all)
+    if token:
+        blocks.append((list(token), _block(token.values(), S), mask.reshape(S, -1)))
+    if per_seq:
+        blocks.append((list(per_seq), _block(per_seq.values(), S), None))
+    width = max(values.shape[2] for _, values, _ in blocks)
+    rows = sum(len(names) for names, _, _ in blocks)
+    padded = np.zeros((S, rows, width), dtype=np.float32)  # finite padding: counted by no NaN count
+    kept = np.zeros((S, rows, width), dtype=bool)
+    start, nonfinite, nonfinite_kept = 0, 0, 0
+    for names, values, keep in blocks:
+        K, N = len(names), values.shape[2]
+        if keep is None:
+            means = torch.from_numpy(values).mean(dim=2)  # = masked_mean with every position kept (tested)
+        else:
+            means = formulas.masked_mean(torch.from_numpy(values), torch.from_numpy(keep).unsqueeze(1).expand(S, K, N),
+                                         dim=2)
+        for name, column in zip(names, means.T.tolist()):
+            cols[f"mean_{name}"] = column
+        padded[:, start:start + K, :N] = values
+        kept[:, start:start + K, :N] = True if keep is None else keep[:, None, :]
+        bad = ~np.isfinite(values)
+        nonfinite = nonfinite + bad.sum(axis=(1, 2))
+        if keep is not None:
+            nonfinite_kept = (bad & keep[:, None, :]).sum(axis=(1, 2))
+        start += K
+    quantiles = formulas.masked_row_quantiles(padded.reshape(S * rows, width), kept.reshape(S * rows, width),
+                                              tuple(QUANTILES.values()))
+    names = [name for block_names, _, _ in blocks for name in block_names]
+    for name, qs in zip(names, quantiles.numpy().reshape(S, rows, -1).transpose(1, 2, 0).tolist()):  # qs: (Q, S)
+        for q, column in zip(QUANTILES, qs):
+            cols[f"{name}_{q}"] = column
+    cols["nonfinite_values"] = np.broadcast_to(nonfinite, (S,)).tolist()
+    cols["nonfinite_kept"] = np.broadcast_to(nonfinite_kept, (S,)).tolist()
+
+
+def _block(values, S: int) -> np.ndarray:
+    """Arrays ``[S, ...]`` of one shape as one float32 ``(S, K, N)`` array (torch's ``.float()``
+    conversion: the same rounding)."""
+    return np.stack([v.astype(np.float32, copy=False) for v in values], axis=1).reshape(S, len(values), -1)
+
+
+def _floating(a: np.ndarray | None) -> bool:
+    return a is not None and np.issubdtype(a.dtype, np.floating)
 
 
 def compute_summary(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -114,8 +151,8 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
     memory a batch needs stays that of its largest step)."""
     groups: dict[tuple, list[int]] = {}
     for i, (tensors, metadata) in enumerate(steps):
-        used = tuple((n, tuple(t.shape), t.dtype) for n, t in tensors.items()
-                     if n in FIELDS and isinstance(t, torch.Tensor))
+        used = tuple((n, t.shape, t.dtype) for n in FIELDS
+                     if (t := tensors.get(n)) is not None and isinstance(t, torch.Tensor))
         eps = (_number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high")),
                _number(metadata.get("num_generations")))
         groups.setdefault((used, eps), []).append(i)
@@ -125,55 +162,46 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
         per_step = max([math.prod(shape) for _, shape, _ in used] + [1])
         size = max(1, MAX_STACKED_VALUES // per_step)
         for chunk in (members[c:c + size] for c in range(0, len(members), size)):
-            stacked = {n: torch.stack([steps[i][0][n] for i in chunk]) for n in names}
+            stacked = {n: np.stack([formulas.host_array(steps[i][0][n]) for i in chunk]) for n in names}
             for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
                 out[i] = summary
     return out
 
 
-def _summarise_group(tensors: dict[str, torch.Tensor], metadata: Mapping[str, Any], S: int) -> list[dict[str, Any]]:
-    """The summaries of S steps whose fields are stacked in ``tensors`` (``[S, ...]`` each)."""
-    out: list[dict[str, Any]] = [{} for _ in range(S)]
+def _summarise_group(tensors: dict[str, np.ndarray], metadata: Mapping[str, Any], S: int) -> list[dict[str, Any]]:
+    """The summaries of S steps whose fields are stacked in ``tensors`` (``[S, ...]`` numpy arrays)."""
+    cols: Columns = {}
     mask = tensors.get("completion_mask")
-    mask = mask.bool() if mask is not None else None
+    mask = mask.astype(bool, copy=False) if mask is not None else None
     token = {name: tensors[name] for name in ("ratio", "ref_kl_k3", "approx_kl_k2") if name in tensors}
     if "old_logprobs" in tensors and "sampler_logprobs" in tensors:
-        token["mismatch"] = tensors["old_logprobs"].float() - tensors["sampler_logprobs"].float()
-    per_seq: dict[str, torch.Tensor] = {}
+        token["mismatch"] = (tensors["old_logprobs"].astype(np.float32, copy=False)
+                             - tensors["sampler_logprobs"].astype(np.float32, copy=False))
+    per_seq: dict[str, np.ndarray] = {}
     rewards, adv = tensors.get("rewards"), tensors.get("advantages")
-    if rewards is not None and rewards.dim() == 2 and rewards.is_floating_point():
+    if _floating(rewards) and rewards.ndim == 2:
         per_seq["reward"] = rewards
-    if adv is not None and adv.is_floating_point() and adv.dim() == 2 and (not per_seq or adv.shape == rewards.shape):
+    if _floating(adv) and adv.ndim == 2 and (not per_seq or adv.shape == rewards.shape):
         per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
     if mask is not None:
-        for s, kept in enumerate(mask.flatten(1).sum(dim=1).tolist()):
-            out[s]["kept_tokens"] = kept
+        cols["kept_tokens"] = mask.reshape(S, -1).sum(axis=1).tolist()
         token = {n: v for n, v in token.items() if v.shape == mask.shape}
-        if adv is not None and adv.is_floating_point() and adv.shape == mask.shape:
+        if _floating(adv) and adv.shape == mask.shape:
             token["advantage"] = adv  # PPO: per token
     else:
         token = {}
-    if token:
-        _stats(out, list(token), list(token.values()), mask)
-    if per_seq:
-        _stats(out, list(per_seq), list(per_seq.values()), None)
-    _clip(out, tensors, mask, metadata)
+    if token or per_seq:
+        _stats(cols, token, per_seq, mask, S)
+    else:
+        cols["nonfinite_values"] = cols["nonfinite_kept"] = [0] * S
+    _clip(cols, tensors, mask, metadata)
     if "reward" in per_seq:
-        _groups(out, per_seq["reward"], tensors.get("group_ids"), metadata)
-    token_bad = _nonfinite(list(token.values()), mask) if token else ([0] * S, [0] * S)
-    seq_bad = _nonfinite(list(per_seq.values()), None) if per_seq else ([0] * S, [0] * S)
-    for s in range(S):
-        out[s]["nonfinite_values"] = token_bad[0][s] + seq_bad[0][s]
-        out[s]["nonfinite_kept"] = token_bad[1][s]
-    return [_ordered(o) for o in out]
+        _groups(cols, per_seq["reward"], tensors.get("group_ids"), metadata)
+    keys = [k for k in ORDER if k in cols]  # counts, token statistics, per-sequence ones, clip, NaN counts
+    return [dict(zip(keys, row)) for row in zip(*(cols[k] for k in keys))]
 
 
-def _ordered(out: dict[str, Any]) -> dict[str, Any]:
-    """The keys in a fixed order (counts, token statistics, per-sequence ones, clip, NaN counts)."""
-    return {k: out[k] for k in ORDER if k in out}
-
-
-def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: torch.Tensor | None,
+def _clip(cols: Columns, tensors: Mapping[str, np.ndarray], mask: np.ndarray | None,
           metadata: Mapping[str, Any]) -> None:
     eps_low, eps_high = _number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high"))
     ratio, adv = tensors.get("ratio"), tensors.get("advantages")
@@ -181,38 +209,51 @@ def _clip(out: list[dict[str, Any]], tensors: Mapping[str, torch.Tensor], mask: 
         return
     if ratio.shape != mask.shape or adv.shape not in (mask.shape, mask.shape[:2]):
         return
-    adv = adv.float() if adv.shape == mask.shape else adv.float().unsqueeze(2)  # (S, B, 1): over T
-    dims = tuple(range(1, mask.dim()))
-    fr = {k: v.tolist() for k, v in formulas.clip_fractions(ratio.float(), adv, mask, eps_low, eps_high, dims).items()}
-    for s, o in enumerate(out):
-        o["clip_fraction_low"], o["clip_fraction_high"] = float(fr["low"][s]), float(fr["high"][s])
-        o["clip_fraction"] = float(fr["low"][s] + fr["high"][s])
-        o["clip_region"] = float(fr["region"][s])
+    ratio, adv = ratio.astype(np.float32, copy=False), adv.astype(np.float32, copy=False)
+    adv = adv if adv.ndim == mask.ndim else adv[:, :, None]  # (S, B, 1): over T
+    dims = tuple(range(1, mask.ndim))
+    fr = {k: v.tolist() for k, v in formulas.clip_fractions(ratio, adv, mask, eps_low, eps_high, dims).items()}
+    cols["clip_fraction_low"], cols["clip_fraction_high"] = fr["low"], fr["high"]
+    cols["clip_fraction"] = [low + high for low, high in zip(fr["low"], fr["high"])]
+    cols["clip_region"] = fr["region"]
 
 
-def _groups(out: list[dict[str, Any]], rewards: torch.Tensor, group_ids: torch.Tensor | None,
-            metadata: Mapping[str, Any]) -> None:
+def _groups(cols: Columns, rewards: np.ndarray, group_ids: np.ndarray | None, metadata: Mapping[str, Any]) -> None:
     """Group counts of S steps (``rewards`` ``[S, B]``): groups from ``group_ids`` ``[S, B]`` when
     recorded, else ``num_generations`` consecutive rows (as ``tracer.views.groups.group_ids_of``);
     nothing when neither tells the groups apart (the reader then counts from the tensors)."""
     S, B = rewards.shape
     if group_ids is not None:
-        if group_ids.shape != rewards.shape or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+        if group_ids.shape != rewards.shape or _floating(group_ids) or group_ids.dtype == np.bool_:
             return
-        ids, recorded = group_ids.long(), 1
+        ids, recorded = group_ids.astype(np.int64, copy=False), 1
     else:
         G = _number(metadata.get("num_generations"))
         if not G or G != int(G) or G < 1 or B % int(G):
             return
-        ids, recorded = (torch.arange(B) // int(G)).expand(S, B), 0
-    groups, zero = formulas.zero_variance_groups(rewards, ids)
-    for o, g, z in zip(out, groups.tolist(), zero.tolist()):
-        o.update(groups=g, zero_variance_groups=z, group_ids_recorded=recorded)
+        ids, recorded = np.broadcast_to(_consecutive_groups(B, int(G)), (S, B)), 0
+    cols["groups"], cols["zero_variance_groups"] = formulas.zero_variance_counts(rewards, ids)
+    cols["group_ids_recorded"] = [recorded] * S
+
+
+@functools.lru_cache(maxsize=64)
+def _consecutive_groups(B: int, G: int) -> np.ndarray:
+    """The group of each of B rows when groups are G consecutive rows (``[B]`` int64, read-only; a
+    run has a few (B, G), made once each)."""
+    ids = np.arange(B, dtype=np.int64) // G
+    ids.flags.writeable = False
+    return ids
 
 
 def header_value(summary: dict[str, Any]) -> dict[str, Any]:
     """The summary as stored in the header (with its version)."""
     return {"version": SUMMARY_VERSION, **summary}
+
+
+def header_text(summary: dict[str, Any]) -> str:
+    """The summary's header text: :func:`header_value` as JSON (``tracer.schema.encode_metadata``
+    stores a string as it is, so the header holds the text it would make of the dict)."""
+    return json.dumps(header_value(summary), allow_nan=True)
 
 
 def read_summary(metadata: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -1,0 +1,235 @@
+"""The writer's CPU per step file (issue 16): the cheaper paths write the same files and the same
+summaries as the general ones they replace. A small step file is made from its bytes and its
+signature's layout (learnt from safetensors' ``serialize``); its size goes to the index without a
+``stat``; the summaries' quantiles, clip fractions and zero-variance groups are computed with
+fewer calls, bit for bit equal to the torch formulas the reader's fallback path uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+from safetensors import TensorSpec, safe_open, serialize
+
+from tracer import formulas, layout, run_index, step_bytes, summaries
+from tracer.file_image import StepImage, file_image, image_layout
+from tracer.layout import STEPS_DIR, save_atomic
+from tracer.reader import Trace
+from tracer.schema import encode_metadata
+from tracer.writer import TraceWriter
+
+QS = tuple(summaries.QUANTILES.values())
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {"policy_logprobs": -torch.rand(3, 5, generator=g), "ids": torch.randint(0, 9, (3, 5), generator=g),
+           "mask": torch.rand(3, 5, generator=g) > 0.5, "half": torch.randn(4, generator=g).half(),
+           "bf": torch.randn(2, generator=g).bfloat16(), "wide": torch.randn(2, 1, generator=g).double(),
+           "scalar": torch.tensor(0.5), "small_int": torch.randint(0, 9, (7,), generator=g).to(torch.int16)}
+    if seed % 2:
+        out["byte"] = torch.randint(0, 255, (5,), generator=g).to(torch.uint8)
+        out["b"] = torch.randn(3, generator=g)  # names that sort before others of other dtypes
+    return out
+
+
+def _specs(tensors):
+    return {n: TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape), data_ptr=t.data_ptr(), data_len=t.nbytes)
+            for n, t in tensors.items()}
+
+
+def _header(image: bytes) -> tuple[dict, bytes]:
+    size = int.from_bytes(image[:8], "little")
+    return json.loads(image[8:8 + size]), image[8 + size:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_small_step_file_is_the_file_safetensors_serialize_makes(seed):
+    tensors = _tensors(seed)
+    buffers = {n: layout.tensor_bytes(t) for n, t in tensors.items()}
+    step = StepImage(image_layout(_specs(tensors)), buffers)
+    one = {"note": 'quotes " and \\ and \n\x01\x7f, é, \u2028 and a summary {"a": 1}'}
+    assert file_image(step, one) == serialize(_specs(tensors), metadata=one)  # byte for byte
+    many = encode_metadata({"step": seed, "algorithm": "grpo", "content_sha256": "ab" * 32, **one,
+                            "summary": {"version": 1, "mean_ratio": 1.5, "ratio_p10": float("nan")}})
+    ours, theirs = file_image(step, many), serialize(_specs(tensors), metadata=many)
+    # safetensors writes the metadata keys in a random order: the same header otherwise, the same bytes after it
+    assert len(ours) == len(theirs) and _header(ours) == _header(theirs)
+    assert (8 + int.from_bytes(ours[:8], "little")) % 8 == 0  # the header padded as safetensors pads it
+
+
+def test_a_small_step_file_has_the_open_mode_and_its_size_is_returned(tmp_path):
+    tensors = _tensors(1)
+    described = step_bytes.describe(tensors, step_bytes.make_plan(tensors))
+    assert isinstance(described.specs, StepImage)
+    path = tmp_path / "step.safetensors"
+    stale = tmp_path / "step.safetensors.partial"  # left by a crash, with another mode
+    stale.write_bytes(b"half a file")
+    stale.chmod(0o600)
+    meta = {"step": "1"}
+    size = save_atomic(path, tensors, meta, described.specs, fsync=True)
+    assert size == os.stat(path).st_size and not stale.exists()
+    assert stat.S_IMODE(os.stat(path).st_mode) == layout._FILE_MODE  # 0666 less the umask, as open() gives
+    with safe_open(str(path), "pt") as fh:
+        assert fh.metadata() == meta
+        for name, want in tensors.items():
+            assert torch.equal(fh.get_tensor(name), want), name
+    # a large step is streamed by serialize_file (no copy): no size known, the same mode
+    big = {"x": torch.arange(layout.IMAGE_BYTES // 4 + 1, dtype=torch.float32)}
+    assert save_atomic(tmp_path / "big.safetensors", big, meta, None, fsync=False) is None
+    assert stat.S_IMODE(os.stat(tmp_path / "big.safetensors").st_mode) == layout._FILE_MODE
+    with safe_open(str(tmp_path / "big.safetensors"), "pt") as fh:
+        assert torch.equal(fh.get_tensor("x"), big["x"])
+
+
+def test_the_index_lists_each_file_size_without_a_stat(tmp_path, monkeypatch):
+    stats = []
+    real_stat = os.stat
+
+    def counting_stat(path, *args, **kwargs):
+        if os.fspath(path).endswith(".safetensors"):  # a step file
+            stats.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_index.os, "stat", counting_stat)
+    g = torch.Generator().manual_seed(0)
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}) as writer:
+        for step in range(5):
+            policy = -torch.rand(4, 3, generator=g)
+            writer.record(step, {"policy_logprobs": policy, "old_logprobs": policy + 0.1, "rewards": torch.rand(4),
+                                 "completion_mask": torch.ones(4, 3, dtype=torch.bool)})
+    monkeypatch.undo()
+    assert stats == []
+    index = (tmp_path / "run" / "summary_index.rank_0.jsonl").read_text()
+    lines = [json.loads(line) for line in index.splitlines()[1:]]
+    assert len(lines) == 5
+    for line in lines:
+        assert line["size"] == os.stat(tmp_path / "run" / STEPS_DIR / line["file"]).st_size
+    assert Trace(tmp_path / "run").step_summary()["summary_source"].tolist() == ["header"] * 5
+
+
+def _torch_masked_row_quantiles(values, mask, qs):
+    """The torch implementation masked_row_quantiles had before (one torch.sort for all rows)."""
+    keep = mask & ~torch.isnan(values)
+    counts = keep.sum(dim=1)
+    ordered = torch.sort(values.masked_fill(~keep, float("inf")), dim=1).values
+    pos = torch.tensor(qs, dtype=torch.float64) * (counts.unsqueeze(1) - 1).clamp(min=0)
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    below, above = ordered.gather(1, lo).double(), ordered.gather(1, hi).double()
+    out = torch.where(below == above, below, below + (above - below) * (pos - lo.double()))
+    return out.masked_fill((counts == 0).unsqueeze(1), float("nan"))
+
+
+def _f64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_masked_row_quantiles_equal_the_torch_reference_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(3)
+    for R, N in ((1, 1), (7, 13), (40, 64), (3, 257)):
+        values = (torch.randn(R, N, generator=g) * 3).to(dtype)
+        values[:, : N // 3] = torch.round(values[:, : N // 3])  # ties
+        mask = torch.rand(R, N, generator=g) > 0.3
+        flat, keep = values.view(-1), mask.view(-1)
+        for k in torch.randint(0, R * N, (max(1, R * N // 10),), generator=g).tolist():
+            flat[k] = (float("nan"), float("inf"), -float("inf"))[k % 3]
+            keep[k] = bool(k % 2)
+        mask[0] = False  # nothing kept
+        got = formulas.masked_row_quantiles(values, mask, QS)
+        want = _torch_masked_row_quantiles(values, mask, QS)
+        assert got.dtype == torch.float64 and _same(got, want), (R, N)
+        assert _same(formulas.masked_row_quantiles(values.float().numpy(), mask.numpy(), QS), want)
+
+
+def test_clip_fractions_are_the_masked_means_of_their_indicators():
+    g = torch.Generator().manual_seed(5)
+    for shape, dims in (((6, 9), None), ((4, 6, 9), (1, 2)), ((5, 7), 1)):
+        ratio = torch.exp(0.3 * torch.randn(*shape, generator=g))
+        ratio.view(-1)[::11] = float("nan")
+        mask = torch.rand(*shape, generator=g) > 0.2
+        mask.view(-1)[:shape[-1]] = False
+        for adv in (torch.randn(*shape, generator=g), torch.randn(*shape[:-1], 1, generator=g)):
+            got = formulas.clip_fractions(ratio, adv, mask, 0.2, 0.28, dims)
+            low = (ratio < 0.8) & (adv < 0)
+            high = (ratio > 1.28) & (adv > 0)
+            region = (ratio < 0.8) | (ratio > 1.28)
+            for key, hits in (("low", low), ("high", high), ("region", region)):
+                want = formulas.masked_mean(hits.float(), mask, dims)  # the definition, as a float32 mean
+                assert got[key].dtype == torch.float32 and torch.equal(got[key], want), (shape, key)
+            host = formulas.clip_fractions(ratio.numpy(), adv.numpy(), mask.numpy(), 0.2, 0.28, dims)  # numpy path
+            for key in ("low", "high", "region"):
+                assert host[key].dtype == np.float32 and torch.equal(torch.as_tensor(host[key]), got[key]), key
+
+
+@pytest.mark.parametrize("loop_values", [0, formulas.ZERO_VARIANCE_LOOP_VALUES])
+def test_zero_variance_groups_counted_in_a_loop_or_with_arrays_agree(monkeypatch, loop_values):
+    monkeypatch.setattr(formulas, "ZERO_VARIANCE_LOOP_VALUES", loop_values)
+    g = torch.Generator().manual_seed(9)
+    rewards = torch.round(torch.rand(6, 10, generator=g) * 2) / 2
+    rewards[2, 3] = float("nan")
+    ids = torch.randint(0, 4, (6, 10), generator=g) * 5 - 7  # unsorted, negative, gaps
+    want_groups, want_zero = [], []
+    for r, i in zip(rewards.tolist(), ids.tolist()):
+        members: dict[int, list[float]] = {}
+        for gid, value in zip(i, r):
+            members.setdefault(gid, []).append(value)
+        want_groups.append(len(members))
+        want_zero.append(sum(all(v == m[0] for v in m) for m in members.values()))  # NaN == NaN is False
+    groups, zero = formulas.zero_variance_groups(rewards, ids)
+    assert groups.dtype == zero.dtype == torch.long
+    assert groups.tolist() == want_groups and zero.tolist() == want_zero
+    assert formulas.zero_variance_counts(rewards, ids) == (want_groups, want_zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit(dtype):
+    """Each batched summary value is exactly what the formulas give one step at a time (the means
+    as float32 masked means, the quantiles by masked_quantiles' torch sort, the clip fractions,
+    the NaN counts), so headers written by the batch path and summaries recomputed from tensors
+    by the reader agree to the last bit."""
+    g = torch.Generator().manual_seed(11)
+    steps = []
+    for s in range(9):
+        B, T = 4, 16
+        policy = -3 * torch.rand(B, T, generator=g)
+        old = policy + 0.05 * torch.randn(B, T, generator=g)
+        mask = torch.rand(B, T, generator=g) > 0.3
+        t = {"completion_mask": mask, "ratio": torch.exp(policy - old), "approx_kl_k2": 0.5 * (policy - old) ** 2,
+             "old_logprobs": old, "sampler_logprobs": old + 0.01 * torch.randn(B, T, generator=g),
+             "rewards": torch.round(torch.rand(B, generator=g)), "advantages": torch.randn(B, T, generator=g)}
+        t = {n: v.to(dtype) if v.is_floating_point() else v for n, v in t.items()}
+        mask = t["completion_mask"]
+        if s % 3 == 1:
+            t["ratio"][0, 2], mask[0, 2] = float("nan"), True
+            t["rewards"][1] = float("inf")
+        steps.append((t, {"clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "num_generations": 2}))
+    for (t, meta), got in zip(steps, summaries.compute_summaries(steps)):
+        mask = t["completion_mask"]
+        token = {"ratio": t["ratio"], "approx_kl_k2": t["approx_kl_k2"],
+                 "mismatch": t["old_logprobs"].float() - t["sampler_logprobs"].float(), "advantage": t["advantages"]}
+        for name, values in token.items():
+            assert _same(_f64(got[f"mean_{name}"]), formulas.masked_mean(values.float(), mask).double()), name
+            qs = formulas.masked_quantiles(values.float(), mask, QS)
+            assert _same(_f64([got[f"{name}_{q}"] for q in summaries.QUANTILES]), qs), name
+        rewards = t["rewards"].float()
+        assert _same(_f64(got["mean_reward"]), formulas.masked_mean(rewards, torch.ones_like(mask[:, 0])).double())
+        assert _same(_f64([got[f"reward_{q}"] for q in summaries.QUANTILES]),
+                     formulas.masked_quantiles(rewards, None, QS))
+        fr = formulas.clip_fractions(t["ratio"].float(), t["advantages"].float(), mask, 0.2, 0.28)
+        assert (got["clip_fraction_low"], got["clip_fraction_high"], got["clip_region"]) == (
+            fr["low"].item(), fr["high"].item(), fr["region"].item())  # NaN ratios are never clipped
+        bad = [~torch.isfinite(v.float()) for v in token.values()]
+        assert got["nonfinite_values"] == sum(int(b.sum()) for b in bad) + int((~torch.isfinite(rewards)).sum())
+        assert got["nonfinite_kept"] == sum(int((b & mask).sum()) for b in bad)
+        assert got["kept_tokens"] == int(mask.sum())
+        text = summaries.header_text(got)
+        assert encode_metadata({"summary": text})["summary"] == text == json.dumps(summaries.header_value(got))
