@@ -33,7 +33,6 @@ except ImportError:  # pragma: no cover - older safetensors
     TensorSpec = None
 
 from tracer.errors import TraceError
-from tracer.file_image import StepImage, file_image, write_new
 
 MANIFEST_NAME = "manifest.json"
 TOKENS_NAME = "tokens.json"
@@ -323,30 +322,39 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
     return specs
 
 
+def write_new(path: str, data: bytes, fsync: bool) -> None:
+    """Write ``data`` to a new file ``path`` (a stale one, left by a crash, is replaced: a file
+    created here has the mode ``open()`` gives, never the stale one's)."""
+    try:
+        fh = open(path, "xb", buffering=0)
+    except FileExistsError:
+        os.unlink(path)
+        fh = open(path, "xb", buffering=0)
+    with fh:
+        view = memoryview(data)
+        while view:  # a raw write may write less than asked (a signal, a nearly full disk)
+            view = view[fh.write(view):]
+        if fsync:
+            os.fsync(fh.fileno())
+
+
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],
-                specs: "dict[str, Any] | StepImage | None" = None, fsync: bool = True) -> int | None:
+                specs: dict[str, Any] | None = None, fsync: bool = True) -> int | None:
     """Write a safetensors file to ``<path>.partial``, then rename: the file appears complete or
     not at all. With ``fsync`` the file is flushed to the device before the rename, so it also
     survives a power loss once renamed; without, it survives a crash or kill of the process (the
     kernel holds the bytes) and reaches the device with the kernel's writeback. ``tensors`` must not
     share storage (:func:`unshare`) and must stay alive during the call. ``specs``: their pointer
-    specs, or the :class:`StepImage` of a small step, when the caller made them already
-    (:mod:`tracer.step_bytes`).
+    specs when the caller made them already (:mod:`tracer.step_bytes`).
 
-    A step of up to :data:`IMAGE_BYTES` is made in memory (:func:`file_image`, or safetensors'
-    ``serialize`` from pointer specs) and written
-    with one ``write`` to a file created with mode 0666 less the umask (what ``open()`` gives, so
+    A step of up to :data:`IMAGE_BYTES` is made in memory by safetensors' ``serialize`` (from
+    pointer specs) and written with one ``write`` (:func:`write_new`) to a file created with mode 0666 less the umask (what ``open()`` gives, so
     others can read a shared trace); a larger one is streamed by ``serialize_file`` from the
     tensors' memory (no copy), which creates 0600 files, so it is then given that mode; tensors
     the pointer specs cannot describe go through ``save_file``. Returns the file's size in bytes
     when it was made in memory, else None. Raises OSError (the partial file is removed)."""
     tmp = os.fspath(path) + ".partial"
     try:
-        if isinstance(specs, StepImage):
-            image = file_image(specs, metadata)
-            write_new(tmp, image, fsync)
-            os.replace(tmp, path)
-            return len(image)
         specs = specs if specs is not None else _tensor_specs(tensors)
         if specs is not None and sum(spec.data_len for spec in specs.values()) <= IMAGE_BYTES:
             image = serialize(specs, metadata=metadata)

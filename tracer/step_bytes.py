@@ -1,7 +1,6 @@
 """The bytes of one staged step, for the writer thread: each tensor's buffer, the content checksum
-(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and what the file is written
-from (a small step: its :class:`tracer.layout.StepImage`; a larger one: safetensors' pointer
-specs), with everything that depends only on the step's field signature (names, dtypes, shapes,
+(:func:`tracer.layout.content_sha256`'s scheme), the non-finite scan and safetensors' pointer
+specs to write the file from, with everything that depends only on the step's field signature (names, dtypes, shapes,
 the file layout) worked out once per signature (:class:`StepPlan`).
 
 Why: the writer thread shares the interpreter lock with the training loop, so its Python time per
@@ -22,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tracer.file_image import ImageLayout, StepImage, image_layout
 from tracer.layout import IMAGE_BYTES, TensorSpec, digest_head, tensor_bytes
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
@@ -58,7 +56,6 @@ class StepPlan:
     shapes: dict[str, tuple[int, ...]]
     buffer_types: dict[str, Any]
     small: bool  # all the bytes together within CONCAT_BYTES: hashed and scanned as joined copies
-    image: ImageLayout | None  # a small step with pointer specs: its file is made from this (save_atomic)
 
 
 def signature(tensors: dict[str, torch.Tensor]) -> tuple:
@@ -79,10 +76,6 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
                 numpy_floats.setdefault(dtype, []).append(name)
     pointer_specs = TensorSpec is not None and sys.byteorder == "little" and all(t.numel() for t in tensors.values())
     small = sum(t.nbytes for t in tensors.values()) <= min(CONCAT_BYTES, IMAGE_BYTES)
-    image = None
-    if pointer_specs and small:
-        image = image_layout({name: TensorSpec(dtype=str(t.dtype)[6:], shape=tuple(t.shape), data_ptr=t.data_ptr(),
-                                               data_len=t.nbytes) for name, t in tensors.items()})
     return StepPlan(
         order=tuple(sorted(tensors)),
         heads={name: digest_head(name, str(t.dtype), list(t.shape)) for name, t in tensors.items()},
@@ -94,14 +87,13 @@ def make_plan(tensors: dict[str, torch.Tensor]) -> StepPlan:
         shapes={name: tuple(t.shape) for name, t in tensors.items()},
         buffer_types={name: ctypes.c_ubyte * t.nbytes if t.nbytes else None for name, t in tensors.items()},
         small=small,
-        image=image,
     )
 
 
 @dataclass
 class StepBytes:
     """One step's checksum, non-finite fields and what :func:`tracer.layout.save_atomic` writes it
-    from: a :class:`tracer.layout.StepImage` (a small step), safetensors pointer specs, or None
+    from: safetensors pointer specs, or None
     (write with save_file). ``buffers`` are views of the tensors' memory: valid while the tensors live."""
 
     content_sha256: str
@@ -128,9 +120,7 @@ def describe(tensors: dict[str, torch.Tensor], plan: StepPlan) -> StepBytes:
             digest.update(plan.heads[name])
             digest.update(buffers[name])
     specs = None
-    if plan.image is not None:  # a small step: its file is made from its bytes and its layout
-        specs = StepImage(plan.image, buffers)
-    elif plan.pointer_specs:
+    if plan.pointer_specs:
         dtypes, shapes, nbytes = plan.spec_dtypes, plan.shapes, plan.nbytes
         specs = {name: TensorSpec(dtype=dtypes[name], shape=shapes[name], data_ptr=ptr, data_len=nbytes[name])
                  for name, ptr in pointers.items()}
