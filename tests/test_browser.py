@@ -184,16 +184,27 @@ def leaves_localhost(url: str) -> bool:
     return parts.scheme not in ("data", "blob", "about") and parts.hostname != "127.0.0.1"
 
 
-def open_page(pw, dialogs: list[str], outside: list[str] | None = None, height: int = 1200):
+def open_page(pw, dialogs: list[str], outside: list[str] | None = None, height: int = 1200, width: int = 1600):
     """A Chromium page; dialogs are recorded and dismissed, requests beyond 127.0.0.1 recorded in
     ``outside`` (a request listener sees every request the page makes: scripts, fonts, icons)."""
     browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-    page = browser.new_page(viewport={"width": 1600, "height": height})
+    page = browser.new_page(viewport={"width": width, "height": height})
     page.set_default_timeout(UI_TIMEOUT_MS)
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     if outside is not None:
         page.on("request", lambda request: outside.append(request.url) if leaves_localhost(request.url) else None)
     return browser, page
+
+
+@contextlib.contextmanager
+def chromium_page(sync_playwright, dialogs: list[str], **kwargs):
+    """:func:`open_page` in a Playwright session, the browser closed on the way out."""
+    with sync_playwright() as pw:
+        browser, page = open_page(pw, dialogs, **kwargs)
+        try:
+            yield page
+        finally:
+            browser.close()
 
 
 def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):

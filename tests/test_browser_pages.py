@@ -12,8 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.test_browser import (CHROMIUM, CHROMIUM_ARGS, SAMPLES, _browser_or_skip, check_no_error, open_page,
-                                screenshot_dir, serve, wait_idle)
+from tests.test_browser import SAMPLES, _browser_or_skip, check_no_error, chromium_page, screenshot_dir, serve, wait_idle
 
 # (URL, heading, why, the pages the run has): the reasons follow app/components/navigation.py's PAGES
 NOT_OFFERED = (
@@ -48,30 +47,26 @@ def test_a_link_to_a_page_not_offered_says_why_and_links_on(sync_playwright, sam
 
     shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
-    with sync_playwright() as pw:
-        browser, page = open_page(pw, dialogs)
-        try:
-            for path, heading, why, links in NOT_OFFERED:
-                page.goto(samples_server + path)
-                main = page.locator("[data-testid=stMain]")
-                expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
-                wait_idle(page)
-                check_no_error(page)
-                text = main.inner_text()
-                assert "Page not found" not in page.locator("body").inner_text()
-                assert f"/{urlsplit(path).path.strip('/')} is not offered for this run. {why}" in " ".join(text.split())
-                labels = main.locator("[data-testid=stPageLink]").all_inner_texts()  # "icon name\nlabel"
-                assert [label.split("\n")[-1] for label in labels] == links
-                page.screenshot(path=str(shots / f"not_offered_{urlsplit(path).path.strip('/')}.png"), full_page=True)
-            # a link opens that page on the same run (the URL's selection kept)
-            page.goto(samples_server + NOT_OFFERED[0][0])
-            page.locator("[data-testid=stMain] [data-testid=stPageLink]").filter(has_text="PPO: GAE").click()
-            expect(page.get_by_role("heading", name="PPO: GAE and early stop", exact=True)).to_be_visible()
+    with chromium_page(sync_playwright, dialogs) as page:
+        for path, heading, why, links in NOT_OFFERED:
+            page.goto(samples_server + path)
+            main = page.locator("[data-testid=stMain]")
+            expect(page.get_by_role("heading", name=heading, exact=True)).to_be_visible()
             wait_idle(page)
-            query = parse_qs(urlsplit(page.url).query)
-            assert (urlsplit(page.url).path, query["run"], query["step"]) == ("/ppo", ["ppo-tiny"], ["1"])
-        finally:
-            browser.close()
+            check_no_error(page)
+            text = main.inner_text()
+            assert "Page not found" not in page.locator("body").inner_text()
+            assert f"/{urlsplit(path).path.strip('/')} is not offered for this run. {why}" in " ".join(text.split())
+            labels = main.locator("[data-testid=stPageLink]").all_inner_texts()  # "icon name\nlabel"
+            assert [label.split("\n")[-1] for label in labels] == links
+            page.screenshot(path=str(shots / f"not_offered_{urlsplit(path).path.strip('/')}.png"), full_page=True)
+        # a link opens that page on the same run (the URL's selection kept)
+        page.goto(samples_server + NOT_OFFERED[0][0])
+        page.locator("[data-testid=stMain] [data-testid=stPageLink]").filter(has_text="PPO: GAE").click()
+        expect(page.get_by_role("heading", name="PPO: GAE and early stop", exact=True)).to_be_visible()
+        wait_idle(page)
+        query = parse_qs(urlsplit(page.url).query)
+        assert (urlsplit(page.url).path, query["run"], query["step"]) == ("/ppo", ["ppo-tiny"], ["1"])
     assert dialogs == []
 
 
@@ -88,22 +83,16 @@ def test_mismatch_metrics_show_whole(sync_playwright, samples_server, tmp_path, 
 
     shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": width, "height": 1000})
-            page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-            page.goto(f"{samples_server}/mismatch?run=grpo-vllm-tiny")
-            expect(page.get_by_role("heading", name="Sampler vs trainer")).to_be_visible()
-            wait_idle(page)
-            check_no_error(page)
-            metrics = page.locator("[data-testid=stMetric]")
-            expect(metrics).to_have_count(5)
-            page.screenshot(path=str(shots / f"mismatch_metrics_{width}.png"))
-            for i in range(metrics.count()):
-                for part in ("stMetricLabel", "stMetricValue"):
-                    element = metrics.nth(i).locator(f"[data-testid={part}]")
-                    assert not element.evaluate(_CUT), (width, part, element.inner_text())
-        finally:
-            browser.close()
+    with chromium_page(sync_playwright, dialogs, width=width, height=1000) as page:
+        page.goto(f"{samples_server}/mismatch?run=grpo-vllm-tiny")
+        expect(page.get_by_role("heading", name="Sampler vs trainer")).to_be_visible()
+        wait_idle(page)
+        check_no_error(page)
+        metrics = page.locator("[data-testid=stMetric]")
+        expect(metrics).to_have_count(5)
+        page.screenshot(path=str(shots / f"mismatch_metrics_{width}.png"))
+        for i in range(metrics.count()):
+            for part in ("stMetricLabel", "stMetricValue"):
+                element = metrics.nth(i).locator(f"[data-testid={part}]")
+                assert not element.evaluate(_CUT), (width, part, element.inner_text())
     assert dialogs == []
