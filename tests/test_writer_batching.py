@@ -111,6 +111,26 @@ def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
         _close(summaries.read_summary(meta), summaries.compute_summary(data, meta))
 
 
+def test_the_default_queue_lets_the_writer_thread_fill_a_whole_batch(tmp_path):
+    """Lingering stops at half the queue's bound, so the default bound is twice MAX_BATCH: steps that
+    arrive while the writer thread lingers are handled MAX_BATCH at a time (a batch's cold start is
+    most of a small step's cost: BENCHMARKS.md, issue 16 fifth pass), not half that."""
+    from tracer.capture import MAX_BATCH
+
+    sizes: list[int] = []
+    with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
+            mock.patch("tracer.capture.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+        with TraceWriter(tmp_path / "run", "grpo") as writer:
+            for step in range(MAX_BATCH):
+                writer.record(step, _step(step))
+                threading.Event().wait(0.01)  # time for the writer thread to take what is there
+            for _ in range(600):  # at most a minute: a full batch is written without a flush
+                if sizes:
+                    break
+                threading.Event().wait(0.1)
+            assert sizes == [MAX_BATCH]
+
+
 def test_lingering_stops_at_half_the_queue_so_it_never_makes_a_step_drop():
     written, drops = [], []
     bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
