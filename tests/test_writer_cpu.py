@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import warnings
 
 import numpy as np
 import pytest
@@ -207,3 +208,34 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit(dtype):
         assert got["kept_tokens"] == int(mask.sum())
         text = summaries.header_text(got)
         assert encode_metadata({"summary": text})["summary"] == text == json.dumps(summaries.header_value(got))
+
+
+def test_an_empty_batch_has_the_masked_means_of_nothing(tmp_path):
+    """A step of B = 0 sequences: every mean is formulas.masked_mean of nothing kept (0, its count
+    clamped to 1), the per-sequence ones too (torch's mean of nothing would be NaN)."""
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}) as writer:
+        writer.record(0, {"policy_logprobs": torch.zeros(0, 3), "old_logprobs": torch.zeros(0, 3),
+                          "rewards": torch.zeros(0), "advantages": torch.zeros(0),
+                          "completion_mask": torch.ones(0, 3, dtype=torch.bool)})
+    nothing = formulas.masked_mean(torch.zeros(0), torch.ones(0, dtype=torch.bool)).item()
+    assert nothing == 0.0
+    row = Trace(tmp_path / "run").step_summary().iloc[0]
+    assert row["summary_source"] == "header"
+    assert (row["mean_reward"], row["mean_advantage"], row["mean_ratio"]) == (nothing, nothing, nothing)
+
+
+def test_non_finite_values_summarised_without_a_numpy_warning(tmp_path):
+    """inf - inf (a mismatch of two infinite logprobs) is data, counted by the summary, as torch
+    computed it silently: no RuntimeWarning from the writer thread, so a run under ``-W error``
+    (a test suite's filterwarnings) keeps its summaries in the headers."""
+    inf = float("inf")
+    logprobs = torch.tensor([[-1.0, -inf], [-2.0, -3.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}) as writer:
+            writer.record(0, {"policy_logprobs": logprobs, "old_logprobs": logprobs, "sampler_logprobs": logprobs,
+                              "rewards": torch.tensor([1.0, 0.0]),
+                              "completion_mask": torch.ones(2, 2, dtype=torch.bool)})
+    row = Trace(tmp_path / "run").step_summary().iloc[0]
+    assert row["summary_source"] == "header"
+    assert np.isnan(row["mean_mismatch"]) and row["nonfinite_kept"] >= 1

@@ -101,7 +101,9 @@ def _stats(cols: Columns, token: dict[str, np.ndarray], per_seq: dict[str, np.nd
     start, nonfinite, nonfinite_kept = 0, 0, 0
     for names, values, keep in blocks:
         K, N = len(names), values.shape[2]
-        if keep is None:
+        if keep is None and N == 0:
+            means = torch.zeros(S, K)  # masked_mean of nothing kept: 0 (its count is clamped to 1), not mean's NaN
+        elif keep is None:
             means = torch.from_numpy(values).mean(dim=2)  # = masked_mean with every position kept (tested)
         else:
             means = formulas.masked_mean(torch.from_numpy(values), torch.from_numpy(keep).unsqueeze(1).expand(S, K, N),
@@ -163,8 +165,9 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
         size = max(1, MAX_STACKED_VALUES // per_step)
         for chunk in (members[c:c + size] for c in range(0, len(members), size)):
             stacked = {n: np.stack([formulas.host_array(steps[i][0][n]) for i in chunk]) for n in names}
-            for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
-                out[i] = summary
+            with np.errstate(all="ignore"):  # NaN/inf are data here (counted), as in torch: no numpy warning
+                for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
+                    out[i] = summary
     return out
 
 
