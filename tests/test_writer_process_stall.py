@@ -81,6 +81,34 @@ def test_close_or_flush_with_a_stopped_child_warns_and_writes_every_step(tmp_pat
     _assert_written_by_thread(tmp_path / "k", [0, 1, 2, 3] + ([4] if call == "flush" else []), pid)
 
 
+def test_a_child_in_the_kernels_io_sleep_is_busy_not_stalled(tmp_path, monkeypatch, watchdog):
+    """A child in uninterruptible sleep (state D: the kernel doing its I/O, an fsync on a slow disk or
+    an NFS server that may recover) uses no CPU and sends nothing, yet is not stalled: the wait goes
+    on while /proc says D (here for 3.5 s of a 2 s limit: the real child is stopped, its state read as
+    D), and only a quiet limit after that is it declared stalled."""
+    import time
+
+    from tracer import writer_process
+
+    real = writer_process._activity
+    until = [float("inf")]
+
+    def in_io_sleep(pid):
+        found = real(pid)
+        return ("D", found[1]) if found and time.monotonic() < until[0] else found
+
+    monkeypatch.setattr(writer_process, "_activity", in_io_sleep)
+    writer, pid = _stopped_with_steps_in_flight(tmp_path / "k", range(1, 4), writer_stall_s=2.0)
+    watchdog(pid)
+    t0 = time.monotonic()
+    until[0] = t0 + 3.5
+    with pytest.warns(RuntimeWarning, match=rf"pid {pid}\) made no progress for [23]\.\d s while flush\(\)"):
+        writer.flush()
+    assert time.monotonic() - t0 >= 3.5 + 2.0 - 2 * writer_process.POLL_S  # the last D seen, a poll before 3.5 s
+    writer.close()
+    _assert_written_by_thread(tmp_path / "k", [0, 1, 2, 3], pid)
+
+
 def test_a_record_waiting_for_room_in_the_ring_of_a_stopped_child_goes_on(tmp_path, watchdog):
     """when_full="block", 2 steps in flight at most: steps 1 and 2 fill the queue of the stopped
     child; record(3) waits for room, hears nothing for 2 s: it warns, steps 1 and 2 are rescued and

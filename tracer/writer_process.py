@@ -33,7 +33,8 @@ A child that stalls (stopped by SIGSTOP, hung) is treated the same way, so that 
 never waits forever: when ``flush``, ``close`` or a ``record`` waiting for room has waited
 ``stall_s`` seconds (``TraceWriter(writer_stall_s=...)``, ``TRACER_WRITER_STALL_S``, default
 :data:`STALL_S`; at least :data:`STARTUP_STALL_S` until the child's first batch) with no progress
-from the child (no result, no byte taken from the command pipe, no CPU time used), it warns naming
+from the child (no result, no byte taken from the command pipe, no CPU time used, not in the kernel's
+uninterruptible sleep of its I/O), it warns naming
 the child's pid, its state and the steps it holds, kills it and rescues those steps as a dead
 child's (strict mode: then raises). The child ignores SIGINT (Ctrl-C reaches the whole process
 group) and exits after writing what it was handed when the parent closes the writer, or dies: it
@@ -108,13 +109,13 @@ def _state(pid: int) -> str:
     return f"{names.get(code, 'in state')} ({code})"
 
 
-def _cpu_ticks(pid: int) -> int | None:
-    """The CPU time a process has used (clock ticks, user + system; Linux's /proc), None where it
-    cannot be read."""
+def _activity(pid: int) -> tuple[str, int] | None:
+    """``(state code, CPU clock ticks used: user + system)`` of a process from Linux's /proc, None
+    where it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+        return fields[0], int(fields[11]) + int(fields[12])  # state; utime, stime: fields 3, 14, 15 of proc(5)
     except (OSError, IndexError, ValueError):
         return None
 
@@ -190,7 +191,7 @@ class ProcessWriter:
         self.stall_s = STALL_S if stall_s is None else stall_s
         self.stalled = False  # the child was killed because it stalled (its reason is in dead)
         self._heard_at = time.monotonic()  # when the child last showed progress (a result, a byte taken, CPU time)
-        self._cpu = None  # the child's CPU time when last looked at (_cpu_ticks)
+        self._cpu = None  # the child's CPU time when last looked at (_activity)
         self.book, self.max_steps, self.when_full = book, max(1, max_steps), when_full
         self.size = _align(max(max_bytes, ALIGN))
         self.dead: str | None = None  # why the child is gone
@@ -469,8 +470,12 @@ class ProcessWriter:
             if self.dead is None:
                 self._gone()
         limit = self.stall_s if self._wrote else max(self.stall_s, STARTUP_STALL_S)
-        cpu = _cpu_ticks(self.pid)
-        if cpu != self._cpu:  # it computes (imports, summaries): busy, not stalled
+        activity = _activity(self.pid)
+        cpu = activity and activity[1]
+        if cpu != self._cpu or (activity and activity[0] == "D"):
+            # busy, not stalled: it computes (imports, summaries), or the kernel does its I/O (uninterruptible
+            # sleep: an fsync on a slow disk, an NFS server that may recover; SIGKILL would wait for it too,
+            # and a thread taking over would write to the same disk)
             self._cpu, self._heard_at = cpu, time.monotonic()
         quiet = time.monotonic() - max(since, self._heard_at)
         if self.dead is None and quiet >= limit:
