@@ -9,6 +9,7 @@ import argparse
 import inspect
 import operator
 import sys
+from abc import get_cache_token
 from collections import abc
 from types import CodeType, FrameType
 from typing import Any, Iterator, Mapping
@@ -91,7 +92,7 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
     for attr in path[1:] if len(path) > 1 else ():
         if value is _MISSING:
             return _MISSING
-        if isinstance(value, abc.Mapping) and attr in value:
+        if _is_mapping(value) and attr in value:
             value = value[attr]
         else:
             value = getattr(value, attr, _MISSING)
@@ -99,6 +100,20 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
         return value
     index = _lookup(expr.index, local, global_)
     return take_rows(value, index) if row_index(index) else _MISSING
+
+
+_NAMESPACE_MAPPING: list = [None, False]  # [abc.get_cache_token() when known, isinstance(a Namespace, abc.Mapping)]
+
+
+def _is_mapping(value: Any) -> bool:
+    """``isinstance(value, collections.abc.Mapping)``; for an ``argparse.Namespace`` (what ``args.beta``
+    reads) remembered until an ABC registers a class (``abc.get_cache_token()`` changes)."""
+    if type(value) is argparse.Namespace:  # exactly the class: its __class__ is the class itself
+        token = get_cache_token()
+        if _NAMESPACE_MAPPING[0] != token:
+            _NAMESPACE_MAPPING[:] = [token, isinstance(value, abc.Mapping)]
+        return _NAMESPACE_MAPPING[1]
+    return isinstance(value, abc.Mapping)
 
 
 def row_index(index: Any) -> bool:
@@ -118,6 +133,8 @@ def take_rows(value: Any, index: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return _MISSING
     try:
+        if type(value) is torch.Tensor and type(index) is torch.Tensor and value.is_cpu and index.is_cpu:
+            return value[index]  # the same device, without making two device objects
         return value[index if index.device == value.device else index.to(value.device)]
     except Exception:  # noqa: BLE001  (rows that are not there, a 0-d, nested or sparse value: no rows)
         return _MISSING

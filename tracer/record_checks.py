@@ -17,6 +17,8 @@ MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose 
 
 def coordinate(name: str, value: Any) -> int:
     """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
+    if type(value) is int and 0 <= value < 2**62:
+        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
     if hasattr(value, "__index__") and not isinstance(value, bool):
@@ -37,6 +39,7 @@ class SignatureCache(dict):
         self.algorithm = algorithm
         self.last: tuple | None = None  # the signature of the tensors last checked (None: not hashable)
         self.cpu_key: tuple | None = None  # the same when it is cached and every tensor is on the CPU, else None
+        self._given: tuple = (None, None)  # (the signature a caller last passed, its cached entry)
 
     def check(self, tensors: dict[str, Any], signature: tuple | None = None) -> str:
         """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
@@ -48,8 +51,10 @@ class SignatureCache(dict):
         dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
         plan's capture, :mod:`tracer.site_plans`, whose guards checked each tensor's); it must be
         exactly what would be built here. Raises SchemaError."""
-        if signature is not None:
-            cached = self.get(signature)
+        if signature is not None:  # the same tuple as the last one given: the same entry (a plan's own tuple)
+            cached = self._given[1] if signature is self._given[0] else self.get(signature)
+            if cached is not None:
+                self._given = (signature, cached)
         else:
             try:  # t.device, hashable, is cheaper than building t.device.type for each tensor
                 signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])
