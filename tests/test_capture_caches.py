@@ -196,6 +196,7 @@ def test_a_given_signature_gives_the_entry_of_the_tensors_own_and_masks_are_stil
     large = {"policy_logprobs": torch.zeros(4, 3, dtype=torch.bfloat16), "completion_mask": torch.ones(4, 3)}
     given_small, given_large = _signature(small), _signature(large)
     assert cache.check(small, given_small) == "float32"
+    assert cache.check(small, given_small) == "float32"  # remembered: the last entry given
     assert cache.check(large, given_large) == "bfloat16,float32"  # another tuple: its own entry, not the last one's
     assert cache.check(small, given_small) == "float32"
     assert set(cache) == {given_small, given_large} and cache.last == given_small
@@ -309,3 +310,28 @@ def test_step_headers_follow_metadata_that_changes_mid_run(tmp_path):
     for key, h in zip(trace.steps(), headers):
         rows = trace.load_step(key)["advantages"]
         assert rows.tolist() == [[3.0 * r, 3.0 * r + 1, 3.0 * r + 2] for r in (key.step % 4, (key.step + 1) % 4)]
+
+
+# -- a plan's signature, and a field derived later -------------------------------------------------
+
+def _groups_appear_loop() -> None:
+    """GRPO-shaped: ``num_generations`` is bound from step 2 on, so from then on ``group_ids`` is
+    derived (rows 0-1 one prompt, 2-3 the next), a field the plan's signature does not hold."""
+    weight = torch.nn.Parameter(torch.zeros(4, 3))
+    for step in range(4):
+        if step >= 2:
+            num_generations = 2  # noqa: F841  (read by name)
+        per_token_logps = weight.log_softmax(-1)
+        per_token_logps.sum().backward()
+
+
+def test_a_field_derived_after_the_plan_was_made_is_in_the_signature_record_checks(tmp_path):
+    with Watcher("grpo", tmp_path / "t", nothing_traced="ignore") as watcher:
+        watcher.plan_differences = []
+        _groups_appear_loop()
+    assert watcher.plan_differences == [] and watcher.plans.hits == 3
+    trace = Trace(tmp_path / "t")
+    groups = [trace.load_step(k, derive=False).get("group_ids") for k in trace.steps()]
+    assert groups[:2] == [None, None] and [g.tolist() for g in groups[2:]] == [[0, 0, 1, 1]] * 2
+    signatures = list(watcher.writer._signatures)
+    assert len(signatures) == 2 and [len(s) for s in signatures] == [1, 2]
