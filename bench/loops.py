@@ -122,18 +122,21 @@ def _load_script():
 
 _TIMER = """
 def timed(loss):
-    t0 = perf_counter()
+    t0, c0 = perf_counter(), thread_time()
     try:
         real(loss)
     finally:
         inside.append(perf_counter() - t0)
+        inside_cpu.append(thread_time() - c0)
 """
 
 
-def _timed(real, inside: list):
-    """``real`` (Watcher.on_backward) timed into ``inside``. The wrapper's module is named as part of
-    tracer, so the capture's walk out to the calling frame skips it as it skips tracer's own frames."""
-    scope = {"__name__": "tracer._bench_timer", "perf_counter": time.perf_counter, "real": real, "inside": inside}
+def _timed(real, inside: list, inside_cpu: list | None = None):
+    """``real`` (Watcher.on_backward) timed into ``inside`` (wall) and ``inside_cpu`` (the training
+    thread's CPU, ``time.thread_time``). The wrapper's module is named as part of tracer, so the
+    capture's walk out to the calling frame skips it as it skips tracer's own frames."""
+    scope = {"__name__": "tracer._bench_timer", "perf_counter": time.perf_counter, "real": real, "inside": inside,
+             "thread_time": time.thread_time, "inside_cpu": [] if inside_cpu is None else inside_cpu}
     exec(compile(_TIMER, "<bench timer>", "exec"), scope)  # noqa: S102  (a fixed string)
     return scope["timed"]
 
@@ -169,12 +172,13 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
 
     inside: list[float] = []
+    inside_cpu: list[float] = []  # the same calls' thread CPU
     drains: list[float] = []  # each traced block's closing flush (the writer's work still queued)
     # One watcher for the whole measurement (one trace, as in a run); the plain blocks run inside
     # ``paused()`` (torch's own backward), each traced block ends with a flush of the writer.
     with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo_{writer}",
                                                                  writer=writer) as w:
-        w.on_backward = _timed(w.on_backward, inside)
+        w.on_backward = _timed(w.on_backward, inside, inside_cpu)
 
         def plain() -> None:
             with w.paused():
@@ -195,6 +199,7 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
             "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
             "cpu_us": 1e6 * res["cpu_extra_s"] / backwards,
             "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
+            "capture_cpu_us": 1e6 * median(inside_cpu[backwards:]),
             "drain_ms": 1e3 * median(drains[1:]), "block_ms": 1e3 * res["off_s"],
             "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
                      f"{args.max_new_tokens} new tokens"}
@@ -239,6 +244,7 @@ def main() -> None:
               f"+{r['cpu_us']:.0f} us per {unit}"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
+                 f", its thread CPU {r['capture_cpu_us']:.0f} us"
                  f"; closing flush {r['drain_ms']:.1f} ms per {r['block_ms']:.0f} ms block" if "capture_us" in r else ""))
 
 

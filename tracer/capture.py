@@ -163,6 +163,33 @@ class BufferPool:
 PinnedPool = BufferPool  # the name it had when it held pinned buffers only
 
 
+def _kept(name: str, t: torch.Tensor, owned: frozenset[str] | set[str]) -> bool:
+    """True for a CPU tensor ``stage`` keeps without a copy: made for this record alone (``owned``)
+    and, as such, its own (no view), detached and contiguous."""
+    return name in owned and t._base is None and not t.requires_grad and t.is_contiguous()
+
+
+def _stage_group(tensors: dict[str, torch.Tensor], pool: "BufferPool", owned: frozenset[str] | set[str],
+                 group_key: tuple) -> tuple[dict, Any, list, int]:
+    """:func:`stage` of CPU tensors whose field signature is ``group_key``: the ``owned`` ones kept
+    (:func:`_kept`), the others copied into one group of buffers in one ``torch._foreach_copy_``."""
+    kept = tuple(name for name, t in tensors.items() if _kept(name, t, owned)) if owned else ()
+    sources = [t for name, t in tensors.items() if name not in kept] if kept else list(tensors.values())
+    group = pool.take_group((group_key, kept) if kept else group_key, sources)
+    if sources:
+        grad = torch.is_grad_enabled()  # no graph to the buffers; cheaper than a no_grad() context per step
+        torch._C._set_grad_enabled(False)
+        try:  # one call; as copy_ (any strides in, contiguous out)
+            torch._foreach_copy_(list(group), sources)  # a plain list: a tensor subclass's dispatch rebuilds its type
+        finally:
+            torch._C._set_grad_enabled(grad)
+    if not kept:
+        return dict(zip(tensors, group)), None, [(group, False)], group.nbytes
+    copies = iter(group)
+    staged = {name: t if name in kept else next(copies) for name, t in tensors.items()}
+    return staged, None, [(group, False)], group.nbytes + sum(tensors[name].nbytes for name in kept)
+
+
 class BufferGroup(list):
     """The plain staging buffers of one step's fields, in field order, reused together
     (:meth:`BufferPool.take_group`); ``key`` is the field signature they were made for."""
@@ -187,22 +214,16 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     pinned)`` pairs to give back (:meth:`BufferPool.give`) once the step is written.
 
     ``group_key``: the field signature of ``tensors`` when the caller knows every one is a CPU
-    tensor and none is ``owned`` (with ``reuse`` and a ``pool``): the copies then go into one
-    :class:`BufferGroup` in a single ``torch._foreach_copy_`` (the training thread's Python per step
-    no longer grows with the number of fields).
+    tensor (with ``reuse`` and a ``pool``): the copies then go into one :class:`BufferGroup` in a
+    single ``torch._foreach_copy_`` (the training thread's Python per step no longer grows with the
+    number of fields), the ``owned`` ones kept being left out of it (the group's key then names them).
     """
-    if group_key is not None and reuse and pool is not None and not owned:
-        sources = list(tensors.values())
-        group = pool.take_group(group_key, sources)
-        grad = torch.is_grad_enabled()  # no graph to the buffers; cheaper than a no_grad() context per step
-        torch._C._set_grad_enabled(False)
-        try:  # one call; as copy_ (any strides in, contiguous out)
-            torch._foreach_copy_(list(group), sources)  # a plain list: a tensor subclass's dispatch rebuilds its type
-        finally:
-            torch._C._set_grad_enabled(grad)
-        return dict(zip(tensors, group)), None, [(group, False)], group.nbytes
+    if group_key is not None and reuse and pool is not None:
+        return _stage_group(tensors, pool, owned, group_key)
     staged, pinned, nbytes, cuda = {}, [], 0, []
-    with torch.no_grad():  # one context instead of a detach() per tensor
+    grad = torch.is_grad_enabled()  # no graph to the copies: as a no_grad() context, for less
+    torch._C._set_grad_enabled(False)
+    try:
         for name, t in tensors.items():
             if t.is_cuda:
                 cuda.append((name, t))
@@ -218,6 +239,8 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
                 staged[name] = t.clone(memory_format=torch.contiguous_format)
             else:  # MPS, XPU...: staged tensors are host memory (the writer thread reads their bytes)
                 staged[name] = t.to("cpu", memory_format=torch.contiguous_format)
+    finally:
+        torch._C._set_grad_enabled(grad)
     event = None
     if cuda:
         pool = pool or BufferPool()

@@ -9,6 +9,7 @@ import argparse
 import inspect
 import operator
 import sys
+from abc import get_cache_token
 from collections import abc
 from types import CodeType, FrameType
 from typing import Any, Iterator, Mapping
@@ -91,7 +92,7 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
     for attr in path[1:] if len(path) > 1 else ():
         if value is _MISSING:
             return _MISSING
-        if isinstance(value, abc.Mapping) and attr in value:
+        if _is_mapping(value) and attr in value:
             value = value[attr]
         else:
             value = getattr(value, attr, _MISSING)
@@ -99,6 +100,20 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
         return value
     index = _lookup(expr.index, local, global_)
     return take_rows(value, index) if row_index(index) else _MISSING
+
+
+_NAMESPACE_MAPPING: list = [None, False]  # [abc.get_cache_token() when known, isinstance(a Namespace, abc.Mapping)]
+
+
+def _is_mapping(value: Any) -> bool:
+    """``isinstance(value, collections.abc.Mapping)``; for an ``argparse.Namespace`` (what ``args.beta``
+    reads) remembered until an ABC registers a class (``abc.get_cache_token()`` changes)."""
+    if type(value) is argparse.Namespace:  # exactly the class: its __class__ is the class itself
+        token = get_cache_token()
+        if _NAMESPACE_MAPPING[0] != token:
+            _NAMESPACE_MAPPING[:] = [token, isinstance(value, abc.Mapping)]
+        return _NAMESPACE_MAPPING[1]
+    return isinstance(value, abc.Mapping)
 
 
 def row_index(index: Any) -> bool:
@@ -118,6 +133,8 @@ def take_rows(value: Any, index: torch.Tensor) -> Any:
     if not isinstance(value, torch.Tensor):
         return _MISSING
     try:
+        if type(value) is torch.Tensor and type(index) is torch.Tensor and value.is_cpu and index.is_cpu:
+            return value[index]  # the same device, without making two device objects
         return value[index if index.device == value.device else index.to(value.device)]
     except Exception:  # noqa: BLE001  (rows that are not there, a 0-d, nested or sparse value: no rows)
         return _MISSING
@@ -186,52 +203,77 @@ def release_locals(frame: FrameType, local: Any) -> None:
     local.update(dict.fromkeys(local))  # the tensors let go; the keys (the table's size) kept
 
 
-_INDEX_HEADS: dict[int, tuple] = {}  # id(name map's indices) -> (that mapping, the variable names it reads)
+_READERS: dict[int, tuple] = {}  # id(a name map's indices or metadata) -> (it, a copy, its compiled form, heads)
 
 
-def _index_heads(indices: Mapping[str, tuple[Expression, ...]]) -> frozenset[str]:
-    cached = _INDEX_HEADS.get(id(indices))
-    if cached is None or cached[0] is not indices:
-        if len(_INDEX_HEADS) >= 64:
-            _INDEX_HEADS.clear()
-        heads = frozenset(e.path[0] for exprs in indices.values() for e in exprs)
-        cached = _INDEX_HEADS[id(indices)] = (indices, heads)
-    return cached[1]
+def _compiled(section: Mapping[str, tuple[Expression, ...]]) -> tuple[tuple, frozenset[str]]:
+    """``(keys, heads)`` of a name map's ``indices`` or ``metadata``: ``keys`` the entries in map order,
+    each ``(key, ((head, expr), ...))`` with ``head`` the variable of a one-name expression (two dict
+    reads) or None (``expr`` resolved in full, :func:`resolve_in`); ``heads`` the variables the
+    section reads. Remembered by the mapping's identity, kept with a copy of it that it must still
+    equal, entries in the same order (a mapping changed in place, or another one given the id of
+    one gone, is compiled again); at most 64 kept."""
+    cached = _READERS.get(id(section))
+    if cached is None or cached[0] is not section or cached[1] != section or tuple(cached[1]) != tuple(section):
+        if len(_READERS) >= 64:
+            _READERS.clear()
+        keys = tuple((key, tuple((e.path[0] if len(e.path) == 1 and e.index is None else None, e) for e in exprs))
+                     for key, exprs in section.items())
+        heads = frozenset(e.path[0] for exprs in section.values() for e in exprs)
+        cached = _READERS[id(section)] = (section, dict(section), keys, heads)
+    return cached[2], cached[3]
+
+
+def _find_ints(keys: tuple | list, local: Mapping, global_: Mapping, out: dict[str, int]) -> list:
+    """Each entry's first expression naming an integer in the scopes ``local``, ``global_``, into
+    ``out``; returns the entries none of whose expressions did (the next caller is read for them)."""
+    rest = []
+    for entry in keys:
+        for head, expr in entry[1]:
+            if head is not None:  # resolve_in of a one-name expression
+                value = local.get(head, _MISSING)
+                if value is _MISSING:
+                    value = global_.get(head, _MISSING)
+                    if value is _MISSING:
+                        continue
+            else:
+                value = resolve_in(expr, local, global_)
+            number = value if type(value) is int else _as_int(value)
+            if number is not None:
+                out[entry[0]] = number
+                break
+        else:
+            rest.append(entry)
+    return rest
 
 
 def read_indices(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, int]:
     """Integer indices (step, epoch, inner_step, micro_batch) from the frame, then its callers
     (their variables are read only when a key is not found nearer); ``scopes``: the frame's own.
-    The callers' ``f_locals`` snapshots taken are released before returning (:func:`release_locals`):
-    the ints read are all a capture keeps of them."""
+    Each key gets its first expression naming an integer, the frame's expressions in map order
+    before its caller's; the dict is in map order. The callers' ``f_locals`` snapshots taken are
+    released before returning (:func:`release_locals`): the ints read are all a capture keeps of them."""
     out: dict[str, int] = {}
     if not name_map.indices:
         return out
-    heads = _index_heads(name_map.indices)
+    keys, heads = _compiled(name_map.indices)
+    pending = _find_ints(keys, *(scopes or scopes_of(frame)), out)
+    if not pending:
+        return out
+    levels: list[tuple] = [()]  # the callers' scopes by level (level 0, the frame's, is the caller's to release)
+    taken: list[FrameType] = []  # the callers whose f_locals snapshot was taken, by level
     callers = _user_frames(frame, INDEX_DEPTH)
     next(callers)
-    levels = [scopes or scopes_of(frame)]
-    taken: list[FrameType] = []  # the callers whose f_locals snapshot was taken, by level
-    for key, exprs in name_map.indices.items():
-        level = 0
-        while key not in out:
-            if level == len(levels):
-                caller = next(callers, None)
-                if caller is None:
-                    break
-                levels.append(_caller_scopes(caller, heads))
-                taken.append(caller)
-            local, global_ = levels[level]
-            for expr in exprs:
-                found = _as_int(resolve_in(expr, local, global_))
-                if found is not None:
-                    out[key] = found
-                    break
-            level += 1
-    if taken:
-        local = global_ = None
-        _release_callers(taken, levels)
-    return out
+    while pending:
+        caller = next(callers, None)
+        if caller is None:
+            break
+        levels.append(_caller_scopes(caller, heads))
+        taken.append(caller)
+        pending = _find_ints(pending, *levels[-1], out)
+    del caller
+    _release_callers(taken, levels)
+    return out if list(out) == [k for k, _ in keys if k in out] else {k: out[k] for k, _ in keys if k in out}
 
 
 def _release_callers(callers: list[FrameType], levels: list[tuple]) -> None:
@@ -267,15 +309,29 @@ def _plain(value: Any) -> Any:
 
 
 def read_metadata(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str, Any]:
-    """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame."""
-    out = {}
+    """Step metadata keys (``beta``, ``num_generations``, ``early_stop``...) found in the frame: each
+    key's first expression naming a JSON-able scalar (:func:`_plain`), in map order."""
+    out: dict[str, Any] = {}
+    if not name_map.metadata:
+        return out
+    keys, _ = _compiled(name_map.metadata)
     local, global_ = scopes or scopes_of(frame)
-    for key, exprs in name_map.metadata.items():
-        for expr in exprs:
-            value = _plain(resolve_in(expr, local, global_))
-            if value is not _MISSING:
-                out[key] = value
-                break
+    for key, exprs in keys:
+        for head, expr in exprs:
+            if head is not None:  # resolve_in of a one-name expression
+                value = local.get(head, _MISSING)
+                if value is _MISSING:
+                    value = global_.get(head, _MISSING)
+                    if value is _MISSING:
+                        continue
+            else:
+                value = resolve_in(expr, local, global_)
+            if type(value) not in _PLAIN_TYPES:
+                value = _plain(value)
+                if value is _MISSING:
+                    continue
+            out[key] = value
+            break
     return out
 
 

@@ -57,6 +57,7 @@ class FrameCapture:
     probes: list | None = None  # the candidates tried (Probe), when the caller builds a call-site plan
     read: tuple | None = None  # (fields' names, sources, owned, rejected) as read_fields left them, with probes
     derive: list[str] = field(default_factory=list)  # fields the writer derives from the ones read (derive_fields)
+    signature: tuple | None = None  # (name, shape, dtype, device) of ``fields`` in order, when a plan knows it
 
 
 MAX_CHECK_MEMO = 4096  # schema-check outcomes a watcher remembers (cleared when full)

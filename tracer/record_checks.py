@@ -17,6 +17,8 @@ MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose 
 
 def coordinate(name: str, value: Any) -> int:
     """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
+    if type(value) is int and 0 <= value < 2**62:
+        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = value.item()
     if hasattr(value, "__index__") and not isinstance(value, bool):
@@ -37,19 +39,28 @@ class SignatureCache(dict):
         self.algorithm = algorithm
         self.last: tuple | None = None  # the signature of the tensors last checked (None: not hashable)
         self.cpu_key: tuple | None = None  # the same when it is cached and every tensor is on the CPU, else None
+        self._given: tuple = (None, None)  # (the signature a caller last passed, its cached entry)
 
-    def check(self, tensors: dict[str, Any]) -> str:
+    def check(self, tensors: dict[str, Any], signature: tuple | None = None) -> str:
         """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
         signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
         set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
         every time. Returns the ``source_dtype`` metadata of the signature, and sets :attr:`last`
         and :attr:`cpu_key` (the key of the step's staging buffers,
-        :meth:`tracer.capture.BufferPool.take_group`). Raises SchemaError."""
-        try:  # t.device, hashable, is cheaper than building t.device.type for each tensor
-            signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])
-            cached = self.get(signature)
-        except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
-            cached, signature = None, None
+        :meth:`tracer.capture.BufferPool.take_group`). ``signature``: the tuple of ``(name, shape,
+        dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
+        plan's capture, :mod:`tracer.site_plans`, whose guards checked each tensor's); it must be
+        exactly what would be built here. Raises SchemaError."""
+        if signature is not None:  # the same tuple as the last one given: the same entry (a plan's own tuple)
+            cached = self._given[1] if signature is self._given[0] else self.get(signature)
+            if cached is not None:
+                self._given = (signature, cached)
+        else:
+            try:  # t.device, hashable, is cheaper than building t.device.type for each tensor
+                signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])
+                cached = self.get(signature)
+            except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
+                cached, signature = None, None
         self.last, self.cpu_key = signature, None
         if cached is None:
             check_tensors(tensors, self.algorithm)
@@ -83,19 +94,36 @@ class MetadataCache:
         self._last: dict[str, Any] | None = None  # the metadata last encoded, when all scalars
         self._encoded: dict[str, str] = {}
         self._json: dict[str, Any] | None = None
+        self._keys: list[str] = []  # of _last, in order, with its values' types
+        self._types: list[type] = []
+        self._key_types: list[type] = []
+        self._unsure = False  # _last holds a float 0.0, -0.0 or NaN: compared key by key
 
     def encoded(self, metadata: Mapping[str, Any]) -> dict[str, str]:
         """``encode_metadata(metadata)``. Raises SchemaError (a value that is not JSON)."""
         last = self._last
-        if last is not None and last.keys() == metadata.keys() and all(
-                type(k) is str and type(v) is type(last[k]) and v == last[k]
-                and (type(v) is not float or copysign(1.0, v) == copysign(1.0, last[k]))
-                for k, v in metadata.items()):
+        if last is not None and self._same(last, metadata):
             return self._encoded
         encoded = encode_metadata(metadata)
         scalars = all(type(k) is str and type(v) in _SCALARS for k, v in metadata.items())
         self._last, self._encoded, self._json = (dict(metadata) if scalars else None), encoded, None
+        if scalars:
+            self._keys, self._types = list(metadata), list(map(type, metadata.values()))
+            self._key_types = [str] * len(metadata)
+            self._unsure = any(type(v) is float and (v == 0.0 or v != v) for v in metadata.values())
         return encoded
+
+    def _same(self, last: dict[str, Any], metadata: Mapping[str, Any]) -> bool:
+        """True when ``metadata`` is the metadata ``last`` as :class:`MetadataCache` means it: the
+        keys in the same order with values equal and of the same types (compared in C when
+        ``metadata`` is a dict in ``last``'s key order and ``last`` holds no float zero, whose sign
+        ``==`` ignores, nor a NaN, which ``==`` of dicts takes for equal to itself), else key by key."""
+        if type(metadata) is dict and not self._unsure and metadata == last and list(metadata) == self._keys:
+            return list(map(type, metadata)) == self._key_types and list(map(type, metadata.values())) == self._types
+        return last.keys() == metadata.keys() and all(
+            type(k) is str and type(v) is type(last[k]) and v == last[k]
+            and (type(v) is not float or copysign(1.0, v) == copysign(1.0, last[k]))
+            for k, v in metadata.items())
 
     def json_form(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
         """``jsonable(metadata)`` of the metadata :meth:`encoded` was last given."""

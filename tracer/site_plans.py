@@ -47,6 +47,7 @@ class Plan:
     rejected: Mapping[tuple[str, str], str]  # the rejections, in order, with each data-checked one's latest text
     anchor: str
     steps: tuple = ()  # the probes compiled for replay (:func:`_compile`)
+    signature: tuple = ()  # (name, shape, dtype, device) of the fields read, in order: what the guards hold
 
 
 def build(capture: FrameCapture, name_map: NameMap, algorithm: str) -> Plan | None:
@@ -55,8 +56,10 @@ def build(capture: FrameCapture, name_map: NameMap, algorithm: str) -> Plan | No
         return None
     names, sources, owned, rejected = capture.read
     probes = tuple(capture.probes)
+    fields = capture.fields
+    signature = tuple([(n, fields[n].shape, fields[n].dtype, fields[n].device) for n in names])
     return Plan(name_map, algorithm, probes, names, sources, frozenset(owned), rejected, anchor_field(algorithm),
-                tuple(_compile(probe) for probe in probes))
+                tuple(_compile(probe) for probe in probes), signature)
 
 
 _LOOK, _TAKE, _CHECK_PICK, _CHECK_REJECT = 0, 1, 2, 3  # what a replayed probe does with the value found
@@ -118,6 +121,8 @@ def replay(plan: Plan, frame: FrameType, scopes: tuple, checks: dict | None,
     capture = FrameCapture(fields=fields, sources=dict(plan.sources), scopes=scopes, rejected=dict(rejected),
                            anchor=fields[plan.anchor], owned=set(plan.owned), checks=checks)
     finish_capture(capture, frame, plan.name_map, hyperparameters, plan.algorithm)
+    if len(capture.fields) == len(plan.names):  # nothing derived here: the fields' signature is the plan's
+        capture.signature = plan.signature
     return capture
 
 
@@ -197,6 +202,9 @@ def differences(full: FrameCapture, planned: FrameCapture) -> list[str]:
                 out.append(f"field {name}: values differ")
         elif not same_view:
             out.append(f"field {name}: full and plan read different tensors")
+    if planned.signature is not None and planned.signature != tuple(
+            [(n, t.shape, t.dtype, t.device) for n, t in planned.fields.items()]):
+        out.append(f"signature: plan {planned.signature!r} is not its fields'")
     if (full.anchor is None) != (planned.anchor is None) or (
             full.anchor is not None and full.anchor.data_ptr() != planned.anchor.data_ptr()):
         out.append("anchor differs")

@@ -299,13 +299,16 @@ class Watcher:
             self.repeated_calls += 1
             return capture.scopes[0]
         step, inner, mb = self.clock.key(capture.indices)
-        metadata = {k: v for k, v in capture.metadata.items() if k not in self.hyperparameters}
+        metadata = capture.metadata  # this capture's own dict
+        if self.hyperparameters:
+            metadata = {k: v for k, v in metadata.items() if k not in self.hyperparameters}
         if "epoch" in capture.indices:
             metadata["epoch"] = capture.indices["epoch"]
         if self.clock.offset and "step" in capture.indices:
             metadata["source_step"] = capture.indices["step"]
         writer = self.writer or self._open_writer(frame, capture)
-        writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive))
+        writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive),
+                       capture.signature)
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1

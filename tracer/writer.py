@@ -177,6 +177,8 @@ class TraceWriter:
         self._signatures = SignatureCache(algorithm)  # field signatures checked once
         self._metadata = MetadataCache()  # the last step metadata and its encodings
         self._steps_dir = self.root / STEPS_DIR
+        # a step file's path: a child made without parsing (as tracer.step_writer makes it)
+        self._step_path = getattr(self._steps_dir, "_make_child_relpath", self._steps_dir.joinpath)
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
@@ -250,11 +252,13 @@ class TraceWriter:
 
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
                 metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
-                derive: tuple[str, ...] = ()) -> Path | None:
+                derive: tuple[str, ...] = (), signature: tuple | None = None) -> Path | None:
         """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
         capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
         writer derives from the recorded ones and records with them (zero-edit capture's ``ratio``,
-        ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.derived.derive_recorded`), off this thread."""
+        ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.derived.derive_recorded`), off this thread;
+        ``signature``: the tensors' field signature when the caller knows it
+        (:meth:`tracer.record_checks.SignatureCache.check`)."""
         self._check_process()
         if self._process is not None:
             self._poll_process(due_only=True)  # the writer process's results so far (a strict failure raises next)
@@ -269,7 +273,7 @@ class TraceWriter:
         if reserved:
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
-        source_dtype = self._signatures.check(tensors)
+        source_dtype = self._signatures.check(tensors, signature)
         group_key = self._signatures.cpu_key  # the key of the step's staging buffers (CPU tensors only)
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
@@ -291,7 +295,7 @@ class TraceWriter:
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
-        path = self._steps_dir / step_file_name(step, inner_step, micro_batch, self.rank)
+        path = self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
         json_metadata = self._metadata.json_form(metadata) if metadata else None
         if self._process is not None:
             handed = self._hand_over(coordinates, tensors, sampled, source_dtype, json_metadata, derive)
