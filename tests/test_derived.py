@@ -111,3 +111,22 @@ def test_loss_contributions_sum_to_the_reduced_loss(reduction):
     assert float(shares[0, 2]) == 0.0  # a masked token has no share
     if reduction == "sequence_mean":
         assert float(shares[0, 0]) == pytest.approx(1.0 / 4)  # 1 / (B=2 * 2 kept)
+
+
+def test_the_writer_derives_from_staged_copies_without_detaching_them():
+    """``for_maths`` detaches only a tensor that needs it: a staged copy (no grad) is used as it is
+    (each torch call on the writer thread lets the interpreter lock go), one with a graph is detached;
+    the derived values are the formulas' either way."""
+    from tracer import formulas
+    from tracer.derived import derive_recorded, for_maths
+
+    policy = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    old = torch.tensor([[-1.1, -1.9], [-0.5, -2.5]])
+    assert for_maths(old) is old
+    detached = for_maths(policy)
+    assert not detached.requires_grad and detached.data_ptr() == policy.data_ptr()
+    assert for_maths(old.to(torch.float8_e4m3fn)).dtype == torch.float32
+    out = derive_recorded({"policy_logprobs": policy, "old_logprobs": old}, ["ratio", "approx_kl_k2"])
+    assert torch.equal(out["ratio"], torch.exp(policy.detach() - old))
+    assert torch.equal(out["approx_kl_k2"], formulas.approx_kl_k2(policy.detach(), old))
+    assert not any(t.requires_grad for t in out.values())

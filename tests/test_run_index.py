@@ -197,7 +197,12 @@ def test_lines_are_appended_at_flush_not_per_step(tmp_path, monkeypatch):
     writer = TraceWriter(tmp_path / "run", "grpo", hyperparameters=HYPER)
     writes = []
     real_write = os.write
-    monkeypatch.setattr(run_index.os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
+    def spy(fd, data):  # the index's appends only (step files are written with os.write too)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".jsonl"):
+            writes.append(data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(run_index.os, "write", spy)
     for step in range(3):
         writer.record(step, _step(step))
     writer._background.flush()  # the files are written; the index lines are only buffered
@@ -209,8 +214,12 @@ def test_lines_are_appended_at_flush_not_per_step(tmp_path, monkeypatch):
 
 
 def test_a_failing_index_never_reaches_training(tmp_path, monkeypatch, caplog):
-    def refuse(fd, data):
-        raise OSError(28, "No space left on device")
+    real_write = os.write
+
+    def refuse(fd, data):  # the index's appends only (step files are written with os.write too)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".jsonl"):
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
 
     monkeypatch.setattr(run_index.os, "write", refuse)
     with caplog.at_level(logging.WARNING, logger="tracer.run_index"):

@@ -239,3 +239,29 @@ def test_non_finite_values_summarised_without_a_numpy_warning(tmp_path):
     row = Trace(tmp_path / "run").step_summary().iloc[0]
     assert row["summary_source"] == "header"
     assert np.isnan(row["mean_mismatch"]) and row["nonfinite_kept"] >= 1
+
+
+def test_a_small_step_file_is_whole_after_short_writes_and_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """``write_new`` writes with plain ``os`` calls (no ``fstat`` of ``open()``): a write that takes
+    fewer bytes than asked (a signal, a nearly full disk) is continued, and a failing one closes the
+    file it opened."""
+    data = bytes(range(256)) * 9
+    real_write, calls = os.write, []
+
+    def short_write(fd, view):
+        calls.append(len(view))
+        return real_write(fd, bytes(view[:100]))  # at most 100 bytes a call
+
+    monkeypatch.setattr(layout.os, "write", short_write)
+    layout.write_new(str(tmp_path / "a.bin"), data, fsync=False)
+    assert (tmp_path / "a.bin").read_bytes() == data
+    assert len(calls) == -(-len(data) // 100)  # 24 calls for 2304 bytes
+    opened = set(os.listdir("/proc/self/fd"))
+
+    def failing_write(fd, view):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(layout.os, "write", failing_write)
+    with pytest.raises(OSError, match="No space"):
+        layout.write_new(str(tmp_path / "b.bin"), data, fsync=False)
+    assert set(os.listdir("/proc/self/fd")) == opened  # its descriptor closed

@@ -35,8 +35,8 @@ from tracer.schema import FIELDS
 log = logging.getLogger(__name__)
 _IDLE = object()  # the writer thread woke without a step (time for a tick)
 WRITER_NICENESS = 10  # added to the writer thread's nice value (lower CPU priority than training)
-LINGER_S = 0.05  # the writer thread waits up to this long after a step arrives for more to batch with it
-MAX_BATCH = 16  # steps handled together by the writer thread at most
+LINGER_S = 0.25  # the writer thread waits up to this long after a step arrives for more to batch with it
+MAX_BATCH = 64  # steps handled together by the writer thread at most
 
 
 @dataclass(frozen=True)

@@ -91,5 +91,6 @@ def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict
 def for_maths(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
     logprobs kept in float8 made every derivation raise)."""
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # a staged copy never does: no detach() (each torch call lets the training thread's lock go)
+        tensor = tensor.detach()
     return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor

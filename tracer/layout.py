@@ -324,18 +324,23 @@ def _tensor_specs(tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
 
 def write_new(path: str, data: bytes, fsync: bool) -> None:
     """Write ``data`` to a new file ``path`` (a stale one, left by a crash, is replaced: a file
-    created here has the mode ``open()`` gives, never the stale one's)."""
+    created here has mode 0666 less the umask, what ``open()`` gives, never the stale one's). Plain
+    ``os`` calls: open, write, close (``open()`` adds an ``fstat``; each system call lets the
+    interpreter lock go, and the training thread waits to take it back)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
-        fh = open(path, "xb", buffering=0)
+        fd = os.open(path, flags, 0o666)
     except FileExistsError:
         os.unlink(path)
-        fh = open(path, "xb", buffering=0)
-    with fh:
+        fd = os.open(path, flags, 0o666)
+    try:
         view = memoryview(data)
-        while view:  # a raw write may write less than asked (a signal, a nearly full disk)
-            view = view[fh.write(view):]
+        while view:  # a write may write less than asked (a signal, a nearly full disk)
+            view = view[os.write(fd, view):]
         if fsync:
-            os.fsync(fh.fileno())
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str],

@@ -89,8 +89,8 @@ class TraceWriter:
         sampling: which steps and sequences to write (:class:`tracer.capture.SamplingPolicy`).
         async_write: write on a background thread (default); False writes inside ``record``.
         max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
-            The writer thread lingers for more steps until half the bound is queued, so the default 32
-            lets it handle :data:`tracer.capture.MAX_BATCH` (16) small steps at a time.
+            The writer thread lingers for more steps until half the bound is queued, so the default 128
+            lets it handle :data:`tracer.capture.MAX_BATCH` (64) small steps at a time.
         when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk; the first drop warns, then one summary warning per 100 drops
@@ -147,7 +147,7 @@ class TraceWriter:
         keep_source_dtype: bool = False,
         sampling: SamplingPolicy | None = None,
         async_write: bool = True,
-        max_queue_steps: int = 32,
+        max_queue_steps: int = 128,
         max_queue_bytes: int = 512 * 2**20,
         when_full: str = "block",
         writer: str | None = None,
