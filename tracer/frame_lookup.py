@@ -224,20 +224,23 @@ def _compiled(section: Mapping[str, tuple[Expression, ...]]) -> tuple[tuple, fro
     return cached[2], cached[3]
 
 
+def _value_in(head: str | None, expr: Expression, local: Mapping, global_: Mapping) -> Any:
+    """:func:`resolve_in` of a compiled expression: a one-name one (``head``) by two dict lookups."""
+    if head is None:
+        return resolve_in(expr, local, global_)
+    value = local.get(head, _MISSING)
+    return global_.get(head, _MISSING) if value is _MISSING else value
+
+
 def _find_ints(keys: tuple | list, local: Mapping, global_: Mapping, out: dict[str, int]) -> list:
     """Each entry's first expression naming an integer in the scopes ``local``, ``global_``, into
     ``out``; returns the entries none of whose expressions did (the next caller is read for them)."""
     rest = []
     for entry in keys:
         for head, expr in entry[1]:
-            if head is not None:  # resolve_in of a one-name expression
-                value = local.get(head, _MISSING)
-                if value is _MISSING:
-                    value = global_.get(head, _MISSING)
-                    if value is _MISSING:
-                        continue
-            else:
-                value = resolve_in(expr, local, global_)
+            value = _value_in(head, expr, local, global_)
+            if value is _MISSING:
+                continue
             number = value if type(value) is int else _as_int(value)
             if number is not None:
                 out[entry[0]] = number
@@ -318,14 +321,9 @@ def read_metadata(frame: FrameType, name_map: NameMap, scopes=None) -> dict[str,
     local, global_ = scopes or scopes_of(frame)
     for key, exprs in keys:
         for head, expr in exprs:
-            if head is not None:  # resolve_in of a one-name expression
-                value = local.get(head, _MISSING)
-                if value is _MISSING:
-                    value = global_.get(head, _MISSING)
-                    if value is _MISSING:
-                        continue
-            else:
-                value = resolve_in(expr, local, global_)
+            value = _value_in(head, expr, local, global_)
+            if value is _MISSING:
+                continue
             if type(value) not in _PLAIN_TYPES:
                 value = _plain(value)
                 if value is _MISSING:
