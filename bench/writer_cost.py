@@ -1,5 +1,9 @@
-"""What the writer thread costs per step file, in CPU time on that thread (issue 16): the time it
-holds the interpreter lock beside the training loop, so what a loop of small steps pays for tracing.
+"""What the writer costs per step file, in CPU time (issue 16). The writer thread (``--writer
+thread``, the default): its CPU time handling batches, the time it holds the interpreter lock beside
+the training loop, so what a loop of small steps pays for tracing. The writer process (``--writer
+process``): all the CPU time of the child process over the steps (read from
+``/proc/<pid>/schedstat``: its waking for each message, reading the pipe and lingering included),
+CPU that a training process using the other cores no longer has.
 
 Each shape is recorded ``steps`` times, ``gap_ms`` apart (the rest of a training step), through a
 real ``TraceWriter``; the writer thread's ``time.thread_time()`` is summed around its handling of
@@ -8,7 +12,8 @@ the way a wall-clock ratio does. With ``--compare DIR`` the same measurement run
 the ``tracer`` package of another checkout (e.g. a ``git worktree`` of the commit before), and the
 ratio is printed side by side.
 
-    python -m bench.writer_cost [--steps 300] [--rounds 3] [--compare /path/to/old/checkout]
+    python -m bench.writer_cost [--steps 300] [--rounds 3] [--writer thread|process]
+                                [--compare /path/to/old/checkout]
 """
 
 from __future__ import annotations
@@ -51,7 +56,13 @@ def _tensors(B: int, T: int, L: int, kind: str) -> dict:
     return out
 
 
-def child(steps: int, gap_ms: float) -> dict:
+def _child_cpu_s(writer) -> float:
+    """The writer process's CPU time so far (seconds, all its threads), from the kernel's schedstat."""
+    with open(f"/proc/{writer._process.pid}/schedstat") as fh:
+        return int(fh.read().split()[0]) / 1e9
+
+
+def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
     """Measure in this process (the ``tracer`` package first on sys.path)."""
     import torch
 
@@ -82,27 +93,36 @@ def child(steps: int, gap_ms: float) -> dict:
         for label, (B, T, L, kind) in SHAPES.items():
             tensors = _tensors(B, T, L, kind)
             spent["cpu"] = 0.0
-            with TraceWriter(f"{tmp}/{kind}", kind, hyperparameters=hyper) as writer:
+            with TraceWriter(f"{tmp}/{kind}", kind, hyperparameters=hyper, writer=kind_of_writer) as writer:
+                if kind_of_writer == "process":  # its start (importing torch) and first file left out
+                    writer.record(steps, tensors)
+                    writer.flush()
+                    before = _child_cpu_s(writer)
                 for step in range(steps):
                     writer.record(step, tensors)
                     time.sleep(gap_ms / 1e3)
+                if kind_of_writer == "process":
+                    writer.flush()
+                    spent["cpu"] = _child_cpu_s(writer) - before
             out[label] = 1e6 * spent["cpu"] / steps
     return out
 
 
-def _run(root: Path, steps: int, gap_ms: float) -> dict:
+def _run(root: Path, steps: int, gap_ms: float, writer: str = "thread") -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--gap-ms", str(gap_ms)],
+    done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--gap-ms", str(gap_ms),
+                           "--writer", writer],
                           env=env, capture_output=True, text=True, check=True, cwd=str(root))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(steps: int = 300, rounds: int = 3, gap_ms: float = 4.0, compare: str | None = None) -> dict:
+def measure(steps: int = 300, rounds: int = 3, gap_ms: float = 4.0, compare: str | None = None,
+            writer: str = "thread") -> dict:
     roots = {"this": REPO} | ({"compare": Path(compare).resolve()} if compare else {})
     runs: dict[str, list[dict]] = {k: [] for k in roots}
     for r in range(rounds):
         for key in (list(roots) if r % 2 == 0 else list(roots)[::-1]):
-            runs[key].append(_run(roots[key], steps, gap_ms))
+            runs[key].append(_run(roots[key], steps, gap_ms, writer))
     med = {k: {label: sorted(run[label] for run in v)[len(v) // 2] for label in SHAPES} for k, v in runs.items()}
     return {"median_us": med, "runs": runs, "steps": steps, "rounds": rounds, "gap_ms": gap_ms}
 
@@ -113,19 +133,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gap-ms", type=float, default=4.0)
     parser.add_argument("--compare", help="another checkout whose tracer/ to measure beside this one")
+    parser.add_argument("--writer", choices=("thread", "process"), default="thread")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.steps, args.gap_ms)))
+        print(json.dumps(child(args.steps, args.gap_ms, args.writer)))
         return
     sys.path.insert(0, str(REPO))
     from bench.common import machine
 
     print(machine())
-    res = measure(args.steps, args.rounds, args.gap_ms, args.compare)
+    res = measure(args.steps, args.rounds, args.gap_ms, args.compare, args.writer)
     for label in SHAPES:
         this = res["median_us"]["this"][label]
-        line = f"writer thread CPU per step file, {label}: {this:.0f} us"
+        what = "writer thread CPU" if args.writer == "thread" else "writer process CPU (all of the child)"
+        line = f"{what} per step file, {label}: {this:.0f} us"
         if args.compare:
             other = res["median_us"]["compare"][label]
             line += f" vs {other:.0f} us in {args.compare} ({this / other:.2f}x)"

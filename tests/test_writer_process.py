@@ -399,3 +399,83 @@ def test_record_reads_the_childs_results_only_when_due_yet_the_bounds_hold(tmp_p
             assert len(process._inflight) <= 4
         assert polls
     assert [k.step for k in Trace(tmp_path / "p").steps()] == list(range(12))
+
+
+def _lingering_child(monkeypatch, linger_s: float = 3600.0) -> list[int]:
+    """Children started from now on linger ``linger_s`` for more steps (tracer.writer_child); the
+    list receives the steps written by each batch the child reports."""
+    from tracer import writer_process
+
+    real_config, real_apply, batches = TraceWriter._child_config, writer_process.ProcessWriter._apply, []
+    monkeypatch.setattr(TraceWriter, "_child_config", lambda self: {**real_config(self), "linger_s": linger_s})
+
+    def apply(self, message):
+        if message.get("k") == "done":
+            batches.append(message.get("w", 0) + message.get("u", 0))
+        return real_apply(self, message)
+
+    monkeypatch.setattr(writer_process.ProcessWriter, "_apply", apply)
+    return batches
+
+
+def test_the_child_batches_the_steps_it_is_handed_and_a_flush_writes_them_at_once(tmp_path, monkeypatch):
+    """Steps arriving one by one are written together (a batch's cold start is most of a small
+    step's cost): none is written while the child lingers, and a flush ends the linger."""
+    batches = _lingering_child(monkeypatch)
+    with TraceWriter(tmp_path / "p", "grpo", writer="process") as writer:
+        writer.record(0, grpo_step(0))
+        writer.flush()  # the child is up and has written its first batch
+        assert batches == [1]
+        for step in range(1, 17):
+            writer.record(step, grpo_step(step))
+            writer._process.poll()
+        time.sleep(0.5)  # the child has read them all by now, and lingers
+        writer._process.poll()
+        assert batches == [1] and len(list((tmp_path / "p").rglob("*.safetensors"))) == 1
+        writer.flush()
+        assert batches == [1, 16]
+    assert [k.step for k in Trace(tmp_path / "p").steps()] == list(range(17))
+
+
+def test_a_record_waiting_for_room_makes_a_lingering_child_write(tmp_path, monkeypatch):
+    """A step that finds no room in the ring while the child lingers over a small one (less than
+    half the bounds in hand, so it would linger on) tells the child to hurry: it writes what it
+    holds and frees the room, instead of the record waiting out the linger, or the stall limit
+    that would kill the child and warn."""
+    from tracer.writer_process import ALIGN, _Layout
+
+    batches = _lingering_child(monkeypatch)
+    big = grpo_step(2, B=16, T=64)
+    ring = _Layout(0, big, "float32").size + ALIGN  # the big step fits only in an empty ring
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stall warning (the child taken for hung) fails the test
+        with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_bytes=ring, writer_stall_s=5,
+                         strict=True) as writer:
+            writer.record(0, grpo_step(0))
+            writer.flush()
+            pid = writer._process.pid
+            writer.record(1, grpo_step(1))  # the child lingers over it
+            writer.record(2, big)  # no room behind step 1: waits for the child to write it
+            assert batches[:2] == [1, 1] and writer._process.dead is None and _alive(pid)
+    assert [k.step for k in Trace(tmp_path / "p").steps()] == [0, 1, 2]
+
+
+def test_a_layout_id_given_again_never_reuses_the_views_of_the_layout_it_replaces(tmp_path, monkeypatch):
+    """Past MAX_LAYOUTS the next id is given to each new layout in turn; the ring views cached for
+    an id (in the parent and in the child) must not serve the next layout of that id."""
+    from tracer import writer_process
+
+    monkeypatch.setattr(writer_process, "MAX_LAYOUTS", 1)
+    shapes = [(4, 6), (2, 6), (3, 5), (2, 6), (4, 3), (3, 5)]
+    recorded = {}
+    with TraceWriter(tmp_path / "p", "grpo", writer="process", strict=True) as writer:
+        for step, (B, T) in enumerate(shapes):
+            recorded[step] = grpo_step(step, B, T)
+            writer.record(step, recorded[step])
+            writer.flush()  # each step at the ring's start: the same (id, offset) every time
+    trace = Trace(tmp_path / "p")
+    assert [k.step for k in trace.steps()] == list(range(len(shapes)))
+    for key in trace.steps():
+        got = trace.load_step(key, derive=False)
+        for name, t in recorded[key.step].items():
+            assert torch.equal(got[name].to(t.dtype), t), (key.step, name)

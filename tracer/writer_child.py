@@ -4,11 +4,14 @@ inherited from the training process, which starts it).
 
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
-batch (their summaries computed together). Unlike the writer thread it does not linger for more
-(:data:`CHILD_LINGER_S`): the thread batches so as to take the interpreter lock from the training
-thread less often, while this process's work costs the training thread nothing, so it writes each
-step as it arrives and a ``flush()`` waits for little more than the step in hand; a child that
-falls behind batches what queued up meanwhile. After each batch (of at most ``MAX_BATCH`` steps) it
+batch (their summaries computed together). Like the writer thread it lingers for more
+(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps or
+half the queue's bounds are in hand): a batch's cold start (the interpreter's data evicted by the
+training step in between) is most of a small step's cost, 1-2 ms of CPU per step file handled alone
+against about 0.3 ms in batches (``python -m bench.writer_cost --writer process``), CPU taken from
+the training process wherever it uses the other cores. It does not linger when told to hurry: a
+``flush()``, a ``close()``, a ``record()`` waiting for room in the ring (``hurry``), or the training
+process gone, so nobody waits for the linger. After each batch (of at most ``MAX_BATCH`` steps) it
 sends one result message (ring space freed up to a step, steps written, failures with their reason):
 a parent that waits and hears nothing for long takes the child for stalled (:mod:`tracer.writer_process`).
 Steps the anomaly ring holds are copied out of shared memory first, so their ring space is freed at once.
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 
 from tracer.batches import BatchHandler
-from tracer.capture import MAX_BATCH, StagedStep
+from tracer.capture import LINGER_S, MAX_BATCH, StagedStep
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header
@@ -45,7 +48,8 @@ log = logging.getLogger("tracer.writer_child")
 # gets about a tenth of a core against ordinary load, falls behind, and the training process then
 # waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
 WRITER_PROCESS_NICENESS = 5
-CHILD_LINGER_S = 0.0  # the child waits for no more steps before writing (module docstring)
+CHILD_LINGER_S = LINGER_S  # the child waits up to this long for more steps to batch with (module docstring)
+MAX_VIEWS = 4096  # (layout, ring offset) pairs whose tensor views are kept (cleared when full)
 PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
 
 
@@ -154,22 +158,25 @@ class Child:
                                     lambda item: None, config["anomaly_ring"], config["kl_spike"],
                                     self.steps.summarise, hold=_own_copy)
         self.layouts: dict[int, dict[str, Any]] = {}
+        self._views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}  # (layout, offset): views
         self.pending: list[tuple[int, StagedStep]] = []
         self.pending_bytes = 0
         self.first_at: float | None = None
-        self.linger_s = CHILD_LINGER_S
+        self.linger_s = float(config.get("linger_s", CHILD_LINGER_S))  # tests set it
 
     def run(self, parent: int) -> int:
         self.channel.send({"k": "ready", "pid": os.getpid()})
         while True:
             now = time.monotonic()
             timeout = (self.first_at + self.linger_s - now) if self.pending else MANIFEST_INTERVAL_S
-            flushes, close = [], False
+            flushes, close, hurry = [], False, False
             for message in self.channel.read(timeout):
                 kind = message["k"]
                 if kind == "step":
                     self._arrive(message)
                 elif kind == "layout":
+                    if message["id"] in self.layouts:  # an id given again (the parent keeps 4096 layouts)
+                        self._views.clear()
                     self.layouts[message["id"]] = message
                 elif kind == "counts":
                     self._counts(message)
@@ -177,8 +184,10 @@ class Child:
                     flushes.append(message["t"])
                 elif kind == "close":
                     close = True
+                elif kind == "hurry":  # the training process waits for room in the ring
+                    hurry = True
             gone = self.channel.eof or os.getppid() != parent
-            if self.pending and (flushes or close or gone or not self._lingering()):
+            if self.pending and (flushes or close or hurry or gone or not self._lingering()):
                 self._write_pending()
             self.steps.index.flush(due_only=True)
             self.book.update()
@@ -200,16 +209,16 @@ class Child:
 
     def _arrive(self, message: dict[str, Any]) -> None:
         layout = self.layouts[message["l"]]
-        buffer, base = (message["payload"], 0) if "inline" in message else (self.ring, message["o"])
-        tensors, nbytes = {}, 0
-        for name, dtype_name, shape, at, size in layout["fields"]:
-            dtype = getattr(torch, dtype_name)
-            if size:
-                tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape),
-                                                 offset=base + at).view(shape)
-            else:
-                tensors[name] = torch.empty(shape, dtype=dtype)
-            nbytes += size
+        if "inline" in message:
+            tensors, nbytes = _views_of(layout, message["payload"], 0)
+        else:  # the ring: first-fit placement puts a loop's steps at the same few offsets again and again
+            key = (message["l"], message["o"])
+            views = self._views.get(key)
+            if views is None:
+                if len(self._views) >= MAX_VIEWS:
+                    self._views.clear()
+                views = self._views[key] = _views_of(layout, self.ring, message["o"])
+            tensors, nbytes = dict(views[0]), views[1]  # a dict of its own: a step's fields get replaced
         step, inner_step, micro_batch = message["c"]
         header = step_header(self.hyperparameters, message.get("x"), self.algorithm, step, inner_step, micro_batch,
                              self.rank, self.world_size, layout["d"])
@@ -237,6 +246,20 @@ class Child:
                 self.handler.lost(chunk, err, log)
             # after each chunk: ring space back sooner, and the parent hears progress (its stall rule)
             self.channel.send({"k": "done", "freed": batch[at:at + MAX_BATCH][-1][0], **self.book.take_report()})
+
+
+def _views_of(layout: dict[str, Any], buffer: Any, base: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of a step laid out by ``layout`` at ``base`` in ``buffer`` (views, no copy; an
+    empty tensor has no bytes in the ring), and their bytes."""
+    tensors, nbytes = {}, 0
+    for name, dtype_name, shape, at, size in layout["fields"]:
+        dtype = getattr(torch, dtype_name)
+        if size:
+            tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=base + at).view(shape)
+        else:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        nbytes += size
+    return tensors, nbytes
 
 
 def _populate(ring: mmap.mmap, nbytes: int) -> None:

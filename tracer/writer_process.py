@@ -77,6 +77,7 @@ STALL_S = 60.0
 # Until the child has reported its first batch (a fresh interpreter importing torch, then what writing
 # imports: 1-2 s, far more on a loaded machine) a wait may hear nothing for at least this long.
 STARTUP_STALL_S = 120.0
+MAX_LAYOUTS = 4096  # layouts (fields' names, dtypes, shapes) kept; past it each new one reuses the next id
 _F_SETPIPE_SZ = 1031
 # The child imports this very copy of tracer's write side, without the package's __init__ (which
 # imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
@@ -363,8 +364,10 @@ class ProcessWriter:
         layout = self._layouts.get(key)
         if layout is None:
             layout = _Layout(len(self._layouts), tensors, source_dtype, derive)
-            if len(self._layouts) < 4096:
+            if len(self._layouts) < MAX_LAYOUTS:
                 self._layouts[key] = layout
+            else:  # the id is given again (each time, to another layout): no views of it may be reused
+                self._views.clear()
             self._send(frame(layout.message()))
         return layout
 
@@ -395,7 +398,7 @@ class ProcessWriter:
         """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
         under ``block``; None when dropped."""
         start = self._place(size) if self.dead is None else None
-        since = time.monotonic()
+        since, hurried = time.monotonic(), False
         while start is None:
             self.poll()  # results free room
             if self.dead is not None:
@@ -407,6 +410,9 @@ class ProcessWriter:
                 self.book.queue_full(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
                                      f"bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
+            if not hurried:  # a lingering child writes what it holds now (tracer.writer_child)
+                self._send(frame({"k": "hurry"}))
+                hurried = True
             self._wait(since, f"record() of step {step}, for room in the ring")
         return start
 
