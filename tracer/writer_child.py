@@ -5,8 +5,8 @@ inherited from the training process, which starts it).
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
-(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps or
-half the queue's bounds are in hand): a batch's cold start (the interpreter's data evicted by the
+(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps,
+half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold start (the interpreter's data evicted by the
 training step in between) is most of a small step's cost, 1-2 ms of CPU per step file handled alone
 against about 0.3 ms in batches (``python -m bench.writer_cost --writer process``), CPU taken from
 the training process wherever it uses the other cores. It does not linger when told to hurry: a
@@ -146,7 +146,7 @@ class Child:
         self.root = Path(config["root"])
         self.rank, self.world_size, self.algorithm = config["rank"], config["world_size"], config["algorithm"]
         self.hyperparameters = config["hyperparameters"]
-        self.max_steps, self.max_bytes = max(1, config["max_queue_steps"]), max(1, config["max_queue_bytes"])
+        self.max_steps, self.ring_bytes = max(1, config["max_queue_steps"]), config["ring_bytes"]
         self.ring = mmap.mmap(ring_fd, config["ring_bytes"])
         _populate(self.ring, min(config["ring_bytes"], PREFAULT_BYTES))
         tmp_name = f".{MANIFEST_NAME}.writer-{os.getpid()}.partial"  # never the parent's temporary name
@@ -160,7 +160,7 @@ class Child:
         self.layouts: dict[int, dict[str, Any]] = {}
         self._views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}  # (layout, offset): views
         self.pending: list[tuple[int, StagedStep]] = []
-        self.pending_bytes = 0
+        self.pending_room = 0  # ring bytes the pending steps hold: their layouts' sizes, padding included
         self.first_at: float | None = None
         self.linger_s = float(config.get("linger_s", CHILD_LINGER_S))  # tests set it
 
@@ -202,8 +202,11 @@ class Child:
                 return 0
 
     def _lingering(self) -> bool:
-        """Wait for more steps to batch with: fewer than a batch, room to spare, time left."""
-        roomy = len(self.pending) < self.max_steps // 2 and self.pending_bytes <= self.max_bytes // 2
+        """Wait for more steps to batch with: fewer than a batch, room to spare, time left. The room
+        is the ring's the pending steps hold, each field on its 64-byte boundary (a step of many small
+        fields holds several times its bytes; one carried by the pipe, more than the ring): with at
+        most half of it held, a step of up to half the ring finds room without waiting for the linger."""
+        roomy = len(self.pending) < self.max_steps // 2 and self.pending_room <= self.ring_bytes // 2
         return (len(self.pending) < MAX_BATCH and roomy
                 and time.monotonic() < self.first_at + self.linger_s)
 
@@ -224,7 +227,7 @@ class Child:
                              self.rank, self.world_size, layout["d"])
         self.pending.append((message["q"], StagedStep(step, inner_step, micro_batch, tensors, header, nbytes,
                                                       message["p"], derive=tuple(layout.get("v", ())))))
-        self.pending_bytes += nbytes
+        self.pending_room += layout["size"]
         if self.first_at is None:
             self.first_at = time.monotonic()
 
@@ -237,7 +240,7 @@ class Child:
             self.book.annotate(key, value)
 
     def _write_pending(self) -> None:
-        batch, self.pending, self.pending_bytes, self.first_at = self.pending, [], 0, None
+        batch, self.pending, self.pending_room, self.first_at = self.pending, [], 0, None
         for at in range(0, len(batch), MAX_BATCH):
             chunk = [item for _, item in batch[at:at + MAX_BATCH]]
             try:
