@@ -87,3 +87,55 @@ def test_a_lingering_child_leaves_room_for_small_padded_steps_under_drop(tmp_pat
         assert writer.dropped_steps == 0
     _assert_steps(tmp_path / "p", expected)
     assert (_manifest(tmp_path / "p")["steps_written"], _manifest(tmp_path / "p")["dropped_steps"]) == (13, 0)
+
+
+def test_a_step_dropped_for_want_of_room_ends_the_linger_so_the_next_finds_room(tmp_path, monkeypatch):
+    """when_full="drop" never waits: a large step finding the ring held by a lingering child's small
+    one is dropped. The child is told to hurry all the same, so that the steps after it are not
+    dropped too for as long as the linger lasts: once the child has written, the next large step
+    finds room (before 94be6fc the child wrote each step at once)."""
+    _lingering_child(monkeypatch)
+    big = {step: grpo_step(step, B=16, T=64) for step in (2, 3)}
+    size = _Layout(0, big[2], "float32").size
+    ring = size + ALIGN  # the big step fits only in an empty ring
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the drop's warning
+        with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_bytes=ring, when_full="drop") as writer:
+            writer.record(0, grpo_step(0))
+            writer.flush()
+            process = writer._process
+            writer.record(1, grpo_step(1))  # the child lingers over it
+            assert writer.record(2, big[2]) is None and writer.dropped_steps == 1
+            assert _until(lambda: process._place(size) is not None, process, 5.0)
+            assert writer.record(3, big[3]) is not None
+    _assert_steps(tmp_path / "p", {0: grpo_step(0), 1: grpo_step(1), 3: big[3]})
+    manifest = _manifest(tmp_path / "p")
+    assert (manifest["steps_written"], manifest["dropped_steps"]) == (3, 1)
+    assert [reason.startswith("step 2: queue full") for reason in manifest["drop_reasons"]] == [True]
+
+
+def test_a_child_stopped_under_drop_is_told_to_hurry_once_not_at_every_drop(tmp_path, monkeypatch):
+    """A stopped child (SIGSTOP) under when_full="drop": every record drops; the hurry the first
+    drop sends is not repeated by each later one (a message per drop would fill the command pipe,
+    and a full pipe makes every step drop until the child reads it)."""
+    from tracer.writer_pipe import frame
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        writer = TraceWriter(tmp_path / "d", "grpo", writer="process", max_queue_steps=1, when_full="drop")
+        writer.record(0, grpo_step(0))
+        writer.flush()
+        process, pid = writer._process, writer._process.pid
+        sent = []
+        real_send = process._send
+        process._send = lambda data, *args, **kwargs: (sent.append(bytes(data)), real_send(data, *args, **kwargs))[1]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            returned = [writer.record(step, grpo_step(step)) for step in range(1, 30)]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert returned[0] is not None and returned[1:] == [None] * 28
+        assert sent.count(frame({"k": "hurry"})) <= 1
+        writer.close()
+    assert [k.step for k in Trace(tmp_path / "d").steps()] == [0, 1]
+    assert (_manifest(tmp_path / "d")["steps_written"], _manifest(tmp_path / "d")["dropped_steps"]) == (2, 28)

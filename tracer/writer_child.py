@@ -6,12 +6,13 @@ It runs the same write side as the writer thread (:class:`tracer.step_writer.Ste
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
 (:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps,
-half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold start (the interpreter's data evicted by the
-training step in between) is most of a small step's cost, 1-2 ms of CPU per step file handled alone
-against about 0.3 ms in batches (``python -m bench.writer_cost --writer process``), CPU taken from
-the training process wherever it uses the other cores. It does not linger when told to hurry: a
-``flush()``, a ``close()``, a ``record()`` waiting for room in the ring (``hurry``), or the training
-process gone, so nobody waits for the linger. After each batch (of at most ``MAX_BATCH`` steps) it
+half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
+start (the interpreter's data evicted by the training step in between) is most of a small step's
+cost, 1-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
+bench.writer_cost --writer process``), CPU taken from the training process wherever it uses the
+other cores. It does not linger when told to hurry: a ``flush()``, a ``close()``, a ``record()``
+that found no room in the ring (``hurry``: it waits for room, or under ``when_full="drop"`` dropped
+its step), or the training process gone, so nobody waits for the linger. After each batch (of at most ``MAX_BATCH`` steps) it
 sends one result message (ring space freed up to a step, steps written, failures with their reason):
 a parent that waits and hears nothing for long takes the child for stalled (:mod:`tracer.writer_process`).
 Steps the anomaly ring holds are copied out of shared memory first, so their ring space is freed at once.
@@ -184,7 +185,7 @@ class Child:
                     flushes.append(message["t"])
                 elif kind == "close":
                     close = True
-                elif kind == "hurry":  # the training process waits for room in the ring
+                elif kind == "hurry":  # a record found no room in the ring (it waits, or dropped its step)
                     hurry = True
             gone = self.channel.eof or os.getppid() != parent
             if self.pending and (flushes or close or hurry or gone or not self._lingering()):
