@@ -12,9 +12,10 @@ cost, 1-2 ms of CPU per step file handled alone against about 0.3 ms in batches 
 bench.writer_cost --writer process``), CPU taken from the training process wherever it uses the
 other cores. It does not linger when told to hurry: a ``flush()``, a ``close()``, a ``record()``
 that found no room in the ring (``hurry``: it waits for room, or under ``when_full="drop"`` dropped
-its step), or the training process gone, so nobody waits for the linger. After each batch (of at most ``MAX_BATCH`` steps) it
-sends one result message (ring space freed up to a step, steps written, failures with their reason):
-a parent that waits and hears nothing for long takes the child for stalled (:mod:`tracer.writer_process`).
+its step), or the training process gone, so nobody waits for the linger. After each batch (of at
+most ``MAX_BATCH`` steps) it sends one result message (ring space freed up to a step, steps written,
+failures with their reason): a parent that waits and hears nothing for long takes the child for
+stalled (:mod:`tracer.writer_process`).
 Steps the anomaly ring holds are copied out of shared memory first, so their ring space is freed at once.
 
 It ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group: the training process
