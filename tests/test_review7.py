@@ -475,3 +475,22 @@ def test_batched_process_files_are_byte_identical_to_the_threads(tmp_path, monke
     counts = {kind: {k: _manifest(tmp_path / kind)[k] for k in ("steps_written", "dropped_steps", "skipped_steps")}
               for kind in ("thread", "process")}
     assert counts["thread"] == counts["process"] == {"steps_written": 13, "dropped_steps": 0, "skipped_steps": 7}
+
+
+def test_a_writer_dropped_without_close_ends_the_linger_and_every_step_is_written(tmp_path, monkeypatch):
+    """A TraceWriter the program drops without close(): its finaliser closes the command pipe; the
+    child lingering over steps 1-5 sees the pipe's end, writes them and exits."""
+    import gc
+
+    _lingering_child(monkeypatch)
+    writer = TraceWriter(tmp_path / "g", "grpo", writer="process")
+    for step in range(6):
+        writer.record(step, grpo_step(step))
+        if step == 0:
+            writer.flush()
+    child = writer._process._child
+    del writer
+    gc.collect()
+    assert child.wait(timeout=30) == 0
+    _assert_steps(tmp_path / "g", {step: grpo_step(step) for step in range(6)})
+    assert _manifest(tmp_path / "g")["steps_written"] == 6
