@@ -5,15 +5,17 @@ inherited from the training process, which starts it).
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
-(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps or
-half the queue's bounds are in hand): a batch's cold start (the interpreter's data evicted by the
-training step in between) is most of a small step's cost, 1-2 ms of CPU per step file handled alone
-against about 0.3 ms in batches (``python -m bench.writer_cost --writer process``), CPU taken from
-the training process wherever it uses the other cores. It does not linger when told to hurry: a
-``flush()``, a ``close()``, a ``record()`` waiting for room in the ring (``hurry``), or the training
-process gone, so nobody waits for the linger. After each batch (of at most ``MAX_BATCH`` steps) it
-sends one result message (ring space freed up to a step, steps written, failures with their reason):
-a parent that waits and hears nothing for long takes the child for stalled (:mod:`tracer.writer_process`).
+(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps,
+half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
+start (the interpreter's data evicted by the training step in between) is most of a small step's
+cost, 1-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
+bench.writer_cost --writer process``), CPU taken from the training process wherever it uses the
+other cores. It does not linger when told to hurry: a ``flush()``, a ``close()``, a ``record()``
+that found no room in the ring (``hurry``: it waits for room, or under ``when_full="drop"`` dropped
+its step), or the training process gone, so nobody waits for the linger. After each batch (of at
+most ``MAX_BATCH`` steps) it sends one result message (ring space freed up to a step, steps written,
+failures with their reason): a parent that waits and hears nothing for long takes the child for
+stalled (:mod:`tracer.writer_process`).
 Steps the anomaly ring holds are copied out of shared memory first, so their ring space is freed at once.
 
 It ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group: the training process
@@ -146,7 +148,7 @@ class Child:
         self.root = Path(config["root"])
         self.rank, self.world_size, self.algorithm = config["rank"], config["world_size"], config["algorithm"]
         self.hyperparameters = config["hyperparameters"]
-        self.max_steps, self.max_bytes = max(1, config["max_queue_steps"]), max(1, config["max_queue_bytes"])
+        self.max_steps, self.ring_bytes = max(1, config["max_queue_steps"]), config["ring_bytes"]
         self.ring = mmap.mmap(ring_fd, config["ring_bytes"])
         _populate(self.ring, min(config["ring_bytes"], PREFAULT_BYTES))
         tmp_name = f".{MANIFEST_NAME}.writer-{os.getpid()}.partial"  # never the parent's temporary name
@@ -160,7 +162,7 @@ class Child:
         self.layouts: dict[int, dict[str, Any]] = {}
         self._views: dict[tuple[int, int], tuple[dict[str, torch.Tensor], int]] = {}  # (layout, offset): views
         self.pending: list[tuple[int, StagedStep]] = []
-        self.pending_bytes = 0
+        self.pending_room = 0  # ring bytes the pending steps hold: their layouts' sizes, padding included
         self.first_at: float | None = None
         self.linger_s = float(config.get("linger_s", CHILD_LINGER_S))  # tests set it
 
@@ -184,7 +186,7 @@ class Child:
                     flushes.append(message["t"])
                 elif kind == "close":
                     close = True
-                elif kind == "hurry":  # the training process waits for room in the ring
+                elif kind == "hurry":  # a record found no room in the ring (it waits, or dropped its step)
                     hurry = True
             gone = self.channel.eof or os.getppid() != parent
             if self.pending and (flushes or close or hurry or gone or not self._lingering()):
@@ -202,8 +204,11 @@ class Child:
                 return 0
 
     def _lingering(self) -> bool:
-        """Wait for more steps to batch with: fewer than a batch, room to spare, time left."""
-        roomy = len(self.pending) < self.max_steps // 2 and self.pending_bytes <= self.max_bytes // 2
+        """Wait for more steps to batch with: fewer than a batch, room to spare, time left. The room
+        is the ring's the pending steps hold, each field on its 64-byte boundary (a step of many small
+        fields holds several times its bytes; one carried by the pipe, more than the ring): with at
+        most half of it held, a step of up to half the ring finds room without waiting for the linger."""
+        roomy = len(self.pending) < self.max_steps // 2 and self.pending_room <= self.ring_bytes // 2
         return (len(self.pending) < MAX_BATCH and roomy
                 and time.monotonic() < self.first_at + self.linger_s)
 
@@ -224,7 +229,7 @@ class Child:
                              self.rank, self.world_size, layout["d"])
         self.pending.append((message["q"], StagedStep(step, inner_step, micro_batch, tensors, header, nbytes,
                                                       message["p"], derive=tuple(layout.get("v", ())))))
-        self.pending_bytes += nbytes
+        self.pending_room += layout["size"]
         if self.first_at is None:
             self.first_at = time.monotonic()
 
@@ -237,7 +242,7 @@ class Child:
             self.book.annotate(key, value)
 
     def _write_pending(self) -> None:
-        batch, self.pending, self.pending_bytes, self.first_at = self.pending, [], 0, None
+        batch, self.pending, self.pending_room, self.first_at = self.pending, [], 0, None
         for at in range(0, len(batch), MAX_BATCH):
             chunk = [item for _, item in batch[at:at + MAX_BATCH]]
             try:

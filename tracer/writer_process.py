@@ -207,6 +207,7 @@ class ProcessWriter:
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._ready = False
         self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
+        self._hurried = False  # a "hurry" was sent since the child's last result (_room)
         self._outbox = bytearray()
         self._inbox = bytearray()
         self._acked = self._token = 0
@@ -398,7 +399,7 @@ class ProcessWriter:
         """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
         under ``block``; None when dropped."""
         start = self._place(size) if self.dead is None else None
-        since, hurried = time.monotonic(), False
+        since = time.monotonic()
         while start is None:
             self.poll()  # results free room
             if self.dead is not None:
@@ -406,13 +407,13 @@ class ProcessWriter:
             start = self._place(size)
             if start is not None:
                 break
+            if not self._hurried:  # a lingering child writes what it holds now (tracer.writer_child)
+                self._send(frame({"k": "hurry"}))  # also when this step drops: so that the next ones do not
+                self._hurried = True  # until the child's next result (not one message per dropped step)
             if self.when_full == "drop":
                 self.book.queue_full(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
                                      f"bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
-            if not hurried:  # a lingering child writes what it holds now (tracer.writer_child)
-                self._send(frame({"k": "hurry"}))
-                hurried = True
             self._wait(since, f"record() of step {step}, for room in the ring")
         return start
 
@@ -514,7 +515,7 @@ class ProcessWriter:
     def _apply(self, message: dict[str, Any]) -> None:
         kind = message.get("k")
         if kind == "done":
-            self._wrote = True
+            self._wrote, self._hurried = True, False
             freed = message["freed"]
             while self._inflight and self._inflight[0][0] <= freed:
                 _, start, end, nbytes, _, _ = self._inflight.popleft()
