@@ -418,3 +418,27 @@ def test_a_lingering_writer_thread_is_woken_only_by_a_first_step_or_a_full_batch
     assert written == [0, 1, 2, 3]
     assert bg._cond.notified == 2, "put() woke the lingering writer thread for steps in the middle of a batch"
     bg.stop()
+
+
+def test_a_step_dropped_for_want_of_room_ends_the_lingering_so_the_next_finds_room():
+    """A step of more than half the bytes bound, arriving while the thread lingers over a small one,
+    cannot fit and is dropped (``drop`` never waits); the thread then writes what it holds instead of
+    lingering on, so the steps after it find the queue empty and are kept."""
+    written, drops = [], []
+    bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
+                          drops.append, max_steps=64, max_bytes=1_000, when_full="drop", linger_s=3600.0)
+    assert bg.put(StagedStep(0, 0, 0, {"x": torch.zeros(1)}, {}, 100))  # lingered over (a tenth of the bytes)
+    assert not bg.put(StagedStep(1, 0, 0, {"x": torch.zeros(1)}, {}, 950))  # 100 + 950 > 1000: dropped
+    for _ in range(600):  # at most a minute (the linger is an hour): step 0 written without a flush
+        if written:
+            break
+        threading.Event().wait(0.1)
+    assert written == [0] and len(drops) == 1
+    with bg._cond:  # the writer thread is done with its batch before the next step comes
+        while bg._busy:
+            bg._cond.wait()
+    assert bg.put(StagedStep(2, 0, 0, {"x": torch.zeros(1)}, {}, 950))  # an empty queue always fits
+    stopper = threading.Thread(target=lambda: [bg.flush(), bg.stop()])
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive() and written == [0, 2] and len(drops) == 1

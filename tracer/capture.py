@@ -284,7 +284,8 @@ class BackgroundWriter:
             written (the writer computes their summaries together there); exceptions are its own.
         linger_s, max_batch: after a step arrives the writer thread waits up to ``linger_s`` (default
             :data:`LINGER_S`) for
-            more (at most ``max_batch``), unless a ``flush``, ``stop`` or a full queue needs it now:
+            more (at most ``max_batch``), unless a ``flush``, ``stop``, a queue half full or a step
+            that found no room (waiting, or dropped under ``drop``) needs it now:
             a batch of small steps costs about the interpreter time of one (the writer thread
             shares the interpreter lock with the training loop). Files appear at most
             ``linger_s`` later than they would alone.
@@ -309,6 +310,7 @@ class BackgroundWriter:
         self._max_batch = max(1, max_batch)
         self._linger_s = LINGER_S if linger_s is None else linger_s
         self._hurry = 0  # flush() calls and producers waiting for room: no lingering while > 0
+        self._dropped = False  # a step was dropped for want of room since the last batch: no lingering
         self._queue: collections.deque[StagedStep | None] = collections.deque()
         self._bytes = 0
         self.peak_bytes = 0
@@ -327,6 +329,8 @@ class BackgroundWriter:
                     self._on_drop(f"step {item.step}: queue full ({len(self._queue)} steps, "
                                   f"{self._bytes} bytes; bounds {self.max_steps} steps, {self.max_bytes} bytes)")
                     self._release(item)
+                    self._dropped = True  # the lingering writer thread takes what is queued now:
+                    self._cond.notify_all()  # the next steps find room (a step of over half the bytes bound)
                     return False
                 self._hurry += 1
                 self._cond.notify_all()
@@ -370,7 +374,8 @@ class BackgroundWriter:
         return self._bytes
 
     def _roomy(self) -> bool:
-        """Less than half the queue's bounds in use: lingering cannot make a step wait or drop."""
+        """Less than half the queue's bounds in use: lingering makes no step of up to half the bounds
+        wait or drop (a larger one that finds no room ends the linger: :meth:`put`)."""
         return len(self._queue) < self.max_steps // 2 and self._bytes <= self.max_bytes // 2
 
     def _full(self, nbytes: int) -> bool:
@@ -413,8 +418,8 @@ class BackgroundWriter:
                 self._cond.wait(timeout=self._tick_interval if self._tick is not None else None)
             if not self._queue:
                 return []
-            while (len(self._queue) < self._max_batch and not self._hurry and None not in self._queue
-                   and self._roomy()):
+            while (len(self._queue) < self._max_batch and not self._hurry and not self._dropped
+                   and None not in self._queue and self._roomy()):
                 left = self._queue[0].arrived + self._linger_s - time.monotonic()
                 if left <= 0:
                     break
@@ -426,7 +431,7 @@ class BackgroundWriter:
                         break
                     return None
                 batch.append(self._queue.popleft())
-            self._busy = True
+            self._busy, self._dropped = True, False
             return batch
 
     def _release(self, item: StagedStep) -> None:
