@@ -2,7 +2,7 @@
 thread``, the default): its CPU time handling batches, the time it holds the interpreter lock beside
 the training loop, so what a loop of small steps pays for tracing. The writer process (``--writer
 process``): all the CPU time of the child process over the steps (read from
-``/proc/<pid>/schedstat``: its waking for each message, reading the pipe and lingering included),
+``/proc/<pid>/task/*/schedstat``: its waking for each message, reading the pipe and lingering included),
 CPU that a training process using the other cores no longer has.
 
 Each shape is recorded ``steps`` times, ``gap_ms`` apart (the rest of a training step), through a
@@ -58,8 +58,14 @@ def _tensors(B: int, T: int, L: int, kind: str) -> dict:
 
 def _child_cpu_s(writer) -> float:
     """The writer process's CPU time so far (seconds, all its threads), from the kernel's schedstat."""
-    with open(f"/proc/{writer._process.pid}/schedstat") as fh:
-        return int(fh.read().split()[0]) / 1e9
+    total = 0
+    for task in Path(f"/proc/{writer._process.pid}/task").iterdir():
+        try:
+            with open(task / "schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except FileNotFoundError:  # a thread that ended meanwhile (its time is lost with it)
+            pass
+    return total / 1e9
 
 
 def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
