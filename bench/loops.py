@@ -17,7 +17,7 @@ series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realis
 ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
     python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1] [--writer thread,process]
-                          [--ppo-steps 6]
+                          [--ppo-steps 6] [--flush block|end]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _rotate(plain, traced: dict, rounds: int) -> dict[str, dict]:
 
 
 def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str,
-               writers: tuple[str, ...] = ("thread",)) -> dict[str, dict]:
+               writers: tuple[str, ...] = ("thread",), flush: str = "block") -> dict[str, dict]:
     """One writer per kind for the whole measurement, as in a run (opened and closed once, outside
     the timed blocks: that cost is reported apart); each traced block ends with ``flush()``, so all
     the writer's work for its steps falls inside the block that recorded them (the last batch's work
@@ -95,7 +95,8 @@ def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: 
         def run(r: int) -> None:
             writer = opened[kind][0]
             run_loop(model, optimizer, steps, B, T, L, writer, step0=r * steps)
-            writer.flush()
+            if _flushes(kind, flush):
+                writer.flush()
         return run
 
     try:
@@ -165,7 +166,15 @@ def ppo_setup(tmp: str, steps: int):
     return (lambda: script.ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args)), args
 
 
-def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict:
+def _flushes(writer: str, flush: str) -> bool:
+    """Whether a traced block ends with ``flush()``: always with the writer thread (its work holds the
+    interpreter lock: left queued it would be charged to the next block, perhaps a plain one); with
+    the writer process only under ``--flush block`` (``end``: its child writes beside the next
+    block, on the other core, as in a run, where a flush waits for the child's lingering batch)."""
+    return writer == "thread" or flush == "block"
+
+
+def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: str = "block") -> dict:
     from tracer import watch
 
     epoch, args = ppo_setup(tmp, steps)
@@ -187,12 +196,14 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
         def traced(r: int) -> None:
             epoch()
             t0 = time.perf_counter()
-            w.writer.flush()
+            if _flushes(writer, flush) or r < 0:
+                w.writer.flush()
             drains.append(time.perf_counter() - t0)
 
         traced(-1)  # warm-up; opens the writer
         before = w.steps_recorded
         res = _alternate(plain, traced, rounds)
+        w.writer.flush()
         recorded = w.steps_recorded - before
     assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
     return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
@@ -206,18 +217,19 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread") -> dict
 
 
 def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo"),
-            writers: tuple[str, ...] = ("thread",), ppo_steps: int = PPO_STEPS) -> dict[tuple[str, str], dict]:
+            writers: tuple[str, ...] = ("thread",), ppo_steps: int = PPO_STEPS,
+            flush: str = "block") -> dict[tuple[str, str], dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "toy" in only:
-            for kind, res in grpo_shape("toy", 8, 16, 16, 120, rounds, tmp, writers).items():
+            for kind, res in grpo_shape("toy", 8, 16, 16, 120, rounds, tmp, writers, flush).items():
                 out["toy", kind] = res
         if "realistic" in only:
-            for kind, res in grpo_shape("realistic", 64, 128, 32, 4, rounds, tmp, writers).items():
+            for kind, res in grpo_shape("realistic", 64, 128, 32, 4, rounds, tmp, writers, flush).items():
                 out["realistic", kind] = res
         if "ppo" in only:
             for kind in writers:
-                out["ppo", kind] = ppo_shape(steps=ppo_steps, rounds=rounds, tmp=tmp, writer=kind)
+                out["ppo", kind] = ppo_shape(steps=ppo_steps, rounds=rounds, tmp=tmp, writer=kind, flush=flush)
     return out
 
 
@@ -231,12 +243,16 @@ def main() -> None:
     parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS, help=f"PPO steps per timed block (default {PPO_STEPS})")
     parser.add_argument("--writer", default="thread",
                         help="comma-separated writers measured side by side: thread, process (default thread)")
+    parser.add_argument("--flush", choices=("block", "end"), default="block",
+                        help="block (default): every traced block ends with flush(), all its writing inside it; "
+                             "end: with the writer process, only at the end (its child writes beside the next "
+                             "block, as in a run); the writer thread always flushes each block")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
     print(trace_dir_line())
     for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
-                                   args.ppo_steps).items():
+                                   args.ppo_steps, args.flush).items():
         unit = "backward" if name == "ppo" else "record"
         print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
