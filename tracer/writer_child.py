@@ -8,7 +8,7 @@ batch (their summaries computed together). Like the writer thread it lingers for
 (:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps,
 half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
 start (the interpreter's data evicted by the training step in between) is most of a small step's
-cost, 1-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
+cost, 0.8-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
 bench.writer_cost --writer process``), CPU taken from the training process wherever it uses the
 other cores. It does not linger when told to hurry: a ``flush()``, a ``close()``, a ``record()``
 that found no room in the ring (``hurry``: it waits for room, or under ``when_full="drop"`` dropped
