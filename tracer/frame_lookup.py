@@ -226,10 +226,7 @@ def _compiled(section: Mapping[str, tuple[Expression, ...]]) -> tuple[tuple, fro
 
 def _value_in(head: str | None, expr: Expression, local: Mapping, global_: Mapping) -> Any:
     """:func:`resolve_in` of a compiled expression: a one-name one (``head``) by two dict lookups."""
-    if head is None:
-        return resolve_in(expr, local, global_)
-    value = local.get(head, _MISSING)
-    return global_.get(head, _MISSING) if value is _MISSING else value
+    return resolve_in(expr, local, global_) if head is None else _lookup(head, local, global_)
 
 
 def _find_ints(keys: tuple | list, local: Mapping, global_: Mapping, out: dict[str, int]) -> list:
