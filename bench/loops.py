@@ -12,8 +12,10 @@ Each round runs one plain block and one traced block per writer (``--writer thre
 writer thread and the writer process, ``TraceWriter(writer=...)``) of ``steps`` steps, the order
 rotating from round to round (one writer per kind for the whole run, flushed at the end of each of
 its traced blocks; its open + close is reported apart); the ratio is median(traced) / median(plain)
-over rounds, with the spread of the per-round ratios. The ppo shape measures each writer in its own
-series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realistic <= 1.03,
+over rounds, with the spread of the per-round ratios, and the geometric mean of the per-round
+ratios with its 95% bootstrap interval (:func:`paired_ratio`): a target is called met only when
+the whole interval is under it, missed when it is all above, else undecided. The ppo shape
+measures each writer in its own series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realistic <= 1.03,
 ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
     python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1] [--writer thread,process]
@@ -31,6 +33,7 @@ import time
 from argparse import Namespace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.common import machine, median, trace_dir_line
@@ -67,9 +70,34 @@ def _rotate(plain, traced: dict, rounds: int) -> dict[str, dict]:
     for kind in traced:
         ratios = [a / b for a, b in zip(times[kind], off)]
         out[kind] = {"off_s": median(off), "on_s": median(times[kind]), "ratio": median(times[kind]) / median(off),
-                     "spread": (min(ratios), max(ratios)),
+                     "spread": (min(ratios), max(ratios)), "paired": paired_ratio(ratios),
                      "cpu_extra_s": median(cpu[kind]) - median(cpu["off"])}
     return out
+
+
+def paired_ratio(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
+    """``(geometric mean, low, high)`` of per-round ratios (traced / the same round's plain): the low
+    and high ends of its 95% bootstrap interval (percentile method, ``resamples`` resamples of the
+    rounds with replacement, a fixed seed so that a run prints the same interval twice). Pairing each
+    traced block with the plain block beside it cancels the machine's slow drifts; the interval says
+    whether the rounds measured the target or only the host's noise."""
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    if logs.size < 2:
+        return float(np.exp(logs.mean())), float("nan"), float("nan")
+    draws = np.random.default_rng(seed).choice(logs, size=(resamples, logs.size)).mean(axis=1)
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
+
+
+def verdict(paired: tuple[float, float, float], target: float) -> str:
+    """``met`` when the whole 95% interval is at or under ``target``, ``missed`` when it is all above,
+    else ``undecided`` (more rounds, or a quieter machine, needed)."""
+    _, low, high = paired
+    if high <= target:
+        return "met"
+    if low > target:
+        return "missed"
+    return "undecided"
 
 
 def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: str,
@@ -254,8 +282,10 @@ def main() -> None:
     for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
                                    args.ppo_steps, args.flush).items():
         unit = "backward" if name == "ppo" else "record"
+        mean, low, high = r["paired"]
         print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
-              f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; target <= {TARGETS[name]}), "
+              f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; paired geometric mean {mean:.3f}, 95% interval "
+              f"{low:.3f}-{high:.3f}: target <= {TARGETS[name]} {verdict(r['paired'], TARGETS[name])}), "
               f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block), training process CPU "
               f"+{r['cpu_us']:.0f} us per {unit}"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")

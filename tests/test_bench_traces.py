@@ -24,3 +24,14 @@ def test_the_viewer_bench_trace_is_a_healthy_grpo_run(tmp_path, monkeypatch):
                  "advantages", "group_ids"):
         assert name in fields, name
     assert trace.tokens is not None and len(trace.tokens) == viewer_traces.VOCAB
+
+
+def test_the_loop_benchmark_calls_a_target_only_when_its_interval_is_on_one_side():
+    from bench.loops import paired_ratio, verdict
+
+    mean, low, high = paired_ratio([2.0, 0.5])  # geometric mean: sqrt(2 * 0.5) = 1
+    assert abs(mean - 1.0) < 1e-12 and abs(low - 0.5) < 1e-12 and abs(high - 2.0) < 1e-12  # resamples: both, or mixed
+    assert all(abs(x - 1.02) < 1e-12 for x in paired_ratio([1.02] * 9))  # no spread: the interval is the point
+    assert verdict(paired_ratio([1.02] * 9), 1.05) == "met"
+    assert verdict(paired_ratio([1.2, 1.3, 1.25]), 1.05) == "missed"
+    assert verdict(paired_ratio([0.9, 1.2, 1.0, 1.1]), 1.05) == "undecided"
