@@ -172,7 +172,7 @@ def test_info_on_a_step_file_of_a_trace_reads_the_trace_manifest(tmp_path, capsy
     dropping = next((tmp_path / "dropping" / "steps").iterdir())
     assert main(["info", str(dropping)]) == 0
     out = capsys.readouterr().out
-    assert "status: finished" in out and "dropped: 1" in out and "dropped: step 1: lost by the test" in out
+    assert "status: finished" in out and "dropped: 1" in out and "first: step 1: lost by the test" in out
     assert f"a step file of the trace {tmp_path / 'dropping'}" in out
     lone = tmp_path / "lone.safetensors"  # outside any trace
     lone.write_bytes(step_file.read_bytes())

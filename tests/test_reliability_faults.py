@@ -75,7 +75,9 @@ def test_info_shows_the_drops_and_why(runs, capsys):
     assert main(["info", str(out / "non_strict")]) == 0
     text = capsys.readouterr().out
     assert f"dropped: {DROPPED}" in text
-    assert f"dropped: step_{FULL_AT:08d}.inner_0.mb_0.rank_0.safetensors: OSError" in text
+    assert f"drop reasons (of all {DROPPED}): {EFBIG_TEXT} x{DROPPED}" in text  # one kind, each drop counted
+    assert f"first: step_{FULL_AT:08d}.inner_0.mb_0.rank_0.safetensors: {EFBIG_TEXT}" in text
+    assert f"last kept: step_{STEPS - 1:08d}.inner_0.mb_0.rank_0.safetensors: {EFBIG_TEXT}" in text
 
 
 def test_when_nothing_fits_the_old_manifest_is_kept_intact(runs):

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from tracer.batches import BatchHandler, anomaly_reason, nonfinite_fields  # noqa: F401  (re-exported)
+from tracer.layout import step_label
 from tracer.schema import FIELDS
 
 
@@ -326,8 +327,9 @@ class BackgroundWriter:
         with self._cond:
             while self._full(item.nbytes):
                 if self.when_full == "drop":
-                    self._on_drop(f"step {item.step}: queue full ({len(self._queue)} steps, "
-                                  f"{self._bytes} bytes; bounds {self.max_steps} steps, {self.max_bytes} bytes)")
+                    label = step_label(item.step, item.inner_step, item.micro_batch)
+                    self._on_drop(f"{label}: queue full ({len(self._queue)} steps, {self._bytes} bytes; "
+                                  f"bounds {self.max_steps} steps, {self.max_bytes} bytes)")
                     self._release(item)
                     self._dropped = True  # the lingering writer thread takes what is queued now:
                     self._cond.notify_all()  # the next steps find room (a step of over half the bytes bound)

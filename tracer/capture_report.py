@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tracer.errors import TraceError, TraceFormatError
+from tracer.frame_lookup import user_stacklevel
 from tracer.integrity import read_json
 from tracer.layout import CAPTURE_REPORT_GLOB, capture_report_name, write_json_atomic
 
@@ -40,7 +41,7 @@ def write_capture_report(root: str | Path, rank: int, report: Mapping[str, Any],
         if strict:
             raise TraceError(f"could not write the capture report {path}: {err}") from err
         warnings.warn(f"tracer: could not write the capture report {path} ({err}); `tracer info` will not "
-                      "show this rank's capture report", RuntimeWarning, stacklevel=2)
+                      "show this rank's capture report", RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def read_capture_reports(root: str | Path, manifest: Mapping[str, Any]) -> dict[int, dict[str, Any]]:

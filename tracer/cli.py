@@ -24,6 +24,7 @@ from tracer.capture_report import describe_capture_reports, read_capture_reports
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.layout import MANIFEST_NAME, STEPS_DIR
+from tracer.manifest_book import describe_drops
 from tracer.reader import Trace, find_traces
 from tracer.schema import ALGORITHMS
 from tracer.summaries import SUMMARY_KEY
@@ -277,16 +278,19 @@ def _print_info(info: dict[str, Any]) -> None:
     say(f"algorithm: {info['algorithm']}   status: {info['status_text']}   schema: {info['schema_version']}")
     say(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
         f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
-    for reason in info["drop_reasons"][:5]:
-        say(f"  dropped: {reason}")
+    for line in describe_drops(info["dropped_steps"], info["drop_reasons"]):
+        say(line)
     for line in describe_capture_reports(info.get("capture_reports") or {}, info["ranks"]):
         say(line)
-    table = Table(title="fields (first readable step file)")
-    for col in ("field", "shape", "dtype"):
-        table.add_column(col)
-    for name, spec in info["fields"].items():
-        table.add_row(Text(name), str(spec["shape"]), Text(spec["dtype"]))
-    console.print(table)
+    if info["fields"]:
+        table = Table(title="fields (first readable step file)")
+        for col in ("field", "shape", "dtype"):
+            table.add_column(col)
+        for name, spec in info["fields"].items():
+            table.add_row(Text(name), str(spec["shape"]), Text(spec["dtype"]))
+        console.print(table)
+    else:
+        say("fields: none (no readable step file)")
     overview = info.get("overview") or {}
     if overview.get("columns"):
         table = Table(title=f"per-step summaries ({overview['from_headers']} from headers, "

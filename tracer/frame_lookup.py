@@ -44,6 +44,19 @@ def is_library_frame(frame: FrameType) -> bool:
     return _of_roots(frame, LIBRARY_ROOTS)
 
 
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called by this function's caller that names the first
+    frame outside the libraries (:func:`is_library_frame`: tracer's own, torch's...), so that a
+    warning points at the user's line whatever the depth of tracer's calls; 1 (the caller itself)
+    when every frame is library code (tracer's writer thread)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        if not is_library_frame(frame):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
+
+
 def calling_frame(frame: FrameType | None) -> FrameType | None:
     """The first frame from ``frame`` outwards that is not library code (see the module rules)."""
     while frame is not None and is_library_frame(frame):

@@ -49,6 +49,13 @@ def step_file_name(step: int, inner_step: int = 0, micro_batch: int = 0, rank: i
     return f"step_{step:08d}.inner_{inner_step}.mb_{micro_batch}.rank_{rank}.safetensors"
 
 
+def step_label(step: int, inner_step: int = 0, micro_batch: int = 0) -> str:
+    """``step 3``, ``step 3, inner step 1``, ``step 3, inner step 1, micro-batch 2``: the coordinates of
+    one step file as messages name it (the parts that are 0 left out)."""
+    return (f"step {step}" + (f", inner step {inner_step}" if inner_step else "")
+            + (f", micro-batch {micro_batch}" if micro_batch else ""))
+
+
 def summary_index_name(rank: int = 0) -> str:
     """The file name of one rank's summary index at the trace root (:mod:`tracer.run_index`)."""
     return f"summary_index.rank_{rank}.jsonl"

@@ -9,8 +9,10 @@ while counting, never during I/O.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import re
 import threading
 import time
 import warnings
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from tracer.errors import TraceError
+from tracer.frame_lookup import user_stacklevel
 from tracer.layout import FORMAT_NAME, MANIFEST_NAME, producers
 from tracer.schema import SCHEMA_VERSION, jsonable
 
@@ -153,7 +156,7 @@ class ManifestBook:
         """Warn (RuntimeWarning); warnings made errors raise on the caller's thread, never on the
         writer's (logged there)."""
         try:
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
         except Warning:  # warnings made errors (-W error): raised on the caller's thread, never on the writer's
             if not self.on_writer_thread():
                 raise
@@ -230,3 +233,29 @@ class ManifestBook:
         with self.lock:
             self.error = self.error or (f"{MANIFEST_NAME}: {type(err).__name__}: {err}", err)
             self.failures_pending += 1
+
+
+_DROP_WHERE = re.compile(r"^(step \d+(, inner step \d+)?(, micro-batch \d+)?|step_[^\s:]+):\s*")
+
+
+def drop_kind(reason: str) -> str:
+    """What a drop reason says happened, without its step, its numbers in parentheses or a path: ``queue
+    full`` of ``step 3, inner step 1: queue full (2 steps, ...)``, ``OSError: [Errno 28] No space left on
+    device`` of ``step_00000004....safetensors: OSError: [Errno 28] No space left on device: '/runs/...'``
+    (at most 100 characters)."""
+    rest = _DROP_WHERE.sub("", reason, count=1)
+    return (re.split(r" \(|: ['\"/]", rest, maxsplit=1)[0].strip() or rest)[:100]
+
+
+def describe_drops(dropped: int, reasons: list[str]) -> list[str]:
+    """``tracer info``'s lines on dropped step files: the kinds of the reasons the manifest kept (its
+    first ``MAX_DROP_REASONS``) with their counts, then the first and the last reason kept."""
+    if not reasons:
+        return []
+    kinds = collections.Counter(drop_kind(r) for r in reasons)
+    kept = f"of the first {len(reasons)}" if len(reasons) < dropped else f"of all {len(reasons)}"
+    lines = [f"  drop reasons ({kept}): " + ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common())]
+    lines.append(f"  first: {reasons[0]}")
+    if len(reasons) > 1:
+        lines.append(f"  last kept: {reasons[-1]}")
+    return lines

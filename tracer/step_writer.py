@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from tracer import step_bytes, summaries
 from tracer.capture import StagedStep
 from tracer.derived import derive_fields, derive_recorded
-from tracer.layout import STEPS_DIR, step_file_name, unshare
+from tracer.layout import STEPS_DIR, step_file_name, step_label, unshare
 from tracer.manifest_book import ManifestBook
 from tracer.run_index import IndexWriter
 from tracer.schema import SCHEMA_VERSION, encode_metadata, normalise_tensors
@@ -77,7 +77,7 @@ class StepWriter:
         item.specs = described.specs
 
     def on_normalise_error(self, item: StagedStep, err: Exception) -> None:
-        self.book.fail(f"step {item.step}: {type(err).__name__}: {err}", err)
+        self.book.fail(f"{step_label(item.step, item.inner_step, item.micro_batch)}: {type(err).__name__}: {err}", err)
 
     def write(self, item: StagedStep, anomaly: str | None) -> None:
         """Write one normalised step (and queue its index line); a failure is counted, never raised."""

@@ -148,14 +148,16 @@ class Watcher:
             except TraceError as err:
                 if exc_type is None and self.strict:
                     raise
-                warnings.warn(f"tracer.watch: closing the trace failed: {err}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"tracer.watch: closing the trace failed: {err}", RuntimeWarning,
+                              stacklevel=frame_lookup.user_stacklevel())
             write_capture_report(self.writer.root, self.writer.rank, report, self.strict and exc_type is None)
         self._log_summary()
         if self.steps_recorded == 0 and exc_type is None:
             if self.nothing_traced == "raise":
                 raise TraceError(self.nothing_traced_message())
             if self.nothing_traced == "warn":
-                warnings.warn(self.nothing_traced_message(), RuntimeWarning, stacklevel=2)
+                warnings.warn(self.nothing_traced_message(), RuntimeWarning,
+                              stacklevel=frame_lookup.user_stacklevel())
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -278,7 +280,8 @@ class Watcher:
                 self.writer.count_drop(reason)
             if self.failures <= MAX_WARNINGS:
                 warnings.warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
-                              "continues; strict=True (--strict) raises instead.", RuntimeWarning, stacklevel=4)
+                              "continues; strict=True (--strict) raises instead.", RuntimeWarning,
+                              stacklevel=frame_lookup.user_stacklevel())
         finally:
             if local is not None:
                 frame_lookup.release_locals(frame, local)
@@ -327,7 +330,7 @@ class Watcher:
             if (key, text) not in self.rejected:
                 self.rejected[(key, text)] = str(why)
                 warnings.warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}",
-                              RuntimeWarning, stacklevel=6)
+                              RuntimeWarning, stacklevel=frame_lookup.user_stacklevel())
 
 
 def watch(algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None,

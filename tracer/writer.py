@@ -28,6 +28,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     refuse_existing_trace,
     save_atomic as _save_atomic,
     step_file_name,
+    step_label,
     token_strings,
     tokenizer_identity,
     unlock_rank,
@@ -37,6 +38,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
 from tracer import summaries
 from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, StagedStep, first_k_sequences, stage
 from tracer.errors import SchemaError, TraceError
+from tracer.frame_lookup import user_stacklevel
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
 from tracer.record_checks import MAX_SIGNATURES, MetadataCache, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata, jsonable
@@ -197,7 +199,8 @@ class TraceWriter:
                         unlock_rank(self._lock_fd)
                         raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
                     warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
-                                  "will show without text. Training continues.", RuntimeWarning, stacklevel=2)
+                                  "will show without text. Training continues.", RuntimeWarning,
+                                  stacklevel=user_stacklevel())
         try:
             self._book.write()
         except OSError as err:
@@ -318,7 +321,7 @@ class TraceWriter:
             staged, event, pinned, nbytes = stage(tensors, self._pool, owned, reuse=self._background is not None,
                                                   group_key=group_key)
         except (RuntimeError, MemoryError) as err:  # no memory for the copy: drop the step, not the run
-            self._book.fail(f"step {step}: staging the tensors failed: {type(err).__name__}: {err}", err)
+            self._book.fail(f"{step_label(*coordinates)}: staging the tensors failed: {type(err).__name__}: {err}", err)
             self._book.raise_pending()
             return None
         item = StagedStep(step, inner_step, micro_batch, staged, header, nbytes, sampled, event, pinned,
@@ -434,7 +437,7 @@ class TraceWriter:
             handed = self._process.submit(coordinates, tensors, sampled, source_dtype, json_form,
                                           None if self.sampling.first_k_sequences else self._signatures.last, derive)
         except (RuntimeError, MemoryError) as err:  # a failed device copy: drop the step, not the run
-            self._book.fail(f"step {coordinates[0]}: staging the tensors failed: {type(err).__name__}: {err}", err)
+            self._book.fail(f"{step_label(*coordinates)}: staging the tensors failed: {type(err).__name__}: {err}", err)
             handed = False
         if self._process.dead is not None:
             self._poll_process()  # the writer thread from now on
@@ -457,7 +460,8 @@ class TraceWriter:
         gone.stop()  # the child has exited: this releases the ring and the pipes
         rescued = gone.orphans  # unsampled ones go to this writer's anomaly ring, as they would have in the child's
         warnings.warn(f"tracer: {reason}; the {len(rescued)} step(s) it had not written and all later steps are "
-                      "written by a thread of this process. Training continues.", RuntimeWarning, stacklevel=3)
+                      "written by a thread of this process. Training continues.", RuntimeWarning,
+                      stacklevel=user_stacklevel())
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
                                               "writer_process_exit": reason}
@@ -482,7 +486,8 @@ class TraceWriter:
             if self.strict:
                 unlock_rank(self._lock_fd)
                 raise
-            warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning,
+                          stacklevel=user_stacklevel())
             self._book.manifest["capture"]["writer"] = "thread"
             self._start_writing(background=True)
 

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from tracer.errors import TraceError
+from tracer.layout import step_label
 from tracer.manifest_book import ManifestBook
 from tracer.writer_pipe import frame, step_frame, unframe
 
@@ -197,7 +198,8 @@ class ProcessWriter:
         self.size = _align(max(max_bytes, ALIGN))
         self.dead: str | None = None  # why the child is gone
         self.peak_bytes = self._bytes = 0
-        # seq, start, end, nbytes, step, and (coordinates, layout, sampled, metadata) of a step in the ring
+        # seq, start, end, nbytes, coordinates (step, inner step, micro-batch), and (coordinates, layout,
+        # sampled, metadata) of a step in the ring
         self._inflight: collections.deque[tuple] = collections.deque()
         self.orphans: list[Orphan] = []  # the steps a dead child had not written, copied out of the ring
         self._polled_at = 0.0
@@ -265,7 +267,7 @@ class ProcessWriter:
         child derives and records (``TraceWriter._record``), part of the layout. Raises RuntimeError
         when a device copy fails."""
         layout = self._layout(tensors, signature, source_dtype, derive)
-        start = self._room(layout.size, coordinates[0])
+        start = self._room(layout.size, coordinates)
         if start is None:
             return None if self.dead is not None else False
         seq, self._seq = self._seq, self._seq + 1
@@ -275,13 +277,13 @@ class ProcessWriter:
         if start < 0:  # larger than the ring: through the pipe, once nothing else is in flight
             buffer = bytearray(layout.size)
             self._copy(torch.frombuffer(buffer, dtype=torch.uint8), layout, 0, tensors, cache=False)
-            self._inflight.append((seq, 0, 0, nbytes, coordinates[0], None))
+            self._inflight.append((seq, 0, 0, nbytes, coordinates, None))
             message = {"k": "step", "q": seq, "c": coordinates, "p": sampled, "l": layout.ident,
                        "inline": layout.size, **({"x": metadata} if metadata else {})}
             self._send(frame(message), payload=buffer, wait=True)
         else:
             self._copy(self._ring, layout, start, tensors)
-            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates[0],
+            self._inflight.append((seq, start, start + layout.size, nbytes, coordinates,
                                    (coordinates, layout, sampled, metadata)))
             bisect.insort(self._regions, (start, start + layout.size))
             self._send(step_frame(seq, coordinates, sampled, layout.ident, start, metadata))
@@ -395,7 +397,7 @@ class ProcessWriter:
         finally:
             torch._C._set_grad_enabled(grad)
 
-    def _room(self, size: int, step: int) -> int | None:
+    def _room(self, size: int, coordinates: tuple[int, int, int]) -> int | None:
         """Where a step of ``size`` bytes goes in the ring (-1: through the pipe), waiting for room
         under ``block``; None when dropped."""
         start = self._place(size) if self.dead is None else None
@@ -411,10 +413,10 @@ class ProcessWriter:
                 self._send(frame({"k": "hurry"}))  # also when this step drops: so that the next ones do not
                 self._hurried = True  # until the child's next result (not one message per dropped step)
             if self.when_full == "drop":
-                self.book.queue_full(f"step {step}: queue full ({len(self._inflight)} steps, {self._bytes} bytes; "
-                                     f"bounds {self.max_steps} steps, {self.size} bytes)")
+                self.book.queue_full(f"{step_label(*coordinates)}: queue full ({len(self._inflight)} steps, "
+                                     f"{self._bytes} bytes; bounds {self.max_steps} steps, {self.size} bytes)")
                 return None
-            self._wait(since, f"record() of step {step}, for room in the ring")
+            self._wait(since, f"record() of {step_label(*coordinates)}, for room in the ring")
         return start
 
     def _place(self, size: int) -> int | None:
@@ -494,7 +496,7 @@ class ProcessWriter:
 
     def _stall(self, waiting: str, quiet: float) -> None:
         """The child stalled: say what it holds, kill it, rescue its steps as a dead child's (:meth:`_gone`)."""
-        held = [step for *_, step, _ in self._inflight]
+        held = [coordinates[0] for *_, coordinates, _ in self._inflight]
         steps = f"step {held[0]}" if len(held) == 1 else f"steps {held[0]} to {held[-1]}" if held else ""
         what = (f"holding {len(held)} step(s) not yet written ({steps}, {self._bytes} bytes)" if held
                 else "holding no step")
@@ -567,9 +569,9 @@ class ProcessWriter:
         self._read_last_results()
         reason = f"the writer process (pid {self.pid}) {why or describe_exit(self._child.poll())}"
         self.dead = reason
-        for _, start, _, _, step, rescue in self._inflight:
+        for _, start, _, _, coordinates, rescue in self._inflight:
             if rescue is None:
-                self.book.fail(f"step {step}: not written: {reason}", TraceError(reason), forward=False)
+                self.book.fail(f"{step_label(*coordinates)}: not written: {reason}", TraceError(reason), forward=False)
             else:
                 coordinates, layout, sampled, metadata = rescue
                 self.orphans.append(Orphan(coordinates, self._copy_out(layout, start), sampled,

@@ -29,9 +29,22 @@ def location_text(f: Finding) -> str:
     return text
 
 
+def same_message(items: list[Finding]) -> list[tuple[Finding, list[Finding]]]:
+    """``(first finding, the later ones)`` per distinct (severity, message) of one check's findings, in
+    the order each first appears: a finding that says the same thing of every step file (a check
+    skipped for want of a field, a sampler note) is shown once with its other locations."""
+    entries: dict[tuple[str, str], tuple[Finding, list[Finding]]] = {}
+    for f in items:
+        entry = entries.setdefault((f.severity, f.message), (f, []))
+        if entry[0] is not f:
+            entry[1].append(f)
+    return list(entries.values())
+
+
 def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
-    """A rich Group: one block per check (worst severity first), one line per skipped check, then a
-    summary of counts."""
+    """A rich Group: one block per check (worst severity first), its findings of one message shown
+    once with their other locations (:func:`same_message`; ``max_per_check`` such entries), one
+    line per skipped check, then a summary of counts."""
     worst = {}
     for f in findings:
         worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
@@ -46,11 +59,16 @@ def render_findings(findings: list[Finding], title: str = "", max_per_check: int
                              (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
                              (f"  — {description}", "dim"))
         blocks.append(head)
-        for f in items[:max_per_check]:
-            blocks.append(Text.from_markup(f"  [{STYLE[f.severity]}]{f.severity}[/] [dim]{escape(location_text(f))}[/]"))
+        entries = same_message(items)
+        for f, others in entries[:max_per_check]:
+            where = location_text(f)
+            if others:
+                shown = ", ".join(location_text(o) for o in others[:3]) + (", …" if len(others) > 3 else "")
+                where += f" (the same at {len(others)} more: {shown})"
+            blocks.append(Text.from_markup(f"  [{STYLE[f.severity]}]{f.severity}[/] [dim]{escape(where)}[/]"))
             blocks.append(Text("    " + f.message))
-        if len(items) > max_per_check:
-            blocks.append(Text(f"    … {len(items) - max_per_check} more (use --json for all)", style="dim"))
+        if len(entries) > max_per_check:
+            blocks.append(Text(f"    … {len(entries) - max_per_check} more (use --json for all)", style="dim"))
     skipped = [f for f in findings if f.severity == SKIPPED]
     if skipped:
         blocks.append(Text(f"SKIPPED {len(skipped)} check{'s' if len(skipped) != 1 else ''} (missing field or "
