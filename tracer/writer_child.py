@@ -1,6 +1,6 @@
 """The writer process's side of :mod:`tracer.writer_process` (``python -m tracer.writer_child CMD RES
-RING``: the command pipe to read, the result pipe to write, the shared ring's memfd; all three
-inherited from the training process, which starts it).
+RING WAKE``: the command pipe to read, the result pipe to write, the shared ring's memfd, the wake
+pipe; all four inherited from the training process, which starts it).
 
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
@@ -12,7 +12,11 @@ cost, 0.8-2 ms of CPU per step file handled alone against about 0.3 ms in batche
 bench.writer_cost --writer process``), CPU taken from the training process wherever it uses the
 other cores. It does not linger when told to hurry: a ``flush()``, a ``close()``, a ``record()``
 that found no room in the ring (``hurry``: it waits for room, or under ``when_full="drop"`` dropped
-its step), or the training process gone, so nobody waits for the linger. After each batch (of at
+its step), or the training process gone, so nobody waits for the linger. While it lingers it waits
+on the wake pipe alone, not on the command pipe: the parent writes a byte there for a flush, a
+close, a hurry, and when the steps it has handed over since the child's last result reach a
+batch, half the steps bound or half the ring (what the child would count if it read them), so a
+step handed over meanwhile costs the training thread a pipe write that wakes nobody. After each batch (of at
 most ``MAX_BATCH`` steps) it sends one result message (ring space freed up to a step, steps written,
 failures with their reason): a parent that waits and hears nothing for long takes the child for
 stalled (:mod:`tracer.writer_process`).
@@ -76,18 +80,28 @@ class _ChildBook(ManifestBook):
 
 
 class _Channel:
-    """Framed messages in (a step too large for the ring carries its bytes after its frame), out."""
+    """Framed messages in (a step too large for the ring carries its bytes after its frame), out; and
+    the wake pipe (``wake``: None once its end is reached), whose bytes only end a linger."""
 
-    def __init__(self, cmd: int, res: int) -> None:
-        self.cmd, self.res, self.eof = cmd, res, False
+    def __init__(self, cmd: int, res: int, wake: int | None = None) -> None:
+        self.cmd, self.res, self.wake, self.eof = cmd, res, wake, False
+        if wake is not None:
+            os.set_blocking(wake, False)
         self._buffer = bytearray()
         self.parent_alive = True
         self.carried: list[dict[str, Any]] = []  # read with the config, handled after it
 
-    def read(self, timeout: float) -> list[dict[str, Any]]:
-        """The messages complete after waiting up to ``timeout`` s for more bytes."""
+    def read(self, timeout: float, lingering: bool = False) -> list[dict[str, Any]]:
+        """The messages complete after waiting up to ``timeout`` s for more bytes, or (``lingering``)
+        for a wake byte only: the steps handed over meanwhile wait in the command pipe, unread (a
+        write to a pipe a reader waits on costs the writer a wake-up of the reader, twice the cost of
+        the write alone: BENCHMARKS.md, issue 16 eighth pass), and are read when the wait ends."""
         if not self.eof:
-            ready, _, _ = select.select([self.cmd], [], [], max(0.0, timeout))
+            watch = [self.cmd] if self.wake is None else [self.wake] if lingering else [self.cmd, self.wake]
+            ready, _, _ = select.select(watch, [], [], max(0.0, timeout))
+            if self.wake is not None and self.wake in ready:
+                self._drain_wake()
+            ready, _, _ = select.select([self.cmd], [], [], 0)
             while ready:
                 data = os.read(self.cmd, 1 << 20)
                 if not data:
@@ -119,6 +133,21 @@ class _Channel:
             at = end
         del self._buffer[:at]
         return out
+
+    def _drain_wake(self) -> None:
+        """Read the wake bytes there are; at the pipe's end (the training process gone, or its writer
+        dropped) stop watching it: the command pipe's end follows."""
+        while True:
+            try:
+                data = os.read(self.wake, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                os.close(self.wake)
+                self.wake = None
+                return
 
     def _read_exactly(self, missing: int) -> None:
         while missing > 0:
@@ -172,7 +201,7 @@ class Child:
             now = time.monotonic()
             timeout = (self.first_at + self.linger_s - now) if self.pending else MANIFEST_INTERVAL_S
             flushes, close, hurry = [], False, False
-            for message in self.channel.read(timeout):
+            for message in self.channel.read(timeout, lingering=bool(self.pending)):
                 kind = message["k"]
                 if kind == "step":
                     self._arrive(message)
@@ -287,6 +316,7 @@ def _own_copy(item: StagedStep) -> None:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     cmd, res, ring_fd = (int(arg) for arg in argv[:3])
+    wake = int(argv[3]) if len(argv) > 3 else None
     parent = os.getppid()
     try:
         os.nice(WRITER_PROCESS_NICENESS)
@@ -294,7 +324,7 @@ def main(argv: list[str]) -> int:
         pass
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="tracer writer process: %(message)s")
-    channel = _Channel(cmd, res)
+    channel = _Channel(cmd, res, wake)
     config = None
     while config is None:
         messages = channel.read(MANIFEST_INTERVAL_S)

@@ -7,7 +7,10 @@ How a step travels:
 
 * ``record`` (training thread) checks the step as always, then copies its tensors straight into a
   shared-memory ring (an anonymous ``memfd`` mapped by both processes: nothing in ``/dev/shm`` to
-  leak, whatever dies) and writes a descriptor of a few dozen bytes to a pipe. The ring holds
+  leak, whatever dies) and writes a descriptor of a few dozen bytes to the command pipe (a child
+  lingering for more steps waits on a second pipe, the wake pipe, so this write wakes nobody: it
+  costs the training thread half of a write that wakes the child; :meth:`ProcessWriter._wake_child`
+  says when the wake pipe is written). The ring holds
   ``max_queue_bytes``; with ``max_queue_steps`` it bounds the steps in flight, and the
   ``when_full`` policy (block / drop and count) applies as with the thread. CUDA tensors are copied
   into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
@@ -60,6 +63,7 @@ from typing import Any
 
 import torch
 
+from tracer.capture import MAX_BATCH
 from tracer.errors import TraceError
 from tracer.layout import step_label
 from tracer.manifest_book import ManifestBook
@@ -122,11 +126,12 @@ def _activity(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def _close_quietly(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def _close_quietly(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _ring_file() -> int:
@@ -210,6 +215,10 @@ class ProcessWriter:
         self._ready = False
         self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
         self._hurried = False  # a "hurry" was sent since the child's last result (_room)
+        self._woken = False  # a wake byte was sent for the steps held since the child's last result (submit)
+        self._held = 0  # ring bytes the steps in flight hold (their layouts' sizes, padding included)
+        # steps in flight at which the lingering child is woken to count them (writer_child.Child._lingering)
+        self._wake_at = max(1, min(MAX_BATCH, self.max_steps // 2))
         self._outbox = bytearray()
         self._inbox = bytearray()
         self._acked = self._token = 0
@@ -218,7 +227,8 @@ class ProcessWriter:
         try:
             self._start(config, lock_fd)
         except (OSError, ValueError) as err:
-            for fd in (self._ring_fd, getattr(self, "_cmd", None), getattr(self, "_res", None)):
+            for fd in (self._ring_fd, getattr(self, "_cmd", None), getattr(self, "_res", None),
+                       getattr(self, "_wake", None)):
                 if fd is not None:
                     _close_quietly(fd)
             raise TraceError(f"tracer: could not start the writer process for {config['root']}: "
@@ -232,25 +242,28 @@ class ProcessWriter:
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
         cmd_r, self._cmd = os.pipe()
         self._res, res_w = os.pipe()
+        wake_r, self._wake = os.pipe()
         try:
             import fcntl
 
             fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
         except (ImportError, OSError):
             pass
-        fds = [cmd_r, res_w, self._ring_fd] + ([lock_fd] if lock_fd is not None else [])
+        fds = [cmd_r, res_w, self._ring_fd, wake_r] + ([lock_fd] if lock_fd is not None else [])
         try:
             self._child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN, str(Path(__file__).resolve().parent), str(cmd_r), str(res_w),
-                 str(self._ring_fd)],
+                 str(self._ring_fd), str(wake_r)],
                 pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
         finally:
             os.close(cmd_r)
             os.close(res_w)
+            os.close(wake_r)
         self.pid = self._child.pid
-        # a writer dropped without close(): the command pipe's end tells the child to finish and exit
-        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd)
+        # a writer dropped without close(): the pipes' ends tell the child to finish and exit
+        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake)
         os.set_blocking(self._cmd, False)
+        os.set_blocking(self._wake, False)
         os.set_blocking(self._res, False)
         self._send(frame({"k": "config", **config, "ring_bytes": self.size}))
 
@@ -286,8 +299,30 @@ class ProcessWriter:
             self._inflight.append((seq, start, start + layout.size, nbytes, coordinates,
                                    (coordinates, layout, sampled, metadata)))
             bisect.insort(self._regions, (start, start + layout.size))
+            self._held += layout.size
             self._send(step_frame(seq, coordinates, sampled, layout.ident, start, metadata))
+            if not self._woken and self._holds_half():
+                # a lingering child counts its steps only when it reads: once per result read. A count
+                # that includes steps of a result not read yet may wake it early; it then lingers on,
+                # and the next step after that result is read wakes it again
+                self._wake_child()
+                self._woken = True
         return True
+
+    def _holds_half(self) -> bool:
+        """The steps in flight are enough to end the child's linger (:meth:`tracer.writer_child.Child._lingering`):
+        a batch, half the steps bound, or over half the ring's room."""
+        return len(self._inflight) >= self._wake_at or self._held > self.size // 2
+
+    def _wake_child(self) -> None:
+        """End a lingering child's wait: one byte on the wake pipe, which a lingering child watches
+        instead of the command pipe (so that a step handed over while it lingers costs the training
+        thread a write to a pipe nobody waits on, not a wake-up of the child: about half the cost,
+        measured in BENCHMARKS.md). A full wake pipe already holds a wake."""
+        try:
+            os.write(self._wake, b"w")
+        except OSError:  # BlockingIOError: it is full; EPIPE: the child is gone (the command pipe says so)
+            pass
 
     def poll_due(self) -> None:
         """:meth:`poll` when :data:`RESULTS_EVERY_S` has passed since the last one or the pipe holds
@@ -326,6 +361,7 @@ class ProcessWriter:
         self._token += 1
         self._send_forward()
         self._send(frame({"k": "flush", "t": self._token}))
+        self._wake_child()
         since = time.monotonic()
         while self.dead is None and self._acked < self._token:
             self._wait(since, "flush()")
@@ -338,6 +374,7 @@ class ProcessWriter:
         if self.dead is None:
             self._send_forward()
             self._send(frame({"k": "close"}))
+            self._wake_child()
             since = time.monotonic()
             while self.dead is None and not self._closed_ack:
                 self._wait(since, "close()")
@@ -411,6 +448,7 @@ class ProcessWriter:
                 break
             if not self._hurried:  # a lingering child writes what it holds now (tracer.writer_child)
                 self._send(frame({"k": "hurry"}))  # also when this step drops: so that the next ones do not
+                self._wake_child()
                 self._hurried = True  # until the child's next result (not one message per dropped step)
             if self.when_full == "drop":
                 self.book.queue_full(f"{step_label(*coordinates)}: queue full ({len(self._inflight)} steps, "
@@ -459,6 +497,7 @@ class ProcessWriter:
             try:
                 written = os.write(self._cmd, self._outbox)
             except BlockingIOError:
+                self._wake_child()  # the pipe is full: a lingering child reads it now
                 return
             except OSError:  # EPIPE: the child is gone
                 self._gone()
@@ -517,11 +556,12 @@ class ProcessWriter:
     def _apply(self, message: dict[str, Any]) -> None:
         kind = message.get("k")
         if kind == "done":
-            self._wrote, self._hurried = True, False
+            self._wrote, self._hurried, self._woken = True, False, False
             freed = message["freed"]
             while self._inflight and self._inflight[0][0] <= freed:
                 _, start, end, nbytes, _, _ = self._inflight.popleft()
                 self._bytes -= nbytes
+                self._held -= end - start
                 if end > start:
                     del self._regions[bisect.bisect_left(self._regions, (start, end))]
             for _ in range(message.get("w", 0)):
