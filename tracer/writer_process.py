@@ -215,6 +215,7 @@ class ProcessWriter:
         self._ready = False
         self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
         self._hurried = False  # a "hurry" was sent since the child's last result (_room)
+        self._pipe_full = False  # a write found the command pipe full; the next that goes in wakes the child (_pump)
         self._woken = False  # a wake byte was sent for the steps held since the child's last result (submit)
         self._held = 0  # ring bytes the steps in flight hold (their layouts' sizes, padding included)
         # steps in flight at which the lingering child is woken to count them (writer_child.Child._lingering)
@@ -492,19 +493,28 @@ class ProcessWriter:
             self._wait(since, "record(), for the pipe to take a step larger than the ring")
 
     def _pump(self) -> None:
-        """Write what the command pipe takes now (never blocks)."""
+        """Write what the command pipe takes now (never blocks). A write that follows one which found
+        the pipe full wakes the child again: woken by that one, it may have read the pipe and gone
+        back to lingering before these bytes (a flush's, a close's, a hurry's frame among them) went
+        in, and a lingering child does not watch the command pipe."""
+        wrote = False
         while self._outbox and self.dead is None:
             try:
                 written = os.write(self._cmd, self._outbox)
             except BlockingIOError:
                 self._wake_child()  # the pipe is full: a lingering child reads it now
+                self._pipe_full = True
                 return
             except OSError:  # EPIPE: the child is gone
                 self._gone()
                 return
             if written:
                 self._heard_at = time.monotonic()  # the child reads: it makes progress
+                wrote = True
             del self._outbox[:written]
+        if wrote and self._pipe_full:
+            self._pipe_full = False
+            self._wake_child()
 
     def _wait(self, since: float, waiting: str) -> None:
         """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice

@@ -1,0 +1,62 @@
+"""Review of the writer process's wake pipe (f9064cc): a lingering child waits on the wake pipe
+alone, so every way a message that must end a linger reaches the command pipe has to wake it."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tracer import writer_process
+from tracer.reader import Trace
+from tracer.writer import TraceWriter
+
+from test_writer_process import _lingering_child, grpo_step
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+
+BIG = {"note": "x" * (3 * 2**20)}  # a step frame three times the command pipe (1 MiB)
+
+
+def _slow_waits(monkeypatch) -> None:
+    """Each wait of the parent sleeps first (a busy training process): the child, woken because the
+    pipe was full, has read what it holds and lingers again before the parent writes the rest."""
+    real = writer_process.ProcessWriter._wait
+
+    def wait(self, since, waiting):
+        time.sleep(0.05)
+        return real(self, since, waiting)
+
+    monkeypatch.setattr(writer_process.ProcessWriter, "_wait", wait)
+
+
+@pytest.mark.parametrize("end", ["flush", "close"])
+def test_a_flush_or_close_left_behind_a_full_command_pipe_still_ends_the_linger(tmp_path, monkeypatch, end):
+    """A step whose frame is larger than the command pipe (big metadata) fills it while the child
+    lingers: the parent wakes the child when a write finds the pipe full, but the rest of its outbox
+    (the flush or close frame with it) goes in later, by a write that finds room. Without a wake
+    after that write the child lingers on with the flush unread: flush() (close()) waits for the
+    linger (an hour here) until the stall rule kills the healthy child."""
+    batches = _lingering_child(monkeypatch)
+    _slow_waits(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer = TraceWriter(tmp_path / "p", "grpo", writer="process", writer_stall_s=5)
+        writer.record(0, grpo_step(0))
+        writer.flush()
+        process = writer._process
+        writer.record(1, grpo_step(1))
+        time.sleep(0.3)  # the child lingers over step 1
+        writer.record(2, grpo_step(2), metadata=BIG)
+        if end == "flush":
+            writer.flush()
+            assert process.dead is None, process.dead
+            assert batches == [1, 2]
+        writer.close()
+    assert process.dead is None, process.dead
+    assert not process.stalled
+    assert batches == [1, 2]
+    assert not [w for w in caught if "no progress" in str(w.message)]
+    assert [k.step for k in Trace(tmp_path / "p").steps()] == [0, 1, 2]
