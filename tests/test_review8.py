@@ -60,3 +60,36 @@ def test_a_flush_or_close_left_behind_a_full_command_pipe_still_ends_the_linger(
     assert batches == [1, 2]
     assert not [w for w in caught if "no progress" in str(w.message)]
     assert [k.step for k in Trace(tmp_path / "p").steps()] == [0, 1, 2]
+
+
+def _fds() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+def test_a_start_that_fails_at_the_wake_pipe_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """The third pipe (the wake pipe) failing (EMFILE: the process is out of descriptors) falls back
+    to the writer thread; the two pipe ends made for the child before it, the command pipe's read
+    end and the result pipe's write end, are closed too (a leak of two descriptors per try, at the
+    moment descriptors run out)."""
+    import os as _os
+
+    real_pipe, calls = _os.pipe, []
+
+    def pipe():
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(24, "Too many open files")
+        return real_pipe()
+
+    TraceWriter(tmp_path / "warm", "grpo", writer="thread").close()
+    before = _fds()
+    for attempt in range(3):
+        calls.clear()
+        monkeypatch.setattr(writer_process.os, "pipe", pipe)
+        with pytest.warns(RuntimeWarning, match="could not start the writer process"):
+            writer = TraceWriter(tmp_path / f"r{attempt}", "grpo", writer="process")
+        monkeypatch.setattr(writer_process.os, "pipe", real_pipe)
+        writer.record(0, grpo_step(0))
+        writer.close()
+        assert len(calls) == 3
+    assert _fds() == before

@@ -241,25 +241,27 @@ class ProcessWriter:
         os.ftruncate(self._ring_fd, self.size)
         self._mm = mmap.mmap(self._ring_fd, self.size)
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
-        cmd_r, self._cmd = os.pipe()
-        self._res, res_w = os.pipe()
-        wake_r, self._wake = os.pipe()
+        child_ends: list[int] = []  # the child's ends, ours to close once it has them or when a pipe fails
         try:
-            import fcntl
+            cmd_r, self._cmd = os.pipe()
+            child_ends.append(cmd_r)
+            self._res, res_w = os.pipe()
+            child_ends.append(res_w)
+            wake_r, self._wake = os.pipe()
+            child_ends.append(wake_r)
+            try:
+                import fcntl
 
-            fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
-        except (ImportError, OSError):
-            pass
-        fds = [cmd_r, res_w, self._ring_fd, wake_r] + ([lock_fd] if lock_fd is not None else [])
-        try:
+                fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
+            except (ImportError, OSError):
+                pass
+            fds = [cmd_r, res_w, self._ring_fd, wake_r] + ([lock_fd] if lock_fd is not None else [])
             self._child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN, str(Path(__file__).resolve().parent), str(cmd_r), str(res_w),
                  str(self._ring_fd), str(wake_r)],
                 pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
         finally:
-            os.close(cmd_r)
-            os.close(res_w)
-            os.close(wake_r)
+            _close_quietly(*child_ends)
         self.pid = self._child.pid
         # a writer dropped without close(): the pipes' ends tell the child to finish and exit
         self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake)
