@@ -263,8 +263,9 @@ class ProcessWriter:
         finally:
             _close_quietly(*child_ends)
         self.pid = self._child.pid
-        # a writer dropped without close(): the pipes' ends tell the child to finish and exit
-        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake)
+        # a writer dropped without close(): the pipes' ends tell the child to finish and exit (it writes
+        # what it was handed without a reader of its results); the ring's descriptor goes with them
+        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake, self._res, self._ring_fd)
         os.set_blocking(self._cmd, False)
         os.set_blocking(self._wake, False)
         os.set_blocking(self._res, False)
@@ -385,15 +386,13 @@ class ProcessWriter:
             self._child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._end_child()
-        self._hang_up()
-        _close_quietly(self._res)
+        self._hang_up()  # the pipes and the ring's descriptor (its mapping holds one of its own)
         self._views.clear()
         self._ring = None
         try:
             self._mm.close()
         except BufferError:  # a view still exported: the mapping goes with the last one
             pass
-        _close_quietly(self._ring_fd)
         self._ring_fd = None
 
     def on_writer_thread(self) -> bool:
