@@ -215,6 +215,7 @@ class ProcessWriter:
         self._ready = False
         self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
         self._hurried = False  # a "hurry" was sent since the child's last result (_room)
+        self._pipe_full = False  # a write found the command pipe full; the next that goes in wakes the child (_pump)
         self._woken = False  # a wake byte was sent for the steps held since the child's last result (submit)
         self._held = 0  # ring bytes the steps in flight hold (their layouts' sizes, padding included)
         # steps in flight at which the lingering child is woken to count them (writer_child.Child._lingering)
@@ -240,28 +241,31 @@ class ProcessWriter:
         os.ftruncate(self._ring_fd, self.size)
         self._mm = mmap.mmap(self._ring_fd, self.size)
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8)
-        cmd_r, self._cmd = os.pipe()
-        self._res, res_w = os.pipe()
-        wake_r, self._wake = os.pipe()
+        child_ends: list[int] = []  # the child's ends, ours to close once it has them or when a pipe fails
         try:
-            import fcntl
+            cmd_r, self._cmd = os.pipe()
+            child_ends.append(cmd_r)
+            self._res, res_w = os.pipe()
+            child_ends.append(res_w)
+            wake_r, self._wake = os.pipe()
+            child_ends.append(wake_r)
+            try:
+                import fcntl
 
-            fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
-        except (ImportError, OSError):
-            pass
-        fds = [cmd_r, res_w, self._ring_fd, wake_r] + ([lock_fd] if lock_fd is not None else [])
-        try:
+                fcntl.fcntl(self._cmd, _F_SETPIPE_SZ, PIPE_BYTES)
+            except (ImportError, OSError):
+                pass
+            fds = [cmd_r, res_w, self._ring_fd, wake_r] + ([lock_fd] if lock_fd is not None else [])
             self._child = subprocess.Popen(
                 [sys.executable, "-c", _CHILD_MAIN, str(Path(__file__).resolve().parent), str(cmd_r), str(res_w),
                  str(self._ring_fd), str(wake_r)],
                 pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
         finally:
-            os.close(cmd_r)
-            os.close(res_w)
-            os.close(wake_r)
+            _close_quietly(*child_ends)
         self.pid = self._child.pid
-        # a writer dropped without close(): the pipes' ends tell the child to finish and exit
-        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake)
+        # a writer dropped without close(): the pipes' ends tell the child to finish and exit (it writes
+        # what it was handed without a reader of its results); the ring's descriptor goes with them
+        self._hang_up = weakref.finalize(self, _close_quietly, self._cmd, self._wake, self._res, self._ring_fd)
         os.set_blocking(self._cmd, False)
         os.set_blocking(self._wake, False)
         os.set_blocking(self._res, False)
@@ -382,15 +386,13 @@ class ProcessWriter:
             self._child.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self._end_child()
-        self._hang_up()
-        _close_quietly(self._res)
+        self._hang_up()  # the pipes and the ring's descriptor (its mapping holds one of its own)
         self._views.clear()
         self._ring = None
         try:
             self._mm.close()
         except BufferError:  # a view still exported: the mapping goes with the last one
             pass
-        _close_quietly(self._ring_fd)
         self._ring_fd = None
 
     def on_writer_thread(self) -> bool:
@@ -492,19 +494,28 @@ class ProcessWriter:
             self._wait(since, "record(), for the pipe to take a step larger than the ring")
 
     def _pump(self) -> None:
-        """Write what the command pipe takes now (never blocks)."""
+        """Write what the command pipe takes now (never blocks). A write that follows one which found
+        the pipe full wakes the child again: woken by that one, it may have read the pipe and gone
+        back to lingering before these bytes (a flush's, a close's, a hurry's frame among them) went
+        in, and a lingering child does not watch the command pipe."""
+        wrote = False
         while self._outbox and self.dead is None:
             try:
                 written = os.write(self._cmd, self._outbox)
             except BlockingIOError:
                 self._wake_child()  # the pipe is full: a lingering child reads it now
+                self._pipe_full = True
                 return
             except OSError:  # EPIPE: the child is gone
                 self._gone()
                 return
             if written:
                 self._heard_at = time.monotonic()  # the child reads: it makes progress
+                wrote = True
             del self._outbox[:written]
+        if wrote and self._pipe_full:
+            self._pipe_full = False
+            self._wake_child()
 
     def _wait(self, since: float, waiting: str) -> None:
         """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice

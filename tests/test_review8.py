@@ -1,0 +1,138 @@
+"""Review of the writer process's wake pipe (f9064cc): a lingering child waits on the wake pipe
+alone, so every way a message that must end a linger reaches the command pipe has to wake it."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from tracer import writer_process
+from tracer.reader import Trace
+from tracer.writer import TraceWriter
+
+from test_writer_process import _lingering_child, grpo_step
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+
+BIG = {"note": "x" * (3 * 2**20)}  # a step frame three times the command pipe (1 MiB)
+
+
+def _slow_waits(monkeypatch) -> None:
+    """Each wait of the parent sleeps first (a busy training process): the child, woken because the
+    pipe was full, has read what it holds and lingers again before the parent writes the rest."""
+    real = writer_process.ProcessWriter._wait
+
+    def wait(self, since, waiting):
+        time.sleep(0.05)
+        return real(self, since, waiting)
+
+    monkeypatch.setattr(writer_process.ProcessWriter, "_wait", wait)
+
+
+@pytest.mark.parametrize("end", ["flush", "close"])
+def test_a_flush_or_close_left_behind_a_full_command_pipe_still_ends_the_linger(tmp_path, monkeypatch, end):
+    """A step whose frame is larger than the command pipe (big metadata) fills it while the child
+    lingers: the parent wakes the child when a write finds the pipe full, but the rest of its outbox
+    (the flush or close frame with it) goes in later, by a write that finds room. Without a wake
+    after that write the child lingers on with the flush unread: flush() (close()) waits for the
+    linger (an hour here) until the stall rule kills the healthy child."""
+    batches = _lingering_child(monkeypatch)
+    _slow_waits(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        writer = TraceWriter(tmp_path / "p", "grpo", writer="process", writer_stall_s=5)
+        writer.record(0, grpo_step(0))
+        writer.flush()
+        process = writer._process
+        writer.record(1, grpo_step(1))
+        time.sleep(0.3)  # the child lingers over step 1
+        writer.record(2, grpo_step(2), metadata=BIG)
+        if end == "flush":
+            writer.flush()
+            assert process.dead is None, process.dead
+            assert batches == [1, 2]
+        writer.close()
+    assert process.dead is None, process.dead
+    assert not process.stalled
+    assert batches == [1, 2]
+    assert not [w for w in caught if "no progress" in str(w.message)]
+    assert [k.step for k in Trace(tmp_path / "p").steps()] == [0, 1, 2]
+
+
+def _fds() -> int:
+    return len(list(Path("/proc/self/fd").iterdir()))
+
+
+def test_a_start_that_fails_at_the_wake_pipe_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """The third pipe (the wake pipe) failing (EMFILE: the process is out of descriptors) falls back
+    to the writer thread; the two pipe ends made for the child before it, the command pipe's read
+    end and the result pipe's write end, are closed too (a leak of two descriptors per try, at the
+    moment descriptors run out)."""
+    real_pipe, calls = os.pipe, []
+
+    def pipe():
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(24, "Too many open files")
+        return real_pipe()
+
+    TraceWriter(tmp_path / "warm", "grpo", writer="thread").close()
+    before = _fds()
+    for attempt in range(3):
+        calls.clear()
+        monkeypatch.setattr(writer_process.os, "pipe", pipe)
+        with pytest.warns(RuntimeWarning, match="could not start the writer process"):
+            writer = TraceWriter(tmp_path / f"r{attempt}", "grpo", writer="process")
+        monkeypatch.setattr(writer_process.os, "pipe", real_pipe)
+        writer.record(0, grpo_step(0))
+        writer.close()
+        assert len(calls) == 3
+    assert _fds() == before
+
+
+def _pipes_and_rings() -> int:
+    """The descriptors of pipes and memfds this process holds (the writer process's kinds)."""
+    kinds = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            kinds.append(os.readlink(fd))
+        except OSError:  # the listing's own descriptor, gone
+            pass
+    return sum(kind.startswith(("pipe:", "/memfd:")) for kind in kinds)
+
+
+def test_process_writers_opened_and_closed_leave_no_descriptor_open(tmp_path, monkeypatch):
+    """Every descriptor a writer process takes (the ring's memfd, the command, result and wake
+    pipes) is closed again: by close() after a clean run, after a child killed while it lingered
+    (its steps rescued by a thread), and after a writer dropped without close() (its finaliser, which
+    before closed only the command and wake pipes: the result pipe and the ring's memfd leaked)."""
+    import gc
+    import signal
+
+    _lingering_child(monkeypatch)
+    TraceWriter(tmp_path / "warm", "grpo", writer="process").close()
+    before = _pipes_and_rings()
+    for run in range(4):
+        writer = TraceWriter(tmp_path / f"r{run}", "grpo", writer="process")
+        writer.record(0, grpo_step(0))
+        writer.flush()
+        writer.record(1, grpo_step(1))
+        child = writer._process._child
+        if run == 1:
+            time.sleep(0.3)
+            os.kill(child.pid, signal.SIGKILL)
+            with pytest.warns(RuntimeWarning, match="killed by signal 9"):
+                writer.close()
+        elif run == 2:
+            del writer
+            gc.collect()
+            assert child.wait(timeout=30) == 0
+        else:
+            writer.close()
+        assert [k.step for k in Trace(tmp_path / f"r{run}").steps()] == [0, 1]
+    gc.collect()
+    assert _pipes_and_rings() == before
