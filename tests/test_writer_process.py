@@ -270,6 +270,9 @@ def test_a_killed_child_loses_no_step_it_was_handed(tmp_path, strict, noticed_by
 
 _SCRIPT = """
 import os, signal, sys, time, torch
+# Ctrl-C as in a terminal: a test run started in the background by a non-interactive shell ignores
+# SIGINT, and this script would inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_writer_process import grpo_step
 from tracer.writer import TraceWriter
