@@ -190,6 +190,11 @@ def open_page(pw, dialogs: list[str], outside: list[str] | None = None, height: 
     browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
     page = browser.new_page(viewport={"width": width, "height": height})
     page.set_default_timeout(UI_TIMEOUT_MS)
+    from playwright.sync_api import expect
+
+    # expect()'s own default is 5 s, which a cold first page of the app passes on a quiet machine only
+    # (a slow host ran past it): the checks wait as long as the page's actions do
+    expect.set_options(timeout=UI_TIMEOUT_MS)
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     if outside is not None:
         page.on("request", lambda request: outside.append(request.url) if leaves_localhost(request.url) else None)

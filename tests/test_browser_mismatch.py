@@ -58,7 +58,8 @@ def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_p
                 expect(main).to_contain_text("sampler_engine = vllm")
                 expect(main.locator(".js-plotly-plot").first).to_be_visible()
                 expect(page.locator("[data-stale=true]")).to_have_count(0)
-                assert main.locator(".js-plotly-plot").count() >= 5  # 2 histograms, 2 scatters, weights, steps
+                # 2 histograms, 2 scatters, weights, steps: drawn one after another, so waited for
+                expect(main.locator(".js-plotly-plot").nth(4)).to_be_visible()
                 page.screenshot(path=str(shots / f"mismatch_{run}.png"), full_page=True)
         finally:
             browser.close()
