@@ -38,7 +38,11 @@ def test_derived_fields_are_recorded_with_the_formulas_values_and_not_computed_o
         def spy(*args, _real=real, _name=name):
             threads.append((_name, threading.current_thread() is threading.main_thread()))
             return _real(*args)
-        monkeypatch.setattr(formulas, name, spy)
+        # the package (what callers outside formulas read) and each submodule that binds the name (the
+        # per-token losses call ratio and ref_kl_k3 through their own module's globals)
+        for module in (formulas, formulas.logprobs, formulas.losses):
+            if getattr(module, name, None) is real:
+                monkeypatch.setattr(module, name, spy)
     with tracer.watch(algo="ppo", out=tmp_path / "w", writer=writer) as w:
         seen = ppo_minibatches()
     assert w.steps_recorded == 2 and not w.failures

@@ -1,0 +1,150 @@
+"""Logprobs and what is built from them (SPEC.md section 3): completion-token logprobs with the
+alignment rule, per-sequence sums, the importance ratio, the k1/k2/k3 KL estimators, and the
+sampler (inference engine) vs trainer maths: log ratios, TRL's importance-sampling weights, verl's
+probability gap. Torch, no I/O; logprobs are natural-log (nats), every mask is True = keep.
+
+Sources: the seed lesson (MiniMind ``train_ppo.py``, ``train_grpo.py``, ``train_dpo.py``); k2/k3
+from J. Schulman, "Approximating KL Divergence" (2020); TRL 1.16 ``grpo_trainer.py``; verl 0.9.1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tracer.formulas.reductions import masked_sum
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, prompt_len: int, temperature: float = 1.0
+) -> torch.Tensor:
+    """Completion-token logprobs by log_softmax + gather, with the alignment rule.
+
+    ``logits[:, k]`` predicts ``input_ids[:, k + 1]``, so the j-th completion token
+    ``input_ids[:, prompt_len + j]`` is scored at logits position ``prompt_len - 1 + j``
+    (``prompt_len`` is the padded prompt width when prompts are left-padded). Logits are divided
+    by ``temperature`` before log_softmax, as the sampler did.
+
+    Args:
+        logits: ``[B, prompt_len + T, V]`` float, the model output over prompt + completion.
+        input_ids: ``[B, prompt_len + T]`` int64.
+        prompt_len: padded prompt width L.
+        temperature: sampling temperature τ > 0.
+
+    Returns:
+        ``[B, T]`` float32 logprobs in nats.
+
+    Raises:
+        ValueError: when shapes disagree or ``temperature <= 0``.
+    Source: MiniMind ``train_ppo.py`` (``logp_pos = prompt_lens - 1 + resp_idx``), seed section 2.2.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, S, V = logits.shape
+    if input_ids.shape != (B, S):
+        raise ValueError(f"input_ids shape {list(input_ids.shape)} does not match logits [B, S] = {[B, S]}")
+    if not 0 < prompt_len < S:
+        raise ValueError(f"prompt_len must be in (0, {S}), got {prompt_len}")
+    scores = logits[:, prompt_len - 1 : S - 1, :].float() / temperature  # (B, T, V)
+    targets = input_ids[:, prompt_len:]  # (B, T)
+    return F.log_softmax(scores, dim=-1).gather(2, targets.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+def ratio(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """Importance ratio ``exp(policy - old)``, ``[B, T]``. Source: seed section 2.3."""
+    return torch.exp(policy_logprobs - old_logprobs)
+
+
+def ref_kl_k3(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(policy || ref) per token: ``exp(d) - d - 1`` with ``d = ref - policy``.
+
+    ``[B, T]`` nats, ≥ 0, 0 where the two agree. Source: seed section 2.4; Schulman (2020).
+    """
+    delta = ref_logprobs - policy_logprobs
+    return torch.expm1(delta) - delta  # = exp(d) - 1 - d, without cancellation for small d
+
+
+def approx_kl_k2(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """k2 estimator ``0.5 * (policy - old)^2`` per token, ``[B, T]`` nats (PPO early stop).
+
+    Source: seed section 2.5 (MiniMind ``train_ppo.py``).
+    """
+    return 0.5 * (policy_logprobs - old_logprobs) ** 2
+
+
+def kl_k1(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k1 estimator ``policy - ref`` per token, ``[B, T]`` nats (unbiased, can be negative)."""
+    return policy_logprobs - ref_logprobs
+
+
+def sequence_logprobs(token_logprobs_: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked sum of token logprobs per sequence, ``[B, T]`` -> ``[B]`` nats (DPO)."""
+    return masked_sum(token_logprobs_, mask, dim=1)
+
+
+# -- sampler (inference engine) vs trainer ---------------------------------------------------------
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
+
+
+def sampler_log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
+    """``trainer - sampler`` per token, ``[B, T]`` nats: the log of the importance weight that
+    corrects for sampling with the engine. Source: TRL 1.16 ``grpo_trainer.py``
+    (``per_token_logps_diff = old_per_token_logps - sampling_per_token_logps``; TRL logs the mean of
+    its absolute value as ``sampling/sampling_logp_difference/mean``)."""
+    return trainer_logprobs - sampler_logprobs
+
+
+def sampler_prob_diff(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
+    """``|exp(trainer) - exp(sampler)|`` per token, ``[B, T]`` (probabilities, unitless): the
+    probability-space convention. Source: verl ``rollout_probs_diff`` (mean/max over the response mask)."""
+    return (trainer_logprobs.exp() - sampler_logprobs.exp()).abs()
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, aggregation: str = "sum") -> torch.Tensor:
+    """Per-sequence log importance ratio ``[B]`` from token log ratios ``[B, T]`` over kept tokens
+    (NaN -> 0, as TRL does).
+
+    ``aggregation``: ``"sum"`` (the product of the token ratios; TRL 1.16 ``sequence_*`` modes) or
+    ``"mean"`` (the geometric mean, length-invariant; GSPO, the fix proposed in trl#5814).
+    Raises ValueError for another aggregation.
+    """
+    if aggregation not in ("sum", "mean"):
+        raise ValueError(f"aggregation must be 'sum' or 'mean', got {aggregation!r}")
+    total = torch.nan_to_num(masked_sum(log_ratio, mask, dim=-1), nan=0.0)
+    return total if aggregation == "sum" else total / mask.bool().sum(dim=-1).clamp(min=1)
+
+
+def is_weights(log_ratio: torch.Tensor, mode: str, clip_min: float | None = None,
+               clip_max: float | None = 3.0) -> torch.Tensor:
+    """TRL's importance-sampling correction applied to log ratios (``[B, T]`` for token modes,
+    ``[B]`` per sequence for sequence modes): ``exp(log_ratio)``, then ``*_truncate`` clamps it to
+    ``[clip_min, clip_max]`` and ``*_mask`` sets it to 0 outside. Source: TRL 1.16
+    ``grpo_trainer.py`` (``vllm_importance_sampling_mode``). Raises ValueError for an unknown mode."""
+    if mode not in IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; expected one of {list(IS_MODES)}")
+    weights = torch.exp(torch.nan_to_num(log_ratio, nan=0.0))
+    if mode.endswith("truncate"):
+        return weights if clip_min is None and clip_max is None else torch.clamp(weights, min=clip_min, max=clip_max)
+    low = -float("inf") if clip_min is None else clip_min
+    high = float("inf") if clip_max is None else clip_max
+    return weights.masked_fill((weights < low) | (weights > high), 0.0)
+
+
+def probability_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                    mask: torch.Tensor) -> dict[str, float]:
+    """Rollout vs trainer in probability space, as verl logs it (``training/rollout_probs_diff_*``):
+    over kept tokens, ``|exp(trainer) - exp(sampler)|`` max / mean / std (Bessel) and the Pearson
+    correlation of the two probabilities. Unitless (probabilities in [0, 1]); NaN when no token is kept.
+
+    Source: verl 0.9.1 ``verl/utils/debug/metrics.py`` ``calculate_debug_metrics``; Pearson as in
+    https://arxiv.org/abs/2506.13585.
+    """
+    keep = mask.bool()
+    if not bool(keep.any()):
+        return {"max": float("nan"), "mean": float("nan"), "std": float("nan"), "pearson": float("nan")}
+    p_trainer = torch.exp(trainer_logprobs.double())[keep]  # (N,)
+    p_sampler = torch.exp(sampler_logprobs.double())[keep]  # (N,)
+    gap = sampler_prob_diff(trainer_logprobs.double(), sampler_logprobs.double())[keep]  # (N,)
+    pearson = torch.corrcoef(torch.stack([p_trainer, p_sampler]))[0, 1] if gap.numel() > 1 else gap.new_tensor(float("nan"))
+    return {"max": float(gap.max()), "mean": float(gap.mean()), "std": float(gap.std()) if gap.numel() > 1 else float("nan"),
+            "pearson": float(pearson)}

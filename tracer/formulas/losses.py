@@ -1,0 +1,216 @@
+"""Losses: the loss reductions (sequence mean, token mean, constant divisor) and each token's
+share of the reduced loss, the PPO clip fractions, the per-token policy losses (GRPO's clipped
+surrogate, CISPO, PPO with its KL penalty) and the DPO terms. Torch (numpy for the host-side clip
+fractions), no I/O. Every mask is True = keep; logprobs are nats.
+
+Sources: MiniMind ``train_ppo.py``, ``train_grpo.py``, ``train_dpo.py`` (the seed lesson); TRL 1.16
+``grpo_trainer.py``; Rafailov et al. (2023) for DPO.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tracer.formulas.logprobs import ratio, ref_kl_k3
+from tracer.formulas.reductions import masked_mean, masked_sum
+
+
+def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence masked mean, then the mean over sequences (the seed's GRPO reduction).
+
+    ``per_token_loss`` ``[B, T]`` -> scalar. Source: seed section 6
+    (``((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()``).
+    """
+    return masked_mean(per_token_loss, mask, dim=1).mean()
+
+
+def token_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean over all kept tokens of the batch (DAPO / TRL ``bnpo`` style), scalar."""
+    return masked_mean(per_token_loss, mask)
+
+
+def constant_divisor_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, divisor: float) -> torch.Tensor:
+    """Masked sum divided by a constant (Dr. GRPO: ``B * max_completion_length``), scalar."""
+    return masked_sum(per_token_loss, mask) / divisor
+
+
+def loss_contributions(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: str,
+                       divisor: float | None = None) -> torch.Tensor:
+    """Each token's share of the scalar loss, ``[B, T]``: ``per_token_loss`` times the weight the
+    reduction gives it (0 where the mask drops it), so the shares sum to the reduced loss.
+
+    ``sequence_mean``: ``1 / (B * kept tokens of the row)`` (:func:`sequence_mean_loss`);
+    ``token_mean``: ``1 / kept tokens of the batch`` (:func:`token_mean_loss`); ``constant``:
+    ``1 / divisor`` (:func:`constant_divisor_loss`, divisor required). Raises ValueError for
+    another reduction or a constant one without a divisor.
+    """
+    keep = mask.bool()
+    if reduction == "sequence_mean":
+        weight = 1.0 / (keep.sum(dim=1, keepdim=True).clamp(min=1) * keep.shape[0])
+    elif reduction == "token_mean":
+        weight = 1.0 / keep.sum().clamp(min=1)
+    elif reduction == "constant" and divisor:
+        weight = 1.0 / float(divisor)
+    else:
+        raise ValueError(f"loss_contributions: no rule for reduction {reduction!r} (divisor {divisor!r})")
+    return torch.where(keep, per_token_loss * weight, torch.zeros_like(per_token_loss))
+
+
+def clip_fractions(
+    ratio_: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+    dim: int | tuple[int, ...] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Share of kept tokens where the PPO clip binds, counted only for the advantage's sign.
+
+    With A > 0 the clip binds when ``ratio > 1 + eps_high``; with A < 0 when ``ratio < 1 - eps_low``.
+    ``advantages`` is ``[B]`` (broadcast over T) or ``[B, T]`` (or anything broadcasting against
+    ``ratio_``, with ``dim`` naming the dimensions to reduce: all when None).
+
+    Returns:
+        ``{"low": ..., "high": ..., "region": ...}`` scalar shares in [0, 1]; ``region`` is the
+        share outside ``[1 - eps_low, 1 + eps_high]`` whatever the sign.
+    Numpy arrays in give float32 numpy arrays out, the same values (the writer's summaries; the
+    thresholds are compared in ``ratio_``'s dtype, as torch compares a tensor with a Python float).
+    Source: TRL ``grpo_trainer.py`` (``is_low_clipped`` / ``is_high_clipped``).
+    """
+    if isinstance(ratio_, np.ndarray):
+        return _clip_fractions_host(ratio_, advantages, mask, clip_epsilon_low, clip_epsilon_high, dim)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    keep = mask.bool()
+    below, above = ratio_ < 1 - clip_epsilon_low, ratio_ > 1 + clip_epsilon_high
+
+    def count(hits: torch.Tensor) -> torch.Tensor:  # an exact int64 count, whatever the size
+        return hits.sum() if dim is None else hits.sum(dim=dim)
+
+    kept = count(keep).clamp(min=1)
+    # masked_mean of the 0/1 indicator, as the share count / kept (a float32 quotient, as masked_mean's)
+    return {
+        "low": count(below & (adv < 0) & keep) / kept,
+        "high": count(above & (adv > 0) & keep) / kept,
+        "region": count((below | above) & keep) / kept,
+    }
+
+
+def _clip_fractions_host(ratio_: np.ndarray, advantages: np.ndarray, mask: np.ndarray, clip_epsilon_low: float,
+                         clip_epsilon_high: float, dim: int | tuple[int, ...] | None) -> dict[str, np.ndarray]:
+    """:func:`clip_fractions` of numpy arrays: the same counts, the same float32 quotients."""
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    keep = mask.astype(bool, copy=False)
+    kind = ratio_.dtype.type
+    below, above = ratio_ < kind(1 - clip_epsilon_low), ratio_ > kind(1 + clip_epsilon_high)
+    kept = np.maximum(keep.sum(axis=dim), 1).astype(np.float32)
+    return {"low": (below & (adv < 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "high": (above & (adv > 0) & keep).sum(axis=dim).astype(np.float32) / kept,
+            "region": ((below | above) & keep).sum(axis=dim).astype(np.float32) / kept}
+
+
+def grpo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_importance_weighted: bool = False,
+    sampler_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
+
+    ``advantages`` is ``[B]`` (broadcast over T). ``kl_importance_weighted`` multiplies k3 by the
+    ratio r (TRL's ``use_bias_correction_kl``: the KL of tokens sampled from old, reweighted to the policy).
+    ``sampler_weights`` (``[B, T]`` or ``[B]``) multiply the policy-gradient term only: the capped
+    importance weights ``exp(old - sampler)`` of TRL's ``vllm_importance_sampling_correction``.
+    Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
+    """
+    r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    surrogate = torch.min(r * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
+    if sampler_weights is not None:
+        surrogate = surrogate * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
+    if beta and ref_logprobs is not None:
+        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
+        surrogate = surrogate - beta * (k3 * r if kl_importance_weighted else k3)
+    return -surrogate
+
+
+def cispo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_high: float,
+    beta: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_importance_weighted: bool = False,
+    sampler_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """CISPO per token ``-(clamp(r, max=ε_high).detach() * A * policy - β*k3)``, ``[B, T]``.
+
+    ``kl_importance_weighted`` and ``sampler_weights``: as in :func:`grpo_per_token_loss`.
+
+    The clamped ratio is detached: the gradient reaches only ``policy_logprobs`` (and the KL term).
+    ``clip_epsilon_high`` is the ratio's upper bound itself, as in MiniMind (``max=args.epsilon_high``).
+    Source: MiniMind ``train_grpo.py:132-143`` (``loss_type == "cispo"``); MiniMax-M1 report (2025).
+    """
+    r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    clamped = torch.clamp(r, max=clip_epsilon_high).detach()  # (B, T)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    objective = clamped * adv * policy_logprobs
+    if sampler_weights is not None:
+        objective = objective * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
+    if beta and ref_logprobs is not None:
+        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
+        objective = objective - beta * (k3 * r if kl_importance_weighted else k3)
+    return -objective
+
+
+def ppo_per_token_loss(
+    policy_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_epsilon_low: float,
+    clip_epsilon_high: float,
+    kl_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO's policy loss per token with the reference-KL penalty folded in, ``[B, T]``:
+    ``-min(r*A, clip(r, 1-εl, 1+εh)*A) + kl_coef * ref_kl_k3``.
+
+    ``advantages`` is ``[B, T]`` (GAE). Reduced by the token mean over the kept tokens this equals
+    MiniMind's ``masked_ppo_loss + kl_coef * kl_ref_penalty`` (both are masked means over the same
+    tokens). It is :func:`grpo_per_token_loss` with β = ``kl_coef``.
+    Source: MiniMind ``trainer/train_ppo.py`` (``policy_loss``); SPEC.md section 3.
+    """
+    return grpo_per_token_loss(policy_logprobs, old_logprobs, advantages, clip_epsilon_low, clip_epsilon_high,
+                               kl_coef, ref_logprobs)
+
+
+def dpo_terms(
+    chosen_policy: torch.Tensor,
+    rejected_policy: torch.Tensor,
+    chosen_ref: torch.Tensor,
+    rejected_ref: torch.Tensor,
+    beta: float,
+) -> dict[str, torch.Tensor]:
+    """DPO from per-sequence logprob sums (each ``[B]`` nats).
+
+    ``logits = (π_c - π_r) - (ref_c - ref_r)``, ``loss = -logsigmoid(β·logits)``, implicit rewards
+    ``β(π_c - ref_c)`` and ``β(π_r - ref_r)``.
+
+    Returns:
+        ``{"dpo_logits", "dpo_loss", "chosen_rewards", "rejected_rewards"}``, each ``[B]``.
+    Source: MiniMind ``train_dpo.py:34-49``; Rafailov et al., "Direct Preference Optimization" (2023).
+    """
+    logits = (chosen_policy - rejected_policy) - (chosen_ref - rejected_ref)  # (B,)
+    return {
+        "dpo_logits": logits,
+        "dpo_loss": -F.logsigmoid(beta * logits),
+        "chosen_rewards": beta * (chosen_policy - chosen_ref),
+        "rejected_rewards": beta * (rejected_policy - rejected_ref),
+    }
