@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer import writer_process
+from tracer import writer_lifecycle, writer_process
 from tracer.reader import Trace
 from tracer.writer import TraceWriter
 
@@ -84,10 +84,10 @@ def test_a_start_that_fails_at_the_wake_pipe_leaves_no_descriptor_open(tmp_path,
     before = _fds()
     for attempt in range(3):
         calls.clear()
-        monkeypatch.setattr(writer_process.os, "pipe", pipe)
+        monkeypatch.setattr(writer_lifecycle.os, "pipe", pipe)
         with pytest.warns(RuntimeWarning, match="could not start the writer process"):
             writer = TraceWriter(tmp_path / f"r{attempt}", "grpo", writer="process")
-        monkeypatch.setattr(writer_process.os, "pipe", real_pipe)
+        monkeypatch.setattr(writer_lifecycle.os, "pipe", real_pipe)
         writer.record(0, grpo_step(0))
         writer.close()
         assert len(calls) == 3

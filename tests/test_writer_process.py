@@ -1,6 +1,8 @@
 """The writer process (``TraceWriter(writer="process")``, ``TRACER_WRITER=process``): the real child,
-real shared memory, real files; each guarantee of the thread writer checked against it, and the
-failures (child killed, parent killed, Ctrl-C) that only a process has."""
+real shared memory, real files; each guarantee of the thread writer checked against it. The
+failures that only a process has (child killed, parent killed, Ctrl-C) are in
+test_writer_process_failures.py, the child's batching in test_writer_process_batching.py; the
+helpers here (``grpo_step``, ``_lingering_child``...) serve those and other test files too."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -26,11 +26,9 @@ from tracer.errors import TraceError
 from tracer.integrity import verify_step_file
 from tracer.reader import Trace
 from tracer.writer import TraceWriter
-from tracer.writer_process import RESULTS_EVERY_S
 
 from test_writer_review import _as_stored, _random_step
 
-ROOT = Path(__file__).resolve().parents[1]
 WRITERS = ["thread", "process"]
 
 
@@ -74,6 +72,32 @@ def _index_lines(root: Path) -> list[dict]:
 def _header(path: Path) -> dict[str, str]:
     with safe_open(str(path), "pt") as fh:
         return fh.metadata()
+
+
+def _break_steps_dir(root: Path) -> None:
+    """The steps folder becomes a file: every later write fails (a real OSError in the child)."""
+    steps = root / "steps"
+    for f in steps.iterdir():
+        f.unlink()
+    steps.rmdir()
+    steps.write_text("not a folder")
+
+
+def _lingering_child(monkeypatch, linger_s: float = 3600.0) -> list[int]:
+    """Children started from now on linger ``linger_s`` for more steps (tracer.writer_child); the
+    list receives the steps written by each batch the child reports."""
+    from tracer import writer_process
+
+    real_config, real_apply, batches = TraceWriter._child_config, writer_process.ProcessWriter._apply, []
+    monkeypatch.setattr(TraceWriter, "_child_config", lambda self: {**real_config(self), "linger_s": linger_s})
+
+    def apply(self, message):
+        if message.get("k") == "done":
+            batches.append(message.get("w", 0) + message.get("u", 0))
+        return real_apply(self, message)
+
+    monkeypatch.setattr(writer_process.ProcessWriter, "_apply", apply)
+    return batches
 
 
 def test_the_process_writes_what_the_thread_writes(tmp_path):
@@ -191,139 +215,6 @@ def test_when_full_drop_counts_what_it_drops(tmp_path):
     assert [k.step for k in Trace(tmp_path / "d").steps()] == [0, 1]
 
 
-def _break_steps_dir(root: Path) -> None:
-    """The steps folder becomes a file: every later write fails (a real OSError in the child)."""
-    steps = root / "steps"
-    for f in steps.iterdir():
-        f.unlink()
-    steps.rmdir()
-    steps.write_text("not a folder")
-
-
-def test_strict_mode_raises_the_childs_write_failure(tmp_path):
-    writer = TraceWriter(tmp_path / "s", "grpo", writer="process", strict=True)
-    writer.record(0, grpo_step(0))
-    writer.flush()
-    _break_steps_dir(tmp_path / "s")
-    writer.record(1, grpo_step(1))
-    with pytest.raises(TraceError, match=r"writing .* failed: step_00000001\.inner_0\.mb_0\.rank_0\.safetensors: "
-                                         r"NotADirectoryError: \[Errno 20\] Not a directory"):
-        writer.flush()
-    assert (writer.steps_written, writer.dropped_steps) == (1, 1)
-    writer.record(2, grpo_step(2))  # training goes on
-    with pytest.raises(TraceError, match="step_00000002"):
-        writer.close()
-    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["dropped_steps"]) == (1, 2)
-
-
-def test_a_failed_write_warns_and_training_goes_on(tmp_path):
-    writer = TraceWriter(tmp_path / "w", "grpo", writer="process")
-    writer.record(0, grpo_step(0))
-    writer.flush()
-    _break_steps_dir(tmp_path / "w")
-    writer.record(1, grpo_step(1))
-    with pytest.warns(RuntimeWarning, match=r"dropped a step \(1 so far\): step_00000001.*Not a directory"):
-        writer.flush()
-    writer.close()
-    manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["dropped_steps"]) == (1, 1)
-
-
-@pytest.mark.parametrize("strict", [False, True])
-@pytest.mark.parametrize("noticed_by", ["results", "hand-over"])
-def test_a_killed_child_loses_no_step_it_was_handed(tmp_path, strict, noticed_by):
-    """kill -9 of the writer process with 3 steps handed over and not written (it was stopped): the
-    writer notices (by the result pipe's end at a due poll, or by the command pipe's at the next
-    hand-over), warns naming the signal, copies the 3 steps out of the shared ring and writes them
-    on a thread, which also writes every later step: nothing is dropped (strict mode has nothing to
-    raise), each file holds its own step's values."""
-    writer = TraceWriter(tmp_path / "k", "grpo", writer="process", strict=strict)
-    writer.record(0, grpo_step(0))
-    writer.flush()
-    child = _child_of(writer)
-    os.kill(child.pid, signal.SIGSTOP)
-    for step in (1, 2, 3):
-        writer.record(step, grpo_step(step))
-    os.kill(child.pid, signal.SIGKILL)
-    child.wait(timeout=30)
-    if noticed_by == "results":
-        time.sleep(RESULTS_EVERY_S)  # the next record reads the result pipe: its end says the child is gone
-    else:
-        writer._process._polled_at = time.monotonic() + 3600  # no poll due: the hand-over meets the pipe's end
-    killed = rf"writer process \(pid {child.pid}\) was killed by signal 9 \(SIGKILL\)"
-    with pytest.warns(RuntimeWarning, match=killed + r".*(3|4) step\(s\) it had not written"):
-        writer.record(4, grpo_step(4))
-    assert writer.writer == "thread"
-    writer.record(5, grpo_step(5))
-    writer.close()
-    trace = Trace(tmp_path / "k")
-    assert [k.step for k in trace.steps()] == [0, 1, 2, 3, 4, 5]
-    for key in trace.steps():
-        torch.testing.assert_close(trace.load_step(key)["policy_logprobs"], grpo_step(key.step)["policy_logprobs"])
-    manifest = json.loads((tmp_path / "k" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["dropped_steps"], manifest["status"]) == (6, 0, "finished")
-    assert manifest["capture"]["writer"] == "process, then thread"
-    assert "killed by signal 9" in manifest["capture"]["writer_process_exit"]
-    assert all("killed by signal 9" in reason for reason in manifest["drop_reasons"])
-
-
-_SCRIPT = """
-import os, signal, sys, time, torch
-# Ctrl-C as in a terminal: a test run started in the background by a non-interactive shell ignores
-# SIGINT, and this script would inherit that
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.path.insert(0, {tests!r})
-from test_writer_process import grpo_step
-from tracer.writer import TraceWriter
-from tracer.writer_process import RESULTS_EVERY_S
-writer = TraceWriter({root!r}, "grpo", writer="process")
-for step in range(4):
-    writer.record(step, grpo_step(step))
-writer.flush()
-for step in range(4, 10):  # handed over, not flushed
-    writer.record(step, grpo_step(step))
-print(writer._process.pid, flush=True)
-{end}
-"""
-
-
-def _run_script(tmp_path: Path, end: str, **popen) -> tuple[subprocess.Popen, int]:
-    script = tmp_path / "loop.py"
-    script.write_text(_SCRIPT.format(tests=str(ROOT / "tests"), root=str(tmp_path / "run"), end=end))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True, **popen)
-    child = int(proc.stdout.readline())
-    return proc, child
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def test_a_killed_parent_leaves_the_steps_it_handed_over_and_no_process_or_shared_memory(tmp_path):
-    before = _shm()
-    proc, child = _run_script(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
-    assert proc.wait(timeout=120) == -signal.SIGKILL
-    assert _wait_gone(child), "the writer process outlived its parent"
-    assert [k.step for k in Trace(tmp_path / "run").steps()] == list(range(10))
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["status"]) == (10, "running")  # nobody closed it
-    assert _shm() <= before
-
-
-def test_ctrl_c_closes_the_trace_and_the_child_writes_everything(tmp_path):
-    """SIGINT to the whole process group (a Ctrl-C in the terminal): the training script dies of
-    KeyboardInterrupt, its atexit closes the writer; the child ignored the signal and wrote all."""
-    proc, child = _run_script(tmp_path, "time.sleep(60)", start_new_session=True)
-    os.killpg(proc.pid, signal.SIGINT)
-    assert proc.wait(timeout=120) != 0
-    assert _wait_gone(child)
-    assert [k.step for k in Trace(tmp_path / "run").steps()] == list(range(10))
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["status"]) == (10, "finished")
-
-
 def test_the_environment_variable_chooses_the_writer(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACER_WRITER", "process")
     with TraceWriter(tmp_path / "env", "grpo") as writer:
@@ -364,121 +255,3 @@ def test_zero_edit_capture_and_paused_with_the_writer_process(tmp_path):
     assert [k.step for k in trace.steps()] == [0, 1, 2]
     manifest = json.loads((tmp_path / "w" / "manifest.json").read_text())
     assert manifest["capture"]["writer"] == "process" and manifest["capture_report"]["steps_recorded"] == 3
-
-
-def test_a_writer_process_that_cannot_start_leaves_a_thread_writing(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
-    with pytest.warns(RuntimeWarning, match=r"could not start the writer process .*FileNotFoundError.*writing on a "
-                                            r"thread instead"):
-        writer = TraceWriter(tmp_path / "t", "grpo", writer="process")
-    assert writer.writer == "thread"
-    writer.record(0, grpo_step(0))
-    writer.close()
-    assert [k.step for k in Trace(tmp_path / "t").steps()] == [0]
-    assert json.loads((tmp_path / "t" / "manifest.json").read_text())["capture"]["writer"] == "thread"
-    with pytest.raises(TraceError, match="could not start the writer process"):
-        TraceWriter(tmp_path / "strict", "grpo", writer="process", strict=True)
-
-
-def test_record_reads_the_childs_results_only_when_due_yet_the_bounds_hold(tmp_path, monkeypatch):
-    """A record reads the result pipe (a syscall) at most every RESULTS_EVERY_S, not at each step;
-    a step that finds the ring's step bound reached reads it at once, so the bound holds."""
-    from tracer import writer_process
-
-    polls = []
-    real = writer_process.ProcessWriter.poll
-    monkeypatch.setattr(writer_process.ProcessWriter, "poll", lambda self: (polls.append(1), real(self))[1])
-    with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_steps=4) as writer:
-        writer.record(0, grpo_step(0))
-        writer.flush()
-        process = writer._process
-        process._polled_at = time.monotonic() + 3600  # no poll is due for the rest of the test
-        polls.clear()
-        for step in range(1, 4):
-            writer.record(step, grpo_step(step))
-        assert polls == []  # three records, no read of the result pipe
-        for step in range(4, 12):  # the bound of 4 steps in flight is reached: each waits for results
-            writer.record(step, grpo_step(step))
-            assert len(process._inflight) <= 4
-        assert polls
-    assert [k.step for k in Trace(tmp_path / "p").steps()] == list(range(12))
-
-
-def _lingering_child(monkeypatch, linger_s: float = 3600.0) -> list[int]:
-    """Children started from now on linger ``linger_s`` for more steps (tracer.writer_child); the
-    list receives the steps written by each batch the child reports."""
-    from tracer import writer_process
-
-    real_config, real_apply, batches = TraceWriter._child_config, writer_process.ProcessWriter._apply, []
-    monkeypatch.setattr(TraceWriter, "_child_config", lambda self: {**real_config(self), "linger_s": linger_s})
-
-    def apply(self, message):
-        if message.get("k") == "done":
-            batches.append(message.get("w", 0) + message.get("u", 0))
-        return real_apply(self, message)
-
-    monkeypatch.setattr(writer_process.ProcessWriter, "_apply", apply)
-    return batches
-
-
-def test_the_child_batches_the_steps_it_is_handed_and_a_flush_writes_them_at_once(tmp_path, monkeypatch):
-    """Steps arriving one by one are written together (a batch's cold start is most of a small
-    step's cost): none is written while the child lingers, and a flush ends the linger."""
-    batches = _lingering_child(monkeypatch)
-    with TraceWriter(tmp_path / "p", "grpo", writer="process") as writer:
-        writer.record(0, grpo_step(0))
-        writer.flush()  # the child is up and has written its first batch
-        assert batches == [1]
-        for step in range(1, 17):
-            writer.record(step, grpo_step(step))
-            writer._process.poll()
-        time.sleep(0.5)  # the child has read them all by now, and lingers
-        writer._process.poll()
-        assert batches == [1] and len(list((tmp_path / "p").rglob("*.safetensors"))) == 1
-        writer.flush()
-        assert batches == [1, 16]
-    assert [k.step for k in Trace(tmp_path / "p").steps()] == list(range(17))
-
-
-def test_a_record_waiting_for_room_makes_a_lingering_child_write(tmp_path, monkeypatch):
-    """A step that finds no room in the ring while the child lingers over a small one (less than
-    half the bounds in hand, so it would linger on) tells the child to hurry: it writes what it
-    holds and frees the room, instead of the record waiting out the linger, or the stall limit
-    that would kill the child and warn."""
-    from tracer.writer_process import ALIGN, _Layout
-
-    batches = _lingering_child(monkeypatch)
-    big = grpo_step(2, B=16, T=64)
-    ring = _Layout(0, big, "float32").size + ALIGN  # the big step fits only in an empty ring
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a stall warning (the child taken for hung) fails the test
-        with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_bytes=ring, writer_stall_s=5,
-                         strict=True) as writer:
-            writer.record(0, grpo_step(0))
-            writer.flush()
-            pid = writer._process.pid
-            writer.record(1, grpo_step(1))  # the child lingers over it
-            writer.record(2, big)  # no room behind step 1: waits for the child to write it
-            assert batches[:2] == [1, 1] and writer._process.dead is None and _alive(pid)
-    assert [k.step for k in Trace(tmp_path / "p").steps()] == [0, 1, 2]
-
-
-def test_a_layout_id_given_again_never_reuses_the_views_of_the_layout_it_replaces(tmp_path, monkeypatch):
-    """Past MAX_LAYOUTS the next id is given to each new layout in turn; the ring views cached for
-    an id (in the parent and in the child) must not serve the next layout of that id."""
-    from tracer import writer_process
-
-    monkeypatch.setattr(writer_process, "MAX_LAYOUTS", 1)
-    shapes = [(4, 6), (2, 6), (3, 5), (2, 6), (4, 3), (3, 5)]
-    recorded = {}
-    with TraceWriter(tmp_path / "p", "grpo", writer="process", strict=True) as writer:
-        for step, (B, T) in enumerate(shapes):
-            recorded[step] = grpo_step(step, B, T)
-            writer.record(step, recorded[step])
-            writer.flush()  # each step at the ring's start: the same (id, offset) every time
-    trace = Trace(tmp_path / "p")
-    assert [k.step for k in trace.steps()] == list(range(len(shapes)))
-    for key in trace.steps():
-        got = trace.load_step(key, derive=False)
-        for name, t in recorded[key.step].items():
-            assert torch.equal(got[name].to(t.dtype), t), (key.step, name)

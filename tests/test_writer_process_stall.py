@@ -88,23 +88,23 @@ def test_a_child_in_the_kernels_io_sleep_is_busy_not_stalled(tmp_path, monkeypat
     D), and only a quiet limit after that is it declared stalled."""
     import time
 
-    from tracer import writer_process
+    from tracer import writer_lifecycle
 
-    real = writer_process._activity
+    real = writer_lifecycle._activity
     until = [float("inf")]
 
     def in_io_sleep(pid):
         found = real(pid)
         return ("D", found[1]) if found and time.monotonic() < until[0] else found
 
-    monkeypatch.setattr(writer_process, "_activity", in_io_sleep)
+    monkeypatch.setattr(writer_lifecycle, "_activity", in_io_sleep)
     writer, pid = _stopped_with_steps_in_flight(tmp_path / "k", range(1, 4), writer_stall_s=2.0)
     watchdog(pid)
     t0 = time.monotonic()
     until[0] = t0 + 3.5
     with pytest.warns(RuntimeWarning, match=rf"pid {pid}\) made no progress for [23]\.\d s while flush\(\)"):
         writer.flush()
-    assert time.monotonic() - t0 >= 3.5 + 2.0 - 2 * writer_process.POLL_S  # the last D seen, a poll before 3.5 s
+    assert time.monotonic() - t0 >= 3.5 + 2.0 - 2 * writer_lifecycle.POLL_S  # the last D seen, a poll before 3.5 s
     writer.close()
     _assert_written_by_thread(tmp_path / "k", [0, 1, 2, 3], pid)
 
