@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tracer import Trace, TraceWriter
-from tracer.capture import BackgroundWriter, SamplingPolicy, StagedStep
+from tracer.capture import SamplingPolicy, StagedStep
+from tracer.writer_thread import BackgroundWriter
 from tracer.writer import MANIFEST_NAME
 
 

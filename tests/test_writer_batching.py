@@ -17,7 +17,8 @@ import torch
 
 import tracer
 from tracer import formulas, frames, summaries
-from tracer.capture import BackgroundWriter, StagedStep, nonfinite_fields
+from tracer.capture import StagedStep, nonfinite_fields
+from tracer.writer_thread import BackgroundWriter
 from tracer.errors import TraceError
 from tracer.layout import content_sha256, tensor_bytes
 from tracer.name_maps import load_name_map
@@ -95,7 +96,7 @@ def _spy_batches(sizes: list[int]):
 def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
     sizes: list[int] = []
     with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
-            mock.patch("tracer.capture.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+            mock.patch("tracer.writer_thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
         with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
             for step in range(20):
                 writer.record(step, _step(step))
@@ -115,11 +116,11 @@ def test_the_default_queue_lets_the_writer_thread_fill_a_whole_batch(tmp_path):
     """Lingering stops at half the queue's bound, so the default bound is twice MAX_BATCH: steps that
     arrive while the writer thread lingers are handled MAX_BATCH at a time (a batch's cold start is
     most of a small step's cost: BENCHMARKS.md, issue 16 fifth pass), not half that."""
-    from tracer.capture import MAX_BATCH
+    from tracer.writer_thread import MAX_BATCH
 
     sizes: list[int] = []
     with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
-            mock.patch("tracer.capture.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+            mock.patch("tracer.writer_thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
         with TraceWriter(tmp_path / "run", "grpo") as writer:
             for step in range(MAX_BATCH):
                 writer.record(step, _step(step))
@@ -156,7 +157,7 @@ def test_a_failing_summary_in_a_batch_costs_only_its_own_step(tmp_path):
             raise RuntimeError("boom")
         return real(steps)
 
-    with mock.patch.object(summaries, "compute_summaries", fragile), mock.patch("tracer.capture.LINGER_S", 3600.0):
+    with mock.patch.object(summaries, "compute_summaries", fragile), mock.patch("tracer.writer_thread.LINGER_S", 3600.0):
         with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
             for step in range(6):
                 writer.record(step, _step(step), metadata={"poison": True} if step == 3 else None)
@@ -406,7 +407,7 @@ def test_a_lingering_writer_thread_is_woken_only_by_a_first_step_or_a_full_batch
     training thread's record(): put() wakes it for the first step of a batch and when the batch is
     full, not for each step in between (the lingering wait ends by itself)."""
     written: list[int] = []
-    with mock.patch("tracer.capture.threading.Condition", _CountingCondition):
+    with mock.patch("tracer.writer_thread.threading.Condition", _CountingCondition):
         bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
                               lambda r: None, max_steps=64, max_bytes=10**6, linger_s=3600.0, max_batch=4)
     for step in range(4):

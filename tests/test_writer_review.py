@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tracer import capture
-from tracer.capture import BackgroundWriter, BufferPool, StagedStep, stage
+from tracer.capture import BufferPool, StagedStep, stage
+from tracer.writer_thread import BackgroundWriter
 from tracer.errors import TraceError
 from tracer.reader import Trace
 from tracer.writer import TraceWriter

@@ -1,5 +1,5 @@
 """What the write side does with a batch of staged steps, wherever it runs (the writer thread of
-:class:`tracer.capture.BackgroundWriter`, or the writer process of :mod:`tracer.writer_child`):
+:class:`tracer.writer_thread.BackgroundWriter`, or the writer process of :mod:`tracer.writer_child`):
 normalise each step, route it through the anomaly ring when one is on, compute the batch's
 summaries together, write the steps in order, and hand each step's buffers back.
 

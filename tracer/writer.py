@@ -22,7 +22,8 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare, write_json_atomic,
 )
 from tracer import summaries
-from tracer.capture import MAX_BATCH, BackgroundWriter, BufferPool, SamplingPolicy, first_k_sequences
+from tracer.capture import BufferPool, SamplingPolicy, first_k_sequences
+from tracer.writer_thread import MAX_BATCH, BackgroundWriter
 from tracer.errors import SchemaError, TraceError
 from tracer.frame_lookup import user_stacklevel
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
@@ -67,7 +68,7 @@ class TraceWriter(WriterBackends):
         async_write: write on a background thread (default); False writes inside ``record``.
         max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
             The writer thread lingers for more steps until half the bound is queued, so the default 128
-            lets it handle :data:`tracer.capture.MAX_BATCH` (64) small steps at a time.
+            lets it handle :data:`tracer.writer_thread.MAX_BATCH` (64) small steps at a time.
         when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk; the first drop warns, then one summary warning per 100 drops

@@ -5,7 +5,7 @@ pipe; all four inherited from the training process, which starts it).
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
-(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.capture.LINGER_S`, or until ``MAX_BATCH`` steps,
+(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.writer_thread.LINGER_S`, or until ``MAX_BATCH`` steps,
 half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
 start (the interpreter's data evicted by the training step in between) is most of a small step's
 cost, 0.8-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
@@ -43,7 +43,8 @@ from typing import Any
 import torch
 
 from tracer.batches import BatchHandler
-from tracer.capture import LINGER_S, MAX_BATCH, StagedStep
+from tracer.capture import StagedStep
+from tracer.writer_thread import LINGER_S, MAX_BATCH
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header

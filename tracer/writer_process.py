@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from tracer.capture import MAX_BATCH
+from tracer.writer_thread import MAX_BATCH
 from tracer.errors import TraceError
 from tracer.layout import step_label
 from tracer.manifest_book import ManifestBook
