@@ -1,9 +1,9 @@
-"""The Mismatch page in a real browser (headless Chromium through Playwright, as tests/test_browser.py):
+"""The Mismatch page in a real browser (headless Chromium through Playwright, as in tests/browser.py):
 ``python -m tracer view`` on real vLLM-sampled runs, the healthy sample and the two broken runs of
 tests/data/vllm_bugs/. Each run's page shows the ``sampler.mismatch`` verdict and its cause, and
 draws its charts. Screenshots go to $TRACER_TEST_OUTPUT (tests/output/ under .ci/run) or tmp_path.
 
-Skipped without Chromium or playwright, except under CI, where it fails (as tests/test_browser.py)."""
+Skipped without Chromium or playwright, except under CI, where it fails (as in tests/browser.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_browser import _browser_or_skip, open_page, screenshot_dir, serve
+from tests.browser import _browser_or_skip, open_page, screenshot_dir, serve
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"healthy": REPO / "sample_traces" / "grpo-vllm-tiny",

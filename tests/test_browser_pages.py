@@ -1,10 +1,10 @@
-"""Pages in a real browser (headless Chromium through Playwright, as tests/test_browser.py), on the
+"""Pages in a real browser (headless Chromium through Playwright, as in tests/browser.py), on the
 bundled sample traces: a link to a page not offered for the run opens our own page saying which
 and why, with links to the pages the run has (not Streamlit's "Page not found"); the Mismatch
 page's metrics show whole, neither label nor value cut off, at common window widths. Screenshots go
 to $TRACER_TEST_OUTPUT (tests/output/ under .ci/run) or tmp_path.
 
-Skipped without Chromium or playwright, except under CI, where it fails (as tests/test_browser.py)."""
+Skipped without Chromium or playwright, except under CI, where it fails (as in tests/browser.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.test_browser import SAMPLES, _browser_or_skip, check_no_error, chromium_page, screenshot_dir, serve, wait_idle
+from tests.browser import SAMPLES, _browser_or_skip, check_no_error, chromium_page, screenshot_dir, serve, wait_idle
 
 # (URL, heading, why, the pages the run has): the reasons follow app/components/navigation.py's PAGES
 NOT_OFFERED = (

@@ -10,7 +10,7 @@ import time
 import torch
 
 from app.components.figures import WEBGL_POINTS
-from tests.test_browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _browser_or_skip, serve
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, UI_TIMEOUT_MS, _browser_or_skip, serve
 from tracer import TraceWriter
 
 STEPS = WEBGL_POINTS + 50
