@@ -1,7 +1,8 @@
 """The run overview's frame (:meth:`tracer.reader.Trace.step_summary`) from the run's summary
 columns (:mod:`tracer.summary_store`) as arrays: which listed step files the columns vouch for
 (name, coordinates and current size, compared as arrays), their rows as columns of the frame, and
-the one column order that every way of building the frame gives.
+the one column order that every way of building the frame gives; and :class:`TraceOverview`, the
+part of :class:`tracer.reader.Trace` that builds the frame and reads the run's summary index.
 
 A row is taken from the columns only when its file lies in ``steps/``, under the name the columns
 list, with the coordinates they list, and its size on disk now is the size they list, and when no
@@ -13,14 +14,21 @@ of the step keys.
 from __future__ import annotations
 
 import os
+from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
 
-from tracer import run_index, summaries
-from tracer.layout import STEP_FILE_RE
+from tracer import run_index, summaries, tables
+from tracer.errors import TraceFormatError
+from tracer.integrity import check_step_header
+from tracer.layout import STEP_FILE_RE, STEPS_DIR
+from tracer.schema import decode_metadata
+from tracer.step_table import StepKey
 from tracer.summary_store import SummaryColumns
+from tracer.text import clean_str
 
 COORDINATES = ("step", "inner_step", "micro_batch", "rank")
 TRAILING = ("summary_source", "derived", "problem")
@@ -158,3 +166,119 @@ def combined(parts: list[tuple[np.ndarray, pd.DataFrame]], n: int) -> pd.DataFra
     frame = pd.concat([f for _, f in parts], ignore_index=True)
     where = np.concatenate([p for p, _ in parts])
     return ordered(frame.iloc[np.argsort(where, kind="stable")].reset_index(drop=True))
+
+
+class TraceOverview:
+    """The run overview of a :class:`tracer.reader.Trace` (which it is a part of: it uses the trace's
+    ``root``, ``step_table``, ``load_step``, ``derived_fields``, ``_open``, ``_single`` and
+    ``_algorithm_of``)."""
+
+    def step_summary(self) -> pd.DataFrame:
+        """One row per step file with the step's summary (:mod:`tracer.summaries`): ``kept_tokens``,
+        masked means and quantiles (``mean_ratio``, ``ratio_p50``, ``mean_ref_kl_k3``,
+        ``mean_approx_kl_k2``, ``mean_mismatch``, ``mean_reward``, ``mean_advantage``...),
+        ``clip_fraction`` (sign-aware, from the step's clip epsilons), NaN counts, and
+        ``summary_source``: ``header`` when the writer stored the summary in the file's header,
+        ``tensors`` when it was computed from the file's tensors (older traces).
+        Values a step lacks are NaN. When a step file cannot be read, its row has only its
+        coordinates and a ``problem`` column says why.
+
+        A step file that the run's summary columns (:mod:`tracer.summary_store`) or summary index
+        (:mod:`tracer.run_index`) list under its name, coordinates and current size is not opened:
+        its row comes from them (the same numbers as its header); the others are read as above.
+        ``attrs["from_index"]`` counts the rows read from either. Cost: one listing of the steps
+        (:meth:`step_table`: a key is built only for a file the columns do not vouch for),
+        one ``stat`` per step file, one load of the columns and a parse of the index lines after
+        them, plus one header per file they do not vouch for; the rows of the columns are put in
+        the frame as arrays (:mod:`tracer.overview`)."""
+        table = self.step_table()
+        index = self.summary_index()
+        columns = self.summary_columns()
+        coordinates = table.coordinates
+        rows = vouched_rows(columns, table, self._steps_folder, index, self._current_sizes) \
+            if columns else np.full(len(table), -1, dtype=np.int64)
+        stored = np.flatnonzero(rows >= 0)
+        records, rest = [], np.flatnonzero(rows < 0)
+        from_index = len(stored)
+        for i in rest.tolist():
+            key = table.key(i)
+            rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
+                                   "micro_batch": key.micro_batch, "rank": key.rank}
+            listed = run_index.summary_row(index, key, self._steps_folder) if index else None
+            if listed is not None:
+                rec.update(listed)
+                from_index += 1
+                records.append(rec)
+                continue
+            try:
+                rec.update(self._step_summary_of(key))
+                rec["derived"] = ", ".join(self.derived_fields(key))
+            except TraceFormatError as err:
+                rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
+            records.append(rec)
+        parts = [(rest, pd.DataFrame.from_records(records))]
+        if len(stored):
+            parts.append((stored, columns_frame(columns, rows[stored], coordinates[stored])))
+        frame = combined(parts, len(table))
+        frame.attrs["from_index"] = from_index
+        return frame
+
+    def summary_index(self) -> dict[str, dict[str, Any]]:
+        """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.run_index.read_index`)
+        beyond what their summary columns hold (:meth:`summary_columns`); {} for a single step file
+        or a trace without one. Only what a live writer appended since the last call is read
+        (:class:`tracer.run_index.IndexReader`)."""
+        if self._single:
+            return {}
+        reader = self.__dict__.get("_index_reader")
+        if reader is None:
+            reader = self._index_reader = run_index.IndexReader(self.root)
+        return reader.entries()
+
+    def summary_columns(self) -> SummaryColumns | None:
+        """The rows of the run's summary columns (:mod:`tracer.summary_store`, every rank's) that
+        go with its index as of the last :meth:`summary_index`, or None."""
+        reader = self.__dict__.get("_index_reader")
+        return None if reader is None else reader.columns()
+
+    def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
+        """True when the summary index or columns list the step file ``path`` (in ``steps/``, named
+        by its coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
+        return bool(self.index_vouched([path], [size], index)[0])
+
+    def index_vouched(self, paths: list[Path], sizes: list[int],
+                      index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouches` of each of ``paths`` at ``sizes``, as ``bool [n]``: the columns'
+        rows compared as arrays, index lines (those after the columns) one by one."""
+        split = [str(p).rpartition(os.sep) for p in paths]
+        return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
+
+    def _vouched(self, folders: list[str] | str, names: list[str], sizes: Any,
+                 index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each, or one folder's ``str``)."""
+        index = self.summary_index() if index is None else index
+        return vouched_files(self.summary_columns(), index, folders, names, sizes, self._steps_folder)
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
+        return current_sizes(folder, names)
+
+    @cached_property
+    def _steps_folder(self) -> str:
+        return str(self.root / STEPS_DIR)
+
+    def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
+        """The summary of one step file: from its header when it holds one, else from its tensors."""
+        with self._open(key.path) as fh:
+            meta = decode_metadata(fh.metadata())
+            check_step_header(key.path, fh, self._algorithm_of(meta))
+        stored = summaries.read_summary(meta)
+        if stored is not None:
+            return {**stored, "summary_source": "header"}
+        data = self.load_step(key, tables.SUMMARY_FIELDS)
+        try:
+            computed = tables.summary_values(meta, data)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:  # tensors the header check let through
+            raise TraceFormatError(f"{key.path}: could not summarise the step from its tensors "
+                                   f"({type(err).__name__}: {err})") from err
+        return {**computed, "summary_source": "tensors"}
