@@ -20,13 +20,16 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tracer.errors import TraceError
 from tracer.layout import step_label
 from tracer.writer_pipe import frame, unframe
+
+if TYPE_CHECKING:
+    from tracer.writer_process import _Layout
 
 log = logging.getLogger("tracer.writer_process")  # the writer process's logger (this module was split off it)
 
