@@ -8,6 +8,11 @@ from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TraceWriter's default writer ("auto") starts a writer process for CPU tensors: a fresh interpreter
+# per writer, 1-3 s of CPU on these 2 cores. Tests use the writer thread unless they test the process
+# (writer="process") or the choice (tests/test_writer_auto.py, which unsets this);
+# TRACER_WRITER=auto (or process) in the environment runs the whole suite with it.
+os.environ.setdefault("TRACER_WRITER", "thread")
 
 # tests/test_verl.py needs verl, which pins its own transformers: it runs in .venv-verl (`make test-verl`,
 # part of `make test`), not here, and is left out of collection rather than reported as skipped.

@@ -224,7 +224,7 @@ def test_the_environment_variable_chooses_the_writer(tmp_path, monkeypatch):
     with TraceWriter(tmp_path / "sync", "grpo", async_write=False) as writer:  # writes inside record
         assert writer.writer == "inline"
     monkeypatch.setenv("TRACER_WRITER", "fork")
-    with pytest.raises(TraceError, match=r"TRACER_WRITER='fork' is not one of \['thread', 'process'\]"):
+    with pytest.raises(TraceError, match=r"TRACER_WRITER='fork' is not one of \['auto', 'thread', 'process'\]"):
         TraceWriter(tmp_path / "bad", "grpo")
     with pytest.raises(TraceError, match=r"writer='proc' is not one of"):
         TraceWriter(tmp_path / "bad2", "grpo", writer="proc")

@@ -73,11 +73,16 @@ class TraceWriter(WriterBackends):
             count is kept in memory and written to the manifest by the writer thread, so ``record``
             never waits on the disk; the first drop warns, then one summary warning per 100 drops
             or 60 s: :meth:`tracer.manifest_book.ManifestBook.queue_full`).
-        writer: where the background writing runs: ``"thread"`` (a thread of this process) or
+        writer: where the background writing runs: ``"thread"`` (a thread of this process),
             ``"process"`` (a writer process fed through shared memory: :mod:`tracer.writer_process`;
-            the training thread then shares the interpreter lock with nobody). None (default): the
-            ``TRACER_WRITER`` environment variable, else ``"thread"``. Ignored when
-            ``async_write=False``. The manifest's ``capture.writer`` records which one wrote.
+            the training thread then shares the interpreter lock with nobody), or ``"auto"``: at the
+            first step written, the process when every tensor is on the CPU, on Linux, with at least
+            two usable cores per training process on the machine, else the thread
+            (:func:`tracer.writer_backends.auto_writer`); a trace closed while that process is still
+            starting has its steps written by a thread instead, so a short run never waits for it.
+            None (default): the ``TRACER_WRITER`` environment variable, else ``"auto"``. Ignored
+            when ``async_write=False``. The manifest's ``capture.writer`` records which one wrote
+            (``capture.writer_choice``: why, under ``"auto"``).
         writer_stall_s: with ``writer="process"``, how long (seconds, > 0; ``math.inf``: forever)
             ``flush``, ``close`` or a ``record`` waiting for room may hear nothing from the writer
             process before it is taken for stalled (stopped, hung): a warning names its pid, its
@@ -189,9 +194,11 @@ class TraceWriter(WriterBackends):
         self._steps: StepWriter | None = None  # the write side, when it runs in this process
         self._background: BackgroundWriter | None = None
         self._process = None  # tracer.writer_process.ProcessWriter
+        self._auto = mode == "auto"  # the writer is chosen at the first step to write (_choose_writer)
+        self._chosen = False  # that choice was made
         if mode == "process":
             self._start_process()
-        else:
+        elif not self._auto:
             self._start_writing(background=async_write)
         _OPEN_WRITERS.add(self)
 
@@ -276,6 +283,8 @@ class TraceWriter(WriterBackends):
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
         path = self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
         json_metadata = self._metadata.json_form(metadata) if metadata else None
+        if self._auto:
+            self._choose_writer(tensors)
         if self._process is not None:
             handed = self._hand_over(coordinates, tensors, sampled, source_dtype, json_metadata, derive)
             if handed is not None:
@@ -305,6 +314,8 @@ class TraceWriter(WriterBackends):
         _OPEN_WRITERS.discard(self)
         if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
             return
+        if self._process is not None and self._chosen:
+            self._cancel_start()  # writer="auto" chose a process that is still starting: a thread is quicker
         if self._process is not None:
             self._process.stop()
             if self._process.dead is not None:  # it died before writing all it was handed: a thread writes the rest

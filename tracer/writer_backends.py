@@ -1,6 +1,7 @@
 """Where a :class:`tracer.writer.TraceWriter`'s checked steps go, and the settings that choose it:
-the writer (``writer=`` or ``TRACER_WRITER``: a thread of this process, or a writer process,
-:mod:`tracer.writer_process`), the writer process's stall limit (``writer_stall_s=`` or
+the writer (``writer=`` or ``TRACER_WRITER``: a thread of this process, a writer process,
+:mod:`tracer.writer_process`, or ``"auto"``, the default: the process for a run of CPU tensors with
+a core to spare, :func:`auto_writer`), the writer process's stall limit (``writer_stall_s=`` or
 ``TRACER_WRITER_STALL_S``), the rank (torch.distributed, else torchrun's variables); then the staging
 of a step for the writer thread (or its writing inside ``record``), its hand-over to the writer
 process, that process's start and, when it dies or stalls, the thread that takes over with the steps
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -32,8 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tracer.writer")  # the writer's logger (this module was split off tracer.writer)
 
-WRITERS = ("thread", "process")
-WRITER_ENV = "TRACER_WRITER"  # thread | process: the writer of TraceWriters that do not name one
+WRITERS = ("auto", "thread", "process")
+WRITER_ENV = "TRACER_WRITER"  # auto | thread | process: the writer of TraceWriters that do not name one
 STALL_ENV = "TRACER_WRITER_STALL_S"  # seconds: the writer process's stall limit of TraceWriters that do not set one
 
 
@@ -49,13 +51,49 @@ def _distributed_rank() -> tuple[int, int]:
 
 
 def _writer_mode(writer: str | None) -> str:
-    """``writer`` or, when None, the ``TRACER_WRITER`` environment variable, else "thread"."""
-    chosen = writer if writer is not None else (os.environ.get(WRITER_ENV) or "thread")
+    """``writer`` or, when None, the ``TRACER_WRITER`` environment variable, else "auto"."""
+    chosen = writer if writer is not None else (os.environ.get(WRITER_ENV) or "auto")
     if chosen not in WRITERS:
         named = f"writer={writer!r}" if writer is not None else f"{WRITER_ENV}={chosen!r}"
-        raise TraceError(f"{named} is not one of {list(WRITERS)}; use 'thread' (a writer thread, the default) "
+        raise TraceError(f"{named} is not one of {list(WRITERS)}; use 'auto' (the default: the writer process "
+                         "for CPU tensors when a core is free, else the thread), 'thread' (a writer thread) "
                          "or 'process' (a writer process fed through shared memory)")
     return chosen
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def auto_writer(cpu_only: bool, platform: str | None = None, cores: int | None = None,
+                local_ranks: int | None = None) -> tuple[str, str]:
+    """The writer ``writer="auto"`` takes at a trace's first recorded step, and why: ``("process",
+    why)`` when every tensor of that step is on the CPU (``cpu_only``), the platform is Linux (the
+    writer process's shared ring and its watch on the child read Linux's memfd and /proc) and this
+    process may use at least two cores per training process on the machine (``local_ranks``:
+    torchrun's ``LOCAL_WORLD_SIZE``, else 1): the training thread then shares the interpreter lock
+    with no writer (BENCHMARKS.md, issue 16, tenth pass: a zero-edit PPO loop of a tiny model pays
+    1.04x instead of 1.11x). Else ``("thread", why)``: GPU tensors keep the thread's asynchronous
+    pinned-memory copy, and a machine with no core to spare gains nothing from a second process.
+    ``platform``, ``cores``: ``sys.platform`` and :func:`usable_cores` unless given (tests)."""
+    platform = sys.platform if platform is None else platform
+    cores = usable_cores() if cores is None else cores
+    if local_ranks is None:
+        try:
+            local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        except ValueError:
+            local_ranks = 1
+    if not cpu_only:
+        return "thread", "auto: a tensor of the first step is not on the CPU"
+    if not platform.startswith("linux"):
+        return "thread", f"auto: the writer process runs on Linux only (this is {platform})"
+    if cores < 2 * local_ranks:
+        return "thread", f"auto: {cores} usable core(s) for {local_ranks} training process(es), none to spare"
+    return "process", f"auto: CPU tensors, {cores} usable cores for {local_ranks} training process(es)"
 
 
 def _stall_limit(seconds: float | None) -> float | None:
@@ -105,7 +143,22 @@ class WriterBackends:
     def writer(self) -> str:
         """Where steps are written now: ``"thread"``, ``"process"``, or ``"inline"`` (``async_write=False``);
         a writer whose process died goes on with ``"thread"``."""
+        if self._auto:
+            return "auto"  # nothing recorded yet: chosen at the first record (auto_writer)
         return "process" if self._process is not None else "thread" if self._background is not None else "inline"
+
+    def _choose_writer(self, tensors: dict[str, torch.Tensor]) -> None:
+        """``writer="auto"``, at the first step to write: start the writer :func:`auto_writer` picks
+        for ``tensors``, and say which in the manifest (``capture.writer``, ``capture.writer_choice``)."""
+        self._auto, self._chosen = False, True
+        picked, why = auto_writer(all(t.device.type == "cpu" for t in tensors.values()))
+        with self._book.lock:
+            self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": picked, "writer_choice": why}
+            self._book.dirty = True
+        if picked == "process":
+            self._start_process(chosen=True)
+        else:
+            self._start_writing(background=True)
 
     def _stage(self, coordinates: tuple[int, int, int], tensors: dict[str, torch.Tensor],
                json_metadata: dict[str, Any] | None, source_dtype: str, sampled: bool, owned, derive: tuple[str, ...],
@@ -167,16 +220,39 @@ class WriterBackends:
         self._process.poll_due() if due_only else self._process.poll()
         if self._process.dead is None:
             return
+        self._take_over()
+
+    def _cancel_start(self) -> None:
+        """``writer="auto"``, at ``close()``: a writer process still starting (a fresh interpreter
+        importing torch: 1-3 s) is killed and what it was handed is written by a thread here, so that
+        a short run does not wait for it (``capture.writer`` then reads "thread"). A process that is
+        ready, or holds a step too large for its ring, is closed as usual."""
+        if self._process.cancel_start():
+            self._take_over(cancelled=True)
+
+    def _take_over(self, cancelled: bool = False) -> None:
+        """The writer process is gone (``cancelled``: stopped by :meth:`_cancel_start`, not dead): write
+        on a thread from now on, starting with the steps it had not written (copied out of its ring)."""
         gone, self._process = self._process, None
         reason = gone.dead
         gone.stop()  # the child has exited: this releases the ring and the pipes
         rescued = gone.orphans  # unsampled ones go to this writer's anomaly ring, as they would have in the child's
-        warnings.warn(f"tracer: {reason}; the {len(rescued)} step(s) it had not written and all later steps are "
-                      "written by a thread of this process. Training continues.", RuntimeWarning,
-                      stacklevel=user_stacklevel())
+        if cancelled:
+            log.debug("tracer: %s; its %d step(s) are written by a thread", reason, len(rescued))
+        else:
+            warnings.warn(f"tracer: {reason}; the {len(rescued)} step(s) it had not written and all later steps are "
+                          "written by a thread of this process. Training continues.", RuntimeWarning,
+                          stacklevel=user_stacklevel())
         with self._book.lock:
-            self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": "process, then thread",
-                                              "writer_process_exit": reason}
+            capture = self._book.manifest["capture"]
+            if cancelled:
+                capture = {**capture, "writer": "thread",
+                           "writer_choice": f"{capture.get('writer_choice', 'auto')}; the trace closed while the "
+                                            "writer process was starting, so a thread wrote its steps"}
+            else:
+                capture = {**capture, "writer": "process, then thread", "writer_process_exit": reason}
+            self._book.manifest["capture"] = capture
+            self._book.dirty = True
             if gone.stalled and self.strict:  # raised once the rescued steps are staged (nothing is lost)
                 self._book.error = self._book.error or (f"{reason}; its steps were written by a thread instead",
                                                         TraceError(reason))
@@ -186,8 +262,9 @@ class WriterBackends:
                         frozenset(orphan.tensors), orphan.derive, None,
                         self._steps_dir / step_file_name(*orphan.coordinates, self.rank), counted=True)
 
-    def _start_process(self) -> None:
-        """Start the writer process; one that cannot start leaves a thread writing (strict: raises)."""
+    def _start_process(self, chosen: bool = False) -> None:
+        """Start the writer process; one that cannot start leaves a thread writing (strict: raises,
+        unless ``chosen`` by ``writer="auto"``, which then takes the thread with a log line only)."""
         from tracer.writer_process import ProcessWriter  # imported only by those who use it
 
         max_queue_steps, max_queue_bytes, when_full = self._queue
@@ -195,12 +272,16 @@ class WriterBackends:
             self._process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes,
                                           when_full, self._lock_fd, self._stall_s)
         except TraceError as err:
-            if self.strict:
+            if chosen:
+                log.info("%s; writing on a thread instead", err)
+            elif self.strict:
                 unlock_rank(self._lock_fd)
                 raise
-            warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning,
-                          stacklevel=user_stacklevel())
-            self._book.manifest["capture"]["writer"] = "thread"
+            else:
+                warnings.warn(f"{err}; writing on a thread instead. Training continues.", RuntimeWarning,
+                              stacklevel=user_stacklevel())
+            with self._book.lock:
+                self._book.manifest["capture"]["writer"] = "thread"
             self._start_writing(background=True)
 
     def _child_config(self) -> dict[str, Any]:

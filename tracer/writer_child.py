@@ -336,5 +336,18 @@ def main(argv: list[str]) -> int:
     return Child(config, ring_fd, channel).run(parent)
 
 
+def leave(code: int) -> None:
+    """End the child with ``code`` once :func:`main` has returned: its logs and standard streams
+    flushed, then ``os._exit`` (every step file is renamed into place and the index closed by then;
+    what the interpreter's own exit would add is the teardown of torch's modules, 0.5 s here)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -44,9 +44,12 @@ STALL_S = 60.0
 STARTUP_STALL_S = 120.0
 _F_SETPIPE_SZ = 1031
 # The child imports this very copy of tracer's write side, without the package's __init__ (which
-# imports the reader, diff and pandas: half a second and tens of MB the writer never uses).
+# imports the reader, diff and pandas: half a second and tens of MB the writer never uses). Once its
+# loop has returned (every file written, its descriptors closed or closing with it) it leaves with
+# os._exit: the interpreter's teardown of torch took 0.5 s that close() waited for.
 _CHILD_MAIN = ("import sys, types; package = types.ModuleType('tracer'); package.__path__ = [sys.argv[1]]; "
-               "sys.modules['tracer'] = package; from tracer.writer_child import main; sys.exit(main(sys.argv[2:]))")
+               "sys.modules['tracer'] = package; from tracer.writer_child import main, leave; "
+               "leave(main(sys.argv[2:]))")
 
 
 def describe_exit(code: int | None) -> str:
@@ -191,6 +194,18 @@ class ChildLifecycle:
         except BufferError:  # a view still exported: the mapping goes with the last one
             pass
         self._ring_fd = None
+
+    def cancel_start(self) -> bool:
+        """Kill a child that has not yet said it is ready (it is still importing) and rescue what it
+        was handed into :attr:`orphans`, as a dead child's; False, doing nothing, when the child is
+        ready or gone, or holds a step that travelled through the pipe (larger than the ring: it
+        could not be rescued)."""
+        self.poll()
+        if self.dead is not None or self._ready or any(entry[5] is None for entry in self._inflight):
+            return False
+        self._end_child()
+        self._gone("was still starting when the trace was closed")
+        return True
 
     def _wait(self, since: float, waiting: str) -> None:
         """Wait up to POLL_S for a result (or for the pipe to take more), then read results; notice
