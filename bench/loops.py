@@ -270,7 +270,8 @@ def main() -> None:
                              "2 threads on a shared 2-core machine torch's spinning threads make both modes erratic)")
     parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS, help=f"PPO steps per timed block (default {PPO_STEPS})")
     parser.add_argument("--writer", default="thread",
-                        help="comma-separated writers measured side by side: thread, process (default thread)")
+                        help="comma-separated writers measured side by side: thread, process, auto (TraceWriter's "
+                             "default: the process for these CPU loops where a core is free; default thread)")
     parser.add_argument("--flush", choices=("block", "end"), default="block",
                         help="block (default): every traced block ends with flush(), all its writing inside it; "
                              "end: with the writer process, only at the end (its child writes beside the next "

@@ -27,6 +27,7 @@ from tracer.writer_thread import MAX_BATCH, BackgroundWriter
 from tracer.errors import SchemaError, TraceError
 from tracer.frame_lookup import user_stacklevel
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
+from tracer.run_index import IndexWriter
 from tracer.record_checks import MAX_SIGNATURES, MetadataCache, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
 from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata
 from tracer.step_writer import StepWriter
@@ -200,6 +201,8 @@ class TraceWriter(WriterBackends):
             self._start_process()
         elif not self._auto:
             self._start_writing(background=async_write)
+        else:  # the rank's summary index starts again now, as a started writer's does (an older run's is gone)
+            IndexWriter(self.root, self.rank).close()
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------

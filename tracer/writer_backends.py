@@ -256,7 +256,8 @@ class WriterBackends:
             if gone.stalled and self.strict:  # raised once the rescued steps are staged (nothing is lost)
                 self._book.error = self._book.error or (f"{reason}; its steps were written by a thread instead",
                                                         TraceError(reason))
-        self._start_writing(background=True, resume_index=True)
+        # a cancelled child may not have started the run's index yet: an older run's would be resumed
+        self._start_writing(background=True, resume_index=not cancelled)
         for orphan in rescued:
             self._stage(orphan.coordinates, orphan.tensors, orphan.metadata, orphan.source_dtype, orphan.sampled,
                         frozenset(orphan.tensors), orphan.derive, None,

@@ -220,7 +220,7 @@ class ChildLifecycle:
         self.poll()
         if self.dead is None and self._child.poll() is not None:
             self.poll()  # its last results first
-            if self.dead is None:
+            if self.dead is None and not self._closed_ack:  # a child that said "closed" has ended as asked
                 self._gone()
         limit = self.stall_s if self._wrote else max(self.stall_s, STARTUP_STALL_S)
         activity = _activity(self.pid)

@@ -14,8 +14,8 @@ How a step travels:
   ``max_queue_bytes``; with ``max_queue_steps`` it bounds the steps in flight, and the
   ``when_full`` policy (block / drop and count) applies as with the thread. CUDA tensors are copied
   into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
-  asynchronous pinned path): correct by construction, and the reason ``"thread"`` stays the default
-  on GPUs. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
+  asynchronous pinned path): correct by construction, and the reason ``writer="auto"`` (the
+  default, :func:`tracer.writer_backends.auto_writer`) gives GPU tensors the thread. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
 * The child (:mod:`tracer.writer_child`) writes what arrives, and sends back one small result per
   batch (ring space freed, steps written, failures with their reason), which ``flush`` / ``close``
   and ``record`` (at most every :data:`RESULTS_EVERY_S`, or when the ring is full) read without
@@ -232,8 +232,9 @@ class ProcessWriter(ChildLifecycle):
             except OSError as err:
                 self._gone(f"its result pipe failed ({err})")
                 return
-            if not data:
-                self._gone()
+            if not data:  # the child's end closed: it died, unless it said "closed" first (it ended as asked)
+                if not self._closed_ack:
+                    self._gone()
                 return
             self._heard_at = time.monotonic()
             self._inbox += data
