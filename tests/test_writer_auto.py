@@ -129,3 +129,36 @@ def test_an_explicit_writer_is_not_second_guessed(tmp_path, monkeypatch):
     with TraceWriter(tmp_path / "env", "grpo") as writer:
         writer.record(0, grpo_step(0))
         assert writer.writer == "thread"
+
+
+def test_a_real_trl_grpo_run_writes_the_same_trace_whichever_writer(tmp_path, monkeypatch):
+    """TRL's GRPOTrainer on the tiny local model, traced by ``tracer.attach`` with no writer named
+    (auto), then with the process and the thread named: every step file holds the same tensors and
+    header (checksums equal), so the checks read the same run. This two-step run usually closes while
+    auto's process is still starting (a TRL step here takes a fraction of a second; the child 1-3 s),
+    so a thread wrote it: the short-run path, with a real trainer."""
+    pytest.importorskip("trl")
+    if auto_writer(True)[0] != "process":
+        pytest.skip("auto picks the thread on this machine")
+    from tracer.demo import grpo_trl
+    from tracer.demo.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", seed=0)
+    for writer in ("auto", "process", "thread"):
+        monkeypatch.setenv("TRACER_WRITER", writer)
+        grpo_trl.run_grpo_demo(tmp_path / writer, steps=2, seed=0, progress=False, model_dir=model_dir)
+    auto = _capture(tmp_path / "auto")
+    assert auto["writer_choice"].startswith("auto: CPU tensors, ")
+    assert _capture(tmp_path / "process")["writer"] == "process"
+    if auto["writer"] == "thread":  # the usual case here; a machine that starts the child faster keeps it
+        assert auto["writer_choice"].endswith("the trace closed while the writer process was starting, so a "
+                                              "thread wrote its steps"), auto
+    else:
+        assert auto["writer"] == "process", auto
+    traces = {writer: Trace(tmp_path / writer) for writer in ("auto", "process", "thread")}
+    for writer, trace in traces.items():
+        assert [k.step for k in trace.steps()] == [0, 1], writer
+        assert (trace.manifest["steps_written"], trace.manifest["dropped_steps"]) == (2, 0), writer
+    for step in range(2):
+        sums = {w: t.metadata(t.steps()[step])["content_sha256"] for w, t in traces.items()}
+        assert len(set(sums.values())) == 1, sums
