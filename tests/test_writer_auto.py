@@ -7,6 +7,7 @@ its steps written by a thread. Real children, real files; the suite's other test
 from __future__ import annotations
 
 import json
+import os
 import warnings
 
 import pytest
@@ -162,3 +163,26 @@ def test_a_real_trl_grpo_run_writes_the_same_trace_whichever_writer(tmp_path, mo
     for step in range(2):
         sums = {w: t.metadata(t.steps()[step])["content_sha256"] for w, t in traces.items()}
         assert len(set(sums.values())) == 1, sums
+
+
+def test_a_child_killed_before_it_starts_the_index_leaves_no_older_run_in_it(tmp_path):
+    """An older run's index, its step files deleted (the user traces again into the directory); a
+    writer process killed while it is still importing (before it starts the index): the thread that
+    takes over resumes the index the parent started, which lists this run's step alone."""
+    import signal
+
+    from tracer.layout import step_file_name, summary_index_name
+
+    with TraceWriter(tmp_path / "run", "grpo", writer="thread") as writer:
+        for step in range(4):
+            writer.record(step, grpo_step(step))
+    for path in (tmp_path / "run" / "steps").iterdir():
+        path.unlink()
+    writer = TraceWriter(tmp_path / "run", "grpo", writer="process")
+    os.kill(writer._process.pid, signal.SIGKILL)  # a fresh interpreter: still importing
+    with pytest.warns(RuntimeWarning, match="killed by signal 9"):
+        writer.record(7, grpo_step(7))
+        writer.close()
+    lines = [json.loads(line) for line in (tmp_path / "run" / summary_index_name(0)).read_text().splitlines()]
+    assert [line["file"] for line in lines[1:]] == [step_file_name(7)]
+    assert [k.step for k in Trace(tmp_path / "run").steps()] == [7]

@@ -197,12 +197,14 @@ class TraceWriter(WriterBackends):
         self._process = None  # tracer.writer_process.ProcessWriter
         self._auto = mode == "auto"  # the writer is chosen at the first step to write (_choose_writer)
         self._chosen = False  # that choice was made
+        if mode in ("process", "auto"):
+            # the rank's summary index starts again now, as the writer thread's does: a child that dies
+            # before starting its own leaves this one to be resumed, not an older run's
+            IndexWriter(self.root, self.rank).close()
         if mode == "process":
             self._start_process()
         elif not self._auto:
             self._start_writing(background=async_write)
-        else:  # the rank's summary index starts again now, as a started writer's does (an older run's is gone)
-            IndexWriter(self.root, self.rank).close()
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
