@@ -37,7 +37,7 @@ from tracer.errors import SchemaError
 from tracer.frame_lookup import _MISSING, read_indices, read_metadata, resolve_in
 from tracer.name_maps import load_name_map
 from tracer.record_checks import MetadataCache, SignatureCache
-from tracer.schema import encode_metadata
+from tracer.metadata_codec import encode_metadata
 from tracer.watch import Watcher
 
 ROOT = Path(__file__).resolve().parents[1]

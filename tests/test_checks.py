@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tracer import TraceWriter, formulas
 from tracer.checks import ERROR, INFO, SKIPPED, WARNING, run_checks
 from tracer.cli import main
-from tracer.schema import encode_metadata
+from tracer.metadata_codec import encode_metadata
 
 EOS, PAD = 2, 0
 

@@ -20,7 +20,7 @@ from tracer import run_index
 from tracer.cli import trace_info
 from tracer.layout import STEPS_DIR, step_file_name, summary_index_name
 from tracer.reader import Trace
-from tracer.schema import decode_metadata
+from tracer.metadata_codec import decode_metadata
 from tracer.writer import TraceWriter
 
 HYPER = {"num_generations": 3, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}

@@ -23,7 +23,7 @@ from tracer.errors import TraceError
 from tracer.layout import content_sha256, tensor_bytes
 from tracer.name_maps import load_name_map
 from tracer.reader import Trace
-from tracer.schema import encode_metadata, jsonable
+from tracer.metadata_codec import encode_metadata, jsonable
 from tracer.writer import TraceWriter
 
 QS = (0.1, 0.5, 0.9, 1.0)

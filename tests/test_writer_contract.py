@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tracer import SchemaError, Trace, TraceError, TraceWriter
 from tracer.cli import main
-from tracer.schema import encode_metadata
+from tracer.metadata_codec import encode_metadata
 
 
 def tensors():

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tracer import formulas, layout, run_index, step_bytes, summaries
 from tracer.layout import STEPS_DIR, save_atomic
 from tracer.reader import Trace
-from tracer.schema import encode_metadata
+from tracer.metadata_codec import encode_metadata
 from tracer.writer import TraceWriter
 
 QS = tuple(summaries.QUANTILES.values())

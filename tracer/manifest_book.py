@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 from tracer.errors import TraceError
 from tracer.frame_lookup import user_stacklevel
 from tracer.layout import FORMAT_NAME, MANIFEST_NAME, producers
-from tracer.schema import SCHEMA_VERSION, jsonable
+from tracer.schema import SCHEMA_VERSION
+from tracer.metadata_codec import jsonable
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from tracer import run_index, summaries, tables
 from tracer.errors import TraceFormatError
 from tracer.integrity import check_step_header
 from tracer.layout import STEP_FILE_RE, STEPS_DIR
-from tracer.schema import decode_metadata
+from tracer.metadata_codec import decode_metadata
 from tracer.step_table import StepKey
 from tracer.summary_store import SummaryColumns
 from tracer.text import clean_str

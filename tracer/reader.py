@@ -20,7 +20,8 @@ from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_
 from tracer.errors import TraceFormatError
 from tracer.integrity import (MAX_MANIFEST_BYTES, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, check_mask_values,
                               check_step_header, clean_manifest, clean_tokens, open_step_file, read_json)
-from tracer.schema import FIELDS, decode_metadata
+from tracer.schema import FIELDS
+from tracer.metadata_codec import decode_metadata
 from tracer.step_table import StepKey, StepTable, parse_names  # noqa: F401  (StepKey re-exported)
 from tracer.layout import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
 from tracer.tables import (  # noqa: F401  (re-exported: mask reasons are part of the reader's vocabulary)

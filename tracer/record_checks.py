@@ -10,7 +10,8 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import SchemaError
-from tracer.schema import BOOL, FIELDS, check_mask_field, check_tensors, encode_metadata, jsonable
+from tracer.schema import BOOL, FIELDS, check_mask_field, check_tensors
+from tracer.metadata_codec import encode_metadata, jsonable
 
 MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 
@@ -81,8 +82,8 @@ class SignatureCache(dict):
 
 class MetadataCache:
     """The last step metadata ``record`` checked, with its header encoding
-    (:func:`tracer.schema.encode_metadata`) and, once asked for, its JSON form
-    (:func:`tracer.schema.jsonable`, what the writer process is sent). A zero-edit capture passes
+    (:func:`tracer.metadata_codec.encode_metadata`) and, once asked for, its JSON form
+    (:func:`tracer.metadata_codec.jsonable`, what the writer process is sent). A zero-edit capture passes
     the same values at every step (the hyperparameters it reads from the loop's ``args``), which
     then cost one comparison instead of an encoding. The same ``str`` keys with values of the same
     types that compare equal are the same metadata, except floats of another sign (``-0.0 == 0.0``,

@@ -38,7 +38,7 @@ from typing import Any, Iterable, Mapping
 from tracer.derived import derivable
 from tracer import summary_store
 from tracer.layout import SUMMARY_INDEX_GLOB, summary_index_name, summary_store_name
-from tracer.schema import decode_metadata
+from tracer.metadata_codec import decode_metadata
 from tracer.summaries import SUMMARY_KEY, read_summary
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class IndexWriter:
     def add(self, path: Path, names: Iterable[str], metadata: Mapping[str, str],
             decoded: Mapping[str, Any] | None = None, size: int | None = None) -> None:
         """Queue the line of step file ``path``, just written with tensors ``names`` and the encoded
-        header ``metadata`` (``tracer.schema.encode_metadata``'s ``{key: str}``); nothing when it
+        header ``metadata`` (``tracer.metadata_codec.encode_metadata``'s ``{key: str}``); nothing when it
         holds no summary. ``decoded``: the same header as values, when the caller has it (the writer
         does), so it is not decoded again. ``size``: the file's size in bytes when the caller knows
         it (``tracer.layout.save_atomic`` wrote it from memory), else it is read from the file."""

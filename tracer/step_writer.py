@@ -22,7 +22,8 @@ from tracer.derived import derive_fields, derive_recorded
 from tracer.layout import STEPS_DIR, step_file_name, step_label, unshare
 from tracer.manifest_book import ManifestBook
 from tracer.run_index import IndexWriter
-from tracer.schema import SCHEMA_VERSION, encode_metadata, normalise_tensors
+from tracer.schema import SCHEMA_VERSION, normalise_tensors
+from tracer.metadata_codec import encode_metadata
 
 log = logging.getLogger(__name__)
 

@@ -254,7 +254,7 @@ def header_value(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def header_text(summary: dict[str, Any]) -> str:
-    """The summary's header text: :func:`header_value` as JSON (``tracer.schema.encode_metadata``
+    """The summary's header text: :func:`header_value` as JSON (``tracer.metadata_codec.encode_metadata``
     stores a string as it is, so the header holds the text it would make of the dict)."""
     return json.dumps(header_value(summary), allow_nan=True)
 

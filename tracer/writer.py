@@ -29,7 +29,8 @@ from tracer.frame_lookup import user_stacklevel
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
 from tracer.run_index import IndexWriter
 from tracer.record_checks import MAX_SIGNATURES, MetadataCache, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
-from tracer.schema import ALGORITHMS, SCHEMA_VERSION, encode_metadata
+from tracer.schema import ALGORITHMS, SCHEMA_VERSION
+from tracer.metadata_codec import encode_metadata
 from tracer.step_writer import StepWriter
 from tracer.writer_backends import (  # noqa: F401  (WRITERS, WRITER_ENV, STALL_ENV re-exported)
     STALL_ENV, WRITER_ENV, WRITERS, WriterBackends, _OPEN_WRITERS, _distributed_rank, _stall_limit, _writer_mode,

@@ -26,7 +26,7 @@ from tracer.capture import StagedStep, stage
 from tracer.errors import TraceError
 from tracer.frame_lookup import user_stacklevel
 from tracer.layout import step_file_name, step_label, unlock_rank
-from tracer.schema import jsonable
+from tracer.metadata_codec import jsonable
 from tracer.step_writer import step_header
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ from tracer.integrity import check_step_header, open_step_file
 from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 from tracer.reader import StepKey, Trace
 from tracer.step_table import StepTable
-from tracer.schema import decode_metadata
+from tracer.metadata_codec import decode_metadata
 
 # A listing is reused while the trace directory and steps/ keep their modification times, unless
 # one of them changed less than this long ago: file times have the kernel's coarse clock tick, so a

@@ -20,7 +20,8 @@ from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_s
 from tracer.errors import ChecksumError, TraceFormatError
 from tracer.integrity import verify_step_file
 from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
-from tracer.schema import FIELDS, decode_metadata, flow_rank
+from tracer.schema import FIELDS, flow_rank
+from tracer.metadata_codec import decode_metadata
 
 PROGRESS_MIN_PAIRS = 20
 IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "summary", "step", "inner_step", "micro_batch", "rank"})

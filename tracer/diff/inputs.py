@@ -13,7 +13,8 @@ from tracer.diff.stats import coarseness
 from tracer.errors import TraceError, TraceFormatError
 from tracer.integrity import check_step_header, open_step_file
 from tracer.reader import StepKey, Trace
-from tracer.schema import FIELDS, decode_metadata
+from tracer.schema import FIELDS
+from tracer.metadata_codec import decode_metadata
 
 
 class DiffInputError(TraceError):

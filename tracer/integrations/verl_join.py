@@ -36,7 +36,8 @@ from tracer.integrations.verl_record import ROLLOUT_DIR, WORKERS_DIR
 from tracer.layout import (FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, content_sha256, producers,
                            refuse_existing_trace, save_atomic, step_file_name, write_json_atomic)
 from tracer.reader import StepKey, Trace
-from tracer.schema import SCHEMA_VERSION, encode_metadata, normalise_tensors
+from tracer.schema import SCHEMA_VERSION, normalise_tensors
+from tracer.metadata_codec import encode_metadata
 
 log = logging.getLogger(__name__)
 
