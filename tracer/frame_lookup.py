@@ -209,11 +209,15 @@ def release_locals(frame: FrameType, local: Any) -> None:
 
     The values are set to None rather than the dict cleared: the next refresh then stores into the
     keys it has, where a cleared dict is grown again, resize by resize (20-50 us per backward for a
-    loop of 54 locals, against 3 us: measured at a MiniMind PPO backward, bench/loops.py)."""
+    loop of 54 locals, against 3 us: measured at a MiniMind PPO backward, bench/loops.py). They are
+    set in place, key by key, not by ``update(dict.fromkeys(local))``: that builds a second table of
+    the dict's size each time, 24-38 us at that backward (a 3 KB allocation beside the loop's
+    tensors), against 6 us for the loop (BENCHMARKS.md, issue 16, eleventh pass)."""
     if (type(local) is not dict or frame.f_trace is not None or not frame.f_code.co_flags & _CO_OPTIMIZED
             or sys.getrefcount(local) > _UNSHARED_REFS or not local.keys() <= code_variables(frame.f_code)):
         return
-    local.update(dict.fromkeys(local))  # the tensors let go; the keys (the table's size) kept
+    for name in local:  # the tensors let go; the keys (the table's size) kept; no key added or removed
+        local[name] = None
 
 
 _READERS: dict[int, tuple] = {}  # id(a name map's indices or metadata) -> (it, a copy, its compiled form, heads)
