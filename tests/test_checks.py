@@ -369,3 +369,28 @@ def test_case10_ratio_exactly_one_after_an_update_means_old_aliases_policy(tmp_p
     good = run_checks(tmp_path / "good")
     assert {f.check for f in good if f.severity in (ERROR, WARNING)} == {"fields.required"}  # identity fields only
     assert cli_json(tmp_path / "bad")[0] == 1 and cli_json(tmp_path / "good")[0] == 0
+
+
+# -- an unfinished trace: the writer has not closed ------------------------------------------------
+
+def test_check_of_an_open_trace_says_unfinished_and_a_closed_one_does_not(tmp_path, capsys):
+    policy = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])
+    root = tmp_path / "live"
+    writer = TraceWriter(root, "grpo", tokenizer=ToyTokenizer(),
+                         hyperparameters={"num_generations": 2, "old_logprobs_source": "policy_detached"})
+    writer.record(0, case10_tensors(policy, policy.clone()))
+    writer.flush()  # step 0 is on disk; the manifest still says "running"
+    findings = run_checks(root)
+    unfinished = found(findings, "trace.unfinished")
+    assert [(f.severity, f.path) for f in unfinished] == [(INFO, str(root / "manifest.json"))]
+    assert "unfinished" in unfinished[0].message and "'running'" in unfinished[0].message
+    # an info finding: the exit code is that of the other findings (here no error: 0)
+    assert main(["check", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "trace.unfinished" in text and "this trace is unfinished" in text and "PASS" in text
+    code, as_json = cli_json(root)
+    assert code == 0 and [d["severity"] for d in as_json if d["check"] == "trace.unfinished"] == [INFO]
+    writer.close()  # status "finished": the note is gone, the other findings are unchanged
+    after = run_checks(root)
+    assert found(after, "trace.unfinished") == []
+    assert [f.to_dict() for f in after] == [f.to_dict() for f in findings if f.check != "trace.unfinished"]

@@ -8,6 +8,7 @@ unfinished and lists what it holds.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import select
@@ -159,3 +160,13 @@ def test_info_of_a_killed_run_says_unfinished_and_lists_steps(zygote, tmp_path, 
     text = capsys.readouterr().out
     assert "status: unfinished (the writer did not close: crashed or still running)" in text
     assert f"steps: 0..{max(k.step for k in Trace(out).steps())}" in text
+
+
+def test_check_of_a_killed_run_says_unfinished(zygote, tmp_path, capsys):
+    out = tmp_path / "killed"
+    done, closed = run_and_kill(zygote, out, seed=7)
+    assert done and not closed
+    main(["check", str(out), "--json"])  # the exit code is that of crash_loop's tensors, not asserted
+    findings = json.loads(capsys.readouterr().out)
+    assert [(f["severity"], f["path"]) for f in findings if f["check"] == "trace.unfinished"] \
+        == [("info", str(out / "manifest.json"))]

@@ -11,18 +11,22 @@ from rich.markup import escape
 from rich.text import Text
 
 from tracer.checks.finding import CHECKS, SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
+from tracer.checks.runner import TRACE_FINDINGS
 
 STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
 
 
 def location_text(f: Finding) -> str:
-    """``step 3 · inner 1 · mb 0 · rank 0 · seq 2 · token 5 (id 17 'the')``, the parts that are known."""
+    """``step 3 · inner 1 · mb 0 · rank 0 · seq 2 · token 5 (id 17 'the')``, the parts that are known;
+    the file's name (``manifest.json``) for a finding about a file of the trace with no step location."""
     parts = []
     for label, value in (("step", f.step), ("inner", f.inner_step), ("mb", f.micro_batch), ("rank", f.rank),
                          ("seq", f.sequence), ("token", f.token)):
         if value is not None:
             parts.append(f"{label} {value}")
     text = " · ".join(parts)
+    if not text and f.path:  # a finding about a file of the trace (its manifest): the file's name
+        text = f.path.replace("\\", "/").rsplit("/", 1)[-1]
     if f.token_id is not None:
         shown = f" {f.token_text!r}" if f.token_text is not None else ""
         text += f" (id {f.token_id}{shown})"
@@ -54,10 +58,10 @@ def render_findings(findings: list[Finding], title: str = "", max_per_check: int
     for check_id, group in groupby(ordered, key=lambda f: f.check):
         items = list(group)
         severity = SEVERITIES[worst[check_id]]
-        description = CHECKS[check_id].description if check_id in CHECKS else ""
+        description = CHECKS[check_id].description if check_id in CHECKS else TRACE_FINDINGS.get(check_id, "")
         head = Text.assemble((f"{severity.upper():8}", STYLE[severity]), (check_id, "bold"),
                              (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
-                             (f"  — {description}", "dim"))
+                             (f"  — {description}" if description else "", "dim"))
         blocks.append(head)
         entries = same_message(items)
         for f, others in entries[:max_per_check]:

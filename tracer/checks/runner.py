@@ -11,7 +11,7 @@ from typing import Iterable
 
 from tracer.checks.context import CheckOptions, StepContext
 from tracer.checks.finding import (
-    ALL_ALGORITHMS, CHECKS, ERROR, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
+    ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
 )
 from tracer.errors import TraceError, TraceFormatError
 from tracer.reader import StepKey, Trace
@@ -19,6 +19,11 @@ from tracer.reader import StepKey, Trace
 log = logging.getLogger(__name__)
 UNREADABLE = "trace.unreadable"  # finding id of a step file that cannot be read (not a registered check)
 TRACE_FILES = "trace.files"  # finding id of a manifest or token-strings file that is (partly) ignored
+UNFINISHED = "trace.unfinished"  # finding id of a trace whose writer has not closed (manifest status "running")
+# what the report says of the findings about the trace's files, which are not registered checks
+TRACE_FINDINGS = {UNREADABLE: "a step file that cannot be read",
+                  TRACE_FILES: "a manifest or token strings file the reader had to ignore",
+                  UNFINISHED: "the writer has not closed: the trace may grow or be cut short"}
 
 
 def select_checks(select: Iterable[str] | None = None) -> list[Check]:
@@ -55,11 +60,20 @@ def _unreadable(key: StepKey, err: TraceFormatError) -> Finding:
 
 
 def _file_notes(trace: Trace) -> list[Finding]:
-    """Warnings for a manifest or token strings the reader had to ignore (in whole or in part)."""
+    """Warnings for a manifest or token strings the reader had to ignore (in whole or in part), and
+    an info finding when the manifest says the writer has not closed (status ``running``)."""
     notes = [(trace.root / "manifest.json", note) for note in trace.manifest_notes]
     if trace.tokens_problem is not None:
         notes.append((trace.root / "tokens.json", trace.tokens_problem))
-    return [Finding(TRACE_FILES, WARNING, note, path=str(path)) for path, note in notes]
+    found = [Finding(TRACE_FILES, WARNING, note, path=str(path)) for path, note in notes]
+    if trace.status == "running":
+        found.append(Finding(
+            UNFINISHED, INFO,
+            "this trace is unfinished: its manifest says status 'running', so the writer has not closed "
+            "(the run is still going, or it crashed or was killed before close()). Only the step files "
+            "on disk now were checked; steps the writer had not written yet are missing.",
+            path=str(trace.root / "manifest.json"), details={"status": "running"}))
+    return found
 
 
 def run_checks(
@@ -80,7 +94,8 @@ def run_checks(
         ``skipped`` finding per reason (``details["steps"]`` lists the step files). A step file that
         cannot be read yields a ``trace.unreadable`` error naming the file and the reason, and the
         other step files are checked; an ignored manifest or token strings file a ``trace.files``
-        warning.
+        warning; a trace whose manifest says ``running`` (writer not closed) a ``trace.unfinished``
+        info finding.
     Raises:
         TraceError: unusable input (not a trace, no step file) or an unknown check name.
     """
