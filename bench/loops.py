@@ -14,7 +14,9 @@ rotating from round to round (one writer per kind for the whole run, flushed at 
 its traced blocks; its open + close is reported apart); the ratio is median(traced) / median(plain)
 over rounds, with the spread of the per-round ratios, and the geometric mean of the per-round
 ratios with its 95% bootstrap interval (:func:`paired_ratio`): a target is called met only when
-the whole interval is under it, missed when it is all above, else undecided. The ppo shape
+the whole interval is under it, missed when it is all above, else undecided. Beside it, the same
+paired ratio of CPU times (less moved by the host's other guests, no verdict): the training
+process's, and that plus the writer process's over the round. The ppo shape
 measures each writer in its own series of rounds (one zero-edit watcher at a time). Targets: toy <= 1.05, realistic <= 1.03,
 ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
@@ -28,6 +30,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import tempfile
 import time
 from argparse import Namespace
@@ -46,33 +49,72 @@ TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
 # each traced block (the writer's queued work waited for, which a run overlaps with its next steps) is
 # a small part of it; before the fourth pass of issue 16 it was 2 (0.16 s blocks).
 PPO_STEPS = 6
+TOY_STEPS = 120  # toy steps per timed block (``--toy-steps``): about 0.7-1.8 s, the host's speed permitting
 
 
-def _alternate(plain, traced, rounds: int) -> dict:
-    """``plain()`` and ``traced(i)`` once per round, order alternating; seconds of each."""
-    return _rotate(plain, {"on": traced}, rounds)["on"]
+def _alternate(plain, traced, rounds: int, child_cpu=None) -> dict:
+    """``plain()`` and ``traced(i)`` once per round, order alternating; seconds of each (``child_cpu``:
+    the writer process's CPU so far, as in :func:`_rotate`)."""
+    return _rotate(plain, {"on": traced}, rounds, {"on": child_cpu} if child_cpu is not None else None)["on"]
 
 
-def _rotate(plain, traced: dict, rounds: int) -> dict[str, dict]:
+def _rotate(plain, traced: dict, rounds: int, child_cpu: dict | None = None) -> dict[str, dict]:
     """``plain()`` and each ``traced[kind](i)`` once per round, the order rotating; per kind, the
-    medians and the spread of the per-round ratios (traced / that round's plain)."""
+    medians and the spread of the per-round ratios (traced / that round's plain), the paired ratio
+    of wall times (the verdict's) and of CPU times: ``cpu_paired`` of this process's CPU (all its
+    threads: the writer thread's included) and ``all_cpu_paired`` of that plus the CPU its writer
+    process used over the round (``child_cpu[kind]()``: seconds so far, or None before it started;
+    charged whole to that kind's traced block, its lingering in the next blocks included). CPU time
+    is not moved by the host's other guests the way wall time is (a stolen tick counts in neither)."""
     kinds = ["off", *traced]
+    child_cpu = child_cpu or {}
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     cpu: dict[str, list[float]] = {kind: [] for kind in kinds}  # this process's CPU time, all its threads
+    child: dict[str, list[float]] = {kind: [] for kind in traced}  # each writer process's CPU over a round
     for r in range(rounds):
+        before = {kind: (read() or 0.0) for kind, read in child_cpu.items()}
         for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
             t0, c0 = time.perf_counter(), time.process_time()
             plain() if kind == "off" else traced[kind](r)
             times[kind].append(time.perf_counter() - t0)
             cpu[kind].append(time.process_time() - c0)
+        for kind in traced:
+            read = child_cpu.get(kind)
+            child[kind].append((read() or 0.0) - before[kind] if read is not None else 0.0)
     off = times["off"]
     out = {}
     for kind in traced:
         ratios = [a / b for a, b in zip(times[kind], off)]
         out[kind] = {"off_s": median(off), "on_s": median(times[kind]), "ratio": median(times[kind]) / median(off),
                      "spread": (min(ratios), max(ratios)), "paired": paired_ratio(ratios),
-                     "cpu_extra_s": median(cpu[kind]) - median(cpu["off"])}
+                     "cpu_extra_s": median(cpu[kind]) - median(cpu["off"]),
+                     "cpu_paired": paired_ratio([a / b for a, b in zip(cpu[kind], cpu["off"])]),
+                     "all_cpu_paired": paired_ratio([(a + c) / b for a, c, b in zip(cpu[kind], child[kind], cpu["off"])]),
+                     "child_cpu_s": median(child[kind]),
+                     "raw": {"plain_s": off, "traced_s": times[kind], "plain_cpu_s": cpu["off"],
+                             "traced_cpu_s": cpu[kind], "child_cpu_s": child[kind]}}
     return out
+
+
+def child_cpu_s(writer: TraceWriter) -> float | None:
+    """The CPU time (seconds, all its threads) ``writer``'s writer process has used so far, from the
+    kernel's ``/proc/<pid>/task/*/schedstat``; None while it has none (a thread writer, or the
+    process not started yet). Linux only."""
+    process = getattr(writer, "_process", None)
+    if process is None:
+        return None
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{process.pid}/task").iterdir())
+    except FileNotFoundError:
+        return None
+    for task in tasks:
+        try:
+            with open(task / "schedstat") as fh:
+                total += int(fh.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
 
 
 def paired_ratio(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -129,7 +171,8 @@ def grpo_shape(name: str, B: int, T: int, L: int, steps: int, rounds: int, tmp: 
 
     try:
         results = _rotate(lambda: run_loop(model, optimizer, steps, B, T, L, None),
-                          {kind: traced(kind) for kind in writers}, rounds)
+                          {kind: traced(kind) for kind in writers}, rounds,
+                          {kind: (lambda w=opened[kind][0]: child_cpu_s(w)) for kind in writers})
     finally:
         for kind, (writer, open_s) in opened.items():
             t0 = time.perf_counter()
@@ -230,7 +273,7 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: 
 
         traced(-1)  # warm-up; opens the writer
         before = w.steps_recorded
-        res = _alternate(plain, traced, rounds)
+        res = _alternate(plain, traced, rounds, lambda: child_cpu_s(w.writer))
         w.writer.flush()
         recorded = w.steps_recorded - before
     assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
@@ -246,11 +289,11 @@ def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: 
 
 def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo"),
             writers: tuple[str, ...] = ("thread",), ppo_steps: int = PPO_STEPS,
-            flush: str = "block") -> dict[tuple[str, str], dict]:
+            flush: str = "block", toy_steps: int = TOY_STEPS) -> dict[tuple[str, str], dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "toy" in only:
-            for kind, res in grpo_shape("toy", 8, 16, 16, 120, rounds, tmp, writers, flush).items():
+            for kind, res in grpo_shape("toy", 8, 16, 16, toy_steps, rounds, tmp, writers, flush).items():
                 out["toy", kind] = res
         if "realistic" in only:
             for kind, res in grpo_shape("realistic", 64, 128, 32, 4, rounds, tmp, writers, flush).items():
@@ -269,6 +312,9 @@ def main() -> None:
                         help="torch intra-op threads (default 1: the writer thread gets the other core; with "
                              "2 threads on a shared 2-core machine torch's spinning threads make both modes erratic)")
     parser.add_argument("--ppo-steps", type=int, default=PPO_STEPS, help=f"PPO steps per timed block (default {PPO_STEPS})")
+    parser.add_argument("--toy-steps", type=int, default=TOY_STEPS,
+                        help=f"toy steps per timed block (default {TOY_STEPS}); shorter blocks, more rounds: each "
+                             "pair of blocks closer in time, the closing flush a larger part of a block")
     parser.add_argument("--writer", default="thread",
                         help="comma-separated writers measured side by side: thread, process, auto (TraceWriter's "
                              "default: the process for these CPU loops where a core is free; default thread)")
@@ -276,19 +322,29 @@ def main() -> None:
                         help="block (default): every traced block ends with flush(), all its writing inside it; "
                              "end: with the writer process, only at the end (its child writes beside the next "
                              "block, as in a run); the writer thread always flushes each block")
+    parser.add_argument("--json", metavar="PATH", help="also write every round's times (seconds) and the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
     print(trace_dir_line())
-    for (name, kind), r in measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
-                                   args.ppo_steps, args.flush).items():
+    results = measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
+                      args.ppo_steps, args.flush, args.toy_steps)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "args": vars(args),
+                                               "results": [{"loop": n, "writer": k, **r} for (n, k), r in results.items()]},
+                                              indent=1))
+    for (name, kind), r in results.items():
         unit = "backward" if name == "ppo" else "record"
         mean, low, high = r["paired"]
+        cpu, cpu_low, cpu_high = r["cpu_paired"]
+        every, every_low, every_high = r["all_cpu_paired"]
         print(f"{name:9s} {kind:7s} ({r['shape']}): plain {r['step_ms']:.1f} ms/step, traced/plain {r['ratio']:.3f} "
               f"(rounds {r['spread'][0]:.3f}-{r['spread'][1]:.3f}; paired geometric mean {mean:.3f}, 95% interval "
               f"{low:.3f}-{high:.3f}: target <= {TARGETS[name]} {verdict(r['paired'], TARGETS[name])}), "
               f"{r['per_record_us']:.0f} us per traced {unit} ({r['records']} per block), training process CPU "
-              f"+{r['cpu_us']:.0f} us per {unit}"
+              f"+{r['cpu_us']:.0f} us per {unit}; CPU traced/plain: training process {cpu:.3f} ({cpu_low:.3f}-"
+              f"{cpu_high:.3f}), with the writer process {every:.3f} ({every_low:.3f}-{every_high:.3f}; its "
+              f"{1e6 * r['child_cpu_s'] / r['records']:.0f} us per {unit})"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
               + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
                  f", its thread CPU {r['capture_cpu_us']:.0f} us"
