@@ -10,13 +10,14 @@ import pandas as pd
 import pytest
 
 from toy_traces import (
-    BOLD, SAMPLES, SCRIPT, ToyTokenizer, assert_no_raw_markup, frame_with, largest_frame_with, start, styled_rows,
-    write_trace)
+    BOLD, HYPERPARAMETERS, SAMPLES, SCRIPT, ToyTokenizer, assert_no_raw_markup, frame_with, healthy_step_tensors,
+    largest_frame_with, start, styled_rows, write_trace)
 
 from app.components.health import (
     NO_PROBLEMS, FindingTarget, filter_findings, findings_frame, per_check_counts, per_step_counts,
     severity_counts, target_of, verdict)
 from app.components.token_table import HIGHLIGHT_STYLE, MASK_BACKGROUND, style_token_table, token_display_frame
+from tracer import TraceWriter
 from tracer.checks import Finding
 
 BUG_STEP, BUG_SEQUENCE, BUG_TOKEN = 1, 0, 3
@@ -163,3 +164,22 @@ def test_health_page_shows_script_tokens_literally(monkeypatch, buggy_root):
     assert BOLD in texts
     assert_no_raw_markup(at)
     assert SCRIPT not in " ".join(str(m.value) for m in at.markdown)
+
+
+def test_a_healthy_trace_still_being_written_passes_with_an_unfinished_note(monkeypatch, tmp_path):
+    writer = TraceWriter(tmp_path / "live", "grpo", tokenizer=ToyTokenizer(), hyperparameters=HYPERPARAMETERS)
+    try:
+        for step in range(2):
+            writer.record(step, healthy_step_tensors(step, 0), inner_step=0)
+        writer.flush()  # the steps are on disk; the writer is still open (manifest status "running")
+        at = start(monkeypatch, tmp_path)
+        at.switch_page("app_pages/health.py").run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert not at.error, [e.value for e in at.error]
+        assert any(NO_PROBLEMS in s.value for s in at.success)  # an info finding is not a problem
+        by_check = frame_with(at, {"check", "description"}).value
+        row = by_check[by_check["check"] == "trace.unfinished"]
+        assert row[["info", "error", "warning"]].iloc[0].tolist() == [1, 0, 0]
+        assert row["description"].iloc[0] == "the writer has not closed: the trace may grow or be cut short"
+    finally:
+        writer.close()

@@ -14,7 +14,7 @@ from typing import Iterable
 import pandas as pd
 
 from app.components.token_table import visible_tokens
-from tracer.checks import CHECKS, ERROR, SEVERITIES, WARNING, Finding
+from tracer.checks import ERROR, SEVERITIES, WARNING, Finding, description
 
 LOCATION_COLUMNS = ("step", "inner_step", "micro_batch", "rank", "sequence", "token", "token_id")
 # Columns of the findings table, in display order (``path`` stays last: it is long).
@@ -110,7 +110,7 @@ def per_check_counts(frame: pd.DataFrame) -> pd.DataFrame:
     counts = (frame.groupby(["check", "severity"]).size().unstack("severity", fill_value=0)
               .reindex(columns=list(SEVERITIES), fill_value=0))
     counts = counts.sort_values(list(SEVERITIES), ascending=False, kind="stable").reset_index()
-    counts["description"] = [CHECKS[c].description if c in CHECKS else "" for c in counts["check"]]
+    counts["description"] = [description(c) for c in counts["check"]]
     return counts[columns]
 
 

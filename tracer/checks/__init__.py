@@ -27,7 +27,7 @@ from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Toleran
 from tracer.checks.finding import (
     CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,
 )
-from tracer.checks.runner import run_checks, select_checks
+from tracer.checks.runner import description, run_checks, select_checks
 
 
 def has_errors(findings: list[Finding]) -> bool:
@@ -42,6 +42,6 @@ def count_by_severity(findings: list[Finding]) -> dict[str, int]:
 
 __all__ = [
     "CHECKS", "ERROR", "FAMILIES", "INFO", "SEVERITIES", "SKIPPED", "TOLERANCES", "WARNING", "Check",
-    "CheckOptions", "Finding", "Skip", "StepContext", "Tolerance", "count_by_severity", "has_errors",
+    "CheckOptions", "Finding", "Skip", "StepContext", "Tolerance", "count_by_severity", "description", "has_errors",
     "register", "run_checks", "select_checks",
 ]

@@ -10,8 +10,8 @@ from rich.console import Group
 from rich.markup import escape
 from rich.text import Text
 
-from tracer.checks.finding import CHECKS, SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
-from tracer.checks.runner import TRACE_FINDINGS
+from tracer.checks.finding import SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
+from tracer.checks.runner import description
 
 STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
 
@@ -58,10 +58,10 @@ def render_findings(findings: list[Finding], title: str = "", max_per_check: int
     for check_id, group in groupby(ordered, key=lambda f: f.check):
         items = list(group)
         severity = SEVERITIES[worst[check_id]]
-        description = CHECKS[check_id].description if check_id in CHECKS else TRACE_FINDINGS.get(check_id, "")
+        about = description(check_id)
         head = Text.assemble((f"{severity.upper():8}", STYLE[severity]), (check_id, "bold"),
                              (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
-                             (f"  — {description}" if description else "", "dim"))
+                             (f"  — {about}" if about else "", "dim"))
         blocks.append(head)
         entries = same_message(items)
         for f, others in entries[:max_per_check]:

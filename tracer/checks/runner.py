@@ -26,6 +26,13 @@ TRACE_FINDINGS = {UNREADABLE: "a step file that cannot be read",
                   UNFINISHED: "the writer has not closed: the trace may grow or be cut short"}
 
 
+def description(check_id: str) -> str:
+    """What a finding id stands for: a registered check's rule, or what a finding about the trace's
+    files (:data:`TRACE_FINDINGS`) is about; empty for an id neither knows."""
+    check = CHECKS.get(check_id)
+    return check.description if check is not None else TRACE_FINDINGS.get(check_id, "")
+
+
 def select_checks(select: Iterable[str] | None = None) -> list[Check]:
     """The checks named by ``select`` (ids like ``masks.after_eos`` or whole families like ``masks``);
     all when None. Raises TraceError for a name that is neither."""
