@@ -332,6 +332,41 @@ def test_case9_dpo_masks_by_different_rules(tmp_path):
     assert found(run_checks(tmp_path / "good"), "masks.dpo_rule") == []
 
 
+def dpo_pair(chosen_ids, chosen_start, rejected_ids, rejected_start):
+    """One pair whose masks keep everything from each side's start (logprobs -1 everywhere)."""
+    width = len(chosen_ids)
+    return {"chosen_ids": torch.tensor([chosen_ids]), "rejected_ids": torch.tensor([rejected_ids]),
+            "chosen_mask": (torch.arange(width) >= chosen_start).unsqueeze(0),
+            "rejected_mask": (torch.arange(width) >= rejected_start).unsqueeze(0),
+            **{f"{side}_{model}_logprobs": -torch.ones(1, width)
+               for side in ("chosen", "rejected") for model in ("policy", "ref")}}
+
+
+def test_case9_prompt_at_different_offsets_is_info_not_an_error(tmp_path):
+    # TRL's DPO collator with truncation_mode="keep_end" cuts each side from the left on its own: the
+    # prompt [..., 9, 3, 4] keeps one more token on the chosen side (longer completions lose more).
+    # chosen  = 9 3 4 | 5 6      (mask from 3)
+    # rejected = 3 4 | 7 8 2     (mask from 2): position 2 holds 4 (chosen's prompt) and 7 (rejected's
+    # answer): not shared; the tokens before each start, [9 3 4] and [3 4], end the same way.
+    root = write_trace(tmp_path / "shifted", "dpo", [(0, 0, dpo_pair([9, 3, 4, 5, 6], 3, [3, 4, 7, 8, EOS], 2))],
+                       {"beta": 0.1})
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert (f.severity, f.sequence, f.token) == (INFO, 0, None)
+    assert "chosen_mask first keeps position 3, rejected_mask position 2, but the tokens before" in f.message
+    assert (f.details["chosen_start"], f.details["rejected_start"], f.details["pairs"]) == (3, 2, [0])
+
+
+def test_case9_one_side_dropping_its_first_answer_token_is_still_an_error(tmp_path):
+    # chosen = 3 4 | 5 6 (mask from 2); rejected = 3 4 | 7 8 with its mask from 3: it drops 7, its own
+    # first answer token. Position 2 holds 5 and 7 (not shared), and the tokens before each start,
+    # [3 4] and [3 4 7], do not end the same way: a different rule, an error.
+    root = write_trace(tmp_path / "dropped", "dpo", [(0, 0, dpo_pair([3, 4, 5, 6], 2, [3, 4, 7, 8], 3))],
+                       {"beta": 0.1})
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert (f.severity, f.sequence, f.token, f.field) == (ERROR, 0, 2, "chosen_mask")
+    assert "chosen_mask keeps positions 2..2 that rejected_mask drops" in f.message
+
+
 # -- case 10: ratio exactly 1 -------------------------------------------------------------------------
 
 def case10_tensors(policy, old):
@@ -394,3 +429,21 @@ def test_check_of_an_open_trace_says_unfinished_and_a_closed_one_does_not(tmp_pa
     after = run_checks(root)
     assert found(after, "trace.unfinished") == []
     assert [f.to_dict() for f in after] == [f.to_dict() for f in findings if f.check != "trace.unfinished"]
+
+
+def test_hyper_reads_trl_loss_options_from_the_manifest_config_of_older_traces(tmp_path):
+    # A TRL trace recorded before the integration put delta & co. in step metadata keeps them only in
+    # the manifest's config.trainer_args (TRL's GRPOConfig names). hyper() reads those keys there, and
+    # only those: a trainer_args beta is not taken for the metadata key beta.
+    from tracer.checks import CheckOptions, StepContext
+    from tracer.reader import Trace
+
+    policy = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])
+    root = tmp_path / "old_trl"
+    with TraceWriter(root, "grpo", hyperparameters={"num_generations": 2},
+                     config={"trainer_args": {"delta": 1.5, "top_entropy_quantile": 0.5, "beta": 0.3}}) as writer:
+        writer.record(0, case10_tensors(policy, policy.clone()))
+    trace = Trace(root)
+    ctx = StepContext(trace, trace.steps()[0], CheckOptions())
+    assert (ctx.hyper("delta", None), ctx.hyper("top_entropy_quantile", 1.0)) == (1.5, 0.5)
+    assert ctx.hyper("beta", None) is None and ctx.hyper("off_policy_mask_threshold", None) is None

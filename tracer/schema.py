@@ -157,6 +157,15 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
 LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 
 
+# A DPO trainer that precomputes the reference (TRL's precompute_ref_log_probs) keeps only its
+# per-pair sums: a trace then records those [B] fields in place of the per-token ones, with step
+# metadata ref_logprobs_source = REF_PRECOMPUTED_SUMS (tracer.integrations.trl_dpo writes them,
+# the fields.required check reads them).
+REF_SEQUENCE_SUMS = {"chosen_ref_logprobs": "chosen_ref_sequence_logprobs",
+                     "rejected_ref_logprobs": "rejected_ref_sequence_logprobs"}
+REF_PRECOMPUTED_SUMS = "trl_precomputed_sums"
+
+
 def required_fields(algorithm: str) -> list[str]:
     """Canonical fields a trace of ``algorithm`` must carry."""
     return [name for name, spec in FIELDS.items() if algorithm in spec.required_for]

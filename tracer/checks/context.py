@@ -69,6 +69,11 @@ class CheckOptions:
 
 
 _REQUIRED = object()
+# TRL options whose names and meaning are the same in the manifest's config.trainer_args (TRL's
+# GRPOConfig, copied by tracer.integrations.trl_metadata) as in step metadata: read there when the
+# step metadata lacks them (traces recorded before the integration put them in metadata).
+TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_threshold",
+                              "mask_truncated_completions", "importance_sampling_level"})
 
 
 class StepContext:
@@ -119,13 +124,19 @@ class StepContext:
         return m.bool()
 
     def hyper(self, name: str, default: Any = _REQUIRED) -> Any:
-        """Hyperparameter ``name`` from step metadata, then the manifest; Skip when absent and no
-        default is given."""
+        """Hyperparameter ``name`` from step metadata, then the manifest's ``hyperparameters``, then
+        (only the :data:`TRAINER_ARG_KEYS`) the manifest's ``config.trainer_args``; Skip when absent
+        and no default is given."""
         if name in self.metadata and self.metadata[name] is not None:
             return self.metadata[name]
         manifest_h = self.trace.manifest.get("hyperparameters") or {}
         if name in manifest_h and manifest_h[name] is not None:
             return manifest_h[name]
+        if name in TRAINER_ARG_KEYS:  # a trace recorded before the TRL integration put them in metadata
+            config = self.trace.manifest.get("config")
+            trainer_args = config.get("trainer_args") if isinstance(config, dict) else None
+            if isinstance(trainer_args, dict) and trainer_args.get(name) is not None:
+                return trainer_args[name]
         if default is _REQUIRED:
             raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
         return default

@@ -1,14 +1,15 @@
 """Fields (SPEC.md section 4): a step carries the canonical fields its algorithm requires.
 
 Without them most checks can only be skipped, and a trace that passes with everything skipped
-proves nothing, so a missing required field is a warning naming the fields.
+proves nothing, so a missing required field is a warning naming the fields; a DPO reference the
+trainer kept only as per-pair sums (recorded as such) is an info finding instead.
 """
 
 from __future__ import annotations
 
 from tracer.checks.context import StepContext
-from tracer.checks.finding import WARNING, Skip, register
-from tracer.schema import ALGORITHMS, required_fields
+from tracer.checks.finding import INFO, WARNING, Skip, register
+from tracer.schema import ALGORITHMS, REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS, required_fields
 
 
 @register("fields.required", "the step carries the fields its algorithm requires (tracer.schema)",
@@ -17,6 +18,19 @@ def check_required(ctx: StepContext):
     if not ctx.algorithm:
         raise Skip("needs metadata key 'algorithm' to know which fields are required")
     missing = [f for f in required_fields(ctx.algorithm) if f not in ctx.data]
+    summed = [f for f in missing if REF_SEQUENCE_SUMS.get(f) in ctx.data]
+    if summed and ctx.hyper("ref_logprobs_source", None) == REF_PRECOMPUTED_SUMS:
+        missing = [f for f in missing if f not in summed]
+        note = ctx.finding(
+            "fields.required", INFO,
+            f"this {ctx.algorithm} step records the reference as per-pair sums "
+            f"({', '.join(REF_SEQUENCE_SUMS[f] for f in summed)}) instead of {summed}: the trainer precomputed "
+            "them (metadata ref_logprobs_source = 'trl_precomputed_sums', TRL's precompute_ref_log_probs) and "
+            "keeps no per-token reference, so the checks that need it are skipped.", None, summed=summed)
+        if not missing:
+            return [note]
+    else:
+        note = None
     if not missing:
         return []
     message = (
@@ -24,4 +38,4 @@ def check_required(ctx: StepContext):
         "are skipped, so a clean report says little about this step. Likely fix: record them (see the field "
         "table in README.md and tracer/schema.py)."
     )
-    return [ctx.finding("fields.required", WARNING, message, None, missing=missing)]
+    return [ctx.finding("fields.required", WARNING, message, None, missing=missing), *([note] if note else [])]

@@ -154,7 +154,21 @@ def check_dpo_rule(ctx: StepContext):
     rows = (start_c != start_r).nonzero().flatten().tolist()
     if not rows:
         return []
-    b = rows[0]
+    shifted = [b for b in rows if _same_prompt_shifted(chosen_ids[b], rejected_ids[b], int(start_c[b]), int(start_r[b]))]
+    wrong = [b for b in rows if b not in shifted]
+    if not wrong:  # every differing pair: the same prompt ending before each side's start, at different offsets
+        b = shifted[0]
+        sc, sr = int(start_c[b]), int(start_r[b])
+        message = (
+            f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}, but the tokens before "
+            f"each side's start end the same way (the prompt, at offsets {sc - min(sc, sr)} and "
+            f"{sr - min(sc, sr)}): both masks keep only their completion, the prompt sits at a different offset "
+            f"on each side (each side truncated from the left or padded on its own, as TRL's DPO collator does "
+            f"with truncation_mode='keep_end'). {len(rows)} of {chosen_mask.shape[0]} pairs are laid out so."
+        )
+        return [ctx.finding("masks.dpo_rule", INFO, message, b, None, pairs=shifted[:50],
+                            chosen_start=sc, rejected_start=sr)]
+    b = wrong[0]
     sc, sr = int(start_c[b]), int(start_r[b])
     side, other = ("rejected", "chosen") if sr < sc else ("chosen", "rejected")
     lo, hi = min(sc, sr), max(sc, sr)
@@ -168,12 +182,25 @@ def check_dpo_rule(ctx: StepContext):
     message = (
         f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}: {side}_mask keeps "
         f"positions {lo}..{hi - 1}{' (tokens shared by both sides: the prompt)' if shared else ''} that "
-        f"{other}_mask drops. {len(rows)} of {chosen_mask.shape[0]} pairs differ.{loss_text} Why it matters: "
+        f"{other}_mask drops. {len(wrong)} of {chosen_mask.shape[0]} pairs differ.{loss_text} Why it matters: "
         "DPO compares summed logprobs of the two sides; extra prompt tokens on one side shift its sum, and "
         "the logits measure mask construction instead of preference. Likely fix: build both masks with the "
         "same function (prompt length and padding taken from the same tokenisation)."
     )
     return [ctx.finding("masks.dpo_rule", ERROR, message, b, lo, field=f"{side}_mask", ids_field=f"{side}_ids",
-                        pairs=rows[:50], chosen_start=sc, rejected_start=sr,
+                        pairs=wrong[:50], chosen_start=sc, rejected_start=sr,
                         loss=None if loss is None else float(loss[b]),
                         loss_same_rule=None if fixed is None else float(fixed[b]))]
+
+
+def _same_prompt_shifted(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, sc: int, sr: int) -> bool:
+    """True when the two sides of a pair differ in where their masks start only because their prompt
+    sits at different offsets: the positions one side keeps and the other drops hold different tokens
+    on the two sides (no shared prompt kept on one side), and the shorter run of tokens before a
+    side's start is the end of the longer one (the same prompt tail before each completion: each
+    side cut from the left or padded on its own). ``chosen_ids``, ``rejected_ids``: ``[T]`` ids of
+    one pair; ``sc``, ``sr``: each side's first kept position."""
+    lo, hi = min(sc, sr), max(sc, sr)
+    if lo == 0 or chosen_ids[lo:hi].tolist() == rejected_ids[lo:hi].tolist():
+        return False
+    return chosen_ids[sc - lo:sc].tolist() == rejected_ids[sr - lo:sr].tolist()

@@ -54,11 +54,12 @@ from tracer import formulas
 from tracer.errors import TraceError
 from tracer.integrations.trl_base import TrainerTraceHook, require_methods
 from tracer.integrations.trl_metadata import DPO_CONFIG_KEYS, dpo_hyperparameters_of, run_config_of, tokenizer_of
+from tracer.schema import REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS
 
 __all__ = ["DPOTraceHook"]
 
 REF_FROM_MODEL, REF_FROM_ADAPTER_OFF, REF_PRECOMPUTED = (
-    "trl_ref_model_forward", "trl_adapter_disabled_forward", "trl_precomputed_sums")
+    "trl_ref_model_forward", "trl_adapter_disabled_forward", REF_PRECOMPUTED_SUMS)
 _POLICY, _REF = "policy", "ref"
 
 
@@ -170,7 +171,8 @@ class DPOTraceHook(TrainerTraceHook):
         if source == REF_PRECOMPUTED:
             ref_c = inputs["ref_chosen_logps"].detach().float().cpu()  # (B,)
             ref_r = inputs["ref_rejected_logps"].detach().float().cpu()  # (B,)
-            tensors.update(chosen_ref_sequence_logprobs=ref_c, rejected_ref_sequence_logprobs=ref_r)
+            tensors.update({REF_SEQUENCE_SUMS["chosen_ref_logprobs"]: ref_c,
+                            REF_SEQUENCE_SUMS["rejected_ref_logprobs"]: ref_r})
         elif ref is None:
             raise TraceError("no reference log_probs were captured in compute_loss (no ref_model forward, no "
                              "second policy forward, no precomputed ref_chosen_logps)")
@@ -192,11 +194,15 @@ class DPOTraceHook(TrainerTraceHook):
     def _loss_is_sigmoid_dpo(self) -> bool:
         """True when TRL's loss is ``-logsigmoid(beta * logits)`` of plain masked sums, i.e. what
         :func:`tracer.formulas.dpo_terms` computes (``loss_type == ["sigmoid"]``, reverse KL, no
-        ``ld_alpha`` length weighting, no WPO weighting)."""
+        ``ld_alpha`` length weighting, no WPO weighting, a loss weight of 1 (``loss_weights``, TRL 1.16
+        ``dpo_trainer.py`` multiplies each loss type's loss by its weight) and no router auxiliary loss
+        added (``aux_loss_enabled``, a mixture-of-experts model))."""
         trainer = self.trainer
-        return (list(getattr(trainer, "loss_types", []) or []) == ["sigmoid"]
+        weights = [float(w) for w in (getattr(trainer, "loss_weights", None) or [1.0])]
+        return (list(getattr(trainer, "loss_types", []) or []) == ["sigmoid"] and weights == [1.0]
                 and getattr(trainer, "f_divergence_type", "reverse_kl") == "reverse_kl"
-                and getattr(trainer, "ld_alpha", None) is None and not getattr(trainer, "use_weighting", False))
+                and getattr(trainer, "ld_alpha", None) is None and not getattr(trainer, "use_weighting", False)
+                and not getattr(trainer, "aux_loss_enabled", False))
 
 
 def _token_aligned(log_probs: torch.Tensor, S: int) -> torch.Tensor:

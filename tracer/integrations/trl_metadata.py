@@ -96,8 +96,18 @@ def hyperparameters_of(trainer: Any) -> dict[str, Any]:
         "use_bias_correction_kl": bool(getattr(trainer.args, "use_bias_correction_kl", False)),
         "vllm_importance_sampling_correction": bool(getattr(trainer, "use_vllm", False)
                                                     and getattr(trainer, "vllm_importance_sampling_correction", False)),
+        # the options that change which tokens and ratios the loss keeps (the checks that recompute
+        # the loss skip, or read the mask rule, by them; TRL 1.16 grpo_trainer.py _compute_loss)
+        "delta": _float_or_none(getattr(trainer.args, "delta", None)),
+        "top_entropy_quantile": float(getattr(trainer, "top_entropy_quantile", 1.0)),
+        "off_policy_mask_threshold": _float_or_none(getattr(trainer, "off_policy_mask_threshold", None)),
+        "mask_truncated_completions": bool(getattr(trainer, "mask_truncated_completions", False)),
         "logprob_source": "trl_fused_lm_head",
     }
+
+
+def _float_or_none(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def rloo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
