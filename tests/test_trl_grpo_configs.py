@@ -92,6 +92,10 @@ CASES = [
     pytest.param({"temperature": 0.7, "top_k": 5}, 2, 0, None, None, id="temperature-top-k"),
     pytest.param({"scale_rewards": "none", "loss_type": "dapo"}, 2, 0, None, None, id="dapo-no-scale"),
     pytest.param({"num_iterations": 3}, 3, 0, None, None, id="num-iterations-3"),  # inner steps 0, 1, 2
+    # TRL 1.16's other loss types: soft-gated (SAPO), variance-reduced sequence weights (VESPO), LUSPO
+    pytest.param({"loss_type": "sapo"}, 2, 0, None, None, id="sapo"),
+    pytest.param({"loss_type": "vespo"}, 2, 0, None, None, id="vespo"),
+    pytest.param({"loss_type": "luspo"}, 2, 0, None, None, id="luspo"),
     pytest.param({"off_policy_mask_threshold": 0.001}, 2, 0, _off_policy_mask_drops(0.001),
                  ("recompute.loss", "skipped", "off_policy_mask_threshold = 0.001"), id="off-policy-mask"),
 ]
