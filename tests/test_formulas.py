@@ -236,3 +236,16 @@ def test_dpo_terms_for_a_pair_by_hand():
     assert abs(float(got["dpo_loss"]) - 0.6733) < 1e-4
     torch.testing.assert_close(got["chosen_rewards"], torch.tensor([0.02]))  # 0.1 * (-0.9 + 1.1)
     torch.testing.assert_close(got["rejected_rewards"], torch.tensor([-0.02]))  # 0.1 * (-3.1 + 2.9)
+
+
+def test_grpo_per_token_loss_two_sided_clipping_by_hand():
+    # r = 1.5 on both tokens, eps 0.2 (clip to [0.8, 1.2]), delta 1.3 (TRL's two-sided clipping).
+    # A = -1: min(min(1.5, 1.3) * -1, 1.2 * -1) = min(-1.3, -1.2) = -1.3 -> loss 1.3 (1.5 without delta).
+    # A = +1: min(1.3, 1.2) = 1.2 -> loss -1.2, as without delta (delta only bounds negative advantages).
+    old = torch.zeros(2, 1)
+    policy = torch.full((2, 1), math.log(1.5))
+    advantages = torch.tensor([-1.0, 1.0])
+    with_delta = formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2, delta=1.3)
+    without = formulas.grpo_per_token_loss(policy, old, advantages, 0.2, 0.2)
+    assert torch.allclose(with_delta, torch.tensor([[1.3], [-1.2]]), atol=1e-6)
+    assert torch.allclose(without, torch.tensor([[1.5], [-1.2]]), atol=1e-6)

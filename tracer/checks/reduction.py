@@ -45,7 +45,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
     trl_loss = trl_loss_type(ctx)
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
-    for key, off in (("delta", None), ("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
+    for key, off in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
         if ctx.hyper(key, off) not in (off,):
             raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
     cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
@@ -74,8 +74,9 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0) -> torch.T
         if advantages.dim() != 2:
             raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
         return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref)
+    delta = ctx.hyper("delta", None)  # TRL's two-sided clipping (its grpo-style losses only; not CISPO's)
     return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
-                                        sampler_weights)
+                                        sampler_weights, None if delta is None else float(delta))
 
 
 def _kl_term_name(ctx: StepContext) -> str:

@@ -120,6 +120,7 @@ def grpo_per_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_importance_weighted: bool = False,
     sampler_weights: torch.Tensor | None = None,
+    delta: float | None = None,
 ) -> torch.Tensor:
     """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
 
@@ -127,11 +128,15 @@ def grpo_per_token_loss(
     ratio r (TRL's ``use_bias_correction_kl``: the KL of tokens sampled from old, reweighted to the policy).
     ``sampler_weights`` (``[B, T]`` or ``[B]``) multiply the policy-gradient term only: the capped
     importance weights ``exp(old - sampler)`` of TRL's ``vllm_importance_sampling_correction``.
+    ``delta`` (two-sided clipping, TRL's ``GRPOConfig.delta``, from INTELLECT-2): the unclipped term
+    uses ``min(r, δ)``, so that a negative advantage cannot push a token's weight past δ; the clipped
+    term and the KL's importance weight keep ``r``.
     Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    surrogate = torch.min(r * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
+    unclipped = r if delta is None else torch.clamp(r, max=delta)
+    surrogate = torch.min(unclipped * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
     if sampler_weights is not None:
         surrogate = surrogate * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
     if beta and ref_logprobs is not None:
