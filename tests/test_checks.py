@@ -247,6 +247,22 @@ def test_case7_every_group_has_zero_variance(tmp_path):
     assert "no learning signal" in f.message
 
 
+def test_case7_equal_rewards_with_kl_penalised_advantages_is_info(tmp_path):
+    # RLOO with beta > 0 (TRL's rloo_kl): A_i = r'_i - mean_{j != i} r'_j with r' = r - beta * sum(old - ref).
+    # Every reward 0, but the penalties differ: beta = 0.1, sums [0.2, 0.1, 0.0, 0.3] give
+    # r' = [-0.02, -0.01, 0.0, -0.03]; A_0 = -0.02 - (-0.01 + 0.0 - 0.03) / 3 = -0.02 + 0.013333 = -0.006667,
+    # A_2 = 0 - (-0.06) / 3 = +0.02 and A_3 = -0.03 - (-0.03) / 3 = -0.02: the largest |A| is 0.02.
+    rewards = torch.zeros(4)
+    penalised = rewards - 0.1 * torch.tensor([0.2, 0.1, 0.0, 0.3])
+    advantages = penalised - (penalised.sum() - penalised) / 3
+    assert math.isclose(float(advantages[0]), -0.02 + 0.04 / 3, abs_tol=1e-7)
+    root = write_trace(tmp_path / "r", "rloo", [(0, 0, {"rewards": rewards, "advantages": advantages,
+                                                        "group_ids": torch.zeros(4, dtype=torch.long)})],
+                       {"num_generations": 4, "advantage_rule": "rloo_kl", "beta": 0.1})
+    (f,) = found(run_checks(root), "advantages.zero_variance")
+    assert f.severity == INFO and "the recorded advantages are not 0 (largest |A| 0.02)" in f.message
+
+
 # -- case 8: which loss reduction produced the recorded loss ----------------------------------------
 
 def case8_tensors(loss):

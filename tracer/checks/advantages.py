@@ -126,6 +126,17 @@ def check_zero_variance(ctx: StepContext):
                             "(all G rewards equal): the reward gives their completions no advantage over each other.",
                             zero[0][0], field="rewards", zero_variance_share=share)]
     flat = rewards[[r for rows in groups for r in rows]]
+    if ctx.has("advantages"):
+        advantages = ctx.tensor("advantages")[[r for rows in groups for r in rows]]
+        largest = float(advantages.abs().max()) if advantages.numel() else 0.0
+        if largest > ctx.tol.atol:  # the rule adds another term: RLOO's rewards - beta * sum(old - ref)
+            return [ctx.finding(
+                "advantages.zero_variance", INFO,
+                f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), but the "
+                f"recorded advantages are not 0 (largest |A| {largest:.4g}): they come from the advantage "
+                f"rule's other terms (advantage_rule {ctx.hyper('advantage_rule', None)!r}; RLOO's "
+                "rloo_kl subtracts beta * sum(old - ref) from each reward), not from the reward.",
+                zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
     message = (
         f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), so every advantage is "
         f"0 and the step carries no learning signal (only the KL term moves the policy). The batch std of the "

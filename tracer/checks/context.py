@@ -76,17 +76,43 @@ TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_
                               "mask_truncated_completions", "importance_sampling_level"})
 
 
-class StepContext:
+class StepHeader:
+    """What a step file's header says: ``key``, ``metadata``, ``algorithm`` and :meth:`hyper`, without
+    reading its tensors (trace-level checks that only need to know which steps to look at)."""
+
+    def __init__(self, trace: Trace, key: StepKey) -> None:
+        self.trace = trace
+        self.key = key
+        self.metadata: dict[str, Any] = trace.metadata(key)
+        self.algorithm: str = str(self.metadata.get("algorithm") or trace.manifest.get("algorithm") or "")
+
+    def hyper(self, name: str, default: Any = _REQUIRED) -> Any:
+        """Hyperparameter ``name`` from step metadata, then the manifest's ``hyperparameters``, then
+        (only the :data:`TRAINER_ARG_KEYS`) the manifest's ``config.trainer_args``; Skip when absent
+        and no default is given."""
+        if name in self.metadata and self.metadata[name] is not None:
+            return self.metadata[name]
+        manifest_h = self.trace.manifest.get("hyperparameters") or {}
+        if name in manifest_h and manifest_h[name] is not None:
+            return manifest_h[name]
+        if name in TRAINER_ARG_KEYS:  # a trace recorded before the TRL integration put them in metadata
+            config = self.trace.manifest.get("config")
+            trainer_args = config.get("trainer_args") if isinstance(config, dict) else None
+            if isinstance(trainer_args, dict) and trainer_args.get(name) is not None:
+                return trainer_args[name]
+        if default is _REQUIRED:
+            raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
+        return default
+
+
+class StepContext(StepHeader):
     """One step file opened for checking: ``data`` (all tensors), ``metadata``, ``options``."""
 
     def __init__(self, trace: Trace, key: StepKey, options: CheckOptions | None = None) -> None:
-        self.trace = trace
-        self.key = key
+        super().__init__(trace, key)
         self.options = options or CheckOptions()
-        self.metadata: dict[str, Any] = trace.metadata(key)
         self.data: dict[str, torch.Tensor] = trace.load_step(key)
         self.derived: set[str] = set(trace.derived_fields(key))  # added by the reader (tracer.derived)
-        self.algorithm: str = str(self.metadata.get("algorithm") or trace.manifest.get("algorithm") or "")
         stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
         declared = [str(self.metadata.get(k, "")) for k in ("source_dtype", "model_dtype")]
         self.dtype = loosest_dtype([p.strip() for d in declared for p in d.split(",") if p.strip()] + stored)
@@ -122,24 +148,6 @@ class StepContext:
         """A ``[B, T]`` bool mask; raises Skip when absent."""
         (m,) = self.require(name)
         return m.bool()
-
-    def hyper(self, name: str, default: Any = _REQUIRED) -> Any:
-        """Hyperparameter ``name`` from step metadata, then the manifest's ``hyperparameters``, then
-        (only the :data:`TRAINER_ARG_KEYS`) the manifest's ``config.trainer_args``; Skip when absent
-        and no default is given."""
-        if name in self.metadata and self.metadata[name] is not None:
-            return self.metadata[name]
-        manifest_h = self.trace.manifest.get("hyperparameters") or {}
-        if name in manifest_h and manifest_h[name] is not None:
-            return manifest_h[name]
-        if name in TRAINER_ARG_KEYS:  # a trace recorded before the TRL integration put them in metadata
-            config = self.trace.manifest.get("config")
-            trainer_args = config.get("trainer_args") if isinstance(config, dict) else None
-            if isinstance(trainer_args, dict) and trainer_args.get(name) is not None:
-                return trainer_args[name]
-        if default is _REQUIRED:
-            raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
-        return default
 
     def old_logprobs(self) -> torch.Tensor:
         """``old_logprobs``; ``policy_logprobs`` when metadata says old is the detached policy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
-from tracer.checks.context import StepContext
+from tracer.checks.context import StepContext, StepHeader
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
@@ -22,7 +22,7 @@ POLICY_DETACHED = "policy_detached"
 ALIAS_NOISE = {"float64": 1e-9, "float32": 1e-5, "float16": 0.0, "bfloat16": 0.0}
 
 
-def is_fresh(ctx: StepContext) -> bool:
+def is_fresh(ctx: StepHeader) -> bool:
     """True when no optimizer step has used this step's rollouts yet.
 
     Metadata ``fresh_rollouts`` decides when present. Otherwise inner step 0, and: for PPO the first

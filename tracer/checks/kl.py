@@ -12,7 +12,7 @@ import math
 import torch
 
 from tracer import formulas
-from tracer.checks.context import CheckOptions, StepContext, worst_positions
+from tracer.checks.context import CheckOptions, StepContext, StepHeader, worst_positions
 from tracer.checks.finding import ERROR, RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import is_fresh
 from tracer.reader import Trace
@@ -77,7 +77,7 @@ def check_ref_gap(ctx: StepContext):
                         ref_kl_k3=k3, harmful_tokens=n_harmful)]
 
 
-def _untruncated_sampling(ctx: StepContext) -> bool:
+def _untruncated_sampling(ctx: StepHeader) -> bool:
     """True unless metadata says sampling was truncated (top_p < 1 or top_k > 0): under a truncated
     distribution E[policy - ref] over the sampled tokens may be negative legitimately."""
     top_p, top_k = ctx.hyper("top_p", None), ctx.hyper("top_k", None)
@@ -129,18 +129,26 @@ def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:
     return float(k1.mean()), float(k1.std() / math.sqrt(k1.numel()))
 
 
-@register("kl.k1_negative", "mean k1 = policy - ref over kept tokens is not significantly negative in "
-          "every step", RL_ALGORITHMS, scope="trace")
+def _sampled_from_policy(trace: Trace, key) -> bool:
+    """True when the step's tokens were sampled from its policy_logprobs' policy, untruncated: fresh
+    rollouts (:func:`tracer.checks.identity.is_fresh`; after an update they were sampled from old),
+    and no top_p / top_k in metadata."""
+    header = StepHeader(trace, key)
+    return is_fresh(header) and _untruncated_sampling(header)
+
+
+@register("kl.k1_negative", "on fresh rollouts, mean k1 = policy - ref over kept tokens is not significantly "
+          "negative in every step", RL_ALGORITHMS, scope="trace")
 def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
-    stats = [(key, s) for key in keys if (s := _k1_stats(trace, key)) is not None]
+    stats = [(key, s) for key in keys if _sampled_from_policy(trace, key) and (s := _k1_stats(trace, key)) is not None]
     moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
     if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
         return []
     key, m, _ = min(moving, key=lambda x: x[1])
     message = (
         f"mean k1 = policy - ref over kept tokens is significantly negative in all {len(moving)} step files "
-        f"that moved (lowest {m:.4g} nats at step {key.step}, inner {key.inner_step}). Sampled from the "
-        "policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, the tokens were "
+        f"of fresh rollouts that moved (lowest {m:.4g} nats at step {key.step}, inner {key.inner_step}). "
+        "Sampled from the policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, the tokens were "
         "not sampled from this policy (off-policy data, a temperature or top-p mismatch) or policy and "
         "reference are swapped, and every KL estimate of the run is off. Likely fix: check which model "
         "produced each logprob tensor and that all use the sampling temperature."
