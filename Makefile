@@ -53,7 +53,7 @@ test: $(STAMP) $(VERL_STAMP) $(VLLM_STAMP)
 	$(MAKE) test-vllm
 
 test-verl: $(VERL_STAMP)
-	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py
+	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py tests/test_verl_configs.py
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl

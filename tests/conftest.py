@@ -16,12 +16,13 @@ os.environ.setdefault("TRACER_WRITER", "thread")
 
 # tests/test_verl.py needs verl, which pins its own transformers: it runs in .venv-verl (`make test-verl`,
 # part of `make test`), not here, and is left out of collection rather than reported as skipped.
-collect_ignore = [] if importlib.util.find_spec("verl") is not None else ["test_verl.py"]
+collect_ignore = [] if importlib.util.find_spec("verl") is not None else ["test_verl.py", "test_verl_configs.py"]
 
 
 def pytest_report_header(config):
     if collect_ignore:
-        return "tests/test_verl.py not collected: verl is not installed here; it runs in .venv-verl (make test-verl)"
+        return ("tests/test_verl.py, tests/test_verl_configs.py not collected: verl is not installed here; they run "
+                "in .venv-verl (make test-verl)")
     return None
 
 

@@ -164,6 +164,9 @@ LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 REF_SEQUENCE_SUMS = {"chosen_ref_logprobs": "chosen_ref_sequence_logprobs",
                      "rejected_ref_logprobs": "rejected_ref_sequence_logprobs"}
 REF_PRECOMPUTED_SUMS = "trl_precomputed_sums"
+# An estimator that gives each token its own advantage outside PPO (verl's optimal_token_baseline):
+# a [B, T] field of this name stands in for the per-sequence advantages (tracer.integrations.verl_record).
+TOKEN_ADVANTAGES = "token_advantages"
 
 
 def required_fields(algorithm: str) -> list[str]:

@@ -21,6 +21,8 @@ from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
 Z_SCORE_RULES = {"group_zscore", "group_zscore_unbiased", "verl_grpo"}  # |A| <= sqrt(G - 1) holds for these
+# the rules that subtract the group's mean reward (leave-one-out included): their advantages sum to 0 per group
+GROUP_CENTRED_RULES = Z_SCORE_RULES | {"batch_zscore_unbiased", "group_mean", "rloo", "rloo_kl"}
 
 
 def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
@@ -86,6 +88,9 @@ def check_group_size(ctx: StepContext):
 
 @register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)
 def check_group_sum(ctx: StepContext):
+    rule = ctx.hyper("advantage_rule", None)
+    if rule is not None and formulas.ADVANTAGE_RULE_ALIASES.get(str(rule), str(rule)) not in GROUP_CENTRED_RULES:
+        raise Skip(f"advantage_rule = {rule!r} is not centred on the group mean: its advantages need not sum to 0")
     advantages = _sequence_advantages(ctx)
     groups, G = full_groups(ctx, advantages.shape[0])
     bad = []
@@ -188,6 +193,35 @@ def check_z_bound(ctx: StepContext):
     return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
 
 
+def whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):
+    """Does ``recorded`` equal ``a * raw + b`` (a > 0) on the kept tokens, as whitening GAE with the
+    statistics of the whole rollout gives (a step file may hold one minibatch of it)? Returns
+    ``(matches, a, b, max residual)``."""
+    y, x = recorded.double()[keep], raw.double()[keep]  # (N,)
+    if y.numel() == 0:
+        return False, float("nan"), float("nan"), float("nan")
+    xc = x - x.mean()
+    spread = float((xc ** 2).sum())
+    a = float((xc * (y - y.mean())).sum()) / spread if spread > 0 else 1.0
+    b = float(y.mean()) - a * float(x.mean())
+    residual = (y - (a * x + b)).abs()
+    tol = 10 * ctx.tol.atol + 10 * ctx.tol.rtol * y.abs()
+    return bool(a > 0 and (residual <= tol).all()), a, b, float(residual.max())
+
+
+def _whitening_shift(ctx: StepContext, advantages: torch.Tensor, keep: torch.Tensor, offset: float) -> bool:
+    """True when ``offset`` is the shift ``b`` of whitening GAE: the kept advantages are ``a * gae + b``
+    (a > 0) with raw GAE recomputed from the recorded token_rewards and values (0 on masked slots,
+    so whitening without re-masking leaves ``b`` there, as verl's masked_whiten does). False when
+    those fields or gamma / lam are not recorded."""
+    if not ctx.has("token_rewards", "values") or ctx.hyper("gamma", None) is None or ctx.hyper("lam", None) is None:
+        return False
+    raw, _ = formulas.gae(ctx.tensor("token_rewards"), ctx.tensor("values"), keep, float(ctx.hyper("gamma")),
+                          float(ctx.hyper("lam")))
+    matches, _, shift, _ = whitened_fit(advantages, raw, keep, ctx)
+    return matches and abs(offset - shift) <= 10 * ctx.tol.atol + 10 * ctx.tol.rtol * abs(shift)
+
+
 @register("advantages.masked_positions", "per-token advantages are 0 on masked positions", {"ppo", ""})
 def check_masked_positions(ctx: StepContext):
     (advantages,) = ctx.require("advantages")
@@ -199,7 +233,8 @@ def check_masked_positions(ctx: StepContext):
         return []
     b, t = (int(i) for i in leak.nonzero()[0])
     offsets = advantages[leak]
-    if offsets.numel() > 1 and bool(((offsets - offsets[0]).abs() <= ctx.tol.atol + ctx.tol.rtol * offsets[0].abs()).all()):
+    constant = bool(((offsets - offsets[0]).abs() <= ctx.tol.atol + ctx.tol.rtol * offsets[0].abs()).all())
+    if constant and (offsets.numel() > 1 or _whitening_shift(ctx, advantages, keep, float(offsets[0]))):
         # one constant on every masked slot: GAE was 0 there and the batch was whitened afterwards
         # without re-masking (verl's masked_whiten gives -mean * rsqrt(var + eps)); consumers mask it
         return [ctx.finding("advantages.masked_positions", INFO,

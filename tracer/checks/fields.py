@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tracer.checks.context import StepContext
 from tracer.checks.finding import INFO, WARNING, Skip, register
-from tracer.schema import ALGORITHMS, REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS, required_fields
+from tracer.schema import ALGORITHMS, REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS, TOKEN_ADVANTAGES, required_fields
 
 
 @register("fields.required", "the step carries the fields its algorithm requires (tracer.schema)",
@@ -18,24 +18,28 @@ def check_required(ctx: StepContext):
     if not ctx.algorithm:
         raise Skip("needs metadata key 'algorithm' to know which fields are required")
     missing = [f for f in required_fields(ctx.algorithm) if f not in ctx.data]
+    notes = []
     summed = [f for f in missing if REF_SEQUENCE_SUMS.get(f) in ctx.data]
     if summed and ctx.hyper("ref_logprobs_source", None) == REF_PRECOMPUTED_SUMS:
         missing = [f for f in missing if f not in summed]
-        note = ctx.finding(
+        notes.append(ctx.finding(
             "fields.required", INFO,
             f"this {ctx.algorithm} step records the reference as per-pair sums "
             f"({', '.join(REF_SEQUENCE_SUMS[f] for f in summed)}) instead of {summed}: the trainer precomputed "
             "them (metadata ref_logprobs_source = 'trl_precomputed_sums', TRL's precompute_ref_log_probs) and "
-            "keeps no per-token reference, so the checks that need it are skipped.", None, summed=summed)
-        if not missing:
-            return [note]
-    else:
-        note = None
+            "keeps no per-token reference, so the checks that need it are skipped.", None, summed=summed))
+    if "advantages" in missing and TOKEN_ADVANTAGES in ctx.data:
+        missing.remove("advantages")
+        notes.append(ctx.finding(
+            "fields.required", INFO,
+            f"this {ctx.algorithm} step records per-token advantages ({TOKEN_ADVANTAGES}, [B, T]) instead of one "
+            "advantage per sequence: the estimator gives each token its own (verl's optimal_token_baseline, "
+            "for one), so the checks of per-sequence advantages are skipped.", None, standin=TOKEN_ADVANTAGES))
     if not missing:
-        return []
+        return notes
     message = (
         f"this {ctx.algorithm} step lacks required fields {missing}. Why it matters: the checks that need them "
         "are skipped, so a clean report says little about this step. Likely fix: record them (see the field "
         "table in README.md and tracer/schema.py)."
     )
-    return [ctx.finding("fields.required", WARNING, message, None, missing=missing), *([note] if note else [])]
+    return [ctx.finding("fields.required", WARNING, message, None, missing=missing), *notes]

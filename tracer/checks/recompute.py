@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tracer import formulas
-from tracer.checks.advantages import full_groups
+from tracer.checks.advantages import full_groups, whitened_fit
 from tracer.checks.context import StepContext, where_text
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
@@ -88,6 +88,9 @@ def _declared_rule(ctx: StepContext) -> str | None:
         try:
             return formulas.advantage_rule_name(str(rule))
         except ValueError as err:
+            if str(rule).startswith("verl_"):  # tracer.integrations.verl_record names verl's other estimators so
+                raise Skip(f"advantage_rule {rule!r}: verl's {str(rule)[5:]!r} estimator, which "
+                           "tracer.formulas has no rule for (not recomputed)") from None
             raise Skip(str(err)) from None
     if ctx.algorithm in ("rloo", "ppo"):
         return None
@@ -123,22 +126,6 @@ def _group_rules(ctx: StepContext, rows: list[int]):
             "verl_grpo": lambda r, G: formulas.verl_grpo_advantages(r, torch.arange(r.shape[0] // G).repeat_interleave(G))}
 
 
-def _whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):
-    """Does ``recorded`` equal ``a * raw + b`` (a > 0) on the kept tokens, as whitening GAE with the
-    statistics of the whole rollout gives (a step file may hold one minibatch of it)? Returns
-    ``(matches, a, b, max residual)``."""
-    y, x = recorded.double()[keep], raw.double()[keep]  # (N,)
-    if y.numel() == 0:
-        return False, float("nan"), float("nan"), float("nan")
-    xc = x - x.mean()
-    spread = float((xc ** 2).sum())
-    a = float((xc * (y - y.mean())).sum()) / spread if spread > 0 else 1.0
-    b = float(y.mean()) - a * float(x.mean())
-    residual = (y - (a * x + b)).abs()
-    tol = 10 * ctx.tol.atol + 10 * ctx.tol.rtol * y.abs()
-    return bool(a > 0 and (residual <= tol).all()), a, b, float(residual.max())
-
-
 def _check_gae(ctx: StepContext):
     advantages, token_rewards, values = ctx.require("advantages", "token_rewards", "values")
     gamma, lam = float(ctx.hyper("gamma")), float(ctx.hyper("lam"))
@@ -157,7 +144,7 @@ def _check_gae(ctx: StepContext):
     raw_findings = compare(ctx, "recompute.advantages", "advantages", advantages, raw, keep, formula)
     if declared is None and not raw_findings:
         return findings
-    whitened, a, b, residual = _whitened_fit(advantages, raw, keep, ctx)
+    whitened, a, b, residual = whitened_fit(advantages, raw, keep, ctx)
     if declared == "gae":
         if raw_findings and whitened:
             raw_findings[0].message = ("the values follow the 'gae_whitened' rule instead of the declared 'gae'. "

@@ -19,6 +19,7 @@ import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
+from tracer.schema import TOKEN_ADVANTAGES
 from tracer.writer import TraceWriter
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ LOSS_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_m
                   "seq-mean-token-sum-norm": "constant"}
 # verl adv_estimator -> SPEC algorithm of the trace
 _ALGORITHM = {"gae": "ppo", "rloo": "rloo", "rloo_vectorized": "rloo"}
+VERL_RULE_PREFIX = "verl_"  # advantage_rule of a verl estimator tracer has no rule for: "verl_<adv_estimator>"
 
 
 def _name(value: Any) -> str:
@@ -147,7 +149,7 @@ class DriverRecorder(_Recorder):
         elif per_row is not None:
             tensors["advantages"] = per_row
         else:
-            tensors["token_advantages"] = advantages
+            tensors[TOKEN_ADVANTAGES] = advantages
         if "token_level_scores" in keys:
             tensors["verl_scores"] = batch["token_level_scores"].sum(dim=-1)  # before any KL-in-reward
         uids = None
@@ -166,6 +168,8 @@ class DriverRecorder(_Recorder):
         if estimator in ("grpo", "grpo_vectorized"):
             meta["advantage_rule"] = "verl_grpo" if norm else "group_mean"  # mean-centred only (Dr. GRPO)
             meta["advantage_std"] = "unbiased"
+        elif estimator not in _ALGORITHM:  # REINFORCE++, ReMax, OPO, GPG, pass@k...: verl's own rule, named
+            meta["advantage_rule"] = f"{VERL_RULE_PREFIX}{estimator}"  # so no check takes it for a GRPO z-score
         return meta
 
 
