@@ -14,11 +14,12 @@ skipped are fine), except the one warning docs/verl.md announces for every rollo
 (``fields.required``: the driver's files lack ``policy_logprobs``), which tests/test_verl.py's
 configuration raises as well.
 
-Eleven of these cases were false alarms, fixed since: verl's estimators other than GRPO, RLOO and
+Twelve of these cases were false alarms, fixed since: verl's estimators other than GRPO, RLOO and
 GAE now carry ``advantage_rule = "verl_<estimator>"`` (no check takes them for a GRPO z-score), the
-per-token advantages of ``optimal_token_baseline`` stand in for the per-sequence ones, and one
-masked slot holding verl's whitening shift is an info. A case that still fails is marked
-``xfail(strict=True)`` with the reason; nothing here weakens the assertion. One case is a verl bug
+per-token advantages of ``optimal_token_baseline`` stand in for the per-sequence ones, one masked
+slot holding verl's whitening shift is an info, and the rows verl's rollout rejection sampling
+empties (metadata ``rollout_rs``) are an info, left out of the group sums and the recomputed
+advantages. Nothing here weakens the assertion. One case is a verl bug
 that tracer reports (``test_verl_grpo_vectorized_ignores_norm_adv_by_std``). Dropped options (not runnable here): ``kl_penalty="full"`` (verl 0.9.1's
 ``kl_penalty_forward`` raises NotImplementedError for it), the ``bypass_mode`` loss (verl's
 ``apply_bypass_mode`` overwrites ``loss_mode`` with ``"bypass_mode"``, so no ``tracer_*`` loss can run).
@@ -272,14 +273,9 @@ def traced(tmp_path, monkeypatch):
     tv.finish()
 
 
-def case(id: str, xfail: str | None = None, **kwargs):
-    marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=xfail)] if xfail else []
-    return pytest.param(Case(**kwargs), id=id, marks=marks)
+def case(id: str, **kwargs):
+    return pytest.param(Case(**kwargs), id=id)
 
-
-# why the failing cases fail (each confirmed on the findings)
-REJECTED_ROWS = ("false alarm: verl's rejection sampling empties a row's response_mask on purpose; masks.empty_row errs, "
-                 "and group_sum / recompute.advantages count the row's 0 advantage")
 
 KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 CASES = [
@@ -333,7 +329,7 @@ CASES = [
     case("dynamic-bsz", actor={"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12}),
     case("rollout-is-token", rollout_correction={"rollout_is": "token", "rollout_is_threshold": 2.0}),
     # rejection sampling: max k2 of old vs engine logprobs above 2e-4 drops one sequence (row 2) of this batch
-    case("rollout-is-seq-rs", REJECTED_ROWS, rollout_correction={"rollout_is": "sequence", "rollout_rs": "seq_max_k2",
+    case("rollout-is-seq-rs", rollout_correction={"rollout_is": "sequence", "rollout_rs": "seq_max_k2",
                                                                  "rollout_rs_threshold": 2e-4}),
 ]
 
@@ -355,3 +351,12 @@ def test_verl_grpo_vectorized_ignores_norm_adv_by_std(traced):
     errors = [f for f in findings["rollout"] if f.check == "recompute.advantages" and f.severity == "error"]
     assert errors and all("'group_mean' rule" in f.message and "verl_grpo" in f.details["matching_rules"]
                           for f in errors)
+
+
+def test_rows_rejected_by_rollout_sampling_are_named_as_such(traced):
+    """verl's rollout rejection sampling (``rollout_rs``) empties a row's response_mask: the rollout
+    trace says so (masks.empty_row info naming rollout_rs), not as a mask bug."""
+    findings = run_case(Case(rollout_correction={"rollout_is": "sequence", "rollout_rs": "seq_max_k2",
+                                                 "rollout_rs_threshold": 2e-4}), traced)
+    empty = [f for f in findings["rollout"] if f.check == "masks.empty_row"]
+    assert empty and all(f.severity == "info" and "rollout_rs = 'seq_max_k2'" in f.message for f in empty)

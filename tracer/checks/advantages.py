@@ -86,6 +86,13 @@ def check_group_size(ctx: StepContext):
                         group_sizes=sorted(set(sizes.values())), num_generations=int(G))]
 
 
+def empty_rows(ctx: StepContext) -> set[int]:
+    """The rows whose completion_mask keeps no token (none when no mask is recorded)."""
+    if not ctx.has("completion_mask") or ctx.data["completion_mask"].dim() != 2:
+        return set()
+    return set((~ctx.mask().any(dim=1)).nonzero().flatten().tolist())
+
+
 @register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)
 def check_group_sum(ctx: StepContext):
     rule = ctx.hyper("advantage_rule", None)
@@ -93,8 +100,11 @@ def check_group_sum(ctx: StepContext):
         raise Skip(f"advantage_rule = {rule!r} is not centred on the group mean: its advantages need not sum to 0")
     advantages = _sequence_advantages(ctx)
     groups, G = full_groups(ctx, advantages.shape[0])
+    empty = empty_rows(ctx)
     bad = []
     for rows in groups:
+        if empty & set(rows):  # a row with no kept token has no advantage to read (verl records 0 for it)
+            continue
         a = advantages[rows]
         total = float(a.sum())
         tol = G * (10 * ctx.tol.atol + ctx.tol.rtol * float(a.abs().max()))

@@ -120,9 +120,12 @@ def check_empty_row(ctx: StepContext):
         if not empty:
             continue
         truncation = bool(ctx.hyper("mask_truncated_completions", False))
-        severity = INFO if truncation else ERROR
+        rejection = ctx.hyper("rollout_rs", None)  # verl's rollout rejection sampling empties rejected rows
+        severity = INFO if truncation or rejection else ERROR
         because = (" (metadata mask_truncated_completions = true: truncated completions are dropped on "
-                   "purpose)" if truncation else "")
+                   "purpose)" if truncation else
+                   f" (metadata rollout_rs = {rejection!r}: verl's rollout rejection sampling drops these rows on "
+                   "purpose)" if rejection else "")
         message = (
             f"{len(empty)} of {keep.shape[0]} rows keep no token in {mask_name} (first: seq {empty[0]}){because}. "
             "Why it matters: such a row adds nothing to the gradient yet still counts in a per-sequence mean, "

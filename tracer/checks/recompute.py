@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tracer import formulas
-from tracer.checks.advantages import full_groups, whitened_fit
+from tracer.checks.advantages import empty_rows, full_groups, whitened_fit
 from tracer.checks.context import StepContext, where_text
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
@@ -191,11 +191,15 @@ def check_advantages(ctx: StepContext):
     if declared is not None and declared not in rules:
         raise Skip(f"advantage rule {declared!r} does not apply to algorithm {ctx.algorithm!r} "
                    f"(rules here: {', '.join(rules)})")
+    # the rule runs on every row's reward; a row whose mask keeps no token has no advantage to compare
+    # (verl's rollout rejection empties a row's mask and records 0 for it, its reward still in its group)
+    empty = empty_rows(ctx)
+    live = torch.tensor([r not in empty for r in rows], dtype=torch.bool)
     diffs = {}
     for name, rule in rules.items():
         expected = rule(rewards[rows], G).double()
         tol = 10 * ctx.tol.atol + 10 * ctx.tol.rtol * expected.abs()
-        diffs[name] = (expected, (recorded.double() - expected).abs(), tol)
+        diffs[name] = (expected, torch.where(live, (recorded.double() - expected).abs(), 0.0), tol)
     matches = [n for n, (_, d, tol) in diffs.items() if bool((d <= tol).all())]
     default = declared or next(iter(rules))
     if default in matches:

@@ -165,6 +165,10 @@ class DriverRecorder(_Recorder):
         meta: dict[str, Any] = {"adv_estimator": estimator, "num_generations": int(arguments.get("num_repeat") or 1),
                                 "gamma": float(arguments.get("gamma", 1.0)), "lam": float(arguments.get("lam", 1.0)),
                                 "norm_adv_by_std_in_grpo": norm, "uids": uids}
+        correction = getattr(arguments.get("config"), "rollout_correction", None)
+        rejection = getattr(correction, "rollout_rs", None)
+        if rejection:  # rows verl rejected have an empty response_mask on purpose (rollout_corr_helper)
+            meta["rollout_rs"] = str(rejection)
         if estimator in ("grpo", "grpo_vectorized"):
             meta["advantage_rule"] = "verl_grpo" if norm else "group_mean"  # mean-centred only (Dr. GRPO)
             meta["advantage_std"] = "unbiased"
