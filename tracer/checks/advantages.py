@@ -21,8 +21,16 @@ from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
 Z_SCORE_RULES = {"group_zscore", "group_zscore_unbiased", "verl_grpo"}  # |A| <= sqrt(G - 1) holds for these
-# the rules that subtract the group's mean reward (leave-one-out included): their advantages sum to 0 per group
-GROUP_CENTRED_RULES = Z_SCORE_RULES | {"batch_zscore_unbiased", "group_mean", "rloo", "rloo_kl"}
+# the rules known not to subtract the group's mean reward: their advantages need not sum to 0 per group
+# (an unknown rule name is not taken for one of these: group_sum still runs)
+NOT_GROUP_CENTRED_RULES = {"gae", "gae_whitened"}
+
+
+def not_group_centred(rule: str) -> bool:
+    """True for an advantage rule known not to centre on the group mean: GAE, or one of verl's other
+    estimators (``verl_<estimator>``, except ``verl_grpo``)."""
+    canonical = formulas.ADVANTAGE_RULE_ALIASES.get(rule, rule)
+    return canonical in NOT_GROUP_CENTRED_RULES or (canonical.startswith(formulas.VERL_RULE_PREFIX) and canonical != "verl_grpo")
 
 
 def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
@@ -96,14 +104,17 @@ def empty_rows(ctx: StepContext) -> set[int]:
 @register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)
 def check_group_sum(ctx: StepContext):
     rule = ctx.hyper("advantage_rule", None)
-    if rule is not None and formulas.ADVANTAGE_RULE_ALIASES.get(str(rule), str(rule)) not in GROUP_CENTRED_RULES:
+    if rule is not None and not_group_centred(str(rule)):
         raise Skip(f"advantage_rule = {rule!r} is not centred on the group mean: its advantages need not sum to 0")
     advantages = _sequence_advantages(ctx)
     groups, G = full_groups(ctx, advantages.shape[0])
-    empty = empty_rows(ctx)
+    # a row whose mask keeps no token and whose advantage is exactly 0 had its advantage dropped (verl
+    # records 0 for the rows its rollout rejection empties); a masked row that kept its advantage
+    # (TRL's mask_truncated_completions) still counts
+    dropped = {r for r in empty_rows(ctx) if float(advantages[r]) == 0.0}
     bad = []
     for rows in groups:
-        if empty & set(rows):  # a row with no kept token has no advantage to read (verl records 0 for it)
+        if dropped & set(rows):
             continue
         a = advantages[rows]
         total = float(a.sum())
@@ -125,6 +136,16 @@ def check_group_sum(ctx: StepContext):
                         groups=len(bad), group_sum=total)]
 
 
+def _advantages_have_another_term(ctx: StepContext) -> bool:
+    """True when the advantage rule adds a term besides the reward, so that equal rewards need not give
+    zero advantages: RLOO's KL-penalised rewards (advantage_rule rloo_kl, or RLOO with beta > 0), or one
+    of verl's other estimators (verl_<estimator>)."""
+    rule = str(ctx.hyper("advantage_rule", "") or "")
+    if rule == "rloo_kl" or (rule.startswith(formulas.VERL_RULE_PREFIX) and rule != "verl_grpo"):
+        return True
+    return ctx.algorithm == "rloo" and float(ctx.hyper("beta", 0.0) or 0.0) != 0.0
+
+
 @register("advantages.zero_variance", "share of groups whose rewards are all equal (advantage 0, "
           "no learning signal)", GROUPED)
 def check_zero_variance(ctx: StepContext):
@@ -141,17 +162,29 @@ def check_zero_variance(ctx: StepContext):
                             "(all G rewards equal): the reward gives their completions no advantage over each other.",
                             zero[0][0], field="rewards", zero_variance_share=share)]
     flat = rewards[[r for rows in groups for r in rows]]
+    largest = 0.0
     if ctx.has("advantages"):
         advantages = ctx.tensor("advantages")[[r for rows in groups for r in rows]]
         largest = float(advantages.abs().max()) if advantages.numel() else 0.0
-        if largest > ctx.tol.atol:  # the rule adds another term: RLOO's rewards - beta * sum(old - ref)
-            return [ctx.finding(
-                "advantages.zero_variance", INFO,
-                f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), but the "
-                f"recorded advantages are not 0 (largest |A| {largest:.4g}): they come from the advantage "
-                f"rule's other terms (advantage_rule {ctx.hyper('advantage_rule', None)!r}; RLOO's "
-                "rloo_kl subtracts beta * sum(old - ref) from each reward), not from the reward.",
-                zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
+    if largest > ctx.tol.atol and _advantages_have_another_term(ctx):
+        return [ctx.finding(
+            "advantages.zero_variance", INFO,
+            f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), but the "
+            f"recorded advantages are not 0 (largest |A| {largest:.4g}): they come from the advantage "
+            f"rule's other terms (advantage_rule {ctx.hyper('advantage_rule', None)!r}; RLOO's "
+            "rloo_kl subtracts beta * sum(old - ref) from each reward), not from the reward.",
+            zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
+    if largest > ctx.tol.atol:  # no term besides the reward: these advantages do not come from these rewards
+        message = (
+            f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), yet the recorded "
+            f"advantages are not 0 (largest |A| {largest:.4g}), and the advantage rule has no term besides the "
+            "reward. Why it matters: the advantages were not computed from these rewards within their groups "
+            "(a batch-level normalisation, or advantages of other rows: stale, shuffled or misaligned), so the "
+            "update pushes completions the reward does not tell apart. Likely fix: compute the advantages from "
+            "the same rows' rewards, grouped by prompt (tracer.formulas.group_advantages)."
+        )
+        return [ctx.finding("advantages.zero_variance", WARNING, message, zero[0][0], field="advantages",
+                            zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
     message = (
         f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), so every advantage is "
         f"0 and the step carries no learning signal (only the KL term moves the policy). The batch std of the "

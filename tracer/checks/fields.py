@@ -7,9 +7,24 @@ trainer kept only as per-pair sums (recorded as such) is an info finding instead
 
 from __future__ import annotations
 
+import torch
+
 from tracer.checks.context import StepContext
 from tracer.checks.finding import INFO, WARNING, Skip, register
 from tracer.schema import ALGORITHMS, REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS, TOKEN_ADVANTAGES, required_fields
+
+
+def _varies_along_tokens(ctx: StepContext, name: str) -> bool:
+    """True when some row of the ``[B, T]`` field ``name`` holds more than one value over its kept tokens
+    (a real per-token advantage, not one per sequence broadcast over the tokens); False without a
+    completion_mask of the same shape."""
+    values = ctx.data[name]
+    if not ctx.has("completion_mask") or values.dim() != 2 or ctx.data["completion_mask"].shape != values.shape:
+        return False
+    keep = ctx.mask()
+    high = torch.where(keep, values, float("-inf")).amax(dim=1)
+    low = torch.where(keep, values, float("inf")).amin(dim=1)
+    return bool((keep.any(dim=1) & (high > low)).any())
 
 
 @register("fields.required", "the step carries the fields its algorithm requires (tracer.schema)",
@@ -28,7 +43,7 @@ def check_required(ctx: StepContext):
             f"({', '.join(REF_SEQUENCE_SUMS[f] for f in summed)}) instead of {summed}: the trainer precomputed "
             "them (metadata ref_logprobs_source = 'trl_precomputed_sums', TRL's precompute_ref_log_probs) and "
             "keeps no per-token reference, so the checks that need it are skipped.", None, summed=summed))
-    if "advantages" in missing and TOKEN_ADVANTAGES in ctx.data:
+    if "advantages" in missing and TOKEN_ADVANTAGES in ctx.data and _varies_along_tokens(ctx, TOKEN_ADVANTAGES):
         missing.remove("advantages")
         notes.append(ctx.finding(
             "fields.required", INFO,

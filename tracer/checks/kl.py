@@ -13,7 +13,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import CheckOptions, StepContext, StepHeader, worst_positions
-from tracer.checks.finding import ERROR, RL_ALGORITHMS, WARNING, Finding, Skip, register
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import is_fresh
 from tracer.reader import Trace
 
@@ -129,18 +129,22 @@ def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:
     return float(k1.mean()), float(k1.std() / math.sqrt(k1.numel()))
 
 
-def _sampled_from_policy(trace: Trace, key) -> bool:
-    """True when the step's tokens were sampled from its policy_logprobs' policy, untruncated: fresh
-    rollouts (:func:`tracer.checks.identity.is_fresh`; after an update they were sampled from old),
-    and no top_p / top_k in metadata."""
+def _sampling(trace: Trace, key) -> tuple[bool, bool]:
+    """``(fresh, untruncated)`` of a step: its tokens were sampled from its policy_logprobs' policy
+    (fresh rollouts, :func:`tracer.checks.identity.is_fresh`; after an update they were sampled from
+    old), and no top_p / top_k in metadata."""
     header = StepHeader(trace, key)
-    return is_fresh(header) and _untruncated_sampling(header)
+    return is_fresh(header), _untruncated_sampling(header)
 
 
 @register("kl.k1_negative", "on fresh rollouts, mean k1 = policy - ref over kept tokens is not significantly "
           "negative in every step", RL_ALGORITHMS, scope="trace")
 def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
-    stats = [(key, s) for key in keys if _sampled_from_policy(trace, key) and (s := _k1_stats(trace, key)) is not None]
+    sampling = {key: _sampling(trace, key) for key in keys}
+    fresh = [key for key in keys if all(sampling[key])]
+    if not fresh:
+        return _k1_without_fresh_steps(trace, [key for key in keys if sampling[key][1]])
+    stats = [(key, s) for key in fresh if (s := _k1_stats(trace, key)) is not None]
     moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
     if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
         return []
@@ -157,3 +161,24 @@ def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[F
                     micro_batch=key.micro_batch, rank=key.rank, field="policy_logprobs", path=str(key.path),
                     details={"mean_k1_by_step": {f"{k.step}.{k.inner_step}.{k.micro_batch}.{k.rank}": mean
                                                  for k, mean, _ in moving}})]
+
+
+def _k1_without_fresh_steps(trace: Trace, stale: list) -> list[Finding]:
+    """A trace with no step file of fresh rollouts (recorded only after updates, or an off-policy
+    trainer's ``fresh_rollouts = false``): a negative mean k1 there is what a healthy run gives when
+    the sampling policy was the reference, and also what a policy/ref swap gives. Not judged: an info
+    when every such step is significantly negative, so that it is not silent."""
+    stats = [(key, s) for key in stale if (s := _k1_stats(trace, key)) is not None]
+    moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
+    if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
+        return []
+    key, m, _ = min(moving, key=lambda x: x[1])
+    message = (
+        f"mean k1 = policy - ref is significantly negative in all {len(moving)} step files (lowest {m:.4g} nats "
+        f"at step {key.step}, inner {key.inner_step}), but none of them is of fresh rollouts: their tokens were "
+        "sampled from old, so k1 < 0 is what a healthy run gives when old was the reference (the first "
+        "rollout), and also what policy and reference swapped give. Not judged; record a fresh step "
+        "(inner step 0) or compare old_logprobs with ref_logprobs to tell them apart."
+    )
+    return [Finding("kl.k1_negative", INFO, message, step=key.step, inner_step=key.inner_step,
+                    micro_batch=key.micro_batch, rank=key.rank, field="policy_logprobs", path=str(key.path))]

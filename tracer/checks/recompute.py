@@ -88,9 +88,10 @@ def _declared_rule(ctx: StepContext) -> str | None:
         try:
             return formulas.advantage_rule_name(str(rule))
         except ValueError as err:
-            if str(rule).startswith("verl_"):  # tracer.integrations.verl_record names verl's other estimators so
-                raise Skip(f"advantage_rule {rule!r}: verl's {str(rule)[5:]!r} estimator, which "
-                           "tracer.formulas has no rule for (not recomputed)") from None
+            if str(rule).startswith(formulas.VERL_RULE_PREFIX):  # verl's other estimators (verl_record)
+                estimator = str(rule)[len(formulas.VERL_RULE_PREFIX):]
+                raise Skip(f"advantage_rule {rule!r}: verl's {estimator!r} estimator, which tracer.formulas has "
+                           "no rule for (not recomputed)") from None
             raise Skip(str(err)) from None
     if ctx.algorithm in ("rloo", "ppo"):
         return None
@@ -191,10 +192,11 @@ def check_advantages(ctx: StepContext):
     if declared is not None and declared not in rules:
         raise Skip(f"advantage rule {declared!r} does not apply to algorithm {ctx.algorithm!r} "
                    f"(rules here: {', '.join(rules)})")
-    # the rule runs on every row's reward; a row whose mask keeps no token has no advantage to compare
-    # (verl's rollout rejection empties a row's mask and records 0 for it, its reward still in its group)
+    # the rule runs on every row's reward; a row whose mask keeps no token and whose advantage is exactly 0
+    # had it dropped (verl's rollout rejection empties a row's mask and records 0, its reward still in its
+    # group): nothing to compare there
     empty = empty_rows(ctx)
-    live = torch.tensor([r not in empty for r in rows], dtype=torch.bool)
+    live = torch.tensor([not (r in empty and float(advantages[r]) == 0.0) for r in rows], dtype=torch.bool)
     diffs = {}
     for name, rule in rules.items():
         expected = rule(rewards[rows], G).double()

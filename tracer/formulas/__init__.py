@@ -28,6 +28,7 @@ from tracer.formulas.advantages import (
     ADVANTAGE_RULES,
     GROUP_STD_EPS,
     VERL_GRPO_EPS,
+    VERL_RULE_PREFIX,
     WHITEN_EPS,
     ZERO_VARIANCE_LOOP_VALUES,
     advantage_rule_name,
@@ -92,5 +93,5 @@ __all__ = [
     "GROUP_STD_EPS", "group_advantages", "ZERO_VARIANCE_LOOP_VALUES", "zero_variance_groups", "zero_variance_counts",
     "last_kept_index", "token_rewards_from_sequence", "gae", "trl_group_advantages", "rloo_advantages", "WHITEN_EPS",
     "whiten", "group_mean_advantages", "ADVANTAGE_RULES", "ADVANTAGE_RULE_ALIASES", "advantage_rule_name",
-    "VERL_GRPO_EPS", "verl_grpo_advantages",
+    "VERL_GRPO_EPS", "VERL_RULE_PREFIX", "verl_grpo_advantages",
 ]

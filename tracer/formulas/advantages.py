@@ -248,6 +248,9 @@ ADVANTAGE_RULES: dict[str, str] = {
     "rloo": "r_i - mean of the other G - 1 rewards of the group (tracer.formulas.rloo_advantages)",
     "rloo_kl": "leave-one-out on rewards - β·Σ_t(old - ref) (TRL RLOOTrainer with β > 0)",
 }
+# advantage_rule of one of verl's estimators that has no rule here: "verl_<adv_estimator>"
+# (tracer.integrations.verl_record); "verl_grpo" above is the one that has.
+VERL_RULE_PREFIX = "verl_"
 # Older and trainer-specific spellings of the same rules.
 ADVANTAGE_RULE_ALIASES: dict[str, str] = {
     "seed": "group_zscore", "grpo": "group_zscore", "trl_group": "group_zscore_unbiased",

@@ -33,7 +33,6 @@ LOSS_REDUCTION = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_m
                   "seq-mean-token-sum-norm": "constant"}
 # verl adv_estimator -> SPEC algorithm of the trace
 _ALGORITHM = {"gae": "ppo", "rloo": "rloo", "rloo_vectorized": "rloo"}
-VERL_RULE_PREFIX = "verl_"  # advantage_rule of a verl estimator tracer has no rule for: "verl_<adv_estimator>"
 
 
 def _name(value: Any) -> str:
@@ -173,7 +172,7 @@ class DriverRecorder(_Recorder):
             meta["advantage_rule"] = "verl_grpo" if norm else "group_mean"  # mean-centred only (Dr. GRPO)
             meta["advantage_std"] = "unbiased"
         elif estimator not in _ALGORITHM:  # REINFORCE++, ReMax, OPO, GPG, pass@k...: verl's own rule, named
-            meta["advantage_rule"] = f"{VERL_RULE_PREFIX}{estimator}"  # so no check takes it for a GRPO z-score
+            meta["advantage_rule"] = f"{formulas.VERL_RULE_PREFIX}{estimator}"  # so no check takes it for a GRPO z-score
         return meta
 
 
