@@ -142,43 +142,42 @@ def _sampling(trace: Trace, key) -> tuple[bool, bool]:
 def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
     sampling = {key: _sampling(trace, key) for key in keys}
     fresh = [key for key in keys if all(sampling[key])]
-    if not fresh:
-        return _k1_without_fresh_steps(trace, [key for key in keys if sampling[key][1]])
-    stats = [(key, s) for key in fresh if (s := _k1_stats(trace, key)) is not None]
-    moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
-    if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
+    moving = _all_significantly_negative(trace, fresh or [key for key in keys if sampling[key][1]])
+    if moving is None:
         return []
     key, m, _ = min(moving, key=lambda x: x[1])
+    where = dict(step=key.step, inner_step=key.inner_step, micro_batch=key.micro_batch, rank=key.rank,
+                 field="policy_logprobs", path=str(key.path))
+    if not fresh:
+        # recorded only after updates, or an off-policy trainer's fresh_rollouts = false: a negative mean
+        # k1 is what a healthy run gives when the sampling policy (old) was the reference, and also what a
+        # policy/ref swap gives. Not judged, but not silent.
+        message = (
+            f"mean k1 = policy - ref is significantly negative in all {len(moving)} step files (lowest {m:.4g} "
+            f"nats at step {key.step}, inner {key.inner_step}), but none of them is of fresh rollouts: their "
+            "tokens were sampled from old, so k1 < 0 is what a healthy run gives when old was the reference "
+            "(the first rollout), and also what policy and reference swapped give. Not judged; record a fresh "
+            "step (inner step 0) or compare old_logprobs with ref_logprobs to tell them apart."
+        )
+        return [Finding("kl.k1_negative", INFO, message, **where)]
     message = (
         f"mean k1 = policy - ref over kept tokens is significantly negative in all {len(moving)} step files "
         f"of fresh rollouts that moved (lowest {m:.4g} nats at step {key.step}, inner {key.inner_step}). "
-        "Sampled from the policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, the tokens were "
-        "not sampled from this policy (off-policy data, a temperature or top-p mismatch) or policy and "
-        "reference are swapped, and every KL estimate of the run is off. Likely fix: check which model "
-        "produced each logprob tensor and that all use the sampling temperature."
+        "Sampled from the policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, "
+        "the tokens were not sampled from this policy (off-policy data, a temperature or top-p mismatch) or "
+        "policy and reference are swapped, and every KL estimate of the run is off. Likely fix: check which "
+        "model produced each logprob tensor and that all use the sampling temperature."
     )
-    return [Finding("kl.k1_negative", WARNING, message, step=key.step, inner_step=key.inner_step,
-                    micro_batch=key.micro_batch, rank=key.rank, field="policy_logprobs", path=str(key.path),
+    return [Finding("kl.k1_negative", WARNING, message, **where,
                     details={"mean_k1_by_step": {f"{k.step}.{k.inner_step}.{k.micro_batch}.{k.rank}": mean
                                                  for k, mean, _ in moving}})]
 
 
-def _k1_without_fresh_steps(trace: Trace, stale: list) -> list[Finding]:
-    """A trace with no step file of fresh rollouts (recorded only after updates, or an off-policy
-    trainer's ``fresh_rollouts = false``): a negative mean k1 there is what a healthy run gives when
-    the sampling policy was the reference, and also what a policy/ref swap gives. Not judged: an info
-    when every such step is significantly negative, so that it is not silent."""
-    stats = [(key, s) for key in stale if (s := _k1_stats(trace, key)) is not None]
+def _all_significantly_negative(trace: Trace, keys: list) -> list | None:
+    """``[(key, mean k1, standard error)]`` of the step files among ``keys`` whose k1 moved, when there
+    are at least :data:`K1_MIN_STEPS` of them and every one is below ``-K1_Z`` standard errors; else None."""
+    stats = [(key, s) for key in keys if (s := _k1_stats(trace, key)) is not None]
     moving = [(key, m, se) for key, (m, se) in stats if se > 0 or m != 0]
     if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
-        return []
-    key, m, _ = min(moving, key=lambda x: x[1])
-    message = (
-        f"mean k1 = policy - ref is significantly negative in all {len(moving)} step files (lowest {m:.4g} nats "
-        f"at step {key.step}, inner {key.inner_step}), but none of them is of fresh rollouts: their tokens were "
-        "sampled from old, so k1 < 0 is what a healthy run gives when old was the reference (the first "
-        "rollout), and also what policy and reference swapped give. Not judged; record a fresh step "
-        "(inner step 0) or compare old_logprobs with ref_logprobs to tell them apart."
-    )
-    return [Finding("kl.k1_negative", INFO, message, step=key.step, inner_step=key.inner_step,
-                    micro_batch=key.micro_batch, rank=key.rank, field="policy_logprobs", path=str(key.path))]
+        return None
+    return moving
