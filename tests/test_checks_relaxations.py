@@ -77,6 +77,52 @@ def test_dpo_one_side_keeping_the_generation_header_is_still_an_error(tmp_path):
     assert "rejected_mask keeps positions 4..6 (tokens shared by both sides: the prompt)" in f.message
 
 
+# TRL's keep_end truncation with a completion at least max_length long: that side's window is its
+# completion alone (mask from 0), the other keeps its prompt tail. Prompt P = ... 20 21 22 23, max_length 6.
+KEEP_END = {"beta": 0.1, "truncation_mode": "keep_end", "max_length": 6}
+CUT_CHOSEN = [32, 33, 34, 35, 36, EOS]  # the end of a 9-token answer, no prompt left: mask from 0
+CUT_REJECTED = [21, 22, 23, 40, 41, EOS]  # prompt tail 21 22 23, answer from 3
+
+
+def test_dpo_prompt_cut_away_on_one_side_is_info(tmp_path):
+    # chosen's window [32 .. EOS] holds no run of rejected's prompt end [21 22 23] (k = min(3, 4) = 3),
+    # and does not open with [22 23]: the whole prompt was cut, both masks keep only completion tokens.
+    root = write_trace(tmp_path / "r", "dpo", [(0, 0, dpo_pair(CUT_CHOSEN, 0, CUT_REJECTED, 3))], KEEP_END)
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert (f.severity, f.details["chosen_start"], f.details["rejected_start"]) == (INFO, 0, 3)
+    assert f.details["prompt_cut_away"] == [0]
+    assert "the chosen side is its completion alone, cut from the left to max_length = 6" in f.message
+
+
+@pytest.mark.parametrize("chosen, why", [
+    # the same layout, but the chosen mask keeps two prompt tokens: its window opens with [22 23]
+    ([22, 23, 30, 31, 32, EOS], "opens with the prompt's last 2 tokens"),
+    # three of them: the run [21 22 23] occurs at position 0
+    ([21, 22, 23, 30, 31, EOS], "holds the prompt end"),
+])
+def test_dpo_mask_from_0_keeping_prompt_tokens_is_still_an_error(tmp_path, chosen, why):
+    root = write_trace(tmp_path / "r", "dpo", [(0, 0, dpo_pair(chosen, 0, CUT_REJECTED, 3))], KEEP_END)
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert (f.severity, f.field) == (ERROR, "chosen_mask"), why
+    assert "chosen_mask keeps positions 0..2" in f.message
+
+
+def test_dpo_prompt_cut_away_needs_keep_end_metadata(tmp_path):
+    # Without truncation_mode = "keep_end" (a hand-written loop's mask from 0) the layout is not explained.
+    root = write_trace(tmp_path / "r", "dpo", [(0, 0, dpo_pair(CUT_CHOSEN, 0, CUT_REJECTED, 3))], {"beta": 0.1})
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert f.severity == ERROR
+
+
+def test_dpo_prompt_cut_away_needs_a_window_of_max_length(tmp_path):
+    # max_length 8 > the 6 kept positions: chosen was not cut, so its mask from 0 keeps its own prompt.
+    pair = dpo_pair(CUT_CHOSEN + [PAD, PAD], 0, CUT_REJECTED + [PAD, PAD], 3)
+    pair["chosen_mask"][:, 6:] = pair["rejected_mask"][:, 6:] = False  # the padding is masked
+    root = write_trace(tmp_path / "r", "dpo", [(0, 0, pair)], {**KEEP_END, "max_length": 8})
+    (f,) = found(run_checks(root), "masks.dpo_rule")
+    assert f.severity == ERROR
+
+
 # -- 2. kl.k1_negative: fresh, untruncated steps only -------------------------------------------------
 
 def swapped_k1_steps(inner, n=3, seed=0):
@@ -101,10 +147,19 @@ def test_swapped_policy_and_ref_on_fresh_steps_is_still_a_warning(tmp_path):
     assert len(f.details["mean_k1_by_step"]) == 3 and all(k.endswith(".0.0.0") for k in f.details["mean_k1_by_step"])
 
 
-def test_truncated_sampling_is_left_out_of_k1_negative(tmp_path):
-    # top_p 0.9: under a truncated distribution E[policy - ref] may be negative; not judged
-    root = write_trace(tmp_path / "r", "grpo", swapped_k1_steps(0), {"top_p": 0.9})
+@pytest.mark.parametrize("sampling", [{"top_p": 0.9}, {"top_k": 5}, {"min_p": 0.1}, {"repetition_penalty": 1.2}])
+def test_truncated_sampling_is_left_out_of_k1_negative(tmp_path, sampling):
+    # a truncated (top_p, top_k, min_p) or reshaped (repetition_penalty) sampler: E[policy - ref] over the
+    # sampled tokens may be negative; not judged
+    root = write_trace(tmp_path / "r", "grpo", swapped_k1_steps(0), sampling)
     assert bad(run_checks(root), "kl.k1_negative") == []
+
+
+@pytest.mark.parametrize("sampling", [{"min_p": 0.0}, {"repetition_penalty": 1.0}, {"min_p": None}])
+def test_neutral_sampler_options_still_judge_k1_negative(tmp_path, sampling):
+    root = write_trace(tmp_path / "r", "grpo", swapped_k1_steps(0), sampling)
+    (f,) = found(run_checks(root), "kl.k1_negative")
+    assert f.severity == WARNING
 
 
 def test_swapped_policy_and_ref_without_fresh_steps_is_reported(tmp_path):

@@ -90,6 +90,11 @@ CASES = [
     pytest.param({"generation_batch_size": 2 * B}, 2, 0, None, None, id="generation-batch-2x"),
     pytest.param({"temperature": 0.7, "top_p": 0.9}, 2, 0, None, None, id="temperature-top-p"),
     pytest.param({"temperature": 0.7, "top_k": 5}, 2, 0, None, None, id="temperature-top-k"),
+    # min_p truncates and repetition_penalty reshapes what is sampled (TRL's logprobs leave both out):
+    # the k1 sign test is skipped on the fresh steps, naming the option
+    pytest.param({"min_p": 0.3}, 2, 0, None, ("kl.k1_negative_step", "skipped", "min_p > 0"), id="min-p"),
+    pytest.param({"repetition_penalty": 1.5}, 2, 0, None,
+                 ("kl.k1_negative_step", "skipped", "repetition_penalty != 1"), id="repetition-penalty"),
     pytest.param({"scale_rewards": "none", "loss_type": "dapo"}, 2, 0, None, None, id="dapo-no-scale"),
     pytest.param({"num_iterations": 3}, 3, 0, None, None, id="num-iterations-3"),  # inner steps 0, 1, 2
     # TRL 1.16's other loss types: soft-gated (SAPO), variance-reduced sequence weights (VESPO), LUSPO

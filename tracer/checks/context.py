@@ -73,7 +73,8 @@ _REQUIRED = object()
 # GRPOConfig, copied by tracer.integrations.trl_metadata) as in step metadata: read there when the
 # step metadata lacks them (traces recorded before the integration put them in metadata).
 TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_threshold",
-                              "mask_truncated_completions", "importance_sampling_level"})
+                              "mask_truncated_completions", "importance_sampling_level", "min_p",
+                              "repetition_penalty"})
 
 
 class StepHeader:

@@ -78,13 +78,21 @@ def check_ref_gap(ctx: StepContext):
 
 
 def _untruncated_sampling(ctx: StepHeader) -> bool:
-    """True unless metadata says sampling was truncated (top_p < 1 or top_k > 0): under a truncated
+    """True unless metadata says the sampling distribution was not the policy's softmax: truncated
+    (``top_p`` < 1, ``top_k`` > 0, ``min_p`` > 0) or reshaped (``repetition_penalty`` != 1, which
+    transformers' and vLLM's samplers apply to the logits but TRL's logprobs leave out). Under such a
     distribution E[policy - ref] over the sampled tokens may be negative legitimately."""
     top_p, top_k = ctx.hyper("top_p", None), ctx.hyper("top_k", None)
+    min_p, penalty = ctx.hyper("min_p", None), ctx.hyper("repetition_penalty", None)
     try:
-        return (top_p is None or float(top_p) >= 1.0) and (top_k is None or int(top_k) <= 0)
+        return ((top_p is None or float(top_p) >= 1.0) and (top_k is None or int(top_k) <= 0)
+                and (min_p is None or float(min_p) <= 0.0) and (penalty is None or float(penalty) == 1.0))
     except (TypeError, ValueError):
         return False
+
+
+TRUNCATED = ("sampling was truncated or reshaped (metadata top_p < 1, top_k > 0, min_p > 0 or "
+             "repetition_penalty != 1): k1 may average below 0")
 
 
 @register("kl.k1_negative_step", "on fresh rollouts, mean k1 = policy - ref over a large step's kept tokens "
@@ -93,7 +101,7 @@ def check_k1_negative_step(ctx: StepContext):
     if not is_fresh(ctx):
         return []  # after an update the tokens were sampled from old, not from this policy
     if not _untruncated_sampling(ctx):
-        raise Skip("sampling was truncated (metadata top_p < 1 or top_k > 0): k1 may average below 0")
+        raise Skip(TRUNCATED)
     policy, ref = ctx.require("policy_logprobs", "ref_logprobs")
     keep = ctx.mask()
     k1 = formulas.kl_k1(policy.double(), ref.double())[keep]
@@ -132,7 +140,7 @@ def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:
 def _sampling(trace: Trace, key) -> tuple[bool, bool]:
     """``(fresh, untruncated)`` of a step: its tokens were sampled from its policy_logprobs' policy
     (fresh rollouts, :func:`tracer.checks.identity.is_fresh`; after an update they were sampled from
-    old), and no top_p / top_k in metadata."""
+    old), and no truncating or reshaping sampler option in metadata (:func:`_untruncated_sampling`)."""
     header = StepHeader(trace, key)
     return is_fresh(header), _untruncated_sampling(header)
 

@@ -158,19 +158,32 @@ def check_dpo_rule(ctx: StepContext):
     if not rows:
         return []
     shifted = [b for b in rows if _same_prompt_shifted(chosen_ids[b], rejected_ids[b], int(start_c[b]), int(start_r[b]))]
-    wrong = [b for b in rows if b not in shifted]
+    cut = [b for b in rows if b not in shifted and _prompt_cut_away(ctx, chosen_ids[b], rejected_ids[b],
+                                                                    chosen_mask[b], rejected_mask[b])]
+    wrong = [b for b in rows if b not in shifted and b not in cut]
     if not wrong:  # every differing pair: the same prompt ending before each side's start, at different offsets
-        b = shifted[0]
+        b = (shifted or cut)[0]
         sc, sr = int(start_c[b]), int(start_r[b])
-        message = (
-            f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}, but the tokens before "
-            f"each side's start end the same way (the prompt, at offsets {sc - min(sc, sr)} and "
-            f"{sr - min(sc, sr)}): both masks keep only their completion, the prompt sits at a different offset "
-            f"on each side (each side truncated from the left or padded on its own, as TRL's DPO collator does "
-            f"with truncation_mode='keep_end'). {len(rows)} of {chosen_mask.shape[0]} pairs are laid out so."
-        )
-        return [ctx.finding("masks.dpo_rule", INFO, message, b, None, pairs=shifted[:50],
-                            chosen_start=sc, rejected_start=sr)]
+        if shifted:
+            message = (
+                f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}, but the tokens "
+                f"before each side's start end the same way (the prompt, at offsets {sc - min(sc, sr)} and "
+                f"{sr - min(sc, sr)}): both masks keep only their completion, the prompt sits at a different "
+                f"offset on each side (each side truncated from the left or padded on its own, as TRL's DPO "
+                f"collator does with truncation_mode='keep_end')."
+            )
+        else:
+            side = "chosen" if sc == 0 else "rejected"
+            message = (
+                f"pair {b}: chosen_mask first keeps position {sc}, rejected_mask position {sr}: the {side} side "
+                f"is its completion alone, cut from the left to max_length = {ctx.hyper('max_length', None)} "
+                f"(truncation_mode='keep_end': a completion at least max_length long leaves none of the prompt), "
+                f"and nothing the other side keeps before its start appears in it. Both masks keep only "
+                f"completion tokens; that side's sum covers the end of its completion only."
+            )
+        message += f" {len(rows)} of {chosen_mask.shape[0]} pairs are laid out so."
+        return [ctx.finding("masks.dpo_rule", INFO, message, b, None, pairs=(shifted + cut)[:50],
+                            prompt_cut_away=cut[:50], chosen_start=sc, rejected_start=sr)]
     b = wrong[0]
     sc, sr = int(start_c[b]), int(start_r[b])
     side, other = ("rejected", "chosen") if sr < sc else ("chosen", "rejected")
@@ -194,6 +207,40 @@ def check_dpo_rule(ctx: StepContext):
                         pairs=wrong[:50], chosen_start=sc, rejected_start=sr,
                         loss=None if loss is None else float(loss[b]),
                         loss_same_rule=None if fixed is None else float(fixed[b]))]
+
+
+PROMPT_TAIL = 4  # tokens of one side's prompt end looked for in the other side's window (_prompt_cut_away)
+
+
+def _prompt_cut_away(ctx: StepContext, chosen_ids: torch.Tensor, rejected_ids: torch.Tensor,
+                     chosen_mask: torch.Tensor, rejected_mask: torch.Tensor) -> bool:
+    """True when one side of a pair keeps no prompt at all because TRL's ``truncation_mode='keep_end'``
+    cut it away: its completion is at least ``max_length`` long, so the side's window is the last
+    ``max_length`` completion tokens and its mask keeps positions ``0 .. max_length - 1`` (with no
+    recorded ``max_length``: the whole row). Then the other side's mask starts later, after its
+    prompt tail. Told apart from a mask that keeps the prompt: the last :data:`PROMPT_TAIL` tokens
+    before the other side's start (its prompt's end) must not occur in the first side's window, as
+    they would where that window begins with prompt tokens, nor may the window open with the last 2
+    or more of them. (A window opening with a single prompt token passes: a completion token equal
+    to the prompt's last one is too common to call it; docs/checks.md.) Needs metadata
+    ``truncation_mode = "keep_end"``.
+    ``*_ids``, ``*_mask``: ``[T]`` of one pair."""
+    if ctx.hyper("truncation_mode", None) != "keep_end":
+        return False
+    (a_ids, a_mask), (b_ids, b_mask) = (((chosen_ids, chosen_mask), (rejected_ids, rejected_mask))
+                                        if bool(chosen_mask[0]) else ((rejected_ids, rejected_mask), (chosen_ids, chosen_mask)))
+    if not bool(a_mask[0]) or bool(b_mask[0]):
+        return False
+    max_length = ctx.hyper("max_length", None)
+    width = int(max_length) if isinstance(max_length, int) and 0 < max_length <= a_mask.shape[0] else a_mask.shape[0]
+    if not bool(a_mask[:width].all()) or bool(a_mask[width:].any()):
+        return False
+    hi = int(first_index(b_mask.unsqueeze(0))[0])
+    k = min(hi, PROMPT_TAIL)
+    tail, window = b_ids[hi - k:hi].tolist(), a_ids[:width].tolist()
+    if any(window[p:p + k] == tail for p in range(width - k + 1)):
+        return False  # the other side's prompt end inside this window: it keeps prompt tokens
+    return not any(window[:j] == tail[k - j:] for j in range(2, k))  # nor a window opening with 2+ of them
 
 
 def _same_prompt_shifted(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, sc: int, sr: int) -> bool:

@@ -64,6 +64,8 @@ def _policy_gradient_hyperparameters(trainer: Any) -> dict[str, Any]:
         "temperature": float(trainer.temperature),
         "top_p": float(args.top_p) if args.top_p is not None else None,
         "top_k": int(args.top_k or 0),
+        "min_p": _float_or_none(getattr(args, "min_p", None)),
+        "repetition_penalty": float(getattr(args, "repetition_penalty", 1.0) or 1.0),
     }
 
 
