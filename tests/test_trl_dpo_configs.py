@@ -51,7 +51,7 @@ CASES = [
     pytest.param({"max_length": 7, "truncation_mode": "keep_end"}, id="truncate_keep_end"),
     # completions at least max_length long: that side keeps no prompt at all, its mask starts at 0 (was a
     # masks.dpo_rule error)
-    pytest.param({"max_length": 3, "truncation_mode": "keep_end"}, id="truncate_keep_end_prompt_cut_away"),
+    pytest.param({"max_length": 4, "truncation_mode": "keep_end"}, id="truncate_keep_end_prompt_cut_away"),
     pytest.param({"ld_alpha": 0.5}, id="ld_alpha"),
     pytest.param({"f_divergence_type": "forward_kl"}, id="forward_kl"),
     pytest.param({"f_divergence_type": "js_divergence"}, id="js_divergence"),
@@ -85,7 +85,7 @@ def test_healthy_dpo_config_passes_check(tmp_path, model_dir, overrides):
         assert "fields.required" in notes
     if overrides.get("truncation_mode") == "keep_end":
         assert "masks.dpo_rule" in notes
-    if overrides.get("max_length") == 3:  # some side had its whole prompt cut away, and it is said so
+    if overrides.get("max_length") == 4:  # some side had its whole prompt cut away, and it is said so
         assert any(f.details.get("prompt_cut_away") for f in findings if f.check == "masks.dpo_rule")
     if overrides.get("loss_weights") == [0.5]:  # TRL's loss is half the plain DPO loss: not recorded as dpo_loss
         trace = Trace(tmp_path / "trace")

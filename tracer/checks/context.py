@@ -70,11 +70,11 @@ class CheckOptions:
 
 _REQUIRED = object()
 # TRL options whose names and meaning are the same in the manifest's config.trainer_args (TRL's
-# GRPOConfig, copied by tracer.integrations.trl_metadata) as in step metadata: read there when the
+# GRPOConfig / DPOConfig, copied by tracer.integrations.trl_metadata) as in step metadata: read there when the
 # step metadata lacks them (traces recorded before the integration put them in metadata).
 TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_threshold",
                               "mask_truncated_completions", "importance_sampling_level", "min_p",
-                              "repetition_penalty"})
+                              "repetition_penalty", "truncation_mode", "max_length"})
 
 
 class StepHeader:

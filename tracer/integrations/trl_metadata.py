@@ -154,6 +154,9 @@ def dpo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
         "ld_alpha": getattr(trainer, "ld_alpha", None),
         "use_weighting": bool(getattr(trainer, "use_weighting", False)),
         "precompute_ref_log_probs": bool(getattr(trainer, "precompute_ref_logps", False)),
+        # how each side was cut to max_length (masks.dpo_rule reads where each side's prompt went)
+        "truncation_mode": getattr(trainer.args, "truncation_mode", None),
+        "max_length": getattr(trainer.args, "max_length", None),
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
         "logprob_source": "trl_fused_lm_head",
     }
