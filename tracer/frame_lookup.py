@@ -307,9 +307,15 @@ _PLAIN_TYPES = frozenset({bool, int, float, str})
 
 
 def _plain(value: Any) -> Any:
-    """A JSON-able scalar for step metadata, or ``_MISSING``."""
+    """A JSON-able scalar for step metadata, or ``_MISSING``. A ``torch.optim.Optimizer`` reads as the
+    largest learning rate of its param groups now (what a map's ``learning_rate = ["optimizer"]``
+    records: the rate a scheduler or a hand-written warmup has set, not the configured base rate)."""
     if value is _MISSING or type(value) in _PLAIN_TYPES:
         return value
+    if isinstance(value, torch.optim.Optimizer):
+        rates = [_plain(group.get("lr")) for group in value.param_groups]
+        rates = [float(r) for r in rates if isinstance(r, (int, float)) and not isinstance(r, bool)]
+        return max(rates) if rates else _MISSING
     if isinstance(value, torch.Tensor):
         try:
             value = value.item() if value.numel() == 1 else _MISSING
