@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from test_checks import EOS, PAD, found, write_trace
+from test_checks import EOS, PAD, dpo_pair, found, write_trace
 from tracer import formulas
 from tracer.checks import ERROR, INFO, SKIPPED, WARNING, run_checks
 
@@ -23,15 +23,6 @@ def bad(findings, check=None):
 
 
 # -- 1. masks.dpo_rule: a prompt at different offsets per side is info ---------------------------------
-
-def dpo_pair(chosen_ids, chosen_start, rejected_ids, rejected_start):
-    width = len(chosen_ids)
-    return {"chosen_ids": torch.tensor([chosen_ids]), "rejected_ids": torch.tensor([rejected_ids]),
-            "chosen_mask": (torch.arange(width) >= chosen_start).unsqueeze(0),
-            "rejected_mask": (torch.arange(width) >= rejected_start).unsqueeze(0),
-            **{f"{side}_{model}_logprobs": -torch.ones(1, width)
-               for side in ("chosen", "rejected") for model in ("policy", "ref")}}
-
 
 # A hand-written loop that left-pads prompt + answer per side (its own tokenizer call per side):
 # prompt P = 20 21 22; chosen answer 30 31 EOS, rejected answer 40 41 42 43 EOS, T = 9.
