@@ -149,7 +149,7 @@ class SitePlans:
     frame is read in full, as before plans existed (to compare)."""
 
     def __init__(self, enabled: bool = True) -> None:
-        self._sites: dict[tuple, list[Plan]] = {}
+        self._sites: dict[tuple, tuple] = {}  # (id(code), line) -> (code, its plans)
         self.enabled = enabled
         self.hits = self.misses = self.built = 0
 
@@ -161,8 +161,10 @@ class SitePlans:
         scopes = scopes_of(frame)
         if not self.enabled:
             return read_frame(frame, name_map, algorithm, checks, hyperparameters, scopes)
-        site = (frame.f_code, frame.f_lineno)
-        plans = self._sites.get(site, ())
+        code = frame.f_code
+        site = (id(code), frame.f_lineno)  # by identity: hashing a code object hashes its bytecode each time
+        entry = self._sites.get(site)
+        plans = entry[1] if entry is not None and entry[0] is code else ()
         for plan in plans:
             if plan.name_map is name_map and plan.algorithm == algorithm:
                 capture = replay(plan, frame, scopes, checks, hyperparameters)
@@ -179,7 +181,7 @@ class SitePlans:
         if plan is not None:
             if site not in self._sites and len(self._sites) >= MAX_SITES:
                 self._sites.clear()
-            self._sites[site] = [plan, *self._sites.get(site, ())][:PLANS_PER_SITE]
+            self._sites[site] = (code, [plan, *plans][:PLANS_PER_SITE])  # the entry keeps the code (and its id)
             self.built += 1
         return capture
 

@@ -311,7 +311,7 @@ class Watcher:
             metadata["source_step"] = capture.indices["step"]
         writer = self.writer or self._open_writer(frame, capture)
         writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive),
-                       capture.signature)
+                       capture.signature, path_wanted=False)
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1

@@ -161,6 +161,7 @@ class TraceWriter(WriterBackends):
         self._recorded: set[tuple[int, int, int]] = set()
         self._signatures = SignatureCache(algorithm)  # field signatures checked once
         self._metadata = MetadataCache()  # the last step metadata and its encodings
+        self._metadata_size: tuple = (None, 0)  # (an encoded metadata dict, its header bytes with the hyperparameters')
         self._steps_dir = self.root / STEPS_DIR
         # a step file's path: a child made without parsing (as tracer.step_writer makes it)
         self._step_path = getattr(self._steps_dir, "_make_child_relpath", self._steps_dir.joinpath)
@@ -244,13 +245,15 @@ class TraceWriter(WriterBackends):
 
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
                 metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
-                derive: tuple[str, ...] = (), signature: tuple | None = None) -> Path | None:
+                derive: tuple[str, ...] = (), signature: tuple | None = None, path_wanted: bool = True) -> Path | None:
         """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
         capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
         writer derives from the recorded ones and records with them (zero-edit capture's ``ratio``,
         ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.derived.derive_recorded`), off this thread;
         ``signature``: the tensors' field signature when the caller knows it
-        (:meth:`tracer.record_checks.SignatureCache.check`)."""
+        (:meth:`tracer.record_checks.SignatureCache.check`); ``path_wanted=False``: the caller ignores
+        the returned path, so a step handed to the writer process returns None without making it
+        (a ``Path`` a step: about 15 us of the training thread's)."""
         self._check_process()
         if self._process is not None:
             self._poll_process(due_only=True)  # the writer process's results so far (a strict failure raises next)
@@ -280,22 +283,26 @@ class TraceWriter(WriterBackends):
             return None
         # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
         encoded = self._metadata.encoded(metadata) if metadata else {}
-        size = self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items())
+        if encoded is not self._metadata_size[0]:  # the cache gives the same dict for the same metadata
+            self._metadata_size = (encoded, self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items()))
+        size = self._metadata_size[1]
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
-        path = self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
         json_metadata = self._metadata.json_form(metadata) if metadata else None
         if self._auto:
             self._choose_writer(tensors)
         if self._process is not None:
             handed = self._hand_over(coordinates, tensors, sampled, source_dtype, json_metadata, derive)
             if handed is not None:
-                return path if handed and sampled else None
+                if handed and sampled and path_wanted:
+                    return self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
+                return None
             # the writer process was gone before it took the step: the writer thread now in its place writes it
+        path = self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
         return self._stage(coordinates, tensors, json_metadata, source_dtype, sampled, owned, derive, group_key, path)
 
     def flush(self) -> None:

@@ -68,7 +68,11 @@ from tracer.writer_pipe import frame, step_frame, unframe
 
 ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
 STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
-RESULTS_EVERY_S = 0.05  # record() reads the child's results at most this often (ProcessWriter.poll_due)
+# record() reads the child's results at most this often (ProcessWriter.poll_due): a read of the result pipe
+# costs the training thread 40-90 us on a VM (its syscall and the results' bookkeeping); 0.05 s made it a
+# third of the backwards of a MiniMind-style PPO loop (BENCHMARKS.md, "Issue 16, fifteenth pass"). A full
+# ring or steps bound reads them at once, so the bounds hold whatever this is.
+RESULTS_EVERY_S = 0.2
 MAX_LAYOUTS = 4096  # layouts (fields' names, dtypes, shapes) kept; past it each new one reuses the next id
 
 
@@ -87,6 +91,7 @@ class _Layout:
             at = _align(at + t.nbytes)
         self.size = max(at, ALIGN)
         self.nbytes = sum(field[4] for field in self.fields)
+        self.dense = all(field[4] for field in self.fields)  # every field holds bytes: each has a view
 
     def message(self) -> dict[str, Any]:
         return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype, "v": list(self.derive),
@@ -128,6 +133,7 @@ class ProcessWriter(ChildLifecycle):
         self._regions: list[tuple[int, int]] = []  # (start, end) of the ring regions in flight, sorted
         self._seq = 0
         self._layouts: dict[tuple, _Layout] = {}
+        self._last_layout: tuple = (None, None, None, None)  # (key given, source_dtype, derive, layout) of the last step
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._ready = False
         self._wrote = False  # the child has reported a batch (its start-up, lazy imports included, is over)
@@ -248,6 +254,14 @@ class ProcessWriter(ChildLifecycle):
 
     def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str,
                 derive: tuple[str, ...] = ()) -> _Layout:
+        """The layout of ``tensors`` (sent to the child when new). ``key``: their signature when the
+        caller has one; the very tuple given for the last step (a call-site plan's own,
+        :mod:`tracer.site_plans`) with the same ``source_dtype`` and ``derive`` is that step's layout,
+        without hashing the signature again (19 fields: about 10 us a step)."""
+        last = self._last_layout
+        if key is not None and key is last[0] and source_dtype == last[1] and derive == last[2]:
+            return last[3]
+        given = key
         key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype, derive)
         layout = self._layouts.get(key)
         if layout is None:
@@ -257,6 +271,7 @@ class ProcessWriter(ChildLifecycle):
             else:  # the id is given again (each time, to another layout): no views of it may be reused
                 self._views.clear()
             self._send(frame(layout.message()))
+        self._last_layout = (given, source_dtype, derive, layout)  # a new layout always replaces it
         return layout
 
     def _copy(self, ring: torch.Tensor, layout: _Layout, start: int, tensors: dict[str, torch.Tensor],
@@ -270,14 +285,18 @@ class ProcessWriter(ChildLifecycle):
                 if len(self._views) >= 4096:
                     self._views.clear()
                 self._views[(layout.ident, start)] = views
-        pairs = [(view, t) for view, t in zip(views, tensors.values()) if view is not None]
+        if layout.dense:  # every field has a view (no empty tensor): the lists as they are
+            sources = list(tensors.values())
+        else:
+            pairs = [(v, t) for v, t in zip(views, tensors.values()) if v is not None]
+            views, sources = [v for v, _ in pairs], [t for _, t in pairs]
         grad = torch.is_grad_enabled()  # no graph to the ring; cheaper than a no_grad() context per step
         torch._C._set_grad_enabled(False)
         try:
-            if pairs and all(t.is_cpu for _, t in pairs):  # one call for the step (usual on CPU)
-                torch._foreach_copy_([view for view, _ in pairs], [t for _, t in pairs])
+            if sources and all(t.is_cpu for t in sources):  # one call for the step (usual on CPU)
+                torch._foreach_copy_(views, sources)
             else:
-                for view, t in pairs:
+                for view, t in zip(views, sources):
                     view.copy_(t)  # CUDA: a synchronous copy to host memory (module docstring)
         finally:
             torch._C._set_grad_enabled(grad)
