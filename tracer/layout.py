@@ -216,13 +216,26 @@ def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
 
 
 def producers() -> dict[str, str]:
-    """Versions of the packages that produced a trace."""
+    """Versions of the packages that produced a trace, and the CPU kernels torch computes with.
+
+    ``cpu_kernels`` is ``torch.backends.cpu.get_cpu_capability()`` (``AVX512``, ``AVX2``,
+    ``DEFAULT``...: the vector width of ATen's CPU kernels on this machine, or what
+    ``ATEN_CPU_CAPABILITY`` pinned) and ``mkl_cbwr`` the ``MKL_CBWR`` code path when one is pinned.
+    float32 results differ in the last bits between kernel paths, and training amplifies that, so
+    ``tracer diff`` says when two traces differ in them (docs/regression-testing.md).
+    """
     versions = {"python": platform.python_version()}
     for pkg in ("tracer", "torch", "transformers", "trl", "safetensors"):
         try:
             versions[pkg] = importlib_metadata.version(pkg)
         except importlib_metadata.PackageNotFoundError:
             pass
+    try:
+        versions["cpu_kernels"] = str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # a torch too old to say: the trace just does not record it
+        pass
+    if os.environ.get("MKL_CBWR"):
+        versions["mkl_cbwr"] = os.environ["MKL_CBWR"]
     return versions
 
 

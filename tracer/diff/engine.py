@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from tracer.derived import derivation_inputs, derive_fields
 from tracer.diff.inputs import (DiffInputError, check_batch, check_compatible, check_names, check_pair,
-                                derive_missing, open_checked, pair_steps, per_field, sampling_of, step_id)
+                                derive_missing, open_checked, pair_steps, per_field, producers_of, sampling_of,
+                                step_id)
 from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, StepId, Tolerance, step_label
 from tracer.diff.stats import FieldStats, coarseness, default_tolerance, mismatch
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
@@ -68,7 +69,8 @@ def diff(
     pairs, only_a, only_b = pair_steps(trace_a, trace_b)
     report = DiffReport(str(a), str(b), tuple(labels), trace_a.algorithm or trace_b.algorithm,
                         step_pairs=len(pairs), only_in_a=only_a, only_in_b=only_b,
-                        sampling={"a": sampling_of(trace_a), "b": sampling_of(trace_b)})
+                        sampling={"a": sampling_of(trace_a), "b": sampling_of(trace_b)},
+                        producers={"a": producers_of(trace_a), "b": producers_of(trace_b)})
     atols, rtols = per_field(atol, "atol"), per_field(rtol, "rtol")
     wanted = None if fields is None else list(fields)
     if pairs:

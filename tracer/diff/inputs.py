@@ -156,6 +156,13 @@ def sampling_of(trace: Trace) -> dict:
     return dict(sampling) if isinstance(sampling, dict) else {}
 
 
+def producers_of(trace: Trace) -> dict[str, str]:
+    """The trace manifest's ``producers`` (package versions, ``cpu_kernels``...) as strings; {} when
+    absent (a single step file, a trace from another tool)."""
+    found = trace.manifest.get("producers")
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
 def batch_size(heads: Mapping[str, tuple], algorithm: str | None) -> int | None:
     """B of one step file: the first dimension of its first schema field whose dims start with B."""
     for name in sorted(heads):

@@ -167,6 +167,8 @@ class DiffReport:
         token_alignment: ``{ids field: TokenAlignment}``, how the sampled tokens line up.
         sampling: ``{"a": .., "b": ..}``, each trace's manifest ``sampling`` (``every_n_steps``...),
             to say why steps are on one side only.
+        producers: ``{"a": .., "b": ..}``, each trace's manifest ``producers`` (package versions,
+            ``cpu_kernels``, ``mkl_cbwr``): not compared; :attr:`producer_differences` are a note.
     """
 
     a: str
@@ -184,6 +186,7 @@ class DiffReport:
     unreadable: dict[str, str] = field(default_factory=dict)
     token_alignment: dict[str, "TokenAlignment"] = field(default_factory=dict)
     sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
+    producers: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -259,10 +262,34 @@ class DiffReport:
         out.extend(f.summary() for f in self.differing_fields)
         return out
 
+    @property
+    def producer_differences(self) -> dict[str, tuple[str, str]]:
+        """``{key: (a, b)}`` for manifest ``producers`` entries both traces record with different
+        values (``torch``, ``transformers``, ``cpu_kernels``...): what may explain float differences."""
+        a, b = self.producers.get("a") or {}, self.producers.get("b") or {}
+        out = {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
+        if self.kernels_differ and a.get("mkl_cbwr") != b.get("mkl_cbwr"):  # pinned on one side only
+            out["mkl_cbwr"] = (a.get("mkl_cbwr", "unset"), b.get("mkl_cbwr", "unset"))
+        return out
+
+    @property
+    def kernels_differ(self) -> bool:
+        """The two traces were computed with different CPU kernel paths (``cpu_kernels`` or
+        ``mkl_cbwr`` differ, or one side pinned ``MKL_CBWR`` and the other did not)."""
+        a, b = self.producers.get("a") or {}, self.producers.get("b") or {}
+        if "cpu_kernels" not in a or "cpu_kernels" not in b:
+            return False
+        return a["cpu_kernels"] != b["cpu_kernels"] or a.get("mkl_cbwr") != b.get("mkl_cbwr")
+
     def notes(self) -> list[str]:
-        """What is not a difference but worth saying: metadata keys one side records and the other
-        does not, and fields recorded on one side and derived on the other that agree."""
+        """What is not a difference but worth saying: producers (package versions, CPU kernels) that
+        differ, metadata keys one side records and the other does not, and fields recorded on one
+        side and derived on the other that agree."""
         out = []
+        produced = self.producer_differences
+        if produced:
+            out.append("produced with different software or CPU kernels (not compared): "
+                       + ", ".join(f"{k} a={va!r} b={vb!r}" for k, (va, vb) in produced.items()))
         for side in ("a", "b"):
             keys = {k: m[side] for k, m in self.metadata.items() if m.get("only_in") == side}
             if keys:
@@ -353,7 +380,7 @@ class DiffReport:
             "labels": list(self.labels), "algorithm": self.algorithm, "step_pairs": self.step_pairs,
             "identical_by_checksum": self.identical_by_checksum, "only_in_a": self.only_in_a,
             "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
-            "unreadable": self.unreadable, "verified_files": self.verified_files,
+            "unreadable": self.unreadable, "verified_files": self.verified_files, "producers": self.producers,
             "cause": self.cause.name if self.cause else None,
             "downstream": [f.name for f in self.downstream],
             "token_alignment": {k: asdict(v) for k, v in self.token_alignment.items()},
