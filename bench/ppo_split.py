@@ -30,9 +30,7 @@ import time
 import torch
 
 from bench.common import machine, median
-from bench.loops import PPO_STEPS, _rotate, child_cpu_s, ppo_setup
-
-BACKWARDS = PPO_STEPS * 12  # ppo_setup: 16 rollouts, minibatch 4, 3 epochs
+from bench.loops import PPO_STEPS, _rotate, _timed, child_cpu_s, ppo_setup
 
 
 def _line(kind: str, r: dict, extra: str = "") -> str:
@@ -44,18 +42,15 @@ def _line(kind: str, r: dict, extra: str = "") -> str:
 def split(rounds: int, tmp: str) -> None:
     from tracer import watch
 
-    epoch, _ = ppo_setup(tmp, PPO_STEPS)
-    inside: dict[str, list[float]] = {"real": [], "no hand-over": [], "busy": []}
+    epoch, args = ppo_setup(tmp, PPO_STEPS)
+    backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
+    inside: dict[str, list[float]] = {"real": [], "no hand-over": [], "busy": []}  # the hook's thread CPU
     busy_s = [0.0]
     with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo", writer="auto") as w:
         real_on = w.on_backward
 
         def timed(kind, fn):
-            def run(loss):
-                c0 = time.thread_time()
-                fn(loss)
-                inside[kind].append(time.thread_time() - c0)
-            return run
+            return _timed(fn, [], inside[kind])
 
         def spin(_loss):
             end = time.thread_time() + busy_s[0]
@@ -85,14 +80,14 @@ def split(rounds: int, tmp: str) -> None:
 
         real(-1)
         real(-1)  # warm-up: opens the writer, then the capture's CPU for the busy-wait
-        busy_s[0] = median(inside["real"][BACKWARDS:])
+        busy_s[0] = median(inside["real"][backwards:])
         inside["real"].clear()
         res = _rotate(plain, {"real": real, "no hand-over": no_handover, "busy": busy}, rounds,
                       {"real": lambda: child_cpu_s(w.writer)})
         w.on_backward = real_on
     print(f"busy-wait per backward: {1e6 * busy_s[0]:.0f} us of thread CPU (the real capture's, warm-up median)")
     for kind, r in res.items():
-        child = f", writer process {1e6 * r['child_cpu_s'] / BACKWARDS:.0f} us/backward" if kind == "real" else ""
+        child = f", writer process {1e6 * r['child_cpu_s'] / backwards:.0f} us/backward" if kind == "real" else ""
         print(_line(kind, r, f"; in the backward hook {1e6 * median(inside[kind]):.0f} us of thread CPU{child}"))
 
 

@@ -2,7 +2,10 @@
 baselines in tests/test_regression_demo/. Re-record after an intended change with
 ``pytest tests/test_regression_demo.py --tracer-regen`` and commit the baselines."""
 
+import os
+
 import pytest
+import torch
 
 from tracer.demo.runner import run_demo
 from tracer.demo.tiny_model import build_tiny_model
@@ -14,10 +17,6 @@ def model_dir(tmp_path_factory):
 
 
 def _kernels() -> tuple[str, str | None]:
-    import os
-
-    import torch
-
     return torch.backends.cpu.get_cpu_capability(), os.environ.get("MKL_CBWR")
 
 

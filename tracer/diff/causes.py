@@ -109,10 +109,7 @@ def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
                      "re-record the baseline (pytest --tracer-regen), else look at the cause above")
     elif floats:
         if report.kernels_differ:
-            kernels = {side: (report.producers[side]["cpu_kernels"] + (f", MKL_CBWR={report.producers[side]['mkl_cbwr']}"
-                                                                       if report.producers[side].get("mkl_cbwr") else ""))
-                       for side in ("a", "b")}
-            lines.append(f"  a ran on {kernels['a']} CPU kernels, b on {kernels['b']}: float32 results differ in the "
+            lines.append(f"  a ran on {report.kernels('a')} CPU kernels, b on {report.kernels('b')}: float32 results differ in the "
                          "last bits between kernel paths and every optimizer step amplifies that; to compare runs of "
                          "two machines, run both with ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2 (docs/regression-testing.md)")
         flags = " ".join(passes_with(f) for f in floats)

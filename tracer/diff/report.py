@@ -265,21 +265,28 @@ class DiffReport:
     @property
     def producer_differences(self) -> dict[str, tuple[str, str]]:
         """``{key: (a, b)}`` for manifest ``producers`` entries both traces record with different
-        values (``torch``, ``transformers``, ``cpu_kernels``...): what may explain float differences."""
+        values (``torch``, ``transformers``, ``cpu_kernels``...): what may explain float differences.
+        ``mkl_cbwr`` recorded on one side only counts as ``"unset"`` on the other when both record
+        their ``cpu_kernels``."""
         a, b = self.producers.get("a") or {}, self.producers.get("b") or {}
-        out = {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
-        if self.kernels_differ and a.get("mkl_cbwr") != b.get("mkl_cbwr"):  # pinned on one side only
-            out["mkl_cbwr"] = (a.get("mkl_cbwr", "unset"), b.get("mkl_cbwr", "unset"))
-        return out
+        if self.kernels("a") is not None and self.kernels("b") is not None:
+            a, b = ({**side, "mkl_cbwr": side.get("mkl_cbwr", "unset")} for side in (a, b))
+        return {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
+
+    def kernels(self, side: str) -> str | None:
+        """The CPU kernels trace ``side`` (``"a"`` or ``"b"``) was computed with, as its manifest's
+        ``producers`` records them (``"AVX2, MKL_CBWR=AVX2"``, ``"AVX512"``); None when it does not."""
+        produced = self.producers.get(side) or {}
+        if "cpu_kernels" not in produced:
+            return None
+        cbwr = produced.get("mkl_cbwr")
+        return produced["cpu_kernels"] + (f", MKL_CBWR={cbwr}" if cbwr else "")
 
     @property
     def kernels_differ(self) -> bool:
-        """The two traces were computed with different CPU kernel paths (``cpu_kernels`` or
-        ``mkl_cbwr`` differ, or one side pinned ``MKL_CBWR`` and the other did not)."""
-        a, b = self.producers.get("a") or {}, self.producers.get("b") or {}
-        if "cpu_kernels" not in a or "cpu_kernels" not in b:
-            return False
-        return a["cpu_kernels"] != b["cpu_kernels"] or a.get("mkl_cbwr") != b.get("mkl_cbwr")
+        """Both traces record their CPU kernels (:meth:`kernels`) and they differ."""
+        a, b = self.kernels("a"), self.kernels("b")
+        return a is not None and b is not None and a != b
 
     def notes(self) -> list[str]:
         """What is not a difference but worth saying: producers (package versions, CPU kernels) that
