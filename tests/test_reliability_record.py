@@ -140,3 +140,21 @@ def test_a_cuda_float_mask_with_other_values_is_dropped_or_raised(tmp_path):
     strict.record(0, tensors)
     with pytest.raises(TraceError, match="a mask must hold only 0 and 1"):
         strict.flush()
+
+
+@CUDA
+def test_a_cuda_tensor_overwritten_right_after_record_is_written_as_it_was_at_record(tmp_path):
+    """The copy to host is queued on the loop's own stream, so an overwrite queued after ``record``
+    (while the GPU is still busy with earlier work) runs after it: the file holds the values at record."""
+    tensors = step("cuda")
+    want = {name: t.cpu() for name, t in tensors.items()}
+    with TraceWriter(tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}) as writer:
+        busy = torch.ones(4096, 4096, device="cuda")
+        for _ in range(8):  # keeps the GPU busy while the copies and the overwrites are queued
+            busy = busy @ busy / 4096
+        writer.record(0, tensors)
+        for t in tensors.values():
+            t.zero_() if t.dtype != torch.bool else t.logical_not_()
+    got = Trace(tmp_path / "run").load_step(Trace(tmp_path / "run").steps()[0])
+    for name, value in want.items():
+        assert torch.equal(got[name].to(value.dtype), value), name

@@ -4,10 +4,16 @@ thread (:mod:`tracer.writer_thread`) or the writer process (:mod:`tracer.writer_
 
 Staging:
     * CPU tensors are copied (``clone``): the loop may mutate them in place right after ``record``.
-    * CUDA tensors are copied into reusable pinned host buffers on a side stream; a CUDA event is
-      recorded after the copies and the writer thread waits on it before touching the data. The
-      source tensor is marked with ``record_stream`` so the allocator cannot reuse its memory while
-      the copy is in flight. No non-blocking copy is ever read without that synchronisation.
+    * CUDA tensors are copied into reusable pinned host buffers, asynchronously, on the stream that
+      is current on their device at ``record`` (the stream the loop computes on): the copy runs after
+      the work that made the values and before anything the loop queues next, so a loop that
+      overwrites a tensor right after ``record`` (``zero_()``, a reused buffer) cannot change what
+      is written, and no GPU memory is taken. The cost: the loop's next kernels wait for the
+      device-to-host copy of the step's bytes (tens of microseconds a megabyte over PCIe). A
+      side stream would overlap that copy, but it was measured to race with such an overwrite
+      (BENCHMARKS.md, GPU check). A CUDA event is recorded after the copies on each device and the
+      writer thread waits on it before touching the data: no non-blocking copy is ever read
+      without that synchronisation.
 
 Sampling (:class:`SamplingPolicy`): every N steps, the first K sequences of a step, and an anomaly
 ring that keeps the last N unsampled steps in memory and writes them when a step shows NaN/Inf or a
@@ -69,7 +75,7 @@ class StagedStep:
     metadata: dict[str, Any]
     nbytes: int
     sampled: bool = True  # False: only kept in the anomaly ring
-    event: Any = None  # torch.cuda.Event to wait on before reading the tensors
+    event: Any = None  # CopiesDone (CUDA events) to wait on before reading the tensors
     pinned: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # (buffer, pinned) to hand back to the pool
     arrived: float = 0.0  # time.monotonic() when it was queued
     specs: Any = None  # safetensors pointer specs made with its checksum (tracer.step_bytes)
@@ -196,8 +202,9 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     buffers from ``pool`` when ``reuse`` (given back once written, so later steps copy into warm
     memory) or cloned, except those named in ``owned`` (made for this record alone,
     e.g. rows indexed out of a batch: nobody else holds them), which are kept, detached and
-    contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) through a side stream;
-    ``event`` must be waited on before the staged tensors are read. ``buffers``: the ``(buffer,
+    contiguous, without a copy. CUDA tensors go to pinned buffers (``pool``) on their device's current
+    stream (module docstring); ``event`` (a :class:`CopiesDone`) must be waited on before the staged
+    tensors are read. ``buffers``: the ``(buffer,
     pinned)`` pairs to give back (:meth:`BufferPool.give`) once the step is written.
 
     ``group_key``: the field signature of ``tensors`` when the caller knows every one is a CPU
@@ -231,17 +238,37 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     event = None
     if cuda:
         pool = pool or BufferPool()
-        device = cuda[0][1].device
-        side = torch.cuda.Stream(device=device)
-        side.wait_stream(torch.cuda.current_stream(device))  # the values are final when the copy starts
-        with torch.cuda.stream(side):
-            for name, t in cuda:
-                src = t.detach().contiguous()
-                buf = pool.take(src.shape, src.dtype)
-                buf.copy_(src, non_blocking=True)
-                src.record_stream(side)
-                staged[name], nbytes = buf, nbytes + buf.numel() * buf.element_size()
-                pinned.append((buf, True))
-            event = torch.cuda.Event()
-            event.record(side)
+        devices = []
+        for name, t in cuda:
+            # On the source's current stream (a non-blocking copy_ is queued there): ordered after the
+            # work that made the values and before whatever the loop queues next (module docstring).
+            src = t.detach().contiguous()
+            buf = pool.take(src.shape, src.dtype)
+            buf.copy_(src, non_blocking=True)
+            staged[name], nbytes = buf, nbytes + buf.numel() * buf.element_size()
+            pinned.append((buf, True))
+            if src.device not in devices:
+                devices.append(src.device)
+        event = CopiesDone(devices)
     return staged, event, pinned, nbytes
+
+
+class CopiesDone:
+    """Events recorded after a step's device-to-host copies, one on the current stream of each CUDA
+    device they came from; the same two methods as a ``torch.cuda.Event``."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self._events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
+
+    def synchronize(self) -> None:
+        """Block until every copy has landed in host memory."""
+        for event in self._events:
+            event.synchronize()
+
+    def query(self) -> bool:
+        """True when every copy has completed (without blocking)."""
+        return all(event.query() for event in self._events)

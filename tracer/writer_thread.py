@@ -24,6 +24,12 @@ LINGER_S = 0.25  # the writer thread waits up to this long after a step arrives 
 MAX_BATCH = 64  # steps handled together by the writer thread at most
 
 
+def landed(item: StagedStep) -> bool:
+    """Whether ``item``'s tensors are in host memory: a CPU step always is; a CUDA step once the
+    copies its event follows have completed (asked without blocking)."""
+    return item.event is None or item.event.query()
+
+
 class BackgroundWriter:
     """A bounded queue of :class:`StagedStep` drained by one daemon thread calling ``write_fn``.
 
@@ -52,7 +58,12 @@ class BackgroundWriter:
             that found no room (waiting, or dropped under ``drop``) needs it now:
             a batch of small steps costs about the interpreter time of one (the writer thread
             shares the interpreter lock with the training loop). Files appear at most
-            ``linger_s`` later than they would alone.
+            ``linger_s`` later than they would alone. Steps of CUDA tensors are not lingered for,
+            and a batch holds the first step (whose copies to host the writer thread waits for)
+            and those behind it whose copies have already landed: the loop runs ahead of the GPU,
+            so a lingering batch would gather the steps the GPU has not reached yet and write them
+            all only after the last one's copy, a tail of several steps' writing at a flush or
+            the run's end (9% of a 32 ms-step GPU loop's time before this: BENCHMARKS.md, GPU check).
     """
 
     def __init__(self, write_fn: Callable[[StagedStep, str | None], None], normalise: Callable[[StagedStep], None],
@@ -184,7 +195,7 @@ class BackgroundWriter:
             if not self._queue:
                 return []
             while (len(self._queue) < self._max_batch and not self._hurry and not self._dropped
-                   and None not in self._queue and self._roomy()):
+                   and None not in self._queue and self._roomy() and self._queue[0].event is None):
                 left = self._queue[0].arrived + self._linger_s - time.monotonic()
                 if left <= 0:
                     break
@@ -195,6 +206,8 @@ class BackgroundWriter:
                     if batch:
                         break
                     return None
+                if batch and not landed(self._queue[0]):
+                    break  # a GPU step whose copy is in flight: the next batch (class docstring)
                 batch.append(self._queue.popleft())
             self._busy, self._dropped = True, False
             return batch
