@@ -443,3 +443,63 @@ def test_a_step_dropped_for_want_of_room_ends_the_lingering_so_the_next_finds_ro
     stopper.start()
     stopper.join(60)
     assert not stopper.is_alive() and written == [0, 2] and len(drops) == 1
+
+
+class _Copies:
+    """What :class:`tracer.capture.CopiesDone` is to the writer thread (``query`` without blocking,
+    ``synchronize`` blocking), driven by the test instead of a GPU: ``land()`` is the copy completing."""
+
+    def __init__(self, landed: bool = False) -> None:
+        self._done = threading.Event()
+        if landed:
+            self._done.set()
+
+    def land(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(60), "a copy never landed"
+
+
+def test_gpu_steps_are_not_lingered_for_and_a_batch_holds_only_steps_whose_copies_landed():
+    """The loop runs ahead of the GPU: a batch that gathered steps whose copies are still in flight
+    would write them all only after the last one lands (a tail at every flush and at the run's end,
+    measured on an H200: BENCHMARKS.md, GPU). So a step with a copy event is not lingered for
+    (linger_s is an hour here), and a batch takes the first step (waited for) and the steps behind
+    it whose copies have landed, never one still in flight."""
+    batches: list[list[int]] = []
+    first, second, third = _Copies(), _Copies(landed=True), _Copies()
+    bg = BackgroundWriter(lambda it, reason: None, lambda it: it.wait(), lambda it, e: None, lambda r: None,
+                          max_steps=64, max_bytes=10**6, linger_s=3600.0,
+                          prepare=lambda items: batches.append([it.step for it in items]))
+    for step, copies in enumerate((first, second, third)):
+        item = StagedStep(step, 0, 0, {"x": torch.zeros(1)}, {}, 10)
+        item.event = copies
+        bg.put(item)
+    first.land()  # the writer thread, waiting on step 0, goes on; step 1 had landed, step 2 has not
+    for _ in range(300):  # no flush: a lingering thread would wait an hour here
+        if any(1 in b for b in batches):
+            break
+        threading.Event().wait(0.1)
+    third.land()
+    bg.flush()
+    bg.stop()
+    # [[0, 1], [2]], or [[0], [1], [2]] when the thread took step 0 before step 1 was queued
+    assert batches in ([[0, 1], [2]], [[0], [1], [2]]), batches
+
+
+def test_cpu_steps_are_still_lingered_for():
+    """Steps without a copy event (CPU tensors) keep the batching of small steps: with an hour's
+    linger, three steps put back to back are written as one batch at the flush."""
+    batches: list[list[int]] = []
+    bg = BackgroundWriter(lambda it, reason: None, lambda it: it.wait(), lambda it, e: None, lambda r: None,
+                          max_steps=64, max_bytes=10**6, linger_s=3600.0,
+                          prepare=lambda items: batches.append([it.step for it in items]))
+    for step in range(3):
+        bg.put(StagedStep(step, 0, 0, {"x": torch.zeros(1)}, {}, 10))
+    bg.flush()
+    bg.stop()
+    assert batches == [[0, 1, 2]]
