@@ -245,6 +245,9 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
             src = t.detach().contiguous()
             buf = pool.take(src.shape, src.dtype)
             buf.copy_(src, non_blocking=True)
+            # A tensor made on another stream and freed by the loop after record() could be reused
+            # there while the copy runs: the allocator waits for this stream's work first.
+            src.record_stream(torch.cuda.current_stream(src.device))
             staged[name], nbytes = buf, nbytes + buf.numel() * buf.element_size()
             pinned.append((buf, True))
             if src.device not in devices:
