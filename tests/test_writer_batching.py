@@ -503,3 +503,42 @@ def test_cpu_steps_are_still_lingered_for():
     bg.flush()
     bg.stop()
     assert batches == [[0, 1, 2]]
+
+
+class _BrokenCopies:
+    """A copy event after a CUDA error in the training loop: torch's Event.query() and synchronize()
+    then raise (a device-side assert is sticky)."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_a_cuda_error_in_a_steps_copy_loses_that_step_and_the_writer_thread_goes_on():
+    """A step whose copy event raises is counted lost (on_error), its buffers are not reused, and the
+    writer thread lives on: the steps around it are written and flush() returns (a query raising in
+    the batching itself once ended the thread, and a flush then waited forever)."""
+    written, errors = [], []
+    bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None,
+                          lambda it, e: errors.append((it.step, str(e))), lambda r: None,
+                          max_steps=64, max_bytes=10**6, linger_s=3600.0)
+    landed_first = StagedStep(0, 0, 0, {"x": torch.zeros(1)}, {}, 10)
+    landed_first.event = _Copies(landed=True)
+    broken = StagedStep(1, 0, 0, {"x": torch.zeros(1)}, {}, 10)
+    broken.event = _BrokenCopies()
+    broken.pinned = [(torch.zeros(1), True)]
+    for item in (landed_first, broken, StagedStep(2, 0, 0, {"x": torch.zeros(1)}, {}, 10)):
+        bg.put(item)
+    done = threading.Thread(target=bg.flush, daemon=True)
+    done.start()
+    done.join(60)
+    assert not done.is_alive(), "flush() hung: the writer thread died"
+    assert 1 in [step for step, _ in errors] and "device-side assert" in dict(errors)[1]
+    assert 1 not in written and {0, 2} <= set(written)
+    assert broken.pinned == []  # not given back to the pool: the copy may still be writing them
+    bg.put(StagedStep(3, 0, 0, {"x": torch.zeros(1)}, {}, 10))
+    bg.flush()
+    assert 3 in written
+    bg.stop()

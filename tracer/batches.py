@@ -91,10 +91,10 @@ class BatchHandler:
         caller passes the batch to :meth:`lost`."""
         ready = []
         for item in batch:
-            item.wait()
             try:
+                item.wait()  # raises on a CUDA error left by the loop: this step is lost, not the batch
                 self._normalise(item)
-            except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5)
+            except Exception as err:  # a refused tensor (e.g. a CUDA float mask holding 0.5), a CUDA error
                 self._on_error(item, err)
                 self.release(item)
                 continue

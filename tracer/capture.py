@@ -6,9 +6,12 @@ Staging:
     * CPU tensors are copied (``clone``): the loop may mutate them in place right after ``record``.
     * CUDA tensors are copied into reusable pinned host buffers, asynchronously, on the stream that
       is current on their device at ``record`` (the stream the loop computes on): the copy runs after
-      the work that made the values and before anything the loop queues next, so a loop that
-      overwrites a tensor right after ``record`` (``zero_()``, a reused buffer) cannot change what
-      is written, and no GPU memory is taken. The cost: the loop's next kernels wait for the
+      the work queued on that stream before ``record`` and before anything the loop queues on it
+      next, so a loop that overwrites a tensor right after ``record`` (``zero_()``, a reused
+      buffer) cannot change what is written. Values still being produced on another stream (an
+      asynchronous collective not yet waited for) must be synchronised with the current stream
+      before ``record``, as for any use of them on it. No GPU memory is taken, except a
+      temporary contiguous copy of a non-contiguous tensor. The cost: the loop's next kernels wait for the
       device-to-host copy of the step's bytes (tens of microseconds a megabyte over PCIe). A
       side stream would overlap that copy, but it was measured to race with such an overwrite
       (BENCHMARKS.md, GPU check). A CUDA event is recorded after the copies on each device and the

@@ -26,8 +26,27 @@ MAX_BATCH = 64  # steps handled together by the writer thread at most
 
 def landed(item: StagedStep) -> bool:
     """Whether ``item``'s tensors are in host memory: a CPU step always is; a CUDA step once the
-    copies its event follows have completed (asked without blocking)."""
-    return item.event is None or item.event.query()
+    copies its event follows have completed (asked without blocking). A query that raises (a CUDA
+    error left by the training loop: a device-side assert, an illegal address) counts as landed:
+    the step joins a batch, where waiting on it raises again and the batch's handler counts it
+    lost, instead of the exception ending the writer thread and a flush() waiting forever."""
+    if item.event is None:
+        return True
+    try:
+        return item.event.query()
+    except Exception:  # noqa: BLE001  (any CUDA error: handled with the step, see above)
+        return True
+
+
+def copy_in_flight(item: StagedStep) -> bool:
+    """Whether a copy into ``item``'s buffers may still be running: its event has not completed, or
+    cannot say (a CUDA error): such buffers are never given back to the pool for reuse."""
+    if item.event is None:
+        return False
+    try:
+        return not item.event.query()
+    except Exception:  # noqa: BLE001  (a CUDA error: assume the worst)
+        return True
 
 
 class BackgroundWriter:
@@ -58,8 +77,9 @@ class BackgroundWriter:
             that found no room (waiting, or dropped under ``drop``) needs it now:
             a batch of small steps costs about the interpreter time of one (the writer thread
             shares the interpreter lock with the training loop). Files appear at most
-            ``linger_s`` later than they would alone. Steps of CUDA tensors are not lingered for,
-            and a batch holds the first step (whose copies to host the writer thread waits for)
+            ``linger_s`` later than they would alone. Steps of CUDA tensors are not lingered for
+            (when one is first in the queue; behind a CPU step, the linger that step started runs
+            on), and a batch holds the first step (whose copies to host the writer thread waits for)
             and those behind it whose copies have already landed: the loop runs ahead of the GPU,
             so a lingering batch would gather the steps the GPU has not reached yet and write them
             all only after the last one's copy, a tail of several steps' writing at a flush or
@@ -217,7 +237,7 @@ class BackgroundWriter:
         be in flight (a step dropped before the writer waited on its CUDA event): those are left to
         the CUDA host allocator, which frees them only once the copy has completed."""
         item.settled = True  # (also set by the batch handler, which calls this)
-        if item.event is not None and not item.event.query():
+        if copy_in_flight(item):
             item.pinned = []
         if item.pinned and self._pool is not None:
             self._pool.give(item.pinned)
