@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from bench.common import grpo_step_tensors, machine, median, timed
+from bench.common import grpo_step_tensors, machine, median
+from bench.loops import _alternate
 from tracer import Trace
 from tracer.writer import TraceWriter
 
@@ -99,8 +100,9 @@ def overhead(batch: int, rounds: int = 7, steps: int = 20) -> dict:
     work per step) that also produces a GRPO step's 14 fields of 64 x 1024 on the GPU (both loops
     produce them; only the traced one records them). One writer for the whole measurement, opened
     before the first timed block, as in a run; each traced block ends with its ``flush()`` (the
-    writer's queued work, counted against tracing). Blocks alternate, the order rotating by round;
-    the ratio is median(traced) / median(plain). Also: the plain step in ms, and the median time one
+    writer's queued work, counted against tracing). Blocks alternate, the order rotating by round
+    (:func:`bench.loops._alternate`); the ratio is median(traced) / median(plain), ``paired`` the
+    geometric mean of the per-round ratios with its 95% bootstrap interval. Also: the plain step in ms, and the median time one
     ``record()`` holds the training thread, in microseconds, and the flush that closes each traced
     block (it waits for the GPU to reach the block's last step, as the plain block's synchronize
     does, and then for the writing still queued)."""
@@ -129,18 +131,14 @@ def overhead(batch: int, rounds: int = 7, steps: int = 20) -> dict:
             drains.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
 
-    off, on = [], []
     with tempfile.TemporaryDirectory() as tmp, TraceWriter(f"{tmp}/run", "grpo") as w:
         loop(None)
         loop(w, first=0)  # warm-up: the writer's first step, the pinned buffers
         held.clear()
         drains.clear()
-        for r in range(rounds):
-            blocks = [(off, None), (on, w)] if r % 2 == 0 else [(on, w), (off, None)]
-            for times, writer in blocks:
-                times.append(timed(loop, writer, (r + 1) * steps))
-    return {"ratio": median(on) / median(off), "step_ms": 1e3 * median(off) / steps, "held_us": 1e6 * median(held),
-            "block_ms": 1e3 * median(off), "drain_ms": 1e3 * median(drains)}
+        res = _alternate(lambda: loop(None), lambda r: loop(w, first=(r + 1) * steps), rounds)
+    return {"ratio": res["ratio"], "paired": res["paired"], "step_ms": 1e3 * res["off_s"] / steps,
+            "held_us": 1e6 * median(held), "block_ms": 1e3 * res["off_s"], "drain_ms": 1e3 * median(drains)}
 
 
 def main() -> None:
@@ -163,7 +161,8 @@ def main() -> None:
     for batch in (int(b) for b in args.batch.split(",")):
         res = overhead(batch, rounds=args.rounds, steps=args.steps)
         print(f"gpu overhead ratio, {res['step_ms']:.1f} ms step (batch {batch}, {args.steps} steps a block): "
-              f"{res['ratio']:.4f} (target <= 1.01); record() holds the training thread {res['held_us']:.0f} us; "
+              f"{res['ratio']:.4f} (paired {res['paired'][0]:.4f}, 95% {res['paired'][1]:.4f}-{res['paired'][2]:.4f}; "
+              f"target <= 1.01); record() holds the training thread {res['held_us']:.0f} us; "
               f"the flush closing a traced block {res['drain_ms']:.1f} ms (plain block {res['block_ms']:.0f} ms)")
     sys.exit(0 if same and captured else 1)
 

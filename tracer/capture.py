@@ -10,10 +10,10 @@ Staging:
       next, so a loop that overwrites a tensor right after ``record`` (``zero_()``, a reused
       buffer) cannot change what is written. Values still being produced on another stream (an
       asynchronous collective not yet waited for) must be synchronised with the current stream
-      before ``record``, as for any use of them on it. No GPU memory is taken, except a
-      temporary contiguous copy of a non-contiguous tensor. The cost: the loop's next kernels wait for the
-      device-to-host copy of the step's bytes (tens of microseconds a megabyte over PCIe). A
-      side stream would overlap that copy, but it was measured to race with such an overwrite
+      before ``record``, as for any use of them on it. No GPU memory is taken, except a temporary
+      contiguous copy of a non-contiguous tensor. The cost: the loop's next kernels wait for the
+      device-to-host copy of the step's bytes (tens of microseconds a megabyte over PCIe). A side
+      stream would overlap that copy, but it was measured to race with such an overwrite
       (BENCHMARKS.md, GPU check). A CUDA event is recorded after the copies on each device and the
       writer thread waits on it before touching the data: no non-blocking copy is ever read
       without that synchronisation.
@@ -90,6 +90,18 @@ class StagedStep:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+
+    def copies_landed(self) -> bool | None:
+        """Whether the step's tensors are in host memory, asked without blocking: True for a CPU step
+        or a CUDA step whose copies completed, False while they run, None when the event cannot say
+        (it raises: a CUDA error left by the training loop, a device-side assert or an illegal
+        address; :meth:`wait` then raises too, and the writer counts the step lost)."""
+        if self.event is None:
+            return True
+        try:
+            return self.event.query()
+        except Exception:  # noqa: BLE001  (any CUDA error: the caller decides what unknown means)
+            return None
 
 
 def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str | None) -> dict[str, torch.Tensor]:
@@ -244,7 +256,7 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
         devices = []
         for name, t in cuda:
             # On the source's current stream (a non-blocking copy_ is queued there): ordered after the
-            # work that made the values and before whatever the loop queues next (module docstring).
+            # work queued on it before record() and before whatever the loop queues next (module docstring).
             src = t.detach().contiguous()
             buf = pool.take(src.shape, src.dtype)
             buf.copy_(src, non_blocking=True)

@@ -24,31 +24,6 @@ LINGER_S = 0.25  # the writer thread waits up to this long after a step arrives 
 MAX_BATCH = 64  # steps handled together by the writer thread at most
 
 
-def landed(item: StagedStep) -> bool:
-    """Whether ``item``'s tensors are in host memory: a CPU step always is; a CUDA step once the
-    copies its event follows have completed (asked without blocking). A query that raises (a CUDA
-    error left by the training loop: a device-side assert, an illegal address) counts as landed:
-    the step joins a batch, where waiting on it raises again and the batch's handler counts it
-    lost, instead of the exception ending the writer thread and a flush() waiting forever."""
-    if item.event is None:
-        return True
-    try:
-        return item.event.query()
-    except Exception:  # noqa: BLE001  (any CUDA error: handled with the step, see above)
-        return True
-
-
-def copy_in_flight(item: StagedStep) -> bool:
-    """Whether a copy into ``item``'s buffers may still be running: its event has not completed, or
-    cannot say (a CUDA error): such buffers are never given back to the pool for reuse."""
-    if item.event is None:
-        return False
-    try:
-        return not item.event.query()
-    except Exception:  # noqa: BLE001  (a CUDA error: assume the worst)
-        return True
-
-
 class BackgroundWriter:
     """A bounded queue of :class:`StagedStep` drained by one daemon thread calling ``write_fn``.
 
@@ -226,8 +201,10 @@ class BackgroundWriter:
                     if batch:
                         break
                     return None
-                if batch and not landed(self._queue[0]):
-                    break  # a GPU step whose copy is in flight: the next batch (class docstring)
+                if batch and self._queue[0].copies_landed() is False:
+                    break  # a GPU step whose copy is in flight: the next batch (class docstring). Unknown
+                    # (a CUDA error) joins the batch: waiting on it raises and the handler counts it lost,
+                    # where raising here would end the writer thread and leave flush() waiting forever.
                 batch.append(self._queue.popleft())
             self._busy, self._dropped = True, False
             return batch
@@ -237,7 +214,7 @@ class BackgroundWriter:
         be in flight (a step dropped before the writer waited on its CUDA event): those are left to
         the CUDA host allocator, which frees them only once the copy has completed."""
         item.settled = True  # (also set by the batch handler, which calls this)
-        if copy_in_flight(item):
+        if item.copies_landed() is not True:  # in flight, or unknown after a CUDA error: never reused
             item.pinned = []
         if item.pinned and self._pool is not None:
             self._pool.give(item.pinned)
