@@ -181,3 +181,13 @@ def test_the_helper_thread_ends_with_the_watcher(tmp_path):
         assert helper is not None and helper._thread.is_alive()
     assert w._helper is None and not helper._thread.is_alive()
     assert not any(t.name == "tracer-capture" for t in threading.enumerate())
+
+
+def test_no_overlap_once_cuda_is_in_use(tmp_path, monkeypatch, slow_capture):
+    """With CUDA initialised, a capture stays on the training thread (its copies must go on that
+    thread's current stream)."""
+    monkeypatch.setattr(WATCH.torch.cuda, "is_initialized", lambda: True)
+    with tracer.watch(algo="grpo", out=tmp_path / "t", overlap=True) as w:
+        overwriting_loop()
+    assert w.steps_recorded == STEPS and w._helper is None
+    assert slow_capture == [threading.current_thread().name] * STEPS

@@ -24,7 +24,9 @@ needs the interpreter takes turns with the engine's own Python (a checkpointed l
 and the rest runs beside it on another core. The training thread keeps the frame lookup and the
 hand-off (BENCHMARKS.md, issue 16, seventeenth pass). Warnings are raised on the training thread
 after the wait, pointing at the loop's line. Off under ``strict=True`` (a failure then raises before
-the backward, as without overlap), on one CPU, and with ``overlap=False``.
+the backward, as without overlap), on one CPU, with ``overlap=False``, and once CUDA (or another
+accelerator) is in use: a device's copies go on the training thread's current stream
+(:mod:`tracer.capture`), which another thread does not see.
 
 Tracing never stops the script: a failed capture is warned about and counted (``strict=True``
 raises instead).
@@ -105,7 +107,7 @@ class Watcher:
         tokenizer: for ``tokens.json``; default: the frame's ``tokenizer`` variable.
         overlap: run each capture on a helper thread during the backward it precedes (module
             docstring); None (the default): when the process may use more than one CPU and not
-            ``strict``.
+            ``strict``. Never while CUDA (or another accelerator) is in use.
         nothing_traced: what leaving the block without an error does when no step was traced:
             ``"warn"`` (RuntimeWarning; the default), ``"raise"`` (TraceError; the default when
             ``strict``) or ``"ignore"`` (the caller reads ``nothing_traced_message()``).
@@ -288,7 +290,7 @@ class Watcher:
         if frame is None:  # a backward from library code only (e.g. inside the autograd engine)
             return
         self.backward_calls += 1
-        if self.overlap and self.writer is not None:
+        if self.overlap and self.writer is not None and not _accelerator_in_use():
             helper = self._helper
             if helper is None or not helper.usable():
                 helper = self._helper = _CaptureThread(self)
@@ -378,6 +380,21 @@ class Watcher:
             if (key, text) not in self.rejected:
                 self.rejected[(key, text)] = str(why)
                 self._warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}", job)
+
+
+def _accelerator_in_use() -> bool:
+    """True once CUDA is initialised in this process (or on a machine with MPS, or an initialised
+    XPU): captures then stay on the training thread, since the streams (and the current device) a
+    capture's copies must be queued on are the training thread's own."""
+    if torch.cuda.is_initialized():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
+        return True
+    return _MPS
+
+
+_MPS = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 
 
 def _cpus() -> int:
