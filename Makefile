@@ -30,7 +30,7 @@ $(VERL_STAMP): constraints-verl.txt pyproject.toml
 	$(VERL_PY) -m pip install -c constraints-verl.txt -e '.[verl,app,test]'
 	touch $(VERL_STAMP)
 
-.PHONY: app test install clean sample-traces sample-diff-pair test-verl
+.PHONY: app test test-main install clean sample-traces sample-diff-pair test-verl
 
 install: $(STAMP)
 
@@ -48,9 +48,13 @@ app: $(STAMP)
 # tests/vllm_engine need the vLLM engine and tests/test_verl.py verl: each runs in its own venv
 # (test-vllm, test-verl below), not in this one
 test: $(STAMP) $(VERL_STAMP) $(VLLM_STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
+	$(MAKE) test-main
 	$(MAKE) test-verl
 	$(MAKE) test-vllm
+
+# the main suite alone (this venv only)
+test-main: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py tests/test_verl_configs.py

@@ -114,6 +114,17 @@ def test_demo_command_writes_a_trace_and_refuses_to_overwrite_it(tmp_path, capsy
     assert weights.stat().st_mtime_ns == before  # the trace's model was not rebuilt over
 
 
+@pytest.mark.parametrize("under", [False, True])
+def test_demo_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, under):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    out = blocker / "run" if under else blocker
+    assert main(["demo", "--algo", "grpo", "--out", str(out), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{blocker} is a file, not a folder" in err and "Traceback" not in err
+    assert blocker.read_text() == "mine\n"  # untouched
+
+
 def test_check_on_a_folder_of_traces_names_them(tmp_path, capsys):
     write_trace(tmp_path / "runs" / "a")
     write_trace(tmp_path / "runs" / "b")

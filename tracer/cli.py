@@ -163,6 +163,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise TraceError(f"--algo {args.algo} needs {', '.join(missing)} (its tiny model is a transformers model"
                          f"{', trained by TRL' if 'trl' in missing else ''}): install the trl extra, "
                          "pip install 'tracer[trl]' (from a checkout: pip install -e '.[trl]')")
+    out_path = Path(args.out)
+    blocker = next((p for p in (out_path, *out_path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise TraceError(f"--out {args.out}: {blocker} is a file, not a folder; pass a folder for the demo's "
+                         "trace (and its tiny model)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug,
                    rollout=args.rollout)

@@ -6,7 +6,7 @@
 
     with tracer.watch(algo="grpo", out="runs/x") as w:
         train()                                  # any loop that calls loss.backward()
-    print(w.summary())
+    # leaving the block logs the summary (w.summary(): its first line; w.report(): a dict)
 
 How it works: ``torch.Tensor.backward`` and ``torch.autograd.backward`` are wrapped (and restored
 on exit). Before the real backward runs, the calling frame's variables are read through a name map

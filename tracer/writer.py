@@ -254,6 +254,12 @@ class TraceWriter(WriterBackends):
         (:meth:`tracer.record_checks.SignatureCache.check`); ``path_wanted=False``: the caller ignores
         the returned path, so a step handed to the writer process returns None without making it
         (a ``Path`` a step: about 15 us of the training thread's)."""
+        if torch.is_inference_mode_enabled():
+            # A record under inference_mode (a rollout): the staging buffers, the ring and its views made
+            # here are written in place after the block, which an inference tensor refuses.
+            with torch.inference_mode(False):
+                return self._record(step, tensors, inner_step, micro_batch, metadata, owned, derive,
+                                    signature, path_wanted)
         self._check_process()
         if self._process is not None:
             self._poll_process(due_only=True)  # the writer process's results so far (a strict failure raises next)

@@ -211,19 +211,24 @@ def check_z_bound(ctx: StepContext):
     advantages = _sequence_advantages(ctx)
     try:
         groups, G = full_groups(ctx, advantages.shape[0])
-        rows = [r for g in groups for r in g]
+        rows, whole = [r for g in groups for r in g], True
     except Skip:
         # micro-batches that split groups (TRL with gradient accumulation): the bound holds row by row
         G = ctx.hyper("num_generations", None)
         if not isinstance(G, int) or isinstance(G, bool) or G < 2 or advantages.shape[0] == 0:
             raise
-        rows = list(range(advantages.shape[0]))
+        rows, whole = list(range(advantages.shape[0])), False
     bound = math.sqrt(G - 1)
     a = advantages[rows].abs()
     worst = int(a.argmax())
     value = float(a[worst])
     if value <= bound * (1 + ctx.tol.rtol) + ctx.tol.atol:
         return []
+    if whole and rule is None and ctx.hyper("scale_rewards", None) is None:
+        unbounded = _unbounded_rule(ctx, advantages, rows, G)
+        if unbounded is not None:
+            raise Skip(f"advantages follow the {unbounded!r} rule recomputed from rewards (recompute.advantages "
+                       "names it), which does not divide by a group std: no z-score bound")
     row = rows[worst]
     n_over = int((a > bound * (1 + ctx.tol.rtol) + ctx.tol.atol).sum())
     message = (
@@ -234,6 +239,25 @@ def check_z_bound(ctx: StepContext):
         "over the same G rows (rewards.view(-1, G)), not over the batch or the wrong axis (view(G, -1))."
     )
     return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
+
+
+def _unbounded_rule(ctx: StepContext, advantages: torch.Tensor, rows: list[int], G: int) -> str | None:
+    """The first known group rule without a group std (``group_mean``: Dr. GRPO, TRL ``scale_rewards =
+    'none'``; ``batch_zscore_unbiased``: TRL ``scale_rewards = 'batch'``) that the recorded advantages
+    of ``rows`` (whole groups of ``G``, in order) follow, recomputed from the step's rewards; None when
+    none does or the rewards are not recorded (an undeclared rule is then taken for a z-score)."""
+    if "rewards" not in ctx.data:
+        return None
+    rewards = ctx.tensor("rewards")
+    if rewards.dim() != 1 or not bool(torch.isfinite(rewards).all()):
+        return None
+    r, recorded = rewards[rows].double(), advantages[rows].double()
+    for name, rule in (("group_mean", formulas.group_mean_advantages),
+                       ("batch_zscore_unbiased", lambda x, g: formulas.trl_group_advantages(x, g, "batch"))):
+        expected = rule(r, G).double()
+        if bool(((recorded - expected).abs() <= 10 * ctx.tol.atol + 10 * ctx.tol.rtol * expected.abs()).all()):
+            return name
+    return None
 
 
 def whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):

@@ -14,7 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import StepContext
-from tracer.checks.finding import ERROR, INFO, Skip, register
+from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 SIDES = (("completion_ids", "completion_mask"), ("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))
 
@@ -97,17 +97,34 @@ def check_padding(ctx: StepContext):
         leak = trailing & keep
         if not bool(leak.any()):
             continue
-        rows = leak.any(dim=1).nonzero().flatten().tolist()
-        b = rows[0]
-        t = int(first_index(leak[b : b + 1])[0])
-        message = (
-            f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding, "
-            f"yet {mask_name} keeps it; {len(rows)} of {B} rows keep {int(leak.sum())} pad tokens. Why it "
-            "matters: padding is trained as if the model had produced it and dilutes every masked mean. "
-            "Likely fix: build the mask from the real lengths (or ids != pad), not all ones."
-        )
-        findings.append(ctx.finding("masks.padding", ERROR, message, b, t, field=mask_name, ids_field=ids_name,
-                                    rows=rows[:50], tokens=int(leak.sum())))
+        # One pad id ending a row without EOS is ambiguous: such a row ran to the length limit, where the
+        # pad id was sampled (a small or untrained model samples it), unless the row was cut at a stop
+        # string and padded. A kept run after an EOS, or of two tokens or more, is padding.
+        lone = ((trailing.sum(dim=1) == 1) & ~(ids == eos).any(dim=1) if eos is not None
+                else torch.zeros(B, dtype=torch.bool))
+        for severity, rows_leak in ((ERROR, leak & ~lone.unsqueeze(1)), (WARNING, leak & lone.unsqueeze(1))):
+            if not bool(rows_leak.any()):
+                continue
+            rows = rows_leak.any(dim=1).nonzero().flatten().tolist()
+            b = rows[0]
+            t = int(first_index(rows_leak[b : b + 1])[0])
+            if severity == ERROR:
+                message = (
+                    f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding, "
+                    f"yet {mask_name} keeps it; {len(rows)} of {B} rows keep {int(rows_leak.sum())} pad tokens. Why "
+                    "it matters: padding is trained as if the model had produced it and dilutes every masked mean. "
+                    "Likely fix: build the mask from the real lengths (or ids != pad), not all ones."
+                )
+            else:
+                message = (
+                    f"seq {b} ends with the pad token (id {pad}) at token {t}, kept by {mask_name}, and has no EOS "
+                    f"(id {eos}); {len(rows)} of {B} rows end so. A row without EOS ran to the length limit, so this "
+                    "is most likely a sampled token (small or untrained models sample the pad id); it is padding "
+                    "only if the row was cut short without EOS (a stop string) and padded: then build the mask "
+                    "from the real lengths."
+                )
+            findings.append(ctx.finding("masks.padding", severity, message, b, t, field=mask_name, ids_field=ids_name,
+                                        rows=rows[:50], tokens=int(rows_leak.sum())))
     return findings
 
 
