@@ -83,7 +83,6 @@ def measure(base_watch, writer: str, rounds: int, tmp: str) -> dict[str, tuple[l
             new_watch.Watcher("ppo", f"{tmp}/{writer}/new", writer=writer) as new, \
             base_watch.Watcher("ppo", f"{tmp}/{writer}/base", writer=writer) as old:
         watchers = {"new": new, "base": old}
-        new.overlap = False  # the capture's own cost on the training thread, as the base tree runs it
         for me, w in watchers.items():
             _gate(w, me, active, *times[me])
         for r in range(-1, rounds):

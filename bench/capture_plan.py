@@ -48,8 +48,7 @@ def measure(rounds: int, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         epoch, _ = ppo_setup(tmp, steps)
         times = {(part, on): [] for part in ("read", "capture") for on in (False, True)}
-        with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo",
-                                                                     overlap=False) as w:
+        with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo") as w:
             reads: list[float] = []
             captures: list[float] = []
             w.plans.read = _timed(w.plans.read, reads, "tracer._bench_timer")

@@ -21,7 +21,7 @@ measures each writer in its own series of rounds (one zero-edit watcher at a tim
 ppo <= 1.05; zero-edit capture <= 0.5 ms per backward.
 
     python -m bench.loops [--rounds 7] [--only toy,realistic,ppo] [--threads 1] [--writer thread,process]
-                          [--ppo-steps 6] [--flush block|end] [--overlap on|off|both]
+                          [--ppo-steps 6] [--flush block|end]
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ def _load_script():
 
 
 _TIMER = """
-def timed(*args):
+def timed(loss):
     t0, c0 = perf_counter(), thread_time()
     try:
-        real(*args)
+        real(loss)
     finally:
         inside.append(perf_counter() - t0)
         inside_cpu.append(thread_time() - c0)
@@ -204,20 +204,13 @@ def timed(*args):
 
 
 def _timed(real, inside: list, inside_cpu: list | None = None):
-    """``real`` (Watcher.on_backward, or its after_backward) timed into ``inside`` (wall) and
-    ``inside_cpu`` (the training thread's CPU, ``time.thread_time``). The wrapper's module is named
-    as part of tracer, so the capture's walk out to the calling frame skips it as it skips tracer's
-    own frames."""
+    """``real`` (Watcher.on_backward) timed into ``inside`` (wall) and ``inside_cpu`` (the training
+    thread's CPU, ``time.thread_time``). The wrapper's module is named as part of tracer, so the
+    capture's walk out to the calling frame skips it as it skips tracer's own frames."""
     scope = {"__name__": "tracer._bench_timer", "perf_counter": time.perf_counter, "real": real, "inside": inside,
              "thread_time": time.thread_time, "inside_cpu": [] if inside_cpu is None else inside_cpu}
     exec(compile(_TIMER, "<bench timer>", "exec"), scope)  # noqa: S102  (a fixed string)
     return scope["timed"]
-
-
-def _on_training_thread(before: list[float], after: list[float]) -> list[float]:
-    """Per backward, what the capture held the training thread: before the backward (the capture,
-    or its hand-off to the helper thread) plus after it (the wait for an overlapped capture)."""
-    return [a + b for a, b in zip(before, after)]
 
 
 def ppo_setup(tmp: str, steps: int):
@@ -252,77 +245,51 @@ def _flushes(writer: str, flush: str) -> bool:
     return writer == "thread" or flush == "block"
 
 
-OVERLAP_MODES = {"on": (True,), "off": (False,), "both": (True, False)}
-
-
-def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: str = "block",
-              overlap: str = "on") -> dict[str, dict]:
-    """The PPO loop's figures per capture mode (``overlap``: ``on``, the watcher's default where a
-    second CPU is free: each capture on the helper thread during its backward; ``off``: on the
-    training thread before it; ``both``: one of each per round, on the same watcher and trace, the
-    order rotating), keyed ``overlap`` / ``no overlap``."""
+def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: str = "block") -> dict:
     from tracer import watch
 
     epoch, args = ppo_setup(tmp, steps)
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
-    modes = {("overlap" if on else "no overlap"): on for on in OVERLAP_MODES[overlap]}
 
-    inside: dict[str, list[float]] = {mode: [] for mode in modes}  # before each backward (Watcher.on_backward)
-    inside_cpu: dict[str, list[float]] = {mode: [] for mode in modes}  # the same calls' thread CPU
-    waits: dict[str, list[float]] = {mode: [] for mode in modes}  # after it: the wait for an overlapped capture
-    waits_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
-    drains: dict[str, list[float]] = {mode: [] for mode in modes}  # each traced block's closing flush
-    current = [next(iter(modes))]
+    inside: list[float] = []
+    inside_cpu: list[float] = []  # the same calls' thread CPU
+    drains: list[float] = []  # each traced block's closing flush (the writer's work still queued)
     # One watcher for the whole measurement (one trace, as in a run); the plain blocks run inside
     # ``paused()`` (torch's own backward), each traced block ends with a flush of the writer.
-    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo_{writer}_{overlap}",
+    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo_{writer}",
                                                                  writer=writer) as w:
-        on_backward, after_backward = w.on_backward, w.after_backward
-        timers = {mode: (_timed(on_backward, inside[mode], inside_cpu[mode]),
-                         _timed(after_backward, waits[mode], waits_cpu[mode])) for mode in modes}
+        w.on_backward = _timed(w.on_backward, inside, inside_cpu)
 
         def plain() -> None:
             with w.paused():
                 epoch()
 
-        def traced(mode: str):
-            def run(r: int) -> None:
-                w.overlap, (w.on_backward, w.after_backward) = modes[mode], timers[mode]
-                epoch()
-                t0 = time.perf_counter()
-                if _flushes(writer, flush) or r < 0:
-                    w.writer.flush()
-                drains[mode].append(time.perf_counter() - t0)
-            return run
+        def traced(r: int) -> None:
+            epoch()
+            t0 = time.perf_counter()
+            if _flushes(writer, flush) or r < 0:
+                w.writer.flush()
+            drains.append(time.perf_counter() - t0)
 
-        for mode in modes:
-            traced(mode)(-1)  # warm-up; the first opens the writer
+        traced(-1)  # warm-up; opens the writer
         before = w.steps_recorded
-        res = _rotate(plain, {mode: traced(mode) for mode in modes}, rounds,
-                      {mode: (lambda: child_cpu_s(w.writer)) for mode in modes})
+        res = _alternate(plain, traced, rounds, lambda: child_cpu_s(w.writer))
         w.writer.flush()
         recorded = w.steps_recorded - before
-    assert recorded == backwards * rounds * len(modes) and not w.failures, (recorded, backwards, w.failures)
-    shape = (f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
-             f"{args.max_new_tokens} new tokens")
-    out = {}
-    for mode, r in res.items():
-        if len(modes) > 1:  # the writer process's CPU over a round is both blocks': not one block's
-            r["all_cpu_paired"], r["child_cpu_s"] = (float("nan"),) * 3, float("nan")
-        out[mode] = {**r, "step_ms": 1e3 * r["off_s"] / steps, "records": backwards,
-                     "per_record_us": 1e6 * (r["on_s"] - r["off_s"]) / backwards,
-                     "cpu_us": 1e6 * r["cpu_extra_s"] / backwards,
-                     # after the warm-up (which also opens the writer)
-                     "capture_us": 1e6 * median(_on_training_thread(inside[mode], waits[mode])[backwards:]),
-                     "capture_cpu_us": 1e6 * median(_on_training_thread(inside_cpu[mode], waits_cpu[mode])[backwards:]),
-                     "overlap": modes[mode], "drain_ms": 1e3 * median(drains[mode][1:]), "block_ms": 1e3 * r["off_s"],
-                     "shape": shape}
-    return out
+    assert recorded == backwards * rounds and not w.failures, (recorded, backwards, w.failures)
+    return {**res, "step_ms": 1e3 * res["off_s"] / steps, "records": backwards,
+            "per_record_us": 1e6 * (res["on_s"] - res["off_s"]) / backwards,
+            "cpu_us": 1e6 * res["cpu_extra_s"] / backwards,
+            "capture_us": 1e6 * median(inside[backwards:]),  # after the warm-up (which also opens the writer)
+            "capture_cpu_us": 1e6 * median(inside_cpu[backwards:]),
+            "drain_ms": 1e3 * median(drains[1:]), "block_ms": 1e3 * res["off_s"],
+            "shape": f"B={args.batch_size} minibatch {args.mini_batch_size} x {args.ppo_update_iters} epochs, "
+                     f"{args.max_new_tokens} new tokens"}
 
 
 def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo"),
             writers: tuple[str, ...] = ("thread",), ppo_steps: int = PPO_STEPS,
-            flush: str = "block", toy_steps: int = TOY_STEPS, overlap: str = "on") -> dict[tuple[str, str], dict]:
+            flush: str = "block", toy_steps: int = TOY_STEPS) -> dict[tuple[str, str], dict]:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         if "toy" in only:
@@ -333,8 +300,7 @@ def measure(rounds: int = 7, only: tuple[str, ...] = ("toy", "realistic", "ppo")
                 out["realistic", kind] = res
         if "ppo" in only:
             for kind in writers:
-                for mode, res in ppo_shape(ppo_steps, rounds, tmp, kind, flush, overlap).items():
-                    out["ppo", kind if overlap != "both" else f"{kind}, {mode}"] = res
+                out["ppo", kind] = ppo_shape(steps=ppo_steps, rounds=rounds, tmp=tmp, writer=kind, flush=flush)
     return out
 
 
@@ -356,17 +322,13 @@ def main() -> None:
                         help="block (default): every traced block ends with flush(), all its writing inside it; "
                              "end: with the writer process, only at the end (its child writes beside the next "
                              "block, as in a run); the writer thread always flushes each block")
-    parser.add_argument("--overlap", choices=tuple(OVERLAP_MODES), default="on",
-                        help="ppo: on (default; tracer.watch's default where a second CPU is free): each capture "
-                             "runs on a helper thread during its backward; off: on the training thread before it; "
-                             "both: one block of each per round, side by side")
     parser.add_argument("--json", metavar="PATH", help="also write every round's times (seconds) and the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine())
     print(trace_dir_line())
     results = measure(args.rounds, tuple(args.only.split(",")), tuple(args.writer.split(",")),
-                      args.ppo_steps, args.flush, args.toy_steps, args.overlap)
+                      args.ppo_steps, args.flush, args.toy_steps)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "args": vars(args),
                                                "results": [{"loop": n, "writer": k, **r} for (n, k), r in results.items()]},
@@ -384,8 +346,7 @@ def main() -> None:
               f"{cpu_high:.3f}), with the writer process {every:.3f} ({every_low:.3f}-{every_high:.3f}; its "
               f"{1e6 * r['child_cpu_s'] / r['records']:.0f} us per {unit})"
               + (f"; writer open + close {r['open_close_ms']:.1f} ms once per run" if "open_close_ms" in r else "")
-              + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500"
-                 f"{'; overlapped with the backward' if r.get('overlap') else ''})"
+              + (f"; capture on the training thread {r['capture_us']:.0f} us per backward (median; target <= 500)"
                  f", its thread CPU {r['capture_cpu_us']:.0f} us"
                  f"; closing flush {r['drain_ms']:.1f} ms per {r['block_ms']:.0f} ms block" if "capture_us" in r else ""))
 

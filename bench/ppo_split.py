@@ -46,8 +46,7 @@ def split(rounds: int, tmp: str) -> None:
     backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
     inside: dict[str, list[float]] = {"real": [], "no hand-over": [], "busy": []}  # the hook's thread CPU
     busy_s = [0.0]
-    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo", writer="auto",
-                                                                 overlap=False) as w:
+    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo", writer="auto") as w:
         real_on = w.on_backward
 
         def timed(kind, fn):

@@ -16,29 +16,15 @@ the same capture for less. Steps are numbered from the frame's indices (:class:`
 writer is created at the first traced backward, so a script that never traces leaves no empty
 trace behind, and ``torch.distributed`` ranks (initialised by the script) are known by then.
 
-Overlap (:class:`_CaptureThread`): once the writer is open, a capture runs on a helper thread while the
-backward it precedes runs, and the backward's caller waits for it before going on. The loop is
-inside ``backward()`` meanwhile, so none of its Python code runs and nothing it holds changes (the
-engine frees saved activations and writes ``.grad``, neither of which is read); the work that
-needs the interpreter takes turns with the engine's own Python (a checkpointed layer's recompute),
-and the rest runs beside it on another core. The training thread keeps the frame lookup and the
-hand-off (BENCHMARKS.md, issue 16, seventeenth pass). Warnings are raised on the training thread
-after the wait, pointing at the loop's line. Off under ``strict=True`` (a failure then raises before
-the backward, as without overlap), on one CPU, with ``overlap=False``, and once CUDA (or another
-accelerator) is in use: a device's copies go on the training thread's current stream
-(:mod:`tracer.capture`), which another thread does not see.
-
 Tracing never stops the script: a failed capture is warned about and counted (``strict=True``
 raises instead).
 """
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import logging
 import os
-import queue
 import sys
 import threading
 import warnings
@@ -105,9 +91,6 @@ class Watcher:
         hyperparameters: step metadata for every step; wins over values read from the frame.
         config: run configuration for the manifest (merged with the frame's ``args``).
         tokenizer: for ``tokens.json``; default: the frame's ``tokenizer`` variable.
-        overlap: run each capture on a helper thread during the backward it precedes (module
-            docstring); None (the default): when the process may use more than one CPU and not
-            ``strict``. Never while CUDA (or another accelerator) is in use.
         nothing_traced: what leaving the block without an error does when no step was traced:
             ``"warn"`` (RuntimeWarning; the default), ``"raise"`` (TraceError; the default when
             ``strict``) or ``"ignore"`` (the caller reads ``nothing_traced_message()``).
@@ -124,7 +107,7 @@ class Watcher:
     def __init__(self, algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None, *,
                  strict: bool = False, hyperparameters: Mapping[str, Any] | None = None,
                  config: Mapping[str, Any] | None = None, tokenizer: Any = None,
-                 nothing_traced: str | None = None, overlap: bool | None = None, **writer_kwargs: Any) -> None:
+                 nothing_traced: str | None = None, **writer_kwargs: Any) -> None:
         if algo not in ALGORITHMS:
             raise TraceError(f"algo {algo!r} is not one of {list(ALGORITHMS)}")
         self.algorithm, self.out, self.strict = algo, Path(out), strict
@@ -146,8 +129,6 @@ class Watcher:
         self.plan_differences: list[str] | None = None  # a list: every plan's capture is compared with a full read
         self._pauses = 0  # paused() blocks open (nested ones count)
         self._ended = False  # the watcher's block was left
-        self.overlap = (not strict and _cpus() > 1) if overlap is None else bool(overlap and not strict)
-        self._helper: _CaptureThread | None = None  # started at the first overlapped capture
 
     # -- context manager ----------------------------------------------------------------------
 
@@ -159,9 +140,6 @@ class Watcher:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._ended = True
         _uninstall(self)
-        if self._helper is not None:
-            self._helper.stop()
-            self._helper = None
         if self.writer is not None:
             report = self.report()
             self.writer.annotate_manifest("capture_report", report)  # rank 0's copy (the manifest is rank 0's)
@@ -284,37 +262,14 @@ class Watcher:
     # -- capture ------------------------------------------------------------------------------
 
     def on_backward(self, loss: Any) -> None:
-        """Called before each backward runs (from the wrapped functions): the capture, or, overlapped,
-        its hand-off to the helper thread (:meth:`after_backward` waits for it)."""
+        """Called before each backward runs (from the wrapped functions)."""
         frame = frames.calling_frame(sys._getframe(2))
         if frame is None:  # a backward from library code only (e.g. inside the autograd engine)
             return
         self.backward_calls += 1
-        if self.overlap and self.writer is not None and not _accelerator_in_use():
-            helper = self._helper
-            if helper is None or not helper.usable():
-                helper = self._helper = _CaptureThread(self)
-            _state.pending = helper.submit(frame)
-            return
-        self._guarded_capture(frame, None)
-
-    def after_backward(self) -> None:
-        """Called when a backward returns or raises (from the wrapped functions): waits for the capture
-        handed off before it, then raises its warnings here, pointing at the loop's line."""
-        job = getattr(_state, "pending", None)
-        if job is None:
-            return
-        _state.pending = None
-        job.wait()
-        for message in job.warnings:
-            warnings.warn(message, RuntimeWarning, stacklevel=frame_lookup.user_stacklevel())
-
-    def _guarded_capture(self, frame, job: "_Job | None") -> None:
-        """:meth:`_capture` of ``frame``; a failure is counted and warned about (into ``job``'s
-        warnings on the helper thread), or raised under ``strict``."""
         local = None
         try:
-            local = self._capture(frame, job)
+            local = self._capture(frame)
         except Exception as err:  # never break the user's training because tracing failed
             self.failures += 1
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
@@ -324,23 +279,18 @@ class Watcher:
             if self.writer is not None:
                 self.writer.count_drop(reason)
             if self.failures <= MAX_WARNINGS:
-                self._warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
-                           "continues; strict=True (--strict) raises instead.", job)
+                warnings.warn(f"tracer.watch: step not traced ({self.failures} so far): {reason}. Training "
+                              "continues; strict=True (--strict) raises instead.", RuntimeWarning,
+                              stacklevel=frame_lookup.user_stacklevel())
         finally:
             if local is not None:
                 frame_lookup.release_locals(frame, local)
             del frame, local
 
-    def _warn(self, message: str, job: "_Job | None") -> None:
-        if job is not None:
-            job.warnings.append(message)
-        else:
-            warnings.warn(message, RuntimeWarning, stacklevel=frame_lookup.user_stacklevel())
-
-    def _capture(self, frame, job: "_Job | None" = None) -> dict | None:
+    def _capture(self, frame) -> dict | None:
         capture = self.plans.read(frame, self.name_map, self.algorithm, self._checks, self.hyperparameters,
                                   self.plan_differences)
-        self._warn_rejected(capture, job)
+        self._warn_rejected(capture)
         if capture.anchor is None:
             self.unmatched_calls += 1
             code, local = frame.f_code, capture.scopes[0]
@@ -375,91 +325,12 @@ class Watcher:
                                   hyperparameters=self.hyperparameters, strict=self.strict, **self.writer_kwargs)
         return self.writer
 
-    def _warn_rejected(self, capture: frames.FrameCapture, job: "_Job | None" = None) -> None:
+    def _warn_rejected(self, capture: frames.FrameCapture) -> None:
         for (key, text), why in capture.rejected.items():
             if (key, text) not in self.rejected:
                 self.rejected[(key, text)] = str(why)
-                self._warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}", job)
-
-
-def _accelerator_in_use() -> bool:
-    """True once CUDA is initialised in this process (or on a machine with MPS, or an initialised
-    XPU): captures then stay on the training thread, since the streams (and the current device) a
-    capture's copies must be queued on are the training thread's own."""
-    if torch.cuda.is_initialized():
-        return True
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and getattr(xpu, "is_initialized", lambda: False)():
-        return True
-    return _MPS
-
-
-_MPS = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-class _Job:
-    """One capture handed to the helper thread: the calling frame, the warnings it raised (for the
-    training thread to raise) and a lock held until it is done."""
-
-    __slots__ = ("frame", "warnings", "_done")
-
-    def __init__(self, frame) -> None:
-        self.frame, self.warnings = frame, []
-        self._done = _thread.allocate_lock()
-        self._done.acquire()
-
-    def finished(self) -> None:
-        self.frame = None
-        self._done.release()
-
-    def wait(self) -> None:
-        self._done.acquire()
-
-
-class _CaptureThread:
-    """The helper thread of an overlapping :class:`Watcher` (module docstring): runs the captures
-    handed to it, one at a time, in order."""
-
-    def __init__(self, watcher: Watcher) -> None:
-        self._watcher = watcher
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pid = os.getpid()
-        self._thread = threading.Thread(target=self._run, name="tracer-capture", daemon=True)
-        self._thread.start()
-
-    def usable(self) -> bool:
-        """False in a process forked from the one that started it (the thread did not come along)."""
-        return self._pid == os.getpid() and self._thread.is_alive()
-
-    def submit(self, frame) -> _Job:
-        job = _Job(frame)
-        self._jobs.put(job)
-        return job
-
-    def stop(self) -> None:
-        if self.usable():
-            self._jobs.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._watcher._guarded_capture(job.frame, job)
-            except BaseException as err:  # noqa: BLE001  (strict is never overlapped; keep the thread alive)
-                job.warnings.append(f"tracer.watch: step not traced: {type(err).__name__}: {err}")
-            finally:
-                job.finished()
+                warnings.warn(f"tracer.watch: variable `{text}` was not recorded as {key}: {why}",
+                              RuntimeWarning, stacklevel=frame_lookup.user_stacklevel())
 
 
 def watch(algo: str, out: str | os.PathLike, name_map: NameMap | str | os.PathLike | None = None,
@@ -477,20 +348,12 @@ def _install(watcher: Watcher) -> None:
     _installed.update(watcher=watcher, tensor_backward=torch.Tensor.backward, autograd_backward=torch.autograd.backward)
 
     def tensor_backward(self, *args, **kwargs):
-        watcher = _before_backward(self)
-        try:
-            return _call_original("tensor_backward", self, *args, **kwargs)
-        finally:
-            if watcher is not None:
-                watcher.after_backward()
+        _before_backward(self)
+        return _call_original("tensor_backward", self, *args, **kwargs)
 
     def autograd_backward(tensors, *args, **kwargs):
-        watcher = _before_backward(tensors)
-        try:
-            return _call_original("autograd_backward", tensors, *args, **kwargs)
-        finally:
-            if watcher is not None:
-                watcher.after_backward()
+        _before_backward(tensors)
+        return _call_original("autograd_backward", tensors, *args, **kwargs)
 
     tensor_backward.__wrapped__ = _installed["tensor_backward"]
     autograd_backward.__wrapped__ = _installed["autograd_backward"]
@@ -505,14 +368,11 @@ def _uninstall(watcher: Watcher) -> None:
         _installed.clear()
 
 
-def _before_backward(loss: Any) -> Watcher | None:
-    """The capture before a backward; returns the watcher whose ``after_backward`` is to be called
-    when it returns (None: nothing was captured)."""
+def _before_backward(loss: Any) -> None:
     watcher = _installed.get("watcher")
     if watcher is None or getattr(_state, "busy", False):
-        return None  # Tensor.backward calls torch.autograd.backward: trace the outer call only
+        return  # Tensor.backward calls torch.autograd.backward: trace the outer call only
     watcher.on_backward(loss)
-    return watcher
 
 
 def _call_original(name: str, *args, **kwargs):
