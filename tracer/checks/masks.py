@@ -14,7 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import StepContext
-from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
+from tracer.checks.finding import ERROR, INFO, Skip, register
 
 SIDES = (("completion_ids", "completion_mask"), ("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))
 
@@ -97,12 +97,13 @@ def check_padding(ctx: StepContext):
         leak = trailing & keep
         if not bool(leak.any()):
             continue
-        # One pad id ending a row without EOS is ambiguous: such a row ran to the length limit, where the
-        # pad id was sampled (a small or untrained model samples it), unless the row was cut at a stop
-        # string and padded. A kept run after an EOS, or of two tokens or more, is padding.
+        # One pad id ending a row without EOS is most likely sampled: such a row ran to the length limit,
+        # where a small or untrained model can sample the pad id (an info). It is padding only if the row
+        # was cut one token short at a stop string; rows cut shorter keep two or more: an error, as is a
+        # kept run after an EOS.
         lone = ((trailing.sum(dim=1) == 1) & ~(ids == eos).any(dim=1) if eos is not None
                 else torch.zeros(B, dtype=torch.bool))
-        for severity, rows_leak in ((ERROR, leak & ~lone.unsqueeze(1)), (WARNING, leak & lone.unsqueeze(1))):
+        for severity, rows_leak in ((ERROR, leak & ~lone.unsqueeze(1)), (INFO, leak & lone.unsqueeze(1))):
             if not bool(rows_leak.any()):
                 continue
             rows = rows_leak.any(dim=1).nonzero().flatten().tolist()
