@@ -183,6 +183,27 @@ def test_z_bound_leaves_undeclared_group_mean_advantages_to_recompute(tmp_path):
     assert rule.severity == INFO and rule.details["rule"] == "group_mean"
     (z,) = found(run_checks(tmp_path / "d"), "advantages.z_bound")
     assert (z.severity, z.sequence) == (ERROR, 3) and "|A| = 3.75 at seq 3" in z.message
+    # a z-score declared another way (the seed's population std), or a batch normalisation that never
+    # happened: still an error
+    for name, declared in (("p", {"advantage_std": "population"}), ("n", {"normalize_advantages": True})):
+        write_trace(tmp_path / name, "grpo", [(0, 0, grpo_rows(rewards, advantages))],
+                    {"num_generations": 4, **declared})
+        (z,) = found(run_checks(tmp_path / name), "advantages.z_bound")
+        assert (z.severity, z.sequence) == (ERROR, 3), name
+
+
+def test_z_bound_leaves_undeclared_batch_scaled_advantages_to_recompute(tmp_path):
+    # TRL scale_rewards="batch": (r - group mean) / (batch std + eps). Rewards [0, 0, 0, 10, 0, 0, 0, 0]:
+    # group means 2.5 and 0, batch std (Bessel) sqrt(87.5 / 7) = sqrt(12.5); A[3] = 7.5 / sqrt(12.5) = 2.12 > sqrt(3).
+    std = math.sqrt(12.5) + formulas.GROUP_STD_EPS
+    rewards = [0.0, 0.0, 0.0, 10.0, 0.0, 0.0, 0.0, 0.0]
+    advantages = [-2.5 / std] * 3 + [7.5 / std] + [0.0] * 4
+    write_trace(tmp_path / "u", "grpo", [(0, 0, grpo_rows(rewards, advantages))], {"num_generations": 4})
+    findings = run_checks(tmp_path / "u")
+    (z,) = [f for f in findings if f.check == "advantages.z_bound"]
+    assert z.severity == SKIPPED and "'batch_zscore_unbiased' rule" in z.message
+    (rule,) = found(findings, "recompute.advantages")
+    assert rule.severity == INFO and rule.details["rule"] == "batch_zscore_unbiased"
 
 
 def test_partly_zero_variance_is_an_info_with_the_share(tmp_path):
@@ -394,6 +415,18 @@ def test_kept_padding_after_eos_or_longer_than_one_token_is_an_error(tmp_path):
     pads = found(run_checks(tmp_path / "r"), "masks.padding")
     assert [(f.severity, f.sequence, f.token, f.details["rows"], f.details["tokens"]) for f in pads] == [
         (ERROR, 0, 2, [0, 1], 4), (INFO, 2, 3, [2], 1)]
+
+
+def test_dpo_sides_keep_padding_an_error_even_one_token_without_eos(tmp_path):
+    # chosen/rejected ids come from a dataset (prompt included): a kept trailing pad there is padding
+    ids = torch.tensor([[5, 6, 7, PAD], [5, 6, 8, 9]])
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    logprobs = torch.full((2, 4), -1.0)
+    step = {f"{side}_{name}": value for side in ("chosen", "rejected")
+            for name, value in (("ids", ids), ("mask", mask), ("policy_logprobs", logprobs), ("ref_logprobs", logprobs))}
+    write_trace(tmp_path / "r", "dpo", [(0, 0, step)], {"beta": 0.1})
+    pads = found(run_checks(tmp_path / "r"), "masks.padding")
+    assert [(f.severity, f.sequence, f.token) for f in pads] == [(ERROR, 0, 3), (ERROR, 0, 3)]
 
 
 # -- non-finite and the CLI -----------------------------------------------------------------------------

@@ -125,6 +125,14 @@ def test_demo_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, under)
     assert blocker.read_text() == "mine\n"  # untouched
 
 
+def test_demo_out_that_is_a_link_to_nothing_is_refused_in_one_line(tmp_path, capsys):
+    link = tmp_path / "dangling"
+    link.symlink_to(tmp_path / "gone")
+    assert main(["demo", "--algo", "grpo", "--out", str(link), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{link} is a link to nothing, not a folder" in err and "Traceback" not in err
+
+
 def test_check_on_a_folder_of_traces_names_them(tmp_path, capsys):
     write_trace(tmp_path / "runs" / "a")
     write_trace(tmp_path / "runs" / "b")

@@ -164,9 +164,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                          f"{', trained by TRL' if 'trl' in missing else ''}): install the trl extra, "
                          "pip install 'tracer[trl]' (from a checkout: pip install -e '.[trl]')")
     out_path = Path(args.out)
-    blocker = next((p for p in (out_path, *out_path.parents) if p.exists() and not p.is_dir()), None)
+    blocker = next((p for p in (out_path, *out_path.parents) if (p.exists() or p.is_symlink()) and not p.is_dir()),
+                   None)
     if blocker is not None:
-        raise TraceError(f"--out {args.out}: {blocker} is a file, not a folder; pass a folder for the demo's "
+        what = "a link to nothing" if blocker.is_symlink() and not blocker.exists() else "a file"
+        raise TraceError(f"--out {args.out}: {blocker} is {what}, not a folder; pass a folder for the demo's "
                          "trace (and its tiny model)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug,

@@ -224,7 +224,7 @@ def check_z_bound(ctx: StepContext):
     value = float(a[worst])
     if value <= bound * (1 + ctx.tol.rtol) + ctx.tol.atol:
         return []
-    if whole and rule is None and ctx.hyper("scale_rewards", None) is None:
+    if whole and _undeclared(ctx):
         unbounded = _unbounded_rule(ctx, advantages, rows, G)
         if unbounded is not None:
             raise Skip(f"advantages follow the {unbounded!r} rule recomputed from rewards (recompute.advantages "
@@ -241,6 +241,18 @@ def check_z_bound(ctx: StepContext):
     return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
 
 
+def _undeclared(ctx: StepContext) -> bool:
+    """True when the step declares no advantage rule (:func:`tracer.checks.recompute.declared_rule`) and
+    no batch re-normalisation: recompute.advantages then names a known rule the values follow (an info)."""
+    from tracer.checks.recompute import declared_rule  # (recompute imports this module)
+
+    try:
+        declared = declared_rule(ctx)
+    except Skip:  # a rule tracer.formulas does not know: declared all the same
+        return False
+    return declared is None and not ctx.hyper("normalize_advantages", False)
+
+
 def _unbounded_rule(ctx: StepContext, advantages: torch.Tensor, rows: list[int], G: int) -> str | None:
     """The first known group rule without a group std (``group_mean``: Dr. GRPO, TRL ``scale_rewards =
     'none'``; ``batch_zscore_unbiased``: TRL ``scale_rewards = 'batch'``) that the recorded advantages
@@ -249,7 +261,7 @@ def _unbounded_rule(ctx: StepContext, advantages: torch.Tensor, rows: list[int],
     if "rewards" not in ctx.data:
         return None
     rewards = ctx.tensor("rewards")
-    if rewards.dim() != 1 or not bool(torch.isfinite(rewards).all()):
+    if rewards.shape != advantages.shape or not bool(torch.isfinite(rewards).all()):
         return None
     r, recorded = rewards[rows].double(), advantages[rows].double()
     for name, rule in (("group_mean", formulas.group_mean_advantages),

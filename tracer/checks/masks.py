@@ -101,7 +101,8 @@ def check_padding(ctx: StepContext):
         # where a small or untrained model can sample the pad id (an info). It is padding only if the row
         # was cut one token short at a stop string; rows cut shorter keep two or more: an error, as is a
         # kept run after an EOS.
-        lone = ((trailing.sum(dim=1) == 1) & ~(ids == eos).any(dim=1) if eos is not None
+        # (sampled rows only: DPO's chosen/rejected ids come from a dataset, prompt included)
+        lone = ((trailing.sum(dim=1) == 1) & ~(ids == eos).any(dim=1) if eos is not None and ids_name == "completion_ids"
                 else torch.zeros(B, dtype=torch.bool))
         for severity, rows_leak in ((ERROR, leak & ~lone.unsqueeze(1)), (INFO, leak & lone.unsqueeze(1))):
             if not bool(rows_leak.any()):
