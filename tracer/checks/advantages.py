@@ -211,24 +211,25 @@ def check_z_bound(ctx: StepContext):
     advantages = _sequence_advantages(ctx)
     try:
         groups, G = full_groups(ctx, advantages.shape[0])
-        rows, whole = [r for g in groups for r in g], True
+        rows = [r for g in groups for r in g]
     except Skip:
         # micro-batches that split groups (TRL with gradient accumulation): the bound holds row by row
         G = ctx.hyper("num_generations", None)
         if not isinstance(G, int) or isinstance(G, bool) or G < 2 or advantages.shape[0] == 0:
             raise
-        rows, whole = list(range(advantages.shape[0])), False
+        rows = list(range(advantages.shape[0]))
     bound = math.sqrt(G - 1)
     a = advantages[rows].abs()
     worst = int(a.argmax())
     value = float(a[worst])
     if value <= bound * (1 + ctx.tol.rtol) + ctx.tol.atol:
         return []
-    if whole and _undeclared(ctx):
-        unbounded = _unbounded_rule(ctx, advantages, rows, G)
-        if unbounded is not None:
-            raise Skip(f"advantages follow the {unbounded!r} rule recomputed from rewards (recompute.advantages "
-                       "names it), which does not divide by a group std: no z-score bound")
+    from tracer.checks.recompute import named_rule  # (recompute imports this module)
+
+    named = named_rule(ctx)  # an undeclared rule recompute.advantages accepts, with an info
+    if named is not None and named not in Z_SCORE_RULES:
+        raise Skip(f"advantages follow the {named!r} rule recomputed from rewards (recompute.advantages "
+                   "names it), which does not divide by a group std: no z-score bound")
     row = rows[worst]
     n_over = int((a > bound * (1 + ctx.tol.rtol) + ctx.tol.atol).sum())
     message = (
@@ -239,37 +240,6 @@ def check_z_bound(ctx: StepContext):
         "over the same G rows (rewards.view(-1, G)), not over the batch or the wrong axis (view(G, -1))."
     )
     return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
-
-
-def _undeclared(ctx: StepContext) -> bool:
-    """True when the step declares no advantage rule (:func:`tracer.checks.recompute.declared_rule`) and
-    no batch re-normalisation: recompute.advantages then names a known rule the values follow (an info)."""
-    from tracer.checks.recompute import declared_rule  # (recompute imports this module)
-
-    try:
-        declared = declared_rule(ctx)
-    except Skip:  # a rule tracer.formulas does not know: declared all the same
-        return False
-    return declared is None and not ctx.hyper("normalize_advantages", False)
-
-
-def _unbounded_rule(ctx: StepContext, advantages: torch.Tensor, rows: list[int], G: int) -> str | None:
-    """The first known group rule without a group std (``group_mean``: Dr. GRPO, TRL ``scale_rewards =
-    'none'``; ``batch_zscore_unbiased``: TRL ``scale_rewards = 'batch'``) that the recorded advantages
-    of ``rows`` (whole groups of ``G``, in order) follow, recomputed from the step's rewards; None when
-    none does or the rewards are not recorded (an undeclared rule is then taken for a z-score)."""
-    if "rewards" not in ctx.data:
-        return None
-    rewards = ctx.tensor("rewards")
-    if rewards.shape != advantages.shape or not bool(torch.isfinite(rewards).all()):
-        return None
-    r, recorded = rewards[rows].double(), advantages[rows].double()
-    for name, rule in (("group_mean", formulas.group_mean_advantages),
-                       ("batch_zscore_unbiased", lambda x, g: formulas.trl_group_advantages(x, g, "batch"))):
-        expected = rule(r, G).double()
-        if bool(((recorded - expected).abs() <= 10 * ctx.tol.atol + 10 * ctx.tol.rtol * expected.abs()).all()):
-            return name
-    return None
 
 
 def whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):

@@ -5,7 +5,7 @@ advantages (group rules, RLOO, GAE), clip fractions and DPO terms. The loss is i
 Advantage rules: :data:`tracer.formulas.ADVANTAGE_RULES` (``gae``, ``gae_whitened``, ``group_zscore``,
 ``group_zscore_unbiased``, ``batch_zscore_unbiased``, ``group_mean``, ``rloo``, ``rloo_kl``). Metadata
 ``advantage_rule`` declares one (``advantage_std`` = population | unbiased and ``scale_rewards`` imply
-one too, see ``declared_rule``). A declared rule the values do not follow is an error; with no rule
+one too, see ``_declared_rule``). A declared rule the values do not follow is an error; with no rule
 declared, any known rule that matches passes (an info names it when it is not the default).
 """
 
@@ -78,7 +78,7 @@ def check_approx_kl_k2(ctx: StepContext):
 SCALE_TO_RULE = {"group": "group_zscore_unbiased", "batch": "batch_zscore_unbiased", "none": "group_mean"}
 
 
-def declared_rule(ctx: StepContext) -> str | None:
+def _declared_rule(ctx: StepContext) -> str | None:
     """The canonical rule the trace declares (:data:`tracer.formulas.ADVANTAGE_RULES`): metadata
     ``advantage_rule`` (aliases resolved); else ``advantage_std`` (``population`` -> ``group_zscore``,
     ``unbiased`` -> the TRL rule of ``scale_rewards``, default group); else ``scale_rewards`` alone
@@ -139,7 +139,7 @@ def _check_gae(ctx: StepContext):
     if "returns" in ctx.data:  # returns = raw GAE + values, before any whitening (MiniMind, verl)
         findings += compare(ctx, "recompute.advantages", "returns", ctx.tensor("returns"), expected_ret, keep,
                             "advantages + values (tracer.formulas.gae)")
-    declared = declared_rule(ctx)
+    declared = _declared_rule(ctx)
     if declared not in (None, "gae", "gae_whitened"):
         raise Skip(f"advantage rule {declared!r} is not a PPO rule (gae, gae_whitened)")
     raw_findings = compare(ctx, "recompute.advantages", "advantages", advantages, raw, keep, formula)
@@ -188,7 +188,7 @@ def check_advantages(ctx: StepContext):
     rows = [r for g in groups for r in g]
     recorded = advantages[rows]
     rules = _group_rules(ctx, rows)
-    declared = declared_rule(ctx)
+    declared = _declared_rule(ctx)
     if declared is not None and declared not in rules:
         raise Skip(f"advantage rule {declared!r} does not apply to algorithm {ctx.algorithm!r} "
                    f"(rules here: {', '.join(rules)})")
@@ -227,6 +227,18 @@ def check_advantages(ctx: StepContext):
     )
     return [ctx.finding("recompute.advantages", ERROR, message, rows[i], field="advantages", rule=default,
                         matching_rules=matches)]
+
+
+def named_rule(ctx: StepContext) -> str | None:
+    """The known rule :func:`check_advantages` names in its info for a step that declares none and
+    whose advantages follow a rule other than the default (``group_mean``, ``batch_zscore_unbiased``...);
+    None when it reports no such info (a rule declared, the default followed, no rule matching, or
+    the check skipped)."""
+    try:
+        findings = check_advantages(ctx)
+    except Skip:
+        return None
+    return next((f.details["rule"] for f in findings if f.severity == INFO), None)
 
 
 @register("recompute.clip_fractions", "clip fractions (low / high / region, sign-aware) recomputed and "
