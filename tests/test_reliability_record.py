@@ -167,3 +167,37 @@ def test_a_cuda_tensor_overwritten_right_after_record_is_written_as_it_was_at_re
         got = trace.load_step(key)
         for name, value in want[key.step].items():
             assert torch.equal(got[name].to(value.dtype), value), (key.step, name)
+
+
+@CUDA
+def test_a_cuda_step_is_staged_into_one_group_of_pinned_buffers_that_later_steps_reuse():
+    """Every tensor of a step on one CUDA device: one group of pinned host buffers, filled by one
+    foreach copy (a non-contiguous source included), handed back and filled again by the next step
+    of the same field signature."""
+    from tracer.capture import BufferPool, stage
+
+    tensors = step("cuda")
+    tensors["policy_logprobs"] = tensors["policy_logprobs"].t().contiguous().t()  # (B, T), non-contiguous
+    key = tuple((name, t.shape, t.dtype, t.device) for name, t in tensors.items())
+    pool = BufferPool()
+    staged, event, buffers, nbytes = stage(tensors, pool, group_key=key)
+    event.synchronize()
+    assert len(buffers) == 1 and buffers[0][1] is True  # one group, pinned
+    assert nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    for name, t in step().items():
+        assert staged[name].is_pinned() and staged[name].is_contiguous() and torch.equal(staged[name], t), name
+    pool.give(buffers)
+    again, event, _, _ = stage({name: t + 1 if t.is_floating_point() else t for name, t in tensors.items()}, pool,
+                               group_key=key)
+    event.synchronize()
+    assert [t.data_ptr() for t in again.values()] == [t.data_ptr() for t in staged.values()]
+    assert torch.equal(again["policy_logprobs"], step()["policy_logprobs"] + 1)
+
+
+@CUDA
+def test_a_step_of_cpu_and_cuda_tensors_is_written_as_it_was(tmp_path):
+    tensors = step("cuda")
+    tensors["rewards"] = tensors["rewards"].cpu()  # one field on the host: the per-tensor path
+    _, got, _ = write_one(tmp_path / "run", tensors)
+    for name, want in step().items():
+        assert torch.equal(got[name].to(want.dtype), want), name

@@ -147,12 +147,14 @@ class BufferPool:
         buf = self._pop_idle((tuple(shape), dtype, pinned), pinned)
         return buf if buf is not None else torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
-    def take_group(self, key: tuple, tensors: list[torch.Tensor]) -> "BufferGroup":
-        """Plain buffers shaped like ``tensors``, as one :class:`BufferGroup` kept under ``key`` (the
-        step's field signature: the same key always means the same shapes and dtypes): one lookup
-        per step instead of one per tensor."""
-        group = self._pop_idle(key, False)
-        return group if group is not None else BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype) for t in tensors])
+    def take_group(self, key: tuple, tensors: list[torch.Tensor], pinned: bool = False) -> "BufferGroup":
+        """Host buffers shaped like ``tensors`` (pinned ones when ``pinned``), as one
+        :class:`BufferGroup` kept under ``key`` (the step's field signature: the same key always
+        means the same shapes, dtypes and devices): one lookup per step instead of one per tensor."""
+        group = self._pop_idle(key, pinned)
+        if group is not None:
+            return group
+        return BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors])
 
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
         """Hand back ``(buffer, pinned)`` pairs (a buffer may be a :class:`BufferGroup`) that hold
@@ -198,6 +200,25 @@ def _stage_group(tensors: dict[str, torch.Tensor], pool: "BufferPool", owned: fr
     return staged, None, [(group, False)], group.nbytes + sum(tensors[name].nbytes for name in kept)
 
 
+def _stage_cuda_group(tensors: dict[str, torch.Tensor], pool: "BufferPool", group_key: tuple) -> tuple[dict, Any, list, int]:
+    """:func:`stage` of tensors all on one CUDA device whose field signature is ``group_key``: one
+    group of pinned buffers, filled by one ``torch._foreach_copy_(..., non_blocking=True)`` on the
+    device's current stream, and one event after the copies (the training thread's Python per step
+    no longer grows with the number of fields: BENCHMARKS.md, GPU check)."""
+    sources = list(tensors.values())
+    group = pool.take_group(group_key, sources, pinned=True)
+    grad = torch.is_grad_enabled()  # no graph to the buffers
+    torch._C._set_grad_enabled(False)
+    try:  # queued on the current stream: after the loop's work so far, before what it queues next
+        torch._foreach_copy_(list(group), sources, non_blocking=True)
+    finally:
+        torch._C._set_grad_enabled(grad)
+    stream = torch.cuda.current_stream(sources[0].device)
+    for src in sources:  # a source made on another stream and freed after record(): not reused until the copy ran
+        src.record_stream(stream)
+    return dict(zip(tensors, group)), CopiesDone(streams=[stream]), [(group, True)], group.nbytes
+
+
 class BufferGroup(list):
     """The plain staging buffers of one step's fields, in field order, reused together
     (:meth:`BufferPool.take_group`); ``key`` is the field signature they were made for."""
@@ -223,12 +244,16 @@ def stage(tensors: dict[str, torch.Tensor], pool: PinnedPool | None = None,
     pinned)`` pairs to give back (:meth:`BufferPool.give`) once the step is written.
 
     ``group_key``: the field signature of ``tensors`` when the caller knows every one is a CPU
-    tensor (with ``reuse`` and a ``pool``): the copies then go into one :class:`BufferGroup` in a
-    single ``torch._foreach_copy_`` (the training thread's Python per step no longer grows with the
-    number of fields), the ``owned`` ones kept being left out of it (the group's key then names them).
+    tensor (with ``reuse`` and a ``pool``), or every one is on one CUDA device (with a ``pool``):
+    the copies then go into one :class:`BufferGroup` in a single ``torch._foreach_copy_`` (the
+    training thread's Python per step no longer grows with the number of fields); CPU tensors named
+    in ``owned`` are kept and left out of the group (the group's key then names them).
     """
-    if group_key is not None and reuse and pool is not None:
-        return _stage_group(tensors, pool, owned, group_key)
+    if group_key is not None and pool is not None:
+        if next(iter(tensors.values())).is_cuda:
+            return _stage_cuda_group(tensors, pool, group_key)
+        if reuse:
+            return _stage_group(tensors, pool, owned, group_key)
     staged, pinned, nbytes, cuda = {}, [], 0, []
     grad = torch.is_grad_enabled()  # no graph to the copies: as a no_grad() context, for less
     torch._C._set_grad_enabled(False)
@@ -275,11 +300,12 @@ class CopiesDone:
     """Events recorded after a step's device-to-host copies, one on the current stream of each CUDA
     device they came from; the same two methods as a ``torch.cuda.Event``."""
 
-    def __init__(self, devices: list[torch.device]) -> None:
+    def __init__(self, devices: list[torch.device] = (), streams: list[Any] = ()) -> None:
+        """One event on the current stream of each of ``devices``, or on each of ``streams``."""
         self._events = []
-        for device in devices:
+        for stream in [*streams, *(torch.cuda.current_stream(device) for device in devices)]:
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+            event.record(stream)
             self._events.append(event)
 
     def synchronize(self) -> None:

@@ -275,7 +275,8 @@ class TraceWriter(WriterBackends):
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
         source_dtype = self._signatures.check(tensors, signature)
-        group_key = self._signatures.cpu_key  # the key of the step's staging buffers (CPU tensors only)
+        # the key of the step's staging buffers: tensors all on the CPU, or all on one CUDA device
+        group_key = self._signatures.cpu_key or self._signatures.cuda_key
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
