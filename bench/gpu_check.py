@@ -7,7 +7,8 @@ synchronous copy even when the loop overwrites its tensors right after record().
 Three parts: explicit ``record()`` of GRPO steps of 64 x 1024 whose tensors the loop overwrites at
 once, while the GPU is still busy; a hand-written GRPO loop traced with zero edits
 (``tracer.watch``) that overwrites its tensors after each backward; the overhead of recording a
-step's 14 fields in a GPU training loop. Targets: every recorded tensor equal to a synchronous
+step's 14 fields in a GPU training loop; beside it, ``stage()`` of those fields alone, the GPU idle.
+Targets: every recorded tensor equal to a synchronous
 ``.cpu()`` copy taken at record time; overhead <= 1.01.
 """
 
@@ -141,6 +142,25 @@ def overhead(batch: int, rounds: int = 7, steps: int = 20) -> dict:
             "held_us": 1e6 * median(held), "block_ms": 1e3 * res["off_s"], "drain_ms": 1e3 * median(drains)}
 
 
+def stage_alone(calls: int = 200) -> float:
+    """Median microseconds of :func:`tracer.capture.stage` of the 14 fields of 64 x 1024 (one group of
+    pinned buffers, its copies queued, one event) with the GPU idle, buffers handed back after each:
+    the training thread's own cost of the copies, beside ``record()``'s time in the loop, which also
+    waits wherever the loop's launches wait."""
+    from tracer.capture import BufferPool, stage
+
+    fields = grpo_step_tensors(64, 1024, device="cuda", seed=0)
+    key = tuple((name, t.shape, t.dtype, t.device) for name, t in fields.items())
+    pool, times = BufferPool(), []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        _, event, buffers, _ = stage(fields, pool, group_key=key)
+        times.append(time.perf_counter() - t0)
+        event.synchronize()
+        pool.give(buffers)
+    return 1e6 * median(times[calls // 10:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="512,8192", help="rows of the training loop's input, comma-separated: "
@@ -158,6 +178,7 @@ def main() -> None:
         captured = zero_edit_identical()
         print(f"gpu values identical to a synchronous copy: {same}")
         print(f"gpu zero-edit capture (tracer.watch) identical to a synchronous copy: {captured}")
+    print(f"stage() of the 14 fields of 64 x 1024, GPU idle: {stage_alone():.0f} us")
     for batch in (int(b) for b in args.batch.split(",")):
         res = overhead(batch, rounds=args.rounds, steps=args.steps)
         print(f"gpu overhead ratio, {res['step_ms']:.1f} ms step (batch {batch}, {args.steps} steps a block): "

@@ -11,7 +11,10 @@ Staging:
       buffer) cannot change what is written. Values still being produced on another stream (an
       asynchronous collective not yet waited for) must be synchronised with the current stream
       before ``record``, as for any use of them on it. No GPU memory is taken, except a temporary
-      contiguous copy of a non-contiguous tensor. The cost: the loop's next kernels wait for the
+      contiguous copy of a non-contiguous tensor. A step whose tensors are all on one CUDA device
+      goes into one group of pinned buffers per field signature, in one ``torch._foreach_copy_``
+      (a third of the training thread's time of one copy per tensor: BENCHMARKS.md, GPU check,
+      second run). The cost: the loop's next kernels wait for the
       device-to-host copy of the step's bytes (tens of microseconds a megabyte over PCIe). A side
       stream would overlap that copy, but it was measured to race with such an overwrite
       (BENCHMARKS.md, GPU check). A CUDA event is recorded after the copies on each device and the
