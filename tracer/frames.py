@@ -1,6 +1,6 @@
 """Read canonical fields out of a training loop's frame through a name map (zero-edit tracing).
 
-Rules (documented in README "Zero-edit"):
+Rules (documented in docs/zero-edit.md):
 
 * The calling frame is the first frame, walking out from ``backward``, whose module is not part of
   torch, accelerate, deepspeed or tracer (``tracer.demo`` counts as user code).
