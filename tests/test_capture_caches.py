@@ -335,3 +335,22 @@ def test_a_field_derived_after_the_plan_was_made_is_in_the_signature_record_chec
     assert groups[:2] == [None, None] and [g.tolist() for g in groups[2:]] == [[0, 0, 1, 1]] * 2
     signatures = list(watcher.writer._signatures)
     assert len(signatures) == 2 and [len(s) for s in signatures] == [1, 2]
+
+
+def test_pinned_and_plain_buffer_groups_of_one_key_are_kept_apart():
+    """A pinned group handed back is never taken for plain buffers of the same field signature, and
+    each kind counts under its own idle limit. Pinned memory needs CUDA, so the pinned group here
+    holds plain memory, made as take_group makes a pinned one: the pool's bookkeeping is what is tested."""
+    from tracer.capture import BufferGroup, BufferPool
+
+    pool = BufferPool()
+    sources = [torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64)]  # 48 + 24 bytes
+    pinned = BufferGroup((("sig",), True), [torch.empty_like(t) for t in sources])
+    pool.give([(pinned, True)])
+    assert pool._idle_bytes == {False: 0, True: 72}
+    plain = pool.take_group(("sig",), sources)
+    assert plain is not pinned and pool._idle_bytes == {False: 0, True: 72}  # a new plain group
+    pool.give([(plain, False)])
+    assert pool._idle_bytes == {False: 72, True: 72}
+    assert pool.take_group(("sig",), sources, pinned=True) is pinned  # no allocation: the idle pinned group
+    assert pool.take_group(("sig",), sources) is plain and pool._idle_bytes == {False: 0, True: 0}

@@ -79,7 +79,7 @@ def test_view_without_streamlit_names_the_extra(tmp_path, capsys, monkeypatch):
                         lambda name, *a: None if name == "streamlit" else real_find_spec(name, *a))
     assert main(["view", str(root)]) == 2
     err = capsys.readouterr().err
-    assert "the web UI needs streamlit" in err and "pip install 'tracer[app]'" in err
+    assert "the web UI needs streamlit" in err and "pip install -e '.[app]'" in err
 
 
 @pytest.mark.parametrize("algo, missing", [("grpo-trl", "trl"), ("grpo", "transformers")])

@@ -118,8 +118,11 @@ def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str |
 
 
 class BufferPool:
-    """Reusable host buffers keyed by (shape, dtype, pinned): pinned ones for the CUDA staging path,
-    plain ones for CPU staging. At most ``pinned_per_key`` idle pinned buffers per key and
+    """Reusable host buffers, one at a time keyed by (shape, dtype, pinned) or a step's at a time as a
+    :class:`BufferGroup` keyed by (field signature, pinned): pinned ones for the CUDA staging path,
+    plain ones for CPU staging. A group counts under the limits of its kind as one buffer of its
+    total size (a pinned group over ``max_idle_pinned_bytes`` is not kept: the CUDA host allocator's
+    own cache then reuses its memory). At most ``pinned_per_key`` idle pinned buffers per key and
     ``max_idle_pinned_bytes`` of them in all; at most ``per_key`` idle plain buffers per key and
     ``max_idle_bytes`` of them in all (a run whose shapes change every step keeps a bounded amount
     of memory idle). A staged copy into a buffer used before is a copy into warm memory; a
@@ -153,11 +156,12 @@ class BufferPool:
     def take_group(self, key: tuple, tensors: list[torch.Tensor], pinned: bool = False) -> "BufferGroup":
         """Host buffers shaped like ``tensors`` (pinned ones when ``pinned``), as one
         :class:`BufferGroup` kept under ``key`` (the step's field signature: the same key always
-        means the same shapes, dtypes and devices): one lookup per step instead of one per tensor."""
-        group = self._pop_idle(key, pinned)
+        means the same shapes, dtypes and devices): one lookup per step instead of one per tensor.
+        Pinned and plain groups are kept apart (the pool's key is ``(key, pinned)``)."""
+        group = self._pop_idle((key, pinned), pinned)
         if group is not None:
             return group
-        return BufferGroup(key, [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors])
+        return BufferGroup((key, pinned), [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors])
 
     def give(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
         """Hand back ``(buffer, pinned)`` pairs (a buffer may be a :class:`BufferGroup`) that hold
@@ -223,8 +227,8 @@ def _stage_cuda_group(tensors: dict[str, torch.Tensor], pool: "BufferPool", grou
 
 
 class BufferGroup(list):
-    """The plain staging buffers of one step's fields, in field order, reused together
-    (:meth:`BufferPool.take_group`); ``key`` is the field signature they were made for."""
+    """The staging buffers of one step's fields (plain, or pinned for CUDA steps), in field order,
+    reused together (:meth:`BufferPool.take_group`); ``key`` is ``(field signature, pinned)``."""
 
     def __init__(self, key: tuple, buffers: list[torch.Tensor]) -> None:
         super().__init__(buffers)

@@ -191,7 +191,8 @@ def _require_app_dependencies() -> None:
     missing = [name for name in ("streamlit", "plotly") if importlib.util.find_spec(name) is None]
     if missing:
         raise TraceError(f"the web UI needs {' and '.join(missing)}, which this environment lacks; "
-                         "install the app extra: pip install 'tracer[app]' (from a checkout: pip install -e '.[app]')")
+                         "install the app extra from your checkout of tracer (the web UI lives in its app/ folder): "
+                         "pip install -e '.[app]' (the 'tracer' package on PyPI is another project)")
     if not APP_ENTRY.is_file():
         raise TraceError(f"the web UI's files are not installed ({APP_ENTRY} is missing): the app lives in the "
                          "repository's app/ folder; install tracer from a checkout in editable mode: "
