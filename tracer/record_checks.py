@@ -39,8 +39,8 @@ class SignatureCache(dict):
         super().__init__()
         self.algorithm = algorithm
         self.last: tuple | None = None  # the signature of the tensors last checked (None: not hashable)
-        self.cpu_key: tuple | None = None  # the same when it is cached and every tensor is on the CPU, else None
-        self.cuda_key: tuple | None = None  # the same when it is cached and every tensor is on one CUDA device
+        # the same when it is cached and every tensor is on the CPU, or every one on one CUDA device, else None
+        self.group_key: tuple | None = None
         self._given: tuple = (None, None)  # (the signature a caller last passed, its cached entry)
 
     def check(self, tensors: dict[str, Any], signature: tuple | None = None) -> str:
@@ -48,9 +48,9 @@ class SignatureCache(dict):
         signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
         set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
         every time. Returns the ``source_dtype`` metadata of the signature, and sets :attr:`last`
-        :attr:`cpu_key` and :attr:`cuda_key` (the key of the step's staging buffers,
-        :meth:`tracer.capture.BufferPool.take_group`, when every tensor is on the CPU, or on one
-        CUDA device). ``signature``: the tuple of ``(name, shape,
+:attr:`group_key` (the key of the step's staging buffers,
+        :meth:`tracer.capture.BufferPool.take_group`, when every tensor is on the CPU, or every one
+        on one CUDA device). ``signature``: the tuple of ``(name, shape,
         dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
         plan's capture, :mod:`tracer.site_plans`, whose guards checked each tensor's); it must be
         exactly what would be built here. Raises SchemaError."""
@@ -64,7 +64,7 @@ class SignatureCache(dict):
                 cached = self.get(signature)
             except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
                 cached, signature = None, None
-        self.last, self.cpu_key, self.cuda_key = signature, None, None
+        self.last, self.group_key = signature, None
         if cached is None:
             check_tensors(tensors, self.algorithm)
             source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
@@ -72,17 +72,15 @@ class SignatureCache(dict):
             value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
                                   and t.dtype != torch.bool and t.device.type == "cpu")
             devices = {t.device for t in tensors.values()}
-            one_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
-            cached = (source, value_checked, all(t.device.type == "cpu" for t in tensors.values()), one_cuda)
+            grouped = len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+            cached = (source, value_checked, grouped)
             if signature is not None and len(self) < MAX_SIGNATURES:
                 self[signature] = cached
-                self.cpu_key = signature if cached[2] else None
-                self.cuda_key = signature if one_cuda else None
+                self.group_key = signature if grouped else None
             return source
         for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
             check_mask_field(name, tensors[name])
-        self.cpu_key = signature if cached[2] else None
-        self.cuda_key = signature if cached[3] else None
+        self.group_key = signature if cached[2] else None
         return cached[0]
 
 

@@ -275,8 +275,7 @@ class TraceWriter(WriterBackends):
             raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
                               "micro_batch= as arguments and leave the others out")
         source_dtype = self._signatures.check(tensors, signature)
-        # the key of the step's staging buffers: tensors all on the CPU, or all on one CUDA device
-        group_key = self._signatures.cpu_key or self._signatures.cuda_key
+        group_key = self._signatures.group_key  # the step's staging buffers: all on the CPU, or on one CUDA device
         coordinates = (step, inner_step, micro_batch)
         if coordinates in self._recorded:
             raise SchemaError(
