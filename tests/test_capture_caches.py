@@ -205,6 +205,35 @@ def test_a_given_signature_gives_the_entry_of_the_tensors_own_and_masks_are_stil
         cache.check(bad, given_small)
 
 
+def test_group_key_is_the_cached_signature_of_a_step_on_one_cpu_or_cuda_device(monkeypatch):
+    """``group_key`` (the staging buffers' key, :func:`tracer.capture.stage`) is the step's signature
+    when the signature is cached and every tensor is on the CPU; ``None`` for a step across two devices,
+    for one wholly on a device that is neither the CPU nor CUDA (``meta``), and for a signature past
+    the cache's bound (not cached: nothing keys a buffer group by it). The one-CUDA-device case needs
+    a GPU: ``tests/test_reliability_record.py``'s CUDA tests."""
+    from tracer import record_checks
+
+    cache = SignatureCache("grpo")
+    cpu = {"policy_logprobs": torch.zeros(2, 3), "completion_mask": torch.ones(2, 3, dtype=torch.bool)}
+    for _ in range(2):  # checked, then served from the cache: the same key
+        cache.check(cpu)
+        assert cache.group_key == _signature(cpu) and cache.group_key is cache.last
+    mixed = {"policy_logprobs": torch.zeros(2, 3), "completion_mask": torch.ones(2, 3, dtype=torch.bool, device="meta")}
+    meta = {k: v.to("meta") for k, v in cpu.items()}
+    for step in (mixed, meta):
+        for _ in range(2):
+            cache.check(step)
+            assert cache.last == _signature(step) and cache.group_key is None
+    cache.check(cpu, _signature(cpu))  # a signature the caller passes: the same rule
+    assert cache.group_key == _signature(cpu)
+    monkeypatch.setattr(record_checks, "MAX_SIGNATURES", len(cache))
+    other = {"policy_logprobs": torch.zeros(5, 3), "completion_mask": torch.ones(5, 3, dtype=torch.bool)}
+    cache.check(other)
+    assert cache.last == _signature(other) and cache.group_key is None
+    cache.check(cpu)  # one cached before the bound keeps its key
+    assert cache.group_key == _signature(cpu)
+
+
 # -- the step metadata compared in C --------------------------------------------------------------
 
 @pytest.mark.parametrize("before, after, same", [
