@@ -5,7 +5,7 @@ pipe; all four inherited from the training process, which starts it).
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
-(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.writer_thread.LINGER_S`, or until ``MAX_BATCH`` steps,
+(:data:`CHILD_LINGER_S`, 1 s, or until ``MAX_BATCH`` steps,
 half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
 start (the interpreter's data evicted by the training step in between) is most of a small step's
 cost, 0.8-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
@@ -44,7 +44,7 @@ import torch
 
 from tracer.batches import BatchHandler
 from tracer.capture import StagedStep
-from tracer.writer_thread import LINGER_S, MAX_BATCH
+from tracer.writer_thread import MAX_BATCH
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header
@@ -55,7 +55,14 @@ log = logging.getLogger("tracer.writer_child")
 # gets about a tenth of a core against ordinary load, falls behind, and the training process then
 # waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
 WRITER_PROCESS_NICENESS = 5
-CHILD_LINGER_S = LINGER_S  # the child waits up to this long for more steps to batch with (module docstring)
+# The child waits up to this long for more steps to batch with (module docstring): 1 s, four times the
+# writer thread's LINGER_S (whose wait holds a thread of the training process). A batch's cold start
+# costs the child about 1 ms, so steps 12 ms apart (a MiniMind-style PPO backward) cost it 0.5 ms each
+# in batches of 4, 0.28 ms in batches of 15 (0.25 s) and 0.18 ms in batches of 50 (1 s); the PPO loop
+# ran 0.8% faster (paired 0.992, 95% interval 0.984-0.999) with the longer wait, measured side by side
+# in one run (BENCHMARKS.md, "Issue 16, nineteenth pass"). The price: a step file appears up to 1 s
+# after its record, and a process group killed outright loses up to the last second's steps.
+CHILD_LINGER_S = 1.0
 MAX_VIEWS = 4096  # (layout, ring offset) pairs whose tensor views are kept (cleared when full)
 PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
 
