@@ -1,6 +1,6 @@
 """Where the zero-edit PPO loop's traced cost goes (issue 16, fifteenth pass).
 
-``python -m bench.ppo_split [--rounds N] [--part split,corun]``, on the MiniMind-style PPO loop of
+``python -m bench.ppo_split [--rounds N] [--part split,corun,linger]``, on the MiniMind-style PPO loop of
 ``bench.loops`` (tests/scripts/minimind_ppo.py, tiny local model, one torch thread), blocks of
 ``bench.loops.PPO_STEPS`` steps, the order rotating each round, each ratio paired with that round's
 plain block (95% bootstrap interval):
@@ -13,6 +13,11 @@ plain block (95% bootstrap interval):
   writer process's work on the other core.
 * ``corun``: the plain loop alone, beside a process spinning in pure Python, and beside a process
   copying 16 MB buffers (torch, one thread): what work on the other core costs this one.
+* ``linger``: the loop traced through two writer processes, one whose child lingers the writer
+  thread's 0.25 s for more steps to batch with and one lingering
+  :data:`tracer.writer_child.CHILD_LINGER_S` (issue 16, nineteenth pass), one watcher whose writer is
+  swapped between them block by block; besides each one's ratio to plain, the paired ratio of the
+  two traced blocks of a round (long / short) and each child's CPU per backward.
 """
 
 from __future__ import annotations
@@ -124,6 +129,50 @@ def corun(rounds: int, tmp: str) -> None:
         print(_line(f"beside {kind}", r))
 
 
+def linger(rounds: int, tmp: str) -> None:
+    from tracer import watch
+    from tracer.writer import TraceWriter
+    from tracer.writer_child import CHILD_LINGER_S
+    from tracer.writer_thread import LINGER_S
+    from bench.loops import paired_ratio
+
+    epoch, args = ppo_setup(tmp, PPO_STEPS)
+    backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
+    waits = {f"linger {LINGER_S:g} s": LINGER_S, f"linger {CHILD_LINGER_S:g} s": CHILD_LINGER_S}
+    writers: dict[str, TraceWriter] = {}
+    with contextlib.redirect_stdout(io.StringIO()), watch(algo="ppo", out=f"{tmp}/ppo", writer="process") as w:
+        epoch()  # opens the watcher's own writer (its hyperparameters are the loop's), idle from here on
+        own = w.writer
+        for i, (kind, wait) in enumerate(waits.items()):
+            writer = TraceWriter(f"{tmp}/ppo_{i}", "ppo", hyperparameters=own.hyperparameters, writer="process")
+            writer._child_config = lambda writer=writer, wait=wait: {**TraceWriter._child_config(writer), "linger_s": wait}
+            writers[kind] = writer
+
+        def traced(kind):
+            def run(_r):
+                w.writer = writers[kind]
+                epoch()
+                writers[kind].flush()
+            return run
+
+        def plain():
+            with w.paused():
+                epoch()
+
+        for kind in writers:  # each child started and warm
+            traced(kind)(-1)
+        res = _rotate(plain, {kind: traced(kind) for kind in writers}, rounds,
+                      {kind: (lambda kind=kind: child_cpu_s(writers[kind])) for kind in writers})
+        for writer in writers.values():
+            writer.close()
+        w.writer = own  # closed with the watcher
+    for kind, r in res.items():
+        print(_line(kind, r, f"; writer process {1e6 * r['child_cpu_s'] / backwards:.0f} us/backward"))
+    short, long = (res[kind]["raw"]["traced_s"] for kind in waits)
+    mid, lo, hi = paired_ratio([a / b for a, b in zip(long, short)])
+    print(f"linger {CHILD_LINGER_S:g} s / linger {LINGER_S:g} s, traced blocks of one round: {mid:.4f} ({lo:.4f}-{hi:.4f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=150)
@@ -134,7 +183,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.part.split(","):
             print(f"-- {part}")
-            {"split": split, "corun": corun}[part](args.rounds, tmp)
+            {"split": split, "corun": corun, "linger": linger}[part](args.rounds, tmp)
 
 
 if __name__ == "__main__":
