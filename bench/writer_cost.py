@@ -12,7 +12,13 @@ the way a wall-clock ratio does. With ``--compare DIR`` the same measurement run
 the ``tracer`` package of another checkout (e.g. a ``git worktree`` of the commit before), and the
 ratio is printed side by side.
 
+With ``--gap-work`` the gap is spent multiplying a 256 x 1024 by a 1024 x 1024 matrix (4 MB of
+weights streamed, like a training step) instead of sleeping, so that each batch starts with the
+caches the loop left, as in a run; ``--linger S`` sets the writer process's wait for more steps to
+batch with (:data:`tracer.writer_child.CHILD_LINGER_S` otherwise).
+
     python -m bench.writer_cost [--steps 300] [--rounds 3] [--writer thread|process]
+                                [--gap-ms 4] [--gap-work] [--linger S]
                                 [--compare /path/to/old/checkout]
 """
 
@@ -68,7 +74,23 @@ def _child_cpu_s(writer) -> float:
     return total / 1e9
 
 
-def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
+def _gap(gap_ms: float, work: bool):
+    """What runs between two steps: a sleep, or (``work``) matrix products for as long."""
+    import torch
+
+    if not work:
+        return lambda: time.sleep(gap_ms / 1e3)
+    a, w = torch.randn(256, 1024), torch.randn(1024, 1024)
+
+    def busy() -> None:
+        end = time.perf_counter() + gap_ms / 1e3
+        while time.perf_counter() < end:
+            torch.mm(a, w)
+    return busy
+
+
+def child(steps: int, gap_ms: float, kind_of_writer: str = "thread", gap_work: bool = False,
+          linger: float | None = None) -> dict:
     """Measure in this process (the ``tracer`` package first on sys.path)."""
     import torch
 
@@ -93,6 +115,10 @@ def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
             spent["cpu"] += time.thread_time() - t0
 
     setattr(owner, name, timed)
+    if linger is not None:
+        own_config = TraceWriter._child_config
+        TraceWriter._child_config = lambda self: {**own_config(self), "linger_s": linger}
+    gap = _gap(gap_ms, gap_work)
     out = {}
     hyper = {"num_generations": 4, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TRACER_BENCH_TMP")) as tmp:
@@ -106,7 +132,7 @@ def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
                     before = _child_cpu_s(writer)
                 for step in range(steps):
                     writer.record(step, tensors)
-                    time.sleep(gap_ms / 1e3)
+                    gap()
                 if kind_of_writer == "process":
                     writer.flush()
                     spent["cpu"] = _child_cpu_s(writer) - before
@@ -114,21 +140,23 @@ def child(steps: int, gap_ms: float, kind_of_writer: str = "thread") -> dict:
     return out
 
 
-def _run(root: Path, steps: int, gap_ms: float, writer: str = "thread") -> dict:
+def _run(root: Path, steps: int, gap_ms: float, writer: str = "thread", gap_work: bool = False,
+         linger: float | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"}
+    extra = (["--gap-work"] if gap_work else []) + (["--linger", str(linger)] if linger is not None else [])
     done = subprocess.run([sys.executable, __file__, "--child", "--steps", str(steps), "--gap-ms", str(gap_ms),
-                           "--writer", writer],
+                           "--writer", writer, *extra],
                           env=env, capture_output=True, text=True, check=True, cwd=str(root))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def measure(steps: int = 300, rounds: int = 3, gap_ms: float = 4.0, compare: str | None = None,
-            writer: str = "thread") -> dict:
+            writer: str = "thread", gap_work: bool = False, linger: float | None = None) -> dict:
     roots = {"this": REPO} | ({"compare": Path(compare).resolve()} if compare else {})
     runs: dict[str, list[dict]] = {k: [] for k in roots}
     for r in range(rounds):
         for key in (list(roots) if r % 2 == 0 else list(roots)[::-1]):
-            runs[key].append(_run(roots[key], steps, gap_ms, writer))
+            runs[key].append(_run(roots[key], steps, gap_ms, writer, gap_work, linger))
     med = {k: {label: sorted(run[label] for run in v)[len(v) // 2] for label in SHAPES} for k, v in runs.items()}
     return {"median_us": med, "runs": runs, "steps": steps, "rounds": rounds, "gap_ms": gap_ms}
 
@@ -140,16 +168,20 @@ def main() -> None:
     parser.add_argument("--gap-ms", type=float, default=4.0)
     parser.add_argument("--compare", help="another checkout whose tracer/ to measure beside this one")
     parser.add_argument("--writer", choices=("thread", "process"), default="thread")
+    parser.add_argument("--gap-work", action="store_true", help="fill the gap with matrix products, not a sleep")
+    parser.add_argument("--linger", type=float, help="the writer process's linger in seconds (process writer only)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.linger is not None and args.writer != "process":
+        parser.error("--linger sets the writer process's wait: use it with --writer process")
     if args.child:
-        print(json.dumps(child(args.steps, args.gap_ms, args.writer)))
+        print(json.dumps(child(args.steps, args.gap_ms, args.writer, args.gap_work, args.linger)))
         return
     sys.path.insert(0, str(REPO))
     from bench.common import machine
 
     print(machine())
-    res = measure(args.steps, args.rounds, args.gap_ms, args.compare, args.writer)
+    res = measure(args.steps, args.rounds, args.gap_ms, args.compare, args.writer, args.gap_work, args.linger)
     for label in SHAPES:
         this = res["median_us"]["this"][label]
         what = "writer thread CPU" if args.writer == "thread" else "writer process CPU (all of the child)"
@@ -157,7 +189,9 @@ def main() -> None:
         if args.compare:
             other = res["median_us"]["compare"][label]
             line += f" vs {other:.0f} us in {args.compare} ({this / other:.2f}x)"
-        print(line + f"  (median of {args.rounds} runs x {args.steps} steps, {args.gap_ms:g} ms apart)")
+        gap = f"{args.gap_ms:g} ms apart" + (" (matrix products between)" if args.gap_work else "")
+        linger = f", linger {args.linger:g} s" if args.linger is not None else ""
+        print(line + f"  (median of {args.rounds} runs x {args.steps} steps, {gap}{linger})")
 
 
 if __name__ == "__main__":

@@ -56,12 +56,14 @@ log = logging.getLogger("tracer.writer_child")
 # waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
 WRITER_PROCESS_NICENESS = 5
 # The child waits up to this long for more steps to batch with (module docstring): 1 s, four times the
-# writer thread's LINGER_S (whose wait holds a thread of the training process). A batch's cold start
-# costs the child about 1 ms, so steps 12 ms apart (a MiniMind-style PPO backward) cost it 0.5 ms each
-# in batches of 4, 0.28 ms in batches of 15 (0.25 s) and 0.18 ms in batches of 50 (1 s); the PPO loop
-# ran 0.8% faster (paired 0.992, 95% interval 0.984-0.999) with the longer wait, measured side by side
-# in one run (BENCHMARKS.md, "Issue 16, nineteenth pass"). The price: a step file appears up to 1 s
-# after its record, and a process group killed outright loses up to the last second's steps.
+# writer thread's LINGER_S (whose wait holds a thread of the training process), so batches of up to
+# MAX_BATCH small steps instead of about 15 at a MiniMind-style PPO loop's pace (a backward every
+# 12 ms). Measured side by side in one run (python -m bench.ppo_split --part linger, 150 rounds), that
+# loop ran 0.8% faster with 1 s than with 0.25 s (paired 0.992, 95% interval 0.984-0.999) and its
+# process used 0.8% less CPU, while the child's own CPU stayed the same (22.7 against 23.0 ms a
+# block): most likely fewer of the child's batch starts beside the loop, each bringing its working set into
+# the caches both cores share (BENCHMARKS.md, "Issue 16, nineteenth pass"). The price: a step file
+# appears up to 1 s after its record, and steps still lingering die with a process group killed outright.
 CHILD_LINGER_S = 1.0
 MAX_VIEWS = 4096  # (layout, ring offset) pairs whose tensor views are kept (cleared when full)
 PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
