@@ -15,7 +15,7 @@ ratio is printed side by side.
 With ``--gap-work`` the gap is spent multiplying a 256 x 1024 by a 1024 x 1024 matrix (4 MB of
 weights streamed, like a training step) instead of sleeping, so that each batch starts with the
 caches the loop left, as in a run; ``--linger S`` sets the writer process's wait for more steps to
-batch with (:data:`tracer.writer_child.CHILD_LINGER_S` otherwise).
+batch with (:data:`tracer.writer_child.CHILD_LINGER_S`, 0.25 s, otherwise).
 
     python -m bench.writer_cost [--steps 300] [--rounds 3] [--writer thread|process]
                                 [--gap-ms 4] [--gap-work] [--linger S]

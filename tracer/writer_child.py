@@ -5,7 +5,7 @@ pipe; all four inherited from the training process, which starts it).
 It runs the same write side as the writer thread (:class:`tracer.step_writer.StepWriter` through
 :class:`tracer.batches.BatchHandler`): the steps read from the pipe in one go are handled as one
 batch (their summaries computed together). Like the writer thread it lingers for more
-(:data:`CHILD_LINGER_S`, 1 s, or until ``MAX_BATCH`` steps,
+(:data:`CHILD_LINGER_S`, the thread's :data:`tracer.writer_thread.LINGER_S`, or until ``MAX_BATCH`` steps,
 half the steps bound or half the ring's room are in hand: :meth:`Child._lingering`): a batch's cold
 start (the interpreter's data evicted by the training step in between) is most of a small step's
 cost, 0.8-2 ms of CPU per step file handled alone against about 0.3 ms in batches (``python -m
@@ -44,7 +44,7 @@ import torch
 
 from tracer.batches import BatchHandler
 from tracer.capture import StagedStep
-from tracer.writer_thread import MAX_BATCH
+from tracer.writer_thread import LINGER_S, MAX_BATCH
 from tracer.layout import MANIFEST_NAME, save_atomic, write_json_atomic
 from tracer.manifest_book import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.step_writer import StepWriter, step_header
@@ -55,16 +55,7 @@ log = logging.getLogger("tracer.writer_child")
 # gets about a tenth of a core against ordinary load, falls behind, and the training process then
 # waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
 WRITER_PROCESS_NICENESS = 5
-# The child waits up to this long for more steps to batch with (module docstring): 1 s, four times the
-# writer thread's LINGER_S (whose wait holds a thread of the training process), so batches of up to
-# MAX_BATCH small steps instead of about 15 at a MiniMind-style PPO loop's pace (a backward every
-# 12 ms). Measured side by side in one run (python -m bench.ppo_split --part linger, 150 rounds), that
-# loop ran 0.8% faster with 1 s than with 0.25 s (paired 0.992, 95% interval 0.984-0.999) and its
-# process used 0.8% less CPU, while the child's own CPU stayed the same (22.7 against 23.0 ms a
-# block): most likely fewer of the child's batch starts beside the loop, each bringing its working set into
-# the caches both cores share (BENCHMARKS.md, "Issue 16, nineteenth pass"). The price: a step file
-# appears up to 1 s after its record, and steps still lingering die with a process group killed outright.
-CHILD_LINGER_S = 1.0
+CHILD_LINGER_S = LINGER_S  # the child waits up to this long for more steps to batch with (module docstring)
 MAX_VIEWS = 4096  # (layout, ring offset) pairs whose tensor views are kept (cleared when full)
 PREFAULT_BYTES = 8 * 2**20  # of the ring faulted in at the start (shared memory the ring would touch anyway)
 
