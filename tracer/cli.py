@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
     view = sub.add_parser("view", help="open the web UI (Streamlit, bound to 127.0.0.1)")
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
-                      help="a trace directory or a directory of traces (default: the bundled sample_traces/)")
+                      help="a trace directory, a directory of traces, or one step file (default: the bundled sample_traces/)")
     view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
     view.add_argument("--start-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
                       help="how long to wait for the server to answer before giving up (default 60)")
@@ -216,7 +216,7 @@ def _cmd_view(args: argparse.Namespace) -> int:
     _require_app_dependencies()
     root = Path(args.path)
     if not root.exists():
-        raise TraceError(f"{root} does not exist: expected a trace directory or a directory of traces")
+        raise TraceError(f"{root} does not exist: expected a trace directory, a directory of traces or a step file")
     if root.is_dir() and not find_traces(root):
         raise TraceError(
             f"{root} holds no trace: expected a directory with manifest.json and steps/*.safetensors "
