@@ -36,7 +36,7 @@ import time
 import torch
 
 from bench.common import machine, median
-from bench.loops import PPO_STEPS, _rotate, _timed, child_cpu_s, ppo_setup
+from bench.loops import PPO_STEPS, _rotate, _timed, child_cpu_s, paired_ratio, ppo_setup
 
 
 def _line(kind: str, r: dict, extra: str = "") -> str:
@@ -134,7 +134,6 @@ def linger(rounds: int, tmp: str, long_linger: float = 1.0) -> None:
     from tracer import watch
     from tracer.writer import TraceWriter
     from tracer.writer_child import CHILD_LINGER_S
-    from bench.loops import paired_ratio
 
     epoch, args = ppo_setup(tmp, PPO_STEPS)
     backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
@@ -184,10 +183,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.part.split(","):
             print(f"-- {part}")
-            if part == "linger":
-                linger(args.rounds, tmp, args.long_linger)
-            else:
-                {"split": split, "corun": corun}[part](args.rounds, tmp)
+            parts = {"split": split, "corun": corun, "linger": lambda r, t: linger(r, t, args.long_linger)}
+            parts[part](args.rounds, tmp)
 
 
 if __name__ == "__main__":

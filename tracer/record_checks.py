@@ -47,11 +47,10 @@ class SignatureCache(dict):
         """Check ``tensors`` against the schema (:func:`tracer.schema.check_tensors`) once per
         signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
         set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
-        every time. Returns the ``source_dtype`` metadata of the signature, and sets :attr:`last`
-:attr:`group_key` (the key of the step's staging buffers,
-        :meth:`tracer.capture.BufferPool.take_group`, when every tensor is on the CPU, or every one
-        on one CUDA device). ``signature``: the tuple of ``(name, shape,
-        dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
+        every time. Returns the ``source_dtype`` metadata of the signature, and sets :attr:`last` and
+        :attr:`group_key` (the key of the step's staging buffers, :meth:`tracer.capture.BufferPool.take_group`,
+        when every tensor is on the CPU, or every one on one CUDA device). ``signature``: the tuple of
+        ``(name, shape, dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
         plan's capture, :mod:`tracer.site_plans`, whose guards checked each tensor's); it must be
         exactly what would be built here. Raises SchemaError."""
         if signature is not None:  # the same tuple as the last one given: the same entry (a plan's own tuple)
