@@ -152,6 +152,38 @@ def test_grpo_per_token_loss_by_hand():
     torch.testing.assert_close(got, torch.tensor([[-1.2, -0.5]]) + 0.1 * (1 - LN2))
 
 
+def test_ref_kl_estimators_and_a_k1_or_k2_kl_term_by_hand():
+    policy = torch.tensor([[math.log(0.5), math.log(0.25)]])
+    ref = policy + LN2  # ref - policy = ln 2 on both tokens
+    # k1 = policy - ref = -ln 2; k2 = 0.5 (ln 2)^2; k3 = e^{ln 2} - ln 2 - 1 = 1 - ln 2
+    torch.testing.assert_close(formulas.ref_kl(policy, ref, "k1"), torch.full((1, 2), -LN2))
+    torch.testing.assert_close(formulas.ref_kl(policy, ref, "mse"), torch.full((1, 2), 0.5 * LN2 ** 2))
+    torch.testing.assert_close(formulas.ref_kl(policy, ref, "low_var_kl"), torch.full((1, 2), 1 - LN2))
+    with pytest.raises(ValueError, match="unknown KL estimator 'abs'; known: k1, k2, k3"):
+        formulas.ref_kl(policy, ref, "abs")
+    # the loss's KL term follows the estimator: ratio 1 (policy == old), A = 0, beta 0.1
+    got = formulas.grpo_per_token_loss(policy, policy, torch.tensor([0.0]), 0.2, 0.2, beta=0.1, ref_logprobs=ref,
+                                       kl_estimator="k2")
+    torch.testing.assert_close(got, torch.full((1, 2), 0.1 * 0.5 * LN2 ** 2))
+    got = formulas.ppo_per_token_loss(policy, policy, torch.zeros(1, 2), 0.2, 0.2, kl_coef=0.1, ref_logprobs=ref,
+                                      kl_estimator="k1")
+    torch.testing.assert_close(got, torch.full((1, 2), -0.1 * LN2))
+
+
+def test_kl_reward_token_rewards_by_hand():
+    """InstructGPT eq. 2: r_t = -kl_coef * (old - ref) on each kept token, plus the score on the last one."""
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    ref = torch.tensor([[-1.5, -2.0, -1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    got = formulas.kl_reward_token_rewards(torch.tensor([1.0, 2.0]), old, ref, mask, 0.1)
+    # row 0: k1 = [0.5, 0, -2 (masked)] -> [-0.05, 0 + 1.0 (last kept), 0]; row 1: k1 0.5 -> -0.05 + 2.0
+    torch.testing.assert_close(got, torch.tensor([[-0.05, 1.0, 0.0], [1.95, 0.0, 0.0]]))
+    # k3 of (old || ref): row 1, d = ref - old = -0.5: e^-0.5 + 0.5 - 1
+    k3 = math.exp(-0.5) + 0.5 - 1
+    got = formulas.kl_reward_token_rewards(torch.tensor([0.0, 0.0]), old, ref, mask, 0.1, "k3")
+    assert got[1, 0].item() == pytest.approx(-0.1 * k3)
+
+
 def test_token_rewards_land_on_the_last_kept_token():
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
     got = formulas.token_rewards_from_sequence(torch.tensor([1.0, -2.0, 5.0]), mask)

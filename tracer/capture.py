@@ -108,12 +108,22 @@ class StagedStep:
 
 
 def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str | None) -> dict[str, torch.Tensor]:
-    """Keep the first ``k`` rows of every field whose first dim is B (other tensors as they are)."""
-    out = {}
+    """Keep the first ``k`` rows of every field whose first dim is B (other tensors as they are): the
+    canonical fields SPEC.md gives a B dimension, and any other field (a trainer's own, e.g. TRL
+    RLOO's ``sequence_ratio``) whose first dimension is the B of those. A step without a canonical
+    [B, ...] field has no known B: only its canonical fields would be cut, and it has none."""
+    out, batch = {}, None
     for name, t in tensors.items():
         spec = FIELDS.get(name)
-        dims = spec.dims_for(algorithm) if spec else ()
-        out[name] = t[:k] if dims[:1] == ("B",) else t
+        if spec is not None and spec.dims_for(algorithm)[:1] == ("B",) and t.dim():
+            batch = t.shape[0]
+            break
+    for name, t in tensors.items():
+        spec = FIELDS.get(name)
+        if spec is not None:
+            out[name] = t[:k] if spec.dims_for(algorithm)[:1] == ("B",) else t
+        else:
+            out[name] = t[:k] if batch is not None and t.dim() and t.shape[0] == batch else t
     return out
 
 

@@ -140,7 +140,10 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
     "clip_epsilon_low": (float, "lower clip epsilon: ratio clipped at 1 - eps_low"),
     "clip_epsilon_high": (float, "upper clip epsilon: ratio clipped at 1 + eps_high"),
     "beta": (float, "ref-KL coefficient in the loss; the DPO beta for DPO"),
-    "kl_coef": (float, "PPO ref-KL coefficient"),
+    "kl_coef": (float, "PPO ref-KL coefficient (in the loss; in the rewards when kl_in_reward)"),
+    "kl_in_reward": (bool, "the ref-KL penalty is in the rewards (InstructGPT, OpenRLHF, TRL PPOTrainer), "
+                           "not the loss: no KL term in per_token_loss"),
+    "kl_estimator": (str, "the ref-KL estimator: k1 | k2 | k3 (default k3 in the loss, k1 in the rewards)"),
     "gamma": (float, "GAE discount"),
     "lam": (float, "GAE lambda"),
     "temperature": (float, "sampling temperature applied to logits"),

@@ -16,7 +16,7 @@ import math
 import torch
 
 from tracer import formulas
-from tracer.checks.context import StepContext
+from tracer.checks.context import StepContext, check_memo
 from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
@@ -146,6 +146,38 @@ def _advantages_have_another_term(ctx: StepContext) -> bool:
     return ctx.algorithm == "rloo" and float(ctx.hyper("beta", 0.0) or 0.0) != 0.0
 
 
+def _file_group_counts(ctx: StepContext, key) -> tuple[int, int] | None:
+    """(groups, zero-variance groups) of the step file ``key``: from its header summary when it holds
+    them (:mod:`tracer.summaries`), else from its rewards; None when its groups cannot be formed."""
+    try:
+        summary = ctx.trace.metadata(key).get("summary")
+        if isinstance(summary, dict) and isinstance(summary.get("groups"), int) \
+                and isinstance(summary.get("zero_variance_groups"), int):
+            return summary["groups"], summary["zero_variance_groups"]
+        other = StepContext(ctx.trace, key, ctx.options)
+        (rewards,) = other.require("rewards")
+        groups, _ = full_groups(other, rewards.shape[0])
+    except Exception:  # noqa: BLE001  (Skip, or an unreadable file: other checks report it)
+        return None
+    return len(groups), sum(float(rewards[rows].max() - rewards[rows].min()) == 0.0 for rows in groups)
+
+
+def _rollout_group_counts(ctx: StepContext) -> tuple[int, int, int]:
+    """(files, groups, zero-variance groups) over the step files of this step file's pass over its
+    rollout: the same step, inner step and rank, every micro-batch (this file included). Worked out
+    once per pass (:func:`check_memo`)."""
+    memo = check_memo(ctx.trace, "rollout_groups")
+    k = (ctx.key.step, ctx.key.inner_step, ctx.key.rank)
+    if k not in memo:
+        files = groups = zero = 0
+        for key in ctx.pass_keys():
+            counts = _file_group_counts(ctx, key)
+            if counts is not None:
+                files, groups, zero = files + 1, groups + counts[0], zero + counts[1]
+        memo[k] = (files, groups, zero)
+    return memo[k]
+
+
 @register("advantages.zero_variance", "share of groups whose rewards are all equal (advantage 0, "
           "no learning signal)", GROUPED)
 def check_zero_variance(ctx: StepContext):
@@ -185,6 +217,17 @@ def check_zero_variance(ctx: StepContext):
         )
         return [ctx.finding("advantages.zero_variance", WARNING, message, zero[0][0], field="advantages",
                             zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
+    files, rollout_groups, rollout_zero = _rollout_group_counts(ctx)
+    if files > 1 and rollout_zero < rollout_groups:  # the rollout's other micro-batches carry the signal
+        return [ctx.finding(
+            "advantages.zero_variance", INFO,
+            f"{'the one group' if len(groups) == 1 else f'all {len(groups)} groups'} of this micro-batch "
+            f"{'has' if len(groups) == 1 else 'have'} zero reward variance (group rewards {values[:8]}), "
+            f"so its advantages are 0; over the {files} micro-batch files of step {ctx.key.step} (inner step "
+            f"{ctx.key.inner_step}), {rollout_zero} of {rollout_groups} groups ({rollout_zero / rollout_groups:.0%}) "
+            "have zero variance: the step's other groups carry its learning signal.",
+            zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups),
+            step_zero_variance_share=rollout_zero / rollout_groups)]
     message = (
         f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), so every advantage is "
         f"0 and the step carries no learning signal (only the KL term moves the policy). The batch std of the "

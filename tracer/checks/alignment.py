@@ -4,7 +4,9 @@ prompt width.
 * ``alignment.logprob_shift``: compare the trainer's logprobs with the sampler's at shifts -1, 0, +1
   (``recorded[j]`` against ``sampler[j + s]``); a shift that fits clearly better than 0 means the
   trainer read each token's logprob one position off (the ``logits[:, k]`` predicts
-  ``input_ids[:, k + 1]`` rule broken, or a mask taken at input instead of target positions).
+  ``input_ids[:, k + 1]`` rule broken, or a mask taken at input instead of target positions). When no
+  shift fits, the positions where a token repeats its neighbour tell the classic ``logits[:, L:]``
+  (each token scored with the next position's distribution): there ``recorded[j] == sampler[j+1]``.
 * ``alignment.completion_start``: with left-padded prompts, a completion cut at the count of real
   prompt tokens instead of the padded width begins with the prompt's last tokens, as many as the
   row has padding.
@@ -51,7 +53,7 @@ def check_logprob_shift(ctx: StepContext):
         return []
     best_mae, best = min(candidates)
     if not best_mae < SHIFT_RATIO * mae0:
-        return []
+        return _wrong_position_evidence(ctx, name, recorded, sampler, keep, mae0, n0)
     diff = (recorded - sampler).abs().masked_fill(~keep | ~torch.isfinite(recorded - sampler), -1.0)
     b, t = divmod(int(diff.argmax()), diff.shape[1])
     sums = (float(formulas.masked_sum(recorded[b], keep[b])), float(formulas.masked_sum(sampler[b], keep[b])))
@@ -68,6 +70,49 @@ def check_logprob_shift(ctx: StepContext):
     )
     return [ctx.finding("alignment.logprob_shift", ERROR, message, b, t, field=name,
                         shift=best, mae_by_shift={str(s): m for s, (m, _) in fits.items()})]
+
+
+def _wrong_position_evidence(ctx: StepContext, name: str, recorded: torch.Tensor, sampler: torch.Tensor,
+                             keep: torch.Tensor, mae0: float, n0: int):
+    """The classic off-by-one, ``logits[:, L:]`` gathered at the completion ids: each token is scored
+    with the distribution of the *next* position (``recorded[j] = log p_{L+j}(c_j)``), which the
+    sampler used for token j + 1 (``sampler[j+1] = log p_{L+j}(c_{j+1})``). The two agree exactly where
+    a token repeats the one before it (``c_j == c_{j+1}``), and nowhere in general, so no shift of the
+    whole row fits; at those positions the fit names the bug (and ``logits[:, L-2:-2]``, the previous
+    position's distribution, at shift -1). An error finding, or [] without such evidence."""
+    if not ctx.has("completion_ids"):
+        return []
+    ids = ctx.data["completion_ids"]
+    if ids.shape != recorded.shape:
+        return []
+    for shift in (1, -1):
+        lo, hi = max(0, -shift), min(ids.shape[1], ids.shape[1] - shift)
+        repeats = (ids[:, lo:hi] == ids[:, lo + shift:hi + shift]) & keep[:, lo:hi] & keep[:, lo + shift:hi + shift]
+        n = int(repeats.sum())
+        if n == 0:
+            continue
+        here, there = recorded[:, lo:hi][repeats], sampler[:, lo + shift:hi + shift][repeats]
+        fit, unshifted = float((here - there).abs().mean()), float((here - sampler[:, lo:hi][repeats]).abs().mean())
+        if not (fit < SHIFT_RATIO * unshifted and fit < SHIFT_RATIO * mae0):
+            continue
+        b, j = (int(i) for i in repeats.nonzero()[0])
+        j += lo
+        position = "next" if shift > 0 else "previous"
+        read = "prompt_len + j (logits[:, L:])" if shift > 0 else "prompt_len - 2 + j (logits[:, L-2:-2])"
+        message = (
+            f"{name} do not fit sampler_logprobs (mean |Δ| {mae0:.4f} nats over {n0} tokens, and no shift of whole "
+            f"rows fits), but at the {n} kept positions where a token repeats its {position} neighbour, {name}[j] "
+            f"equals sampler_logprobs[j{shift:+d}] (mean |Δ| {fit:.4f} nats, against {unshifted:.4f} unshifted): "
+            f"each token is scored with the distribution of the {position} position. At seq {b}, token {j}: "
+            f"recorded {float(recorded[b, j]):.4f}, sampler {float(sampler[b, j]):.4f}, sampler at token "
+            f"{j + shift} {float(sampler[b, j + shift]):.4f}. Why it matters: ratio, KL and loss are computed from "
+            f"the wrong distribution for every token, consistently on the policy, old and reference sides, so no "
+            f"other check sees it. Likely fix: read completion token j at logits position prompt_len - 1 + j "
+            f"(logits[:, L-1:-1]), not {read}.")
+        return [ctx.finding("alignment.logprob_shift", ERROR, message, b, j, field=name, shift=shift,
+                            distribution_shift=shift, repeated_positions=n, mae_repeats_shifted=fit,
+                            mae_repeats_unshifted=unshifted)]
+    return []
 
 
 def _left_padding(prompt_mask: torch.Tensor) -> list[int]:

@@ -77,6 +77,23 @@ TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_
                               "repetition_penalty", "truncation_mode", "max_length"})
 
 
+CHECK_MEMO_PREFIX = "_tracer_check_"  # attributes of a Trace that memoise work for one run of the checks
+
+
+def check_memo(trace: Trace, name: str) -> dict:
+    """A dict memoising ``name`` on ``trace`` for the current run of the checks (what several step
+    files ask about their neighbours: a step's passes, rows, where the run puts its KL penalty);
+    :func:`tracer.checks.runner.run_checks` empties them at its start, so a live trace checked again
+    sees the files written meanwhile."""
+    return trace.__dict__.setdefault(CHECK_MEMO_PREFIX + name, {})
+
+
+def clear_check_memos(trace: Trace) -> None:
+    """Forget every :func:`check_memo` of ``trace``."""
+    for name in [n for n in trace.__dict__ if n.startswith(CHECK_MEMO_PREFIX)]:
+        del trace.__dict__[name]
+
+
 class StepHeader:
     """What a step file's header says: ``key``, ``metadata``, ``algorithm`` and :meth:`hyper`, without
     reading its tensors (trace-level checks that only need to know which steps to look at)."""
@@ -104,6 +121,27 @@ class StepHeader:
         if default is _REQUIRED:
             raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
         return default
+
+
+    def rows_cut(self, rows: int) -> int | None:
+        """The writer's ``first_k_sequences`` (manifest ``sampling``) when this step file's ``rows``
+        sequences may be the first K of a larger batch (rows == K): the trainer's scalar ``loss`` was
+        then taken over rows the file does not hold. None when nothing was cut."""
+        sampling = self.trace.manifest.get("sampling")
+        k = sampling.get("first_k_sequences") if isinstance(sampling, dict) else None
+        return k if isinstance(k, int) and not isinstance(k, bool) and rows >= k else None
+
+    def pass_keys(self) -> list[StepKey]:
+        """The step files of this file's pass over its rollout: the same step, inner step and rank,
+        every micro-batch (this one included), in micro-batch order. The trace's files are grouped
+        once per run of the checks (:func:`check_memo`)."""
+        passes = check_memo(self.trace, "passes")
+        if not passes:
+            for key in self.trace.steps():
+                passes.setdefault((key.step, key.inner_step, key.rank), []).append(key)
+            for keys in passes.values():
+                keys.sort(key=lambda k: k.micro_batch)
+        return passes.get((self.key.step, self.key.inner_step, self.key.rank), [self.key])
 
 
 class StepContext(StepHeader):

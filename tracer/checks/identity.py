@@ -10,9 +10,11 @@ TRL, a ``generation_slice`` consumed before the first optimizer step), see :func
 
 from __future__ import annotations
 
+import torch
+
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
-from tracer.checks.context import StepContext, StepHeader
+from tracer.checks.context import StepContext, StepHeader, check_memo
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
@@ -22,18 +24,68 @@ POLICY_DETACHED = "policy_detached"
 ALIAS_NOISE = {"float64": 1e-9, "float32": 1e-5, "float16": 0.0, "bfloat16": 0.0}
 
 
+def _rows_scored(ctx: StepHeader, key) -> dict[int, torch.Tensor]:
+    """``{hash of a row's prompt and completion ids: its policy logprobs at the kept tokens}`` of the
+    step file ``key`` (the first of identical rows); {} without those fields (:func:`check_memo`)."""
+    memo = check_memo(ctx.trace, "rows_scored")
+    if key not in memo:
+        out: dict[int, torch.Tensor] = {}
+        try:
+            data = ctx.trace.load_step(key, fields=["prompt_ids", "completion_ids", "completion_mask",
+                                                    "policy_logprobs"])
+        except Exception:  # noqa: BLE001  (an unreadable file is other checks' finding)
+            data = {}
+        ids, mask, policy = data.get("completion_ids"), data.get("completion_mask"), data.get("policy_logprobs")
+        if ids is not None and mask is not None and policy is not None and ids.dim() == 2 \
+                and ids.shape == mask.shape == policy.shape:
+            prompts = data.get("prompt_ids")
+            rows = torch.cat([prompts, ids], dim=1) if prompts is not None and prompts.shape[0] == ids.shape[0] else ids
+            for b, row in enumerate(rows.contiguous()):
+                out.setdefault(hash(row.numpy().tobytes()), policy[b][mask[b].bool()].double())
+        memo[key] = out
+    return memo[key]
+
+
+def updated_since_earlier_micro_batch(ctx: StepHeader) -> list:
+    """The earlier micro-batch files of this file's pass (same step, inner step and rank) that hold
+    one of its rows scored by other weights (policy logprobs beyond the dtype's identity tolerance):
+    an optimizer step came in between, so this file is not on fresh rollouts, whatever its numbers
+    say (a later pass over the rollout numbered as a micro-batch: a zero-edit capture that found no
+    inner-step variable). [] when no row repeats, or repeats with the same logprobs (gradient
+    accumulation: the same weights score identical rows alike)."""
+    if ctx.key.micro_batch == 0:
+        return []
+    mine = _rows_scored(ctx, ctx.key)
+    if not mine:
+        return []
+    tol = getattr(getattr(ctx, "tol", None), "identity_atol", 1e-5)
+    found = []
+    for key in ctx.pass_keys():
+        if key.micro_batch >= ctx.key.micro_batch:
+            break
+        theirs = _rows_scored(ctx, key)
+        if any(h in theirs and theirs[h].shape == lp.shape and lp.numel()
+               and float((theirs[h] - lp).abs().max()) > tol for h, lp in mine.items()):
+            found.append(key)
+    return found
+
+
 def is_fresh(ctx: StepHeader) -> bool:
     """True when no optimizer step has used this step's rollouts yet.
 
     Metadata ``fresh_rollouts`` decides when present. Otherwise inner step 0, and: for PPO the first
     minibatch (each minibatch is an optimizer step), or the first ``gradient_accumulation_steps``
     minibatches when gradients accumulate; for TRL, whose generation batch may span several
-    optimizer steps, a ``generation_slice`` within the first ``gradient_accumulation_steps`` slices.
+    optimizer steps, a ``generation_slice`` within the first ``gradient_accumulation_steps`` slices;
+    never a micro-batch holding a row that an earlier micro-batch of the pass scored with other
+    weights (:func:`updated_since_earlier_micro_batch`).
     """
     declared = ctx.metadata.get("fresh_rollouts")
     if declared is not None:
         return bool(declared)
     if ctx.key.inner_step != 0:
+        return False
+    if ctx.key.micro_batch and ctx.metadata.get("generation_slice") is None and updated_since_earlier_micro_batch(ctx):
         return False
     generation_slice = ctx.metadata.get("generation_slice")
     if generation_slice is not None:
@@ -108,6 +160,19 @@ def _previous_learning_rate(ctx: StepContext) -> float | None:
 @register("identity.first_step", "on fresh rollouts policy == old per token (dtype tolerance), "
           "mean ratio 1, clip fraction 0", RL_ALGORITHMS)
 def check_first_step(ctx: StepContext):
+    if (ctx.key.inner_step == 0 and ctx.key.micro_batch and ctx.metadata.get("fresh_rollouts") is None
+            and ctx.metadata.get("generation_slice") is None and ctx.algorithm != "ppo"):
+        repeated = updated_since_earlier_micro_batch(ctx)
+        if repeated:
+            return [ctx.finding("identity.first_step", INFO, (
+                f"micro-batch {ctx.key.micro_batch} holds rows that micro-batch"
+                f"{'es' if len(repeated) > 1 else ''} {', '.join(str(k.micro_batch) for k in repeated)} of this "
+                "step scored with other weights: an optimizer step came in between, so this file is a later "
+                "pass over the rollout numbered as a micro-batch, and it is not checked as a fresh rollout. A "
+                "zero-edit capture (tracer run, tracer.watch) numbers passes from a variable the name map lists "
+                "under [indices] inner_step (ppo_epoch, inner_step, grpo_iteration); add the name of your pass "
+                "loop's variable there (--map) to record them as inner steps."),
+                field="completion_ids", updated_since_micro_batches=[k.micro_batch for k in repeated])]
     if not is_fresh(ctx) or ctx.metadata.get("old_logprobs_source") == POLICY_DETACHED:
         return []  # not a first step, or old = policy.detach(): ratio 1 by construction
     policy, old = ctx.require("policy_logprobs", "old_logprobs")

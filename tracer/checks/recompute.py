@@ -1,6 +1,7 @@
 """Recompute (SPEC.md section 6): derived tensors recomputed with :mod:`tracer.formulas` from the
 recorded inputs and compared with what the trainer recorded: ratio, ref_kl_k3, approx_kl_k2,
-advantages (group rules, RLOO, GAE), clip fractions and DPO terms. The loss is in ``reduction.py``.
+advantages (group rules, RLOO, GAE), PPO's token rewards when the KL penalty is in the reward, clip
+fractions and DPO terms. The loss is in ``reduction.py``.
 
 Advantage rules: :data:`tracer.formulas.ADVANTAGE_RULES` (``gae``, ``gae_whitened``, ``group_zscore``,
 ``group_zscore_unbiased``, ``batch_zscore_unbiased``, ``group_mean``, ``rloo``, ``rloo_kl``). Metadata
@@ -15,7 +16,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.advantages import empty_rows, full_groups, whitened_fit
-from tracer.checks.context import StepContext, where_text
+from tracer.checks.context import StepContext, check_memo, where_text
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 CLIP_FRACTION_ATOL = 1e-3
@@ -241,6 +242,123 @@ def named_rule(ctx: StepContext) -> str | None:
     return next((f.details["rule"] for f in findings if f.severity == INFO), None)
 
 
+def _declared_kl_in_reward(ctx: StepContext) -> bool | None:
+    """Metadata ``kl_in_reward`` as a bool (its text too), None when not recorded."""
+    value = ctx.hyper("kl_in_reward", None)
+    if value is None or isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("true", "1", "yes")
+
+
+def _reward_kl(ctx: StepContext) -> tuple[float, str] | None:
+    """``(kl_coef, estimator)`` of a KL penalty in the rewards (``kl_coef``, else ``beta``;
+    ``kl_estimator``, default k1); None without a non-zero coefficient. Skip for an unknown estimator."""
+    coef = ctx.hyper("kl_coef", None)
+    coef = float(coef if coef is not None else ctx.hyper("beta", 0.0) or 0.0)
+    if not coef:
+        return None
+    try:
+        return coef, formulas.kl_estimator_name(ctx.hyper("kl_estimator", None) or "k1")
+    except ValueError as err:
+        raise Skip(f"metadata kl_estimator: {err}") from None
+
+
+def _token_rewards_carry_kl(ctx: StepContext) -> bool | None:
+    """What this step's recorded ``token_rewards`` show (PPO): True when they are the sequence reward
+    on the last kept token plus ``-kl_coef * KL(old || ref)`` on every kept token (or that penalty
+    with its sign flipped: recompute.token_rewards names it), False when the penalty would show and
+    does not, None when it cannot show (fields missing, no coefficient, or old == ref on every kept
+    token, as at a run's first rollout)."""
+    if ctx.algorithm not in ("ppo", "") or not ctx.has("token_rewards", "rewards", "ref_logprobs"):
+        return None
+    try:
+        reward_kl = _reward_kl(ctx)
+        old = ctx.old_logprobs()
+    except Skip:
+        return None
+    if reward_kl is None:
+        return None
+    coef, estimator = reward_kl
+    keep = ctx.mask()
+    recorded, ref, rewards = ctx.tensor("token_rewards"), ctx.tensor("ref_logprobs"), ctx.tensor("rewards")
+    penalty = torch.where(keep, coef * formulas.ref_kl(old, ref, estimator), torch.zeros_like(recorded))
+    if not bool((penalty.abs() > ctx.tol.atol + ctx.tol.rtol * recorded.abs()).any()):
+        return None
+    return any(not compare(ctx, "recompute.token_rewards", "token_rewards", recorded,
+                           formulas.kl_reward_token_rewards(rewards, old, ref, keep, sign * coef, estimator), keep, "")
+               for sign in (1.0, -1.0))
+
+
+MAX_KL_PLACEMENT_PROBES = 8  # other step files read to tell where the KL penalty is, once per trace
+
+
+def _run_kl_in_reward(ctx: StepContext) -> bool:
+    """Where the run puts the KL penalty, from its latest step files whose token rewards can show it
+    (at most :data:`MAX_KL_PLACEMENT_PROBES`, newest first: old == ref only at the start); False when
+    none can. Worked out once per run of the checks (:func:`check_memo`)."""
+    memo = check_memo(ctx.trace, "kl_in_reward")
+    if "value" not in memo:
+        memo["value"] = False
+        for key in list(reversed(ctx.trace.steps()))[:MAX_KL_PLACEMENT_PROBES]:
+            if key == ctx.key:
+                continue
+            try:
+                seen = _token_rewards_carry_kl(StepContext(ctx.trace, key, ctx.options))
+            except Exception:  # noqa: BLE001  (an unreadable step file is other checks' finding)
+                continue
+            if seen is not None:
+                memo["value"] = seen
+                break
+    return memo["value"]
+
+
+def kl_in_reward(ctx: StepContext) -> bool:
+    """The reference-KL penalty is in the rewards, not the loss (InstructGPT, OpenRLHF, TRL's
+    PPOTrainer, verl's ``use_kl_in_reward``): metadata ``kl_in_reward`` when recorded, else what this
+    step's recorded ``token_rewards`` show (:func:`_token_rewards_carry_kl`), else what the run's
+    latest ones show (:func:`_run_kl_in_reward`). Worked out once per step file."""
+    memo = ctx.__dict__.setdefault("_kl_in_reward", {})
+    if "value" not in memo:
+        declared = _declared_kl_in_reward(ctx)
+        if declared is None:
+            seen = _token_rewards_carry_kl(ctx)
+            declared = seen if seen is not None else (ctx.algorithm in ("ppo", "") and ctx.has("token_rewards")
+                                                      and _run_kl_in_reward(ctx))
+        memo["value"] = declared
+    return memo["value"]
+
+
+@register("recompute.token_rewards", "PPO with the KL in the reward (kl_in_reward): recorded token_rewards == "
+          "-kl_coef * KL(old || ref) on each kept token + the sequence reward on the last one", {"ppo", ""})
+def check_token_rewards(ctx: StepContext):
+    if not kl_in_reward(ctx):
+        raise Skip("the KL penalty is in the loss (metadata kl_in_reward not set, and token_rewards carry no KL "
+                   "penalty): token_rewards hold the sequence reward alone (advantages.reward_placement checks it)")
+    token_rewards, rewards, ref = ctx.require("token_rewards", "rewards", "ref_logprobs")
+    old = ctx.old_logprobs()
+    reward_kl = _reward_kl(ctx)
+    if reward_kl is None:
+        raise Skip("kl_in_reward is set but neither kl_coef nor beta is recorded (or it is 0)")
+    coef, estimator = reward_kl
+    keep = ctx.mask()
+    formula = (f"-kl_coef * {estimator}(old, ref) + the sequence reward on the last kept token "
+               f"(tracer.formulas.kl_reward_token_rewards, kl_coef {coef:g})")
+    findings = compare(ctx, "recompute.token_rewards", "token_rewards", token_rewards,
+                       formulas.kl_reward_token_rewards(rewards, old, ref, keep, coef, estimator), keep, formula)
+    if findings and not compare(ctx, "recompute.token_rewards", "token_rewards", token_rewards,
+                                formulas.kl_reward_token_rewards(rewards, old, ref, keep, -coef, estimator),
+                                keep, formula):
+        findings[0].message = (f"The recorded token_rewards match the KL penalty with its sign flipped (+kl_coef * "
+                               f"{estimator} instead of -kl_coef * {estimator}): the reward pays the policy for "
+                               "moving away from the reference. " + findings[0].message)
+        findings[0].details["kl_sign_flipped"] = True
+    if not findings and _declared_kl_in_reward(ctx) is None:  # found in the values (kl_in_reward)
+        return [ctx.finding("recompute.token_rewards", INFO, f"token_rewards = {formula}: the KL penalty is in the "
+                            "rewards, not the loss, so the loss checks expect no KL term. Record metadata "
+                            "kl_in_reward = true to say so.", field="token_rewards", kl_in_reward=True)]
+    return findings
+
+
 @register("recompute.clip_fractions", "clip fractions (low / high / region, sign-aware) recomputed and "
           "compared with metadata clip_fraction_* when recorded", {"ppo", "grpo", ""})
 def check_clip_fractions(ctx: StepContext):
@@ -289,7 +407,8 @@ def check_dpo(ctx: StepContext):
         findings += compare(ctx, "recompute.dpo", name, ctx.tensor(name), terms[name], keep,
                             f"tracer.formulas.dpo_terms (beta {beta:g})", ids_field="chosen_ids")
     sigmoid = ctx.hyper("dpo_loss_is_sigmoid", True) is not False  # TRL ipo/hinge/sft mixes: another loss
-    if sigmoid and "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
+    whole = ctx.rows_cut(cp.shape[0]) is None  # first_k_sequences: the loss was over pairs the file lacks
+    if sigmoid and whole and "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
         findings += compare(ctx, "recompute.dpo", "loss", ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1),
                             torch.ones(1, dtype=torch.bool), "the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
     return findings

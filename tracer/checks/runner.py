@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Iterable
 
-from tracer.checks.context import CheckOptions, StepContext
+from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
 from tracer.checks.finding import (
     ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
 )
@@ -107,6 +107,7 @@ def run_checks(
         TraceError: unusable input (not a trace, no step file) or an unknown check name.
     """
     trace = trace if isinstance(trace, Trace) else Trace(trace)
+    clear_check_memos(trace)
     options = options or CheckOptions()
     checks = select_checks(select)
     keys = trace.steps() if steps is None else list(steps)

@@ -35,6 +35,7 @@ from tracer.formulas.advantages import (
     gae,
     group_advantages,
     group_mean_advantages,
+    kl_reward_token_rewards,
     last_kept_index,
     rloo_advantages,
     token_rewards_from_sequence,
@@ -46,11 +47,15 @@ from tracer.formulas.advantages import (
 )
 from tracer.formulas.logprobs import (
     IS_MODES,
+    KL_ESTIMATOR_ALIASES,
+    KL_ESTIMATORS,
     approx_kl_k2,
     is_weights,
+    kl_estimator_name,
     kl_k1,
     probability_gap,
     ratio,
+    ref_kl,
     ref_kl_k3,
     sampler_log_ratio,
     sampler_prob_diff,
@@ -82,7 +87,8 @@ from tracer.formulas.reductions import (
 
 __all__ = [
     # logprobs
-    "token_logprobs", "ratio", "ref_kl_k3", "approx_kl_k2", "kl_k1", "sequence_logprobs", "IS_MODES",
+    "token_logprobs", "ratio", "ref_kl_k3", "approx_kl_k2", "kl_k1", "ref_kl", "KL_ESTIMATORS", "KL_ESTIMATOR_ALIASES",
+    "kl_estimator_name", "sequence_logprobs", "IS_MODES",
     "sampler_log_ratio", "sampler_prob_diff", "sequence_log_ratio", "is_weights", "probability_gap",
     # reductions
     "masked_sum", "masked_mean", "masked_quantiles", "row_quantiles", "host_array", "masked_row_quantiles",
@@ -91,7 +97,7 @@ __all__ = [
     "grpo_per_token_loss", "cispo_per_token_loss", "ppo_per_token_loss", "dpo_terms",
     # advantages
     "GROUP_STD_EPS", "group_advantages", "ZERO_VARIANCE_LOOP_VALUES", "zero_variance_groups", "zero_variance_counts",
-    "last_kept_index", "token_rewards_from_sequence", "gae", "trl_group_advantages", "rloo_advantages", "WHITEN_EPS",
+    "last_kept_index", "token_rewards_from_sequence", "kl_reward_token_rewards", "gae", "trl_group_advantages", "rloo_advantages", "WHITEN_EPS",
     "whiten", "group_mean_advantages", "ADVANTAGE_RULES", "ADVANTAGE_RULE_ALIASES", "advantage_rule_name",
     "VERL_GRPO_EPS", "VERL_RULE_PREFIX", "verl_grpo_advantages",
 ]

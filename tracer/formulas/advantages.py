@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tracer.formulas.logprobs import ref_kl
 from tracer.formulas.reductions import host_array, masked_mean
 
 
@@ -108,6 +109,21 @@ def token_rewards_from_sequence(rewards: torch.Tensor, mask: torch.Tensor) -> to
     rows = torch.arange(mask.shape[0], device=mask.device)
     token_rewards[rows[valid], last[valid]] = rewards[valid]
     return token_rewards
+
+
+def kl_reward_token_rewards(rewards: torch.Tensor, old_logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                            mask: torch.Tensor, kl_coef: float, kl_estimator: str = "k1") -> torch.Tensor:
+    """PPO's per-token rewards with the reference-KL penalty in the reward, ``[B, T]`` float32:
+    ``-kl_coef * KL(old || ref)`` on every kept token (``kl_estimator``, k1 by default: ``old - ref``;
+    :func:`tracer.formulas.ref_kl`) plus the sequence reward ``rewards`` ``[B]`` on the last kept
+    token (:func:`token_rewards_from_sequence`); 0 on masked tokens. ``old_logprobs`` are the
+    rollout policy's (the one the actions were sampled from). Raises ValueError for an unknown estimator.
+    Source: Ouyang et al. (2022) eq. 2; TRL ``PPOTrainer`` (``non_score_reward = -kl_coef * kl``, the
+    score added at the last token); OpenRLHF ``compute_reward``; verl ``apply_kl_penalty``."""
+    keep = mask.bool()
+    kl = ref_kl(old_logprobs.float(), ref_logprobs.float(), kl_estimator)  # (B, T)
+    penalty = torch.where(keep, -kl_coef * kl, torch.zeros_like(kl))
+    return penalty + token_rewards_from_sequence(rewards.float(), keep)
 
 
 def gae(

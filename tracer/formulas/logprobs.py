@@ -77,6 +77,37 @@ def kl_k1(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Te
     return policy_logprobs - ref_logprobs
 
 
+# The reference-KL estimators a loss or a reward may use, by their names in Schulman (2020) and OpenRLHF's
+# ``kl_estimator``; verl's ``kl_loss_type`` / ``kl_penalty`` names of the same three (``kl``, ``mse``, ``low_var_kl``).
+KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+
+def kl_estimator_name(name: str) -> str:
+    """``k1`` / ``k2`` / ``k3`` for one of :data:`KL_ESTIMATORS` or a verl alias of one
+    (:data:`KL_ESTIMATOR_ALIASES`). Raises ValueError naming the known names for any other."""
+    key = KL_ESTIMATOR_ALIASES.get(str(name).strip().lower(), str(name).strip().lower())
+    if key not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; known: {', '.join(KL_ESTIMATORS)} "
+                         f"(verl's names: {', '.join(KL_ESTIMATOR_ALIASES)})")
+    return key
+
+
+def ref_kl(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref), ``[B, T]`` nats, by ``estimator``: ``k1`` =
+    ``policy - ref`` (:func:`kl_k1`), ``k2`` = ``0.5 * (policy - ref)^2``, ``k3`` = :func:`ref_kl_k3`
+    (verl's ``kl`` / ``mse`` / ``low_var_kl`` accepted for the same three). verl clamps its
+    ``low_var_kl`` to [-10, 10]; k3 is not clamped here (a k3 past 10 nats is a finding of its own).
+    Raises ValueError for an unknown estimator. Source: Schulman (2020); OpenRLHF
+    ``compute_approx_kl``; verl ``core_algos.kl_penalty``."""
+    kind = kl_estimator_name(estimator)
+    if kind == "k1":
+        return kl_k1(policy_logprobs, ref_logprobs)
+    if kind == "k2":
+        return approx_kl_k2(policy_logprobs, ref_logprobs)
+    return ref_kl_k3(policy_logprobs, ref_logprobs)
+
+
 def sequence_logprobs(token_logprobs_: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked sum of token logprobs per sequence, ``[B, T]`` -> ``[B]`` nats (DPO)."""
     return masked_sum(token_logprobs_, mask, dim=1)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tracer.formulas.logprobs import ratio, ref_kl_k3
+from tracer.formulas.logprobs import ratio, ref_kl
 from tracer.formulas.reductions import masked_mean, masked_sum
 
 
@@ -121,6 +121,7 @@ def grpo_per_token_loss(
     kl_importance_weighted: bool = False,
     sampler_weights: torch.Tensor | None = None,
     delta: float | None = None,
+    kl_estimator: str = "k3",
 ) -> torch.Tensor:
     """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
 
@@ -131,6 +132,8 @@ def grpo_per_token_loss(
     ``delta`` (two-sided clipping, TRL's ``GRPOConfig.delta``, from INTELLECT-2): the unclipped term
     uses ``min(r, δ)``, so that a negative advantage cannot push a token's weight past δ; the clipped
     term and the KL's importance weight keep ``r``.
+    ``kl_estimator``: the KL term's estimator of KL(policy || ref), k3 by default (MiniMind, TRL);
+    ``k1`` or ``k2`` (verl's ``kl`` / ``mse``) where a loop uses those (:func:`tracer.formulas.ref_kl`).
     Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
@@ -140,8 +143,8 @@ def grpo_per_token_loss(
     if sampler_weights is not None:
         surrogate = surrogate * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
     if beta and ref_logprobs is not None:
-        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
-        surrogate = surrogate - beta * (k3 * r if kl_importance_weighted else k3)
+        kl = ref_kl(policy_logprobs, ref_logprobs, kl_estimator)
+        surrogate = surrogate - beta * (kl * r if kl_importance_weighted else kl)
     return -surrogate
 
 
@@ -154,10 +157,11 @@ def cispo_per_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_importance_weighted: bool = False,
     sampler_weights: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
 ) -> torch.Tensor:
     """CISPO per token ``-(clamp(r, max=ε_high).detach() * A * policy - β*k3)``, ``[B, T]``.
 
-    ``kl_importance_weighted`` and ``sampler_weights``: as in :func:`grpo_per_token_loss`.
+    ``kl_importance_weighted``, ``sampler_weights`` and ``kl_estimator``: as in :func:`grpo_per_token_loss`.
 
     The clamped ratio is detached: the gradient reaches only ``policy_logprobs`` (and the KL term).
     ``clip_epsilon_high`` is the ratio's upper bound itself, as in MiniMind (``max=args.epsilon_high``).
@@ -170,8 +174,8 @@ def cispo_per_token_loss(
     if sampler_weights is not None:
         objective = objective * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
     if beta and ref_logprobs is not None:
-        k3 = ref_kl_k3(policy_logprobs, ref_logprobs)
-        objective = objective - beta * (k3 * r if kl_importance_weighted else k3)
+        kl = ref_kl(policy_logprobs, ref_logprobs, kl_estimator)
+        objective = objective - beta * (kl * r if kl_importance_weighted else kl)
     return -objective
 
 
@@ -183,9 +187,12 @@ def ppo_per_token_loss(
     clip_epsilon_high: float,
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
 ) -> torch.Tensor:
     """PPO's policy loss per token with the reference-KL penalty folded in, ``[B, T]``:
-    ``-min(r*A, clip(r, 1-εl, 1+εh)*A) + kl_coef * ref_kl_k3``.
+    ``-min(r*A, clip(r, 1-εl, 1+εh)*A) + kl_coef * ref_kl_k3`` (``kl_estimator``: as in
+    :func:`grpo_per_token_loss`). A loop that puts the penalty in the rewards instead (InstructGPT,
+    OpenRLHF, TRL's PPOTrainer: :func:`kl_reward_token_rewards`) has no KL term here: ``kl_coef = 0``.
 
     ``advantages`` is ``[B, T]`` (GAE). Reduced by the token mean over the kept tokens this equals
     MiniMind's ``masked_ppo_loss + kl_coef * kl_ref_penalty`` (both are masked means over the same
@@ -193,7 +200,7 @@ def ppo_per_token_loss(
     Source: MiniMind ``trainer/train_ppo.py`` (``policy_loss``); SPEC.md section 3.
     """
     return grpo_per_token_loss(policy_logprobs, old_logprobs, advantages, clip_epsilon_low, clip_epsilon_high,
-                               kl_coef, ref_logprobs)
+                               kl_coef, ref_logprobs, kl_estimator=kl_estimator)
 
 
 def dpo_terms(
