@@ -238,3 +238,19 @@ def test_logits_read_one_position_late_are_named_where_tokens_repeat(tmp_path, c
     assert errors and all(f.details["distribution_shift"] == 1 and f.details["mae_repeats_shifted"] < 1e-5
                           for f in errors)
     assert "logits[:, L-1:-1]" in errors[0].message and "logits[:, L:]" in errors[0].message
+
+
+# -- a reference model that moves with the policy ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("script", "bug"), [("ppo_openrlhf.py", "ref_is_actor"), ("grpo_accum.py", "ref_sync")])
+def test_a_reference_that_moves_with_the_policy_is_named(tmp_path, cache, script, bug):
+    """`ref = actor` (no copy) or the policy's weights loaded into the reference after each step: ref ==
+    old at every rollout after the first, so the KL penalty is 0 throughout. Before: PASS."""
+    findings = run_checks(_run(script, tmp_path / "t", cache, BUG=bug, MB="8"))
+    warned = _of(findings, "kl.ref_tracks_policy", WARNING)
+    assert len(warned) == 1 and warned[0].details["steps"] == [1, 2]
+    if script == "ppo_openrlhf.py":  # the loss has no KL term and the token rewards cannot show one
+        errors = _of(findings, "recompute.per_token_loss", ERROR)
+        assert errors and all(f.details.get("matches_without_kl") for f in errors)
+        assert not any(f.details.get("kl_sign_flipped") for f in errors)

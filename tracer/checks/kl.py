@@ -1,5 +1,6 @@
 """KL sanity (SPEC.md section 6): the k3 estimator is finite and ≥ 0 per token, ``ref - policy`` stays
-far from the range where ``exp`` overflows, and k1 = policy - ref is not persistently negative.
+far from the range where ``exp`` overflows, k1 = policy - ref is not persistently negative, and the
+reference does not move with the policy (ref == old at every rollout after the first).
 
 k3 = exp(d) - d - 1 with d = ref - policy grows like exp(d): d = 20 nats already gives
 k3 ≈ 4.85e8 per token, and in float32 exp overflows to inf past d ≈ 88.72 nats.
@@ -12,9 +13,9 @@ import math
 import torch
 
 from tracer import formulas
-from tracer.checks.context import CheckOptions, StepContext, StepHeader, worst_positions
+from tracer.checks.context import CheckOptions, StepContext, StepHeader, loosest_dtype, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, Finding, Skip, register
-from tracer.checks.identity import is_fresh
+from tracer.checks.identity import ALIAS_NOISE, is_fresh
 from tracer.reader import Trace
 
 REF_GAP_WARNING = 10.0  # nats: k3 ≈ 2.2e4 per token
@@ -189,3 +190,60 @@ def _all_significantly_negative(trace: Trace, keys: list) -> list | None:
     if len(moving) < K1_MIN_STEPS or not all(m < -K1_Z * se and m < 0 for _, m, se in moving):
         return None
     return moving
+
+
+REF_TRACKS_MIN_STEPS = 2  # later rollouts (after the run's first step) that must all show it
+
+
+def _ref_equals_old(trace: Trace, key) -> bool | None:
+    """Whether ``ref_logprobs`` equal ``old_logprobs`` on every kept token of one step file, to the
+    noise of scoring with the same weights (:data:`tracer.checks.identity.ALIAS_NOISE`); None when the
+    file lacks them, keeps no token, or carries no KL coefficient (``kl_coef`` / ``beta``)."""
+    header = StepHeader(trace, key)
+    coef = header.hyper("kl_coef", None)
+    coef = coef if coef is not None else header.hyper("beta", None)
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not coef:
+        return None
+    data = trace.load_step(key, ["old_logprobs", "ref_logprobs", "completion_mask"])
+    if len(data) < 3 or data["old_logprobs"].shape != data["ref_logprobs"].shape:
+        return None
+    keep = data["completion_mask"].bool()
+    if keep.shape != data["old_logprobs"].shape or not bool(keep.any()):
+        return None
+    declared = [p.strip() for k in ("source_dtype", "model_dtype") for p in str(header.metadata.get(k, "")).split(",")]
+    dtype = loosest_dtype([d for d in declared if d] + [str(data["old_logprobs"].dtype), str(data["ref_logprobs"].dtype)])
+    gap = (data["old_logprobs"].double() - data["ref_logprobs"].double()).abs()[keep]
+    return bool(torch.isfinite(gap).all()) and float(gap.max()) <= ALIAS_NOISE.get(dtype, 0.0)
+
+
+@register("kl.ref_tracks_policy", "the reference model does not score every later rollout exactly like the "
+          "policy that sampled it (ref == old on every token: the KL penalty is 0 throughout)", RL_ALGORITHMS,
+          scope="trace")
+def check_ref_tracks_policy(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
+    first = min((key.step for key in keys), default=None)
+    by_step: dict[int, list[bool]] = {}
+    for key in keys:
+        if key.step == first:  # the run's first rollout: ref is the policy that sampled it
+            continue
+        try:
+            same = _ref_equals_old(trace, key)
+        except Exception:  # noqa: BLE001  (an unreadable file is other checks' finding)
+            continue
+        if same is not None:
+            by_step.setdefault(key.step, []).append(same)
+    if len(by_step) < REF_TRACKS_MIN_STEPS or not all(all(v) for v in by_step.values()):
+        return []
+    key = next(k for k in keys if k.step == min(by_step))
+    message = (
+        f"ref_logprobs equal old_logprobs on every kept token of every step file of the {len(by_step)} rollouts "
+        f"after the first (steps {min(by_step)}-{max(by_step)}), to the noise of scoring with the same weights: "
+        "the reference model scores each rollout exactly like the policy that sampled it, though that policy "
+        "has been updated since the first step. Why it matters: KL(policy || ref) is then about 0 at every "
+        "rollout, so the KL penalty (kl_coef / beta) never holds the policy near where it started. Likely fix: "
+        "give the reference its own frozen copy of the initial weights (copy.deepcopy(model).eval(), "
+        "requires_grad_(False)), not the training model itself, and do not load the policy's weights into it "
+        "(unless that is meant: TRL's sync_ref_model)."
+    )
+    return [Finding("kl.ref_tracks_policy", WARNING, message, step=key.step, inner_step=key.inner_step,
+                    micro_batch=key.micro_batch, rank=key.rank, field="ref_logprobs", path=str(key.path),
+                    details={"steps": sorted(by_step)})]

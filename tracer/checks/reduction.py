@@ -220,14 +220,34 @@ def check_per_token_loss(ctx: StepContext):
     (recorded,) = ctx.require("per_token_loss")
     findings = compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
                        ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
-    if findings and _flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
+    if not findings:
+        return findings
+    if _matches_without_kl(ctx, recorded):  # before the flipped sign: a tiny KL term fits either way
+        findings[0].message = (
+            f"The recorded per_token_loss matches the loss without its KL term ({_kl_term_name(ctx)}): the "
+            "loop adds no reference-KL penalty to the loss. If it puts the penalty in the rewards (InstructGPT, "
+            "OpenRLHF), record kl_in_reward = true (this run's token_rewards do not show it: not recorded, or "
+            "old == ref); otherwise the penalty its kl_coef / beta declares is missing. " + findings[0].message)
+        findings[0].details["matches_without_kl"] = True
+    elif _flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
         findings[0].message = FLIPPED_KL.format(term=_kl_term_name(ctx)) + findings[0].message
         findings[0].details["kl_sign_flipped"] = True
-    elif findings:
+    else:
         findings[0] = _estimator_explanation(ctx, findings[0], recorded)
         if findings[0].severity == ERROR:
             findings[0] = _clip_explanation(ctx, findings[0], recorded)
     return findings
+
+
+def _matches_without_kl(ctx: StepContext, recorded: torch.Tensor) -> bool:
+    """The recorded per-token loss equals the recomputed one with no KL term (a KL coefficient declared)."""
+    if not loss_kl_coef(ctx):
+        return False
+    try:
+        bare = recomputed_per_token_loss(ctx, kl_sign=0.0)
+    except Skip:
+        return False
+    return not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, bare, ctx.mask(), "")
 
 
 def _estimator_explanation(ctx: StepContext, finding, recorded: torch.Tensor):
