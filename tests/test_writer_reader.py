@@ -39,6 +39,7 @@ ALL_METADATA = {
     "gamma": 1.0, "lam": 0.95, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "loss_reduction": "sequence_mean",
     "reward_component_names": ["accuracy", "length"], "old_logprobs_source": "recorded", "trl_loss_type": "grpo",
     "advantage_rule": "group_zscore", "gradient_accumulation_steps": 4, "kl_in_reward": True, "kl_estimator": "k1",
+    "micro_batch_counted": True, "rows_before_cut": 16,
 }
 
 

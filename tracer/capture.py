@@ -108,10 +108,19 @@ class StagedStep:
 
 
 def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str | None) -> dict[str, torch.Tensor]:
+    """Keep the first ``k`` rows of every field whose first dim is B (other tensors as they are):
+    :func:`cut_rows` without the batch size."""
+    return cut_rows(tensors, k, algorithm)[0]
+
+
+def cut_rows(tensors: dict[str, torch.Tensor], k: int,
+             algorithm: str | None) -> tuple[dict[str, torch.Tensor], int | None]:
     """Keep the first ``k`` rows of every field whose first dim is B (other tensors as they are): the
     canonical fields SPEC.md gives a B dimension, and any other field (a trainer's own, e.g. TRL
     RLOO's ``sequence_ratio``) whose first dimension is the B of those. A step without a canonical
-    [B, ...] field has no known B: only its canonical fields would be cut, and it has none."""
+    [B, ...] field has no known B: only its canonical fields would be cut, and it has none.
+    Returns the tensors and B when rows were dropped (B > k), else None (the writer records it as
+    metadata ``rows_before_cut``: the checks then know the scalar loss covers rows the file lacks)."""
     out, batch = {}, None
     for name, t in tensors.items():
         spec = FIELDS.get(name)
@@ -124,7 +133,7 @@ def first_k_sequences(tensors: dict[str, torch.Tensor], k: int, algorithm: str |
             out[name] = t[:k] if spec.dims_for(algorithm)[:1] == ("B",) else t
         else:
             out[name] = t[:k] if batch is not None and t.dim() and t.shape[0] == batch else t
-    return out
+    return out, (batch if batch is not None and batch > k else None)
 
 
 class BufferPool:

@@ -156,6 +156,9 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
     "advantage_rule": (str, "the advantage rule (tracer.formulas.ADVANTAGE_RULES): gae | gae_whitened | "
                             "group_zscore | group_zscore_unbiased | batch_zscore_unbiased | group_mean | rloo | rloo_kl"),
     "gradient_accumulation_steps": (int, "micro-batches per optimizer step (the first ones see fresh weights)"),
+    "rows_before_cut": (int, "the step's B before SamplingPolicy.first_k_sequences kept its first rows"),
+    "micro_batch_counted": (bool, "tracer.watch numbered this micro-batch by counting backwards (the frame named "
+                                  "no micro-batch or inner step): it may be a later pass over the rollout"),
 }
 LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant")
 

@@ -309,6 +309,8 @@ class Watcher:
             metadata["epoch"] = capture.indices["epoch"]
         if self.clock.offset and "step" in capture.indices:
             metadata["source_step"] = capture.indices["step"]
+        if mb and "micro_batch" not in capture.indices and "inner_step" not in capture.indices:
+            metadata["micro_batch_counted"] = True  # no index named it: a later pass may look like this
         writer = self.writer or self._open_writer(frame, capture)
         writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive),
                        capture.signature, path_wanted=False)

@@ -22,7 +22,7 @@ from tracer.layout import (  # noqa: F401  (re-exported: the writer's public nam
     unshare as _unshare, write_json_atomic,
 )
 from tracer import summaries
-from tracer.capture import BufferPool, SamplingPolicy, first_k_sequences
+from tracer.capture import BufferPool, SamplingPolicy, cut_rows
 from tracer.writer_thread import MAX_BATCH, BackgroundWriter
 from tracer.errors import SchemaError, TraceError
 from tracer.frame_lookup import user_stacklevel
@@ -295,10 +295,13 @@ class TraceWriter(WriterBackends):
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
+        rows = None
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
-            tensors = first_k_sequences(tensors, self.sampling.first_k_sequences, self.algorithm)
+            tensors, rows = cut_rows(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
         json_metadata = self._metadata.json_form(metadata) if metadata else None
+        if rows is not None:  # the checks must know the step's scalar loss covers rows the file lacks
+            json_metadata = {**(json_metadata or {}), "rows_before_cut": rows}  # a new dict: json_form's is cached
         if self._auto:
             self._choose_writer(tensors)
         if self._process is not None:

@@ -124,12 +124,14 @@ class StepHeader:
 
 
     def rows_cut(self, rows: int) -> int | None:
-        """The writer's ``first_k_sequences`` (manifest ``sampling``) when this step file's ``rows``
-        sequences may be the first K of a larger batch (rows == K): the trainer's scalar ``loss`` was
-        then taken over rows the file does not hold. None when nothing was cut."""
-        sampling = self.trace.manifest.get("sampling")
-        k = sampling.get("first_k_sequences") if isinstance(sampling, dict) else None
-        return k if isinstance(k, int) and not isinstance(k, bool) and rows >= k else None
+        """The step's B before the writer's ``first_k_sequences`` kept this file's ``rows`` sequences
+        (metadata ``rows_before_cut``, which the writer records when it drops rows), when rows were
+        dropped: the trainer's scalar ``loss`` was then taken over rows the file does not hold. None
+        when nothing was cut (or a trace written before the writer recorded it)."""
+        before = self.metadata.get("rows_before_cut")
+        if isinstance(before, int) and not isinstance(before, bool) and before > rows:
+            return before
+        return None
 
     def pass_keys(self) -> list[StepKey]:
         """The step files of this file's pass over its rollout: the same step, inner step and rank,

@@ -14,7 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
-from tracer.checks.context import StepContext, StepHeader, check_memo
+from tracer.checks.context import TOLERANCES, StepContext, StepHeader, check_memo, loosest_dtype
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
@@ -47,18 +47,21 @@ def _rows_scored(ctx: StepHeader, key) -> dict[int, torch.Tensor]:
 
 
 def updated_since_earlier_micro_batch(ctx: StepHeader) -> list:
-    """The earlier micro-batch files of this file's pass (same step, inner step and rank) that hold
-    one of its rows scored by other weights (policy logprobs beyond the dtype's identity tolerance):
-    an optimizer step came in between, so this file is not on fresh rollouts, whatever its numbers
-    say (a later pass over the rollout numbered as a micro-batch: a zero-edit capture that found no
-    inner-step variable). [] when no row repeats, or repeats with the same logprobs (gradient
-    accumulation: the same weights score identical rows alike)."""
-    if ctx.key.micro_batch == 0:
+    """For a micro-batch that a zero-edit capture numbered by counting backwards (metadata
+    ``micro_batch_counted``: the frame named no micro-batch or inner step), the earlier micro-batch
+    files of its pass (same step, inner step and rank) that hold one of its rows scored by other
+    weights (policy logprobs beyond the dtype's identity tolerance): an optimizer step came in
+    between, so this file is a later pass over the rollout, not fresh rollouts. [] otherwise: a
+    micro-batch the trainer numbered is taken at its word (identical rows scored apart by dropout or
+    kernel noise under gradient accumulation are no optimizer step), and so is one whose rows do not
+    repeat or repeat with the same logprobs."""
+    if ctx.key.micro_batch == 0 or ctx.metadata.get("micro_batch_counted") is not True:
         return []
     mine = _rows_scored(ctx, ctx.key)
     if not mine:
         return []
-    tol = getattr(getattr(ctx, "tol", None), "identity_atol", 1e-5)
+    declared = [p.strip() for k in ("source_dtype", "model_dtype") for p in str(ctx.metadata.get(k, "")).split(",")]
+    tol = TOLERANCES[loosest_dtype([d for d in declared if d])].identity_atol  # the header's: same for any caller
     found = []
     for key in ctx.pass_keys():
         if key.micro_batch >= ctx.key.micro_batch:

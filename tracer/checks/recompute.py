@@ -247,7 +247,9 @@ def _declared_kl_in_reward(ctx: StepContext) -> bool | None:
     value = ctx.hyper("kl_in_reward", None)
     if value is None or isinstance(value, bool):
         return value
-    return str(value).strip().lower() in ("true", "1", "yes")
+    if isinstance(value, (int, float)):
+        return value == 1
+    return str(value).strip().lower() in ("true", "1", "1.0", "yes")
 
 
 def _reward_kl(ctx: StepContext) -> tuple[float, str] | None:
@@ -278,15 +280,22 @@ def _token_rewards_carry_kl(ctx: StepContext) -> bool | None:
         return None
     if reward_kl is None:
         return None
-    coef, estimator = reward_kl
+    coef, declared = reward_kl
     keep = ctx.mask()
     recorded, ref, rewards = ctx.tensor("token_rewards"), ctx.tensor("ref_logprobs"), ctx.tensor("rewards")
-    penalty = torch.where(keep, coef * formulas.ref_kl(old, ref, estimator), torch.zeros_like(recorded))
+    penalty = torch.where(keep, coef * formulas.ref_kl(old, ref, declared), torch.zeros_like(recorded))
     if not bool((penalty.abs() > ctx.tol.atol + ctx.tol.rtol * recorded.abs()).any()):
         return None
-    return any(not compare(ctx, "recompute.token_rewards", "token_rewards", recorded,
-                           formulas.kl_reward_token_rewards(rewards, old, ref, keep, sign * coef, estimator), keep, "")
-               for sign in (1.0, -1.0))
+    # undeclared, any of the three estimators (OpenRLHF's kl_estimator, verl's kl_penalty) may be the loop's
+    estimators = (declared,) if ctx.hyper("kl_estimator", None) else (declared, *[e for e in formulas.KL_ESTIMATORS
+                                                                                    if e != declared])
+    for estimator in estimators:
+        for sign in (1.0, -1.0):  # a flipped sign too: recompute.token_rewards names it
+            if not compare(ctx, "recompute.token_rewards", "token_rewards", recorded,
+                           formulas.kl_reward_token_rewards(rewards, old, ref, keep, sign * coef, estimator), keep, ""):
+                check_memo(ctx.trace, "reward_kl_estimator").setdefault("value", estimator)
+                return True
+    return False
 
 
 MAX_KL_PLACEMENT_PROBES = 8  # other step files read to tell where the KL penalty is, once per trace
@@ -340,6 +349,8 @@ def check_token_rewards(ctx: StepContext):
     if reward_kl is None:
         raise Skip("kl_in_reward is set but neither kl_coef nor beta is recorded (or it is 0)")
     coef, estimator = reward_kl
+    if not ctx.hyper("kl_estimator", None):  # the one the run's token rewards follow, when found
+        estimator = check_memo(ctx.trace, "reward_kl_estimator").get("value", estimator)
     keep = ctx.mask()
     formula = (f"-kl_coef * {estimator}(old, ref) + the sequence reward on the last kept token "
                f"(tracer.formulas.kl_reward_token_rewards, kl_coef {coef:g})")
@@ -355,7 +366,8 @@ def check_token_rewards(ctx: StepContext):
     if not findings and _declared_kl_in_reward(ctx) is None:  # found in the values (kl_in_reward)
         return [ctx.finding("recompute.token_rewards", INFO, f"token_rewards = {formula}: the KL penalty is in the "
                             "rewards, not the loss, so the loss checks expect no KL term. Record metadata "
-                            "kl_in_reward = true to say so.", field="token_rewards", kl_in_reward=True)]
+                            f"kl_in_reward = true{'' if estimator == 'k1' else f' and kl_estimator = {estimator}'} "
+                            "to say so.", field="token_rewards", kl_in_reward=True, kl_estimator=estimator)]
     return findings
 
 

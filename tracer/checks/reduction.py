@@ -270,6 +270,15 @@ def _estimator_explanation(ctx: StepContext, finding, recorded: torch.Tensor):
             return finding
         text = (f"The recorded per_token_loss follows the loss with the {other} estimator in its KL term "
                 f"({formulas.ref_kl.__module__}.ref_kl: {KL_FORMS[other]}), not {assumed}. ")
+        swapped = not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded,
+                              recomputed_per_token_loss(ctx, estimator=formulas.K3_SWAPPED), keep, "")
+        if swapped:  # small KLs: k2 and the swapped k3 agree to second order, so the values cannot tell
+            finding.message = (text + "It equally follows k3 with its arguments swapped (KL(ref || policy): "
+                               "exp(policy - ref) - (policy - ref) - 1), a bug these values cannot tell from "
+                               f"{other}: record kl_estimator = {other} if that is the loop's estimator. "
+                               + finding.message)
+            finding.details.update(kl_estimator_matched=other, kl_k3_swapped_matches=True)
+            return finding
         if declared is None:
             return ctx.finding("recompute.per_token_loss", INFO, text + (
                 f"No estimator is recorded, and k3 is only the default: record kl_estimator = {other} to say so."),
@@ -330,8 +339,8 @@ def check_loss(ctx: StepContext):
     loss = recorded_loss(ctx)
     cut = ctx.rows_cut(ctx.mask().shape[0])
     if cut is not None:
-        raise Skip(f"the writer kept the first {cut} sequences of each step (first_k_sequences): the recorded loss "
-                   "was taken over the whole batch")
+        raise Skip(f"the writer kept the first {ctx.mask().shape[0]} of the step's {cut} sequences (first_k_sequences): "
+                   "the recorded loss was taken over all of them")
     if ctx.algorithm == "rloo" and ctx.hyper("importance_ratio", None) == "sequence_sum":
         return _check_sequence_level_loss(ctx, loss)
     keep = ctx.mask()

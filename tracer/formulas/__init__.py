@@ -47,6 +47,7 @@ from tracer.formulas.advantages import (
 )
 from tracer.formulas.logprobs import (
     IS_MODES,
+    K3_SWAPPED,
     KL_ESTIMATOR_ALIASES,
     KL_ESTIMATORS,
     approx_kl_k2,
@@ -87,7 +88,7 @@ from tracer.formulas.reductions import (
 
 __all__ = [
     # logprobs
-    "token_logprobs", "ratio", "ref_kl_k3", "approx_kl_k2", "kl_k1", "ref_kl", "KL_ESTIMATORS", "KL_ESTIMATOR_ALIASES",
+    "token_logprobs", "ratio", "ref_kl_k3", "approx_kl_k2", "kl_k1", "ref_kl", "KL_ESTIMATORS", "K3_SWAPPED", "KL_ESTIMATOR_ALIASES",
     "kl_estimator_name", "sequence_logprobs", "IS_MODES",
     "sampler_log_ratio", "sampler_prob_diff", "sequence_log_ratio", "is_weights", "probability_gap",
     # reductions

@@ -81,6 +81,9 @@ def kl_k1(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Te
 # ``kl_estimator``; verl's ``kl_loss_type`` / ``kl_penalty`` names of the same three (``kl``, ``mse``, ``low_var_kl``).
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_ESTIMATOR_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# k3 with its arguments swapped: KL(ref || policy) estimated as exp(policy - ref) - (policy - ref) - 1. Not an
+# estimator to declare (it estimates the other KL); :func:`ref_kl` computes it so that a check can name the bug.
+K3_SWAPPED = "k3_swapped"
 
 
 def kl_estimator_name(name: str) -> str:
@@ -98,8 +101,11 @@ def ref_kl(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
     ``policy - ref`` (:func:`kl_k1`), ``k2`` = ``0.5 * (policy - ref)^2``, ``k3`` = :func:`ref_kl_k3`
     (verl's ``kl`` / ``mse`` / ``low_var_kl`` accepted for the same three). verl clamps its
     ``low_var_kl`` to [-10, 10]; k3 is not clamped here (a k3 past 10 nats is a finding of its own).
+    :data:`K3_SWAPPED` gives k3 of KL(ref || policy) (the swapped-arguments bug, for the checks).
     Raises ValueError for an unknown estimator. Source: Schulman (2020); OpenRLHF
     ``compute_approx_kl``; verl ``core_algos.kl_penalty``."""
+    if estimator == K3_SWAPPED:
+        return ref_kl_k3(ref_logprobs, policy_logprobs)
     kind = kl_estimator_name(estimator)
     if kind == "k1":
         return kl_k1(policy_logprobs, ref_logprobs)
