@@ -217,12 +217,16 @@ def _ref_equals_old(trace: Trace, key) -> bool | None:
 
 
 @register("kl.ref_tracks_policy", "the reference model does not score every later rollout exactly like the "
-          "policy that sampled it (ref == old on every token: the KL penalty is 0 throughout)", RL_ALGORITHMS,
+          "policy that sampled it (ref == old on every token of the fresh step files of every rollout after "
+          "the first: the KL penalty is 0 throughout)", RL_ALGORITHMS,
           scope="trace")
 def check_ref_tracks_policy(trace: Trace, options: CheckOptions, keys: list) -> list[Finding]:
-    first = min((key.step for key in keys), default=None)
+    # one pass of each rollout: its fresh files (a rollout's later inner steps or generation slices
+    # score the same old logprobs, TRL numbering each optimizer step over it as a step of its own)
+    fresh = [key for key in keys if key.inner_step == 0 and is_fresh(StepHeader(trace, key))]
+    first = min((key.step for key in fresh), default=None)
     by_step: dict[int, list[bool]] = {}
-    for key in keys:
+    for key in fresh:
         if key.step == first:  # the run's first rollout: ref is the policy that sampled it
             continue
         try:
