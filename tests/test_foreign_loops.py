@@ -123,6 +123,13 @@ def test_a_flipped_kl_sign_in_the_reward_is_named_without_any_declaration(tmp_pa
     assert _of(findings, "recompute.per_token_loss", ERROR) == []
 
 
+def test_a_kl_penalty_in_the_rewards_and_in_the_loss_is_named_as_counted_twice(tmp_path, cache):
+    findings = run_checks(_run("ppo_openrlhf.py", tmp_path / "twice", cache, BUG="kl_twice"))
+    errors = _of(findings, "recompute.per_token_loss", ERROR)
+    assert errors and all(f.details.get("kl_counted_twice") for f in errors)
+    assert "counted twice" in errors[0].message
+
+
 def test_kl_coef_without_any_kl_in_the_rewards_still_expects_it_in_the_loss(tmp_path, cache):
     """The evidence is the token rewards: when they hold the sequence reward alone, the penalty must be in
     the loss, and a loss without it is the error it always was."""

@@ -363,6 +363,10 @@ def check_token_rewards(ctx: StepContext):
                                f"{estimator} instead of -kl_coef * {estimator}): the reward pays the policy for "
                                "moving away from the reference. " + findings[0].message)
         findings[0].details["kl_sign_flipped"] = True
+    elif findings:
+        findings[0].message = ("Per-token reward terms besides the KL penalty and the sequence reward (a length "
+                               "penalty, format shaping) are not modelled: a loop that adds them fails this check "
+                               "by design. " + findings[0].message)
     if not findings and _declared_kl_in_reward(ctx) is None:  # found in the values (kl_in_reward)
         return [ctx.finding("recompute.token_rewards", INFO, f"token_rewards = {formula}: the KL penalty is in the "
                             "rewards, not the loss, so the loss checks expect no KL term. Record metadata "

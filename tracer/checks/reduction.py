@@ -39,14 +39,16 @@ def trl_loss_type(ctx: StepContext) -> str | None:
 
 
 def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
-                              clip: tuple[float, float] | None = None, estimator: str | None = None) -> torch.Tensor:
+                              clip: tuple[float, float] | None = None, estimator: str | None = None,
+                              kl_coef: float | None = None) -> torch.Tensor:
     """The per-token loss ``[B, T]`` from the recorded inputs (GRPO, CISPO or PPO rule); Skip otherwise.
 
     PPO: ``-min(r*A, clip(r)*A) + kl_coef * ref_kl_k3`` with per-token GAE advantages
     (:func:`tracer.formulas.ppo_per_token_loss`). ``kl_sign = -1`` flips the KL term (used to name a
     flipped sign when the recorded loss disagrees); ``clip`` = ``(eps_low, eps_high)`` replaces the
     recorded clip epsilons (GRPO and PPO; used to name the epsilons a loss clips with); ``estimator``
-    the KL term's estimator (used to name the one a loss uses)."""
+    the KL term's estimator (used to name the one a loss uses); ``kl_coef`` the KL term's coefficient
+    (used to name a KL penalty the rewards already carry)."""
     trl_loss = trl_loss_type(ctx)
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
@@ -60,7 +62,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
                    "record per_token_loss")
     policy, advantages = ctx.require("policy_logprobs", "advantages")
     old = ctx.old_logprobs()
-    beta = loss_kl_coef(ctx)
+    beta = loss_kl_coef(ctx) if kl_coef is None else kl_coef
     estimator = estimator or (loss_kl_estimator(ctx) if beta else "k3")
     ref = ctx.tensor("ref_logprobs") if beta and ctx.has("ref_logprobs") else None
     if beta and ref is None:
@@ -232,11 +234,37 @@ def check_per_token_loss(ctx: StepContext):
     elif _flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
         findings[0].message = FLIPPED_KL.format(term=_kl_term_name(ctx)) + findings[0].message
         findings[0].details["kl_sign_flipped"] = True
+    elif _kl_counted_twice(ctx, recorded):
+        findings[0].message = (
+            "The recorded per_token_loss matches the loss with a KL term added, while the KL penalty is in the "
+            "rewards (metadata kl_in_reward, or the recorded token_rewards show it): the penalty is counted "
+            "twice, in the rewards and in the loss. Likely fix: keep one of them (verl: use_kl_in_reward or "
+            "use_kl_loss), or record the loss's own coefficient if both are meant. " + findings[0].message)
+        findings[0].details["kl_counted_twice"] = True
     else:
         findings[0] = _estimator_explanation(ctx, findings[0], recorded)
         if findings[0].severity == ERROR:
             findings[0] = _clip_explanation(ctx, findings[0], recorded)
     return findings
+
+
+def _kl_counted_twice(ctx: StepContext, recorded: torch.Tensor) -> bool:
+    """The KL penalty is in the rewards, yet the recorded per-token loss adds a KL term of the same
+    coefficient (``kl_coef``, else ``beta``) under one of the estimators."""
+    if not kl_in_reward(ctx) or not ctx.has("ref_logprobs"):
+        return False
+    coef = ctx.hyper("kl_coef", None)
+    coef = coef if coef is not None else ctx.hyper("beta", None)
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not coef:
+        return False
+    for estimator in formulas.KL_ESTIMATORS:
+        try:
+            with_kl = recomputed_per_token_loss(ctx, estimator=estimator, kl_coef=float(coef))
+        except Skip:
+            return False
+        if not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, with_kl, ctx.mask(), ""):
+            return True
+    return False
 
 
 def _matches_without_kl(ctx: StepContext, recorded: torch.Tensor) -> bool:

@@ -114,6 +114,9 @@ for step in range(3):
             surr1 = ratio * A
             surr2 = ratio.clamp(1 - eps, 1 + eps) * A
             per_token_loss = -torch.min(surr1, surr2)
+            if BUG == 'kl_twice':  # BUG: the KL penalty of the rewards added to the loss as well (k3)
+                d = ref_lp[inds] - logp
+                per_token_loss = per_token_loss + kl_coef * (torch.exp(d) - d - 1)
             loss = (per_token_loss * m).sum() / m.sum()
             writer.record(step, {
                 "completion_ids": seq[inds], "completion_mask": m,
