@@ -133,6 +133,11 @@ class StepHeader:
             return before
         return None
 
+    def declared_dtypes(self) -> list[str]:
+        """The float dtypes the step's metadata declares (``source_dtype``, ``model_dtype``: comma lists)."""
+        return [p.strip() for k in ("source_dtype", "model_dtype") for p in str(self.metadata.get(k, "")).split(",")
+                if p.strip()]
+
     def pass_keys(self) -> list[StepKey]:
         """The step files of this file's pass over its rollout: the same step, inner step and rank,
         every micro-batch (this one included), in micro-batch order. The trace's files are grouped
@@ -155,8 +160,7 @@ class StepContext(StepHeader):
         self.data: dict[str, torch.Tensor] = trace.load_step(key)
         self.derived: set[str] = set(trace.derived_fields(key))  # added by the reader (tracer.derived)
         stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
-        declared = [str(self.metadata.get(k, "")) for k in ("source_dtype", "model_dtype")]
-        self.dtype = loosest_dtype([p.strip() for d in declared for p in d.split(",") if p.strip()] + stored)
+        self.dtype = loosest_dtype(self.declared_dtypes() + stored)
         self.tol = TOLERANCES[self.dtype]
 
     # -- inputs -------------------------------------------------------------------------------

@@ -60,8 +60,7 @@ def updated_since_earlier_micro_batch(ctx: StepHeader) -> list:
     mine = _rows_scored(ctx, ctx.key)
     if not mine:
         return []
-    declared = [p.strip() for k in ("source_dtype", "model_dtype") for p in str(ctx.metadata.get(k, "")).split(",")]
-    tol = TOLERANCES[loosest_dtype([d for d in declared if d])].identity_atol  # the header's: same for any caller
+    tol = TOLERANCES[loosest_dtype(ctx.declared_dtypes())].identity_atol  # the header's: same for any caller
     found = []
     for key in ctx.pass_keys():
         if key.micro_batch >= ctx.key.micro_batch:

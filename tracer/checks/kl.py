@@ -210,8 +210,7 @@ def _ref_equals_old(trace: Trace, key) -> bool | None:
     keep = data["completion_mask"].bool()
     if keep.shape != data["old_logprobs"].shape or not bool(keep.any()):
         return None
-    declared = [p.strip() for k in ("source_dtype", "model_dtype") for p in str(header.metadata.get(k, "")).split(",")]
-    dtype = loosest_dtype([d for d in declared if d] + [str(data["old_logprobs"].dtype), str(data["ref_logprobs"].dtype)])
+    dtype = loosest_dtype(header.declared_dtypes() + [str(data["old_logprobs"].dtype), str(data["ref_logprobs"].dtype)])
     gap = (data["old_logprobs"].double() - data["ref_logprobs"].double()).abs()[keep]
     return bool(torch.isfinite(gap).all()) and float(gap.max()) <= ALIAS_NOISE.get(dtype, 0.0)
 
