@@ -133,6 +133,19 @@ class StepHeader:
             return before
         return None
 
+    def kl_coef(self) -> float | None:
+        """The KL penalty's coefficient: hyperparameter ``kl_coef``, else ``beta`` (TRL's name), as a
+        float; None when neither is set, or the value is 0, a bool or not a number."""
+        value = self.hyper("kl_coef", None)
+        value = value if value is not None else self.hyper("beta", None)
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            coef = float(value)
+        except (TypeError, ValueError):
+            return None
+        return coef or None
+
     def declared_dtypes(self) -> list[str]:
         """The float dtypes the step's metadata declares (``source_dtype``, ``model_dtype``: comma lists)."""
         return [p.strip() for k in ("source_dtype", "model_dtype") for p in str(self.metadata.get(k, "")).split(",")

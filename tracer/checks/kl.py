@@ -200,9 +200,7 @@ def _ref_equals_old(trace: Trace, key) -> bool | None:
     noise of scoring with the same weights (:data:`tracer.checks.identity.ALIAS_NOISE`); None when the
     file lacks them, keeps no token, or carries no KL coefficient (``kl_coef`` / ``beta``)."""
     header = StepHeader(trace, key)
-    coef = header.hyper("kl_coef", None)
-    coef = coef if coef is not None else header.hyper("beta", None)
-    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not coef:
+    if header.kl_coef() is None:
         return None
     data = trace.load_step(key, ["old_logprobs", "ref_logprobs", "completion_mask"])
     if len(data) < 3 or data["old_logprobs"].shape != data["ref_logprobs"].shape:

@@ -255,9 +255,8 @@ def _declared_kl_in_reward(ctx: StepContext) -> bool | None:
 def _reward_kl(ctx: StepContext) -> tuple[float, str] | None:
     """``(kl_coef, estimator)`` of a KL penalty in the rewards (``kl_coef``, else ``beta``;
     ``kl_estimator``, default k1); None without a non-zero coefficient. Skip for an unknown estimator."""
-    coef = ctx.hyper("kl_coef", None)
-    coef = float(coef if coef is not None else ctx.hyper("beta", 0.0) or 0.0)
-    if not coef:
+    coef = ctx.kl_coef()
+    if coef is None:
         return None
     try:
         return coef, formulas.kl_estimator_name(ctx.hyper("kl_estimator", None) or "k1")

@@ -253,9 +253,8 @@ def _kl_counted_twice(ctx: StepContext, recorded: torch.Tensor) -> bool:
     coefficient (``kl_coef``, else ``beta``) under one of the estimators."""
     if not kl_in_reward(ctx) or not ctx.has("ref_logprobs"):
         return False
-    coef = ctx.hyper("kl_coef", None)
-    coef = coef if coef is not None else ctx.hyper("beta", None)
-    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not coef:
+    coef = ctx.kl_coef()
+    if coef is None:
         return False
     for estimator in formulas.KL_ESTIMATORS:
         try:
