@@ -69,6 +69,20 @@ def _off_policy_mask_drops(threshold: float):
     return drops
 
 
+def _passes_in_one_optimizer_step(trace: Trace) -> bool:
+    """Both inner steps of a rollout accumulate into one optimizer step: a file at inner step 1 of an
+    optimizer step that also has inner step 0 (TRL's "aligned" case: it drops old_per_token_logps)."""
+    first_pass = {key.step for key in trace.steps() if key.inner_step == 0}
+    return any(key.inner_step == 1 and key.step in first_pass for key in trace.steps())
+
+
+def _ref_replaced_by_policy(trace: Trace) -> bool:
+    """sync_ref_model with mixup alpha 1: ref == old on a rollout after the first (the check's evidence)."""
+    return any(key.step > 0 and key.inner_step == 0 and "ref_logprobs" in data
+               and float((data["ref_logprobs"] - data["old_logprobs"]).abs().max()) <= 1e-5
+               for key, (data, _) in zip(trace.steps(), _steps(trace)) if "old_logprobs" in data)
+
+
 # (overrides, steps, seed, precondition, expected): ``expected`` the (check, severity, text in the
 # message) the option must now give (severity None: the check ran, no finding of it at all), or None. make_trainer's own defaults: num_iterations=2,
 # beta=0.04, loss_type="grpo", max_completion_length=10, B = 8 (2 prompts x G = 4).
@@ -101,6 +115,13 @@ CASES = [
     pytest.param({"loss_type": "sapo"}, 2, 0, None, None, id="sapo"),
     pytest.param({"loss_type": "vespo"}, 2, 0, None, None, id="vespo"),
     pytest.param({"loss_type": "luspo"}, 2, 0, None, None, id="luspo"),
+    # found by a false-alarm hunt (2026-12-05): both passes over a rollout in one optimizer step, where TRL
+    # leaves old = policy at inner step 1 on purpose (identity.old_aliases_policy fired; now fresh_rollouts)
+    pytest.param({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, 2, 0, _passes_in_one_optimizer_step,
+                 ("identity.old_aliases_policy", None, None), id="iterations-in-one-optimizer-step"),
+    # the reference replaced by the policy at every optimizer step, as asked (kl.ref_tracks_policy warned)
+    pytest.param({"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 1.0}, 6, 0,
+                 _ref_replaced_by_policy, ("kl.ref_tracks_policy", "info", "sync_ref_model"), id="sync-ref-alpha-1"),
     pytest.param({"off_policy_mask_threshold": 0.001}, 2, 0, _off_policy_mask_drops(0.001),
                  ("recompute.loss", "skipped", "off_policy_mask_threshold = 0.001"), id="off-policy-mask"),
 ]

@@ -171,6 +171,20 @@ def _ref_synced(trace: Trace, model_dir) -> bool:
     return False
 
 
+def _passes_in_one_optimizer_step(trace: Trace, model_dir) -> bool:
+    """Both inner steps of a rollout accumulate into one optimizer step: a file at inner step 1 of an
+    optimizer step that also has inner step 0 (TRL's "aligned" case: it drops old_logps)."""
+    first_pass = {key.step for key in trace.steps() if key.inner_step == 0}
+    return any(key.inner_step == 1 and key.step in first_pass for key in trace.steps())
+
+
+def _ref_replaced_by_policy(trace: Trace, model_dir) -> bool:
+    """sync_ref_model with mixup alpha 1: ref == old on a rollout after the first (the check's evidence)."""
+    return any(key.step > 0 and key.inner_step == 0 and "ref_logprobs" in data and "old_logprobs" in data
+               and float((data["ref_logprobs"] - data["old_logprobs"]).abs().max()) <= 1e-5
+               for key, data, _ in _steps(trace))
+
+
 # (overrides, steps, seed, precondition, expected): ``expected`` the (check, severity, text in the
 # message) the option must now give, or None. make_trainer's own defaults: num_iterations=2,
 # beta=0.05, max_completion_length=10, B = 8 (2 prompts x G = 4), steps_per_generation = 1.
@@ -208,6 +222,12 @@ CASES = [
     pytest.param({"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.6,
                   "num_iterations": 1}, 3, 0, _ref_synced, None, id="sync-ref-model"),
     pytest.param({"pad_to_multiple_of": 16}, 2, 0, _padded_to(16), None, id="pad-to-multiple-16"),
+    # found by a false-alarm hunt (2026-12-05): both passes over a rollout in one optimizer step (TRL leaves
+    # old = policy at inner step 1 on purpose), and the reference replaced by the policy at every step
+    pytest.param({"gradient_accumulation_steps": 2, "steps_per_generation": 1}, 2, 0, _passes_in_one_optimizer_step, None,
+                 id="iterations-in-one-optimizer-step"),
+    pytest.param({"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 1.0}, 6, 0,
+                 _ref_replaced_by_policy, ("kl.ref_tracks_policy", "info", "sync_ref_model"), id="sync-ref-alpha-1"),
     # one rollout reused for 4 optimizer steps (2 slices x 2 iterations): 3 step files after updates
     pytest.param({"steps_per_generation": 2, "num_iterations": 2}, 4, 0, _generation_slices(2), None,
                  id="spg-2-iterations-2"),

@@ -74,7 +74,8 @@ _REQUIRED = object()
 # step metadata lacks them (traces recorded before the integration put them in metadata).
 TRAINER_ARG_KEYS = frozenset({"delta", "top_entropy_quantile", "off_policy_mask_threshold",
                               "mask_truncated_completions", "importance_sampling_level", "min_p",
-                              "repetition_penalty", "truncation_mode", "max_length"})
+                              "repetition_penalty", "truncation_mode", "max_length", "sync_ref_model",
+                              "ref_model_mixup_alpha", "ref_model_sync_steps"})
 
 
 CHECK_MEMO_PREFIX = "_tracer_check_"  # attributes of a Trace that memoise work for one run of the checks
@@ -132,6 +133,16 @@ class StepHeader:
         if isinstance(before, int) and not isinstance(before, bool) and before > rows:
             return before
         return None
+
+    def flag(self, name: str) -> bool | None:
+        """Hyperparameter ``name`` (:meth:`hyper`) as a bool: a bool as it is, a number 1 / other, a text
+        ``true`` / ``1`` / ``yes`` (any case) True and any other text False; None when not recorded."""
+        value = self.hyper(name, None)
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, (int, float)):
+            return value == 1
+        return str(value).strip().lower() in ("true", "1", "1.0", "yes")
 
     def kl_coef(self) -> float | None:
         """The KL penalty's coefficient: hyperparameter ``kl_coef``, else ``beta`` (TRL's name), as a

@@ -237,6 +237,19 @@ def check_ref_tracks_policy(trace: Trace, options: CheckOptions, keys: list) -> 
     if len(by_step) < REF_TRACKS_MIN_STEPS:
         return []
     key = next(k for k in keys if k.step == min(by_step))
+    header = StepHeader(trace, key)
+    if header.flag("sync_ref_model"):  # TRL: the reference is replaced by the policy, as asked
+        alpha, every = header.hyper("ref_model_mixup_alpha", None), header.hyper("ref_model_sync_steps", None)
+        message = (
+            f"ref_logprobs equal old_logprobs on every kept token of every step file of the {len(by_step)} rollouts "
+            f"after the first (steps {min(by_step)}-{max(by_step)}): the run syncs its reference model with the "
+            f"policy (TRL's sync_ref_model, ref_model_mixup_alpha = {alpha}, ref_model_sync_steps = {every}), "
+            "so the reference is the policy that sampled each rollout and KL(policy || ref) is about 0 there. "
+            "As configured; with mixup alpha 1 the KL penalty (beta) holds the policy only to its last sync."
+        )
+        return [Finding("kl.ref_tracks_policy", INFO, message, step=key.step, inner_step=key.inner_step,
+                        micro_batch=key.micro_batch, rank=key.rank, field="ref_logprobs", path=str(key.path),
+                        details={"steps": sorted(by_step), "sync_ref_model": True})]
     message = (
         f"ref_logprobs equal old_logprobs on every kept token of every step file of the {len(by_step)} rollouts "
         f"after the first (steps {min(by_step)}-{max(by_step)}), to the noise of scoring with the same weights: "

@@ -244,12 +244,7 @@ def named_rule(ctx: StepContext) -> str | None:
 
 def _declared_kl_in_reward(ctx: StepContext) -> bool | None:
     """Metadata ``kl_in_reward`` as a bool (its text too), None when not recorded."""
-    value = ctx.hyper("kl_in_reward", None)
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)):
-        return value == 1
-    return str(value).strip().lower() in ("true", "1", "1.0", "yes")
+    return ctx.flag("kl_in_reward")
 
 
 def _reward_kl(ctx: StepContext) -> tuple[float, str] | None:

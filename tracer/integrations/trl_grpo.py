@@ -85,6 +85,7 @@ class _Rollout:
     reward_components: torch.Tensor  # (B, F)
     group_ids: torch.Tensor  # (B,) int64
     global_rows: torch.Tensor  # (B,) int64, row in the all-process generation batch
+    optimizer_step: int = 0  # optimizer steps completed when it was generated (``state.global_step``)
 
 
 class GRPOTraceHook(TrainerTraceHook):
@@ -169,7 +170,8 @@ class GRPOTraceHook(TrainerTraceHook):
         global_rows = torch.arange(start, start + B, dtype=torch.int64)  # (B,)
         index = self._rollouts_seen
         self._rollouts_seen += 1
-        self._rollout = _Rollout(index, rewards, components, global_rows // trainer.num_generations, global_rows)
+        self._rollout = _Rollout(index, rewards, components, global_rows // trainer.num_generations, global_rows,
+                                 self._optimizer_step())
         device = output["completion_ids"].device
         output[ROW_ID_KEY] = torch.arange(B, dtype=torch.int64, device=device) + index * _ROW_STRIDE
 
@@ -314,6 +316,10 @@ class GRPOTraceHook(TrainerTraceHook):
             "old_logprobs_source": OLD_FROM_TRL if "old_logprobs" in tensors else OLD_IS_POLICY,
             "rollout_index": rollout.index,
             "generation_slice": self._micro_index() % int(self.trainer.args.steps_per_generation or 1),
+            # no optimizer step since the rollout was generated: every pass over it before the first step
+            # (TRL's "aligned" case, gradient_accumulation_steps >= steps_per_generation * num_iterations,
+            # where later passes are on fresh rollouts too: TRL then drops old_per_token_logps)
+            "fresh_rollouts": self._optimizer_step() == rollout.optimizer_step,
         }
         learning_rate = _current_learning_rate(self.trainer)
         if learning_rate is not None:  # the optimizer step this micro-batch feeds will use it (0 during warmup)

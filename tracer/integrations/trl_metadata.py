@@ -31,6 +31,7 @@ _CONFIG_KEYS = (
     "epsilon", "epsilon_high", "delta", "loss_type", "scale_rewards", "importance_sampling_level",
     "mask_truncated_completions", "top_entropy_quantile", "use_vllm", "bf16", "fp16",
     "multi_objective_aggregation", "off_policy_mask_threshold", "shuffle_dataset", "normalize_advantages",
+    "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",
 )
 # DPOConfig fields copied into the manifest (JSON scalars only; ``loss_type`` is a list, kept in metadata).
 DPO_CONFIG_KEYS = (
