@@ -154,7 +154,10 @@ def run_checks(
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():
         first = where[0]
-        findings.append(Finding(check_id, SKIPPED, f"skipped on {len(where)} of {len(keys)} step files: {reason}",
+        others = ("" if len(where) == len(keys) else
+                  " (the others: checked, skipped for another reason, or not applicable)")
+        findings.append(Finding(check_id, SKIPPED,
+                                f"skipped on {len(where)} of {len(keys)} step files{others}: {reason}",
                                 step=first.step, inner_step=first.inner_step, micro_batch=first.micro_batch,
                                 rank=first.rank, path=str(first.path),
                                 details={"steps": [k.label for k in where[:50]]}))
