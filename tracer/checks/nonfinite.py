@@ -89,7 +89,7 @@ def _token(name: str, t: int | None) -> int | None:
     return None if name == "reward_components" else t
 
 
-def _where(name: str, tensor: torch.Tensor, b: int | None, t: int | None) -> str:
+def _where(name: str, b: int | None, t: int | None) -> str:
     if name == "reward_components" and b is not None and t is not None:
         return f"seq {b}, reward function {t}"  # [B, F]: a column per reward function
     return where_text(b, t) or "the scalar"
@@ -135,7 +135,7 @@ def check_nonfinite(ctx: StepContext):
                    "becomes NaN. Likely fix: fill masked slots with 0 (masked_fill / torch.where) "
                    "before any arithmetic, not by multiplying with the mask.")
         message = (f"{name} is the first tensor (in the order logprobs -> ratio -> KL -> loss) with a "
-                   f"non-finite value at a {where} position: {value} at {_where(name, tensor, b, t)}; {int(flags.sum())} "
+                   f"non-finite value at a {where} position: {value} at {_where(name, b, t)}; {int(flags.sum())} "
                    f"{where} positions are non-finite in {name}{then}. {why}")
         findings.append(ctx.finding("nonfinite.values", severity, message, b, _token(name, t), field=name,
                                     tensors=[n for n, _ in hits], count=int(flags.sum())))
@@ -144,7 +144,7 @@ def check_nonfinite(ctx: StepContext):
         b, t = _locate(ctx.data[name], flags)
         rows = int(torch.stack([f.reshape(f.shape[0], -1).any(dim=1) for _, f in left_out]).any(dim=0).sum())
         counts = ", ".join(f"{n} {int(f.sum())}" for n, f in left_out)
-        message = (f"{name} is NaN at {_where(name, ctx.data[name], b, t)} (NaN values: {counts}; {rows} rows), and the "
+        message = (f"{name} is NaN at {_where(name, b, t)} (NaN values: {counts}; {rows} rows), and the "
                    "advantages of those rows are finite: the trainer left these rewards out, so no NaN reaches the "
                    "loss from them. TRL's reward functions may return None for a completion they do not apply to; "
                    "TRL records it as NaN and sums and normalises with nansum / nanmean / nanstd. If no reward "
