@@ -242,11 +242,6 @@ def named_rule(ctx: StepContext) -> str | None:
     return next((f.details["rule"] for f in findings if f.severity == INFO), None)
 
 
-def _declared_kl_in_reward(ctx: StepContext) -> bool | None:
-    """Metadata ``kl_in_reward`` as a bool (its text too), None when not recorded."""
-    return ctx.flag("kl_in_reward")
-
-
 def _reward_kl(ctx: StepContext) -> tuple[float, str] | None:
     """``(kl_coef, estimator)`` of a KL penalty in the rewards (``kl_coef``, else ``beta``;
     ``kl_estimator``, default k1); None without a non-zero coefficient. Skip for an unknown estimator."""
@@ -322,7 +317,7 @@ def kl_in_reward(ctx: StepContext) -> bool:
     latest ones show (:func:`_run_kl_in_reward`). Worked out once per step file."""
     memo = ctx.__dict__.setdefault("_kl_in_reward", {})
     if "value" not in memo:
-        declared = _declared_kl_in_reward(ctx)
+        declared = ctx.flag("kl_in_reward")
         if declared is None:
             seen = _token_rewards_carry_kl(ctx)
             declared = seen if seen is not None else (ctx.algorithm in ("ppo", "") and ctx.has("token_rewards")
@@ -361,7 +356,7 @@ def check_token_rewards(ctx: StepContext):
         findings[0].message = ("Per-token reward terms besides the KL penalty and the sequence reward (a length "
                                "penalty, format shaping) are not modelled: a loop that adds them fails this check "
                                "by design. " + findings[0].message)
-    if not findings and _declared_kl_in_reward(ctx) is None:  # found in the values (kl_in_reward)
+    if not findings and ctx.flag("kl_in_reward") is None:  # found in the values (kl_in_reward)
         return [ctx.finding("recompute.token_rewards", INFO, f"token_rewards = {formula}: the KL penalty is in the "
                             "rewards, not the loss, so the loss checks expect no KL term. Record metadata "
                             f"kl_in_reward = true{'' if estimator == 'k1' else f' and kl_estimator = {estimator}'} "
