@@ -22,7 +22,7 @@ import time
 import torch
 
 from bench.common import grpo_step_tensors, machine, median, nbytes, trace_dir_line
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 
 def _run(tensors, steps: int, gap_s: float, writer: str = "thread") -> tuple[list[float], list[float]]:

@@ -43,7 +43,7 @@ def _timed(real, out: list, module: str):
 
 def measure(rounds: int, steps: int) -> dict:
     from bench.loops import ppo_setup
-    from tracer import watch
+    from tracer.zero_edit import watch
 
     with tempfile.TemporaryDirectory() as tmp:
         epoch, _ = ppo_setup(tmp, steps)

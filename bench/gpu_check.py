@@ -24,7 +24,7 @@ import torch
 from bench.common import grpo_step_tensors, machine, median
 from bench.loops import _alternate
 from tracer import Trace
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 
 def values_identical(steps: int = 20) -> bool:
@@ -58,7 +58,7 @@ def zero_edit_identical(device: str = "cuda", steps: int = 3) -> bool:
     import contextlib
     import io
 
-    from tracer import watch
+    from tracer.zero_edit import watch
 
     torch.manual_seed(0)
     B, T, V = 8, 16, 64
@@ -143,11 +143,11 @@ def overhead(batch: int, rounds: int = 7, steps: int = 20) -> dict:
 
 
 def stage_alone(calls: int = 200) -> float:
-    """Median microseconds of :func:`tracer.capture.stage` of the 14 fields of 64 x 1024 (one group of
+    """Median microseconds of :func:`tracer.record.capture.stage` of the 14 fields of 64 x 1024 (one group of
     pinned buffers, its copies queued, one event) with the GPU idle, buffers handed back after each:
     the training thread's own cost of the copies, beside ``record()``'s time in the loop, which also
     waits wherever the loop's launches wait."""
-    from tracer.capture import BufferPool, stage
+    from tracer.record.capture import BufferPool, stage
 
     fields = grpo_step_tensors(64, 1024, device="cuda", seed=0)
     key = tuple((name, t.shape, t.dtype, t.device) for name, t in fields.items())

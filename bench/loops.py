@@ -41,7 +41,7 @@ import torch
 
 from bench.common import machine, median, trace_dir_line
 from bench.overhead import make_model, run_loop
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "minimind_ppo.py"
 TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
@@ -246,7 +246,7 @@ def _flushes(writer: str, flush: str) -> bool:
 
 
 def ppo_shape(steps: int, rounds: int, tmp: str, writer: str = "thread", flush: str = "block") -> dict:
-    from tracer import watch
+    from tracer.zero_edit import watch
 
     epoch, args = ppo_setup(tmp, steps)
     backwards = steps * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)

@@ -13,8 +13,8 @@ import tempfile
 import time
 
 from bench.common import grpo_step_tensors, machine, nbytes
-from tracer import writer as writer_module
-from tracer.writer import TraceWriter
+from tracer.record import writer as writer_module
+from tracer.record.writer import TraceWriter
 
 
 def _rss_mb() -> float:

@@ -18,7 +18,7 @@ import torch
 
 from bench.common import grpo_step_tensors, machine, median
 from tracer import Trace
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 B, T, L = 8, 64, 16
 

@@ -14,7 +14,7 @@ import torch
 
 from bench.common import machine, median, timed
 from tracer import formulas
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 
 def make_model(vocab: int = 512, hidden: int = 64, layers: int = 2):

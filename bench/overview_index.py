@@ -1,5 +1,5 @@
 """The run overview at 10,000 vs 10 steps, with the run's summary index (``summary_index.rank_0.jsonl``,
-:mod:`tracer.run_index`) and without it (every step file's header read, as for traces written
+:mod:`tracer.format.run_index`) and without it (every step file's header read, as for traces written
 before the index existed), and the Steps page opening and drawing its curves on both traces.
 
 Timed in alternating rounds (the order rotates each round), on two GRPO traces of 8 x 64 tokens
@@ -17,7 +17,7 @@ Timed in alternating rounds (the order rotates each round), on two GRPO traces o
   summaries held them); the run checks one share per step.
 
 Since the third pass the writer also compacts the index into columns at close
-(``summary_index.rank_0.columns``, :mod:`tracer.summary_store`): "with the index" reads those, and
+(``summary_index.rank_0.columns``, :mod:`tracer.format.summary_store`): "with the index" reads those, and
 "headers, no index" hides both. ``--cpu`` also prints the script thread's CPU time of each page
 (``time.thread_time``: what the page costs apart from AppTest's own work and other processes).
 
@@ -43,8 +43,8 @@ import numpy as np
 
 from bench.common import machine, median
 from bench.overview_scale import build, spread
-from tracer import run_index
-from tracer.reader import Trace
+from tracer.format import run_index
+from tracer.read.reader import Trace
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,9 +21,10 @@ from pathlib import Path
 from unittest import mock
 
 from bench.common import grpo_step_tensors, machine, median
-from tracer import summaries
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+
+from tracer.format import summary as summary_format
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 HYPER = {"num_generations": 8, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
 
@@ -51,7 +52,7 @@ def overview(path: Path) -> int:
 
 
 def from_tensors(path: Path) -> int:
-    with mock.patch.object(summaries, "read_summary", return_value=None):
+    with mock.patch.object(summary_format, "read_summary", return_value=None):
         frame = Trace(path).step_summary()
     assert (frame["summary_source"] == "tensors").all()
     return len(frame)

@@ -14,7 +14,7 @@ plain block (95% bootstrap interval):
 * ``corun``: the plain loop alone, beside a process spinning in pure Python, and beside a process
   copying 16 MB buffers (torch, one thread): what work on the other core costs this one.
 * ``linger``: the loop traced through two writer processes, one whose child lingers
-  :data:`tracer.writer_child.CHILD_LINGER_S` (0.25 s) for more steps to batch with and one lingering
+  :data:`tracer.record.process.child.CHILD_LINGER_S` (0.25 s) for more steps to batch with and one lingering
   ``--long-linger`` seconds (default 1), one watcher whose writer is swapped between them block by
   block; besides each one's ratio to plain, the paired ratio of the two traced blocks of a round
   (long / short) and each child's CPU per backward (issue 16, nineteenth pass: no difference
@@ -46,7 +46,7 @@ def _line(kind: str, r: dict, extra: str = "") -> str:
 
 
 def split(rounds: int, tmp: str) -> None:
-    from tracer import watch
+    from tracer.zero_edit import watch
 
     epoch, args = ppo_setup(tmp, PPO_STEPS)
     backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)
@@ -131,9 +131,9 @@ def corun(rounds: int, tmp: str) -> None:
 
 
 def linger(rounds: int, tmp: str, long_linger: float = 1.0) -> None:
-    from tracer import watch
-    from tracer.writer import TraceWriter
-    from tracer.writer_child import CHILD_LINGER_S
+    from tracer.zero_edit import watch
+    from tracer.record.writer import TraceWriter
+    from tracer.record.process.child import CHILD_LINGER_S
 
     epoch, args = ppo_setup(tmp, PPO_STEPS)
     backwards = PPO_STEPS * args.ppo_update_iters * (args.batch_size // args.mini_batch_size)

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from bench.common import grpo_step_tensors, machine, median
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 HYPER = {"num_generations": 8, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
 

@@ -18,7 +18,7 @@ import time
 import warnings
 
 from bench.common import grpo_step_tensors, machine
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 
 def _quantile(xs: list[float], q: float) -> float:

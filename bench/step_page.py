@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from bench.common import grpo_step_tensors, machine, median
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 B, T = 256, 1024

@@ -1,7 +1,7 @@
 """What verifying a trace's checksums costs, per GB, next to reading the bytes and diffing them.
 
 ``tracer diff``, ``tracer check`` (``integrity.checksum``), ``tracer info --verify`` and the pytest
-helpers hash every step file's tensor bytes (``tracer.integrity.verify_step_file``, sha256 streamed
+helpers hash every step file's tensor bytes (``tracer.format.integrity.verify_step_file``, sha256 streamed
 in 4 MB chunks) and compare the digest with the ``content_sha256`` the writer recorded. Measured side
 by side on the same files, page cache warm (the CPU cost; a cold disk adds its read time to all three):
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.common import grpo_step_tensors, machine, median
 from tracer import diff
-from tracer.integrity import verify_step_file
-from tracer.layout import HASH_CHUNK_BYTES
-from tracer.writer import TraceWriter
+from tracer.format.integrity import verify_step_file
+from tracer.format.hashing import HASH_CHUNK_BYTES
+from tracer.record.writer import TraceWriter
 
 B, T, L = 64, 1024, 64
 

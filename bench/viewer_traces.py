@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from tracer import formulas
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 VERSION = "v2"  # bump when the generated content changes: the cache is keyed by it
 CACHE = Path(os.environ.get("TRACER_BENCH_CACHE", Path(tempfile.gettempdir()) / "tracer-viewer-bench"))

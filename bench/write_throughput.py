@@ -14,7 +14,7 @@ import time
 from safetensors.torch import save_file
 
 from bench.common import grpo_step_tensors, machine, median, nbytes
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 
 def measure(steps: int = 40, B: int = 64, T: int = 512) -> dict:

@@ -15,7 +15,7 @@ ratio is printed side by side.
 With ``--gap-work`` the gap is spent multiplying a 256 x 1024 by a 1024 x 1024 matrix (4 MB of
 weights streamed, like a training step) instead of sleeping, so that each batch starts with the
 caches the loop left, as in a run; ``--linger S`` sets the writer process's wait for more steps to
-batch with (:data:`tracer.writer_child.CHILD_LINGER_S`, 0.25 s, otherwise).
+batch with (:data:`tracer.record.process.child.CHILD_LINGER_S`, 0.25 s, otherwise).
 
     python -m bench.writer_cost [--steps 300] [--rounds 3] [--writer thread|process]
                                 [--gap-ms 4] [--gap-work] [--linger S]
@@ -94,16 +94,12 @@ def child(steps: int, gap_ms: float, kind_of_writer: str = "thread", gap_work: b
     """Measure in this process (the ``tracer`` package first on sys.path)."""
     import torch
 
-    import tracer.capture as capture
-    from tracer.writer import TraceWriter
+    import tracer.record.capture as capture
+    from tracer.record.writer import TraceWriter
 
     torch.set_num_threads(1)
-    try:  # where a batch is handled: tracer.batches.BatchHandler since the writer process; before, the writer
-        from tracer.batches import BatchHandler as owner
-        name = "handle"
-    except ImportError:
-        owner = capture.BackgroundWriter
-        name = "_handle_batch" if hasattr(owner, "_handle_batch") else "_handle"
+    from tracer.record.batches import BatchHandler as owner  # where the write side handles a batch
+    name = "handle"
     real = getattr(owner, name)
     spent = {"cpu": 0.0}
 

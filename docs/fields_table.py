@@ -2,7 +2,7 @@
 
     python docs/fields_table.py                 # Markdown table on stdout
 
-● = required (``tracer.schema.required_fields``: ``tracer check`` warns, ``fields.required``, when a
+● = required (``tracer.format.schema.required_fields``: ``tracer check`` warns, ``fields.required``, when a
 step lacks one, and the checks that need it are skipped);
 ○ = recorded by that algorithm's bundled sample traces (hand-written loops and TRL trainers), so
 usually present; blank = optional, recorded when your trainer has it.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.reader import Trace
-from tracer.schema import ALGORITHMS, FIELDS, required_fields
+from tracer.read.reader import Trace
+from tracer.format.schema import ALGORITHMS, FIELDS, required_fields
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 

@@ -20,7 +20,7 @@ from app.components.overview import fields_table, manifest_facts  # noqa: E402
 from app.components.sidebar import DEFAULT_ROOT, resolve_root  # noqa: E402
 from app.components.token_table import (  # noqa: E402
     MASK_BACKGROUND, filler_marker, section_text, style_token_table, token_display_frame)
-from tracer.writer import TraceWriter  # noqa: E402
+from tracer.record.writer import TraceWriter  # noqa: E402
 
 from tests.toy_traces import APP, EOS, PAD, SCRIPT, VOCAB, ToyTokenizer, grpo_step_tensors  # noqa: E402,F401
 

@@ -21,10 +21,10 @@ from tests.toy_traces import ToyTokenizer, frame_with, healthy_step_tensors, sta
 from app.components import safe_trace, trace_cache
 from app.components.safe_trace import SafeTrace
 from app.components.step_handles import StepHandles, file_id
-from tracer import reader
+from tracer.read import reader
 from tracer.errors import TraceFormatError
-from tracer.layout import STEPS_DIR
-from tracer.writer import TraceWriter
+from tracer.format.names import STEPS_DIR
+from tracer.record.writer import TraceWriter
 
 
 @pytest.fixture(scope="module")

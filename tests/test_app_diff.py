@@ -17,8 +17,8 @@ from toy_traces import (
 from app.components.diff_view import (
     DIFF_STYLE, common_steps, differing_names, side_by_side_frame, style_side_by_side)
 from app.components.token_table import MASK_BACKGROUND
-from tracer.reader import StepKey
-from tracer.writer import TraceWriter
+from tracer.read.reader import StepKey
+from tracer.record.writer import TraceWriter
 
 # The change: policy_logprobs of step 1, inner step 1, sequence 2, completion token 1 ("4") + 0.5 nats.
 STEP, INNER, SEQUENCE, TOKEN, DELTA = 1, 1, 2, 1, 0.5

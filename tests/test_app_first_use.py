@@ -98,7 +98,7 @@ CRASH = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from toy_traces import ToyTokenizer, HYPERPARAMETERS, healthy_step_tensors
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 writer = TraceWriter({out!r}, "grpo", tokenizer=ToyTokenizer(), hyperparameters=HYPERPARAMETERS, async_write=False)
 writer.record(0, healthy_step_tensors(0, 0))
 writer.flush()

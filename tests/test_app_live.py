@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import tracer.writer as writer_module
+import tracer.record.writer as writer_module
 from toy_traces import (
     HYPERPARAMETERS, ToyTokenizer, frame_with, healthy_step_tensors, largest_frame_with, start)
 
 from app.components.sidebar import live_signature
-from tracer.layout import step_file_name
-from tracer.writer import TraceWriter
+from tracer.format.names import step_file_name
+from tracer.record.writer import TraceWriter
 
 RANKS, STEPS = (0, 1), 2
 BUG_RANK, BUG_STEP, BUG_SEQUENCE, BUG_TOKEN = 1, 1, 0, 3

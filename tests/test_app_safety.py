@@ -19,7 +19,7 @@ from toy_traces import (
 
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceFormatError
-from tracer.layout import MANIFEST_NAME, step_file_name
+from tracer.format.names import MANIFEST_NAME, step_file_name
 
 needs_symlinks = pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="needs POSIX symlinks")
 

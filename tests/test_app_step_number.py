@@ -10,8 +10,8 @@ import pytest
 
 from app.components import sidebar, trace_cache
 from tests.toy_traces import healthy_step_tensors, start, write_trace
-from tracer.layout import step_file_name
-from tracer.writer import TraceWriter
+from tracer.format.names import step_file_name
+from tracer.record.writer import TraceWriter
 
 
 def label(step: int, inner: int) -> str:

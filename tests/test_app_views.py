@@ -29,7 +29,7 @@ from app.components.ppo import (  # noqa: E402
     STATUS_BACKGROUND, STATUS_COLOUR, early_stop_figure, early_stop_grid, gae_figure, gae_token_frame,
     style_minibatch_table)
 from app.components.token_table import visible_token  # noqa: E402
-from tracer.writer import TraceWriter  # noqa: E402
+from tracer.record.writer import TraceWriter  # noqa: E402
 
 APP = REPO / "app" / "streamlit_app.py"
 SAMPLES = REPO / "sample_traces"

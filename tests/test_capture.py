@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tracer import Trace, TraceWriter
-from tracer.capture import SamplingPolicy, StagedStep
-from tracer.writer_thread import BackgroundWriter
-from tracer.writer import MANIFEST_NAME
+from tracer.record.capture import SamplingPolicy, StagedStep
+from tracer.record.thread import BackgroundWriter
+from tracer.record.writer import MANIFEST_NAME
 
 
 def step_tensors(value=0.0, B=4, T=3):

@@ -1,7 +1,7 @@
 """The caches and shortcuts of zero-edit capture's training-thread path (issue 16): each gives what
 the code it replaces gave, and each is dropped when what it was made from changes.
 
-* :func:`tracer.frame_lookup.read_indices` / ``read_metadata`` read a name map's sections compiled
+* :func:`tracer.zero_edit.frame_lookup.read_indices` / ``read_metadata`` read a name map's sections compiled
   once (``_compiled``): compared with the reading they replace (copied below as ``_reference_*``, the
   code of the commit before) on random frames and callers, and on a map changed in place;
 * ``SignatureCache.check(tensors, signature)``: a call-site plan's field signature, memoised by
@@ -31,19 +31,19 @@ import torch
 from safetensors import safe_open
 
 from tracer import Trace
-from tracer import frame_lookup
-from tracer.capture import BufferPool, stage
+from tracer.zero_edit import frame_lookup
+from tracer.record.capture import BufferPool, stage
 from tracer.errors import SchemaError
-from tracer.frame_lookup import _MISSING, read_indices, read_metadata, resolve_in
-from tracer.name_maps import load_name_map
-from tracer.record_checks import MetadataCache, SignatureCache
-from tracer.metadata_codec import encode_metadata
-from tracer.watch import Watcher
+from tracer.zero_edit.frame_lookup import _MISSING, read_indices, read_metadata, resolve_in
+from tracer.zero_edit.name_maps import load_name_map
+from tracer.record.validation import MetadataCache, SignatureCache
+from tracer.format.metadata_codec import encode_metadata
+from tracer.zero_edit.watch import Watcher
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# -- the reading replaced, as it was (tracer/frame_lookup.py before issue 16's capture pass) --------
+# -- the reading replaced, as it was (tracer/zero_edit/frame_lookup.py before issue 16's capture pass) --------
 
 def _reference_as_int(value):
     if type(value) is int:
@@ -168,8 +168,8 @@ def test_a_namespace_registered_as_a_mapping_is_read_as_one():
     code = textwrap.dedent("""
         import argparse, sys
         from collections import abc
-        from tracer.frame_lookup import resolve_in
-        from tracer.name_maps import parse_expression
+        from tracer.zero_edit.frame_lookup import resolve_in
+        from tracer.zero_edit.name_maps import parse_expression
         class Keyed(argparse.Namespace):
             pass
         args = argparse.Namespace(beta=0.5)
@@ -206,12 +206,12 @@ def test_a_given_signature_gives_the_entry_of_the_tensors_own_and_masks_are_stil
 
 
 def test_group_key_is_the_cached_signature_of_a_step_on_one_cpu_or_cuda_device(monkeypatch):
-    """``group_key`` (the staging buffers' key, :func:`tracer.capture.stage`) is the step's signature
+    """``group_key`` (the staging buffers' key, :func:`tracer.record.capture.stage`) is the step's signature
     when the signature is cached and every tensor is on the CPU; ``None`` for a step across two devices,
     for one wholly on a device that is neither the CPU nor CUDA (``meta``), and for a signature past
     the cache's bound (not cached: nothing keys a buffer group by it). The one-CUDA-device case needs
     a GPU: ``tests/test_reliability_record.py``'s CUDA tests."""
-    from tracer import record_checks
+    from tracer.record import validation as record_checks
 
     cache = SignatureCache("grpo")
     cpu = {"policy_logprobs": torch.zeros(2, 3), "completion_mask": torch.ones(2, 3, dtype=torch.bool)}
@@ -370,7 +370,7 @@ def test_pinned_and_plain_buffer_groups_of_one_key_are_kept_apart():
     """A pinned group handed back is never taken for plain buffers of the same field signature, and
     each kind counts under its own idle limit. Pinned memory needs CUDA, so the pinned group here
     holds plain memory, made as take_group makes a pinned one: the pool's bookkeeping is what is tested."""
-    from tracer.capture import BufferGroup, BufferPool
+    from tracer.record.capture import BufferGroup, BufferPool
 
     pool = BufferPool()
     sources = [torch.zeros(3, 4), torch.zeros(3, dtype=torch.int64)]  # 48 + 24 bytes

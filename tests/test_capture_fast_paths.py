@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tracer.errors import SchemaError
-from tracer.frame_lookup import _MISSING, _as_int, code_variables, take_rows
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.zero_edit.frame_lookup import _MISSING, _as_int, code_variables, take_rows
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import grpo_step
 

@@ -19,7 +19,7 @@ from tracer import Trace, TraceError
 from tracer.cli import main as cli_main
 from tracer.cli import trace_info
 from tracer.demo.tiny_model import build_tiny_model
-from tracer.layout import capture_report_name
+from tracer.format.names import capture_report_name
 
 from tests.test_watch import tiny_loop  # noqa: E402  (the same model-free MiniMind-named loop)
 

@@ -1,4 +1,4 @@
-"""Review of zero-edit capture (tracer/frames.py, tracer/frame_lookup.py, tracer/watch.py): tensors no
+"""Review of zero-edit capture (tracer/zero_edit/frames.py, tracer/zero_edit/frame_lookup.py, tracer/zero_edit/watch.py): tensors no
 field can take, step numbers when the frame's ``step`` and the watcher's own count mix, and the callers'
 ``f_locals`` snapshots the index lookup takes.
 
@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import tracer
-from tracer import Trace, frame_lookup
-from tracer.watch import StepClock
+from tracer import Trace
+from tracer.zero_edit import frame_lookup
+from tracer.zero_edit.watch import StepClock
 from tests.test_site_plans import _assert_same_runs, _in
 
 

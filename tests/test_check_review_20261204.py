@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 import tracer
-from tracer.capture import SamplingPolicy
+from tracer.record.capture import SamplingPolicy
 from tracer.checks import ERROR, WARNING, run_checks
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from tracer import TraceWriter, formulas
 from tracer.checks import ERROR, INFO, SKIPPED, WARNING, run_checks
 from tracer.cli import main
-from tracer.metadata_codec import encode_metadata
+from tracer.format.metadata_codec import encode_metadata
 
 EOS, PAD = 2, 0
 
@@ -452,7 +452,7 @@ def test_hyper_reads_trl_loss_options_from_the_manifest_config_of_older_traces(t
     # the manifest's config.trainer_args (TRL's GRPOConfig names). hyper() reads those keys there, and
     # only those: a trainer_args beta is not taken for the metadata key beta.
     from tracer.checks import CheckOptions, StepContext
-    from tracer.reader import Trace
+    from tracer.read.reader import Trace
 
     policy = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])
     root = tmp_path / "old_trl"

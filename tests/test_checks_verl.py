@@ -12,7 +12,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks import run_checks
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 from toy_traces import healthy_step_tensors
 
 

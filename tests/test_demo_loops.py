@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tracer import Trace
 from tracer.demo.runner import run_demo
 from tracer.demo.tiny_model import build_tiny_model
-from tracer.schema import FIELDS, required_fields
+from tracer.format.schema import FIELDS, required_fields
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Derived fields (tracer/derived.py): a trace written as the README's hand-written loop records
+"""Derived fields (tracer/formulas/derived.py): a trace written as the README's hand-written loop records
 it (policy and old logprobs, no ratio / KL tensors) reads with ``ratio``, ``approx_kl_k2`` (and
 ``ref_kl_k3`` when ``ref_logprobs`` is recorded) computed from the recorded inputs, marked as
 derived; recorded values are never replaced; the recompute checks skip a derived field."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tracer.checks import run_checks
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 HYPER = {"num_generations": 2, "beta": 0.04, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.2,
          "loss_reduction": "sequence_mean"}
@@ -118,7 +118,7 @@ def test_the_writer_derives_from_staged_copies_without_detaching_them():
     (each torch call on the writer thread lets the interpreter lock go), one with a graph is detached;
     the derived values are the formulas' either way."""
     from tracer import formulas
-    from tracer.derived import derive_recorded, for_maths
+    from tracer.formulas.derived import derive_recorded, for_maths
 
     policy = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
     old = torch.tensor([[-1.1, -1.9], [-0.5, -2.5]])

@@ -13,7 +13,7 @@ from tracer.demo.diff_pair import BASELINE, VARIANT
 from tracer.demo.runner import run_demo
 from tracer.demo.tiny_model import build_tiny_model
 from tracer.diff.causes import round_up
-from tracer.schema import DATA_FLOW, FIELDS, flow_rank
+from tracer.format.schema import DATA_FLOW, FIELDS, flow_rank
 from toy_traces import SAMPLES
 
 TOKEN_ALIGNED = [n for n, s in FIELDS.items() if s.dims == ("B", "T") and not n.endswith(("_ids", "_mask"))]

@@ -18,8 +18,8 @@ from tracer import diff
 from tracer.checks import run_checks
 from tracer.cli import main
 from tracer.errors import ChecksumError
-from tracer.integrity import verify_step_file
-from tracer.layout import content_sha256
+from tracer.format.integrity import verify_step_file
+from tracer.format.hashing import content_sha256
 from tracer.testing import TraceRegression, assert_traces_match
 
 STEP1 = "steps/step_00000001.inner_0.mb_0.rank_0.safetensors"

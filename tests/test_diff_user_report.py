@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tracer import TraceWriter, diff
-from tracer.capture import SamplingPolicy
+from tracer.record.capture import SamplingPolicy
 from tracer.cli import main
 from tracer.diff import DiffInputError, comparable
 

@@ -17,7 +17,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import tracer  # noqa: E402
 from tracer import Trace  # noqa: E402
-from tracer.capture import SamplingPolicy, first_k_sequences  # noqa: E402
+from tracer.record.capture import SamplingPolicy, first_k_sequences  # noqa: E402
 from tracer.checks import ERROR, WARNING, run_checks  # noqa: E402
 from tracer.demo import grpo_trl, rloo_trl  # noqa: E402
 from tracer.demo.tiny_model import build_tiny_model, torch_threads  # noqa: E402

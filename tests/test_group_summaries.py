@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from tests.test_views import grpo_step, write_grpo
-from tracer import formulas, summaries, views
-from tracer.reader import Trace
+from tracer import formulas, views
+from tracer.format import summary as summary_format
+from tracer.read.reader import Trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,7 +58,7 @@ def test_the_header_summary_counts_groups_from_ids_or_num_generations(tmp_path):
         (0, grpo_step([1.0, 1.0, 1.0, 0.0, 1.0, 2.0], [0, 0, 0, 1, 1, 1]), 0),  # ids: groups 0 (zero), 1
         (1, grpo_step([2.0, 2.0, 2.0, 0.0, 0.0, 1.0]), 0),  # num_generations = 3: rows 0-2 (zero), 3-5
     ])
-    first, second = (summaries.read_summary(trace.metadata(k)) for k in trace.steps())
+    first, second = (summary_format.read_summary(trace.metadata(k)) for k in trace.steps())
     assert (first["groups"], first["zero_variance_groups"], first["group_ids_recorded"]) == (2, 1, 1)
     assert (second["groups"], second["zero_variance_groups"], second["group_ids_recorded"]) == (2, 1, 0)
 
@@ -99,7 +100,7 @@ def test_shares_from_summaries_equal_shares_from_tensors_and_read_only_pooled_fi
 def test_traces_without_the_counts_are_read_from_tensors(tmp_path):
     trace = write_grpo(tmp_path / "g", _steps())
     expected = _from_tensors(trace)
-    summary = trace.step_summary().drop(columns=list(summaries.GROUP_KEYS))  # an older trace's summaries
+    summary = trace.step_summary().drop(columns=list(summary_format.GROUP_KEYS))  # an older trace's summaries
     pd.testing.assert_frame_equal(views.zero_variance_shares(trace, summary), expected, check_exact=True)
     partial = trace.step_summary()
     partial.loc[0, "groups"] = math.nan  # one file whose summary lacks them

@@ -12,7 +12,7 @@ tests/test_trl_grpo_configs.py). No mocks: real loops, tiny local model, real fi
 Learning rate 0 (the first step of a warmup schedule that starts at 0) was a false alarm of
 identity.old_aliases_policy: the minimind name map recorded no ``learning_rate``, so the check's
 learning-rate-0 relaxation (identity.py, _previous_learning_rate) was never reached. The map now reads the
-optimizer's rate in effect (tracer.frame_lookup: an optimizer reads as its largest param-group lr).
+optimizer's rate in effect (tracer.zero_edit.frame_lookup: an optimizer reads as its largest param-group lr).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tracer import summaries
+from tracer.formulas import summaries
 from tracer.errors import SchemaError
-from tracer.reader import Trace
-from tracer.writer import MAX_SIGNATURES, TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import MAX_SIGNATURES, TraceWriter
 
 
 def _step(B=4, T=5, mask_dtype=torch.bool):

@@ -22,8 +22,8 @@ import torch
 from tracer import Trace, TraceFormatError, TraceWriter, diff
 from tracer.checks import run_checks
 from tracer.cli import main, trace_info
-from tracer.integrity import MAX_HEADER_BYTES, MAX_MANIFEST_BYTES
-from tracer.layout import step_file_name
+from tracer.format.integrity import MAX_HEADER_BYTES, MAX_MANIFEST_BYTES
+from tracer.format.names import step_file_name
 
 DATA = Path(__file__).resolve().parent / "data"
 CORPUS = DATA / "bad_traces"

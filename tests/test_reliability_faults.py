@@ -30,7 +30,7 @@ sys.path.remove(str(SCRIPTS))
 
 FULL_AT, STEPS = fault_loop.FULL_AT, fault_loop.STEPS
 DROPPED = STEPS - FULL_AT
-EFBIG_TEXT = "OSError: [Errno 27] File too large"  # a small step file is written by tracer.layout.write_new
+EFBIG_TEXT = "OSError: [Errno 27] File too large"  # a small step file is written by tracer.format.files.write_new
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_a_cuda_step_is_staged_into_one_group_of_pinned_buffers_that_later_steps
     """Every tensor of a step on one CUDA device: one group of pinned host buffers, filled by one
     foreach copy (a non-contiguous source included), handed back and filled again by the next step
     of the same field signature."""
-    from tracer.capture import BufferPool, stage
+    from tracer.record.capture import BufferPool, stage
 
     tensors = step("cuda")
     tensors["policy_logprobs"] = tensors["policy_logprobs"].t().contiguous().t()  # (B, T), non-contiguous

@@ -24,14 +24,14 @@ from safetensors.torch import save_file
 
 from toy_traces import ToyTokenizer, grpo_step_tensors, start, write_trace
 
-import tracer.writer as writer_module
+import tracer.record.writer as writer_module
 from app.components.safe_trace import BadRequestError, resolve_request
 from tracer import Trace, TraceWriter, views
 from tracer.checks import run_checks
 from tracer.cli import main, trace_info
 from tracer.errors import TraceError, TraceFormatError
-from tracer.integrity import EMPTY_ELEMENT_BUDGET, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.format.integrity import EMPTY_ELEMENT_BUDGET, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.views.groups import component_columns
 
 META = {"algorithm": "grpo", "num_generations": "2", "step": "0"}

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from tracer import Trace
-from tracer.watch import Watcher
+from tracer.zero_edit.watch import Watcher
 
 
 def _mutating_loop(steps: int) -> list[list[list[float]]]:

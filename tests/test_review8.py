@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tracer import writer_lifecycle, writer_process
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.record.process import lifecycle as writer_lifecycle, parent as writer_process
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import _lingering_child, grpo_step
 

@@ -1,4 +1,4 @@
-"""The run's summary index (issue 16, ``summary_index.rank_N.jsonl``, tracer.run_index): written by
+"""The run's summary index (issue 16, ``summary_index.rank_N.jsonl``, tracer.format.run_index): written by
 the writer thread from real records; ``step_summary()`` from it equals ``step_summary()`` from the
 step headers (the index hidden) on the same trace, whole, partial, torn, stale, foreign and
 multi-rank; files it vouches for are not opened; a failing index never reaches training."""
@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tracer import run_index
+from tracer.format import run_index
 from tracer.cli import trace_info
-from tracer.layout import STEPS_DIR, step_file_name, summary_index_name
-from tracer.reader import Trace
-from tracer.metadata_codec import decode_metadata
-from tracer.writer import TraceWriter
+from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
+from tracer.read.reader import Trace
+from tracer.format.metadata_codec import decode_metadata
+from tracer.record.writer import TraceWriter
 
 HYPER = {"num_generations": 3, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
 
@@ -222,7 +222,7 @@ def test_a_failing_index_never_reaches_training(tmp_path, monkeypatch, caplog):
         return real_write(fd, data)
 
     monkeypatch.setattr(run_index.os, "write", refuse)
-    with caplog.at_level(logging.WARNING, logger="tracer.run_index"):
+    with caplog.at_level(logging.WARNING, logger="tracer.format.run_index"):
         out = _write(tmp_path / "run", steps=3, strict=True)
     assert "abandoned" in caplog.text
     assert len(Trace(out).steps()) == 3
@@ -232,7 +232,7 @@ def test_a_failing_index_never_reaches_training(tmp_path, monkeypatch, caplog):
 def test_an_index_that_cannot_be_created_leaves_the_trace_as_before(tmp_path, caplog):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / summary_index_name(0)).mkdir()  # something that is not a file is in the way
-    with caplog.at_level(logging.WARNING, logger="tracer.run_index"):
+    with caplog.at_level(logging.WARNING, logger="tracer.format.run_index"):
         out = _write(tmp_path / "run", steps=2)
     assert "abandoned" in caplog.text
     _same(out, from_index=0)
@@ -290,7 +290,7 @@ def test_decoded_header_summary_is_what_the_index_holds(tmp_path):
 
 
 def test_a_quiet_trace_is_listed_once_and_a_change_is_seen_at_once(tmp_path, monkeypatch):
-    from tracer import reader
+    from tracer.read import reader
 
     out = _write(tmp_path / "run", steps=3)
     listings = []

@@ -1,4 +1,4 @@
-"""Call-site plans of zero-edit capture (tracer/site_plans.py): a backward from a call site seen
+"""Call-site plans of zero-edit capture (tracer/zero_edit/site_plans.py): a backward from a call site seen
 before is read by the plan of its first read, and that gives exactly what the full read gives.
 
 Each run below is made twice: with plans, every plan's capture also compared with a full read of the
@@ -19,9 +19,9 @@ import torch
 import tracer
 from tracer import Trace
 from tracer.demo.tiny_model import build_tiny_model
-from tracer.name_maps import load_name_map
+from tracer.zero_edit.name_maps import load_name_map
 from tracer.testing import assert_traces_match
-from tracer.watch import Watcher, run_script
+from tracer.zero_edit.watch import Watcher, run_script
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

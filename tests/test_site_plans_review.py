@@ -1,4 +1,4 @@
-"""Review of the call-site plans and the f_locals release (tracer/site_plans.py, tracer/frame_lookup.py):
+"""Review of the call-site plans and the f_locals release (tracer/zero_edit/site_plans.py, tracer/zero_edit/frame_lookup.py):
 inputs where a plan's replay could give another capture than the full read, and where emptying the
 frame's ``f_locals`` snapshot could change what the user's program sees.
 
@@ -332,7 +332,7 @@ def test_plans_give_what_the_full_read_gives_on_a_loop_with_its_own_map(tmp_path
     import io
 
     from tracer.demo.tiny_model import build_tiny_model
-    from tracer.watch import run_script
+    from tracer.zero_edit.watch import run_script
 
     scripts = Path(__file__).parent / "scripts"
     model_dir = build_tiny_model(tmp_path / "model", seed=0)

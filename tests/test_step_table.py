@@ -1,4 +1,4 @@
-"""The listing as arrays (issue 16, :mod:`tracer.step_table`): the table of a folder's writer-named
+"""The listing as arrays (issue 16, :mod:`tracer.read.step_table`): the table of a folder's writer-named
 files sorts them as their keys sort, refuses names it cannot read (those go the one-by-one way),
 and the app's listing built from it (no key per file) gives the same steps, keys, lookups and
 overview as the listing file by file."""
@@ -12,9 +12,9 @@ import pandas as pd
 
 from app.components.safe_trace import SafeTrace
 from tests.toy_traces import write_trace
-from tracer.layout import STEPS_DIR, step_file_name
-from tracer.reader import StepKey, Trace
-from tracer.step_table import StepTable
+from tracer.format.names import STEPS_DIR, step_file_name
+from tracer.read.reader import StepKey, Trace
+from tracer.read.step_table import StepTable
 
 
 def test_a_folders_table_sorts_by_coordinates_and_builds_keys_on_demand(tmp_path):

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tracer.cli import trace_info
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 QS = {"p10": 0.1, "p50": 0.5, "p90": 0.9, "max": 1.0}

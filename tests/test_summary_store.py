@@ -1,4 +1,4 @@
-"""The run's summary columns (issue 16, ``summary_index.rank_N.columns``, tracer.summary_store): the
+"""The run's summary columns (issue 16, ``summary_index.rank_N.columns``, tracer.format.summary_store): the
 index compacted by the writer at close (and at a forced flush once it has grown enough); a reader
 that starts from them parses only the index lines after them, and ``step_summary()`` from them
 equals ``step_summary()`` from the step headers (the index hidden) whole, with newer files, replaced
@@ -15,10 +15,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from tests.test_run_index import HYPER, _from_headers, _index_lines, _same, _step, _write
-from tracer import run_index, summaries, summary_store
-from tracer.layout import STEPS_DIR, step_file_name, summary_index_name, summary_store_name
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.format import run_index, summary_store
+from tracer.format import summary as summary_format
+from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name, summary_store_name
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 
 def _store(out, rank: int = 0):
@@ -198,7 +199,7 @@ def test_a_summary_of_another_version_is_not_compacted(tmp_path):
     out = _write(tmp_path / "run", steps=3)
     lines = _index_lines(out)
     entry = json.loads(lines[2])
-    entry["summary"]["version"] = summaries.SUMMARY_VERSION + 1
+    entry["summary"]["version"] = summary_format.SUMMARY_VERSION + 1
     lines[2] = json.dumps(entry) + "\n"
     (out / summary_index_name(0)).write_text("".join(lines))
     entries = run_index._entries([line.encode().rstrip(b"\n") for line in lines[1:]])

@@ -191,7 +191,7 @@ def test_without_old_logprobs_the_ratio_is_one_by_construction(tmp_path, model_d
 
 
 def test_attach_passes_the_writer_options_so_a_real_run_can_be_sampled(tmp_path, model_dir):
-    from tracer.capture import SamplingPolicy
+    from tracer.record.capture import SamplingPolicy
 
     trainer = grpo_trl.make_trainer(model_dir, tmp_path / "trl", steps=3, progress=False, num_iterations=1)
     hook = tracer.attach(trainer, tmp_path / "trace", sampling=SamplingPolicy(every_n_steps=2), max_queue_steps=4)

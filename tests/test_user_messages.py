@@ -15,8 +15,8 @@ from tracer.checks import run_checks
 from tracer.checks.finding import Finding
 from tracer.checks.report import render_findings, same_message
 from tracer.cli import main
-from tracer.manifest_book import describe_drops, drop_kind
-from tracer.writer import TraceWriter
+from tracer.read.trace_info import describe_drops, drop_kind
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import WRITERS, grpo_step
 from test_writer_spikes_and_drops import _stall

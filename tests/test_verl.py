@@ -38,7 +38,7 @@ from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 import tracer.integrations.verl as tv  # noqa: E402
 from tracer.checks import has_errors, run_checks  # noqa: E402
 from tracer.integrations.verl_join import join  # noqa: E402
-from tracer.reader import Trace  # noqa: E402
+from tracer.read.reader import Trace  # noqa: E402
 
 from tracer.demo.tiny_model import read_corpus, train_tokenizer  # noqa: E402
 

@@ -10,8 +10,8 @@ import torch
 from tests import toy_traces
 from tracer import views
 from tracer.errors import TraceFormatError
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 PAD, EOS = 0, 1
 VOCAB = ["<pad>", "<eos>", "a", "b", "<script>", "c"]

@@ -17,9 +17,9 @@ from tracer import Trace, TraceError
 from tracer.cli import main as cli_main
 from tracer.demo import dpo_loop, grpo_loop, ppo_loop
 from tracer.demo.tiny_model import build_tiny_model
-from tracer.name_maps import NameMapError, load_name_map
+from tracer.zero_edit.name_maps import NameMapError, load_name_map
 from tracer.testing import assert_traces_match
-from tracer.watch import StepClock
+from tracer.zero_edit.watch import StepClock
 
 SCRIPTS = Path(__file__).parent / "scripts"
 REWARD_NAMES = json.dumps(["accuracy", "length", "scorer"])
@@ -103,7 +103,7 @@ def test_a_bad_map_is_refused_before_the_script_runs(tmp_path, capsys):
     code = cli_main(["run", "--algo", "grpo", "--out", str(tmp_path / "t"), "--map", str(bad), "--",
                      str(SCRIPTS / "eval_only.py")])
     assert code == 2
-    assert "[fields] has unknown key 'logp'; canonical fields are listed in tracer/schema.py" in capsys.readouterr().err
+    assert "[fields] has unknown key 'logp'; canonical fields are listed in tracer/format/schema.py" in capsys.readouterr().err
     with pytest.raises(NameMapError, match=r"'old_resp_logp\[inds\]\]' is not a variable expression"):
         load_name_map({"fields": {"old_logprobs": ["old_resp_logp[inds]]"]}})
 

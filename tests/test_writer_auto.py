@@ -1,6 +1,6 @@
 """``writer="auto"``, TraceWriter's default: at the first step written, the writer process for CPU
 tensors on Linux with a core to spare per training process, else the writer thread
-(:func:`tracer.writer_backends.auto_writer`); a trace closed while that process is still starting has
+(:func:`tracer.record.backends.auto_writer`); a trace closed while that process is still starting has
 its steps written by a thread. Real children, real files; the suite's other tests pin the thread
 (tests/conftest.py), these unset it."""
 
@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
-from tracer.writer_backends import auto_writer
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
+from tracer.record.backends import auto_writer
 
 from test_writer_process import _alive, _wait_gone, grpo_step
 
@@ -74,7 +74,7 @@ def test_cpu_tensors_get_the_writer_process_and_the_same_files_as_the_thread(tmp
     writer.flush()  # waits for the child's start-up: it has written these steps itself
     child = writer._process._child
     writer.close()
-    assert child.returncode == 0  # it left through tracer.writer_child.leave with main's code
+    assert child.returncode == 0  # it left through tracer.record.process.child.leave with main's code
     capture = _capture(tmp_path / "auto")
     assert capture["writer"] == "process"
     assert capture["writer_choice"].startswith("auto: CPU tensors, ")
@@ -171,7 +171,7 @@ def test_a_child_killed_before_it_starts_the_index_leaves_no_older_run_in_it(tmp
     takes over resumes the index the parent started, which lists this run's step alone."""
     import signal
 
-    from tracer.layout import step_file_name, summary_index_name
+    from tracer.format.names import step_file_name, summary_index_name
 
     with TraceWriter(tmp_path / "run", "grpo", writer="thread") as writer:
         for step in range(4):

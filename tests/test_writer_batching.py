@@ -16,15 +16,18 @@ import pytest
 import torch
 
 import tracer
-from tracer import formulas, frames, summaries
-from tracer.capture import StagedStep, nonfinite_fields
-from tracer.writer_thread import BackgroundWriter
+from tracer import formulas
+from tracer.zero_edit import frames
+from tracer.formulas import summaries
+from tracer.format import summary as summary_format
+from tracer.record.capture import StagedStep, nonfinite_fields
+from tracer.record.thread import BackgroundWriter
 from tracer.errors import TraceError
-from tracer.layout import content_sha256, tensor_bytes
-from tracer.name_maps import load_name_map
-from tracer.reader import Trace
-from tracer.metadata_codec import encode_metadata, jsonable
-from tracer.writer import TraceWriter
+from tracer.format.hashing import content_sha256, tensor_bytes
+from tracer.zero_edit.name_maps import load_name_map
+from tracer.read.reader import Trace
+from tracer.format.metadata_codec import encode_metadata, jsonable
+from tracer.record.writer import TraceWriter
 
 QS = (0.1, 0.5, 0.9, 1.0)
 
@@ -96,7 +99,7 @@ def _spy_batches(sizes: list[int]):
 def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
     sizes: list[int] = []
     with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
-            mock.patch("tracer.writer_thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+            mock.patch("tracer.record.thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
         with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
             for step in range(20):
                 writer.record(step, _step(step))
@@ -109,18 +112,18 @@ def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
     trace = Trace(tmp_path / "run")
     for key in trace.steps():  # every header holds the summary its own tensors give
         data, meta = trace.load_step(key), trace.metadata(key)
-        _close(summaries.read_summary(meta), summaries.compute_summary(data, meta))
+        _close(summary_format.read_summary(meta), summaries.compute_summary(data, meta))
 
 
 def test_the_default_queue_lets_the_writer_thread_fill_a_whole_batch(tmp_path):
     """Lingering stops at half the queue's bound, so the default bound is twice MAX_BATCH: steps that
     arrive while the writer thread lingers are handled MAX_BATCH at a time (a batch's cold start is
     most of a small step's cost: BENCHMARKS.md, issue 16 fifth pass), not half that."""
-    from tracer.writer_thread import MAX_BATCH
+    from tracer.record.thread import MAX_BATCH
 
     sizes: list[int] = []
     with mock.patch.object(summaries, "compute_summaries", _spy_batches(sizes)), \
-            mock.patch("tracer.writer_thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
+            mock.patch("tracer.record.thread.LINGER_S", 3600.0):  # only the batch bound or a flush ends a wait
         with TraceWriter(tmp_path / "run", "grpo") as writer:
             for step in range(MAX_BATCH):
                 writer.record(step, _step(step))
@@ -157,7 +160,7 @@ def test_a_failing_summary_in_a_batch_costs_only_its_own_step(tmp_path):
             raise RuntimeError("boom")
         return real(steps)
 
-    with mock.patch.object(summaries, "compute_summaries", fragile), mock.patch("tracer.writer_thread.LINGER_S", 3600.0):
+    with mock.patch.object(summaries, "compute_summaries", fragile), mock.patch("tracer.record.thread.LINGER_S", 3600.0):
         with TraceWriter(tmp_path / "run", "grpo", max_queue_steps=64) as writer:
             for step in range(6):
                 writer.record(step, _step(step), metadata={"poison": True} if step == 3 else None)
@@ -177,7 +180,7 @@ def test_tensor_bytes_are_the_tensor_memory(dtype):
 
 def test_content_checksum_is_unchanged_by_the_buffer_path():
     tensors = {"b": torch.randn(3, 2), "a": torch.tensor([True, False]), "c": torch.tensor(5)}
-    digest = hashlib.sha256()  # the scheme of tracer.layout, computed here through numpy
+    digest = hashlib.sha256()  # the scheme of tracer.format.names, computed here through numpy
     for name in sorted(tensors):
         t = tensors[name]
         digest.update(f"{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
@@ -263,7 +266,7 @@ def test_a_paused_watcher_leaves_backward_alone_and_resumes_into_the_same_trace(
 
 
 def test_owned_tensors_are_staged_without_a_copy_and_others_are_copied():
-    from tracer.capture import stage
+    from tracer.record.capture import stage
 
     fresh = torch.arange(6.0).reshape(2, 3)[torch.tensor([1, 0])]  # indexed rows: a new tensor
     view = torch.arange(6.0).reshape(2, 3)[:1]  # a view of someone's tensor
@@ -304,7 +307,7 @@ def test_an_unexpected_error_in_the_writer_thread_drops_the_batch_and_the_thread
 
 
 def test_staging_buffers_are_reused_once_written_and_never_shared_while_queued(tmp_path):
-    from tracer.capture import BufferPool, stage
+    from tracer.record.capture import BufferPool, stage
 
     pool = BufferPool(per_key=8, max_idle_bytes=10_000)
     a = {"x": torch.arange(4.0), "y": torch.ones(2, 2)}
@@ -329,7 +332,7 @@ def test_staging_buffers_are_reused_once_written_and_never_shared_while_queued(t
 
 @pytest.mark.parametrize("seed", range(6))
 def test_step_bytes_equal_the_reference_checksum_and_nonfinite_scan(seed):
-    from tracer import step_bytes
+    from tracer.record import step_bytes
 
     g = torch.Generator().manual_seed(seed)
     tensors = {"policy_logprobs": -torch.rand(3, 5, generator=g), "ids": torch.randint(0, 9, (3, 5), generator=g),
@@ -356,7 +359,7 @@ def test_step_bytes_equal_the_reference_checksum_and_nonfinite_scan(seed):
 
 
 def test_a_known_cpu_signature_is_staged_into_one_reused_buffer_group(tmp_path):
-    from tracer.capture import BufferGroup, BufferPool, stage
+    from tracer.record.capture import BufferGroup, BufferPool, stage
 
     pool = BufferPool(per_key=8)
     grad = torch.randn(3, 4, requires_grad=True)
@@ -407,7 +410,7 @@ def test_a_lingering_writer_thread_is_woken_only_by_a_first_step_or_a_full_batch
     training thread's record(): put() wakes it for the first step of a batch and when the batch is
     full, not for each step in between (the lingering wait ends by itself)."""
     written: list[int] = []
-    with mock.patch("tracer.writer_thread.threading.Condition", _CountingCondition):
+    with mock.patch("tracer.record.thread.threading.Condition", _CountingCondition):
         bg = BackgroundWriter(lambda it, reason: written.append(it.step), lambda it: None, lambda it, e: None,
                               lambda r: None, max_steps=64, max_bytes=10**6, linger_s=3600.0, max_batch=4)
     for step in range(4):

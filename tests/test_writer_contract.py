@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from tracer import SchemaError, Trace, TraceError, TraceWriter
 from tracer.cli import main
-from tracer.metadata_codec import encode_metadata
+from tracer.format.metadata_codec import encode_metadata
 
 
 def tensors():
@@ -183,7 +183,7 @@ def test_scalar_metadata_is_encoded_exactly_as_json_dumps_writes_it(value):
 def test_step_files_are_fsynced_only_when_asked_and_complete_either_way(tmp_path, monkeypatch, fsync_steps):
     """An fsync per step file costs a loop of small steps several percent on virtualised disks, so it
     is opt-in (``fsync_steps=True``); either way every file is renamed into place complete."""
-    import tracer.layout as layout
+    import tracer.format.files as files_module
 
     synced: list[str] = []
     real_fsync = os.fsync
@@ -192,7 +192,7 @@ def test_step_files_are_fsynced_only_when_asked_and_complete_either_way(tmp_path
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
 
-    monkeypatch.setattr(layout.os, "fsync", counting_fsync)
+    monkeypatch.setattr(files_module.os, "fsync", counting_fsync)
     root = tmp_path / "run"
     with TraceWriter(root, "grpo", fsync_steps=fsync_steps) as writer:
         for step in range(3):

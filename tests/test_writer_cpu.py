@@ -16,13 +16,19 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tracer import formulas, layout, run_index, step_bytes, summaries
-from tracer.layout import STEPS_DIR, save_atomic
-from tracer.reader import Trace
-from tracer.metadata_codec import encode_metadata
-from tracer.writer import TraceWriter
+from tracer import formulas
+from tracer.format import run_index
+from tracer.record import step_bytes
+from tracer.format import files
+from tracer.format import summary as summary_format
+from tracer.formulas import summaries
+from tracer.format.names import STEPS_DIR
+from tracer.format.files import save_atomic
+from tracer.read.reader import Trace
+from tracer.format.metadata_codec import encode_metadata
+from tracer.record.writer import TraceWriter
 
-QS = tuple(summaries.QUANTILES.values())
+QS = tuple(summary_format.QUANTILES.values())
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -48,15 +54,15 @@ def test_a_small_step_file_has_the_open_mode_and_its_size_is_returned(tmp_path):
     meta = {"step": "1"}
     size = save_atomic(path, tensors, meta, described.specs, fsync=True)
     assert size == os.stat(path).st_size and not stale.exists()
-    assert stat.S_IMODE(os.stat(path).st_mode) == layout._FILE_MODE  # 0666 less the umask, as open() gives
+    assert stat.S_IMODE(os.stat(path).st_mode) == files.FILE_MODE  # 0666 less the umask, as open() gives
     with safe_open(str(path), "pt") as fh:
         assert fh.metadata() == meta
         for name, want in tensors.items():
             assert torch.equal(fh.get_tensor(name), want), name
     # a large step is streamed by serialize_file (no copy): no size known, the same mode
-    big = {"x": torch.arange(layout.IMAGE_BYTES // 4 + 1, dtype=torch.float32)}
+    big = {"x": torch.arange(files.IMAGE_BYTES // 4 + 1, dtype=torch.float32)}
     assert save_atomic(tmp_path / "big.safetensors", big, meta, None, fsync=False) is None
-    assert stat.S_IMODE(os.stat(tmp_path / "big.safetensors").st_mode) == layout._FILE_MODE
+    assert stat.S_IMODE(os.stat(tmp_path / "big.safetensors").st_mode) == files.FILE_MODE
     with safe_open(str(tmp_path / "big.safetensors"), "pt") as fh:
         assert torch.equal(fh.get_tensor("x"), big["x"])
 
@@ -195,10 +201,10 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit(dtype):
         for name, values in token.items():
             assert _same(_f64(got[f"mean_{name}"]), formulas.masked_mean(values.float(), mask).double()), name
             qs = formulas.masked_quantiles(values.float(), mask, QS)
-            assert _same(_f64([got[f"{name}_{q}"] for q in summaries.QUANTILES]), qs), name
+            assert _same(_f64([got[f"{name}_{q}"] for q in summary_format.QUANTILES]), qs), name
         rewards = t["rewards"].float()
         assert _same(_f64(got["mean_reward"]), formulas.masked_mean(rewards, torch.ones_like(mask[:, 0])).double())
-        assert _same(_f64([got[f"reward_{q}"] for q in summaries.QUANTILES]),
+        assert _same(_f64([got[f"reward_{q}"] for q in summary_format.QUANTILES]),
                      formulas.masked_quantiles(rewards, None, QS))
         fr = formulas.clip_fractions(t["ratio"].float(), t["advantages"].float(), mask, 0.2, 0.28)
         assert (got["clip_fraction_low"], got["clip_fraction_high"], got["clip_region"]) == (
@@ -207,8 +213,8 @@ def test_batched_summaries_equal_the_per_step_torch_formulas_bit_for_bit(dtype):
         assert got["nonfinite_values"] == sum(int(b.sum()) for b in bad) + int((~torch.isfinite(rewards)).sum())
         assert got["nonfinite_kept"] == sum(int((b & mask).sum()) for b in bad)
         assert got["kept_tokens"] == int(mask.sum())
-        text = summaries.header_text(got)
-        assert encode_metadata({"summary": text})["summary"] == text == json.dumps(summaries.header_value(got))
+        text = summary_format.header_text(got)
+        assert encode_metadata({"summary": text})["summary"] == text == json.dumps(summary_format.header_value(got))
 
 
 def test_an_empty_batch_has_the_masked_means_of_nothing(tmp_path):
@@ -253,8 +259,8 @@ def test_a_small_step_file_is_whole_after_short_writes_and_leaves_no_descriptor_
         calls.append(len(view))
         return real_write(fd, bytes(view[:100]))  # at most 100 bytes a call
 
-    monkeypatch.setattr(layout.os, "write", short_write)
-    layout.write_new(str(tmp_path / "a.bin"), data, fsync=False)
+    monkeypatch.setattr(files.os, "write", short_write)
+    files.write_new(str(tmp_path / "a.bin"), data, fsync=False)
     assert (tmp_path / "a.bin").read_bytes() == data
     assert len(calls) == -(-len(data) // 100)  # 24 calls for 2304 bytes
     opened = set(os.listdir("/proc/self/fd"))
@@ -262,7 +268,7 @@ def test_a_small_step_file_is_whole_after_short_writes_and_leaves_no_descriptor_
     def failing_write(fd, view):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(layout.os, "write", failing_write)
+    monkeypatch.setattr(files.os, "write", failing_write)
     with pytest.raises(OSError, match="No space"):
-        layout.write_new(str(tmp_path / "b.bin"), data, fsync=False)
+        files.write_new(str(tmp_path / "b.bin"), data, fsync=False)
     assert set(os.listdir("/proc/self/fd")) == opened  # its descriptor closed

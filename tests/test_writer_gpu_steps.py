@@ -1,5 +1,5 @@
 """The writer thread and steps of CUDA tensors, whose copies to host run on the GPU after ``record``
-returns (:mod:`tracer.capture`): such steps are not lingered for, a batch holds only the steps
+returns (:mod:`tracer.record.capture`): such steps are not lingered for, a batch holds only the steps
 whose copies have landed, and a CUDA error on one step's copies loses that step, not the writer
 thread. The copy events are driven by the test (the real ones need a GPU: bench/gpu_check.py and
 the CUDA tests of tests/test_reliability_record.py run them where one is lent)."""
@@ -10,12 +10,12 @@ import threading
 
 import torch
 
-from tracer.capture import StagedStep
-from tracer.writer_thread import BackgroundWriter
+from tracer.record.capture import StagedStep
+from tracer.record.thread import BackgroundWriter
 
 
 class _Copies:
-    """What :class:`tracer.capture.CopiesDone` is to the writer thread (``query`` without blocking,
+    """What :class:`tracer.record.capture.CopiesDone` is to the writer thread (``query`` without blocking,
     ``synchronize`` blocking), driven by the test instead of a GPU: ``land()`` is the copy completing."""
 
     def __init__(self, landed: bool = False) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.writer import TraceWriter
-from tracer.writer_process import ALIGN, _Layout
+from tracer.record.writer import TraceWriter
+from tracer.record.process.parent import ALIGN, _Layout
 
 from test_writer_process import _alive, _lingering_child, _wait_gone, grpo_step
 from writer_linger import _assert_steps, _manifest
@@ -118,7 +118,7 @@ _ORPHAN = """
 import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from test_writer_process import grpo_step
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 real = TraceWriter._child_config
 TraceWriter._child_config = lambda self: {{**real(self), "linger_s": 3600.0}}  # only the bounds end a linger
 writer = TraceWriter({root!r}, "grpo", writer="process")

@@ -1,4 +1,4 @@
-"""The writer process's lingering child (tracer.writer_child) never holds ring room a record needs,
+"""The writer process's lingering child (tracer.record.process.child) never holds ring room a record needs,
 and never lingers under a bound of one to three steps; a flush right after a record, and a close
 with steps lingered over. From the seventh adversarial review (the child that lingers for more
 steps, is hurried by a record waiting for room): real child processes, real shared memory, real
@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
-from tracer.writer_process import ALIGN, _Layout
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
+from tracer.record.process.parent import ALIGN, _Layout
 
 from test_writer_process import _alive, _lingering_child, grpo_step
 from writer_linger import _assert_steps, _manifest, _tiny, _until
@@ -78,7 +78,7 @@ def test_a_child_stopped_under_drop_is_told_to_hurry_once_not_at_every_drop(tmp_
     """A stopped child (SIGSTOP) under when_full="drop": every record drops; the hurry the first
     drop sends is not repeated by each later one (a message per drop would fill the command pipe,
     and a full pipe makes every step drop until the child reads it)."""
-    from tracer.writer_pipe import frame
+    from tracer.record.process.pipe import frame
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

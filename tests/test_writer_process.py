@@ -20,12 +20,13 @@ import torch
 from safetensors import safe_open
 
 import tracer
-from tracer import summaries
-from tracer.capture import SamplingPolicy
+from tracer.format import summary as summary_format
+from tracer.formulas import summaries
+from tracer.record.capture import SamplingPolicy
 from tracer.errors import TraceError
-from tracer.integrity import verify_step_file
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.format.integrity import verify_step_file
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_review import _as_stored, _random_step
 
@@ -84,9 +85,9 @@ def _break_steps_dir(root: Path) -> None:
 
 
 def _lingering_child(monkeypatch, linger_s: float = 3600.0) -> list[int]:
-    """Children started from now on linger ``linger_s`` for more steps (tracer.writer_child); the
+    """Children started from now on linger ``linger_s`` for more steps (tracer.record.process.child); the
     list receives the steps written by each batch the child reports."""
-    from tracer import writer_process
+    from tracer.record.process import parent as writer_process
 
     real_config, real_apply, batches = TraceWriter._child_config, writer_process.ProcessWriter._apply, []
     monkeypatch.setattr(TraceWriter, "_child_config", lambda self: {**real_config(self), "linger_s": linger_s})
@@ -127,7 +128,7 @@ def test_the_process_writes_what_the_thread_writes(tmp_path):
         assert _header(a.path) == _header(b.path)
         meta = process.metadata(b)
         assert verify_step_file(b.path) == meta["content_sha256"]
-        stored, own = summaries.read_summary(meta), summaries.compute_summary(process.load_step(b), meta)
+        stored, own = summary_format.read_summary(meta), summaries.compute_summary(process.load_step(b), meta)
         assert stored == own
     assert _index_lines(tmp_path / "thread") == _index_lines(tmp_path / "process")
     manifests = {kind: json.loads((tmp_path / kind / "manifest.json").read_text()) for kind in WRITERS}
@@ -165,7 +166,7 @@ def test_every_written_tensor_equals_a_copy_taken_at_record_time(tmp_path, seed)
             assert data[name].dtype == tensor.dtype and data[name].shape == tensor.shape, name
             torch.testing.assert_close(data[name], tensor, rtol=0, atol=0, equal_nan=True, msg=name)
         assert verify_step_file(key.path) == meta["content_sha256"]
-        stored, own = summaries.read_summary(meta), summaries.compute_summary(trace.load_step(key), meta)
+        stored, own = summary_format.read_summary(meta), summaries.compute_summary(trace.load_step(key), meta)
         assert all(stored[n] == own[n] or (stored[n] != stored[n] and own[n] != own[n]) for n in own)
     manifest = json.loads((tmp_path / "t" / "manifest.json").read_text())
     assert manifest["steps_written"] == len(trace.steps())

@@ -9,8 +9,8 @@ import warnings
 
 import torch
 
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import _alive, _lingering_child, grpo_step
 
@@ -18,7 +18,7 @@ from test_writer_process import _alive, _lingering_child, grpo_step
 def test_record_reads_the_childs_results_only_when_due_yet_the_bounds_hold(tmp_path, monkeypatch):
     """A record reads the result pipe (a syscall) at most every RESULTS_EVERY_S, not at each step;
     a step that finds the ring's step bound reached reads it at once, so the bound holds."""
-    from tracer import writer_process
+    from tracer.record.process import parent as writer_process
 
     polls = []
     real = writer_process.ProcessWriter.poll
@@ -63,7 +63,7 @@ def test_a_record_waiting_for_room_makes_a_lingering_child_write(tmp_path, monke
     half the bounds in hand, so it would linger on) tells the child to hurry: it writes what it
     holds and frees the room, instead of the record waiting out the linger, or the stall limit
     that would kill the child and warn."""
-    from tracer.writer_process import ALIGN, _Layout
+    from tracer.record.process.parent import ALIGN, _Layout
 
     batches = _lingering_child(monkeypatch)
     big = grpo_step(2, B=16, T=64)
@@ -84,7 +84,7 @@ def test_a_record_waiting_for_room_makes_a_lingering_child_write(tmp_path, monke
 def test_a_layout_id_given_again_never_reuses_the_views_of_the_layout_it_replaces(tmp_path, monkeypatch):
     """Past MAX_LAYOUTS the next id is given to each new layout in turn; the ring views cached for
     an id (in the parent and in the child) must not serve the next layout of that id."""
-    from tracer import writer_process
+    from tracer.record.process import parent as writer_process
 
     monkeypatch.setattr(writer_process, "MAX_LAYOUTS", 1)
     shapes = [(4, 6), (2, 6), (3, 5), (2, 6), (4, 3), (3, 5)]

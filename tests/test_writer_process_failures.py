@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tracer.errors import TraceError
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
-from tracer.writer_process import RESULTS_EVERY_S
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
+from tracer.record.process.parent import RESULTS_EVERY_S
 
 from test_writer_process import _break_steps_dir, _child_of, _wait_gone, grpo_step
 
@@ -101,8 +101,8 @@ import os, signal, sys, time, torch
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from test_writer_process import grpo_step
-from tracer.writer import TraceWriter
-from tracer.writer_process import RESULTS_EVERY_S
+from tracer.record.writer import TraceWriter
+from tracer.record.process.parent import RESULTS_EVERY_S
 writer = TraceWriter({root!r}, "grpo", writer="process")
 for step in range(4):
     writer.record(step, grpo_step(step))

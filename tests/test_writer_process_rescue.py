@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.capture import SamplingPolicy
+from tracer.record.capture import SamplingPolicy
 from tracer.cli import main
 from tracer.errors import TraceError
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import _child_of
 from test_writer_process import grpo_step as _random_grpo_step
@@ -206,8 +206,8 @@ def test_a_resumed_index_ends_a_torn_last_line_and_keeps_every_whole_one(tmp_pat
     writer token, and step 0's line and the new one are read."""
     from safetensors import safe_open
 
-    from tracer import summary_store
-    from tracer.run_index import IndexWriter, index_paths, read_index
+    from tracer.format import summary_store
+    from tracer.format.run_index import IndexWriter, index_paths, read_index
 
     root = tmp_path / "t"
     with TraceWriter(root, "grpo") as writer:

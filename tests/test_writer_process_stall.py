@@ -17,8 +17,8 @@ import pytest
 
 from tracer.cli import main
 from tracer.errors import TraceError
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import _alive
 from test_writer_process_rescue import _stopped_with_steps_in_flight, grpo_step
@@ -88,7 +88,7 @@ def test_a_child_in_the_kernels_io_sleep_is_busy_not_stalled(tmp_path, monkeypat
     D), and only a quiet limit after that is it declared stalled."""
     import time
 
-    from tracer import writer_lifecycle
+    from tracer.record.process import lifecycle as writer_lifecycle
 
     real = writer_lifecycle._activity
     until = [float("inf")]

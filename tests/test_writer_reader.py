@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tracer import SchemaError, Trace, TraceError, TraceFormatError, TraceWriter
-from tracer.schema import METADATA_KEYS
-from tracer.writer import MANIFEST_NAME, STEPS_DIR, step_file_name
+from tracer.format.schema import METADATA_KEYS
+from tracer.record.writer import MANIFEST_NAME, STEPS_DIR, step_file_name
 
 B, T, L = 4, 5, 3
 
@@ -309,7 +309,7 @@ def test_a_step_file_in_a_traces_steps_folder_reads_that_traces_token_strings(tm
     when it sits in the ``steps/`` folder of a trace holding ``tokens.json``; a copy elsewhere has none."""
     import shutil
 
-    from tracer.reader import Trace
+    from tracer.read.reader import Trace
 
     trace = Trace(Path(__file__).resolve().parents[1] / "sample_traces" / "grpo-tiny")
     key = trace.steps()[0]

@@ -11,12 +11,12 @@ import warnings
 import pytest
 import torch
 
-from tracer import capture
-from tracer.capture import BufferPool, StagedStep, stage
-from tracer.writer_thread import BackgroundWriter
+from tracer.record import capture
+from tracer.record.capture import BufferPool, StagedStep, stage
+from tracer.record.thread import BackgroundWriter
 from tracer.errors import TraceError
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 
 def _staged(step: int, pool: BufferPool, value: float, sampled: bool = True) -> StagedStep:
@@ -142,7 +142,8 @@ def test_large_steps_are_not_stacked_into_one_summary_batch(monkeypatch):
     bytes): 16 large steps summarised together needed about 7x the memory of one at a time. A stack
     holds at most MAX_STACKED_VALUES values per field; small steps are still stacked 16 at a time,
     and either way the numbers are those of each step alone."""
-    from tracer import summaries
+    from tracer.format import summary as summary_format
+    from tracer.formulas import summaries
 
     sizes: list[int] = []
     real = summaries._summarise_group
@@ -206,7 +207,7 @@ def test_with_warnings_as_errors_a_failed_write_neither_kills_the_writer_thread_
     record() once the queue was full) waited forever. The drop is counted once and logged instead."""
     from unittest import mock
 
-    import tracer.writer as writer_module
+    import tracer.record.writer as writer_module
 
     real = writer_module._save_atomic
 
@@ -262,7 +263,7 @@ def test_float8_and_complex_extra_fields_are_written_and_verified(tmp_path):
     """An extra float8_e4m3fn field cost its step (torch has no isfinite for it: the non-finite scan
     raised), and ``info --verify`` could not verify a file holding a complex64 or float8_e8m0fnu
     tensor (their safetensors names C64 and F8_E8M0 were unknown)."""
-    from tracer.integrity import verify_step_file
+    from tracer.format.integrity import verify_step_file
 
     fp8 = torch.tensor([0.5, float("nan"), 2.0]).to(torch.float8_e4m3fn)  # e4m3fn holds a NaN, no infinity
     extras = {"scale_fp8": fp8, "phase": torch.tensor([1 + 2j, -1j], dtype=torch.complex64)}
@@ -285,8 +286,8 @@ def test_float8_and_complex_extra_fields_are_written_and_verified(tmp_path):
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tracer.capture import SamplingPolicy  # noqa: E402
-from tracer.schema import FIELDS  # noqa: E402
+from tracer.record.capture import SamplingPolicy  # noqa: E402
+from tracer.format.schema import FIELDS  # noqa: E402
 
 _FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -335,8 +336,9 @@ def test_every_written_tensor_equals_a_copy_taken_at_record_time(tmp_path_factor
     batched writer thread with buffer reuse, the anomaly ring, first_k_sequences, both queue
     policies; the loop overwrites its tensors right after each record. Every file holds the values
     recorded, its checksum verifies, and its header summary is compute_summary of its own tensors."""
-    from tracer import summaries
-    from tracer.integrity import verify_step_file
+    from tracer.format import summary as summary_format
+    from tracer.formulas import summaries
+    from tracer.format.integrity import verify_step_file
 
     algorithm = rng.choice(["ppo", "grpo", "rloo"])
     keep, k = rng.random() < 0.4, rng.choice([None, 1, 2])
@@ -367,6 +369,6 @@ def test_every_written_tensor_equals_a_copy_taken_at_record_time(tmp_path_factor
             # exact; NaN where NaN was recorded (its payload bits follow torch's conversion path, not the data)
             torch.testing.assert_close(data[name], tensor, rtol=0, atol=0, equal_nan=True, msg=name)
         assert verify_step_file(key.path) == meta["content_sha256"]
-        stored, own = summaries.read_summary(meta), summaries.compute_summary(trace.load_step(key), meta)
+        stored, own = summary_format.read_summary(meta), summaries.compute_summary(trace.load_step(key), meta)
         assert stored.keys() == own.keys()
         assert all(stored[n] == own[n] or (stored[n] != stored[n] and own[n] != own[n]) for n in own)

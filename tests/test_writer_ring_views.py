@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.capture import SamplingPolicy
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
-from tracer.writer_process import _Layout
+from tracer.record.capture import SamplingPolicy
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
+from tracer.record.process.parent import _Layout
 
 from test_writer_process import _lingering_child, grpo_step
 from writer_linger import _assert_steps, _manifest

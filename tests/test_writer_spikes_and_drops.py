@@ -16,12 +16,12 @@ import warnings
 import pytest
 import torch
 
-import tracer.manifest_book as manifest_book
-import tracer.writer as writer_module
-from tracer.capture import SamplingPolicy
+import tracer.record.manifest as manifest_book
+import tracer.record.writer as writer_module
+from tracer.record.capture import SamplingPolicy
 from tracer.cli import trace_info
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import WRITERS, _child_of, grpo_step
 
@@ -122,7 +122,7 @@ def test_drops_warn_once_then_once_per_100_and_count_every_one(tmp_path, kind, m
     steps 2..250 are dropped: 249 drops, warned at the 1st, 101st and 201st (the interval is made
     too long to matter), the 246 others logged at debug. Before: one warning per drop (249)."""
     monkeypatch.setattr(manifest_book, "QUEUE_DROP_WARN_INTERVAL_S", 1e9, raising=False)
-    caplog.set_level(logging.DEBUG, logger="tracer.manifest_book")
+    caplog.set_level(logging.DEBUG, logger="tracer.record.manifest")
     writer, release = _stall(kind, monkeypatch, tmp_path / "d")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -140,7 +140,7 @@ def test_drops_warn_once_then_once_per_100_and_count_every_one(tmp_path, kind, m
                               "the latest: step 102: queue full")
     assert said[2].startswith("tracer: dropped 100 more steps because the queue was full (201 dropped so far; "
                               "the latest: step 202: queue full")
-    debug = [r.getMessage() for r in caplog.records if r.name == "tracer.manifest_book" and r.levelno == logging.DEBUG]
+    debug = [r.getMessage() for r in caplog.records if r.name == "tracer.record.manifest" and r.levelno == logging.DEBUG]
     assert len(debug) == 246 and debug[0].startswith("tracer: dropped a step (2 so far): step 3: queue full")
     writer.close()
     assert (writer.steps_written, writer.dropped_steps) == (2, 249)

@@ -1,4 +1,4 @@
-"""The writer process's wake pipe (tracer.writer_process, tracer.writer_child): while the child
+"""The writer process's wake pipe (tracer.record.process.parent, tracer.record.process.child): while the child
 lingers for more steps it waits on the wake pipe alone, so a step handed over then does not wake it
 (a write to a pipe its reader waits on costs the training thread about twice a plain write); the
 parent wakes it when the steps it holds reach what would end the linger, and for a flush."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tracer.reader import Trace
-from tracer.writer import TraceWriter
+from tracer.read.reader import Trace
+from tracer.record.writer import TraceWriter
 
 from test_writer_process import _lingering_child, grpo_step
 

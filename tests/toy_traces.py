@@ -18,7 +18,7 @@ if str(REPO) not in sys.path:  # the app is not an installed package; import it 
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from tracer import formulas  # noqa: E402
-from tracer.writer import TraceWriter  # noqa: E402
+from tracer.record.writer import TraceWriter  # noqa: E402
 
 APP = REPO / "app" / "streamlit_app.py"
 SAMPLES = REPO / "sample_traces"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tracer.reader import Trace
+from tracer.read.reader import Trace
 
 from test_writer_process import grpo_step
 

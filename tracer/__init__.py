@@ -11,9 +11,9 @@ from typing import Any
 
 from tracer.diff import DiffReport, diff
 from tracer.errors import SchemaError, TraceError, TraceFormatError
-from tracer.reader import StepKey, Trace
-from tracer.watch import watch
-from tracer.writer import Tracer, TraceWriter
+from tracer.read.reader import StepKey, Trace
+from tracer.zero_edit.watch import watch
+from tracer.record.writer import Tracer, TraceWriter
 
 __version__ = "0.1.0"
 __all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach",

@@ -22,9 +22,9 @@ from typing import Sequence
 import tracer
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
-from tracer.reader import Trace, find_traces
-from tracer.schema import ALGORITHMS
-from tracer.trace_info import _print_info, trace_info  # noqa: F401  (trace_info re-exported)
+from tracer.read.reader import Trace, find_traces
+from tracer.format.schema import ALGORITHMS
+from tracer.read.trace_info import _print_info, trace_info  # noqa: F401  (trace_info re-exported)
 from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -302,7 +302,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from tracer.watch import Watcher, run_script, summary_logger
+    from tracer.zero_edit.watch import Watcher, run_script, summary_logger
 
     meta = {}
     for text in args.meta:

@@ -1,6 +1,43 @@
-"""The error family raised for callers' mistakes and unusable input."""
+"""The error family raised for callers' mistakes and unusable input, and where tracer's warnings point
+(the user's line, not tracer's own). Every stage imports this module; it imports nothing of tracer."""
 
 from __future__ import annotations
+
+import sys
+from types import FrameType
+
+LIBRARY_ROOTS = frozenset({"torch", "accelerate", "deepspeed", "tracer"})
+_KINDS: dict[tuple[str, frozenset], bool] = {}  # (module name, roots) -> whether it is of those roots
+
+
+def of_roots(frame: FrameType, roots: frozenset[str]) -> bool:
+    """True when ``frame``'s module is under one of ``roots`` and not ``tracer.demo`` (remembered by
+    module name: a backward walks past the same few modules every time)."""
+    name = frame.f_globals.get("__name__") or ""
+    found = _KINDS.get((name, roots))
+    if found is None:
+        found = name.split(".")[0] in roots and not name.startswith("tracer.demo")
+        if len(_KINDS) < 4096:
+            _KINDS[name, roots] = found
+    return found
+
+
+def is_library_frame(frame: FrameType) -> bool:
+    """True for frames of torch / accelerate / deepspeed / tracer itself (not ``tracer.demo``)."""
+    return of_roots(frame, LIBRARY_ROOTS)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called by this function's caller that names the first
+    frame outside the libraries (:func:`is_library_frame`: tracer's own, torch's...), so that a
+    warning points at the user's line whatever the depth of tracer's calls; 1 (the caller itself)
+    when every frame is library code (tracer's writer thread)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        if not is_library_frame(frame):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 class TraceError(Exception):

@@ -25,8 +25,8 @@ import pytest
 
 from tracer.diff import DiffReport, diff
 from tracer.errors import ChecksumError, TraceError
-from tracer.reader import Trace
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.read.reader import Trace
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 REGEN_FLAG = "--tracer-regen"
 

@@ -48,7 +48,7 @@ elif "rank" in summary and summary["rank"].nunique() > 1:
     st.text(f"ranks {', '.join(map(str, sorted(summary['rank'].unique())))}: one line per inner step and rank")
 derived = {name for text in (summary["derived"].unique() if "derived" in summary else ())  # a few distinct texts
            if isinstance(text, str) for name in text.split(", ") if name}
-if derived:  # curves over fields the reader derived (tracer.derived): say so in their titles
+if derived:  # curves over fields the reader derived (tracer.formulas.derived): say so in their titles
     uses = {"mean_ratio": "ratio", "clip_fraction": "ratio", "mean_ref_kl_k3": "ref_kl_k3",
             "mean_approx_kl_k2": "approx_kl_k2"}
     panels = tuple((col, title + (" (derived)" if uses.get(col) in derived else "")) for col, title in panels)
@@ -68,7 +68,7 @@ if trace.algorithm == "dpo":
                "rejected_rewards; preference accuracy = share of pairs with chosen_rewards > rejected_rewards; "
                "logps: the policy's summed logprob of each side. Click a point to open that step's pairs.")
 else:
-    st.caption("Means over kept tokens (completion_mask), computed by tracer.reader.Trace.step_summary; "
+    st.caption("Means over kept tokens (completion_mask), computed by tracer.read.reader.Trace.step_summary; "
                "clip fraction counts the clip only on the side the advantage's sign makes it bind. "
                "Click a point to open that step.")
 

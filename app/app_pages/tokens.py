@@ -12,7 +12,7 @@ from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
     VALUE_COLUMNS, highlighted_rows, legend_frame, reason_counts, section_text, style_token_table,
     TOKEN_TEXT_HELP, WHITESPACE_NOTE, token_display_frame)
-from tracer.reader import TOKEN_VALUE_FIELDS
+from tracer.read.tables import TOKEN_VALUE_FIELDS
 
 KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
               "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")

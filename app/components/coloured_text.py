@@ -18,7 +18,7 @@ from plotly.colors import sample_colorscale
 
 from app.components.colour_scale import SCALE, colour_of, legend_values, neutral_of, scale_ends
 from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
-from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
+from tracer.read.tables import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
 
 __all__ = ["REASON_STYLE", "coloured_html", "colour_of", "legend_html", "neutral_of", "span_of"]
 # How a position that does not enter the loss looks, by reason (no colour of the scale).

@@ -13,7 +13,7 @@ from plotly.subplots import make_subplots
 
 from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, hover_tokens, visible_tokens
-from tracer.reader import MASKED
+from tracer.read.tables import MASKED
 
 SIDES = ("chosen", "rejected")
 MASKED_CELL = f"background-color: {MASK_BACKGROUND[MASKED]}; color: {MASKED_TEXT_COLOUR}"

@@ -1,6 +1,6 @@
 """Plotly figures of the app, built by pure functions from the reader's pandas tables.
 
-No Streamlit here and no RL maths: the values come from ``tracer.reader`` as they were recorded
+No Streamlit here and no RL maths: the values come from ``tracer.read.reader`` as they were recorded
 (or as ``tracer.formulas`` reduced them); these functions only lay them out.
 """
 

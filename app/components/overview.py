@@ -7,8 +7,8 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from tracer.trace_info import STATUS_TEXT
-from tracer.schema import FIELDS, METADATA_KEYS
+from tracer.read.trace_info import STATUS_TEXT
+from tracer.format.schema import FIELDS, METADATA_KEYS
 
 
 def _text(value: Any) -> str:
@@ -16,7 +16,7 @@ def _text(value: Any) -> str:
 
 
 def status_text(status: Any) -> str:
-    """A manifest ``status`` in words, as ``tracer info`` says it (``tracer.trace_info.STATUS_TEXT``): a
+    """A manifest ``status`` in words, as ``tracer info`` says it (``tracer.read.trace_info.STATUS_TEXT``): a
     manifest still saying ``running`` is a writer that did not close (crashed or still running)."""
     return STATUS_TEXT.get(status, status) if isinstance(status, str) else _text(status)
 

@@ -1,6 +1,6 @@
 """Pure builders of the PPO page: the GAE picture of one sequence and the epochs x minibatches of
 one step (which ran, which stopped early). No Streamlit, no RL maths: the values come from
-``tracer.reader`` / ``tracer.views`` as recorded; these functions lay them out."""
+``tracer.read.reader`` / ``tracer.views`` as recorded; these functions lay them out."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ files inside its own directory; step files that cannot be read are set aside wit
 
 - :func:`inside` and :func:`resolve_request`: a path (from the sidebar, the URL's ``?run=``) is
   resolved (``..`` and symlinks followed) and refused unless it lies under the root.
-- :class:`SafeTrace`: a :class:`tracer.reader.Trace` whose manifest, token strings and step files
+- :class:`SafeTrace`: a :class:`tracer.read.reader.Trace` whose manifest, token strings and step files
   must resolve inside the trace directory, and whose ``steps()`` leave out step files whose
   safetensors header does not open (truncated file, garbage header); :meth:`SafeTrace.problems`
   says which files were left out and why, so that the app keeps serving the other steps.
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from tracer import overview
+from tracer.read import overview
 from tracer.errors import TraceError
-from tracer.integrity import check_step_header, open_step_file
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
-from tracer.reader import StepKey, Trace
-from tracer.step_table import StepTable
-from tracer.metadata_codec import decode_metadata
+from tracer.format.integrity import check_step_header, open_step_file
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.read.reader import StepKey, Trace
+from tracer.read.step_table import StepTable
+from tracer.format.metadata_codec import decode_metadata
 
 # A listing is reused while the trace directory and steps/ keep their modification times, unless
 # one of them changed less than this long ago: file times have the kernel's coarse clock tick, so a
@@ -155,7 +155,7 @@ class SafeTrace(Trace):
     modification time), so a rerun of the app on a trace of many steps costs two ``stat`` calls,
     not one per step file (a listing younger than :data:`RACY_LISTING_NS` is not reused). A trace
     whose step files are all regular files in ``steps/`` under the writer's names is listed as a
-    :class:`tracer.step_table.StepTable` (one ``listdir``, one ``lstat`` per file, the index's
+    :class:`tracer.read.step_table.StepTable` (one ``listdir``, one ``lstat`` per file, the index's
     vouching compared as arrays) and builds no ``Path`` or :class:`StepKey` per file until
     ``steps()`` asks for them; any other trace is listed file by file as before. With
     ``handles``, step files are read through that shared cache of open handles, and each handle's
@@ -327,7 +327,7 @@ class SafeTrace(Trace):
         resolved only when it is a symlink or its folder leaves the trace directory; its header is
         checked once per (l)stat signature, so listing a trace of many steps costs one lstat per
         file once the headers have been checked; a file the run's summary index or columns vouch
-        for (:meth:`tracer.reader.Trace.index_vouched`: listed under its name at its size, compared
+        for (:meth:`tracer.read.reader.Trace.index_vouched`: listed under its name at its size, compared
         as arrays) is not opened at all."""
         names = [str(p) for p in paths]
         if self.path.is_file():  # a single step file is the whole trace (and its own directory)

@@ -23,10 +23,10 @@ from app.components import token_jump, trace_cache, urls
 from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
-from tracer.layout import MANIFEST_NAME, STEPS_DIR
-from tracer.reader import StepKey, find_traces
-from tracer.step_table import StepTable
-from tracer.text import clean_str
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR
+from tracer.read.reader import StepKey, find_traces
+from tracer.read.step_table import StepTable
+from tracer.format.text import clean_str
 
 ROOT_ENV = "TRACER_ROOT"
 DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
@@ -138,7 +138,7 @@ def _run_label(root: Path, path: Path) -> str:
 
 
 def _step_labels(keys: list[StepKey]) -> list[str]:
-    """The Step file chooser's labels of ``keys`` (as :meth:`tracer.step_table.StepTable.labels`)."""
+    """The Step file chooser's labels of ``keys`` (as :meth:`tracer.read.step_table.StepTable.labels`)."""
     return StepTable.from_keys(keys).labels()
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from tracer.integrity import open_step_file
+from tracer.format.integrity import open_step_file
 
 FileId = tuple[str, int, int, int]  # (path, inode, size, mtime_ns)
 
@@ -52,7 +52,7 @@ class StepHandles:
         max_bytes: the bound on the summed size of the open files (the most recent one is kept
             even when it alone is larger).
         opener: opens one file and returns a handle with ``__exit__`` (default
-            :func:`tracer.integrity.open_step_file`: bounds, element budget, then ``safe_open``).
+            :func:`tracer.format.integrity.open_step_file`: bounds, element budget, then ``safe_open``).
 
     Raises:
         ValueError: ``max_handles`` < 1.

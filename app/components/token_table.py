@@ -15,7 +15,7 @@ import html
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from tracer.reader import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS
+from tracer.read.tables import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS
 
 # Why a position is (not) in the loss -> what it means, for the legend.
 MASK_LEGEND: dict[str, str] = {

@@ -41,7 +41,7 @@ def parse(params: Mapping[str, str]) -> dict[str, int]:
 
 
 def selection_params(run_label: str, key, sequence: int | None) -> dict[str, str]:
-    """``{run, step, inner, mb, rank, seq}`` of a selection (a :class:`tracer.reader.StepKey` or None)."""
+    """``{run, step, inner, mb, rank, seq}`` of a selection (a :class:`tracer.read.reader.StepKey` or None)."""
     out = {"run": run_label}
     if key is not None:
         out.update(step=str(key.step), inner=str(key.inner_step), mb=str(key.micro_batch), rank=str(key.rank))

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:
 from tracer import Trace, TraceFormatError, TraceWriter  # noqa: E402
 from tracer.checks import run_checks  # noqa: E402
 from tracer.cli import trace_info  # noqa: E402
-from tracer.layout import STEPS_DIR, step_file_name  # noqa: E402
+from tracer.format.names import STEPS_DIR, step_file_name  # noqa: E402
 
 STEP_NAME = step_file_name(3)
 DTYPES = [b"F32", b"F16", b"BF16", b"F64", b"I64", b"I32", b"I16", b"I8", b"U8", b"BOOL", b"U16", b"U32",

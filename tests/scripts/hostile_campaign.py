@@ -38,8 +38,8 @@ if str(REPO) not in sys.path:
 
 from tracer import cli, views  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
-from tracer.layout import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name  # noqa: E402
-from tracer.reader import Trace  # noqa: E402
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name  # noqa: E402
+from tracer.read.reader import Trace  # noqa: E402
 
 TIME_LIMIT_S = 5.0
 MEMORY_LIMIT_MB = 500.0

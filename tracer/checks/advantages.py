@@ -148,7 +148,7 @@ def _advantages_have_another_term(ctx: StepContext) -> bool:
 
 def _file_group_counts(ctx: StepContext, key) -> tuple[int, int] | None:
     """(groups, zero-variance groups) of the step file ``key``: from its header summary when it holds
-    them (:mod:`tracer.summaries`), else from its rewards; None when its groups cannot be formed."""
+    them (:mod:`tracer.format.summary`), else from its rewards; None when its groups cannot be formed."""
     try:
         summary = ctx.trace.metadata(key).get("summary")
         if isinstance(summary, dict) and isinstance(summary.get("groups"), int) \

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tracer.checks.finding import Finding, Skip
-from tracer.reader import StepKey, Trace
+from tracer.read.reader import StepKey, Trace
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class StepContext(StepHeader):
         super().__init__(trace, key)
         self.options = options or CheckOptions()
         self.data: dict[str, torch.Tensor] = trace.load_step(key)
-        self.derived: set[str] = set(trace.derived_fields(key))  # added by the reader (tracer.derived)
+        self.derived: set[str] = set(trace.derived_fields(key))  # added by the reader (tracer.formulas.derived)
         stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
         self.dtype = loosest_dtype(self.declared_dtypes() + stored)
         self.tol = TOLERANCES[self.dtype]

@@ -11,7 +11,13 @@ import torch
 
 from tracer.checks.context import StepContext
 from tracer.checks.finding import INFO, WARNING, Skip, register
-from tracer.schema import ALGORITHMS, REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS, TOKEN_ADVANTAGES, required_fields
+from tracer.format.schema import (
+    ALGORITHMS,
+    REF_PRECOMPUTED_SUMS,
+    REF_SEQUENCE_SUMS,
+    TOKEN_ADVANTAGES,
+    required_fields,
+)
 
 
 def _varies_along_tokens(ctx: StepContext, name: str) -> bool:
@@ -27,7 +33,7 @@ def _varies_along_tokens(ctx: StepContext, name: str) -> bool:
     return bool((keep.any(dim=1) & (high > low)).any())
 
 
-@register("fields.required", "the step carries the fields its algorithm requires (tracer.schema)",
+@register("fields.required", "the step carries the fields its algorithm requires (tracer.format.schema)",
           frozenset(ALGORITHMS) | {""})
 def check_required(ctx: StepContext):
     if not ctx.algorithm:
@@ -55,6 +61,6 @@ def check_required(ctx: StepContext):
     message = (
         f"this {ctx.algorithm} step lacks required fields {missing}. Why it matters: the checks that need them "
         "are skipped, so a clean report says little about this step. Likely fix: record them (see the field "
-        "table in README.md and tracer/schema.py)."
+        "table in README.md and tracer/format/schema.py)."
     )
     return [ctx.finding("fields.required", WARNING, message, None, missing=missing), *notes]

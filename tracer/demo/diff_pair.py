@@ -33,7 +33,7 @@ def write_pair(root: str | Path, steps: int = 3, seed: int = 0, progress: bool =
     """
     from tracer.demo import grpo_loop
     from tracer.demo.tiny_model import build_tiny_model
-    from tracer.writer import refuse_existing_trace
+    from tracer.record.writer import refuse_existing_trace
 
     root = Path(root)
     out = []

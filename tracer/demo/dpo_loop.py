@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tracer import formulas
-from tracer.writer import Tracer
+from tracer.record.writer import Tracer
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 
 from tracer import formulas
 from tracer.demo import rollout as ro
-from tracer.writer import Tracer
+from tracer.record.writer import Tracer
 
 
 @dataclass

@@ -21,7 +21,7 @@ from torch import nn
 
 from tracer import formulas
 from tracer.demo import rollout as ro
-from tracer.writer import Tracer
+from tracer.record.writer import Tracer
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.writer import refuse_existing_trace
+from tracer.record.writer import refuse_existing_trace
 
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
 TRL = ("grpo-trl", "rloo-trl", "dpo-trl")

@@ -9,12 +9,12 @@ result: ``report`` (DiffReport, verbose text, JSON; ``locations``: step labels, 
 Rules (documented in docs/regression-testing.md):
 
 - Integrity first: every paired step file that records ``content_sha256`` (TraceWriter's files do)
-  is verified against its bytes (``tracer.integrity.verify_step_file``). A mismatch is corruption
+  is verified against its bytes (``tracer.format.integrity.verify_step_file``). A mismatch is corruption
   of that file: :class:`~tracer.errors.ChecksumError` naming it, nothing is compared (the CLI exits
   2). Step pairs whose two *verified* checksums agree are identical and not compared further.
 - Step files are matched by ``(step, inner_step, micro_batch, rank)``; two single step files are
   compared with each other whatever their step numbers. Steps on one side only are findings.
-- A field that one side records and the other side derives (``tracer.derived``: ``ratio``,
+- A field that one side records and the other side derives (``tracer.formulas.derived``: ``ratio``,
   ``ref_kl_k3``, ``approx_kl_k2`` from the recorded logprobs, as the reader does) is derived on
   that side from its own inputs and metadata and compared by value like any field; equal, it is a
   note (``report.notes()``), not "only in b"; different, it is a finding marked ``[derived in a]``.
@@ -44,7 +44,7 @@ Rules (documented in docs/regression-testing.md):
   shifted comparison passes everywhere, or its mean ``|Δ|`` is under ``SHIFT_IMPROVEMENT`` times
   the unshifted one.
 - Cause: the headline names the failing field that diverges at the earliest step and, at that
-  step, comes first in the data-flow order ``tracer.schema.DATA_FLOW`` (SPEC.md section 10); the
+  step, comes first in the data-flow order ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10); the
   other failing fields are listed under it as following from it.
 """
 

@@ -2,7 +2,7 @@
 fields with what follows from it, the tolerances that would pass, and what to do.
 
 The headline is :attr:`DiffReport.cause`: the failing field that diverges at the earliest step and,
-at that step, comes first in the data-flow order ``tracer.schema.DATA_FLOW`` (SPEC.md section 10:
+at that step, comes first in the data-flow order ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10:
 prompt -> completion ids/masks -> rewards -> values -> advantages -> sampler/old/ref logprobs ->
 policy logprobs -> ratio/KL -> per-token loss -> loss). Changing the reward function changes the
 rewards first and every later field through them: the headline says ``rewards``, and the rest is
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, step_label
-from tracer.schema import DATA_FLOW, flow_rank
+from tracer.format.schema import DATA_FLOW, flow_rank
 
 # A name per stage of DATA_FLOW, for the cause line.
 STAGES = ("prompt", "completion", "reward", "value", "advantage", "rollout/reference logprob", "policy logprob",

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from tracer.derived import derivation_inputs, derive_fields
+from tracer.formulas.derived import derivation_inputs, derive_fields
 from tracer.diff.inputs import (DiffInputError, check_batch, check_compatible, check_names, check_pair,
                                 derive_missing, open_checked, pair_steps, per_field, producers_of, sampling_of,
                                 step_id)
@@ -19,10 +19,11 @@ from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, StepId
 from tracer.diff.stats import FieldStats, coarseness, default_tolerance, mismatch
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
 from tracer.errors import ChecksumError, TraceFormatError
-from tracer.integrity import verify_step_file
-from tracer.reader import TOKEN_VALUE_FIELDS, StepKey, Trace
-from tracer.schema import FIELDS, flow_rank
-from tracer.metadata_codec import decode_metadata
+from tracer.format.integrity import verify_step_file
+from tracer.read.reader import StepKey, Trace
+from tracer.read.tables import TOKEN_VALUE_FIELDS
+from tracer.format.schema import FIELDS, flow_rank
+from tracer.format.metadata_codec import decode_metadata
 
 PROGRESS_MIN_PAIRS = 20
 IGNORED_METADATA = frozenset({"content_sha256", "source_dtype", "summary", "step", "inner_step", "micro_batch", "rank"})
@@ -354,7 +355,7 @@ class _Engine:
 
 def _read(fh, name: str, masks: dict[str, torch.Tensor], meta: dict[str, Any], derive: bool) -> torch.Tensor:
     """One side's tensor of ``name``: its mask already read, the recorded tensor, or (``derive``)
-    the value the reader derives from the recorded inputs (``tracer.derived.derive_fields``)."""
+    the value the reader derives from the recorded inputs (``tracer.formulas.derived.derive_fields``)."""
     if name in masks:
         return masks[name]
     if not derive:
@@ -364,7 +365,7 @@ def _read(fh, name: str, masks: dict[str, torch.Tensor], meta: dict[str, Any], d
 
 
 def _ordered(names: set[str]) -> list[str]:
-    """Data-flow order (``tracer.schema.DATA_FLOW``: causes first), then other fields by name."""
+    """Data-flow order (``tracer.format.schema.DATA_FLOW``: causes first), then other fields by name."""
     return sorted(names, key=lambda n: (flow_rank(n), n))
 
 

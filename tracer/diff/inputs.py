@@ -7,14 +7,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from tracer.derived import DERIVED_FIELDS, derivable, derivation_inputs
+from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs
 from tracer.diff.report import StepId, step_label
 from tracer.diff.stats import coarseness
 from tracer.errors import TraceError, TraceFormatError
-from tracer.integrity import check_step_header, open_step_file
-from tracer.reader import StepKey, Trace
-from tracer.schema import FIELDS
-from tracer.metadata_codec import decode_metadata
+from tracer.format.integrity import check_step_header, open_step_file
+from tracer.read.reader import StepKey, Trace
+from tracer.format.schema import FIELDS
+from tracer.format.metadata_codec import decode_metadata
 
 
 class DiffInputError(TraceError):
@@ -202,7 +202,7 @@ def check_batch(trace_a: Trace, trace_b: Trace, step: StepId, heads_a, heads_b, 
 def derive_missing(heads: dict[str, dict[str, tuple]], metas: dict[str, dict], names: Iterable[str]) -> dict[str, str]:
     """``{field: side}`` for the fields of ``names`` that one side records and the other side
     (``side``) lacks but derives from its own recorded inputs, as the reader does
-    (:mod:`tracer.derived`: ``ratio``, ``ref_kl_k3``, ``approx_kl_k2``). Adds their header
+    (:mod:`tracer.formulas.derived`: ``ratio``, ``ref_kl_k3``, ``approx_kl_k2``). Adds their header
     ``(shape, dtype)`` to ``heads[side]`` (float32, float64 when an input is float64), so they are
     compared by value like a recorded field."""
     out = {}

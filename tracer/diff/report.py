@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracer.diff.locations import (EXACT, FLOAT, MASK, Location, StepId, Tolerance, short_step,  # noqa: F401
                                    step_label, step_list)
-from tracer.schema import flow_rank
+from tracer.format.schema import flow_rank
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -42,7 +42,7 @@ class FieldDiff:
         first: the first differing position (step order, then position).
         worst: the worst differing positions (largest ``|b - a|`` first; exact kinds: first ones).
         derived_in: ``"a"``/``"b"`` when that side does not record the field and it was derived
-            there from the recorded inputs, as the reader does (``tracer.derived``); None: recorded.
+            there from the recorded inputs, as the reader does (``tracer.formulas.derived``); None: recorded.
     """
 
     name: str
@@ -220,7 +220,7 @@ class DiffReport:
     @property
     def cause(self) -> FieldDiff | None:
         """The headline field: among failing fields, the one that diverges at the earliest step
-        and, at that step, comes first in the data-flow order (``tracer.schema.DATA_FLOW``, SPEC.md
+        and, at that step, comes first in the data-flow order (``tracer.format.schema.DATA_FLOW``, SPEC.md
         section 10); every other failing field follows from it. A field failing by drift alone
         (no located position) is the cause only when no field has a located divergence."""
         bad = [f for f in self.fields.values() if not f.passed]

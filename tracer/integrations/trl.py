@@ -73,7 +73,7 @@ def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_
             instead of warning, counting it in the manifest and training on.
         keep_source_dtype: store logprobs in the trainer's dtype instead of float32.
         config: extra run facts for the manifest's ``config`` (e.g. how the model was built).
-        **writer_options: passed to :class:`~tracer.writer.TraceWriter`: ``sampling`` (e.g.
+        **writer_options: passed to :class:`~tracer.record.writer.TraceWriter`: ``sampling`` (e.g.
             ``SamplingPolicy(every_n_steps=10)``), ``max_queue_steps``, ``max_queue_bytes``,
             ``when_full``, ``writer``, ``writer_stall_s``, ``fsync_steps``.
 

@@ -18,7 +18,7 @@ import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 from tracer.errors import TraceError
-from tracer.writer import TraceWriter
+from tracer.record.writer import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ def require_methods(trainer: Any, names: Iterable[str], expected: str) -> None:
 
 
 class TrainerTraceHook:
-    """Base of the TRL hooks: owns the :class:`~tracer.writer.TraceWriter` and the wrapped methods.
+    """Base of the TRL hooks: owns the :class:`~tracer.record.writer.TraceWriter` and the wrapped methods.
 
     Attributes:
         trainer: the traced trainer.
-        writer: the :class:`~tracer.writer.TraceWriter` (``writer.root`` is the trace directory).
+        writer: the :class:`~tracer.record.writer.TraceWriter` (``writer.root`` is the trace directory).
         capture_failures: exceptions caught while capturing (each also counts as a dropped step).
     """
 

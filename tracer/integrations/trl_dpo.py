@@ -54,7 +54,7 @@ from tracer import formulas
 from tracer.errors import TraceError
 from tracer.integrations.trl_base import TrainerTraceHook, require_methods
 from tracer.integrations.trl_metadata import DPO_CONFIG_KEYS, dpo_hyperparameters_of, run_config_of, tokenizer_of
-from tracer.schema import REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS
+from tracer.format.schema import REF_PRECOMPUTED_SUMS, REF_SEQUENCE_SUMS
 
 __all__ = ["DPOTraceHook"]
 
@@ -67,7 +67,7 @@ class DPOTraceHook(TrainerTraceHook):
     """Records every micro-batch of a TRL ``DPOTrainer`` into a trace; see the module docstring.
 
     Attributes:
-        writer: the :class:`~tracer.writer.TraceWriter` (``writer.root`` is the trace directory).
+        writer: the :class:`~tracer.record.writer.TraceWriter` (``writer.root`` is the trace directory).
         capture_failures: exceptions caught while capturing (each also counts as a dropped step).
     """
 

@@ -54,7 +54,7 @@ class RLOOTraceHook(GRPOTraceHook):
     """Records every micro-batch of a TRL ``RLOOTrainer`` into a trace; see the module docstring.
 
     Attributes:
-        writer: the :class:`~tracer.writer.TraceWriter` (``writer.root`` is the trace directory).
+        writer: the :class:`~tracer.record.writer.TraceWriter` (``writer.root`` is the trace directory).
         capture_failures: exceptions caught while capturing (each also counts as a dropped step).
     """
 

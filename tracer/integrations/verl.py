@@ -72,7 +72,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
 from tracer.errors import TraceError
 from tracer.integrations import verl_record

@@ -33,11 +33,13 @@ import torch
 
 from tracer.errors import TraceError
 from tracer.integrations.verl_record import ROLLOUT_DIR, WORKERS_DIR
-from tracer.layout import (FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, content_sha256, producers,
-                           refuse_existing_trace, save_atomic, step_file_name, write_json_atomic)
-from tracer.reader import StepKey, Trace
-from tracer.schema import SCHEMA_VERSION, normalise_tensors
-from tracer.metadata_codec import encode_metadata
+from tracer.format.names import FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.format.hashing import content_sha256
+from tracer.record.manifest import producers
+from tracer.format.files import refuse_existing_trace, save_atomic, write_json_atomic
+from tracer.read.reader import StepKey, Trace
+from tracer.format.schema import SCHEMA_VERSION, normalise_tensors
+from tracer.format.metadata_codec import encode_metadata
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
-from tracer.schema import TOKEN_ADVANTAGES
-from tracer.writer import TraceWriter
+from tracer.format.schema import TOKEN_ADVANTAGES
+from tracer.record.writer import TraceWriter
 
 log = logging.getLogger(__name__)
 

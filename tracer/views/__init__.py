@@ -1,6 +1,6 @@
 """Per-algorithm views of a trace: small pandas tables that the app's PPO, group and DPO pages show.
 
-Pure reading and pandas over :class:`tracer.reader.Trace`; every reduction that is RL maths
+Pure reading and pandas over :class:`tracer.read.reader.Trace`; every reduction that is RL maths
 (masked means, logprob sums, DPO terms) comes from :mod:`tracer.formulas`. Each function reads only
 what it needs: headers for the early-stop overview, ``[B]`` fields for the group shares, one row
 (``get_slice``) for a DPO pair.

@@ -9,7 +9,8 @@ import pandas as pd
 import torch
 
 from tracer.errors import TraceFormatError
-from tracer.reader import AFTER_EOS, PADDING, StepKey, Trace, mask_reasons
+from tracer.read.reader import StepKey, Trace
+from tracer.read.tables import AFTER_EOS, PADDING, mask_reasons
 
 GROUPED_ALGORITHMS = ("grpo", "cispo", "rloo")
 
@@ -158,7 +159,7 @@ def zero_variance_shares(trace: Trace, summary: pd.DataFrame | None = None) -> p
     hold no rows (B = 0) has 0 groups and a NaN share.
 
     The counts of a file come from its summary (``groups``, ``zero_variance_groups``,
-    :mod:`tracer.summaries`: no tensor read) unless its groups may span several files (group_ids
+    :mod:`tracer.format.summary`: no tensor read) unless its groups may span several files (group_ids
     recorded and another file of its step, inner step and rank that may hold them too) or its
     summary lacks them (older traces, files without rewards): then its ``[B]`` fields are read and
     pooled as described. ``summary``: ``trace.step_summary()`` when the caller has it; else it is

@@ -3,7 +3,7 @@ step: every rank and micro-batch, or one of each) in one long table with the per
 people sort by to find the bad tokens (|policy - old|, ratio, k3, k2, |old - sampler|, advantage,
 entropy, each token's share of the loss).
 
-Pure reading over :class:`tracer.reader.Trace`; the maths (ratio and KL estimators when the file
+Pure reading over :class:`tracer.read.reader.Trace`; the maths (ratio and KL estimators when the file
 lacks them, the loss shares) comes from :mod:`tracer.formulas` through the reader and
 :func:`tracer.formulas.loss_contributions`.
 """
@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from tracer import formulas
-from tracer.reader import StepKey, Trace
-from tracer.tables import mask_reasons
+from tracer.read.reader import StepKey, Trace
+from tracer.read.tables import mask_reasons
 
 # Per-token quantities of the step table: column -> (label, neutral value of its colour scale).
 QUANTITIES: dict[str, tuple[str, float]] = {
@@ -48,7 +48,7 @@ def step_token_frame(trace: Trace, step: int, inner_step: int = 0, micro_batch: 
     Columns: :data:`KEY_COLUMNS` (``sequence`` is the row within its own file), then the
     quantities of :data:`QUANTITIES` the files give (float32; NaN where a file lacks it), plus
     ``old_minus_sampler`` (signed, nats) when sampler logprobs are recorded. ``attrs["derived"]``
-    lists the fields the reader derived (:mod:`tracer.derived`); ``attrs["files"]`` the files read.
+    lists the fields the reader derived (:mod:`tracer.formulas.derived`); ``attrs["files"]`` the files read.
     Empty when no file of the step has completion_ids. Raises TraceFormatError for an unreadable file.
     """
     keys = step_files(trace, step, inner_step, micro_batch, rank)

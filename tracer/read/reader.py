@@ -1,0 +1,432 @@
+"""Read traces lazily: list steps from file names, open step files with ``safe_open``, read one
+sequence with ``get_slice``, and give pandas long tables (one row per token) for the app.
+
+A trace is a directory written by :class:`tracer.record.writer.TraceWriter`, or a single ``.safetensors``
+step file with canonical field names (metadata optional).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+import torch
+from tracer.read import overview, tables
+from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
+from tracer.errors import TraceFormatError
+from tracer.format.integrity import (
+    MAX_MANIFEST_BYTES,
+    MAX_TOKEN_ENTRIES,
+    MAX_TOKENS_BYTES,
+    check_mask_values,
+    check_step_header,
+    clean_manifest,
+    clean_tokens,
+    open_step_file,
+    read_json,
+)
+from tracer.format.schema import FIELDS
+from tracer.format.metadata_codec import decode_metadata
+from tracer.read.step_table import StepKey, StepTable, parse_names  # noqa: F401  (StepKey re-exported)
+from tracer.format.names import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
+
+
+QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
+MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
+_STEP_RE = STEP_FILE_RE
+
+
+def _int_or(value: Any, default: int = 0) -> int:
+    """``value`` as an int when it is a JSON number, else ``default`` (hostile metadata)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 2**62:
+        return int(value)
+    return default
+
+
+class Trace(overview.TraceOverview):
+    """A trace opened for reading. Cheap to open: it reads the manifest and lists file names.
+
+    Args:
+        path: a trace directory (with ``manifest.json`` and ``steps/``) or one step file.
+
+    A trace may hold files that cannot be read (truncated by a crash, corrupt, hostile): opening
+    it still works, ``steps()`` lists the step files by name, and reading a bad one raises
+    TraceFormatError naming the file and the reason; :meth:`scan` lists every such file.
+    A manifest that is not JSON, or has wrong-typed keys, is ignored in whole or in part and noted
+    in ``manifest_notes`` when step files exist.
+
+    Raises:
+        TraceFormatError: the path does not exist or holds no trace; the message says what was
+            expected there.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.manifest_notes: list[str] = []  # why (parts of) the manifest were ignored
+        if self.path.is_file():
+            if self.path.suffix != ".safetensors":
+                raise TraceFormatError(
+                    f"{self.path}: expected a trace directory or a .safetensors step file, got a "
+                    f"'{self.path.suffix or 'no-suffix'}' file")
+            self.root = self.path.parent
+            self.manifest: dict[str, Any] = {}
+            self._single = True
+        elif self.path.is_dir():
+            self.root = self.path
+            self._single = False
+            manifest_path = self.root / MANIFEST_NAME
+            if manifest_path.exists():
+                self.manifest = self._read_manifest(manifest_path)
+            elif self._step_paths():
+                self.manifest = {}
+            else:
+                raise TraceFormatError(
+                    f"{self.path} is not a trace: expected {MANIFEST_NAME} and {STEPS_DIR}/*.safetensors "
+                    "(written by tracer), or pass a single .safetensors step file")
+        else:
+            raise TraceFormatError(f"{self.path} does not exist: expected a trace directory or a step file")
+
+    def _read_manifest(self, manifest_path: Path) -> dict[str, Any]:
+        """The cleaned manifest; {} with a note when it is unreadable but step files exist."""
+        try:
+            manifest, self.manifest_notes = clean_manifest(
+                read_json(manifest_path, "trace manifest", MAX_MANIFEST_BYTES), manifest_path)
+        except TraceFormatError as err:
+            if not self._step_paths():
+                raise
+            manifest, self.manifest_notes = {}, [f"{err}; manifest ignored"]
+        if self.manifest_notes and not self._step_paths() and not manifest:
+            raise TraceFormatError(self.manifest_notes[0])
+        return manifest
+
+    # -- listing ------------------------------------------------------------------------------
+
+    def _step_paths(self) -> list[Path]:
+        if self._single:
+            return [self.path]
+        return list(self._listing())
+
+    def _listing(self) -> list[Path]:
+        """The ``*.safetensors`` files of ``steps/`` and the root, sorted by text. Listed again
+        whenever either folder's modification time changed (a file added, renamed or removed);
+        a listing is reused only when both folders had been quiet for :data:`QUIET_S` seconds
+        before it was taken, so that a change within one tick of the file system's clock is
+        never missed (the rule git uses for its racy index)."""
+        folders = (self.root / STEPS_DIR, self.root)
+        before = time.time_ns()
+        try:
+            signature = tuple(os.stat(folder).st_mtime_ns if folder.is_dir() else 0 for folder in folders)
+        except OSError:
+            signature = None
+        cached = self.__dict__.get("_listing_cache")
+        if signature is not None and cached is not None and cached[0] == signature:
+            return cached[1]
+        in_steps, at_root = listed_step_files(folders[0]), listed_step_files(folders[1])  # each sorted by name
+        # one folder's files sorted by name are sorted by text (one prefix): the common case, no Path compared
+        paths = (in_steps or at_root) if not (in_steps and at_root) else sorted([*in_steps, *at_root], key=str)
+        quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
+        self._listing_cache = (signature, paths) if quiet else None
+        return paths
+
+    def steps(self) -> list[StepKey]:
+        """Every step file, sorted by (step, inner_step, micro_batch, rank). Reads no tensor data."""
+        return self._keys(self._step_paths())
+
+    def step_table(self) -> StepTable:
+        """:meth:`steps` as arrays (:class:`tracer.read.step_table.StepTable`: names and coordinates in
+        the same order, keys built when asked for). Reads no tensor data."""
+        return StepTable.from_keys(self.steps())
+
+    def step_count(self) -> int:
+        """The number of step files :meth:`steps` lists."""
+        return len(self.step_table())
+
+    def _keys(self, paths: list[Path]) -> list[StepKey]:
+        """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
+        meanwhile is either in both or in neither). When every file is named by its coordinates (as
+        the writer names them) the names are parsed by one regular-expression scan and sorted as
+        arrays; otherwise one by one."""
+        parsed = parse_names([p.name for p in paths])
+        if parsed is not None:
+            coordinates, order = parsed
+            return [StepKey(a, b, c, d, paths[i])
+                    for (a, b, c, d), i in zip(coordinates[order].tolist(), order.tolist())]
+        return self._keys_one_by_one(paths)
+
+    def _keys_one_by_one(self, paths: list[Path]) -> list[StepKey]:
+        keys = []
+        named = self.__dict__.setdefault("_named_keys", {})  # {path: key} of files named by their coordinates
+        for p in paths:
+            key = named.get(p)
+            if key is not None:
+                keys.append(key)
+                continue
+            m = _STEP_RE.match(p.name)
+            if m and all(len(g) < 19 or int(g) < 2**63 for g in m.groups()):  # beyond int64: as user-named
+                key = StepKey(*(int(g) for g in m.groups()), path=p)
+                if len(named) < MAX_NAMED_KEYS:
+                    named[p] = key
+                keys.append(key)
+            else:  # a step file named by the user: its header says which step it is
+                try:
+                    meta = self._header(p)
+                except TraceFormatError:
+                    continue  # unreadable and nameless: scan() reports it
+                keys.append(StepKey(*(_int_or(meta.get(k)) for k in ("step", "inner_step", "micro_batch", "rank")),
+                                    path=p))
+        return sorted(keys)
+
+    def scan(self) -> dict[Path, str]:
+        """``{file: why it cannot be used}`` for the manifest, the token strings and every step
+        file whose header does not open or disagrees with the schema. Reads every step file's
+        header (no tensor data): O(step files)."""
+        problems: dict[Path, str] = {}
+        if self.manifest_notes:
+            problems[self.root / MANIFEST_NAME] = "; ".join(self.manifest_notes)
+        if self.tokens_problem is not None:
+            problems[self.root / TOKENS_NAME] = self.tokens_problem
+        paths = self._step_paths()
+        named = {k.path for k in self._keys(paths)}
+        for path in paths:
+            try:
+                with self._open(path) as fh:
+                    meta = decode_metadata(fh.metadata())
+                    check_step_header(path, fh, self._algorithm_of(meta))
+            except TraceFormatError as err:
+                problems[path] = str(err)
+                continue
+            if path not in named:
+                problems[path] = f"{path}: not listed as a step"
+        return problems
+
+    def step_key(self, step: int, inner_step: int = 0, micro_batch: int = 0, rank: int = 0) -> StepKey:
+        """The key of one step file by its coordinates, without listing the directory (O(1) in the
+        number of steps). Raises TraceFormatError when that step file does not exist."""
+        if self._single:
+            key = self.steps()[0]
+            if (key.step, key.inner_step, key.micro_batch, key.rank) == (step, inner_step, micro_batch, rank):
+                return key
+            path = self.path
+        else:
+            path = self.root / STEPS_DIR / step_file_name(step, inner_step, micro_batch, rank)
+            if path.is_file():
+                return StepKey(step, inner_step, micro_batch, rank, path)
+        raise TraceFormatError(
+            f"{path}: no step file for step {step}, inner step {inner_step}, micro-batch {micro_batch}, "
+            f"rank {rank} in {self.path}")
+
+    @property
+    def algorithm(self) -> str | None:
+        """The manifest's algorithm, else that of the first step file whose header opens."""
+        algo = self.manifest.get("algorithm")
+        if algo is None:
+            for key in self.steps():
+                try:
+                    algo = self.metadata(key).get("algorithm")
+                except TraceFormatError:
+                    continue
+                break
+        return algo if isinstance(algo, str) or algo is None else str(algo)
+
+    def _algorithm_of(self, meta: dict[str, Any]) -> str | None:
+        algo = meta.get("algorithm", self.manifest.get("algorithm"))
+        return algo if isinstance(algo, str) else None
+
+    @property
+    def status(self) -> str:
+        return str(self.manifest.get("status", "unknown"))
+
+    # -- tokens -------------------------------------------------------------------------------
+
+    @cached_property
+    def _tokens(self) -> tuple[list[str] | None, str | None]:
+        path = self.root / TOKENS_NAME
+        if self._single:  # a step file in the steps/ folder of a trace: that trace's token strings
+            home = self.root.parent
+            path = home / TOKENS_NAME if self.root.name == STEPS_DIR and (home / MANIFEST_NAME).is_file() else None
+        if path is None or not path.exists():
+            return None, None
+        try:
+            return clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES, MAX_TOKEN_ENTRIES, "tokens"),
+                                path), None
+        except TraceFormatError as err:
+            return None, f"{err}; token ids are shown as <id N>"
+
+    @property
+    def tokens_problem(self) -> str | None:
+        """Why ``tokens.json`` cannot be used (then ``tokens`` is None), or None."""
+        return self._tokens[1]
+
+    @property
+    def tokens(self) -> list[str] | None:
+        """Text of each token id (``tokens.json``), or None when the trace stores none or the file
+        is unusable (then :meth:`scan` says why)."""
+        return self._tokens[0]
+
+    def token_text(self, ids: Iterable[int]) -> list[str]:
+        """Text of each id; ``<id N>`` when the trace has no token strings or the id is unknown."""
+        tokens = self.tokens or []
+        return [tokens[i] if 0 <= i < len(tokens) else f"<id {i}>" for i in ids]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Concatenated text of ``ids``."""
+        return "".join(self.token_text(ids))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.manifest.get("tokenizer", {}).get("eos_token_id")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.manifest.get("tokenizer", {}).get("pad_token_id")
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _open(self, path: Path):
+        return open_step_file(path)
+
+    def _checked(self, key: StepKey, fh) -> None:
+        """Schema check of an open step file's header (TraceFormatError naming the field)."""
+        check_step_header(key.path, fh, self._algorithm_of(decode_metadata(fh.metadata())))
+
+    def _header(self, path: Path) -> dict[str, Any]:
+        with self._open(path) as fh:
+            return decode_metadata(fh.metadata())
+
+    def metadata(self, key: StepKey) -> dict[str, Any]:
+        """Decoded step metadata of one step file."""
+        return self._header(key.path)
+
+    def fields(self, key: StepKey) -> dict[str, tuple[list[int], str]]:
+        """``{field: (shape, dtype)}`` of one step file, read from the header only."""
+        out = {}
+        with self._open(key.path) as fh:
+            for name in fh.keys():
+                sl = fh.get_slice(name)
+                out[name] = (list(sl.get_shape()), str(sl.get_dtype()))
+        return out
+
+    def load_step(self, key: StepKey, fields: Iterable[str] | None = None,
+                  derive: bool = True) -> dict[str, torch.Tensor]:
+        """Tensors of one step file (all fields, or only ``fields`` that are present). With
+        ``derive`` (the default) the derived fields the file lacks but whose inputs it records are
+        added (:func:`derive_fields`; :meth:`derived_fields` names them)."""
+        with self._open(key.path) as fh:
+            self._checked(key, fh)
+            meta = decode_metadata(fh.metadata())
+            present = list(fh.keys())
+            wanted = present if fields is None else [f for f in fields if f in present]
+            missing = [] if fields is None else [f for f in fields if f not in present]
+            extra = derivation_inputs(present, meta, missing) if derive else []
+            try:
+                tensors = {name: fh.get_tensor(name) for name in dict.fromkeys([*wanted, *extra])}
+            except Exception as err:
+                raise TraceFormatError(f"{key.path}: could not read tensor data ({err})") from err
+        check_mask_values(key.path, tensors)
+        if derive:
+            derived = derive_fields(tensors, meta)
+            tensors.update({k: v for k, v in derived.items() if fields is None or k in missing})
+            for name in extra:
+                if name not in wanted:
+                    tensors.pop(name, None)
+        return tensors
+
+    def derived_fields(self, key: StepKey) -> list[str]:
+        """The fields the reader derives for this step file (header only): those of
+        :data:`DERIVED_FIELDS` the file lacks while it records their inputs."""
+        with self._open(key.path) as fh:
+            return derivable(list(fh.keys()), decode_metadata(fh.metadata()))
+
+    def load_sequence(self, key: StepKey, sequence: int, derive: bool = True) -> dict[str, torch.Tensor]:
+        """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
+        row's bytes), plus the derived fields as :meth:`load_step`. Fields without a B dim are
+        skipped (a field outside the schema counts as having one when its first dim equals the
+        canonical fields' B). Raises IndexError for a row out of range."""
+        out = {}
+        with self._open(key.path) as fh:
+            self._checked(key, fh)
+            algorithm = self._algorithm_of(decode_metadata(fh.metadata()))
+            shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
+            canonical_b = [shape[0] for name, shape in shapes.items()
+                           if name in FIELDS and FIELDS[name].dims_for(algorithm)[:1] == ("B",) and shape]
+            for name, shape in shapes.items():
+                if not shape or (canonical_b and name not in FIELDS and shape[0] != canonical_b[0]):
+                    continue
+                if not 0 <= sequence < shape[0]:
+                    raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
+                out[name] = fh.get_slice(name)[sequence : sequence + 1][0]
+            meta = decode_metadata(fh.metadata())
+        check_mask_values(key.path, out)
+        if derive:
+            out.update(derive_fields(out, meta))
+        return out
+
+    # -- tables for the app -------------------------------------------------------------------
+
+    def token_table(self, key: StepKey, sequence: int | None = None, derive: bool = True) -> pd.DataFrame:
+        """One row per completion token (and per prompt token) of one step, or of one sequence.
+
+        Columns: ``step, inner_step, rank, sequence, section`` (prompt | completion), ``position``
+        (index within its section), ``token_id, token_text, kept, mask_reason`` and one column per
+        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast);
+        with ``derive``, the derived fields too, named in ``attrs["derived"]``.
+        """
+        data = self.load_step(key, derive=derive) if sequence is None else {
+            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence, derive=derive).items()}
+        ids = data.get("completion_ids", data.get("prompt_ids"))
+        if ids is None:
+            return pd.DataFrame()
+        rows = list(range(ids.shape[0])) if sequence is None else [sequence]
+        frames = []
+        if "prompt_ids" in data:
+            frames.append(tables.prompt_frame(data, rows, self.token_text))
+        if "completion_ids" in data:
+            frames.append(tables.completion_frame(data, rows, self.token_text, self.eos_token_id, self.pad_token_id))
+        if not frames:
+            return pd.DataFrame()
+        table = pd.concat(frames, ignore_index=True)
+        table.attrs["derived"] = [name for name in self.derived_fields(key) if name in table] if derive else []
+        table.insert(0, "rank", key.rank)
+        table.insert(0, "inner_step", key.inner_step)
+        table.insert(0, "step", key.step)
+        return table
+
+    def merged_token_table(self, step: int, inner_step: int = 0, micro_batch: int | None = None) -> pd.DataFrame:
+        """Token tables of every rank (and micro-batch, unless one is given) of one step, stacked;
+        the ``rank`` column tells them apart (``sequence`` is the row within its own file)."""
+        keys = [k for k in self.steps() if k.step == step and k.inner_step == inner_step
+                and (micro_batch is None or k.micro_batch == micro_batch)]
+        frames = [self.token_table(k).assign(micro_batch=k.micro_batch) for k in keys]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def ranks(self) -> list[int]:
+        """Ranks that wrote step files."""
+        return sorted({k.rank for k in self.steps()})
+
+
+def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:
+    """Trace directories at or under ``root`` (those holding a ``manifest.json``), sorted."""
+    root = Path(root)
+    found = []
+    if (root / MANIFEST_NAME).is_file():
+        found.append(root)
+    frontier = [root]
+    for _ in range(max_depth):
+        nxt = []
+        for d in frontier:
+            try:
+                children = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for c in children:
+                if c.name == STEPS_DIR:
+                    continue
+                if (c / MANIFEST_NAME).is_file():
+                    found.append(c)
+                nxt.append(c)
+        frontier = nxt
+    return found

@@ -1,0 +1,213 @@
+"""``tracer info``: what a trace holds (:func:`trace_info`: a dict, also the ``--json`` output) and
+its text form (:func:`_print_info`): status, steps and ranks, fields, capture reports, drops, the
+overview's per-step curves in numbers, and, with ``--verify``, each step file's checksum.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+from typing import Any
+
+from tracer.format.capture_report import describe_capture_reports, read_capture_reports
+from tracer.errors import TraceError
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR
+from tracer.read.reader import Trace
+from tracer.format.summary import SUMMARY_KEY
+
+STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or still running)",
+               "finished": "finished", "unknown": "unknown (no readable manifest)"}
+
+
+def verify_trace(trace: Trace, keys: list) -> dict[str, Any]:
+    """``info --verify``: every step file's bytes against its recorded checksum
+    (``tracer.format.integrity.verify_step_file``). Returns ``{"verified": n, "no_checksum": [paths],
+    "corrupt": {path: reason}}``."""
+    from tracer.errors import ChecksumError
+    from tracer.format.integrity import verify_step_file
+
+    out: dict[str, Any] = {"verified": 0, "no_checksum": [], "corrupt": {}}
+    for key in keys:
+        try:
+            if verify_step_file(key.path) is None:
+                out["no_checksum"].append(str(key.path))
+            else:
+                out["verified"] += 1
+        except (ChecksumError, TraceError) as err:
+            out["corrupt"][str(key.path)] = str(err)
+    return out
+
+
+def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
+    """The facts ``info`` prints, as a JSON-able dict. Every step file's header is read once
+    (``Trace.scan``): ``unreadable`` maps each file that cannot be used to the reason, and the
+    step lists count only readable step files. With ``verify``, ``integrity`` holds
+    :func:`verify_trace` of the readable step files (reads every byte)."""
+    trace = Trace(path)
+    home = _home_trace(trace)  # a step file in the steps/ folder of a trace: that trace's manifest
+    manifest = home.manifest if home is not None else trace.manifest
+    status = str(manifest.get("status", "unknown"))
+    unreadable = {str(p): why for p, why in trace.scan().items()}
+    keys = [k for k in trace.steps() if str(k.path) not in unreadable]
+    if not keys and trace.path.is_file():
+        raise TraceError(unreadable.get(str(trace.path), f"{trace.path}: no readable step file"))
+    fields: dict[str, dict[str, Any]] = {}
+    metadata: dict[str, Any] = {}
+    if keys:
+        metadata = trace.metadata(keys[0])
+        metadata.pop(SUMMARY_KEY, None)  # the per-step summaries are under "overview"
+        for name, (shape, dtype) in trace.fields(keys[0]).items():
+            fields[name] = {"shape": shape, "dtype": dtype}
+    return {
+        "path": str(trace.path),
+        "algorithm": trace.algorithm,
+        "manifest_of": str(home.root) if home is not None else None,
+        "status": status,
+        "status_text": STATUS_TEXT.get(status, status),
+        "schema_version": manifest.get("schema_version", metadata.get("schema_version")),
+        "num_step_files": len(keys),
+        "steps": sorted({k.step for k in keys}),
+        "inner_steps": sorted({k.inner_step for k in keys}),
+        "micro_batches": sorted({k.micro_batch for k in keys}),
+        "ranks": sorted({k.rank for k in keys}),
+        "dropped_steps": manifest.get("dropped_steps", 0),
+        "drop_reasons": manifest.get("drop_reasons", []),
+        "capture_report": manifest.get("capture_report"),  # rank 0's (the manifest's), as before
+        "capture_reports": {str(rank): report for rank, report in  # every rank's, zero-edit tracing only
+                            (read_capture_reports(trace.root, manifest) if trace.path.is_dir() else {}).items()},
+        "unreadable": unreadable,
+        "has_token_strings": trace.tokens is not None,
+        "fields": fields,
+        "first_step_metadata": metadata,
+        **({"integrity": verify_trace(trace, keys)} if verify else {}),
+        "overview": _overview(trace),
+    }
+
+
+def _home_trace(trace: Trace) -> Trace | None:
+    """The trace a single step file belongs to: the file sits in ``steps/`` of a directory holding a
+    manifest (SPEC.md section 5); None otherwise, or when that directory cannot be opened as a trace."""
+    folder = trace.path.parent
+    if not trace.path.is_file() or folder.name != STEPS_DIR or not (folder.parent / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return Trace(folder.parent)
+    except TraceError:
+        return None
+
+
+OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", "mean_approx_kl_k2", "mean_mismatch",
+                    "mean_reward", "mean_advantage", "clip_fraction", "nonfinite_kept")
+
+
+def _overview(trace: Trace) -> dict[str, Any]:
+    """First, last, min and max of the non-NaN values of a few per-step summary columns
+    (``Trace.step_summary``: headers only when the writer stored summaries), over the step files
+    that could be summarised; a column with no such value is left out."""
+    summary = trace.step_summary()
+    if "problem" in summary:
+        summary = summary[summary["problem"].isna()]
+    if summary.empty:
+        return {"from_headers": 0, "from_tensors": 0, "columns": {}}
+    source = summary.get("summary_source")
+    counts = source.value_counts().to_dict() if source is not None else {}
+    columns: dict[str, dict[str, Any]] = {}
+    for col in OVERVIEW_COLUMNS:
+        if col not in summary or not summary[col].notna().any():
+            continue
+        values = summary.sort_values(["step", "inner_step", "micro_batch", "rank"])[col]
+        finite = values.dropna()
+        columns[col] = {name: _json_number(v) for name, v in (("first", finite.iloc[0]), ("last", finite.iloc[-1]),
+                                                                  ("min", finite.min()), ("max", finite.max()))}
+    return {"from_headers": int(counts.get("header", 0)), "from_tensors": int(counts.get("tensors", 0)),
+            "columns": columns}
+
+
+def _json_number(value: Any) -> float | int | None:
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and value != value else value
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+
+    def say(text: str, **kw: Any) -> None:  # text from the trace's files is data, never rich markup
+        console.print(text, markup=False, highlight=False, soft_wrap=True, **kw)
+
+    steps = info["steps"]
+    span = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
+    console.print(info["path"], style="bold", markup=False)
+    if info.get("manifest_of"):
+        say(f"a step file of the trace {info['manifest_of']} (status and drops from its manifest)")
+    say(f"algorithm: {info['algorithm']}   status: {info['status_text']}   schema: {info['schema_version']}")
+    say(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
+        f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
+    for line in describe_drops(info["dropped_steps"], info["drop_reasons"]):
+        say(line)
+    for line in describe_capture_reports(info.get("capture_reports") or {}, info["ranks"]):
+        say(line)
+    if info["fields"]:
+        table = Table(title="fields (first readable step file)")
+        for col in ("field", "shape", "dtype"):
+            table.add_column(col)
+        for name, spec in info["fields"].items():
+            table.add_row(Text(name), str(spec["shape"]), Text(spec["dtype"]))
+        console.print(table)
+    else:
+        say("fields: none (no readable step file)")
+    overview = info.get("overview") or {}
+    if overview.get("columns"):
+        table = Table(title=f"per-step summaries ({overview['from_headers']} from headers, "
+                            f"{overview['from_tensors']} from tensors)")
+        for col in ("summary", "first", "last", "min", "max"):
+            table.add_column(col)
+        for name, stats in overview["columns"].items():
+            table.add_row(name, *(f"{stats[k]:.4g}" if stats[k] is not None else "nan" for k in ("first", "last", "min", "max")))
+        console.print(table)
+    if info["first_step_metadata"]:
+        meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))
+        say(f"metadata: {meta}")
+    integrity = info.get("integrity")
+    if integrity is not None:
+        bad, unverifiable = integrity["corrupt"], integrity["no_checksum"]
+        style = "bold red" if bad else "bold green"
+        console.print(f"verify: {integrity['verified']} step files match their checksum, {len(bad)} corrupt, "
+                      f"{len(unverifiable)} without a checksum", style=style, markup=False)
+        for reason in bad.values():
+            say(f"  {reason}")
+    if info["unreadable"]:
+        console.print(f"problems ({len(info['unreadable'])} files; unreadable step files are left out above):",
+                      style="bold red")
+        for reason in info["unreadable"].values():
+            say(f"  {reason}")
+
+
+_DROP_WHERE = re.compile(r"^(step \d+(, inner step \d+)?(, micro-batch \d+)?|step_[^\s:]+):\s*")
+
+
+def drop_kind(reason: str) -> str:
+    """What a drop reason says happened, without its step, its numbers in parentheses or a path: ``queue
+    full`` of ``step 3, inner step 1: queue full (2 steps, ...)``, ``OSError: [Errno 28] No space left on
+    device`` of ``step_00000004....safetensors: OSError: [Errno 28] No space left on device: '/runs/...'``
+    (at most 100 characters)."""
+    rest = _DROP_WHERE.sub("", reason, count=1)
+    return (re.split(r" \(|: ['\"/]", rest, maxsplit=1)[0].strip() or rest)[:100]
+
+
+def describe_drops(dropped: int, reasons: list[str]) -> list[str]:
+    """``tracer info``'s lines on dropped step files: the kinds of the reasons the manifest kept (its
+    first ``MAX_DROP_REASONS``) with their counts, then the first and the last reason kept."""
+    if not reasons:
+        return []
+    kinds = collections.Counter(drop_kind(r) for r in reasons)
+    kept = f"of the first {len(reasons)}" if len(reasons) < dropped else f"of all {len(reasons)}"
+    lines = [f"  drop reasons ({kept}): " + ", ".join(f"{kind} x{n}" for kind, n in kinds.most_common())]
+    lines.append(f"  first: {reasons[0]}")
+    if len(reasons) > 1:
+        lines.append(f"  last kept: {reasons[-1]}")
+    return lines

@@ -1,0 +1,141 @@
+"""What ``record`` checks on the training thread before a step is staged: its coordinates, and its
+tensors against the schema once per field signature (:class:`SignatureCache`), and its metadata
+(:class:`MetadataCache`)."""
+
+from __future__ import annotations
+
+from math import copysign
+from typing import Any, Mapping
+
+import torch
+
+from tracer.errors import SchemaError
+from tracer.format.schema import BOOL, FIELDS, check_mask_field, check_tensors
+from tracer.format.metadata_codec import encode_metadata, jsonable
+
+MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
+
+
+def coordinate(name: str, value: Any) -> int:
+    """``step`` / ``inner_step`` / ``micro_batch`` as an int >= 0 (numpy and torch integers accepted)."""
+    if type(value) is int and 0 <= value < 2**62:
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if hasattr(value, "__index__") and not isinstance(value, bool):
+        value = value.__index__()
+        if 0 <= value < 2**62:
+            return value
+    raise SchemaError(f"{name} must be an integer in [0, 2**62), got {value!r:.40} ({type(value).__name__}); "
+                      f"pass the {name.replace('_', ' ')} counter as an int")
+
+
+class SignatureCache(dict):
+    """The field signatures of one writer already checked, each with its ``source_dtype`` metadata
+    and the names of the masks whose values are checked at every step (at most
+    :data:`MAX_SIGNATURES` kept)."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.last: tuple | None = None  # the signature of the tensors last checked (None: not hashable)
+        # the same when it is cached and every tensor is on the CPU, or every one on one CUDA device, else None
+        self.group_key: tuple | None = None
+        self._given: tuple = (None, None)  # (the signature a caller last passed, its cached entry)
+
+    def check(self, tensors: dict[str, Any], signature: tuple | None = None) -> str:
+        """Check ``tensors`` against the schema (:func:`tracer.format.schema.check_tensors`) once per
+        signature (names, shapes, dtypes, devices); a signature seen before costs one tuple and a
+        set lookup. Data-dependent checks (the values of a float or integer mask on the CPU) run
+        every time. Returns the ``source_dtype`` metadata of the signature, and sets :attr:`last` and
+        :attr:`group_key` (the key of the step's staging buffers, :meth:`tracer.record.capture.BufferPool.take_group`,
+        when every tensor is on the CPU, or every one on one CUDA device). ``signature``: the tuple of
+        ``(name, shape, dtype, device)`` of ``tensors``, in order, when the caller knows it already (a call-site
+        plan's capture, :mod:`tracer.zero_edit.site_plans`, whose guards checked each tensor's); it must be
+        exactly what would be built here. Raises SchemaError."""
+        if signature is not None:  # the same tuple as the last one given: the same entry (a plan's own tuple)
+            cached = self._given[1] if signature is self._given[0] else self.get(signature)
+            if cached is not None:
+                self._given = (signature, cached)
+        else:
+            try:  # t.device, hashable, is cheaper than building t.device.type for each tensor
+                signature = tuple([(name, t.shape, t.dtype, t.device) for name, t in tensors.items()])
+                cached = self.get(signature)
+            except (AttributeError, TypeError):  # a non-tensor value or an unhashable name: the full check names it
+                cached, signature = None, None
+        self.last, self.group_key = signature, None
+        if cached is None:
+            check_tensors(tensors, self.algorithm)
+            source = ",".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()
+                                      if t.is_floating_point()}))
+            value_checked = tuple(name for name, t in tensors.items() if name in FIELDS and FIELDS[name].kind == BOOL
+                                  and t.dtype != torch.bool and t.device.type == "cpu")
+            devices = {t.device for t in tensors.values()}
+            grouped = len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
+            cached = (source, value_checked, grouped)
+            if signature is not None and len(self) < MAX_SIGNATURES:
+                self[signature] = cached
+                self.group_key = signature if grouped else None
+            return source
+        for name in cached[1]:  # 0/1 values of a non-bool mask: read from the data, so checked every step
+            check_mask_field(name, tensors[name])
+        self.group_key = signature if cached[2] else None
+        return cached[0]
+
+
+class MetadataCache:
+    """The last step metadata ``record`` checked, with its header encoding
+    (:func:`tracer.format.metadata_codec.encode_metadata`) and, once asked for, its JSON form
+    (:func:`tracer.format.metadata_codec.jsonable`, what the writer process is sent). A zero-edit capture passes
+    the same values at every step (the hyperparameters it reads from the loop's ``args``), which
+    then cost one comparison instead of an encoding. The same ``str`` keys with values of the same
+    types that compare equal are the same metadata, except floats of another sign (``-0.0 == 0.0``,
+    yet JSON writes them apart) and a NaN (never equal: encoded again); only metadata of ``str``
+    keys and scalar values is remembered (a list could change in place; ``{True: x}`` has the
+    keys of ``{1: x}``, yet another header key)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] | None = None  # the metadata last encoded, when all scalars
+        self._encoded: dict[str, str] = {}
+        self._json: dict[str, Any] | None = None
+        self._keys: list[str] = []  # of _last, in order, with its values' types
+        self._types: list[type] = []
+        self._key_types: list[type] = []
+        self._unsure = False  # _last holds a float 0.0, -0.0 or NaN: compared key by key
+
+    def encoded(self, metadata: Mapping[str, Any]) -> dict[str, str]:
+        """``encode_metadata(metadata)``. Raises SchemaError (a value that is not JSON)."""
+        last = self._last
+        if last is not None and self._same(last, metadata):
+            return self._encoded
+        encoded = encode_metadata(metadata)
+        scalars = all(type(k) is str and type(v) in _SCALARS for k, v in metadata.items())
+        self._last, self._encoded, self._json = (dict(metadata) if scalars else None), encoded, None
+        if scalars:
+            self._keys, self._types = list(metadata), list(map(type, metadata.values()))
+            self._key_types = [str] * len(metadata)
+            self._unsure = any(type(v) is float and (v == 0.0 or v != v) for v in metadata.values())
+        return encoded
+
+    def _same(self, last: dict[str, Any], metadata: Mapping[str, Any]) -> bool:
+        """True when ``metadata`` is the metadata ``last`` as :class:`MetadataCache` means it: the
+        keys in the same order with values equal and of the same types (compared in C when
+        ``metadata`` is a dict in ``last``'s key order and ``last`` holds no float zero, whose sign
+        ``==`` ignores, nor a NaN, which ``==`` of dicts takes for equal to itself), else key by key."""
+        if type(metadata) is dict and not self._unsure and metadata == last and list(metadata) == self._keys:
+            return list(map(type, metadata)) == self._key_types and list(map(type, metadata.values())) == self._types
+        return last.keys() == metadata.keys() and all(
+            type(k) is str and type(v) is type(last[k]) and v == last[k]
+            and (type(v) is not float or copysign(1.0, v) == copysign(1.0, last[k]))
+            for k, v in metadata.items())
+
+    def json_form(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
+        """``jsonable(metadata)`` of the metadata :meth:`encoded` was last given."""
+        if self._last is None:
+            return jsonable(dict(metadata))
+        if self._json is None:
+            self._json = jsonable(self._last)
+        return self._json
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
