@@ -21,7 +21,8 @@ from toy_traces import REPO, VOCAB, ToyTokenizer, start, write_trace
 from app.components.groups import advantage_rule_text
 from app.components.sidebar import resolve_root
 from app.components.token_table import visible_token
-from tracer.cli import _parser, trace_info
+from tracer.cli import _parser
+from tracer.read.trace_info import trace_info
 
 needs_symlinks = pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="needs POSIX symlinks")
 

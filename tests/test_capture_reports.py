@@ -17,7 +17,7 @@ import torch
 import tracer
 from tracer import Trace, TraceError
 from tracer.cli import main as cli_main
-from tracer.cli import trace_info
+from tracer.read.trace_info import trace_info
 from tracer.demo.tiny_model import build_tiny_model
 from tracer.format.names import capture_report_name
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from tracer import Trace
-from tracer.cli import trace_info
+from tracer.read.trace_info import trace_info
 from tracer.demo.tiny_model import build_tiny_model
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_grpo.py"

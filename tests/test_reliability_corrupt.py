@@ -21,7 +21,8 @@ import torch
 
 from tracer import Trace, TraceFormatError, TraceWriter, diff
 from tracer.checks import run_checks
-from tracer.cli import main, trace_info
+from tracer.cli import main
+from tracer.read.trace_info import trace_info
 from tracer.format.integrity import MAX_HEADER_BYTES, MAX_MANIFEST_BYTES
 from tracer.format.names import step_file_name
 

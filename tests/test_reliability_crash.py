@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tracer import Trace, TraceFormatError
-from tracer.cli import main, trace_info
+from tracer.cli import main
+from tracer.read.trace_info import trace_info
 
 SCRIPT = Path(__file__).parent / "scripts" / "crash_loop.py"
 _spec = importlib.util.spec_from_file_location("crash_loop", SCRIPT)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tracer import Trace
-from tracer.cli import main, trace_info
+from tracer.cli import main
+from tracer.read.trace_info import trace_info
 
 SCRIPTS = Path(__file__).parent / "scripts"
 _spec = importlib.util.spec_from_file_location("fault_loop", SCRIPTS / "fault_loop.py")

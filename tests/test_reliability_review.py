@@ -28,7 +28,8 @@ import tracer.record.writer as writer_module
 from app.components.safe_trace import BadRequestError, resolve_request
 from tracer import Trace, TraceWriter, views
 from tracer.checks import run_checks
-from tracer.cli import main, trace_info
+from tracer.cli import main
+from tracer.read.trace_info import trace_info
 from tracer.errors import TraceError, TraceFormatError
 from tracer.format.integrity import EMPTY_ELEMENT_BUDGET, MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name

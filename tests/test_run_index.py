@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from tracer.format import run_index
-from tracer.cli import trace_info
+from tracer.read.trace_info import trace_info
 from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
 from tracer.read.reader import Trace
 from tracer.format.metadata_codec import decode_metadata

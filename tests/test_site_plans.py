@@ -21,7 +21,8 @@ from tracer import Trace
 from tracer.demo.tiny_model import build_tiny_model
 from tracer.zero_edit.name_maps import load_name_map
 from tracer.testing import assert_traces_match
-from tracer.zero_edit.watch import Watcher, run_script
+from tracer.zero_edit.script_runner import run_script
+from tracer.zero_edit.watch import Watcher
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

@@ -332,7 +332,7 @@ def test_plans_give_what_the_full_read_gives_on_a_loop_with_its_own_map(tmp_path
     import io
 
     from tracer.demo.tiny_model import build_tiny_model
-    from tracer.zero_edit.watch import run_script
+    from tracer.zero_edit.script_runner import run_script
 
     scripts = Path(__file__).parent / "scripts"
     model_dir = build_tiny_model(tmp_path / "model", seed=0)

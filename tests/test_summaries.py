@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tracer.cli import trace_info
+from tracer.read.trace_info import trace_info
 from tracer.read.reader import Trace
 from tracer.record.writer import TraceWriter
 

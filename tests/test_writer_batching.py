@@ -20,7 +20,8 @@ from tracer import formulas
 from tracer.zero_edit import frames
 from tracer.formulas import summaries
 from tracer.format import summary as summary_format
-from tracer.record.capture import StagedStep, nonfinite_fields
+from tracer.record.batches import nonfinite_fields
+from tracer.record.capture import StagedStep
 from tracer.record.thread import BackgroundWriter
 from tracer.errors import TraceError
 from tracer.format.hashing import content_sha256, tensor_bytes

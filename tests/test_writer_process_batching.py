@@ -63,11 +63,11 @@ def test_a_record_waiting_for_room_makes_a_lingering_child_write(tmp_path, monke
     half the bounds in hand, so it would linger on) tells the child to hurry: it writes what it
     holds and frees the room, instead of the record waiting out the linger, or the stall limit
     that would kill the child and warn."""
-    from tracer.record.process.parent import ALIGN, _Layout
+    from tracer.record.process.pipe import ALIGN, RingLayout
 
     batches = _lingering_child(monkeypatch)
     big = grpo_step(2, B=16, T=64)
-    ring = _Layout(0, big, "float32").size + ALIGN  # the big step fits only in an empty ring
+    ring = RingLayout(0, big, "float32").size + ALIGN  # the big step fits only in an empty ring
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a stall warning (the child taken for hung) fails the test
         with TraceWriter(tmp_path / "p", "grpo", writer="process", max_queue_bytes=ring, writer_stall_s=5,

@@ -15,7 +15,7 @@ import torch
 from tracer.record.capture import SamplingPolicy
 from tracer.read.reader import Trace
 from tracer.record.writer import TraceWriter
-from tracer.record.process.parent import _Layout
+from tracer.record.process.pipe import RingLayout
 
 from test_writer_process import _lingering_child, grpo_step
 from writer_linger import _assert_steps, _manifest
@@ -107,7 +107,7 @@ def test_steps_larger_than_the_ring_between_lingered_small_ones(tmp_path, monkey
     lingered ones are written) in between, in every order: all written, each with its values."""
     batches = _lingering_child(monkeypatch)
     big = lambda step: grpo_step(step, B=16, T=64)  # noqa: E731
-    ring = 4 * _Layout(0, grpo_step(0), "float32").size
+    ring = 4 * RingLayout(0, grpo_step(0), "float32").size
     kinds = ["small", "big", "small", "small", "big", "big", "small", "big"]
     expected = {}
     with TraceWriter(tmp_path / "b", "grpo", writer="process", max_queue_bytes=ring) as writer:
@@ -132,7 +132,7 @@ def test_batched_process_files_are_byte_identical_to_the_threads(tmp_path, monke
     _lingering_child(monkeypatch)
     hyper = {"num_generations": 2, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
     sampling = SamplingPolicy(every_n_steps=2, anomaly_ring=2, kl_spike=50.0)
-    ring = 6 * _Layout(0, grpo_step(0), "float32").size
+    ring = 6 * RingLayout(0, grpo_step(0), "float32").size
 
     def steps():
         for step in range(20):

@@ -19,7 +19,7 @@ import torch
 import tracer.record.manifest as manifest_book
 import tracer.record.writer as writer_module
 from tracer.record.capture import SamplingPolicy
-from tracer.cli import trace_info
+from tracer.read.trace_info import trace_info
 from tracer.read.reader import Trace
 from tracer.record.writer import TraceWriter
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -19,12 +20,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import tracer
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
 from tracer.read.reader import Trace, find_traces
 from tracer.format.schema import ALGORITHMS
-from tracer.read.trace_info import _print_info, trace_info  # noqa: F401  (trace_info re-exported)
+from tracer.read.trace_info import print_info, trace_info
 from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -60,9 +60,13 @@ def _positive_int(text: str) -> int:
 
 
 def version_text() -> str:
-    """``tracer <version> (<package folder>)``: which copy of tracer runs (``tracer.__version__``, the
-    pyproject version; the folder tells one checkout or install from another)."""
-    return f"tracer {tracer.__version__} ({Path(tracer.__file__).resolve().parent})"
+    """``tracer <version> (<package folder>)``: which copy of tracer runs (the installed distribution's
+    version, which is pyproject's; the folder tells one checkout or install from another)."""
+    try:
+        version = importlib.metadata.version("tracer")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        version = "(not installed)"
+    return f"tracer {version} ({Path(__file__).resolve().parent})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -183,7 +187,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
-        _print_info(info)
+        print_info(info)
     return 2 if info.get("integrity", {}).get("corrupt") else 0
 
 
@@ -302,7 +306,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from tracer.zero_edit.watch import Watcher, run_script, summary_logger
+    from tracer.zero_edit.script_runner import run_script
+    from tracer.zero_edit.watch import Watcher, summary_logger
 
     meta = {}
     for text in args.meta:

@@ -23,8 +23,8 @@ OUT = HERE / "bad_traces"
 if str(HERE.parents[1]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[1]))
 
-from tracer.layout import step_file_name  # noqa: E402
-from tracer.metadata_codec import encode_metadata  # noqa: E402
+from tracer.format.names import step_file_name  # noqa: E402
+from tracer.format.metadata_codec import encode_metadata  # noqa: E402
 
 VOCAB = ["<pad>", "<eos>", "Hello", " world", "<script>alert(1)</script>", "<b>", " yes", " no"]
 B, T = 2, 4

@@ -35,7 +35,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from tracer.formulas.derived import derivable
 from tracer.format import summary_store
 from tracer.format.names import SUMMARY_INDEX_GLOB, summary_index_name, summary_store_name
 from tracer.format.metadata_codec import decode_metadata
@@ -117,9 +116,10 @@ class IndexWriter:
         self.token, self._lines, self._written = head["writer"], ["\n"] if torn else [], size
         return True
 
-    def add(self, path: Path, names: Iterable[str], metadata: Mapping[str, str],
+    def add(self, path: Path, derived: list[str], metadata: Mapping[str, str],
             decoded: Mapping[str, Any] | None = None, size: int | None = None) -> None:
-        """Queue the line of step file ``path``, just written with tensors ``names`` and the encoded
+        """Queue the line of step file ``path``, just written, whose fields ``derived`` the reader derives
+        (:func:`tracer.formulas.derived.derivable` of its tensors and header), with the encoded
         header ``metadata`` (``tracer.format.metadata_codec.encode_metadata``'s ``{key: str}``); nothing when it
         holds no summary. ``decoded``: the same header as values, when the caller has it (the writer
         does), so it is not decoded again. ``size``: the file's size in bytes when the caller knows
@@ -133,7 +133,7 @@ class IndexWriter:
                 size = os.stat(path).st_size
             head = {"file": path.name, **{k: decoded.get(k) for k in COORDINATES}, "size": size,
                     "content_sha256": decoded.get("content_sha256"),
-                    "derived": derivable(names, decoded)}
+                    "derived": list(derived)}
             line = json.dumps(head)[:-1] + f', "summary": {metadata[SUMMARY_KEY]}}}\n'
         except Exception as err:  # noqa: BLE001  (the index is an optimisation; the file is on disk)
             log.warning("tracer: %s not listed in %s (%s: %s)", path.name, self.path.name, type(err).__name__, err)

@@ -1,5 +1,5 @@
 """``tracer info``: what a trace holds (:func:`trace_info`: a dict, also the ``--json`` output) and
-its text form (:func:`_print_info`): status, steps and ranks, fields, capture reports, drops, the
+its text form (:func:`print_info`): status, steps and ranks, fields, capture reports, drops, the
 overview's per-step curves in numbers, and, with ``--verify``, each step file's checksum.
 """
 
@@ -129,7 +129,7 @@ def _json_number(value: Any) -> float | int | None:
     return None if isinstance(value, float) and value != value else value
 
 
-def _print_info(info: dict[str, Any]) -> None:
+def print_info(info: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

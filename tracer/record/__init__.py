@@ -6,7 +6,7 @@ training thread (:mod:`~tracer.record.backends`: inline, thread, or the writer p
 index line; :mod:`~tracer.record.manifest` keeps the manifest. Builds on :mod:`tracer.format` only.
 """
 
-from tracer.record.capture import SamplingPolicy
+from tracer.record.capture import CapturedStep, SamplingPolicy
 from tracer.record.writer import Tracer, TraceWriter
 
-__all__ = ["SamplingPolicy", "Tracer", "TraceWriter"]
+__all__ = ["CapturedStep", "SamplingPolicy", "Tracer", "TraceWriter"]

@@ -18,7 +18,7 @@ import sys
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,10 +30,8 @@ from tracer.format.files import unlock_rank
 from tracer.format.metadata_codec import jsonable
 from tracer.record.step_writer import step_header
 
-if TYPE_CHECKING:
-    from tracer.record.writer import TraceWriter
 
-log = logging.getLogger("tracer.record.writer")  # the writer's logger (this module was split off tracer.record.writer)
+log = logging.getLogger("tracer.record.writer")  # the writer's logger: these methods are TraceWriter's
 
 WRITERS = ("auto", "thread", "process")
 WRITER_ENV = "TRACER_WRITER"  # auto | thread | process: the writer of TraceWriters that do not name one
@@ -114,7 +112,7 @@ def _stall_limit(seconds: float | None) -> float | None:
     return value
 
 
-_OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()
+_OPEN_WRITERS: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the open TraceWriters, closed at exit
 
 
 @atexit.register

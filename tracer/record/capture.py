@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from tracer.record.batches import anomaly_reason, nonfinite_fields  # noqa: F401  (re-exported)
 from tracer.format.schema import FIELDS
 
 
@@ -68,6 +67,34 @@ class SamplingPolicy:
 
     def sampled(self, step: int) -> bool:
         return step % self.every_n_steps == 0
+
+
+@dataclass(frozen=True)
+class CapturedStep:
+    """One step already captured by code that is not the training loop's own ``record`` call: a
+    zero-edit watcher (:mod:`tracer.zero_edit.watch`) or an integration, handed to
+    :meth:`tracer.record.writer.TraceWriter.record_captured`.
+
+    Attributes:
+        step, inner_step, micro_batch: the step's coordinates (ints >= 0).
+        tensors: canonical fields (SPEC.md section 4), any device and float dtype, as for ``record``.
+        metadata: the step's own metadata (JSON-able), or None.
+        owned: names of CPU tensors made for this step alone (indexed rows, derived fields) that the
+            caller will not touch again: staged without a copy.
+        derive: fields the writer derives from the recorded ones and records with them, off the training
+            thread (``ratio``, ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.formulas.derived.derive_recorded`).
+        signature: the tensors' field signature when the caller computed it already
+            (:meth:`tracer.record.validation.SignatureCache.check`), else None.
+    """
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    inner_step: int = 0
+    micro_batch: int = 0
+    metadata: dict[str, Any] | None = None
+    owned: frozenset[str] | set[str] = frozenset()
+    derive: tuple[str, ...] = ()
+    signature: tuple | None = None
 
 
 @dataclass

@@ -20,7 +20,7 @@ from tracer.record import step_bytes
 from tracer.format import summary as summary_format
 from tracer.formulas import summaries
 from tracer.record.capture import StagedStep
-from tracer.formulas.derived import derive_fields, derive_recorded
+from tracer.formulas.derived import derivable, derive_fields, derive_recorded
 from tracer.format.names import STEPS_DIR, step_file_name, step_label
 from tracer.format.files import unshare
 from tracer.record.manifest import ManifestBook
@@ -99,7 +99,8 @@ class StepWriter:
             return
         self.book.written(item.sampled)
         # never raises; the size save_atomic knows spares a stat (an int: a replaced save may return anything)
-        self.index.add(path, item.tensors, encoded, item.metadata, size if type(size) is int else None)
+        self.index.add(path, derivable(item.tensors, item.metadata), encoded, item.metadata,
+                       size if type(size) is int else None)
 
     def summarise(self, items: list[StagedStep]) -> None:
         """Put each step's summary (:mod:`tracer.format.summary`, steps of one batch computed together)

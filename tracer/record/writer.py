@@ -21,7 +21,7 @@ from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
 from tracer.record.manifest import token_strings, tokenizer_identity
 from tracer.format import summary as summary_format
-from tracer.record.capture import BufferPool, SamplingPolicy, cut_rows
+from tracer.record.capture import BufferPool, CapturedStep, SamplingPolicy, cut_rows
 from tracer.record.thread import MAX_BATCH, BackgroundWriter
 from tracer.errors import SchemaError, TraceError
 from tracer.errors import user_stacklevel
@@ -241,11 +241,23 @@ class TraceWriter(WriterBackends):
         """
         return self._record(step, {**dict(tensors or {}), **named_tensors}, inner_step, micro_batch, metadata)
 
+    def record_captured(self, captured: CapturedStep) -> None:
+        """Record a step that a watcher or an integration captured (:class:`tracer.record.capture.CapturedStep`):
+        the checks, sampling and hand-over of :meth:`record`, with the captured step's own tensors staged
+        without a copy (``owned``) and its ``derive`` fields computed off the training thread. Returns
+        nothing (making the step file's path costs the training thread time a watcher does not want).
+
+        Raises:
+            SchemaError, TraceError: as :meth:`record`.
+        """
+        self._record(captured.step, captured.tensors, captured.inner_step, captured.micro_batch, captured.metadata,
+                     captured.owned, captured.derive, captured.signature, path_wanted=False)
+
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
                 metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
                 derive: tuple[str, ...] = (), signature: tuple | None = None, path_wanted: bool = True) -> Path | None:
-        """:meth:`record`; ``owned``: names of CPU tensors made for this record alone (zero-edit
-        capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
+        """:meth:`record` and :meth:`record_captured`; ``owned``: names of CPU tensors made for this record
+        alone (zero-edit capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
         writer derives from the recorded ones and records with them (zero-edit capture's ``ratio``,
         ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.formulas.derived.derive_recorded`), off this thread;
         ``signature``: the tensors' field signature when the caller knows it

@@ -41,6 +41,7 @@ from tracer.format.files import refuse_existing_trace
 from tracer.zero_edit.name_maps import NameMap, load_name_map
 from tracer.format.schema import ALGORITHMS
 from tracer.zero_edit.step_clock import StepClock  # noqa: F401  (re-exported: tracer.zero_edit.watch.StepClock)
+from tracer.record.capture import CapturedStep
 from tracer.record.writer import TraceWriter
 
 MAX_WARNINGS = 3  # capture failures warned about one by one; later ones are only counted
@@ -312,8 +313,8 @@ class Watcher:
         if mb and "micro_batch" not in capture.indices and "inner_step" not in capture.indices:
             metadata["micro_batch_counted"] = True  # no index named it: a later pass may look like this
         writer = self.writer or self._open_writer(frame, capture)
-        writer._record(step, capture.fields, inner, mb, metadata, capture.owned, tuple(capture.derive),
-                       capture.signature, path_wanted=False)
+        writer.record_captured(CapturedStep(step, capture.fields, inner, mb, metadata, capture.owned,
+                                            tuple(capture.derive), capture.signature))
         self.sources.update(capture.sources)
         self._last_anchor = (weakref.ref(base), base._version)
         self.steps_recorded += 1
@@ -390,4 +391,3 @@ def _call_original(name: str, *args, **kwargs):
 _ORIGINALS = {"tensor_backward": torch.Tensor.backward, "autograd_backward": torch.autograd.backward}
 
 
-from tracer.zero_edit.script_runner import run_script  # noqa: E402,F401  (re-exported: tracer.zero_edit.watch.run_script)

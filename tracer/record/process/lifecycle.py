@@ -20,18 +20,15 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tracer.errors import TraceError
 from tracer.format.names import step_label
-from tracer.record.process.pipe import frame, unframe
+from tracer.record.process.pipe import RingLayout, frame, unframe
 
-if TYPE_CHECKING:
-    from tracer.record.process.parent import _Layout
-
-log = logging.getLogger("tracer.record.process.parent")  # the writer process's logger (this module was split off it)
+log = logging.getLogger("tracer.record.process.parent")  # the writer process's logger, shared with the parent side
 
 PIPE_BYTES = 2**20  # asked of the kernel for the command pipe (Linux's default unprivileged maximum)
 POLL_S = 0.2  # how long a wait for the child looks before checking that it lives
@@ -267,7 +264,7 @@ class ChildLifecycle:
             for message in unframe(self._inbox):
                 self._apply(message)
 
-    def _copy_out(self, layout: "_Layout", start: int) -> dict[str, torch.Tensor]:
+    def _copy_out(self, layout: "RingLayout", start: int) -> dict[str, torch.Tensor]:
         """A step's tensors, copied out of the ring at ``start``."""
         return {name: self._ring[start + at:start + at + nbytes].view(dtype).view(shape).clone() if nbytes
                 else torch.empty(shape, dtype=dtype) for name, dtype, shape, at, nbytes in layout.fields}

@@ -64,9 +64,8 @@ from tracer.errors import TraceError
 from tracer.format.names import step_label
 from tracer.record.manifest import ManifestBook
 from tracer.record.process.lifecycle import STALL_S, ChildLifecycle, Orphan, _close_quietly
-from tracer.record.process.pipe import frame, step_frame, unframe
+from tracer.record.process.pipe import ALIGN, RingLayout, align, frame, step_frame, unframe
 
-ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
 STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
 # record() reads the child's results at most this often (ProcessWriter.poll_due): a read of the result pipe
 # costs the training thread 40-90 us on a VM (its syscall and the results' bookkeeping); 0.05 s made it a
@@ -74,28 +73,6 @@ STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is read
 # ring or steps bound reads them at once, so the bounds hold whatever this is.
 RESULTS_EVERY_S = 0.2
 MAX_LAYOUTS = 4096  # layouts (fields' names, dtypes, shapes) kept; past it each new one reuses the next id
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class _Layout:
-    """Where each tensor of one field signature lies in a step's region of the ring."""
-
-    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str,
-                 derive: tuple[str, ...] = ()) -> None:
-        self.ident, self.fields, self.source_dtype, self.derive, at = ident, [], source_dtype, derive, 0
-        for name, t in tensors.items():
-            self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
-            at = _align(at + t.nbytes)
-        self.size = max(at, ALIGN)
-        self.nbytes = sum(field[4] for field in self.fields)
-        self.dense = all(field[4] for field in self.fields)  # every field holds bytes: each has a view
-
-    def message(self) -> dict[str, Any]:
-        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype, "v": list(self.derive),
-                "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}
 
 
 class ProcessWriter(ChildLifecycle):
@@ -122,7 +99,7 @@ class ProcessWriter(ChildLifecycle):
         self._heard_at = time.monotonic()  # when the child last showed progress (a result, a byte taken, CPU time)
         self._cpu = None  # the child's CPU time when last looked at (_activity)
         self.book, self.max_steps, self.when_full = book, max(1, max_steps), when_full
-        self.size = _align(max(max_bytes, ALIGN))
+        self.size = align(max(max_bytes, ALIGN))
         self.dead: str | None = None  # why the child is gone
         self.peak_bytes = self._bytes = 0
         # seq, start, end, nbytes, coordinates (step, inner step, micro-batch), and (coordinates, layout,
@@ -132,7 +109,7 @@ class ProcessWriter(ChildLifecycle):
         self._polled_at = 0.0
         self._regions: list[tuple[int, int]] = []  # (start, end) of the ring regions in flight, sorted
         self._seq = 0
-        self._layouts: dict[tuple, _Layout] = {}
+        self._layouts: dict[tuple, RingLayout] = {}
         self._last_layout: tuple = (None, None, None, None)  # (key given, source_dtype, derive, layout) of the last step
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._ready = False
@@ -253,7 +230,7 @@ class ProcessWriter(ChildLifecycle):
     # -- private ------------------------------------------------------------------------------
 
     def _layout(self, tensors: dict[str, torch.Tensor], key: tuple | None, source_dtype: str,
-                derive: tuple[str, ...] = ()) -> _Layout:
+                derive: tuple[str, ...] = ()) -> RingLayout:
         """The layout of ``tensors`` (sent to the child when new). ``key``: their signature when the
         caller has one; the very tuple given for the last step (a call-site plan's own,
         :mod:`tracer.zero_edit.site_plans`) with the same ``source_dtype`` and ``derive`` is that step's layout,
@@ -265,7 +242,7 @@ class ProcessWriter(ChildLifecycle):
         key = (key or tuple((name, t.dtype, t.shape) for name, t in tensors.items()), source_dtype, derive)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = _Layout(len(self._layouts), tensors, source_dtype, derive)
+            layout = RingLayout(len(self._layouts), tensors, source_dtype, derive)
             if len(self._layouts) < MAX_LAYOUTS:
                 self._layouts[key] = layout
             else:  # the id is given again (each time, to another layout): no views of it may be reused
@@ -274,7 +251,7 @@ class ProcessWriter(ChildLifecycle):
         self._last_layout = (given, source_dtype, derive, layout)  # a new layout always replaces it
         return layout
 
-    def _copy(self, ring: torch.Tensor, layout: _Layout, start: int, tensors: dict[str, torch.Tensor],
+    def _copy(self, ring: torch.Tensor, layout: RingLayout, start: int, tensors: dict[str, torch.Tensor],
               cache: bool = True) -> None:
         """Copy ``tensors`` into their places at ``start``; the views of a (layout, start) are kept."""
         views = self._views.get((layout.ident, start)) if cache else None

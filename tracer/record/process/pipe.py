@@ -11,6 +11,8 @@ import json
 import struct
 from typing import Any
 
+import torch
+
 FRAME = struct.Struct("<I")  # the length before each body
 STEP = struct.Struct("<qqqqBIQ")  # seq, step, inner_step, micro_batch, sampled, layout, ring offset
 
@@ -61,3 +63,29 @@ def unframe(buffer: bytearray) -> list[dict[str, Any]]:
         at += 4 + size
     del buffer[:at]
     return out
+
+
+ALIGN = 64  # each tensor starts on a 64-byte boundary of the ring
+
+
+def align(n: int) -> int:
+    """``n`` rounded up to the next multiple of :data:`ALIGN`."""
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class RingLayout:
+    """Where each tensor of one field signature lies in a step's region of the ring."""
+
+    def __init__(self, ident: int, tensors: dict[str, torch.Tensor], source_dtype: str,
+                 derive: tuple[str, ...] = ()) -> None:
+        self.ident, self.fields, self.source_dtype, self.derive, at = ident, [], source_dtype, derive, 0
+        for name, t in tensors.items():
+            self.fields.append((name, t.dtype, tuple(t.shape), at, t.nbytes))
+            at = align(at + t.nbytes)
+        self.size = max(at, ALIGN)
+        self.nbytes = sum(field[4] for field in self.fields)
+        self.dense = all(field[4] for field in self.fields)  # every field holds bytes: each has a view
+
+    def message(self) -> dict[str, Any]:
+        return {"k": "layout", "id": self.ident, "size": self.size, "d": self.source_dtype, "v": list(self.derive),
+                "fields": [[n, str(d).removeprefix("torch."), list(s), o, b] for n, d, s, o, b in self.fields]}

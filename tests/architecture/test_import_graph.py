@@ -1,0 +1,122 @@
+"""The package's import graph shows the architecture (SPEC.md section 7): no import cycles, and data
+flowing one way, from the on-disk format up to the command line. Read from the source with ``ast``
+(every ``import``, including those inside functions and under ``TYPE_CHECKING``), not by importing."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "tracer"
+
+# Each stage's level: a module may import its own stage and the stages below it, never one beside or above.
+LEVELS = {
+    "errors": 0,
+    "format": 1,
+    "formulas": 2,
+    "record": 3, "read": 3,
+    "zero_edit": 4, "integrations": 4, "checks": 4, "diff": 4, "views": 4,
+    "demo": 5, "testing": 5, "view_server": 5,
+    "cli": 6, "__main__": 6, "": 6,  # "": the package's own __init__, its public face
+}
+# Stages of one level that build on another of that level (the arrows of SPEC.md section 7).
+ALSO = {("demo", "testing"), ("zero_edit", "integrations"), ("__main__", "cli")}
+MAX_TOP_LEVEL_MODULES = 10
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.split(".")[0] == "tracer" and (found := resolve(target)) and found != name:
+                    edges[name].add(found)
+    return edges
+
+
+def _stage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    assert _cycles(_edges(_modules())) == []
+
+
+def test_no_module_imports_a_stage_beside_or_above_its_own():
+    wrong = []
+    for a, targets in _edges(_modules()).items():
+        for b in targets:
+            sa, sb = _stage(a), _stage(b)
+            if sa == sb and a != "tracer":
+                if a.startswith(b + "."):  # a submodule importing its own package's __init__
+                    wrong.append(f"{a} -> {b} (its own package)")
+                continue
+            if LEVELS[sb] > LEVELS[sa] or (LEVELS[sb] == LEVELS[sa] and (sa, sb) not in ALSO):
+                wrong.append(f"{a} -> {b}")
+    assert wrong == []
+
+
+def test_the_format_imports_nothing_of_tracer_but_errors():
+    edges = _edges(_modules())
+    assert {b for a, targets in edges.items() if _stage(a) == "format" for b in targets
+            if _stage(b) != "format"} <= {"tracer.errors"}
+
+
+def test_tracer_has_at_most_ten_top_level_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
