@@ -45,7 +45,7 @@ $(STAMP): requirements.txt pyproject.toml
 app: $(STAMP)
 	$(PY) -m tracer view sample_traces
 
-# tests/vllm_engine need the vLLM engine and tests/test_verl.py verl: each runs in its own venv
+# tests/vllm_engine need the vLLM engine and tests/integrations/test_verl*.py verl: each runs in its own venv
 # (test-vllm, test-verl below), not in this one
 test: $(STAMP) $(VERL_STAMP) $(VLLM_STAMP)
 	$(MAKE) test-main
@@ -57,7 +57,7 @@ test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 
 test-verl: $(VERL_STAMP)
-	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/test_verl.py tests/test_checks_verl.py tests/test_verl_configs.py
+	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl

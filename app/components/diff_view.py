@@ -16,7 +16,7 @@ import pandas as pd
 from pandas.io.formats.style import Styler
 
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS, visible_tokens
-from tracer.diff.report import StepId
+from tracer.diff.locations import StepId
 from tracer.read.reader import StepKey
 from tracer.read.tables import MASKED, TOKEN_VALUE_FIELDS
 

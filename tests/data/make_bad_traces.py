@@ -4,7 +4,7 @@ purpose (truncated, corrupt or hostile), each listed with what is wrong in bad_t
     python tests/data/make_bad_traces.py            (from the repository root)
 
 Deterministic: the same bytes every run (fixed tensors, fixed manifest, no timestamps).
-tests/test_reliability_corrupt.py reads the corpus and :data:`CASES` (what each file should give).
+tests/reliability/test_corrupt.py reads the corpus and :data:`CASES` (what each file should give).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def write_readme() -> None:
     lines = ["# Bad traces (made by tests/data/make_bad_traces.py; do not edit by hand)", "",
              "Each file is broken on purpose. The reader, `info`, `check` and `diff` must say which file",
              "and why, keep serving the other steps, never hang and never crash "
-             "(tests/test_reliability_corrupt.py).", "",
+             "(tests/reliability/test_corrupt.py).", "",
              "## mixed/ (good steps 0 and 30 around the bad ones; manifest status 'running')", ""]
     for step, (what, readable) in CASES.items():
         kind = "readable, odd" if readable else "unreadable"

@@ -1,7 +1,7 @@
 """A traced synthetic training loop for crash tests, run as a zygote: it imports torch and tracer
 once, then forks one loop per request so that each run starts in milliseconds.
 
-    python tests/scripts/crash_loop.py        (driven by tests/test_reliability_crash.py)
+    python tests/scripts/crash_loop.py        (driven by tests/reliability/test_crash.py)
 
 Protocol (one line each, on stdin / stdout):
     <- RUN <out_dir> <seed> <steps>

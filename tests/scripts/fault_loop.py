@@ -2,7 +2,7 @@
 write files larger than a few KB (``RLIMIT_FSIZE``, so writes fail with EFBIG, as on a full
 disk), or no bytes at all. Run in its own process (the limit is process-wide):
 
-    python tests/scripts/fault_loop.py OUT_DIR      (driven by tests/test_reliability_faults.py)
+    python tests/scripts/fault_loop.py OUT_DIR      (driven by tests/reliability/test_faults.py)
 
 Prints one JSON object: for each scenario, what the training loop saw (steps it ran, warnings,
 the exception strict mode raised and its cause).

@@ -4,7 +4,7 @@
 
 Prints how many mutated files were read fine and how many were refused, by the reason of the
 TraceFormatError; exits 1 if anything else was raised (any other exception is a bug). The test
-tests/test_reliability_fuzz.py drives the same :func:`exercise` with hypothesis.
+tests/reliability/test_fuzz.py drives the same :func:`exercise` with hypothesis.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:
 from tracer import Trace, TraceFormatError, TraceWriter  # noqa: E402
 from tracer.checks import run_checks  # noqa: E402
 from tracer.cli import trace_info  # noqa: E402
+from tracer.read.trace_info import trace_info
 from tracer.format.names import STEPS_DIR, step_file_name  # noqa: E402
 
 STEP_NAME = step_file_name(3)

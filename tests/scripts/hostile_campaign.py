@@ -11,7 +11,7 @@ memory (resident set, measured with ``/proc/self/clear_refs``) are recorded per 
 The address space is capped at 2 GiB above what the imports use, so a regression fails with a
 MemoryError here instead of taking the machine down.
 
-tests/test_reliability_hostile.py runs it and holds every case to 5 s and 500 MB.
+tests/reliability/test_hostile_campaign.py runs it and holds every case to 5 s and 500 MB.
 """
 
 from __future__ import annotations

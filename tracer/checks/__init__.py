@@ -1,12 +1,19 @@
 """``tracer check``: the invariants of SPEC section 6 as named checks that return located findings.
 
-Families, one module each: ``identity`` (first-step identity, old aliasing policy), ``alignment``
-(logprob shift, completion start), ``masks`` (after EOS, padding, empty rows, DPO mask rule),
-``kl`` (k3 sign, ref - policy gap, negative k1 in one step or persistently), ``logprobs`` (no kept
-logprob above 0), ``nonfinite`` (NaN/Inf by dependency
-order), ``advantages`` (group sum, zero-variance groups, z-score bound, masked positions, PPO reward
-placement), ``sampler`` (sampler vs trainer logprobs), ``integrity`` (bytes vs recorded checksum) and ``recompute`` (ratio, KL, advantages, clip
-fractions, DPO terms, per-token loss and the loss reduction).
+Families (the check id's prefix), by module: ``fields`` (required fields), ``identity`` (first-step
+identity, old aliasing policy; ``micro_batches``: a micro-batch's position), ``alignment`` (logprob
+shift, completion start), ``masks`` (after EOS, padding, empty rows, DPO mask rule), ``kl`` (k3 sign,
+ref - policy gap, negative k1 in one step or persistently), ``logprobs`` (no kept logprob above 0),
+``nonfinite`` (NaN/Inf by dependency order), ``advantages`` (group sum, zero-variance groups, z-score
+bound, masked positions, PPO reward placement), ``sampler`` (sampler vs trainer logprobs;
+``probability``: sampler vs trainer probabilities), ``integrity`` (bytes vs recorded checksum) and
+``recompute`` (``recompute``: ratio, KL, advantages, token rewards, clip fractions, DPO terms;
+``per_token_loss``: the per-token loss; ``reduction``: the loss reduction).
+
+Shared by several families: ``context`` (what a check sees), ``finding`` (findings, the registry),
+``comparison`` (recorded vs recomputed), ``advantage_rules`` (groups, advantage rules),
+``kl_placement`` (KL penalty in the rewards or the loss), ``runner`` and ``report`` (running the
+checks, rendering findings).
 
 Public API::
 
@@ -18,11 +25,12 @@ Public API::
 
 from __future__ import annotations
 
-from tracer.checks import (  # noqa: F401  (importing a family module registers its checks)
-    advantages, alignment, fields, identity, integrity, kl, logprobs, masks, nonfinite, recompute, reduction,
-    sampler,
+# importing a module registers its checks, in this order (the order of CHECKS, in which they run)
+from tracer.checks import (  # noqa: F401
+    advantages, alignment, fields, identity, integrity, kl, logprobs, masks, nonfinite, recompute, per_token_loss,
+    reduction, sampler,
 )
-from tracer.checks import micro_batches, probability  # noqa: F401,E402  (verl's checks, issue 17)
+from tracer.checks import micro_batches, probability  # noqa: F401  (checks of verl's micro-batches and sampler)
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
 from tracer.checks.finding import (
     CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,

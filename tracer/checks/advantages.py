@@ -6,7 +6,8 @@ groups (no learning signal) are counted, and |A| stays within the bound a group 
 ``token_rewards``, and no reward or advantage sits on a masked position.
 
 Groups are read from ``group_ids`` when recorded (rows may be shuffled), else G consecutive rows
-(``num_generations``). Only complete groups of G rows in the step file are checked.
+(``num_generations``). Only complete groups of G rows in the step file are checked
+(:func:`tracer.checks.advantage_rules.full_groups`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import torch
 
 from tracer import formulas
+from tracer.checks.advantage_rules import empty_rows, full_groups, named_rule, whitened_fit
 from tracer.checks.context import StepContext, check_memo
 from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
@@ -31,35 +33,6 @@ def not_group_centred(rule: str) -> bool:
     estimators (``verl_<estimator>``, except ``verl_grpo``)."""
     canonical = formulas.ADVANTAGE_RULE_ALIASES.get(rule, rule)
     return canonical in NOT_GROUP_CENTRED_RULES or (canonical.startswith(formulas.VERL_RULE_PREFIX) and canonical != "verl_grpo")
-
-
-def full_groups(ctx: StepContext, rows: int) -> tuple[list[list[int]], int]:
-    """Row indices of every complete group in the step and G; Skip when groups cannot be formed."""
-    G = ctx.hyper("num_generations", None)
-    if rows == 0:
-        raise Skip("the step file holds no sequences (B = 0)")
-    if G is not None and (not isinstance(G, (int, float)) or isinstance(G, bool) or int(G) < 1):
-        raise Skip(f"metadata num_generations = {G!r} is not a group size >= 1")
-    if "group_ids" in ctx.data:
-        by_id: dict[int, list[int]] = {}
-        for row, gid in enumerate(ctx.data["group_ids"].tolist()):
-            by_id.setdefault(gid, []).append(row)
-        sizes = [len(r) for r in by_id.values()]
-        # group_ids are the recorded truth: when they form groups larger than num_generations, use their
-        # size (advantages.group_size reports the disagreement); groups smaller than G are partial groups of
-        # a micro-batch and are left out as before
-        if G is None or (int(G) not in sizes and max(sizes) > int(G)):
-            G = max(set(sizes), key=sizes.count)
-        groups = [r for r in by_id.values() if len(r) == int(G)]
-    else:
-        if G is None:
-            raise Skip("needs field group_ids or metadata key 'num_generations' to form groups")
-        if rows % int(G):
-            raise Skip(f"B = {rows} rows is not a multiple of num_generations = {G} and no group_ids are recorded")
-        groups = [list(range(s, s + int(G))) for s in range(0, rows, int(G))]
-    if int(G) < 2 or not groups:
-        raise Skip(f"no complete group of G = {G} >= 2 rows in this step file")
-    return groups, int(G)
 
 
 def _sequence_advantages(ctx: StepContext) -> torch.Tensor:
@@ -92,13 +65,6 @@ def check_group_size(ctx: StepContext):
     rows = [r for r, g in enumerate(ids) if g == gid]
     return [ctx.finding("advantages.group_size", INFO if partial else WARNING, message, rows[0], field="group_ids",
                         group_sizes=sorted(set(sizes.values())), num_generations=int(G))]
-
-
-def empty_rows(ctx: StepContext) -> set[int]:
-    """The rows whose completion_mask keeps no token (none when no mask is recorded)."""
-    if not ctx.has("completion_mask") or ctx.data["completion_mask"].dim() != 2:
-        return set()
-    return set((~ctx.mask().any(dim=1)).nonzero().flatten().tolist())
 
 
 @register("advantages.group_sum", "advantages sum to ~0 within each group", GROUPED)
@@ -267,8 +233,6 @@ def check_z_bound(ctx: StepContext):
     value = float(a[worst])
     if value <= bound * (1 + ctx.tol.rtol) + ctx.tol.atol:
         return []
-    from tracer.checks.recompute import named_rule  # (recompute imports this module)
-
     named = named_rule(ctx)  # an undeclared rule recompute.advantages accepts, with an info
     if named is not None and named not in Z_SCORE_RULES:
         raise Skip(f"advantages follow the {named!r} rule recomputed from rewards (recompute.advantages "
@@ -283,22 +247,6 @@ def check_z_bound(ctx: StepContext):
         "over the same G rows (rewards.view(-1, G)), not over the batch or the wrong axis (view(G, -1))."
     )
     return [ctx.finding("advantages.z_bound", ERROR, message, row, field="advantages", bound=bound, value=value)]
-
-
-def whitened_fit(recorded: torch.Tensor, raw: torch.Tensor, keep: torch.Tensor, ctx: StepContext):
-    """Does ``recorded`` equal ``a * raw + b`` (a > 0) on the kept tokens, as whitening GAE with the
-    statistics of the whole rollout gives (a step file may hold one minibatch of it)? Returns
-    ``(matches, a, b, max residual)``."""
-    y, x = recorded.double()[keep], raw.double()[keep]  # (N,)
-    if y.numel() == 0:
-        return False, float("nan"), float("nan"), float("nan")
-    xc = x - x.mean()
-    spread = float((xc ** 2).sum())
-    a = float((xc * (y - y.mean())).sum()) / spread if spread > 0 else 1.0
-    b = float(y.mean()) - a * float(x.mean())
-    residual = (y - (a * x + b)).abs()
-    tol = 10 * ctx.tol.atol + 10 * ctx.tol.rtol * y.abs()
-    return bool(a > 0 and (residual <= tol).all()), a, b, float(residual.max())
 
 
 def _whitening_shift(ctx: StepContext, advantages: torch.Tensor, keep: torch.Tensor, offset: float) -> bool:

@@ -26,7 +26,7 @@ SHIFT_RATIO = 0.5  # the winning shift's mean |Δ| must be below this share of s
 REPEAT_MIN = 3  # repeated-token positions that must show the next (previous) position's distribution ...
 REPEAT_RATIO = 0.1  # ... fitting it within this share of their unshifted |Δ| and of the whole rows' (with
 # 0.15-0.3 nats of noise between trainer and sampler, 1 position at half its |Δ| flagged 4-9 healthy
-# step files in 100 in a Monte Carlo review; tests/test_foreign_loops.py keeps a healthy run silent)
+# step files in 100 in a Monte Carlo simulation; tests/checks/test_foreign_loops.py keeps a healthy run silent)
 
 
 def shifted_mae(recorded: torch.Tensor, reference: torch.Tensor, keep: torch.Tensor, shift: int):

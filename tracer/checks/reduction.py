@@ -1,5 +1,6 @@
-"""Recompute the loss (SPEC.md section 6): the per-token loss from the recorded inputs, and the scalar
-loss under the three reductions, compared with the loss the trainer recorded.
+"""The ``recompute.loss`` check (SPEC.md section 6): the scalar loss under the three reductions of the
+per-token loss (recorded, else recomputed by :mod:`tracer.checks.per_token_loss`), compared with the
+loss the trainer recorded.
 
 Where a recorded loss lives: the scalar tensor field ``loss`` (shape ``[]`` or ``[1]``, the value
 the trainer backpropagated for this step file), or, failing that, the metadata key ``loss`` (a
@@ -18,305 +19,18 @@ Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from tracer import formulas
+from tracer.checks.comparison import compare
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
-from tracer.checks.recompute import compare, kl_in_reward
+from tracer.checks.per_token_loss import (FLIPPED_KL, flipped_kl_matches, kl_term_name, recomputed_per_token_loss,
+                                          trl_loss_type)
 
 TRL_LOSS_REDUCTION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "bnpo": "token_mean",
                       "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant"}
-GRPO_STYLE_TRL_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo"}
 GENERATION_BATCH_TOKEN_MEAN = {"dapo", "cispo", "vespo"}  # TRL divides by num_items_in_batch
-
-
-def trl_loss_type(ctx: StepContext) -> str | None:
-    """TRL's ``loss_type`` as the TRL integration records it (``loss_type``, or ``trl_loss_type``)."""
-    return ctx.hyper("loss_type", None) or ctx.hyper("trl_loss_type", None)
-
-
-def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
-                              clip: tuple[float, float] | None = None, estimator: str | None = None,
-                              kl_coef: float | None = None) -> torch.Tensor:
-    """The per-token loss ``[B, T]`` from the recorded inputs (GRPO, CISPO or PPO rule); Skip otherwise.
-
-    PPO: ``-min(r*A, clip(r)*A) + kl_coef * ref_kl_k3`` with per-token GAE advantages
-    (:func:`tracer.formulas.ppo_per_token_loss`). ``kl_sign = -1`` flips the KL term (used to name a
-    flipped sign when the recorded loss disagrees); ``clip`` = ``(eps_low, eps_high)`` replaces the
-    recorded clip epsilons (GRPO and PPO; used to name the epsilons a loss clips with); ``estimator``
-    the KL term's estimator (used to name the one a loss uses); ``kl_coef`` the KL term's coefficient
-    (used to name a KL penalty the rewards already carry)."""
-    trl_loss = trl_loss_type(ctx)
-    if ctx.hyper("importance_sampling_level", "token") != "token":
-        raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
-    for key, off in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
-        if ctx.hyper(key, off) not in (off,):
-            raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
-    cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
-    ppo = ctx.algorithm == "ppo"
-    if not (cispo or ppo) and (ctx.algorithm not in ("grpo", "") or (trl_loss and trl_loss not in GRPO_STYLE_TRL_LOSSES)):
-        raise Skip(f"no per-token loss rule for algorithm {ctx.algorithm!r} (loss_type {trl_loss!r}); "
-                   "record per_token_loss")
-    policy, advantages = ctx.require("policy_logprobs", "advantages")
-    old = ctx.old_logprobs()
-    beta = loss_kl_coef(ctx) if kl_coef is None else kl_coef
-    estimator = estimator or (loss_kl_estimator(ctx) if beta else "k3")
-    ref = ctx.tensor("ref_logprobs") if beta and ctx.has("ref_logprobs") else None
-    if beta and ref is None:
-        raise Skip(f"{'kl_coef' if ppo else 'beta'} > 0 but no ref_logprobs recorded")
-    weighted = bool(ctx.hyper("use_bias_correction_kl", False))  # TRL: k3 times the ratio
-    sampler_weights = None
-    if ctx.hyper("vllm_importance_sampling_correction", False):  # TRL: the pg term times the capped IS weights
-        if not (ctx.has("is_weights") or ctx.has("sequence_is_weights")):
-            raise Skip("vllm_importance_sampling_correction is on but no is_weights / sequence_is_weights are recorded")
-        sampler_weights = ctx.tensor("is_weights" if ctx.has("is_weights") else "sequence_is_weights")
-    if cispo:
-        return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref,
-                                             weighted, sampler_weights, estimator)
-    if clip is not None:
-        eps_low, eps_high = clip
-    else:
-        eps_high = float(ctx.hyper("clip_epsilon_high"))
-        eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
-    if ppo:
-        if advantages.dim() != 2:
-            raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
-        return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, estimator)
-    delta = ctx.hyper("delta", None)  # TRL's two-sided clipping (its grpo-style losses only; not CISPO's)
-    return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
-                                        sampler_weights, None if delta is None else float(delta), estimator)
-
-
-def loss_kl_coef(ctx: StepContext) -> float:
-    """The coefficient of the loss's reference-KL term: ``kl_coef`` (PPO) or ``beta``; 0 when the
-    penalty is in the rewards (:func:`kl_in_reward`)."""
-    if kl_in_reward(ctx):
-        return 0.0
-    return float(ctx.hyper("kl_coef" if ctx.algorithm == "ppo" else "beta", 0.0) or 0.0)
-
-
-def loss_kl_estimator(ctx: StepContext, default: str = "k3") -> str:
-    """Metadata ``kl_estimator`` (k1 / k2 / k3, or verl's ``kl`` / ``mse`` / ``low_var_kl``; else
-    verl's ``kl_loss_type`` as its integration records it), ``default`` when neither is recorded;
-    Skip for an estimator tracer.formulas does not have."""
-    name = ctx.hyper("kl_estimator", None) or ctx.hyper("kl_loss_type", None) or default
-    try:
-        return formulas.kl_estimator_name(name)
-    except ValueError as err:
-        raise Skip(f"metadata kl_estimator / kl_loss_type: {err}") from None
-
-
-def _kl_term_name(ctx: StepContext) -> str:
-    kind = loss_kl_estimator(ctx)
-    return f"{'kl_coef' if ctx.algorithm == 'ppo' else 'beta'} * {'ref_kl_k3' if kind == 'k3' else kind}"
-
-
-def _flipped_kl_matches(ctx: StepContext, reduce, recorded: torch.Tensor) -> bool:
-    """True when ``recorded`` equals ``reduce(per-token loss with the KL term's sign flipped)``."""
-    beta = loss_kl_coef(ctx)
-    if not beta:
-        return False
-    try:
-        flipped = reduce(recomputed_per_token_loss(ctx, kl_sign=-1.0)).double()
-    except Skip:
-        return False
-    recorded = recorded.double()
-    tol = ctx.tol.atol + ctx.tol.loss_rtol * flipped.abs()
-    keep = ctx.mask() if recorded.dim() == 2 else torch.ones_like(recorded, dtype=torch.bool)
-    return bool((((recorded - flipped).abs() <= tol) | ~keep).all())
-
-
-def _implied_clip(ctx: StepContext, recorded: torch.Tensor) -> tuple[float, float] | None:
-    """The clip epsilons ``(low, high)`` the recorded per-token loss follows when they are not the
-    recorded ones (GRPO / PPO clipped surrogate), else None. Where the clip binds, the recorded value
-    is ``-(1 + eps_high) * A + kl`` (A > 0) or ``-(1 - eps_low) * A + kl`` (A < 0), so each
-    disagreeing token names an epsilon; the largest named one on each side is tried (tokens the
-    loop leaves unclipped only bound it from below), and kept when the whole loss then agrees."""
-    if ctx.algorithm == "cispo" or trl_loss_type(ctx) == "cispo" or ctx.hyper("delta", None) is not None:
-        return None
-    try:
-        eps_high = float(ctx.hyper("clip_epsilon_high"))
-        eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
-        unclipped = recomputed_per_token_loss(ctx, clip=(float("inf"), float("inf"))).double()
-        advantages = ctx.tensor("advantages").double()
-        r = formulas.ratio(ctx.tensor("policy_logprobs"), ctx.old_logprobs()).double()
-    except Skip:
-        return None
-    if ctx.hyper("vllm_importance_sampling_correction", False):
-        return None
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    keep, value = ctx.mask(), recorded.double()
-    kl = unclipped + r * adv  # the KL term (0 without one)
-    off = ((value - unclipped).abs() > ctx.tol.atol + ctx.tol.rtol * unclipped.abs()) & keep & torch.isfinite(value)
-    off_high, off_low = off & (adv > 0), off & (adv < 0)
-    named_high = ((kl - value) / adv - 1)[off_high]
-    named_low = (1 - (kl - value) / adv)[off_low]
-    high = float(named_high.max()) if named_high.numel() else eps_high
-    low = float(named_low.max()) if named_low.numel() else eps_low
-    high, low = (float(f"{x:.4g}") for x in (high, low))
-    if (low, high) == (eps_low, eps_high) or not (0 <= low < 1 and high >= 0):
-        return None
-    try:
-        implied = recomputed_per_token_loss(ctx, clip=(low, high)).double()
-    except Skip:
-        return None
-    tol = ctx.tol.atol + ctx.tol.rtol * implied.abs()
-    return (low, high) if bool((((value - implied).abs() <= tol) | ~keep).all()) else None
-
-
-def _config_keys_holding(ctx: StepContext, value: float) -> list[str]:
-    """Names in the manifest's ``config`` (a zero-edit capture keeps the script's argparse namespace
-    there) whose number is ``value`` to 4 significant digits."""
-    config = ctx.trace.manifest.get("config")
-    if not isinstance(config, dict):
-        return []
-    return [str(k) for k, v in config.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and math.isfinite(v) and float(f"{float(v):.4g}") == value]
-
-
-def _clip_explanation(ctx: StepContext, finding, recorded: torch.Tensor):
-    """Rewrite ``finding`` when the recorded loss follows other clip epsilons than the recorded ones:
-    name them (and the config keys holding them); an info when a zero-edit capture read the epsilons
-    by the name map and the script's config holds the implied ones under a name of their side (the
-    map read the wrong variable: DAPO's ``epsilon_high`` beside ``epsilon``), else the error, explained."""
-    implied = _implied_clip(ctx, recorded)
-    if implied is None:
-        return finding
-    low, high = implied
-    eps_high = float(ctx.hyper("clip_epsilon_high"))
-    eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
-    parts, named_all = [], True
-    for side, now, was in (("low", low, eps_low), ("high", high, eps_high)):
-        if now == was:
-            continue
-        keys = _config_keys_holding(ctx, now)
-        named_all &= any(side in k.lower() for k in keys)
-        where = f" (config {', '.join(keys)})" if keys else ""
-        parts.append(f"clip_epsilon_{side} = {now:g}{where}, not the recorded {was:g}")
-    text = (f"The recorded per_token_loss follows the clipped surrogate with {' and '.join(parts)}: the loop clips "
-            "with other epsilons than the step metadata says. ")
-    config = ctx.trace.manifest.get("config") if isinstance(ctx.trace.manifest.get("config"), dict) else {}
-    if named_all and config.get("trainer") == "tracer.watch":
-        return ctx.finding("recompute.per_token_loss", INFO, text + (
-            "The zero-edit capture read the epsilons by its name map, and the script's config names the implied "
-            "ones: record those (tracer run --meta clip_epsilon_high=..., or map the variable under [metadata] "
-            "clip_epsilon_high / clip_epsilon_low in --map), and the loss checks use them."),
-            finding.sequence, finding.token, field="per_token_loss", implied_clip_epsilon_low=low,
-            implied_clip_epsilon_high=high)
-    finding.message = text + ("If the loop is right, record the epsilons it uses (clip_epsilon_low / "
-                              "clip_epsilon_high); if the metadata is, the loop clips wrongly. ") + finding.message
-    finding.details.update(implied_clip_epsilon_low=low, implied_clip_epsilon_high=high)
-    return finding
-
-
-FLIPPED_KL = ("The recorded values match the loss with the KL term's sign flipped ({term} subtracted from "
-              "the loss instead of added): the penalty rewards moving away from the reference. ")
-
-
-@register("recompute.per_token_loss", "recorded per_token_loss == the GRPO/CISPO/PPO per-token loss from the "
-          "recorded inputs", RL_ALGORITHMS)
-def check_per_token_loss(ctx: StepContext):
-    (recorded,) = ctx.require("per_token_loss")
-    findings = compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
-                       ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
-    if not findings:
-        return findings
-    if _matches_without_kl(ctx, recorded):  # before the flipped sign: a tiny KL term fits either way
-        findings[0].message = (
-            f"The recorded per_token_loss matches the loss without its KL term ({_kl_term_name(ctx)}): the "
-            "loop adds no reference-KL penalty to the loss. If it puts the penalty in the rewards (InstructGPT, "
-            "OpenRLHF), record kl_in_reward = true (this run's token_rewards do not show it: not recorded, or "
-            "old == ref); otherwise the penalty its kl_coef / beta declares is missing. " + findings[0].message)
-        findings[0].details["matches_without_kl"] = True
-    elif _flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
-        findings[0].message = FLIPPED_KL.format(term=_kl_term_name(ctx)) + findings[0].message
-        findings[0].details["kl_sign_flipped"] = True
-    elif _kl_counted_twice(ctx, recorded):
-        findings[0].message = (
-            "The recorded per_token_loss matches the loss with a KL term added, while the KL penalty is in the "
-            "rewards (metadata kl_in_reward, or the recorded token_rewards show it): the penalty is counted "
-            "twice, in the rewards and in the loss. Likely fix: keep one of them (verl: use_kl_in_reward or "
-            "use_kl_loss), or record the loss's own coefficient if both are meant. " + findings[0].message)
-        findings[0].details["kl_counted_twice"] = True
-    else:
-        findings[0] = _estimator_explanation(ctx, findings[0], recorded)
-        if findings[0].severity == ERROR:
-            findings[0] = _clip_explanation(ctx, findings[0], recorded)
-    return findings
-
-
-def _kl_counted_twice(ctx: StepContext, recorded: torch.Tensor) -> bool:
-    """The KL penalty is in the rewards, yet the recorded per-token loss adds a KL term of the same
-    coefficient (``kl_coef``, else ``beta``) under one of the estimators."""
-    if not kl_in_reward(ctx) or not ctx.has("ref_logprobs"):
-        return False
-    coef = ctx.kl_coef()
-    if coef is None:
-        return False
-    for estimator in formulas.KL_ESTIMATORS:
-        try:
-            with_kl = recomputed_per_token_loss(ctx, estimator=estimator, kl_coef=float(coef))
-        except Skip:
-            return False
-        if not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, with_kl, ctx.mask(), ""):
-            return True
-    return False
-
-
-def _matches_without_kl(ctx: StepContext, recorded: torch.Tensor) -> bool:
-    """The recorded per-token loss equals the recomputed one with no KL term (a KL coefficient declared)."""
-    if not loss_kl_coef(ctx):
-        return False
-    try:
-        bare = recomputed_per_token_loss(ctx, kl_sign=0.0)
-    except Skip:
-        return False
-    return not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, bare, ctx.mask(), "")
-
-
-def _estimator_explanation(ctx: StepContext, finding, recorded: torch.Tensor):
-    """When the recorded loss follows another KL estimator than the one assumed: an info naming it when
-    none is declared (k3 is only the default: k1 and k2 are estimators loops use, OpenRLHF's
-    ``kl_estimator``, verl's ``kl`` / ``mse``), else the error with that named."""
-    if not loss_kl_coef(ctx) or not ctx.has("ref_logprobs"):
-        return finding
-    declared = ctx.hyper("kl_estimator", None) or ctx.hyper("kl_loss_type", None)
-    assumed = loss_kl_estimator(ctx)
-    keep = ctx.mask()
-    for other in formulas.KL_ESTIMATORS:
-        if other == assumed:
-            continue
-        try:
-            if compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded,
-                       recomputed_per_token_loss(ctx, estimator=other), keep, ""):
-                continue
-        except Skip:
-            return finding
-        text = (f"The recorded per_token_loss follows the loss with the {other} estimator in its KL term "
-                f"({formulas.ref_kl.__module__}.ref_kl: {KL_FORMS[other]}), not {assumed}. ")
-        swapped = not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded,
-                              recomputed_per_token_loss(ctx, estimator=formulas.K3_SWAPPED), keep, "")
-        if swapped:  # small KLs: k2 and the swapped k3 agree to second order, so the values cannot tell
-            finding.message = (text + "It equally follows k3 with its arguments swapped (KL(ref || policy): "
-                               "exp(policy - ref) - (policy - ref) - 1), a bug these values cannot tell from "
-                               f"{other}: record kl_estimator = {other} if that is the loop's estimator. "
-                               + finding.message)
-            finding.details.update(kl_estimator_matched=other, kl_k3_swapped_matches=True)
-            return finding
-        if declared is None:
-            return ctx.finding("recompute.per_token_loss", INFO, text + (
-                f"No estimator is recorded, and k3 is only the default: record kl_estimator = {other} to say so."),
-                finding.sequence, finding.token, field="per_token_loss", kl_estimator=other)
-        finding.message = text + f"Metadata declares {declared!r}: the loop or the metadata is wrong. " + finding.message
-        finding.details["kl_estimator_matched"] = other
-        return finding
-    return finding
-
-
-KL_FORMS = {"k1": "policy - ref", "k2": "0.5 * (policy - ref)^2", "k3": "exp(ref - policy) - (ref - policy) - 1"}
 
 
 def recorded_loss(ctx: StepContext) -> float:
@@ -390,11 +104,11 @@ def check_loss(ctx: StepContext):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
     reduce_declared = (lambda ptl: torch.tensor(candidate_losses(ctx, ptl, keep)[0][declared or "token_mean"]))
-    flipped = ("per_token_loss" not in ctx.data and _flipped_kl_matches(ctx, reduce_declared, torch.tensor(loss)))
+    flipped = ("per_token_loss" not in ctx.data and flipped_kl_matches(ctx, reduce_declared, torch.tensor(loss)))
     said = f"metadata says {declared!r}" if declared else "no reduction is declared (metadata loss_reduction)"
     found = f"it matches {' = '.join(matches)}" if matches else "it matches none of the three reductions"
     message = (
-        (FLIPPED_KL.format(term=_kl_term_name(ctx)) if flipped else "") +
+        (FLIPPED_KL.format(term=kl_term_name(ctx)) if flipped else "") +
         f"recorded loss {loss:.6g}: {found}, but {said}. Reductions of the {source}: {listing}. Why it "
         "matters: the reduction decides how much each token and each sequence weighs (token-mean favours "
         "long completions, sequence-mean short ones), so a run trained with another reduction than "

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tracer.demo.dpo_loop import preference_pairs
-from tracer.demo.trl_demo import cpu_config, run_traced, silence_printer
+from tracer.demo.trl_demo import cpu_trainer, run_traced
 
 PAIRS_PER_STEP = 4
 BETA = 0.1
@@ -51,9 +51,8 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
         logging_strategy="steps",
         logging_steps=1,
     )
-    args = cpu_config(DPOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
-    trainer = DPOTrainer(model=str(model_dir), args=args, train_dataset=make_dataset(seed))
-    return silence_printer(trainer)
+    return cpu_trainer(DPOTrainer, DPOConfig, model_dir, output_dir, steps, seed, progress,
+                       {**fields, **config_overrides}, train_dataset=make_dataset(seed))
 
 
 def run_dpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,

@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tracer.demo.trl_demo import cpu_config, run_traced, silence_printer
+from tracer.demo.trl_demo import cpu_trainer, run_traced
 
 NUM_GENERATIONS = 4
 PROMPTS_PER_STEP = 2
@@ -73,10 +73,14 @@ def make_group_trainer(config_class: type, trainer_class: type, model_dir: str |
     reward functions, the model passed as a path. ``fields`` go to ``config_class`` (and win)."""
     base = dict(per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP, num_generations=NUM_GENERATIONS,
                 max_completion_length=MAX_COMPLETION_LENGTH, temperature=1.0, learning_rate=LEARNING_RATE)
-    args = cpu_config(config_class, output_dir, steps, seed, progress, **{**base, **fields})
-    trainer = trainer_class(model=str(model_dir), reward_funcs=[correct_answer, brevity], args=args,
-                            train_dataset=make_dataset(seed))
-    return silence_printer(trainer)
+    return cpu_trainer(trainer_class, config_class, model_dir, output_dir, steps, seed, progress, {**base, **fields},
+                       reward_funcs=[correct_answer, brevity], train_dataset=make_dataset(seed))
+
+
+def sum_task_build(seed: int) -> dict[str, Any]:
+    """The sum task's facts for the manifest's ``config.model_build``: its reward functions and dataset."""
+    return {"reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
+            "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
 
 
 def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,
@@ -97,7 +101,5 @@ def run_grpo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, pro
     Returns:
         ``Path(out_dir)``.
     """
-    build = {"reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
-             "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
-    return run_traced(out_dir, make_trainer, build, "tracer.demo.grpo_trl.run_grpo_demo", steps, seed, progress,
-                      model_dir, num_iterations=num_iterations)
+    return run_traced(out_dir, make_trainer, sum_task_build(seed), "tracer.demo.grpo_trl.run_grpo_demo", steps, seed,
+                      progress, model_dir, num_iterations=num_iterations)

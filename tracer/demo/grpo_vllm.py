@@ -78,7 +78,7 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
 
     from tracer.demo.grpo_trl import LEARNING_RATE, MAX_COMPLETION_LENGTH, NUM_GENERATIONS, brevity, \
         correct_answer, make_dataset
-    from tracer.demo.trl_demo import cpu_config, silence_printer
+    from tracer.demo.trl_demo import cpu_trainer
 
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown --bug {bug!r}; choose one of {list(BUGS)}")
@@ -88,11 +88,10 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
                   use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
                   vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=IS_MODE,
                   vllm_importance_sampling_clip_max=IS_CLIP_MAX)
-    args = cpu_config(GRPOConfig, output_dir, steps, seed, progress, **{**fields, **config_overrides})
     with raw_logprobs_engine() if bug == "raw-logprobs" else contextlib.nullcontext():
-        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=[correct_answer, closeness, brevity], args=args,
-                              train_dataset=make_dataset(seed))
-    return silence_printer(trainer)
+        return cpu_trainer(GRPOTrainer, GRPOConfig, model_dir, output_dir, steps, seed, progress,
+                           {**fields, **config_overrides}, reward_funcs=[correct_answer, closeness, brevity],
+                           train_dataset=make_dataset(seed))
 
 
 def run_grpo_vllm_demo(out_dir: str | os.PathLike, steps: int = 4, seed: int = 0, progress: bool = True,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracer.demo.grpo_trl import NUM_GENERATIONS, PROMPTS_PER_STEP, make_group_trainer
+from tracer.demo.grpo_trl import NUM_GENERATIONS, PROMPTS_PER_STEP, make_group_trainer, sum_task_build
 from tracer.demo.trl_demo import run_traced
 
 BETA = 0.05  # RLOOConfig's default: the KL penalty enters the rewards, so advantages use the rloo_kl rule
@@ -36,22 +36,8 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
 def run_rloo_demo(out_dir: str | os.PathLike, steps: int = 3, seed: int = 0, progress: bool = True,
                   model_dir: str | os.PathLike | None = None, *, num_iterations: int = 2) -> Path:
     """Build the tiny model, train it with ``RLOOTrainer`` for ``steps`` optimizer steps with the
-    tracer attached, and return the trace directory.
-
-    Args:
-        out_dir: the trace directory to write (must not already hold a trace).
-        steps: optimizer steps (``max_steps``). With ``num_iterations = 2`` a rollout is used for
-            two steps: inner step 0 (policy == old) then inner step 1 (policy moved).
-        seed: seeds the model build, the dataset, sampling and TRL.
-        progress: show the trainer's tqdm progress bar.
-        model_dir: a tiny model saved by ``build_tiny_model`` (used as it is), or where to build
-            one (kept); a temporary directory when None.
-        num_iterations: TRL's ``num_iterations``.
-
-    Returns:
-        ``Path(out_dir)``.
-    """
-    build = {"reward_functions": ["tracer.demo.grpo_trl.correct_answer", "tracer.demo.grpo_trl.brevity"],
-             "dataset": f"tracer.demo.grpo_trl.make_dataset(seed={seed})"}
-    return run_traced(out_dir, make_trainer, build, "tracer.demo.rloo_trl.run_rloo_demo", steps, seed, progress,
-                      model_dir, num_iterations=num_iterations)
+    tracer attached, and return ``Path(out_dir)``. The arguments are those of
+    :func:`tracer.demo.grpo_trl.run_grpo_demo`, except that RLOO has real old logprobs whatever
+    ``num_iterations`` (TRL recomputes them at rollout time)."""
+    return run_traced(out_dir, make_trainer, sum_task_build(seed), "tracer.demo.rloo_trl.run_rloo_demo", steps, seed,
+                      progress, model_dir, num_iterations=num_iterations)

@@ -1,6 +1,6 @@
-"""What the TRL demos (``grpo_trl``, ``rloo_trl``, ``dpo_trl``) share: a quiet CPU configuration
-(no reports, no checkpoints, no logs printed), and one run procedure: build the tiny model, build
-the trainer, ``tracer.attach`` it, train.
+"""What the TRL demos (``grpo_trl``, ``rloo_trl``, ``dpo_trl``, ``grpo_vllm``) share: a quiet CPU
+trainer (no reports, no checkpoints, no logs printed), and one run procedure: build the tiny model,
+build the trainer, ``tracer.attach`` it, train.
 
 Offline: nothing is downloaded (set ``HF_HUB_OFFLINE=1``).
 """
@@ -51,10 +51,15 @@ def cpu_config(config_class: type, output_dir: str | os.PathLike, steps: int, se
     return config_class(**config)
 
 
-def silence_printer(trainer: Any) -> Any:
-    """Remove the ``PrinterCallback`` (with the progress bar off, nothing is printed); returns ``trainer``."""
+def cpu_trainer(trainer_class: type, config_class: type, model_dir: str | os.PathLike, output_dir: str | os.PathLike,
+                steps: int, seed: int, progress: bool, fields: Mapping[str, Any], **trainer_kwargs: Any) -> Any:
+    """``trainer_class(model=str(model_dir), args=cpu_config(config_class, ..., **fields), **trainer_kwargs)``:
+    a TRL trainer for a short CPU run of the model at ``model_dir`` (passed as a path), without its
+    ``PrinterCallback`` (with the progress bar off, nothing is printed)."""
     from transformers.trainer_callback import PrinterCallback
 
+    args = cpu_config(config_class, output_dir, steps, seed, progress, **fields)
+    trainer = trainer_class(model=str(model_dir), args=args, **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)
     return trainer
 
@@ -95,7 +100,7 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
     Returns:
         ``Path(out_dir)``.
     """
-    import tracer
+    from tracer.integrations.trl import attach
 
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="tracer-trl-demo-") as scratch, torch_threads(1):
@@ -107,7 +112,7 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
                                    **trainer_kwargs)
         model_build = {"builder": "tracer.demo.tiny_model.build_tiny_model", "seed": seed,
                        "path": str(model_path) if model_dir is not None else None, **build}
-        tracer.attach(trainer, out, config={"model_build": model_build, "demo": demo})
+        attach(trainer, out, config={"model_build": model_build, "demo": demo})
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=TRL_NOISE, category=FutureWarning)
             trainer.train()

@@ -1,10 +1,11 @@
 """Trace vs trace: ``diff(a, b) -> DiffReport``, mask-aware, streaming tensor by tensor.
 
-The stage in four steps, one module each: ``inputs`` (what can be compared, step pairing,
-tolerances), ``engine`` (the comparison, after verifying every file), ``stats`` (per-field
-statistics: tolerance test, drift, shift), ``tokens`` (where the sampled tokens agree), and the
-result: ``report`` (DiffReport, verbose text, JSON; ``locations``: step labels, positions) and ``causes``
-(the headline and the short text).
+The stage, one module per step: ``inputs`` (what can be compared, step pairing, tolerances),
+``engine`` (the comparison, after verifying every file), ``stats`` (per-field statistics: tolerance
+test, drift, shift), ``tokens`` (where the sampled tokens agree), and the result: ``locations``
+(step labels, tolerances, differing positions), ``result`` (the data and conclusions: FieldDiff,
+the cause, findings, notes), ``report`` (DiffReport: verbose text, field table, JSON) and ``causes``
+(the headline and the short text); ``token_table`` puts one step pair's tokens side by side.
 
 Rules (documented in docs/regression-testing.md):
 
@@ -48,12 +49,15 @@ Rules (documented in docs/regression-testing.md):
   other failing fields are listed under it as following from it.
 """
 
-from tracer.diff.engine import IGNORED_METADATA, diff, token_diff_table
+from tracer.diff.engine import IGNORED_METADATA, diff
 from tracer.diff.inputs import DiffInputError, comparable, parse_tolerances
-from tracer.diff.report import DiffReport, FieldDiff, Location, Tolerance, step_label
-from tracer.diff.tokens import TokenAlignment
+from tracer.diff.locations import Location, Tolerance, step_label
+from tracer.diff.report import DiffReport
+from tracer.diff.result import FieldDiff
 from tracer.diff.stats import (DEFAULT_TOLERANCES, DRIFT_FRACTION, DRIFT_MIN_POSITIONS, DRIFT_SIGN_SHARE,
                                SHIFT_IMPROVEMENT)
+from tracer.diff.token_table import token_diff_table
+from tracer.diff.tokens import TokenAlignment
 
 __all__ = ["diff", "token_diff_table", "comparable", "parse_tolerances", "DiffReport", "FieldDiff", "Location",
            "TokenAlignment", "Tolerance", "DiffInputError", "step_label", "IGNORED_METADATA", "DEFAULT_TOLERANCES",

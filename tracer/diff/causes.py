@@ -1,19 +1,21 @@
 """The short text report of a diff: the headline (the upstream cause), a table of the diverging
 fields with what follows from it, the tolerances that would pass, and what to do.
 
-The headline is :attr:`DiffReport.cause`: the failing field that diverges at the earliest step and,
-at that step, comes first in the data-flow order ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10:
-prompt -> completion ids/masks -> rewards -> values -> advantages -> sampler/old/ref logprobs ->
-policy logprobs -> ratio/KL -> per-token loss -> loss). Changing the reward function changes the
-rewards first and every later field through them: the headline says ``rewards``, and the rest is
-listed as following from it. ``DiffReport.format(verbose=True)`` keeps every detail.
+The headline is :attr:`~tracer.diff.result.DiffResult.cause`: the failing field that diverges at
+the earliest step and, at that step, comes first in the data-flow order
+``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10: prompt -> completion ids/masks -> rewards ->
+values -> advantages -> sampler/old/ref logprobs -> policy logprobs -> ratio/KL -> per-token loss ->
+loss). Changing the reward function changes the rewards first and every later field through them:
+the headline says ``rewards``, and the rest is listed as following from it.
+``DiffReport.format(verbose=True)`` (:mod:`tracer.diff.report`) keeps every detail.
 """
 
 from __future__ import annotations
 
 import math
 
-from tracer.diff.report import EXACT, FLOAT, MASK, DiffReport, FieldDiff, step_label
+from tracer.diff.locations import EXACT, FLOAT, MASK
+from tracer.diff.result import DiffResult, FieldDiff
 from tracer.format.schema import DATA_FLOW, flow_rank
 
 # A name per stage of DATA_FLOW, for the cause line.
@@ -50,7 +52,7 @@ def _stage(name: str) -> str:
     return STAGES[stage] if stage < len(STAGES) else "non-canonical"
 
 
-def headline(report: DiffReport) -> str:
+def headline(report: DiffResult) -> str:
     """``rewards diverges first, at step 0, seq 1 (a=0.5, b=0.6)``; empty when nothing does."""
     cause = report.cause
     if cause is None:
@@ -61,7 +63,7 @@ def headline(report: DiffReport) -> str:
     return f"{cause.name} diverges first, at {loc.where()} ({loc.values()})"
 
 
-def _cause_line(report: DiffReport, cause: FieldDiff) -> str:
+def _cause_line(report: DiffResult, cause: FieldDiff) -> str:
     n = f"{cause.differing} of {cause.compared} {'kept ' if cause.mask else ''}positions differ ({cause.share:.1%})"
     if cause.kind == FLOAT and cause.differing:
         n += f", max |Δ|={cause.max_abs_diff:.2g}, mean(b-a)={cause.mean_diff or 0.0:+.2g}"
@@ -87,7 +89,7 @@ def _table(fields: list[FieldDiff]) -> list[str]:
     return lines
 
 
-def _others(report: DiffReport) -> list[str]:
+def _others(report: DiffResult) -> list[str]:
     field_lines = {f.summary() for f in report.fields.values() if not f.passed}
     others = [line for line in report.findings() if line not in field_lines]
     if len(others) > MAX_OTHER:
@@ -95,7 +97,7 @@ def _others(report: DiffReport) -> list[str]:
     return others
 
 
-def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
+def _what_to_do(report: DiffResult, failing: list[FieldDiff]) -> list[str]:
     lines = ["what to do:"]
     if report.metadata_conflicts:
         keys = list(report.metadata_conflicts)
@@ -118,7 +120,7 @@ def _what_to_do(report: DiffReport, failing: list[FieldDiff]) -> list[str]:
     return lines
 
 
-def render_short(report: DiffReport) -> str:
+def render_short(report: DiffResult) -> str:
     """The default text report: fits a screen for the common case."""
     findings = report.findings()
     head = headline(report)
@@ -152,4 +154,4 @@ def render_short(report: DiffReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["headline", "passes_with", "render_short", "round_up", "step_label"]
+__all__ = ["headline", "passes_with", "render_short", "round_up"]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs
-from tracer.diff.report import StepId, step_label
+from tracer.diff.locations import StepId, step_label
 from tracer.diff.stats import coarseness
 from tracer.errors import TraceError, TraceFormatError
 from tracer.format.integrity import check_step_header, open_step_file

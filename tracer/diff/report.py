@@ -1,331 +1,31 @@
-"""What ``tracer.diff`` returns: per-field statistics and differing positions with their token
-text, rendered as text (the short report of ``tracer.diff.causes``; ``verbose=True`` for every
-detail) and as JSON (``--json``, the app).
-
-Side ``a`` is the reference (the baseline, ``expected``) and side ``b`` the candidate (``actual``):
-differences are ``b - a`` and relative tolerances are relative to ``|a|``.
+"""The renderings of a diff's result: :class:`DiffReport` is :class:`~tracer.diff.result.DiffResult`
+with its text (short: :func:`tracer.diff.causes.render_short`; ``verbose=True`` adds every finding,
+note and differing position), its per-field table (pandas, for the app) and its JSON (``--json``).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
-from tracer.diff.locations import (EXACT, FLOAT, MASK, Location, StepId, Tolerance, short_step,  # noqa: F401
-                                   step_label, step_list)
-from tracer.format.schema import flow_rank
+import pandas as pd
 
-if TYPE_CHECKING:
-    import pandas as pd
-
-    from tracer.diff.tokens import TokenAlignment
+from tracer.diff.causes import render_short
+from tracer.diff.locations import FLOAT, Location, step_label
+from tracer.diff.result import DiffResult, FieldDiff
 
 
-@dataclass
-class FieldDiff:
-    """How one field compares over all step pairs that were read.
-
-    Attributes:
-        kind: ``float`` (tolerance), ``exact`` (ids, group ids) or ``mask`` (``*_mask``, exact).
-        tolerance: the tolerance used (None for exact kinds).
-        mask: the mask whose kept positions (kept on both sides) are compared; None = every position.
-        compared, differing: positions compared and positions outside tolerance.
-        max_abs_diff: max ``|b - a|`` over compared positions = the smallest atol that passes at rtol 0.
-        min_rtol: smallest rtol that passes at atol 0 (``max |b - a| / |a|``; inf when a = 0 and b != 0).
-        mean_diff: mean of ``b - a`` over compared finite positions of the step pairs where the
-            field differs at all (floats only; 0.0 when it never differs).
-        drift: a one-sided shift (see ``tracer.diff`` for the rule); ``drift_detail`` says why.
-        shift: +1 when ``b[t] ≈ a[t-1]``, -1 when ``b[t] ≈ a[t+1]`` on kept positions, else None.
-        kept_only_in_a, kept_only_in_b: for masks, positions one side keeps and the other does not.
-        first: the first differing position (step order, then position).
-        worst: the worst differing positions (largest ``|b - a|`` first; exact kinds: first ones).
-        derived_in: ``"a"``/``"b"`` when that side does not record the field and it was derived
-            there from the recorded inputs, as the reader does (``tracer.formulas.derived``); None: recorded.
-    """
-
-    name: str
-    kind: str
-    dtype_a: str
-    dtype_b: str
-    tolerance: Tolerance | None
-    mask: str | None
-    compared: int = 0
-    differing: int = 0
-    step_pairs_differing: int = 0
-    max_abs_diff: float = 0.0
-    min_rtol: float = 0.0
-    mean_diff: float | None = None
-    drift: bool = False
-    drift_detail: str = ""
-    shift: int | None = None
-    shift_detail: str = ""
-    kept_only_in_a: int = 0
-    kept_only_in_b: int = 0
-    first: Location | None = None
-    worst: list[Location] = field(default_factory=list)
-    derived_in: str | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.differing == 0 and not self.drift
-
-    @property
-    def share(self) -> float:
-        """Share of compared positions that differ."""
-        return self.differing / self.compared if self.compared else 0.0
-
-    @property
-    def min_atol(self) -> float:
-        """Smallest atol that passes at rtol 0."""
-        return self.max_abs_diff
-
-    def severity(self) -> float:
-        """How many tolerances out the worst position is (for ordering fields worst first)."""
-        if self.kind != FLOAT or not self.worst or self.tolerance is None:
-            return math.inf
-        loc = self.worst[0]
-        allowed = self.tolerance.at(loc.a if isinstance(loc.a, float) else 0.0)
-        return loc.abs_diff / allowed if allowed > 0 else math.inf
-
-    def summary(self) -> str:
-        """One line in the style of TRL's invariant tests (``[derived in a]`` at the end for a
-        field one side derives)."""
-        return self._summary() + (f" [derived in {self.derived_in}, recorded in {'b' if self.derived_in == 'a' else 'a'}]"
-                                  if self.derived_in else "")
-
-    def _summary(self) -> str:
-        n = f"{self.differing} of {self.compared} {'kept ' if self.mask else ''}positions"
-        if self.kind == MASK:
-            first = f", first at {self.first.where()} ({self.first.values()})" if self.first else ""
-            return (f"{self.name}: masks differ at {n} ({self.share:.2%}; kept only in a: "
-                    f"{self.kept_only_in_a}, kept only in b: {self.kept_only_in_b}){first}")
-        if self.kind == EXACT:
-            first = f", first at {self.first.where()} ({self.first.values()})" if self.first else ""
-            return f"{self.name}: {n} differ ({self.share:.2%}){first}"
-        if self.differing == 0:
-            return f"{self.name}: {self.drift_detail}"
-        loc, tol = self.worst[0], self.tolerance
-        allowed = tol.at(loc.a) if tol is not None and isinstance(loc.a, float) else 0.0
-        return (f"{self.name}: max |Δ|={self.max_abs_diff:.1e} at {loc.where()} "
-                f"({loc.values()}, tol={allowed:.1e}); {n} differ ({self.share:.2%})")
-
-    def details(self, max_locations: int) -> list[str]:
-        """Indented lines under the summary: tolerances, drift, shift, then positions grouped by
-        sequence (worst sequence first) and token (worst first)."""
-        lines = []
-        if self.kind == FLOAT and self.tolerance is not None:
-            mean = f"{self.mean_diff:+.1e}" if self.mean_diff is not None else "n/a"
-            lines.append(f"dtype a={self.dtype_a} b={self.dtype_b}, tol: atol={self.tolerance.atol:.1e} "
-                         f"rtol={self.tolerance.rtol:.1e}; mean(b-a)={mean}; would pass with "
-                         f"atol>={self.max_abs_diff:.1e} (rtol=0) or rtol>={self.min_rtol:.1e} (atol=0)")
-            if self.drift and self.differing:
-                lines.append(self.drift_detail)
-        if self.shift_detail:
-            lines.append(self.shift_detail)
-        groups: dict[tuple, list[Location]] = defaultdict(list)
-        for loc in self.worst[:max_locations]:
-            per_sequence = loc.sequence is not None and len(loc.index) > 1  # [B, T]: group by sequence
-            groups[(loc.step, loc.index[:1] if per_sequence else ())].append(loc)
-        for (step, seq), locs in groups.items():
-            if seq:
-                n = locs[0].row_differing
-                count = f"{n} differing" if len(locs) >= n else f"showing {len(locs)} of {n} differing"
-                lines.append(f"{step_label(step)}, seq {seq[0]} ({count})")
-            else:
-                lines.append(step_label(step))
-            for loc in locs:
-                pos = loc.position().split(", ", 1)[-1] if seq else loc.position()
-                delta = f" |Δ|={loc.abs_diff:.1e}" if self.kind == FLOAT else ""
-                lines.append(f"  {pos or 'value'}: {loc.values()}{delta}")
-        if self.differing > min(max_locations, len(self.worst)):
-            lines.append(f"… {self.differing - min(max_locations, len(self.worst))} more differing positions")
-        return lines
-
-
-@dataclass
-class DiffReport:
-    """The result of :func:`tracer.diff`. ``equal`` is True when nothing below is a finding.
-
-    Attributes:
-        a, b: the two paths; ``labels`` name them in messages (``("expected", "actual")``).
-        step_pairs: step files matched on both sides; ``identical_by_checksum`` of them were skipped
-            because both files' bytes were verified against their ``content_sha256`` and the two
-            checksums agree (statistics cover the other pairs).
-        verified_files: step files whose bytes were verified against their recorded checksum.
-        only_in_a, only_in_b: steps ``(step, inner_step, micro_batch, rank)`` on one side only.
-        fields: every compared field, passing or not, in comparison order.
-        missing_fields: ``{field: {"only_in": "a"|"b", "step_pairs": n, "first_step": StepId}}``.
-        metadata: ``{key: {"a": .., "b": .., "only_in": "a"|"b"|None, "step_pairs": n, "first_step":
-            StepId}}`` for step metadata that differs (``content_sha256``, ``source_dtype``, ``summary``
-            and step identity ignored). A key both sides record with different values is a finding
-            (:attr:`metadata_conflicts`); a key only one side records (``only_in``) is a note: the
-            other trace does not say, which is no difference between the runs.
-        unreadable: ``{step label: reason}`` for step pairs not compared because a file on either
-            side cannot be read (the reason names the file); such a pair makes the traces unequal.
-        token_alignment: ``{ids field: TokenAlignment}``, how the sampled tokens line up.
-        sampling: ``{"a": .., "b": ..}``, each trace's manifest ``sampling`` (``every_n_steps``...),
-            to say why steps are on one side only.
-        producers: ``{"a": .., "b": ..}``, each trace's manifest ``producers`` (package versions,
-            ``cpu_kernels``, ``mkl_cbwr``): not compared; :attr:`producer_differences` are a note.
-    """
-
-    a: str
-    b: str
-    labels: tuple[str, str] = ("a", "b")
-    algorithm: str | None = None
-    step_pairs: int = 0
-    identical_by_checksum: int = 0
-    verified_files: int = 0
-    only_in_a: list[StepId] = field(default_factory=list)
-    only_in_b: list[StepId] = field(default_factory=list)
-    fields: dict[str, FieldDiff] = field(default_factory=dict)
-    missing_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
-    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)
-    unreadable: dict[str, str] = field(default_factory=dict)
-    token_alignment: dict[str, "TokenAlignment"] = field(default_factory=dict)
-    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
-    producers: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    @property
-    def differing_fields(self) -> list[FieldDiff]:
-        """Failing fields, worst first: masks, then exact fields, then floats by severity."""
-        order = {MASK: 0, EXACT: 1, FLOAT: 2}
-        bad = [f for f in self.fields.values() if not f.passed]
-        return sorted(bad, key=lambda f: (order[f.kind], f.differing == 0, -f.severity()))
-
-    @property
-    def tensors_equal(self) -> bool:
-        """The same step files and fields, every field within tolerance (step metadata aside)."""
-        return not (self.only_in_a or self.only_in_b or self.missing_fields or self.differing_fields
-                    or self.unreadable)
-
-    @property
-    def metadata_conflicts(self) -> dict[str, dict[str, Any]]:
-        """Metadata keys both sides record, with different values (findings)."""
-        return {k: m for k, m in self.metadata.items() if m.get("only_in") is None}
-
-    @property
-    def equal(self) -> bool:
-        """Nothing differs: :attr:`tensors_equal` and no :attr:`metadata_conflicts` (a metadata key
-        recorded on one side only, or a field derived on one side and equal, is a note)."""
-        return self.tensors_equal and not self.metadata_conflicts
-
-    @property
-    def metadata_only(self) -> bool:
-        """The tensors are equal within tolerance and only step metadata values differ."""
-        return self.tensors_equal and bool(self.metadata_conflicts)
-
-    @property
-    def cause(self) -> FieldDiff | None:
-        """The headline field: among failing fields, the one that diverges at the earliest step
-        and, at that step, comes first in the data-flow order (``tracer.format.schema.DATA_FLOW``, SPEC.md
-        section 10); every other failing field follows from it. A field failing by drift alone
-        (no located position) is the cause only when no field has a located divergence."""
-        bad = [f for f in self.fields.values() if not f.passed]
-        located = [f for f in bad if f.first is not None]
-        if located:
-            return min(located, key=lambda f: (f.first.step, flow_rank(f.name), f.name))
-        return min(bad, key=lambda f: (flow_rank(f.name), f.name)) if bad else None
-
-    @property
-    def downstream(self) -> list[FieldDiff]:
-        """Failing fields other than :attr:`cause`, in data-flow order (then by first step)."""
-        cause = self.cause
-        far = (math.inf, 0, 0, 0)
-        return sorted((f for f in self.fields.values() if not f.passed and f is not cause),
-                      key=lambda f: (flow_rank(f.name), f.first.step if f.first else far, f.name))
-
-    @property
-    def first_divergence(self) -> tuple[str, Location] | None:
-        """``(field, location)`` of the :attr:`cause`'s first differing position."""
-        cause = self.cause
-        return (cause.name, cause.first) if cause is not None and cause.first is not None else None
-
-    def findings(self) -> list[str]:
-        """One line per finding; empty when ``equal``."""
-        out = [f"unreadable at {label}: {reason}" for label, reason in self.unreadable.items()]
-        for side, steps in (("a", self.only_in_a), ("b", self.only_in_b)):
-            if steps:
-                other = "b" if side == "a" else "a"
-                every = (self.sampling.get(other) or {}).get("every_n_steps")
-                why = (f" ({other} was recorded with every_n_steps={every}: only steps divisible by {every} are "
-                       "written)" if isinstance(every, int) and every > 1 else "")
-                out.append(f"steps only in {side} {step_list(steps)}{why}")
-        for name, m in self.missing_fields.items():
-            out.append(f"{name}: only in {m['only_in']} ({m['step_pairs']} step pairs, first at "
-                       f"{step_label(m['first_step'])})")
-        for key, m in self.metadata_conflicts.items():
-            out.append(f"metadata {key}: a={m['a']!r}, b={m['b']!r} ({m['step_pairs']} step pairs, "
-                       f"first at {step_label(m['first_step'])})")
-        out.extend(f.summary() for f in self.differing_fields)
-        return out
-
-    @property
-    def producer_differences(self) -> dict[str, tuple[str, str]]:
-        """``{key: (a, b)}`` for manifest ``producers`` entries both traces record with different
-        values (``torch``, ``transformers``, ``cpu_kernels``...): what may explain float differences.
-        ``mkl_cbwr`` recorded on one side only counts as ``"unset"`` on the other when both record
-        their ``cpu_kernels``."""
-        a, b = self.producers.get("a") or {}, self.producers.get("b") or {}
-        if self.kernels("a") is not None and self.kernels("b") is not None:
-            a, b = ({**side, "mkl_cbwr": side.get("mkl_cbwr", "unset")} for side in (a, b))
-        return {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
-
-    def kernels(self, side: str) -> str | None:
-        """The CPU kernels trace ``side`` (``"a"`` or ``"b"``) was computed with, as its manifest's
-        ``producers`` records them (``"AVX2, MKL_CBWR=AVX2"``, ``"AVX512"``); None when it does not."""
-        produced = self.producers.get(side) or {}
-        if "cpu_kernels" not in produced:
-            return None
-        cbwr = produced.get("mkl_cbwr")
-        return produced["cpu_kernels"] + (f", MKL_CBWR={cbwr}" if cbwr else "")
-
-    @property
-    def kernels_differ(self) -> bool:
-        """Both traces record their CPU kernels (:meth:`kernels`) and they differ."""
-        a, b = self.kernels("a"), self.kernels("b")
-        return a is not None and b is not None and a != b
-
-    def notes(self) -> list[str]:
-        """What is not a difference but worth saying: producers (package versions, CPU kernels) that
-        differ, metadata keys one side records and the other does not, and fields recorded on one
-        side and derived on the other that agree."""
-        out = []
-        produced = self.producer_differences
-        if produced:
-            out.append("produced with different software or CPU kernels (not compared): "
-                       + ", ".join(f"{k} a={va!r} b={vb!r}" for k, (va, vb) in produced.items()))
-        for side in ("a", "b"):
-            keys = {k: m[side] for k, m in self.metadata.items() if m.get("only_in") == side}
-            if keys:
-                other = "b" if side == "a" else "a"
-                out.append(f"metadata only in {side} (not recorded in {other}, so not compared): "
-                           + ", ".join(f"{k}={v!r}" for k, v in keys.items()))
-        for f in self.fields.values():
-            if f.derived_in and f.passed:
-                out.append(f"{f.name}: recorded in {'b' if f.derived_in == 'a' else 'a'}, derived in {f.derived_in} "
-                           f"from its recorded inputs (as the reader does); equal within tolerance at {f.compared} "
-                           "positions")
-        return out
-
-    def verdict(self) -> str:
-        """``EQUAL within tolerance``, ``DIFFERENT (metadata only: …)`` or ``DIFFERENT (n findings)``."""
-        findings = self.findings()
-        if not findings:
-            return "EQUAL within tolerance"
-        if self.metadata_only:
-            keys = ", ".join(self.metadata_conflicts)
-            return f"DIFFERENT (metadata only: the tensors are equal within tolerance; step metadata {keys} differs)"
-        return f"DIFFERENT ({len(findings)} finding{'s' * (len(findings) > 1)})"
+class DiffReport(DiffResult):
+    """The result of :func:`tracer.diff` (the data and conclusions of :class:`DiffResult`) and its
+    renderings: :meth:`format` (also ``str(report)``), :meth:`details_text`, :meth:`field_table`,
+    :meth:`to_dict`."""
 
     def format(self, max_locations: int = 10, verbose: bool = False) -> str:
         """The readable report. Short by default (``tracer.diff.causes.render_short``: the headline,
         a table of the diverging fields, the tolerances that would pass, what to do); with
-        ``verbose``, the short report then :meth:`details`."""
-        from tracer.diff.causes import render_short
-
+        ``verbose``, the short report then :meth:`details_text`."""
         short = render_short(self)
         return f"{short}\n\ndetails (--verbose):\n{self.details_text(max_locations)}" if verbose else short
 
@@ -348,20 +48,18 @@ class DiffReport:
         for f in self.differing_fields:
             count = f"{f.differing} differing in {f.step_pairs_differing} step pairs" if f.differing else "drift only"
             lines += ["", f"{f.name} ({f.kind}, {count}):",
-                      *("  " + line for line in f.details(max_locations))]
+                      *("  " + line for line in field_details(f, max_locations))]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
 
-    def field_table(self) -> "pd.DataFrame":
+    def field_table(self) -> pd.DataFrame:
         """One row per compared field, the cause first, then what follows from it (data-flow
         order), then the passing fields (a summary table for the app): ``field, role`` (``cause``,
         ``follows`` or ``""``), ``kind, passed, dtype_a, dtype_b, atol, rtol, mask, compared,
         differing, share, max_abs_diff`` (= the smallest passing atol), ``min_rtol, mean_diff,
         drift, shift, first`` (where)."""
-        import pandas as pd
-
         columns = ["field", "role", "kind", "passed", "dtype_a", "dtype_b", "atol", "rtol", "mask", "compared",
                    "differing", "share", "max_abs_diff", "min_rtol", "mean_diff", "drift", "shift", "first"]
         cause = self.cause
@@ -397,7 +95,41 @@ class DiffReport:
         return _json_safe(out)
 
 
+def field_details(f: FieldDiff, max_locations: int) -> list[str]:
+    """Indented lines under the summary: tolerances, drift, shift, then positions grouped by
+    sequence (worst sequence first) and token (worst first)."""
+    lines = []
+    if f.kind == FLOAT and f.tolerance is not None:
+        mean = f"{f.mean_diff:+.1e}" if f.mean_diff is not None else "n/a"
+        lines.append(f"dtype a={f.dtype_a} b={f.dtype_b}, tol: atol={f.tolerance.atol:.1e} "
+                     f"rtol={f.tolerance.rtol:.1e}; mean(b-a)={mean}; would pass with "
+                     f"atol>={f.max_abs_diff:.1e} (rtol=0) or rtol>={f.min_rtol:.1e} (atol=0)")
+        if f.drift and f.differing:
+            lines.append(f.drift_detail)
+    if f.shift_detail:
+        lines.append(f.shift_detail)
+    groups: dict[tuple, list[Location]] = defaultdict(list)
+    for loc in f.worst[:max_locations]:
+        per_sequence = loc.sequence is not None and len(loc.index) > 1  # [B, T]: group by sequence
+        groups[(loc.step, loc.index[:1] if per_sequence else ())].append(loc)
+    for (step, seq), locs in groups.items():
+        if seq:
+            n = locs[0].row_differing
+            count = f"{n} differing" if len(locs) >= n else f"showing {len(locs)} of {n} differing"
+            lines.append(f"{step_label(step)}, seq {seq[0]} ({count})")
+        else:
+            lines.append(step_label(step))
+        for loc in locs:
+            pos = loc.position().split(", ", 1)[-1] if seq else loc.position()
+            delta = f" |Δ|={loc.abs_diff:.1e}" if f.kind == FLOAT else ""
+            lines.append(f"  {pos or 'value'}: {loc.values()}{delta}")
+    if f.differing > min(max_locations, len(f.worst)):
+        lines.append(f"… {f.differing - min(max_locations, len(f.worst))} more differing positions")
+    return lines
+
+
 def _json_safe(obj: Any) -> Any:
+    """``obj`` with non-finite floats as strings (JSON has no inf/NaN), keys as strings, tuples as lists."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):

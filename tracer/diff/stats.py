@@ -7,7 +7,8 @@ import math
 
 import torch
 
-from tracer.diff.report import FLOAT, MASK, FieldDiff, Location, StepId, Tolerance
+from tracer.diff.locations import FLOAT, MASK, Location, StepId, Tolerance
+from tracer.diff.result import FieldDiff
 
 # Defaults of torch.testing.assert_close, keyed by the safetensors dtype name.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
@@ -28,6 +29,14 @@ def coarseness(dtype: str) -> float:
 def default_tolerance(dtype_a: str, dtype_b: str) -> Tolerance:
     """The default tolerance of the coarser of two float dtypes."""
     return max((DEFAULT_TOLERANCES.get(d, FALLBACK_TOLERANCE) for d in (dtype_a, dtype_b)), key=lambda t: t.rtol)
+
+
+def field_tolerance(name: str, dtype_a: str, dtype_b: str, atols: dict[str, float],
+                    rtols: dict[str, float]) -> Tolerance:
+    """The tolerance of float field ``name``: the caller's ``atols``/``rtols`` for it (key ``"*"``: every
+    other float field), else the default of the coarser of its two dtypes."""
+    default = default_tolerance(dtype_a, dtype_b)
+    return Tolerance(atols.get(name, atols.get("*", default.atol)), rtols.get(name, rtols.get("*", default.rtol)))
 
 
 def mismatch(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, tol: Tolerance):

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tracer.diff.report import Location, StepId
+from tracer.diff.locations import Location, StepId
+
 
 @dataclass
 class TokenAlignment:

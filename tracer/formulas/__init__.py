@@ -65,7 +65,6 @@ from tracer.formulas.logprobs import (
     token_logprobs,
 )
 from tracer.formulas.losses import (
-    _clip_fractions_host,  # noqa: F401 (private, re-exported so formulas._clip_fractions_host still resolves)
     clip_fractions,
     cispo_per_token_loss,
     constant_divisor_loss,
@@ -77,7 +76,6 @@ from tracer.formulas.losses import (
     token_mean_loss,
 )
 from tracer.formulas.reductions import (
-    _NUMPY_DTYPES,  # noqa: F401 (private, as above)
     host_array,
     masked_mean,
     masked_quantiles,

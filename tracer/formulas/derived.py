@@ -19,7 +19,6 @@ DERIVED_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "ref_kl_k3": (("policy_logprobs", "ref_logprobs"), "tracer.formulas.ref_kl_k3"),
     "approx_kl_k2": (("policy_logprobs", "old_logprobs"), "tracer.formulas.approx_kl_k2"),
 }
-DERIVED_NOTE = "derived by the reader from the recorded inputs (not recorded)"
 
 
 def _inputs(name: str, meta: dict[str, Any]) -> tuple[str, ...]:
@@ -66,8 +65,7 @@ def derive_fields(data: dict[str, torch.Tensor], meta: dict[str, Any],
         a = inputs[0] if inputs[0].dtype == torch.float64 else inputs[0].float()
         b = inputs[-1] if len(inputs) > 1 else a
         b = b if b.dtype == torch.float64 else b.float()
-        fn = {"ratio": logprobs.ratio, "ref_kl_k3": logprobs.ref_kl_k3, "approx_kl_k2": logprobs.approx_kl_k2}[name]
-        out[name] = fn(a.detach(), b.detach())
+        out[name] = getattr(logprobs, name)(a.detach(), b.detach())  # looked up at call time (patchable)
     return out
 
 
@@ -77,20 +75,19 @@ def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict
     their inputs, as the capture would have on the training thread: by :mod:`tracer.formulas`, in
     the inputs' own dtype (float8 ones in float32: torch promotes no float8 dtype with another), same
     shape (``[B, T]``). A name whose inputs are absent is skipped."""
-    fns = {"ratio": logprobs.ratio, "ref_kl_k3": logprobs.ref_kl_k3, "approx_kl_k2": logprobs.approx_kl_k2}
     out: dict[str, torch.Tensor] = {}
     for name in names:
         inputs = DERIVED_FIELDS[name][0]
         if name not in data and all(f in data for f in inputs):
             a, b = (for_maths(data[f]) for f in (inputs[0], inputs[-1]))
             with torch.no_grad():
-                out[name] = fns[name](a, b)
+                out[name] = getattr(logprobs, name)(a, b)
     return out
 
 
 def for_maths(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another (old
-    logprobs kept in float8 made every derivation raise)."""
+    """``tensor`` detached, a float8 one as float32: torch promotes no float8 dtype with another, so
+    float8 inputs (old logprobs kept in float8) could not be combined with the policy's."""
     if tensor.requires_grad:  # a staged copy never does: no detach() (each torch call lets the training thread's lock go)
         tensor = tensor.detach()
     return tensor.float() if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point else tensor

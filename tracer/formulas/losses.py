@@ -81,7 +81,7 @@ def clip_fractions(
     """
     if isinstance(ratio_, np.ndarray):
         return _clip_fractions_host(ratio_, advantages, mask, clip_epsilon_low, clip_epsilon_high, dim)
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1) or (B, T)
+    adv = _over_tokens(advantages)  # (B, 1) or (B, T)
     keep = mask.bool()
     below, above = ratio_ < 1 - clip_epsilon_low, ratio_ > 1 + clip_epsilon_high
 
@@ -137,15 +137,11 @@ def grpo_per_token_loss(
     Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    adv = _over_tokens(advantages)  # (B, 1) or (B, T)
     unclipped = r if delta is None else torch.clamp(r, max=delta)
     surrogate = torch.min(unclipped * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
-    if sampler_weights is not None:
-        surrogate = surrogate * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
-    if beta and ref_logprobs is not None:
-        kl = ref_kl(policy_logprobs, ref_logprobs, kl_estimator)
-        surrogate = surrogate - beta * (kl * r if kl_importance_weighted else kl)
-    return -surrogate
+    return _policy_loss(surrogate, r, policy_logprobs, beta, ref_logprobs, kl_importance_weighted, sampler_weights,
+                        kl_estimator)
 
 
 def cispo_per_token_loss(
@@ -169,12 +165,25 @@ def cispo_per_token_loss(
     """
     r = ratio(policy_logprobs, old_logprobs)  # (B, T)
     clamped = torch.clamp(r, max=clip_epsilon_high).detach()  # (B, T)
-    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    objective = clamped * adv * policy_logprobs
+    objective = clamped * _over_tokens(advantages) * policy_logprobs  # (B, T)
+    return _policy_loss(objective, r, policy_logprobs, beta, ref_logprobs, kl_importance_weighted, sampler_weights,
+                        kl_estimator)
+
+
+def _over_tokens(per_row: torch.Tensor) -> torch.Tensor:
+    """A ``[B]`` tensor as ``[B, 1]``, so that it broadcasts over T; a ``[B, T]`` one as it is."""
+    return per_row.unsqueeze(1) if per_row.dim() == 1 else per_row
+
+
+def _policy_loss(objective: torch.Tensor, r: torch.Tensor, policy_logprobs: torch.Tensor, beta: float,
+                 ref_logprobs: torch.Tensor | None, kl_importance_weighted: bool,
+                 sampler_weights: torch.Tensor | None, kl_estimator: str) -> torch.Tensor:
+    """What GRPO and CISPO do with their per-token ``objective`` ``[B, T]``: times ``sampler_weights``,
+    minus ``beta`` times the reference KL (times ``r`` when ``kl_importance_weighted``), negated."""
     if sampler_weights is not None:
-        objective = objective * (sampler_weights.unsqueeze(1) if sampler_weights.dim() == 1 else sampler_weights)
+        objective = objective * _over_tokens(sampler_weights)
     if beta and ref_logprobs is not None:
-        kl = ref_kl(policy_logprobs, ref_logprobs, kl_estimator)
+        kl = ref_kl(policy_logprobs, ref_logprobs, kl_estimator)  # (B, T)
         objective = objective - beta * (kl * r if kl_importance_weighted else kl)
     return -objective
 

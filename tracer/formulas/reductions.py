@@ -77,8 +77,8 @@ def masked_row_quantiles(values: torch.Tensor | np.ndarray, mask: torch.Tensor |
     Returns float64 ``[R, len(qs)]``; NaN for a row that keeps no non-NaN value.
 
     Computed with numpy on the host: the writer thread summarises every step with it, and on small
-    rows numpy's sort and element-wise calls cost a fraction of torch's (issue 16); the values are
-    the same (a sort orders equal values alike, and each element-wise step is one IEEE operation)."""
+    rows numpy's sort and element-wise calls cost a fraction of torch's; the values are the same
+    (a sort orders equal values alike, and each element-wise step is one IEEE operation)."""
     R, N = values.shape
     if N == 0:
         return torch.full((R, len(qs)), float("nan"), dtype=torch.float64)

@@ -23,23 +23,13 @@ import os
 from typing import Any, Mapping
 
 from tracer.integrations.trl_base import TrainerTraceHook
+from tracer.integrations.trl_dpo import DPOTraceHook
 from tracer.integrations.trl_grpo import ROW_ID_KEY, GRPOTraceHook
 from tracer.integrations.trl_metadata import LOSS_REDUCTION_BY_LOSS_TYPE
+from tracer.integrations.trl_rloo import RLOOTraceHook
 
 __all__ = ["attach", "hook_class_for", "TrainerTraceHook", "GRPOTraceHook", "RLOOTraceHook", "DPOTraceHook",
            "LOSS_REDUCTION_BY_LOSS_TYPE", "ROW_ID_KEY"]
-
-
-def __getattr__(name: str) -> Any:  # RLOOTraceHook / DPOTraceHook without importing both modules up front
-    if name == "RLOOTraceHook":
-        from tracer.integrations.trl_rloo import RLOOTraceHook
-
-        return RLOOTraceHook
-    if name == "DPOTraceHook":
-        from tracer.integrations.trl_dpo import DPOTraceHook
-
-        return DPOTraceHook
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _class_names(trainer: Any) -> set[str]:
@@ -51,12 +41,8 @@ def hook_class_for(trainer: Any) -> type[TrainerTraceHook]:
     (``RLOOTrainer``, ``DPOTrainer``), else the GRPO hook (which checks the methods it wraps)."""
     names = _class_names(trainer)
     if "RLOOTrainer" in names:
-        from tracer.integrations.trl_rloo import RLOOTraceHook
-
         return RLOOTraceHook
     if "DPOTrainer" in names:
-        from tracer.integrations.trl_dpo import DPOTraceHook
-
         return DPOTraceHook
     return GRPOTraceHook
 

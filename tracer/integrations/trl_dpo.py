@@ -13,7 +13,7 @@ Facts from TRL 1.16 that shape the hook:
   the last B rejected (pair b is rows b and B + b). ``completion_mask`` is 1 on the completion
   tokens (EOS included) and 0 on the prompt and the padding. The sampler shuffles pairs; rows are
   never shuffled within a batch, so no row join is needed.
-- There is no concatenated-forward method to wrap any more: ``_compute_loss`` calls the policy as
+- TRL 1.16 has no concatenated-forward method to wrap: ``_compute_loss`` calls the policy as
   ``model(input_ids, attention_mask, labels=input_ids masked to -100 off the completion,
   fused_lm_head=True)``. The fused LM head (``trl.trainer.utils.add_fused_lm_head``) returns
   ``log_probs`` ``[2B, S - 1]``: column k scores ``input_ids[:, k + 1]``, and every position whose
@@ -64,12 +64,8 @@ _POLICY, _REF = "policy", "ref"
 
 
 class DPOTraceHook(TrainerTraceHook):
-    """Records every micro-batch of a TRL ``DPOTrainer`` into a trace; see the module docstring.
-
-    Attributes:
-        writer: the :class:`~tracer.record.writer.TraceWriter` (``writer.root`` is the trace directory).
-        capture_failures: exceptions caught while capturing (each also counts as a dropped step).
-    """
+    """Records every micro-batch of a TRL ``DPOTrainer`` into a trace; see the module docstring
+    (attributes ``writer``, ``capture_failures``: :class:`~tracer.integrations.trl_base.TrainerTraceHook`)."""
 
     trainer_name = "DPOTrainer"
 

@@ -51,12 +51,8 @@ OLD_FROM_ROLLOUT = "trl_rollout_forward"
 
 
 class RLOOTraceHook(GRPOTraceHook):
-    """Records every micro-batch of a TRL ``RLOOTrainer`` into a trace; see the module docstring.
-
-    Attributes:
-        writer: the :class:`~tracer.record.writer.TraceWriter` (``writer.root`` is the trace directory).
-        capture_failures: exceptions caught while capturing (each also counts as a dropped step).
-    """
+    """Records every micro-batch of a TRL ``RLOOTrainer`` into a trace; see the module docstring
+    (attributes ``writer``, ``capture_failures``: :class:`~tracer.integrations.trl_base.TrainerTraceHook`)."""
 
     trainer_name = "RLOOTrainer"
 

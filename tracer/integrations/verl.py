@@ -136,8 +136,7 @@ def _lazy_lookup(original: Callable) -> Callable:
             register_tracing_losses()
         return original(name)
 
-    get_policy_loss_fn.__tracer_wrapper__ = True
-    return get_policy_loss_fn
+    return _marked(get_policy_loss_fn)
 
 
 def _tracing_loss(name: str, fn: Callable) -> Callable:
@@ -149,15 +148,14 @@ def _tracing_loss(name: str, fn: Callable) -> Callable:
         try:
             bound = inspect.signature(fn).bind(*args, **kwargs)
             bound.apply_defaults()
-            recorder = _worker_recorder()
+            recorder = _recorder("worker")
             if recorder is not None:
                 recorder.record(name, dict(bound.arguments), result, getattr(_context, "data", None))
         except Exception as err:  # tracing must never stop training
             _failed("worker", err)
         return result
 
-    traced.__tracer_wrapper__ = True
-    return traced
+    return _marked(traced)
 
 
 def _traced_ppo_loss(original: Callable) -> Callable:
@@ -171,18 +169,7 @@ def _traced_ppo_loss(original: Callable) -> Callable:
         finally:
             _context.data = previous
 
-    ppo_loss.__tracer_wrapper__ = True
-    return ppo_loss
-
-
-def _worker_recorder() -> verl_record.WorkerRecorder | None:
-    root = trace_dir()
-    if root is None:
-        return None
-    with _lock:
-        if _state["worker"] is None:
-            _state["worker"] = verl_record.WorkerRecorder(root / verl_record.WORKERS_DIR, strict=_strict())
-        return _state["worker"]
+    return _marked(ppo_loss)
 
 
 # -- driver side: compute_advantage ---------------------------------------------------------------
@@ -196,7 +183,7 @@ def _traced_compute_advantage(original: Callable) -> Callable:
     def compute_advantage(*args, **kwargs):
         data = original(*args, **kwargs)
         try:
-            recorder = _driver_recorder()
+            recorder = _recorder("driver")
             if recorder is not None:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
@@ -207,19 +194,28 @@ def _traced_compute_advantage(original: Callable) -> Callable:
             _failed("driver", err)
         return data
 
-    compute_advantage.__tracer_wrapper__ = True
-    return compute_advantage
+    return _marked(compute_advantage)
 
 
-def _driver_recorder() -> verl_record.DriverRecorder | None:
+# -- this process's recorders -----------------------------------------------------------------------
+
+# side -> the recorder it writes with, made from the trace root at its first record
+_RECORDERS: dict[str, Callable[[Path], verl_record.WorkerRecorder | verl_record.DriverRecorder]] = {
+    "worker": lambda root: verl_record.WorkerRecorder(root / verl_record.WORKERS_DIR, strict=_strict()),
+    "driver": lambda root: verl_record.DriverRecorder(root / verl_record.ROLLOUT_DIR, strict=_strict(),
+                                                      tokenizer=_tokenizer()),
+}
+
+
+def _recorder(side: str) -> verl_record.WorkerRecorder | verl_record.DriverRecorder | None:
+    """The recorder of ``side`` (``"worker"`` or ``"driver"``), made once per process; None when tracing is off."""
     root = trace_dir()
     if root is None:
         return None
     with _lock:
-        if _state["driver"] is None:
-            _state["driver"] = verl_record.DriverRecorder(root / verl_record.ROLLOUT_DIR, strict=_strict(),
-                                                          tokenizer=_tokenizer())
-        return _state["driver"]
+        if _state[side] is None:
+            _state[side] = _RECORDERS[side](root)
+        return _state[side]
 
 
 def _tokenizer() -> Any:
@@ -245,16 +241,31 @@ def _failed(side: str, err: Exception) -> None:
 # -- installing -----------------------------------------------------------------------------------
 
 
+def _marked(wrapper: Callable) -> Callable:
+    """``wrapper`` marked as tracer's, so that no function is wrapped twice."""
+    wrapper.__tracer_wrapper__ = True
+    return wrapper
+
+
+def _is_marked(fn: Any) -> bool:
+    return getattr(fn, "__tracer_wrapper__", False)
+
+
+def _wrap_once(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """``owner.<name> = wrap(owner.<name>)`` unless ``owner.<name>`` is tracer's wrapper already."""
+    original = getattr(owner, name)
+    if not _is_marked(original):
+        setattr(owner, name, wrap(original))
+
+
 def _patch_losses(module: Any) -> None:
-    if not getattr(module.ppo_loss, "__tracer_wrapper__", False):
-        module.ppo_loss = _traced_ppo_loss(module.ppo_loss)
+    _wrap_once(module, "ppo_loss", _traced_ppo_loss)
 
 
 def _patch_trainer(module: Any) -> None:
-    if not getattr(module.compute_advantage, "__tracer_wrapper__", False):
-        module.compute_advantage = _traced_compute_advantage(module.compute_advantage)
+    _wrap_once(module, "compute_advantage", _traced_compute_advantage)
     v1 = sys.modules.get(_V1_UTILS_MODULE)  # imported before us: it holds the unwrapped name
-    if v1 is not None and not getattr(v1.compute_advantage, "__tracer_wrapper__", False):
+    if v1 is not None and not _is_marked(v1.compute_advantage):
         v1.compute_advantage = module.compute_advantage
 
 
@@ -307,8 +318,7 @@ def install(out_dir: str | os.PathLike | None = None, tokenizer: Any = None) -> 
     register_tracing_losses()
     from verl.trainer.ppo import core_algos
 
-    if not getattr(core_algos.get_policy_loss_fn, "__tracer_wrapper__", False):  # before losses.py binds it
-        core_algos.get_policy_loss_fn = _lazy_lookup(core_algos.get_policy_loss_fn)
+    _wrap_once(core_algos, "get_policy_loss_fn", _lazy_lookup)  # before losses.py binds it
     for name, patch in _PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

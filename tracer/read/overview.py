@@ -1,8 +1,8 @@
 """The run overview's frame (:meth:`tracer.read.reader.Trace.step_summary`) from the run's summary
 columns (:mod:`tracer.format.summary_store`) as arrays: which listed step files the columns vouch for
 (name, coordinates and current size, compared as arrays), their rows as columns of the frame, and
-the one column order that every way of building the frame gives; and :class:`TraceOverview`, the
-part of :class:`tracer.read.reader.Trace` that builds the frame and reads the run's summary index.
+the one column order that every way of building the frame gives; and :class:`TraceOverview`, which
+builds the frame of one :class:`tracer.read.reader.Trace` and reads the run's summary index.
 
 A row is taken from the columns only when its file lies in ``steps/``, under the name the columns
 list, with the coordinates they list, and its size on disk now is the size they list, and when no
@@ -14,8 +14,6 @@ of the step keys.
 from __future__ import annotations
 
 import os
-from functools import cached_property
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -171,9 +169,15 @@ def combined(parts: list[tuple[np.ndarray, pd.DataFrame]], n: int) -> pd.DataFra
 
 
 class TraceOverview:
-    """The run overview of a :class:`tracer.read.reader.Trace` (which it is a part of: it uses the trace's
-    ``root``, ``step_table``, ``load_step``, ``derived_fields``, ``_open``, ``_single`` and
-    ``_algorithm_of``)."""
+    """The run overview of one :class:`tracer.read.reader.Trace` (``trace.overview``). It reads the
+    trace through ``root``, ``step_table``, ``load_step``, ``derived_fields``, ``_open``, ``_single``,
+    ``_algorithm_of`` and ``_current_sizes`` (a subclass of Trace may override the last: the app's
+    listing hands over the sizes it stat'ed)."""
+
+    def __init__(self, trace: Any) -> None:
+        self._trace = trace
+        self._index_reader: run_index.IndexReader | None = None
+        self.steps_folder = str(trace.root / STEPS_DIR)
 
     def step_summary(self) -> pd.DataFrame:
         """One row per step file with the step's summary (:mod:`tracer.format.summary`): ``kept_tokens``,
@@ -193,11 +197,12 @@ class TraceOverview:
         one ``stat`` per step file, one load of the columns and a parse of the index lines after
         them, plus one header per file they do not vouch for; the rows of the columns are put in
         the frame as arrays (:mod:`tracer.read.overview`)."""
-        table = self.step_table()
+        trace = self._trace
+        table = trace.step_table()
         index = self.summary_index()
         columns = self.summary_columns()
         coordinates = table.coordinates
-        rows = vouched_rows(columns, table, self._steps_folder, index, self._current_sizes) \
+        rows = vouched_rows(columns, table, self.steps_folder, index, trace._current_sizes) \
             if columns else np.full(len(table), -1, dtype=np.int64)
         stored = np.flatnonzero(rows >= 0)
         records, rest = [], np.flatnonzero(rows < 0)
@@ -206,7 +211,7 @@ class TraceOverview:
             key = table.key(i)
             rec: dict[str, Any] = {"step": key.step, "inner_step": key.inner_step,
                                    "micro_batch": key.micro_batch, "rank": key.rank}
-            listed = run_index.summary_row(index, key, self._steps_folder) if index else None
+            listed = run_index.summary_row(index, key, self.steps_folder) if index else None
             if listed is not None:
                 rec.update(listed)
                 from_index += 1
@@ -214,7 +219,7 @@ class TraceOverview:
                 continue
             try:
                 rec.update(self._step_summary_of(key))
-                rec["derived"] = ", ".join(self.derived_fields(key))
+                rec["derived"] = ", ".join(trace.derived_fields(key))
             except TraceFormatError as err:
                 rec["problem"] = clean_str(str(err))  # a non-UTF-8 path must not break the table
             records.append(rec)
@@ -230,54 +235,36 @@ class TraceOverview:
         beyond what their summary columns hold (:meth:`summary_columns`); {} for a single step file
         or a trace without one. Only what a live writer appended since the last call is read
         (:class:`tracer.format.run_index.IndexReader`)."""
-        if self._single:
+        if self._trace._single:
             return {}
-        reader = self.__dict__.get("_index_reader")
-        if reader is None:
-            reader = self._index_reader = run_index.IndexReader(self.root)
-        return reader.entries()
+        if self._index_reader is None:
+            self._index_reader = run_index.IndexReader(self._trace.root)
+        return self._index_reader.entries()
 
     def summary_columns(self) -> SummaryColumns | None:
         """The rows of the run's summary columns (:mod:`tracer.format.summary_store`, every rank's) that
         go with its index as of the last :meth:`summary_index`, or None."""
-        reader = self.__dict__.get("_index_reader")
-        return None if reader is None else reader.columns()
+        return None if self._index_reader is None else self._index_reader.columns()
 
-    def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
-        """True when the summary index or columns list the step file ``path`` (in ``steps/``, named
-        by its coordinates) at ``size`` bytes: then it is a file the writer wrote and renamed whole."""
-        return bool(self.index_vouched([path], [size], index)[0])
-
-    def index_vouched(self, paths: list[Path], sizes: list[int],
-                      index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
-        """:meth:`index_vouches` of each of ``paths`` at ``sizes``, as ``bool [n]``: the columns'
-        rows compared as arrays, index lines (those after the columns) one by one."""
-        split = [str(p).rpartition(os.sep) for p in paths]
-        return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
-
-    def _vouched(self, folders: list[str] | str, names: list[str], sizes: Any,
-                 index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
-        """:meth:`index_vouched` of the files ``names`` of ``folders`` (one each, or one folder's ``str``)."""
+    def vouched(self, folders: list[str] | str, names: list[str], sizes: Any,
+                index: dict[str, dict[str, Any]] | None = None) -> np.ndarray:
+        """Whether the summary index or columns list each of the files ``names`` of ``folders`` (one
+        each, or one folder's ``str``) at ``sizes`` bytes, as ``bool [n]``: then it is a file the
+        writer wrote and renamed whole. The columns' rows are compared as arrays, index lines (those
+        after the columns) one by one."""
         index = self.summary_index() if index is None else index
-        return vouched_files(self.summary_columns(), index, folders, names, sizes, self._steps_folder)
-
-    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
-        """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
-        return current_sizes(folder, names)
-
-    @cached_property
-    def _steps_folder(self) -> str:
-        return str(self.root / STEPS_DIR)
+        return vouched_files(self.summary_columns(), index, folders, names, sizes, self.steps_folder)
 
     def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
         """The summary of one step file: from its header when it holds one, else from its tensors."""
-        with self._open(key.path) as fh:
+        trace = self._trace
+        with trace._open(key.path) as fh:
             meta = decode_metadata(fh.metadata())
-            check_step_header(key.path, fh, self._algorithm_of(meta))
+            check_step_header(key.path, fh, trace._algorithm_of(meta))
         stored = summary_format.read_summary(meta)
         if stored is not None:
             return {**stored, "summary_source": "header"}
-        data = self.load_step(key, tables.SUMMARY_FIELDS)
+        data = trace.load_step(key, tables.SUMMARY_FIELDS)
         try:
             computed = tables.summary_values(meta, data)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:  # tensors the header check let through

@@ -8,7 +8,6 @@ step file with canonical field names (metadata optional).
 from __future__ import annotations
 
 import os
-import time
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
@@ -31,23 +30,11 @@ from tracer.format.integrity import (
 )
 from tracer.format.schema import FIELDS
 from tracer.format.metadata_codec import decode_metadata
-from tracer.read.step_table import StepKey, StepTable, parse_names  # noqa: F401  (StepKey re-exported)
-from tracer.format.names import MANIFEST_NAME, STEP_FILE_RE, STEPS_DIR, TOKENS_NAME, listed_step_files, step_file_name
+from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files  # noqa: F401  (StepKey re-exported)
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 
-QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
-MAX_NAMED_KEYS = 1_000_000  # step keys kept per Trace (parsed from file names once)
-_STEP_RE = STEP_FILE_RE
-
-
-def _int_or(value: Any, default: int = 0) -> int:
-    """``value`` as an int when it is a JSON number, else ``default`` (hostile metadata)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 2**62:
-        return int(value)
-    return default
-
-
-class Trace(overview.TraceOverview):
+class Trace:
     """A trace opened for reading. Cheap to open: it reads the manifest and lists file names.
 
     Args:
@@ -111,25 +98,9 @@ class Trace(overview.TraceOverview):
         return list(self._listing())
 
     def _listing(self) -> list[Path]:
-        """The ``*.safetensors`` files of ``steps/`` and the root, sorted by text. Listed again
-        whenever either folder's modification time changed (a file added, renamed or removed);
-        a listing is reused only when both folders had been quiet for :data:`QUIET_S` seconds
-        before it was taken, so that a change within one tick of the file system's clock is
-        never missed (the rule git uses for its racy index)."""
-        folders = (self.root / STEPS_DIR, self.root)
-        before = time.time_ns()
-        try:
-            signature = tuple(os.stat(folder).st_mtime_ns if folder.is_dir() else 0 for folder in folders)
-        except OSError:
-            signature = None
-        cached = self.__dict__.get("_listing_cache")
-        if signature is not None and cached is not None and cached[0] == signature:
-            return cached[1]
-        in_steps, at_root = listed_step_files(folders[0]), listed_step_files(folders[1])  # each sorted by name
-        # one folder's files sorted by name are sorted by text (one prefix): the common case, no Path compared
-        paths = (in_steps or at_root) if not (in_steps and at_root) else sorted([*in_steps, *at_root], key=str)
-        quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
-        self._listing_cache = (signature, paths) if quiet else None
+        """The ``*.safetensors`` files of ``steps/`` and the root, sorted by text
+        (:func:`tracer.read.step_table.list_step_files`, listed again only when a folder changed)."""
+        paths, self._listing_cache = list_step_files(self.root, self.__dict__.get("_listing_cache"))
         return paths
 
     def steps(self) -> list[StepKey]:
@@ -146,39 +117,9 @@ class Trace(overview.TraceOverview):
         return len(self.step_table())
 
     def _keys(self, paths: list[Path]) -> list[StepKey]:
-        """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
-        meanwhile is either in both or in neither). When every file is named by its coordinates (as
-        the writer names them) the names are parsed by one regular-expression scan and sorted as
-        arrays; otherwise one by one."""
-        parsed = parse_names([p.name for p in paths])
-        if parsed is not None:
-            coordinates, order = parsed
-            return [StepKey(a, b, c, d, paths[i])
-                    for (a, b, c, d), i in zip(coordinates[order].tolist(), order.tolist())]
-        return self._keys_one_by_one(paths)
-
-    def _keys_one_by_one(self, paths: list[Path]) -> list[StepKey]:
-        keys = []
-        named = self.__dict__.setdefault("_named_keys", {})  # {path: key} of files named by their coordinates
-        for p in paths:
-            key = named.get(p)
-            if key is not None:
-                keys.append(key)
-                continue
-            m = _STEP_RE.match(p.name)
-            if m and all(len(g) < 19 or int(g) < 2**63 for g in m.groups()):  # beyond int64: as user-named
-                key = StepKey(*(int(g) for g in m.groups()), path=p)
-                if len(named) < MAX_NAMED_KEYS:
-                    named[p] = key
-                keys.append(key)
-            else:  # a step file named by the user: its header says which step it is
-                try:
-                    meta = self._header(p)
-                except TraceFormatError:
-                    continue  # unreadable and nameless: scan() reports it
-                keys.append(StepKey(*(_int_or(meta.get(k)) for k in ("step", "inner_step", "micro_batch", "rank")),
-                                    path=p))
-        return sorted(keys)
+        """The step keys of ``paths``, sorted (:func:`tracer.read.step_table.keys_of`: names parsed,
+        a file named by the user keyed by its header)."""
+        return keys_of(paths, self.__dict__.setdefault("_named_keys", {}), self._header)
 
     def scan(self) -> dict[Path, str]:
         """``{file: why it cannot be used}`` for the manifest, the token strings and every step
@@ -402,6 +343,45 @@ class Trace(overview.TraceOverview):
                 and (micro_batch is None or k.micro_batch == micro_batch)]
         frames = [self.token_table(k).assign(micro_batch=k.micro_batch) for k in keys]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    # -- the run overview (tracer.read.overview) ----------------------------------------------
+
+    @cached_property
+    def overview(self) -> overview.TraceOverview:
+        """The run overview: per-step summaries from the summary index, columns or headers."""
+        return overview.TraceOverview(self)
+
+    def step_summary(self) -> pd.DataFrame:
+        """One row per step file with its summary: :meth:`tracer.read.overview.TraceOverview.step_summary`."""
+        return self.overview.step_summary()
+
+    def summary_index(self) -> dict[str, dict[str, Any]]:
+        """The run's summary index beyond its columns: :meth:`tracer.read.overview.TraceOverview.summary_index`."""
+        return self.overview.summary_index()
+
+    def summary_columns(self) -> Any:
+        """The run's summary columns: :meth:`tracer.read.overview.TraceOverview.summary_columns`."""
+        return self.overview.summary_columns()
+
+    def index_vouched(self, paths: list[Path], sizes: list[int], index: dict[str, dict[str, Any]] | None = None) -> Any:
+        """``bool [n]``: whether the summary index or columns list each of ``paths`` at ``sizes`` bytes
+        (a file the writer wrote and renamed whole): :meth:`tracer.read.overview.TraceOverview.vouched`."""
+        split = [str(p).rpartition(os.sep) for p in paths]
+        return self._vouched([f for f, _, _ in split], [b for _, _, b in split], sizes, index)
+
+    def index_vouches(self, path: Path, size: int, index: dict[str, dict[str, Any]] | None = None) -> bool:
+        """:meth:`index_vouched` of one file."""
+        return bool(self.index_vouched([path], [size], index)[0])
+
+    def _vouched(self, folders: list[str] | str, names: list[str], sizes: Any,
+                 index: dict[str, dict[str, Any]] | None = None) -> Any:
+        return self.overview.vouched(folders, names, sizes, index)
+
+    def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
+        """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
+        return overview.current_sizes(folder, names)
+
+    _steps_folder = property(lambda self: self.overview.steps_folder)
 
     def ranks(self) -> list[int]:
         """Ranks that wrote step files."""

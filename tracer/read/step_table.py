@@ -1,4 +1,5 @@
-"""A trace's listing of step files as arrays (:class:`StepTable`): one name and one row of
+"""A trace's step files: listing them (:func:`list_step_files`), keying them (:func:`keys_of`), and the
+listing as arrays (:class:`StepTable`): one name and one row of
 coordinates per step file, sorted by (step, inner_step, micro_batch, rank), with no ``Path`` or
 :class:`StepKey` object per file until one is asked for.
 
@@ -11,12 +12,16 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from tracer.errors import TraceFormatError
+from tracer.format.names import STEP_FILE_RE, STEPS_DIR, listed_step_files
 
 STEP_LINES = re.compile(r"^step_([0-9]+)\.inner_([0-9]+)\.mb_([0-9]+)\.rank_([0-9]+)\.safetensors$", re.MULTILINE)
 
@@ -155,3 +160,67 @@ class StepTable:
         if self.folder is None and len(set(labels)) < len(labels):
             labels = [f"{label} · {name}" for label, name in zip(labels, self.names)]
         return labels
+
+
+QUIET_S = 2.0  # a folder unchanged this long before it was listed keeps its listing until it changes
+MAX_NAMED_KEYS = 1_000_000  # step keys kept per trace (parsed from file names once)
+
+
+def list_step_files(root: Path, cached: tuple | None) -> tuple[list[Path], tuple | None]:
+    """The ``*.safetensors`` files of ``root/steps/`` and ``root``, sorted by text, and what to pass as
+    ``cached`` next time. Listed again whenever either folder's modification time changed (a file
+    added, renamed or removed); a listing is reused only when both folders had been quiet for
+    :data:`QUIET_S` seconds before it was taken, so that a change within one tick of the file
+    system's clock is never missed (the rule git uses for its racy index)."""
+    folders = (root / STEPS_DIR, root)
+    before = time.time_ns()
+    try:
+        signature = tuple(os.stat(folder).st_mtime_ns if folder.is_dir() else 0 for folder in folders)
+    except OSError:
+        signature = None
+    if signature is not None and cached is not None and cached[0] == signature:
+        return cached[1], cached
+    in_steps, at_root = listed_step_files(folders[0]), listed_step_files(folders[1])  # each sorted by name
+    # one folder's files sorted by name are sorted by text (one prefix): the common case, no Path compared
+    paths = (in_steps or at_root) if not (in_steps and at_root) else sorted([*in_steps, *at_root], key=str)
+    quiet = signature is not None and before - max(signature) > QUIET_S * 1e9
+    return paths, ((signature, paths) if quiet else None)
+
+
+def keys_of(paths: list[Path], named: dict[Path, StepKey], header: Callable[[Path], dict[str, Any]]) -> list[StepKey]:
+    """The step keys of ``paths`` (one listing of the directory, so that a file a live writer adds
+    meanwhile is either in both or in neither), sorted. When every file is named by its coordinates (as
+    the writer names them) the names are parsed by one regular-expression scan and sorted as
+    arrays; otherwise one by one: ``named`` remembers ``{path: key}`` of the files named by their
+    coordinates, and a file named by the user is keyed by its header's coordinates (``header(path)``;
+    one that does not open is left out: ``Trace.scan`` reports it)."""
+    parsed = parse_names([p.name for p in paths])
+    if parsed is not None:
+        coordinates, order = parsed
+        return [StepKey(a, b, c, d, paths[i]) for (a, b, c, d), i in zip(coordinates[order].tolist(), order.tolist())]
+    keys = []
+    for p in paths:
+        key = named.get(p)
+        if key is not None:
+            keys.append(key)
+            continue
+        m = STEP_FILE_RE.match(p.name)
+        if m and all(len(g) < 19 or int(g) < 2**63 for g in m.groups()):  # beyond int64: as user-named
+            key = StepKey(*(int(g) for g in m.groups()), path=p)
+            if len(named) < MAX_NAMED_KEYS:
+                named[p] = key
+            keys.append(key)
+        else:  # a step file named by the user: its header says which step it is
+            try:
+                meta = header(p)
+            except TraceFormatError:
+                continue
+            keys.append(StepKey(*(_int_or(meta.get(k)) for k in ("step", "inner_step", "micro_batch", "rank")), path=p))
+    return sorted(keys)
+
+
+def _int_or(value: Any, default: int = 0) -> int:
+    """``value`` as an int when it is a JSON number, else ``default`` (hostile metadata)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) < 2**62:
+        return int(value)
+    return default

@@ -4,7 +4,7 @@ specs to write the file from, with everything that depends only on the step's fi
 the file layout) worked out once per signature (:class:`StepPlan`).
 
 Why: the writer thread shares the interpreter lock with the training loop, so its Python time per
-step is taken from a loop of small steps almost one for one (BENCHMARKS.md, issue 16). A step of
+step is taken from a loop of small steps almost one for one (BENCHMARKS.md, "Writer throughput and CPU"). A step of
 14 small fields used to cost four passes over its tensors, each asking torch for shapes, dtypes and
 pointers again; a plan makes that one pass of a few attribute reads and buffer views, and a small
 step's checksum and float scan one call each over a joined copy of its bytes.

@@ -1,6 +1,7 @@
-"""What ``record`` checks on the training thread before a step is staged: its coordinates, and its
-tensors against the schema once per field signature (:class:`SignatureCache`), and its metadata
-(:class:`MetadataCache`)."""
+"""What ``record`` checks on the training thread before a step is staged (:class:`RecordChecks`): its
+coordinates (each recorded once), its tensors against the schema once per field signature
+(:class:`SignatureCache`), and its metadata (:class:`MetadataCache`: not a key the writer sets, JSON,
+a header readers accept)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import SchemaError
+from tracer.format import summary as summary_format
+from tracer.format.names import step_label
 from tracer.format.schema import BOOL, FIELDS, check_mask_field, check_tensors
 from tracer.format.metadata_codec import encode_metadata, jsonable
 
 MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
+# Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
+WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
+                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summary_format.SUMMARY_KEY})
+MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
 
 
 def coordinate(name: str, value: Any) -> int:
@@ -139,3 +146,51 @@ class MetadataCache:
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+_NO_METADATA: dict[str, str] = {}
+
+
+class RecordChecks:
+    """The checks of one writer's ``record`` calls, with what they remember: the coordinates recorded,
+    the field signatures checked (:attr:`signatures`), the last metadata encoded. ``hyperparameters``:
+    the writer's, encoded once here (a non-JSON value raises SchemaError, naming it)."""
+
+    def __init__(self, algorithm: str, hyperparameters: Mapping[str, Any]) -> None:
+        self.signatures = SignatureCache(algorithm)
+        self._metadata = MetadataCache()
+        self._recorded: set[tuple[int, int, int]] = set()
+        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(hyperparameters).items())
+        self._metadata_size: tuple = (None, 0)  # (an encoded metadata dict, its header bytes with the hyperparameters')
+
+    def step(self, step: Any, inner_step: Any, micro_batch: Any, tensors: dict[str, Any],
+             metadata: Mapping[str, Any] | None, signature: tuple | None) -> tuple[tuple[int, int, int], str]:
+        """Check one step's coordinates, tensors and metadata keys; returns ``((step, inner_step,
+        micro_batch), source_dtype)`` and leaves the step's signature and staging key in
+        :attr:`signatures` (``last``, ``group_key``). Raises SchemaError: a coordinate that is not an
+        int >= 0, a metadata key the writer sets, a tensor the schema refuses, coordinates recorded before."""
+        coordinates = (coordinate("step", step), coordinate("inner_step", inner_step),
+                       coordinate("micro_batch", micro_batch))
+        reserved = WRITER_KEYS.intersection(metadata or {})
+        if reserved:
+            raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
+                              "micro_batch= as arguments and leave the others out")
+        source_dtype = self.signatures.check(tensors, signature)
+        if coordinates in self._recorded:
+            raise SchemaError(
+                f"{step_label(*coordinates)} was already recorded by this writer (its file would "
+                "be replaced); record each (step, inner_step, micro_batch) once, e.g. pass micro_batch= for each "
+                "micro-batch of a step")
+        self._recorded.add(coordinates)
+        return coordinates, source_dtype
+
+    def metadata(self, metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The JSON form of a step's metadata (None for none), checked: JSON-able, and a header of at most
+        :data:`MAX_METADATA_BYTES` with the hyperparameters. Raises SchemaError."""
+        # a non-JSON value raises here, on the caller's thread (the hyperparameters were checked once)
+        encoded = self._metadata.encoded(metadata) if metadata else _NO_METADATA
+        if encoded is not self._metadata_size[0]:  # the cache gives the same dict for the same metadata
+            self._metadata_size = (encoded, self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items()))
+        size = self._metadata_size[1]
+        if size > MAX_METADATA_BYTES:
+            raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
+                              "headers that large: keep metadata to hyperparameters and small values")
+        return self._metadata.json_form(metadata) if metadata else None

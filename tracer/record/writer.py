@@ -1,119 +1,85 @@
 """Write traces: one safetensors file per (step, inner step, micro-batch, rank), atomic, plus a
-manifest and the token strings at the trace root (SPEC.md section 5; layout in :mod:`tracer.format.names`).
+manifest and the token strings at the trace root (SPEC.md section 5; names in :mod:`tracer.format.names`).
 
-A step file is written to ``<name>.partial``, then renamed (flushed to the device first with
-``fsync_steps=True``): readers never see a partial file. Where each checked step goes (the writer
-thread, or the writer process) and the settings that choose it are :mod:`tracer.record.backends`.
+:class:`TraceWriter` checks each step on the training thread (:mod:`tracer.record.validation`), applies
+the sampling policy, and hands it to a backend (:mod:`tracer.record.backends`: inline, the writer
+thread, or the writer process), which writes ``<name>.partial`` and renames it: readers never see a
+partial file. When a writer process dies or stalls, a thread takes over with the steps it had not written.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-
-from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name, step_label
+from tracer.errors import TraceError, user_stacklevel
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
-from tracer.record.manifest import token_strings, tokenizer_identity
-from tracer.format import summary as summary_format
-from tracer.record.capture import BufferPool, CapturedStep, SamplingPolicy, cut_rows
-from tracer.record.thread import MAX_BATCH, BackgroundWriter
-from tracer.errors import SchemaError, TraceError
-from tracer.errors import user_stacklevel
-from tracer.record.manifest import MANIFEST_INTERVAL_S, ManifestBook, new_manifest
+from tracer.format.metadata_codec import jsonable
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.format.run_index import IndexWriter
-from tracer.record.validation import MAX_SIGNATURES, MetadataCache, SignatureCache, coordinate  # noqa: F401  (MAX_SIGNATURES re-exported)
 from tracer.format.schema import ALGORITHMS
-from tracer.format.metadata_codec import encode_metadata
-from tracer.record.step_writer import StepWriter
-
-from tracer.record.backends import WriterBackends, _OPEN_WRITERS, _distributed_rank, _stall_limit, _writer_mode
+from tracer.record.backends import Backends, LocalBackend, PendingStep
+from tracer.record.modes import distributed_rank, stall_limit, writer_mode
+from tracer.record.capture import BufferPool, CapturedStep, SamplingPolicy, cut_rows
+from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manifest, token_strings,
+                                    tokenizer_identity)
+from tracer.record.step_writer import StepWriter, step_header
+from tracer.record.thread import MAX_BATCH, BackgroundWriter
+from tracer.record.validation import RecordChecks
 
 log = logging.getLogger(__name__)
 
-
-# Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
-WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
-                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summary_format.SUMMARY_KEY})
-MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
+_MANIFEST_OWN_KEYS = frozenset({"schema_version", "algorithm", "status", "steps_written", "dropped_steps",
+                                "skipped_steps", "drop_reasons", "tokenizer", "producer"})
 
 
-class TraceWriter(WriterBackends):
+class TraceWriter:
     """Writes the steps of one run into a trace directory, off the training thread.
 
-    ``record`` validates shapes, stages the tensors (a host copy the loop cannot mutate) and
-    returns; a background thread normalises, serialises and writes them (:mod:`tracer.record.capture`).
-    ``flush()`` waits for the queue to drain; ``close()`` (or leaving a ``with`` block, or normal
-    interpreter exit) flushes and marks the trace finished.
+    ``record`` checks shapes, stages the tensors (a host copy the loop cannot mutate) and returns; a
+    backend normalises, summarises (the header's ``summary``: :mod:`tracer.format.summary`), serialises
+    and writes them, and appends each file's line to the run's summary index
+    (:mod:`tracer.format.run_index`). ``flush()`` waits for the queue to drain; ``close()`` (or leaving
+    a ``with`` block, or normal interpreter exit) flushes and marks the trace finished. The options in
+    full, with their costs: docs/capture.md.
 
     Args:
-        out_dir: the trace directory; created when missing. A directory that already holds a trace
-            with steps is refused (nothing the user had is overwritten).
+        out_dir: the trace directory; created when missing. One that already holds step files is
+            refused (nothing the user had is overwritten).
         algorithm: one of ``ppo | grpo | cispo | rloo | dpo``.
         tokenizer: optional; its token strings are stored once in ``tokens.json``.
         config: run configuration (JSON-able dict) kept in the manifest.
-        hyperparameters: step metadata written into every step file (``num_generations``, ``beta``,
-            ``clip_epsilon_low``... SPEC section 4 keys).
-        strict: when True, a failed write raises TraceError (from the next ``record``, ``flush`` or
-            ``close`` when writing in the background: the first pending failure, with the count of
-            all failures since the last one raised); otherwise a warning is issued and training goes
-            on. Either way every failed write is counted in the manifest's ``dropped_steps``.
+        hyperparameters: step metadata written into every step file (SPEC.md section 4 keys).
+        strict: a failed write raises TraceError (from the next ``record``, ``flush`` or ``close``);
+            otherwise it warns and training goes on. Every failed write is counted in the manifest's
+            ``dropped_steps`` either way.
         keep_source_dtype: store floats in their source dtype instead of float32.
         sampling: which steps and sequences to write (:class:`tracer.record.capture.SamplingPolicy`).
-        async_write: write on a background thread (default); False writes inside ``record``.
-        max_queue_steps, max_queue_bytes: bound of the background queue (steps waiting to be written).
-            The writer thread lingers for more steps until half the bound is queued, so the default 128
-            lets it handle :data:`tracer.record.thread.MAX_BATCH` (64) small steps at a time.
-        when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count: the
-            count is kept in memory and written to the manifest by the writer thread, so ``record``
-            never waits on the disk; the first drop warns, then one summary warning per 100 drops
-            or 60 s: :meth:`tracer.record.manifest.ManifestBook.queue_full`).
-        writer: where the background writing runs: ``"thread"`` (a thread of this process),
-            ``"process"`` (a writer process fed through shared memory: :mod:`tracer.record.process.parent`;
-            the training thread then shares the interpreter lock with nobody), or ``"auto"``: at the
-            first step written, the process when every tensor is on the CPU, on Linux, with at least
-            two usable cores per training process on the machine, else the thread
-            (:func:`tracer.record.backends.auto_writer`); a trace closed while that process is still
-            starting has its steps written by a thread instead, so a short run never waits for it.
-            None (default): the ``TRACER_WRITER`` environment variable, else ``"auto"``. Ignored
-            when ``async_write=False``. The manifest's ``capture.writer`` records which one wrote
-            (``capture.writer_choice``: why, under ``"auto"``).
-        writer_stall_s: with ``writer="process"``, how long (seconds, > 0; ``math.inf``: forever)
-            ``flush``, ``close`` or a ``record`` waiting for room may hear nothing from the writer
-            process before it is taken for stalled (stopped, hung): a warning names its pid, its
-            state and the steps it holds, it is killed, and those steps are written by a thread of
-            this process, as a dead one's are (strict mode: the same, then a TraceError from that
-            call, or from ``record``'s next one). None (default): the ``TRACER_WRITER_STALL_S``
-            environment variable, else 60 (:data:`tracer.record.process.lifecycle.STALL_S`; at least 120
-            until the child has written its first steps: its start-up).
-        fsync_steps: flush each step file to the device before renaming it into place (survives a
-            power loss or an OS crash once renamed). Default False: a step file is still complete or
-            absent for every reader, and survives a crash or kill of the training process (the
-            kernel holds its bytes and writes them back within seconds); only an OS crash or power
-            loss may lose the last seconds of step files (such a file is absent or empty, and
-            readers report it unreadable instead of using it). An fsync per step file
-            costs the loop several percent at small steps on virtualised disks, even from the writer
-            process (BENCHMARKS.md, "fsync"). The manifest is always fsync'd.
-
-    Each step file's header also holds the step's summary (``summary``: masked means, quantiles,
-    clip fractions, kept tokens, NaN counts; :mod:`tracer.format.summary`), computed by the writer thread
-    as it writes the file (by ``record`` itself when ``async_write=False``), so that a run overview
-    reads headers only; after each file the writer thread also queues one line for the run's
-    summary index (``summary_index.rank_N.jsonl``, :mod:`tracer.format.run_index`: name, size and summary,
-    appended at most every second and at ``flush()`` / ``close()``, never fsync'd), so that an
-    overview of many steps reads one file. ``record`` checks the schema once per field signature (names, shapes,
-    dtypes, devices); later records with that signature check only the values of non-bool masks.
+        async_write: write off the training thread (default); False writes inside ``record``.
+        max_queue_steps, max_queue_bytes: bound of the queue of steps waiting to be written.
+        when_full: ``"block"`` (wait for room; nothing lost) or ``"drop"`` (drop and count; warned
+            once, then every 100 drops or 60 s).
+        writer: ``"thread"``, ``"process"`` (a writer process fed through shared memory) or ``"auto"``
+            (the process for CPU tensors on Linux with a core to spare:
+            :func:`tracer.record.modes.auto_writer`); None: ``TRACER_WRITER``, else ``"auto"``.
+            The manifest's ``capture.writer`` says which one wrote.
+        writer_stall_s: seconds a wait for the writer process may hear nothing from it before it is
+            killed and a thread writes its steps; None: ``TRACER_WRITER_STALL_S``, else 60.
+        fsync_steps: flush each step file to the device before its rename (survives a power loss);
+            default False (a crash or kill of the process loses nothing written). The manifest is
+            always fsync'd.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
-    by the writer thread at most every :data:`MANIFEST_INTERVAL_S` seconds, by ``flush()``, and at
-    ``close()``. A writer belongs to the process that created it: a child made by ``fork()`` that
-    calls ``record``, ``flush`` or ``count_drop`` on an inherited writer gets a TraceError at once
-    (the writer thread and the file lock stayed in the parent); create a new writer in the child.
+    at most every :data:`tracer.record.manifest.MANIFEST_INTERVAL_S` seconds, at ``flush()`` and at
+    ``close()``. A child made by ``fork()`` that uses an inherited writer gets a TraceError: create a
+    new writer in the child.
 
     Raises:
         TraceError: unknown algorithm or writer, or ``out_dir`` already holds a trace.
@@ -142,8 +108,8 @@ class TraceWriter(WriterBackends):
         if sampling is not None and sampling.anomaly_ring and not async_write:
             raise TraceError("the anomaly ring (sampling.anomaly_ring > 0) holds steps on the writer thread; "
                              "use async_write=True (the default) with it")
-        mode = _writer_mode(writer) if async_write else "inline"
-        self._stall_s = _stall_limit(writer_stall_s)
+        mode = writer_mode(writer) if async_write else "inline"
+        self._stall_s = stall_limit(writer_stall_s)
         self.root = Path(out_dir)
         self.algorithm = algorithm
         self.strict = strict
@@ -151,15 +117,10 @@ class TraceWriter(WriterBackends):
         self.fsync_steps = fsync_steps
         self.hyperparameters = dict(hyperparameters or {})
         self.sampling = sampling or SamplingPolicy()
-        self.rank, self.world_size = _distributed_rank()
+        self.rank, self.world_size = distributed_rank()
         self._closed = False
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
-        # a non-JSON hyperparameter raises SchemaError now, naming it
-        self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(self.hyperparameters).items())
-        self._recorded: set[tuple[int, int, int]] = set()
-        self._signatures = SignatureCache(algorithm)  # field signatures checked once
-        self._metadata = MetadataCache()  # the last step metadata and its encodings
-        self._metadata_size: tuple = (None, 0)  # (an encoded metadata dict, its header bytes with the hyperparameters')
+        self._checks = RecordChecks(algorithm, self.hyperparameters)  # a non-JSON hyperparameter raises now
         self._steps_dir = self.root / STEPS_DIR
         # a step file's path: a child made without parsing (as tracer.record.step_writer makes it)
         self._step_path = getattr(self._steps_dir, "_make_child_relpath", self._steps_dir.joinpath)
@@ -174,15 +135,7 @@ class TraceWriter(WriterBackends):
         if tokenizer is not None:
             manifest["tokenizer"] = tokenizer_identity(tokenizer)
             if self.rank == 0:
-                try:
-                    write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
-                except OSError as err:  # the trace stays usable: ids show as <id N>
-                    if strict:
-                        unlock_rank(self._lock_fd)
-                        raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
-                    warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
-                                  "will show without text. Training continues.", RuntimeWarning,
-                                  stacklevel=user_stacklevel())
+                self._write_tokens(tokenizer)
         try:
             self._book.write()
         except OSError as err:
@@ -192,19 +145,16 @@ class TraceWriter(WriterBackends):
             log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
         self._queue = (max_queue_steps, max_queue_bytes, when_full)
         self._pool = BufferPool(per_key=max(4, 2 * min(max_queue_steps, MAX_BATCH)))
-        self._steps: StepWriter | None = None  # the write side, when it runs in this process
-        self._background: BackgroundWriter | None = None
-        self._process = None  # tracer.record.process.parent.ProcessWriter
-        self._auto = mode == "auto"  # the writer is chosen at the first step to write (_choose_writer)
-        self._chosen = False  # that choice was made
         if mode in ("process", "auto"):
             # the rank's summary index starts again now, as the writer thread's does: a child that dies
             # before starting its own leaves this one to be resumed, not an older run's
             IndexWriter(self.root, self.rank).close()
-        if mode == "process":
-            self._start_process()
-        elif not self._auto:
-            self._start_writing(background=async_write)
+        try:
+            self._backends = Backends(mode, self._local_backend, self._process_writer, self._book, strict,
+                                      self.sampling.first_k_sequences)
+        except TraceError:
+            unlock_rank(self._lock_fd)
+            raise
         _OPEN_WRITERS.add(self)
 
     # -- public verbs -------------------------------------------------------------------------
@@ -256,14 +206,9 @@ class TraceWriter(WriterBackends):
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
                 metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
                 derive: tuple[str, ...] = (), signature: tuple | None = None, path_wanted: bool = True) -> Path | None:
-        """:meth:`record` and :meth:`record_captured`; ``owned``: names of CPU tensors made for this record
-        alone (zero-edit capture's indexed rows and derived fields), staged without a copy; ``derive``: fields the
-        writer derives from the recorded ones and records with them (zero-edit capture's ``ratio``,
-        ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.formulas.derived.derive_recorded`), off this thread;
-        ``signature``: the tensors' field signature when the caller knows it
-        (:meth:`tracer.record.validation.SignatureCache.check`); ``path_wanted=False``: the caller ignores
-        the returned path, so a step handed to the writer process returns None without making it
-        (a ``Path`` a step: about 15 us of the training thread's)."""
+        """:meth:`record` and :meth:`record_captured` (their arguments: :class:`tracer.record.capture.CapturedStep`);
+        ``path_wanted=False``: the caller ignores the returned path, so a step handed to the writer
+        process returns None without making it (a ``Path`` a step: about 15 us of the training thread's)."""
         if torch.is_inference_mode_enabled():
             # A record under inference_mode (a rollout): the staging buffers, the ring and its views made
             # here are written in place after the block, which an inference tensor refuses.
@@ -271,69 +216,35 @@ class TraceWriter(WriterBackends):
                 return self._record(step, tensors, inner_step, micro_batch, metadata, owned, derive,
                                     signature, path_wanted)
         self._check_process()
-        if self._process is not None:
-            self._poll_process(due_only=True)  # the writer process's results so far (a strict failure raises next)
+        self._backends.poll(due_only=True)  # the writer process's results so far (a strict failure raises next)
         self._book.raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
-        step, inner_step, micro_batch = (coordinate("step", step), coordinate("inner_step", inner_step),
-                                         coordinate("micro_batch", micro_batch))
-        reserved = WRITER_KEYS.intersection(metadata or {})
-        if reserved:
-            raise SchemaError(f"metadata keys {sorted(reserved)} are set by the writer; pass step=, inner_step=, "
-                              "micro_batch= as arguments and leave the others out")
-        source_dtype = self._signatures.check(tensors, signature)
-        group_key = self._signatures.group_key  # the step's staging buffers: all on the CPU, or on one CUDA device
-        coordinates = (step, inner_step, micro_batch)
-        if coordinates in self._recorded:
-            raise SchemaError(
-                f"{step_label(step, inner_step, micro_batch)} was already recorded by this writer (its file would "
-                "be replaced); record each (step, inner_step, micro_batch) once, e.g. pass micro_batch= for each "
-                "micro-batch of a step")
-        self._recorded.add(coordinates)
-        sampled = self.sampling.sampled(step)
+        coordinates, source_dtype = self._checks.step(step, inner_step, micro_batch, tensors, metadata, signature)
+        group_key = self._checks.signatures.group_key  # the staging buffers: all on the CPU, or on one CUDA device
+        sampled = self.sampling.sampled(coordinates[0])
         if not sampled and not self.sampling.anomaly_ring:
             self._book.skipped()
             return None
-        # a non-JSON metadata value raises here, on the caller's thread (hyperparameters were checked once)
-        encoded = self._metadata.encoded(metadata) if metadata else {}
-        if encoded is not self._metadata_size[0]:  # the cache gives the same dict for the same metadata
-            self._metadata_size = (encoded, self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items()))
-        size = self._metadata_size[1]
-        if size > MAX_METADATA_BYTES:
-            raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
-                              "headers that large: keep metadata to hyperparameters and small values")
-        rows = None
+        json_metadata = self._checks.metadata(metadata)
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors, rows = cut_rows(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
-        json_metadata = self._metadata.json_form(metadata) if metadata else None
-        if rows is not None:  # the checks must know the step's scalar loss covers rows the file lacks
-            json_metadata = {**(json_metadata or {}), "rows_before_cut": rows}  # a new dict: json_form's is cached
-        if self._auto:
-            self._choose_writer(tensors)
-        if self._process is not None:
-            handed = self._hand_over(coordinates, tensors, sampled, source_dtype, json_metadata, derive)
-            if handed is not None:
-                if handed and sampled and path_wanted:
-                    return self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
-                return None
-            # the writer process was gone before it took the step: the writer thread now in its place writes it
-        path = self._step_path(step_file_name(step, inner_step, micro_batch, self.rank))
-        return self._stage(coordinates, tensors, json_metadata, source_dtype, sampled, owned, derive, group_key, path)
+            if rows is not None:  # the checks must know the step's scalar loss covers rows the file lacks
+                json_metadata = {**(json_metadata or {}), "rows_before_cut": rows}  # a new dict: json_form's is cached
+        pending = PendingStep(coordinates, tensors, json_metadata, source_dtype, sampled, owned, derive, group_key,
+                              self._checks.signatures.last)
+        written = self._backends.submit(pending)
+        return self._step_path(step_file_name(*coordinates, self.rank)) if written and path_wanted else None
 
     def flush(self) -> None:
         """Wait until every recorded step is on disk (or dropped). Raises TraceError in strict mode
         when a write failed, or when the writer was inherited through fork(). The manifest's live
         counts are brought up to date."""
         self._check_process()
-        if self._process is not None:
-            self._process.flush()
-            self._poll_process()
-        if self._process is None and self._background is not None:  # also what a dead process's rescue staged
-            self._background.flush()
+        self._backends.flush()
         self._update_manifest(force=True)
         self._book.raise_pending()
 
@@ -346,16 +257,7 @@ class TraceWriter(WriterBackends):
         _OPEN_WRITERS.discard(self)
         if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
             return
-        if self._process is not None and self._chosen:
-            self._cancel_start()  # writer="auto" chose a process that is still starting: a thread is quicker
-        if self._process is not None:
-            self._process.stop()
-            if self._process.dead is not None:  # it died before writing all it was handed: a thread writes the rest
-                self._poll_process()
-        if self._background is not None:
-            self._background.stop()
-        if self._steps is not None:
-            self._steps.index.close()
+        self._backends.close()
         with self._book.lock:
             self._book.manifest["status"] = "finished"
         try:
@@ -394,28 +296,89 @@ class TraceWriter(WriterBackends):
         with self._book.lock:
             self._book.dropped_steps, self._book.dirty = value, True
 
+    @property
+    def writer(self) -> str:
+        """Where steps are written now: ``"thread"``, ``"process"``, or ``"inline"`` (``async_write=False``);
+        ``"auto"`` until the first step chooses; a writer whose process died goes on with ``"thread"``."""
+        return self._backends.name
+
+    @property
+    def peak_queued_bytes(self) -> int:
+        """Most bytes the background queue held at once (0 when writing synchronously)."""
+        return self._backends.peak_bytes
+
+    # the writer thread and the writer process themselves, for diagnostics (None when not in use)
+    _background = property(lambda self: self._backends.background)
+    _process = property(lambda self: self._backends.process)
+
     def __enter__(self) -> "TraceWriter":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- private (the hand-over of steps: tracer.record.backends.WriterBackends) --------------
+    # -- private: choosing, starting and replacing the backend -------------------------------
 
-    def _start_writing(self, background: bool, resume_index: bool = False) -> None:
+    def _local_backend(self, background: bool, resume_index: bool = False) -> LocalBackend:
         """Write in this process: on a background thread, or inside ``record`` (``resume_index``:
         append to the summary index a dead writer process left)."""
-        self._steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
-                                 self._book, lambda *args: _save_atomic(*args),  # looked up at call time
-                                 fsync_steps=self.fsync_steps, resume_index=resume_index)
-        if not background:
-            return
+        steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
+                           self._book, lambda *args: _save_atomic(*args),  # looked up at call time
+                           fsync_steps=self.fsync_steps, resume_index=resume_index)
+        thread = None
+        if background:
+            max_queue_steps, max_queue_bytes, when_full = self._queue
+            thread = BackgroundWriter(
+                steps.write, steps.normalise, steps.on_normalise_error, self._book.queue_full,
+                max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
+                self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=steps.summarise)
+            self._book.on_writer_thread = thread.on_writer_thread
+        return LocalBackend(steps, self._book, self._pool, self._steps_dir, self.rank, self._header,
+                            lambda force: self._update_manifest(force), thread)
+
+    def _header(self, pending: PendingStep) -> dict[str, Any]:
+        return step_header(self.hyperparameters, pending.json_metadata, self.algorithm, *pending.coordinates,
+                           self.rank, self.world_size, pending.source_dtype)
+
+    def _process_writer(self) -> Any:
+        """A writer process for this trace (:class:`tracer.record.process.parent.ProcessWriter`).
+        Raises TraceError when it cannot start."""
+        from tracer.record.process.parent import ProcessWriter  # imported only by those who use it
+
         max_queue_steps, max_queue_bytes, when_full = self._queue
-        self._background = BackgroundWriter(
-            self._steps.write, self._steps.normalise, self._steps.on_normalise_error, self._book.queue_full,
-            max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
-            self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=self._steps.summarise)
-        self._book.on_writer_thread = self._background.on_writer_thread
+        return ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes, when_full,
+                             self._lock_fd, self._stall_s)
+
+    def _child_config(self) -> dict[str, Any]:
+        """What the writer process needs to write this trace's steps (JSON)."""
+        return {"root": os.fspath(self.root), "rank": self.rank, "world_size": self.world_size,
+                "algorithm": self.algorithm, "keep_source_dtype": self.keep_source_dtype,
+                "fsync_steps": self.fsync_steps,
+                "hyperparameters": jsonable(self.hyperparameters), "manifest": self._book.manifest,
+                "anomaly_ring": self.sampling.anomaly_ring, "kl_spike": self.sampling.kl_spike,
+                "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1]}
+
+    def _update_manifest(self, force: bool = False) -> None:
+        """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
+        unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
+        to raise from the next call), never raised here. Also appends the summary index's lines
+        (when the index is written in this process)."""
+        if hasattr(self, "_backends"):  # the writer thread may tick before the constructor returns
+            self._backends.flush_index(force)
+        self._book.update(force)
+
+    def _write_tokens(self, tokenizer: Any) -> None:
+        """``tokens.json``: the text of every token id (rank 0). A failure leaves the trace usable (ids
+        show as ``<id N>``); strict: TraceError."""
+        try:
+            write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
+        except OSError as err:
+            if self.strict:
+                unlock_rank(self._lock_fd)
+                raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
+            warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
+                          "will show without text. Training continues.", RuntimeWarning,
+                          stacklevel=user_stacklevel())
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -426,10 +389,16 @@ class TraceWriter(WriterBackends):
                 "TraceWriter in the child (its own out_dir, or its own rank) or record only in the parent")
 
 
-_MANIFEST_OWN_KEYS = frozenset({"schema_version", "algorithm", "status", "steps_written", "dropped_steps",
-                                "skipped_steps", "drop_reasons", "tokenizer", "producer"})
-
-
 Tracer = TraceWriter
-"""The explicit tracing API for hand-written loops: ``tr = tracer.Tracer(out_dir, algorithm="ppo",
-tokenizer=tok, hyperparameters={...})`` then ``tr.record(step=..., inner_step=..., **tensors)``."""
+
+_OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()  # the open TraceWriters, closed at exit
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    """On normal interpreter exit, flush and close writers the program left open."""
+    for writer in list(_OPEN_WRITERS):
+        try:
+            writer.close()
+        except Exception as err:  # never turn a clean exit into a crash
+            log.warning("tracer: closing %s at exit failed: %s", writer.root, err)

@@ -1,4 +1,4 @@
-"""Shared parts of the foreign loops (tests/test_foreign_loops.py): RL loops written in the styles of
+"""Shared parts of the foreign loops (tests/checks/test_foreign_loops.py): RL loops written in the styles of
 trainers tracer did not write (OpenRLHF's PPO, DAPO, GRPO with gradient accumulation), each with its own
 sampler, reward and loss, knowing nothing of tracer's demo loops. A tiny word-level tokenizer, a tiny
 Qwen2 model briefly trained on a few sentences (so that its distributions are peaked like a real SFT

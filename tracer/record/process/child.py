@@ -54,7 +54,7 @@ from tracer.record.process.pipe import FRAME, frame, parse_body
 log = logging.getLogger("tracer.record.process.child")
 # Added to the writer process's nice value. Less than the writer thread's 10: a process at nice 10
 # gets about a tenth of a core against ordinary load, falls behind, and the training process then
-# waits for room in the ring (measured on this shared 2-core machine: BENCHMARKS.md, issue 16).
+# waits for room in the ring (BENCHMARKS.md, "Writer throughput and CPU").
 WRITER_PROCESS_NICENESS = 5
 CHILD_LINGER_S = LINGER_S  # the child waits up to this long for more steps to batch with (module docstring)
 MAX_VIEWS = 4096  # (layout, ring offset) pairs whose tensor views are kept (cleared when full)
@@ -97,7 +97,7 @@ class _Channel:
         """The messages complete after waiting up to ``timeout`` s for more bytes, or (``lingering``)
         for a wake byte only: the steps handed over meanwhile wait in the command pipe, unread (a
         write to a pipe a reader waits on costs the writer a wake-up of the reader, twice the cost of
-        the write alone: BENCHMARKS.md, issue 16 eighth pass), and are read when the wait ends."""
+        the write alone: BENCHMARKS.md, "Writer throughput and CPU"), and are read when the wait ends."""
         if not self.eof:
             watch = [self.cmd] if self.wake is None else [self.wake] if lingering else [self.cmd, self.wake]
             ready, _, _ = select.select(watch, [], [], max(0.0, timeout))

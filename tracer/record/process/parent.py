@@ -15,7 +15,7 @@ How a step travels:
   ``when_full`` policy (block / drop and count) applies as with the thread. CUDA tensors are copied
   into the ring synchronously (the copy waits for the GPU's queued work; the thread writer keeps its
   asynchronous pinned path): correct by construction, and the reason ``writer="auto"`` (the
-  default, :func:`tracer.record.backends.auto_writer`) gives GPU tensors the thread. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
+  default, :func:`tracer.record.modes.auto_writer`) gives GPU tensors the thread. A step larger than the ring goes through the pipe itself, once nothing else is in flight.
 * The child (:mod:`tracer.record.process.child`) writes what arrives, and sends back one small result per
   batch (ring space freed, steps written, failures with their reason), which ``flush`` / ``close``
   and ``record`` (at most every :data:`RESULTS_EVERY_S`, or when the ring is full) read without
@@ -69,7 +69,7 @@ from tracer.record.process.pipe import ALIGN, RingLayout, align, frame, step_fra
 STARTUP_STEPS = 1024  # steps that may wait in the ring before the child is ready (its import of torch)
 # record() reads the child's results at most this often (ProcessWriter.poll_due): a read of the result pipe
 # costs the training thread 40-90 us on a VM (its syscall and the results' bookkeeping); 0.05 s made it a
-# third of the backwards of a MiniMind-style PPO loop (BENCHMARKS.md, "Issue 16, fifteenth pass"). A full
+# third of the backwards of a MiniMind-style PPO loop (BENCHMARKS.md, "Small, realistic and zero-edit loops"). A full
 # ring or steps bound reads them at once, so the bounds hold whatever this is.
 RESULTS_EVERY_S = 0.2
 MAX_LAYOUTS = 4096  # layouts (fields' names, dtypes, shapes) kept; past it each new one reuses the next id

@@ -1,0 +1,1 @@
+"""The Streamlit app: AppTest pages and real-browser tests (tests.fixtures.browser)."""

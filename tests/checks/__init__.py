@@ -1,0 +1,1 @@
+"""tracer check: each check on hand-written and real runs."""

@@ -1,0 +1,1 @@
+"""The command line: tracer info / view / demo and what a user reads."""

@@ -1,0 +1,1 @@
+"""The demo loops, their regression baselines and the benchmark traces."""

@@ -1,0 +1,1 @@
+"""tracer diff and tracer.testing on trace pairs whose differences are known."""

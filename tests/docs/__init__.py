@@ -1,0 +1,1 @@
+"""The README and docs agree with the code."""

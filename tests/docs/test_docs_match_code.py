@@ -1,0 +1,52 @@
+"""The documentation agrees with the code: SPEC.md references resolve, docs/checks.md lists every
+registered check, the README's field table is what docs/fields_table.py prints from the schema, and
+the docs' relative links point to files that exist."""
+
+import contextlib
+import importlib.util
+import io
+import re
+
+from tracer.checks import CHECKS
+
+from tests.fixtures.paths import REPO
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+
+
+def test_every_spec_section_reference_resolves():
+    sections = set(re.findall(r"^## (\d+)\. ", (REPO / "SPEC.md").read_text(encoding="utf-8"), re.M))
+    assert sections == {str(n) for n in range(1, 11)}
+    files = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "tracer").rglob("*.py")]
+    for path in files:
+        for number in re.findall(r"SPEC(?:\.md)? section (\d+)", path.read_text(encoding="utf-8")):
+            assert number in sections, f"{path.relative_to(REPO)} cites SPEC section {number}, which SPEC.md lacks"
+
+
+def test_docs_checks_lists_every_registered_check():
+    doc = (REPO / "docs" / "checks.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([a-z_]+\.[a-z_0-9]+)` \|", doc, re.M))
+    assert listed == set(CHECKS), (
+        f"docs/checks.md's table lacks {sorted(set(CHECKS) - listed)} and lists unknown {sorted(listed - set(CHECKS))}; "
+        "add a row (id | severity | rule) per registered check")
+
+
+def test_readme_field_table_is_generated_from_the_schema():
+    spec = importlib.util.spec_from_file_location("fields_table", REPO / "docs" / "fields_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main()
+    assert out.getvalue().strip() in README, (
+        "README.md's field table differs from the schema: paste the output of `python docs/fields_table.py`")
+
+
+def test_relative_links_in_the_docs_exist():
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8")):
+            assert (path.parent / target).exists(), f"{path.relative_to(REPO)} links to {target}, which does not exist"
+
+
+def test_readme_keeps_the_ci_test_command():
+    assert "make test   # install everything, run the test suite" in README

@@ -1,0 +1,1 @@
+"""TRL, verl and vLLM wiring on the real trainers."""

@@ -1,0 +1,1 @@
+"""Reading traces: the step listing and several ranks merged."""

@@ -1,0 +1,1 @@
+"""Recording: TraceWriter, capture and sampling, the writer thread and the writer process."""

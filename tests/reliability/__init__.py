@@ -1,0 +1,1 @@
+"""Corrupt, hostile and failing inputs: crashes, full disks, fuzzed headers, pickles."""

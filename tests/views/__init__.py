@@ -1,0 +1,1 @@
+"""tracer.views: the per-algorithm tables the app shows."""

@@ -1,0 +1,1 @@
+"""The real vLLM engine (run in the vLLM venv: make test-vllm)."""

@@ -1,0 +1,1 @@
+"""Zero-edit capture: tracer.watch / tracer run, name maps, call-site plans, step numbers."""
