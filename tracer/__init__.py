@@ -11,13 +11,13 @@ from typing import Any
 
 from tracer.diff import DiffReport, diff
 from tracer.errors import SchemaError, TraceError, TraceFormatError
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
+from tracer.record import SamplingPolicy, Tracer, TraceWriter
 from tracer.zero_edit.watch import watch
-from tracer.record.writer import Tracer, TraceWriter
 
 __version__ = "0.1.0"
-__all__ = ["Trace", "Tracer", "TraceWriter", "StepKey", "TraceError", "SchemaError", "TraceFormatError", "attach",
-           "diff", "DiffReport", "watch"]
+__all__ = ["Trace", "Tracer", "TraceWriter", "SamplingPolicy", "StepKey", "TraceError", "SchemaError",
+           "TraceFormatError", "attach", "diff", "DiffReport", "watch"]
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:
