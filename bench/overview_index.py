@@ -44,7 +44,7 @@ import numpy as np
 from bench.common import machine, median
 from bench.overview_scale import build, spread
 from tracer.format import run_index
-from tracer.read.reader import Trace
+from tracer.read import Trace
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,7 +23,7 @@ from unittest import mock
 from bench.common import grpo_step_tensors, machine, median
 
 from tracer.format import summary as summary_format
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 HYPER = {"num_generations": 8, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}

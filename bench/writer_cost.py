@@ -94,7 +94,6 @@ def child(steps: int, gap_ms: float, kind_of_writer: str = "thread", gap_work: b
     """Measure in this process (the ``tracer`` package first on sys.path)."""
     import torch
 
-    import tracer.record.capture as capture
     from tracer.record.writer import TraceWriter
 
     torch.set_num_threads(1)

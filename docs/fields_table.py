@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.format.schema import ALGORITHMS, FIELDS, required_fields
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"

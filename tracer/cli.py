@@ -22,7 +22,7 @@ from typing import Sequence
 
 from tracer.errors import TraceError
 from tracer.demo.runner import DEMO_ALGOS
-from tracer.read.reader import Trace, find_traces
+from tracer.read import Trace, find_traces
 from tracer.format.schema import ALGORITHMS
 from tracer.read.trace_info import print_info, trace_info
 from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve

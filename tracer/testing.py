@@ -25,7 +25,7 @@ import pytest
 
 from tracer.diff import DiffReport, diff
 from tracer.errors import ChecksumError, TraceError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 REGEN_FLAG = "--tracer-regen"

@@ -17,7 +17,7 @@ from pandas.io.formats.style import Styler
 
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, MAX_STYLED_CELLS, visible_tokens
 from tracer.diff.locations import StepId
-from tracer.read.reader import StepKey
+from tracer.read import StepKey
 from tracer.read.tables import MASKED, TOKEN_VALUE_FIELDS
 
 DIFF_STYLE = "background-color: #ffb3b3; color: #000000; font-weight: bold"

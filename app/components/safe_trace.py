@@ -23,7 +23,7 @@ from tracer.read import overview
 from tracer.errors import TraceError
 from tracer.format.integrity import check_step_header, open_step_file
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.read.step_table import StepTable
 from tracer.format.metadata_codec import decode_metadata
 

@@ -24,7 +24,7 @@ from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
-from tracer.read.reader import StepKey, find_traces
+from tracer.read import StepKey, find_traces
 from tracer.read.step_table import StepTable
 from tracer.format.text import clean_str
 

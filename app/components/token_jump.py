@@ -17,7 +17,7 @@ from typing import Callable
 import streamlit as st
 
 from app.components.health import FindingTarget
-from tracer.read.reader import StepKey
+from tracer.read import StepKey
 
 _JUMP_STATE = "_tracer_jump"  # a FindingTarget waiting for the sidebar
 _HIGHLIGHT_STATE = "_tracer_highlight"  # the FindingTarget the Tokens page marks

@@ -32,7 +32,7 @@ from tracer.diff import DiffReport, diff, token_diff_table
 from tracer.diff import comparable as comparable_traces
 from tracer.errors import TraceError
 from tracer.format.names import MANIFEST_NAME
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")

@@ -14,7 +14,7 @@ import torch
 from app.components.diff_view import (
     DIFF_STYLE, common_steps, differing_names, side_by_side_frame, style_side_by_side)
 from app.components.token_table import MASK_BACKGROUND
-from tracer.read.reader import StepKey
+from tracer.read import StepKey
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.toy_traces import (

@@ -58,7 +58,7 @@ def root(tmp_path_factory) -> Path:
 
 
 def test_step_frame_merges_the_files_and_computes_each_quantity(root):
-    from tracer.read.reader import Trace
+    from tracer.read import Trace
 
     trace = Trace(root / "run")
     frame = step_token_frame(trace, 1, 1)
@@ -78,7 +78,7 @@ def test_step_frame_merges_the_files_and_computes_each_quantity(root):
 
 
 def test_table_order_puts_the_worst_token_first(root):
-    from tracer.read.reader import Trace
+    from tracer.read import Trace
 
     frame = step_token_frame(Trace(root / "run"), 1, 1)
     top = filter_sort(frame, "abs_policy_old", FARTHEST).iloc[0]
@@ -283,7 +283,7 @@ def test_snippet_trace_gets_curves_and_derived_marks(monkeypatch, tmp_path):
 
 def test_dpo_step_summary_has_the_logps_of_each_side(tmp_path):
     from tracer import views
-    from tracer.read.reader import Trace
+    from tracer.read import Trace
 
     chosen = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]])
     rejected = torch.tensor([[-3.0, -1.0, -1.0], [-2.0, -9.0, -9.0]])

@@ -8,7 +8,7 @@ import torch
 
 import tracer
 from tracer.checks.context import StepHeader
-from tracer.read.reader import Trace
+from tracer.read import Trace
 
 
 def _header(tmp_path, hyperparameters: dict, metadata: dict | None = None) -> StepHeader:

@@ -383,7 +383,7 @@ def test_hyper_reads_trl_loss_options_from_the_manifest_config_of_older_traces(t
     # the manifest's config.trainer_args (TRL's GRPOConfig names). hyper() reads those keys there, and
     # only those: a trainer_args beta is not taken for the metadata key beta.
     from tracer.checks import CheckOptions, StepContext
-    from tracer.read.reader import Trace
+    from tracer.read import Trace
 
     policy = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.1]])
     root = tmp_path / "old_trl"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from bench import viewer_traces
 from tracer.checks import run_checks
-from tracer.read.reader import Trace
+from tracer.read import Trace
 
 
 def test_the_viewer_bench_trace_is_a_healthy_grpo_run(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tracer.read.trace_info import trace_info
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tracer.format import run_index
 from tracer.read.trace_info import trace_info
 from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.format.metadata_codec import decode_metadata
 from tracer.record.writer import TraceWriter
 

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from tracer.format import run_index, summary_store
 from tracer.format import summary as summary_format
 from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name, summary_store_name
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.run_index import (HYPER, assert_same_summary, index_lines, indexed_step, summary_from_headers,

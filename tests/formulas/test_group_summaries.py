@@ -15,7 +15,7 @@ import torch
 
 from tracer import formulas, views
 from tracer.format import summary as summary_format
-from tracer.read.reader import Trace
+from tracer.read import Trace
 
 from tests.fixtures.paths import REPO
 from tests.fixtures.view_traces import grpo_step, write_grpo

@@ -12,7 +12,7 @@ import pandas as pd
 
 from app.components.safe_trace import SafeTrace
 from tracer.format.names import STEPS_DIR, step_file_name
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.read.step_table import StepTable
 
 from tests.fixtures.toy_traces import write_trace

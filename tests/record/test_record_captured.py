@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from tracer.errors import SchemaError
 from tracer.format.names import STEPS_DIR, step_file_name
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record import CapturedStep, TraceWriter
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from tracer.formulas import summaries
 from tracer.errors import SchemaError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.validation import MAX_SIGNATURES
 from tracer.record.writer import TraceWriter
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.modes import auto_writer
 

@@ -26,7 +26,7 @@ from tracer.record.thread import BackgroundWriter
 from tracer.errors import TraceError
 from tracer.format.hashing import content_sha256, tensor_bytes
 from tracer.zero_edit.name_maps import load_name_map
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.format.metadata_codec import encode_metadata, jsonable
 from tracer.record.writer import TraceWriter
 
@@ -463,7 +463,6 @@ def test_large_steps_are_not_stacked_into_one_summary_batch(monkeypatch):
     bytes): 16 large steps summarised together needed about 7x the memory of one at a time. A stack
     holds at most MAX_STACKED_VALUES values per field; small steps are still stacked 16 at a time,
     and either way the numbers are those of each step alone."""
-    from tracer.format import summary as summary_format
     from tracer.formulas import summaries
 
     sizes: list[int] = []

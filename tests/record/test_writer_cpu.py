@@ -24,7 +24,7 @@ from tracer.format import summary as summary_format
 from tracer.formulas import summaries
 from tracer.format.names import STEPS_DIR
 from tracer.format.files import save_atomic
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.format.metadata_codec import encode_metadata
 from tracer.record.writer import TraceWriter
 

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.process.pipe import ALIGN, RingLayout
 

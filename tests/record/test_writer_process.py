@@ -23,7 +23,7 @@ from tracer.formulas import summaries
 from tracer.record.capture import SamplingPolicy
 from tracer.errors import TraceError
 from tracer.format.integrity import verify_step_file
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.loops import tiny_loop

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.writer_process import grpo_step, lingering_child, process_alive

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tracer.record.process import lifecycle as writer_lifecycle
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.writer_process import grpo_step, lingering_child

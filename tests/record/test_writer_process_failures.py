@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tracer.errors import TraceError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.process.parent import RESULTS_EVERY_S
 

@@ -19,7 +19,7 @@ import torch
 from tracer.record.capture import SamplingPolicy
 from tracer.cli import main
 from tracer.errors import TraceError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.writer_process import break_steps_dir, child_of, read_manifest, stopped_with_steps_in_flight

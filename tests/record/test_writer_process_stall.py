@@ -17,7 +17,7 @@ import pytest
 
 from tracer.cli import main
 from tracer.errors import TraceError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 import torch

@@ -310,7 +310,7 @@ def test_a_step_file_in_a_traces_steps_folder_reads_that_traces_token_strings(tm
     when it sits in the ``steps/`` folder of a trace holding ``tokens.json``; a copy elsewhere has none."""
     import shutil
 
-    from tracer.read.reader import Trace
+    from tracer.read import Trace
 
     trace = Trace(SAMPLES / "grpo-tiny")
     key = trace.steps()[0]

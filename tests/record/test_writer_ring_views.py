@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tracer.record.capture import SamplingPolicy
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.process.pipe import RingLayout
 

@@ -16,7 +16,7 @@ import torch
 import tracer.record.manifest as manifest_book
 from tracer.record.capture import SamplingPolicy
 from tracer.read.trace_info import trace_info
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.writer_process import WRITERS, grpo_step, stalled_writer

@@ -13,11 +13,10 @@ import warnings
 import pytest
 import torch
 
-from tracer.record import capture
 from tracer.record.capture import BufferPool, StagedStep, stage
 from tracer.record.thread import BackgroundWriter
 from tracer.errors import TraceError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.process import parent as writer_process
 from tracer.record.writer import TraceWriter
 

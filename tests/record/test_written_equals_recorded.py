@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.capture import SamplingPolicy
 from tracer.record.writer import TraceWriter
 

@@ -9,7 +9,7 @@ import torch
 
 from tracer import views
 from tracer.errors import TraceFormatError
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.view_traces import EOS, PAD, ToyTokenizer, grpo_step, write_grpo

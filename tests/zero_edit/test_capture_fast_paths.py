@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tracer.errors import SchemaError
 from tracer.zero_edit.frame_lookup import _MISSING, _as_int, code_variables, take_rows
-from tracer.read.reader import Trace
+from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.writer_process import grpo_step

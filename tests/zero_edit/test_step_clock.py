@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tracer import Trace
-from tracer.zero_edit.watch import StepClock
+from tracer.zero_edit.step_clock import StepClock
 
 from tests.fixtures.site_plans import assert_same_runs, run_in
 

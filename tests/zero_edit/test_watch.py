@@ -17,7 +17,7 @@ from tracer.cli import main as cli_main
 from tracer.demo import dpo_loop, grpo_loop, ppo_loop
 from tracer.zero_edit.name_maps import NameMapError, load_name_map
 from tracer.testing import assert_traces_match
-from tracer.zero_edit.watch import StepClock
+from tracer.zero_edit.step_clock import StepClock
 
 from tests.fixtures.loops import tiny_loop
 from tests.fixtures.paths import SCRIPTS

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tracer.checks.finding import Finding, Skip
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 
 
 @dataclass(frozen=True)

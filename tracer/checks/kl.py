@@ -16,7 +16,7 @@ from tracer import formulas
 from tracer.checks.context import CheckOptions, StepContext, StepHeader, loosest_dtype, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import ALIAS_NOISE, is_fresh
-from tracer.read.reader import Trace
+from tracer.read import Trace
 
 REF_GAP_WARNING = 10.0  # nats: k3 ≈ 2.2e4 per token
 REF_GAP_ERROR = 20.0  # nats: k3 ≈ 4.85e8 per token

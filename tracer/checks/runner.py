@@ -14,7 +14,7 @@ from tracer.checks.finding import (
     ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
 )
 from tracer.errors import TraceError, TraceFormatError
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 
 log = logging.getLogger(__name__)
 UNREADABLE = "trace.unreadable"  # finding id of a step file that cannot be read (not a registered check)

@@ -21,7 +21,7 @@ from tracer.diff.stats import FieldStats, coarseness, field_tolerance
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
 from tracer.errors import ChecksumError, TraceFormatError
 from tracer.format.integrity import verify_step_file
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.format.schema import FIELDS, flow_rank
 from tracer.format.metadata_codec import decode_metadata
 

@@ -12,7 +12,7 @@ from tracer.diff.locations import StepId, step_label
 from tracer.diff.stats import coarseness
 from tracer.errors import TraceError, TraceFormatError
 from tracer.format.integrity import check_step_header, open_step_file
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.format.schema import FIELDS
 from tracer.format.metadata_codec import decode_metadata
 

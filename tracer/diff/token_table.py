@@ -15,7 +15,7 @@ import torch
 from tracer.diff.inputs import DiffInputError, check_compatible, pair_steps, per_field, step_id
 from tracer.diff.locations import StepId
 from tracer.diff.stats import field_tolerance, mismatch
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.read.tables import TOKEN_VALUE_FIELDS
 
 

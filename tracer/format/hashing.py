@@ -26,7 +26,7 @@ def content_sha256(tensors: Mapping[str, torch.Tensor], buffers: Mapping[str, An
     file that contains it). :func:`stored_content_sha256` recomputes it from a file's bytes; diff,
     ``check`` (``integrity.checksum``) and ``info --verify`` compare the two
     (``tracer.format.integrity.verify_step_file``). Tensors must be contiguous and on CPU, as
-    ``validate_tensors`` returns them. ``buffers``: their :func:`tensor_bytes`, when the caller has
+    the writer stores them. ``buffers``: their :func:`tensor_bytes`, when the caller has
     them already.
     """
     digest = hashlib.sha256()

@@ -301,18 +301,3 @@ def normalise_tensors(
         SchemaError: a dtype kind or mask value the schema refuses.
     """
     return {name: _normalise(name, FIELDS.get(name), t, keep_source_dtype) for name, t in tensors.items()}
-
-
-def validate_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    algorithm: str | None,
-    keep_source_dtype: bool = False,
-    check_required: bool = False,
-) -> dict[str, torch.Tensor]:
-    """:func:`check_tensors`, then :func:`normalise_tensors`.
-
-    Raises:
-        SchemaError: see :func:`check_tensors`.
-    """
-    check_tensors(tensors, algorithm, check_required)
-    return normalise_tensors(tensors, algorithm, keep_source_dtype)

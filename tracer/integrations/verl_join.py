@@ -37,7 +37,7 @@ from tracer.format.names import FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NA
 from tracer.format.hashing import content_sha256
 from tracer.record.manifest import producers
 from tracer.format.files import refuse_existing_trace, save_atomic, write_json_atomic
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.format.schema import SCHEMA_VERSION, normalise_tensors
 from tracer.format.metadata_codec import encode_metadata
 

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import pandas as pd
 import torch
 from tracer.read import overview, tables
-from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields  # noqa: F401
+from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields
 from tracer.errors import TraceFormatError
 from tracer.format.integrity import (
     MAX_MANIFEST_BYTES,
@@ -30,7 +30,7 @@ from tracer.format.integrity import (
 )
 from tracer.format.schema import FIELDS
 from tracer.format.metadata_codec import decode_metadata
-from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files  # noqa: F401  (StepKey re-exported)
+from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 

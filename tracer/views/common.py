@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the rows of a step file.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages", "row_ids")

@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 
 from tracer import formulas
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.views.common import hyperparameter as _hyperparameter
 
 _SIDES = ("chosen", "rejected")

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from tracer.errors import TraceFormatError
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.read.tables import AFTER_EOS, PADDING, mask_reasons
 
 GROUPED_ALGORITHMS = ("grpo", "cispo", "rloo")

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from tracer import formulas
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 
 __all__ = ["SAMPLER_FIELDS", "trainer_field", "mismatch_tokens", "mismatch_steps", "correction_settings",
            "TOKEN_COLUMNS", "STEP_COLUMNS"]

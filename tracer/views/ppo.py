@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from tracer import formulas
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.views.common import batch_size as _batch_size
 from tracer.views.common import flag as _flag
 from tracer.views.common import hyperparameter as _hyperparameter

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from tracer import formulas
-from tracer.read.reader import StepKey, Trace
+from tracer.read import StepKey, Trace
 from tracer.read.tables import mask_reasons
 
 # Per-token quantities of the step table: column -> (label, neutral value of its colour scale).

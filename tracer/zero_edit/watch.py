@@ -40,7 +40,7 @@ from tracer.errors import TraceError, user_stacklevel
 from tracer.format.files import refuse_existing_trace
 from tracer.zero_edit.name_maps import NameMap, load_name_map
 from tracer.format.schema import ALGORITHMS
-from tracer.zero_edit.step_clock import StepClock  # noqa: F401  (re-exported: tracer.zero_edit.watch.StepClock)
+from tracer.zero_edit.step_clock import StepClock
 from tracer.record.capture import CapturedStep
 from tracer.record.writer import TraceWriter
 
