@@ -66,3 +66,23 @@ def test_a_name_beyond_int64_is_keyed_by_its_header(tmp_path):
                                                            [1, 1, 0, 0]]
         assert trace.step_table().names[3] == name
         assert trace.step_summary()["step"].tolist() == [0, 0, 1, 1, 1]
+
+
+def test_a_trace_and_its_overview_are_freed_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    from tracer.read import Trace
+    from tests.fixtures.paths import SAMPLES
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        trace = Trace(SAMPLES / "grpo-tiny")
+        trace.step_summary()
+        held = weakref.ref(trace)
+        del trace
+        assert held() is None  # the overview refers back to its trace weakly: no reference cycle
+    finally:
+        if enabled:
+            gc.enable()

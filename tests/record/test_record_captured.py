@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tracer.errors import SchemaError
+from tracer.errors import SchemaError, TraceError
 from tracer.format.names import STEPS_DIR, step_file_name
 from tracer.read import Trace
 from tracer.record import CapturedStep, TraceWriter
@@ -57,4 +57,22 @@ def test_a_captured_step_obeys_records_rules(tmp_path):
         bad = {**_fields(), "old_logprobs": torch.zeros(2, 4)}
         with pytest.raises(SchemaError):
             tw.record_captured(CapturedStep(step=2, tensors=bad))
+    assert tw.steps_written == 1
+
+
+def test_a_captured_step_that_is_not_what_it_says_is_refused(tmp_path):
+    fields = _fields()
+    signature = tuple((name, t.shape, t.dtype, t.device) for name, t in fields.items())
+    with TraceWriter(tmp_path / "run", "grpo", writer="thread") as tw:
+        tw.record_captured(CapturedStep(step=0, tensors=dict(fields), signature=signature))  # checked in full once
+        # the same names and dtypes, another T: a signature seen before must not wave these through
+        wider = {**fields, "old_logprobs": torch.zeros(2, 4)}
+        with pytest.raises(SchemaError, match="CapturedStep.signature does not describe its tensors"):
+            tw.record_captured(CapturedStep(step=1, tensors=wider, signature=signature))
+        with pytest.raises(TraceError, match="CapturedStep.tensors must be a dict"):
+            tw.record_captured(CapturedStep(step=2, tensors=list(fields.items())))
+        with pytest.raises(TraceError, match="CapturedStep.derive must be a tuple of field names"):
+            tw.record_captured(CapturedStep(step=3, tensors=dict(fields), derive="ratio"))
+        with pytest.raises(TraceError, match="CapturedStep.derive must be a tuple of field names"):
+            tw.record_captured(CapturedStep(step=4, tensors=dict(fields), derive=("foo",)))
     assert tw.steps_written == 1

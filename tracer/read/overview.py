@@ -14,6 +14,7 @@ of the step keys.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -175,9 +176,14 @@ class TraceOverview:
     listing hands over the sizes it stat'ed)."""
 
     def __init__(self, trace: Any) -> None:
-        self._trace = trace
+        self._trace_ref = weakref.ref(trace)  # the trace holds this overview: no reference cycle
         self._index_reader: run_index.IndexReader | None = None
         self.steps_folder = str(trace.root / STEPS_DIR)
+
+    @property
+    def trace(self) -> Any:
+        """The trace this overview belongs to."""
+        return self._trace_ref()
 
     def step_summary(self) -> pd.DataFrame:
         """One row per step file with the step's summary (:mod:`tracer.format.summary`): ``kept_tokens``,
@@ -197,7 +203,7 @@ class TraceOverview:
         one ``stat`` per step file, one load of the columns and a parse of the index lines after
         them, plus one header per file they do not vouch for; the rows of the columns are put in
         the frame as arrays (:mod:`tracer.read.overview`)."""
-        trace = self._trace
+        trace = self.trace
         table = trace.step_table()
         index = self.summary_index()
         columns = self.summary_columns()
@@ -235,10 +241,10 @@ class TraceOverview:
         beyond what their summary columns hold (:meth:`summary_columns`); {} for a single step file
         or a trace without one. Only what a live writer appended since the last call is read
         (:class:`tracer.format.run_index.IndexReader`)."""
-        if self._trace._single:
+        if self.trace._single:
             return {}
         if self._index_reader is None:
-            self._index_reader = run_index.IndexReader(self._trace.root)
+            self._index_reader = run_index.IndexReader(self.trace.root)
         return self._index_reader.entries()
 
     def summary_columns(self) -> SummaryColumns | None:
@@ -257,7 +263,7 @@ class TraceOverview:
 
     def _step_summary_of(self, key: StepKey) -> dict[str, Any]:
         """The summary of one step file: from its header when it holds one, else from its tensors."""
-        trace = self._trace
+        trace = self.trace
         with trace._open(key.path) as fh:
             meta = decode_metadata(fh.metadata())
             check_step_header(key.path, fh, trace._algorithm_of(meta))

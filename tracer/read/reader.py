@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import pandas as pd
 import torch
 from tracer.read import overview, tables
-from tracer.formulas.derived import DERIVED_FIELDS, derivable, derivation_inputs, derive_fields
+from tracer.formulas.derived import derivable, derivation_inputs, derive_fields
 from tracer.errors import TraceFormatError
 from tracer.format.integrity import (
     MAX_MANIFEST_BYTES,
@@ -346,10 +346,14 @@ class Trace:
 
     # -- the run overview (tracer.read.overview) ----------------------------------------------
 
-    @cached_property
+    @property
     def overview(self) -> overview.TraceOverview:
-        """The run overview: per-step summaries from the summary index, columns or headers."""
-        return overview.TraceOverview(self)
+        """The run overview: per-step summaries from the summary index, columns or headers (made once
+        per Trace; a copy of this Trace makes its own)."""
+        made = self.__dict__.get("_overview")
+        if made is None or made.trace is not self:
+            made = self._overview = overview.TraceOverview(self)
+        return made
 
     def step_summary(self) -> pd.DataFrame:
         """One row per step file with its summary: :meth:`tracer.read.overview.TraceOverview.step_summary`."""

@@ -83,8 +83,10 @@ class CapturedStep:
             caller will not touch again: staged without a copy.
         derive: fields the writer derives from the recorded ones and records with them, off the training
             thread (``ratio``, ``approx_kl_k2``, ``ref_kl_k3``: :func:`tracer.formulas.derived.derive_recorded`).
-        signature: the tensors' field signature when the caller computed it already
-            (:meth:`tracer.record.validation.SignatureCache.check`), else None.
+        signature: the tensors' field signature (a tuple of ``(name, shape, dtype, device)`` per tensor, in
+            order) when the caller built it already, e.g. a call-site plan whose guards checked each
+            tensor; a signature checked before skips the schema check, so the device is trusted (the
+            names, shapes and dtypes are compared). None: built here.
     """
 
     step: int

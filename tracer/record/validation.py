@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 import torch
 
-from tracer.errors import SchemaError
+from tracer.errors import SchemaError, TraceError
+from tracer.formulas.derived import DERIVED_FIELDS
 from tracer.format import summary as summary_format
 from tracer.format.names import step_label
 from tracer.format.schema import BOOL, FIELDS, check_mask_field, check_tensors
@@ -147,6 +148,7 @@ class MetadataCache:
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
 _NO_METADATA: dict[str, str] = {}
+DERIVABLE = frozenset(DERIVED_FIELDS)
 
 
 class RecordChecks:
@@ -194,3 +196,28 @@ class RecordChecks:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
         return self._metadata.json_form(metadata) if metadata else None
+
+
+def check_captured(tensors: Any, derive: Any, signature: tuple | None) -> None:
+    """What :meth:`tracer.record.writer.TraceWriter.record_captured` checks before ``record``'s own
+    checks: ``tensors`` a dict, ``derive`` a tuple of derivable field names
+    (:data:`tracer.formulas.derived.DERIVED_FIELDS`), and a given ``signature`` naming the tensors'
+    fields, shapes and dtypes in order (it stands in for the schema check of a signature seen
+    before, so one that does not describe the tensors would let them through unchecked). Costs a
+    few attribute reads per field. Raises TraceError (tensors, derive) or SchemaError (signature)."""
+    if type(tensors) is not dict:
+        raise TraceError(f"CapturedStep.tensors must be a dict of field name -> tensor, got {type(tensors).__name__}")
+    if derive and (type(derive) is not tuple or not DERIVABLE.issuperset(derive)):
+        raise TraceError(f"CapturedStep.derive must be a tuple of field names among {sorted(DERIVABLE)}, "
+                         f"got {derive!r}")
+    if signature is None:
+        return
+    try:
+        if len(signature) != len(tensors):
+            raise ValueError
+        for entry, (name, t) in zip(signature, tensors.items()):
+            if entry[0] != name or entry[1] != t.shape or entry[2] is not t.dtype:
+                raise ValueError
+    except (ValueError, TypeError, IndexError, AttributeError):
+        raise SchemaError("CapturedStep.signature does not describe its tensors (the (name, shape, dtype, device) of "
+                          "each, in order); pass signature=None to have the step checked in full") from None

@@ -32,7 +32,7 @@ from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manif
                                     tokenizer_identity)
 from tracer.record.step_writer import StepWriter, step_header
 from tracer.record.thread import MAX_BATCH, BackgroundWriter
-from tracer.record.validation import RecordChecks
+from tracer.record.validation import RecordChecks, check_captured
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,10 @@ class TraceWriter:
         nothing (making the step file's path costs the training thread time a watcher does not want).
 
         Raises:
-            SchemaError, TraceError: as :meth:`record`.
+            SchemaError, TraceError: as :meth:`record`; also a ``tensors`` that is not a dict, a ``derive``
+            naming a field that cannot be derived, a ``signature`` that does not describe the tensors.
         """
+        check_captured(captured.tensors, captured.derive, captured.signature)
         self._record(captured.step, captured.tensors, captured.inner_step, captured.micro_batch, captured.metadata,
                      captured.owned, captured.derive, captured.signature, path_wanted=False)
 
