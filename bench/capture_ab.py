@@ -1,5 +1,4 @@
-"""Zero-edit capture per backward, an older commit's tracer and this one's side by side in one process
-(issue 16, fourth pass).
+"""Zero-edit capture per backward, an older commit's tracer and this one's side by side in one process.
 
 The ``tracer/`` package of ``--base`` (a git revision of this repository) is unpacked into a
 temporary folder and imported as ``tracer._base`` (its imports rewritten to that name, so that its
@@ -20,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import io
 import re
 import subprocess
@@ -63,7 +63,15 @@ def unpack_base(revision: str, folder: Path):
         path.write_text(_IMPORTS.sub(lambda m: f"{m.group(1)} tracer._base{m.group(2)}", text))
     (base / "_base").symlink_to(base)  # its writer child imports `tracer._base` with tracer's path set to it
     tracer.__path__.append(str(folder))
-    return importlib.import_module("tracer._base.watch")
+    return _watch_module("tracer._base")
+
+
+def _watch_module(package: str):
+    """The watcher's module of ``package``: ``zero_edit/watch.py`` in the packages by stage, ``watch.py``
+    in revisions before them (imported by name: ``tracer.watch`` is also the function's name)."""
+    if importlib.util.find_spec(f"{package}.zero_edit") is not None:
+        return importlib.import_module(f"{package}.zero_edit.watch")
+    return importlib.import_module(f"{package}.watch")
 
 
 def _gate(watcher, me: str, active: list, cpu: list, wall: list) -> None:
@@ -74,7 +82,7 @@ def _gate(watcher, me: str, active: list, cpu: list, wall: list) -> None:
 
 
 def measure(base_watch, writer: str, rounds: int, tmp: str) -> dict[str, tuple[list, list]]:
-    new_watch = importlib.import_module("tracer.watch")  # (tracer.watch is also the function's name)
+    new_watch = _watch_module("tracer")
 
     epoch, _ = ppo_setup(f"{tmp}/{writer}", 1)
     times: dict[str, tuple[list, list]] = {"base": ([], []), "new": ([], [])}
