@@ -32,7 +32,7 @@ from tracer.record.modes import auto_writer
 
 log = logging.getLogger("tracer.record.writer")  # the writer's logger
 
-@dataclass
+@dataclass(slots=True)
 class PendingStep:
     """A step that passed ``record``'s checks, on its way to a backend.
 

@@ -69,7 +69,7 @@ class SamplingPolicy:
         return step % self.every_n_steps == 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CapturedStep:
     """One step already captured by code that is not the training loop's own ``record`` call: a
     zero-edit watcher (:mod:`tracer.zero_edit.watch`) or an integration, handed to
