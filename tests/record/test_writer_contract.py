@@ -205,3 +205,20 @@ def test_step_files_are_fsynced_only_when_asked_and_complete_either_way(tmp_path
     assert len(trace.steps()) == 3 and not list((root / "steps").glob("*.partial"))
     for key in trace.steps():
         assert trace.load_step(key)["policy_logprobs"].shape == (2, 3)
+
+
+def test_a_writer_that_fails_to_open_leaves_the_rank_free_for_the_next(tmp_path):
+    """A mistake caught while the writer opens (here a tokenizer of no known kind, after the rank's
+    lock was taken) raises, and the lock goes with it: the corrected call on the same folder works."""
+    root = tmp_path / "run"
+    with pytest.raises(TraceError, match="has neither batch_decode nor decode_batch"):
+        TraceWriter(root, "grpo", tokenizer=object())
+    with TraceWriter(root, "grpo") as writer:
+        writer.record(0, policy_logprobs=-torch.rand(2, 3), completion_mask=torch.ones(2, 3, dtype=torch.bool))
+    assert writer.steps_written == 1
+
+
+def test_an_unknown_when_full_is_refused_when_the_writer_opens(tmp_path):
+    with pytest.raises(TraceError, match="when_full='explode' is not 'block'"):
+        TraceWriter(tmp_path / "run", "grpo", when_full="explode")
+    assert not (tmp_path / "run").exists()  # refused before anything was made

@@ -108,6 +108,9 @@ class TraceWriter:
         if sampling is not None and sampling.anomaly_ring and not async_write:
             raise TraceError("the anomaly ring (sampling.anomaly_ring > 0) holds steps on the writer thread; "
                              "use async_write=True (the default) with it")
+        if when_full not in ("block", "drop"):
+            raise TraceError(f"when_full={when_full!r} is not 'block' (wait for room: nothing lost) or 'drop' "
+                             "(drop the step and count it)")
         mode = writer_mode(writer) if async_write else "inline"
         self._stall_s = stall_limit(writer_stall_s)
         self.root = Path(out_dir)
@@ -127,33 +130,33 @@ class TraceWriter:
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
-        manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
-                                {"async_write": async_write, "max_queue_steps": max_queue_steps,
-                                 "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode,
-                                 "fsync_steps": fsync_steps})
-        self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
-        if tokenizer is not None:
-            manifest["tokenizer"] = tokenizer_identity(tokenizer)
-            if self.rank == 0:
-                self._write_tokens(tokenizer)
-        try:
-            self._book.write()
-        except OSError as err:
-            if strict:
-                unlock_rank(self._lock_fd)
-                raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
-            log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
-        self._queue = (max_queue_steps, max_queue_bytes, when_full)
-        self._pool = BufferPool(per_key=max(4, 2 * min(max_queue_steps, MAX_BATCH)))
-        if mode in ("process", "auto"):
-            # the rank's summary index starts again now, as the writer thread's does: a child that dies
-            # before starting its own leaves this one to be resumed, not an older run's
-            IndexWriter(self.root, self.rank).close()
-        try:
+        try:  # from here on a failure must not keep the rank's lock (the next writer would be refused)
+            manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
+                                    {"async_write": async_write, "max_queue_steps": max_queue_steps,
+                                     "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode,
+                                     "fsync_steps": fsync_steps})
+            self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
+            if tokenizer is not None:
+                manifest["tokenizer"] = tokenizer_identity(tokenizer)
+                if self.rank == 0:
+                    self._write_tokens(tokenizer)
+            try:
+                self._book.write()
+            except OSError as err:
+                if strict:
+                    raise TraceError(f"could not write {self.root / MANIFEST_NAME}: {err}") from err
+                log.warning("tracer: could not write the manifest of %s: %s", self.root, err)
+            self._queue = (max_queue_steps, max_queue_bytes, when_full)
+            self._pool = BufferPool(per_key=max(4, 2 * min(max_queue_steps, MAX_BATCH)))
+            if mode in ("process", "auto"):
+                # the rank's summary index starts again now, as the writer thread's does: a child that dies
+                # before starting its own leaves this one to be resumed, not an older run's
+                IndexWriter(self.root, self.rank).close()
             self._backends = Backends(mode, self._local_backend, self._process_writer, self._book, strict,
                                       self.sampling.first_k_sequences)
-        except TraceError:
-            unlock_rank(self._lock_fd)
+        except BaseException:
+            unlock_rank(self._lock_fd, self.root, self.rank)
+            self._lock_fd = None
             raise
         _OPEN_WRITERS.add(self)
 
@@ -376,7 +379,6 @@ class TraceWriter:
             write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
         except OSError as err:
             if self.strict:
-                unlock_rank(self._lock_fd)
                 raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err
             warnings.warn(f"tracer: could not write {self.root / TOKENS_NAME} ({err}); token ids "
                           "will show without text. Training continues.", RuntimeWarning,
