@@ -1,4 +1,4 @@
-"""Zero-edit capture per backward with call-site plans on and off, side by side (issue 16, third pass).
+"""Zero-edit capture per backward with call-site plans on and off, side by side .
 
 Runs ``tests/scripts/minimind_ppo.py`` (MiniMind's PPO in the seed's names, 12 backwards a step, 19
 fields a capture) on the tiny local model under one ``tracer.watch``, in blocks that alternate

@@ -1,4 +1,4 @@
-"""Traced vs plain on three independent loop shapes (issue 16), in alternating blocks:
+"""Traced vs plain on three independent loop shapes, in alternating blocks:
 
 * ``toy``: the GRPO-shaped CPU loop of ``bench/overhead.py`` at B = 8, T = 16 (a step of a few ms:
   the fixed cost of ``record()`` shows), 13 fields recorded per step through the explicit API;
@@ -47,7 +47,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "minimind_p
 TARGETS = {"toy": 1.05, "realistic": 1.03, "ppo": 1.05}
 # PPO steps per timed block: 6 (about 0.5 s, as the toy loop's 0.7 s blocks) so that the flush closing
 # each traced block (the writer's queued work waited for, which a run overlaps with its next steps) is
-# a small part of it; before the fourth pass of issue 16 it was 2 (0.16 s blocks).
+# a small part of it; it was 2 (0.16 s blocks) in earlier runs.
 PPO_STEPS = 6
 TOY_STEPS = 120  # toy steps per timed block (``--toy-steps``): about 0.7-1.8 s, the host's speed permitting
 

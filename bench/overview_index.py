@@ -21,7 +21,7 @@ Since the third pass the writer also compacts the index into columns at close
 "headers, no index" hides both. ``--cpu`` also prints the script thread's CPU time of each page
 (``time.thread_time``: what the page costs apart from AppTest's own work and other processes).
 
-Target (issue 16): the 10,000-step trace opens and draws its curves within 2x the 10-step one.
+Target: the 10,000-step trace opens and draws its curves within 2x the 10-step one.
 
     python -m bench.overview_index [--big 10000] [--rounds 5] [--cpu]
 """

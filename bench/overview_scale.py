@@ -4,7 +4,7 @@ every step file's header, and at 10,000 vs 10 steps.
 Three things are timed on the same trace, in alternating blocks (the order rotates each round):
 ``headers`` opens every step file and decodes its header (the floor: an overview must at least list
 the steps); ``overview`` is ``step_summary()`` reading the summaries the writer stored in the
-headers; ``tensors`` is ``step_summary()`` made to ignore them (what it did before issue 16, and
+headers; ``tensors`` is ``step_summary()`` made to ignore them (what it did for traces without summaries, and
 still does for older traces): it loads the summary fields of every step.
 Targets: overview <= 3x headers on a 1,000-step 64 x 256 trace; 10,000 steps within 2x of 10 steps
 per step file (the overview reads one header per step file, so its total grows with the steps).

@@ -1,4 +1,4 @@
-"""Where the zero-edit PPO loop's traced cost goes (issue 16, fifteenth pass).
+"""Where the zero-edit PPO loop's traced cost goes .
 
 ``python -m bench.ppo_split [--rounds N] [--part split,corun,linger] [--long-linger S]``, on the MiniMind-style PPO loop of
 ``bench.loops`` (tests/scripts/minimind_ppo.py, tiny local model, one torch thread), blocks of
@@ -17,7 +17,7 @@ plain block (95% bootstrap interval):
   :data:`tracer.record.process.child.CHILD_LINGER_S` (0.25 s) for more steps to batch with and one lingering
   ``--long-linger`` seconds (default 1), one watcher whose writer is swapped between them block by
   block; besides each one's ratio to plain, the paired ratio of the two traced blocks of a round
-  (long / short) and each child's CPU per backward (issue 16, nineteenth pass: no difference
+  (long / short) and each child's CPU per backward (no difference
   established, so the shipped linger stayed).
 """
 

@@ -1,4 +1,4 @@
-"""Sort or select for the writer's per-step quantiles (issue 16, twentieth pass).
+"""Sort or select for the writer's per-step quantiles .
 
 ``python -m bench.quantile_select``: :func:`tracer.formulas.masked_row_quantiles` sorts every row of a
 step's fields once to read 7 order statistics per row. ``np.partition`` with those positions as

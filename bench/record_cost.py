@@ -1,5 +1,5 @@
 """The fixed cost of ``record()`` on the training thread: 14 small fields (B = 8, T = 16, the 4 ms
-toy step of issue 16), beside a plain ``clone()`` of the same tensors.
+toy step), beside a plain ``clone()`` of the same tensors.
 
 Each round records ``steps`` steps with a pause of ``gap_ms`` between them (the rest of a training
 step: the writer drains meanwhile, as in a loop), alternating which of record() and the plain copy

@@ -64,7 +64,7 @@ def main() -> None:
     rows.append((f"overview (step_summary) vs reading every header, {v['steps']} steps of {v['B']}x{v['T']}",
                  f"{1e3 * overview_scale.median(v['times']['overview']):.0f} vs "
                  f"{1e3 * overview_scale.median(v['times']['headers']):.0f} ms", f"{v['overview_vs_headers']:.2f}x", "<= 3x"))
-    rows.append(("... the same overview from tensors (before issue 16; traces without summaries)",
+    rows.append(("... the same overview from tensors (traces without summaries)",
                  f"{1e3 * overview_scale.median(v['times']['tensors']):.0f} ms", f"{v['tensors_vs_headers']:.1f}x", "(reported)"))
     rows.append((f"overview of {v['big']} vs 10 steps, per step file", f"{v['large_ms']:.0f} vs {v['small_ms']:.1f} ms",
                  f"{v['per_file_ratio']:.2f}x", "<= 2x"))

@@ -3,7 +3,7 @@ make the training thread wait on the disk.
 
 ``os.fsync`` is patched to sleep ``fsync_ms`` (a slow or contended disk: network storage, a busy
 SSD); the queue holds 2 steps, so most steps are dropped. Each record() is timed, and side by side
-a plain ``clone()`` of the same tensors; p50 / p99 / max of both are printed. Before issue 13 every
+a plain ``clone()`` of the same tensors; p50 / p99 / max of both are printed. Earlier, every
 drop rewrote and fsynced the manifest on the training thread (p99 about one fsync).
 
     python -m bench.slow_disk_drop [FSYNC_MS ...]      (default 30 200)

@@ -1,4 +1,4 @@
-"""What the writer costs per step file, in CPU time (issue 16). The writer thread (``--writer
+"""What the writer costs per step file, in CPU time. The writer thread (``--writer
 thread``, the default): its CPU time handling batches, the time it holds the interpreter lock beside
 the training loop, so what a loop of small steps pays for tracing. The writer process (``--writer
 process``): all the CPU time of the child process over the steps (read from

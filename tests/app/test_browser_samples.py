@@ -83,7 +83,7 @@ PAGES_BY_URL = (
     ("/steps?run=grpo-tiny", "Steps", "grpo · 6 step files"),
     ("/health?run=grpo-tiny", "Health", "6 step file(s) checked"),
     ("/overview?run=grpo-tiny", "Run overview", "Fields of the chosen step file"),
-    ("/diff?run=grpo-tiny", "Diff", "a: reference"),  # its content is the Diff page's (issue 12)
+    ("/diff?run=grpo-tiny", "Diff", "a: reference"),  # its content is the Diff page's
     ("/ppo?run=ppo-tiny&step=1&inner=1", "PPO: GAE and early stop", "step 1 · epoch 1"),
     ("/dpo?run=dpo-tiny&step=2&seq=1", "DPO pairs", "step 2 · inner 0 · mb 0 · rank 0 · pair 1"),
     ("/steps?run=dpo-tiny", "Steps", "dpo · 3 step files"),

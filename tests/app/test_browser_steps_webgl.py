@@ -1,6 +1,6 @@
 """The Steps page of a run longer than ``figures.WEBGL_POINTS`` steps, in Chromium: the curves are
 drawn by WebGL (canvases, no SVG markers) and clicking a point still opens that step's Step page
-(issue 16: the overview of long runs)."""
+(the overview of long runs)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The viewer's caches (issue 16): the shared LRU of open step files closes what it evicts and
+"""The viewer's caches: the shared LRU of open step files closes what it evicts and
 stays within its bound, including under concurrent sessions; a step file rewritten under the same
 name is read again, never served stale (by the handle cache, by SafeTrace's listing and by the
 app's st.cache_data keys); one sequence read by slice through a cached handle equals that row of

@@ -1,4 +1,4 @@
-"""Several ranks (issue 6 item 3) and the live view (issue 6 item 4) in the web UI: a trace whose
+"""Several ranks and the live view in the web UI: a trace whose
 ranks 0 and 1 wrote their own step files (two TraceWriters on one directory, as under
 torch.distributed), and a trace still being written while the app is open."""
 

@@ -1,4 +1,4 @@
-"""Safe to open (issue 7 items 3 and 5): the app lists and opens only traces under its root (a path
+"""Safe to open: the app lists and opens only traces under its root (a path
 from the URL that leaves it through ``..``, a symlink or an absolute path is refused); corrupt step
 files are named with the reason while the other steps are served; a malformed or missing manifest
 gets a clear message; token strings are shown literally on every page."""

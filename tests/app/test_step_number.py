@@ -1,4 +1,4 @@
-"""The sidebar's Step number on a run of many step files (issue 16): above
+"""The sidebar's Step number on a run of many step files: above
 ``sidebar.MAX_STEP_OPTIONS`` files the Step file chooser offers only the files of the step picked
 in a number input (no 10,000-option list), and the URL's step, a number without a file and a
 page switch still land on the right step file. The bound is lowered here so that a small real

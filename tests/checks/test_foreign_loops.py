@@ -3,7 +3,7 @@
 per-token reward, a DAPO-style GRPO (asymmetric clip, token-mean loss, two passes over each rollout
 under a loop variable the shipped name map does not list) traced with zero edits, and a GRPO with a k3
 KL in the loss and gradient accumulation over micro-batches. Each ran clean except for five false
-alarms that a hunt on them found (issue 16's session of 2026-12-04); these tests hold the fixes:
+alarms that a hunt on them found; these tests hold the fixes:
 
 1. kl_coef recorded with the KL in the reward: recompute.per_token_loss added kl_coef * k3 to a loss
    that has none. Now the recorded token_rewards show where the penalty is (or metadata kl_in_reward

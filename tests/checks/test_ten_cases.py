@@ -1,4 +1,4 @@
-"""`tracer check`: the ten cases of issue 4, each written as real step files and checked through the
+"""`tracer check`: ten classes of RL tensor bugs, each written as real step files and checked through the
 API and the CLI. Expected numbers are worked out by hand in the comments."""
 
 import json

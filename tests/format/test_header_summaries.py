@@ -1,4 +1,4 @@
-"""Per-step summaries in the step file's header (issue 16): written by the writer thread, equal to
+"""Per-step summaries in the step file's header: written by the writer thread, equal to
 values recomputed here independently (numpy, by hand), and read without touching tensor data."""
 
 from __future__ import annotations

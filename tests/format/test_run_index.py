@@ -1,4 +1,4 @@
-"""The run's summary index (issue 16, ``summary_index.rank_N.jsonl``, tracer.format.run_index): written by
+"""The run's summary index (``summary_index.rank_N.jsonl``, tracer.format.run_index): written by
 the writer thread from real records; ``step_summary()`` from it equals ``step_summary()`` from the
 step headers (the index hidden) on the same trace, whole, partial, torn, stale, foreign and
 multi-rank; files it vouches for are not opened; a failing index never reaches training."""

@@ -1,4 +1,4 @@
-"""The run's summary columns (issue 16, ``summary_index.rank_N.columns``, tracer.format.summary_store): the
+"""The run's summary columns (``summary_index.rank_N.columns``, tracer.format.summary_store): the
 index compacted by the writer at close (and at a forced flush once it has grown enough); a reader
 that starts from them parses only the index lines after them, and ``step_summary()`` from them
 equals ``step_summary()`` from the step headers (the index hidden) whole, with newer files, replaced

@@ -1,4 +1,4 @@
-"""Zero-variance group counts in the step summary (issue 16: the Groups page's first view read every
+"""Zero-variance group counts in the step summary (the Groups page's first view read every
 step's rewards): ``formulas.zero_variance_groups`` against a plain loop over groups, the writer's
 header counts, and ``views.zero_variance_shares`` from the summaries equal to the same view reading
 tensors (the summaries hidden), with micro-batches that split groups, files without group_ids, NaN

@@ -17,6 +17,7 @@ import tracer  # noqa: E402
 from tracer import Trace, formulas  # noqa: E402
 from tracer.demo import grpo_trl  # noqa: E402
 from tracer.errors import TraceError  # noqa: E402
+from tests.fixtures.models import completion_logprobs
 
 G = grpo_trl.NUM_GENERATIONS
 B = G * grpo_trl.PROMPTS_PER_STEP
@@ -37,19 +38,6 @@ def trace(tmp_path_factory, model_dir) -> Trace:
 def _step(trace: Trace, step: int):
     (key,) = [k for k in trace.steps() if k.step == step]
     return key, trace.load_step(key), trace.metadata(key)
-
-
-def _completion_logprobs(model_dir, data, temperature):
-    """An independent forward of the saved model: the same tokens and attention mask TRL used."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompt_ids, completion_ids = data["prompt_ids"], data["completion_ids"]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, L + T)
-    attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1).long()  # (B, L + T)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L + T, V)
-    return formulas.token_logprobs(logits, input_ids, prompt_ids.shape[1], temperature)  # (B, T)
 
 
 def test_one_file_per_step_with_inner_steps(trace):
@@ -102,7 +90,7 @@ def test_initial_model_reproduces_old_ref_and_first_policy_logprobs(trace, model
     for step in (0, 1):
         _, data, meta = _step(trace, step)
         mask = data["completion_mask"]
-        expected = _completion_logprobs(model_dir, data, meta["temperature"])
+        expected = completion_logprobs(model_dir, data, meta["temperature"])
         names = ("policy_logprobs", "old_logprobs", "ref_logprobs") if step == 0 else ("old_logprobs", "ref_logprobs")
         for name in names:
             diff = ((data[name] - expected).abs() * mask).max().item()

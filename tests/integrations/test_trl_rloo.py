@@ -13,9 +13,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("trl")
 
 import tracer  # noqa: E402
-from tracer import Trace, formulas  # noqa: E402
+from tracer import Trace  # noqa: E402
 from tracer.demo import rloo_trl  # noqa: E402
 from tracer.integrations.trl import RLOOTraceHook  # noqa: E402
+from tests.fixtures.models import completion_logprobs
 
 G = rloo_trl.NUM_GENERATIONS
 B = G * rloo_trl.PROMPTS_PER_STEP
@@ -34,19 +35,6 @@ def trace(tmp_path_factory, model_dir) -> Trace:
 def _step(trace: Trace, step: int):
     (key,) = [k for k in trace.steps() if k.step == step]
     return trace.load_step(key), trace.metadata(key)
-
-
-def _completion_logprobs(model_dir, data, temperature):
-    """An independent forward of the saved model on the recorded prompt + completion tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    prompt_ids, completion_ids = data["prompt_ids"], data["completion_ids"]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (B, L + T)
-    attention_mask = torch.cat([data["prompt_mask"], data["completion_mask"]], dim=1).long()  # (B, L + T)
-    with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L + T, V)
-    return formulas.token_logprobs(logits, input_ids, prompt_ids.shape[1], temperature)  # (B, T)
 
 
 def _max_masked_diff(a, b, mask) -> float:
@@ -135,12 +123,12 @@ def test_old_and_ref_are_the_models_they_claim_to_be(trace, model_dir):
                        (2, ("ref_logprobs",))):
         data, meta = _step(trace, step)
         mask = data["completion_mask"]
-        expected = _completion_logprobs(model_dir, data, meta["temperature"])
+        expected = completion_logprobs(model_dir, data, meta["temperature"])
         for name in same:
             diff = _max_masked_diff(data[name], expected, mask)
             assert diff < 1e-5, f"step {step} {name}: max |recorded - recomputed| = {diff:.2e}"
     data, meta = _step(trace, 2)
-    initial = _completion_logprobs(model_dir, data, meta["temperature"])
+    initial = completion_logprobs(model_dir, data, meta["temperature"])
     assert _max_masked_diff(data["old_logprobs"], initial, data["completion_mask"]) > 1e-3
     moved, _ = _step(trace, 1)
     assert _max_masked_diff(moved["policy_logprobs"], moved["old_logprobs"], moved["completion_mask"]) > 1e-3

@@ -54,13 +54,9 @@ import tracer.integrations.verl as tv  # noqa: E402
 from tracer.checks import run_checks  # noqa: E402
 from tracer.integrations.verl_join import join  # noqa: E402
 
-from tracer.demo.tiny_model import read_corpus, train_tokenizer  # noqa: E402
+from tests.fixtures.verl_batches import (B, EOS, EPOCHS, G, L, MICRO, MINI, P, PAD, T, V,  # noqa: E402
+                                         tiny_model)
 
-TOKENIZER = train_tokenizer(read_corpus())  # byte-level BPE: <pad> = 0, <|endoftext|> = 1
-P, G, L, T, V = 2, 4, 4, 6, len(TOKENIZER)  # prompts, group size, prompt width, response width, vocabulary
-B = P * G
-PAD, EOS = TOKENIZER.pad_token_id, TOKENIZER.eos_token_id
-MINI, MICRO, EPOCHS = 4, 2, 2  # rows per mini-batch (dp 1), rows per micro-batch, PPO epochs
 ALARMS = ("error", "warning")
 
 
@@ -85,15 +81,6 @@ class Case:
 
 
 # -- a tiny model and verl's batch (as tests/integrations/test_verl.py builds them) -----------------------------
-
-
-def tiny_model(seed: int = 0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
-    return Qwen2ForCausalLM(config).float()
 
 
 def sequence_stats(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -261,16 +248,6 @@ def alarms(findings: dict[str, list]) -> list[str]:
             f"{f.message[:400]}"
             for trace, found in findings.items() for f in found
             if f.severity in ALARMS and not documented(trace, f)]
-
-
-@pytest.fixture
-def traced(tmp_path, monkeypatch):
-    """TRACER_DIR set for this test; the module's recorders closed and reset after it."""
-    monkeypatch.setenv("TRACER_DIR", str(tmp_path / "trace"))
-    tv.finish()
-    tv.install(tokenizer=TOKENIZER)
-    yield tmp_path / "trace"
-    tv.finish()
 
 
 def case(id: str, **kwargs):

@@ -1,4 +1,4 @@
-"""The listing as arrays (issue 16, :mod:`tracer.read.step_table`): the table of a folder's writer-named
+"""The listing as arrays (:mod:`tracer.read.step_table`): the table of a folder's writer-named
 files sorts them as their keys sort, refuses names it cannot read (those go the one-by-one way),
 and the app's listing built from it (no key per file) gives the same steps, keys, lookups and
 overview as the listing file by file."""

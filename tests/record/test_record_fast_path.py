@@ -1,4 +1,4 @@
-"""record()'s fast path (issue 16): the schema check is cached per field signature, yet every
+"""record()'s fast path: the schema check is cached per field signature, yet every
 contract holds on later records; summaries are computed on the writer thread, never the caller's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The writer thread's batching and its cheaper per-step work (issue 16): steps that arrive close
+"""The writer thread's batching and its cheaper per-step work: steps that arrive close
 together are handled as one batch (their summaries computed together), without ever making a step
 wait or drop, and without changing a byte of what is written. Values are checked against
 step-by-step and numpy computations; no wall-time assertions (a hang is caught by a join timeout)."""
@@ -119,7 +119,7 @@ def test_steps_recorded_close_together_are_summarised_as_one_batch(tmp_path):
 def test_the_default_queue_lets_the_writer_thread_fill_a_whole_batch(tmp_path):
     """Lingering stops at half the queue's bound, so the default bound is twice MAX_BATCH: steps that
     arrive while the writer thread lingers are handled MAX_BATCH at a time (a batch's cold start is
-    most of a small step's cost: BENCHMARKS.md, issue 16 fifth pass), not half that."""
+    most of a small step's cost: BENCHMARKS.md, "Writer throughput and CPU"), not half that."""
     from tracer.record.thread import MAX_BATCH
 
     sizes: list[int] = []

@@ -1,4 +1,4 @@
-"""The writer's CPU per step file (issue 16): the cheaper paths write the same files and the same
+"""The writer's CPU per step file: the cheaper paths write the same files and the same
 summaries as the general ones they replace. A small step file is made in memory by safetensors'
 ``serialize`` and written once, with the mode ``open()`` gives; its size goes to the index without a
 ``stat``; the summaries' quantiles, clip fractions and zero-variance groups are computed with

@@ -1,4 +1,4 @@
-"""A writer process that dies loses no step it was handed (issue 16), whichever call meets its
+"""A writer process that dies loses no step it was handed, whichever call meets its
 death: the real child killed with SIGKILL at different moments, real files; each file holds its
 own step's values, the manifest's counts are exact, the summary index lists each file once and
 ``tracer check`` passes."""

@@ -1,5 +1,5 @@
-"""A writer process that stalls (SIGSTOP: the real child, stopped) never hangs the training script
-(issue 16): after ``writer_stall_s`` seconds of a wait that hears nothing from it, ``flush``,
+"""A writer process that stalls (SIGSTOP: the real child, stopped) never hangs the training script:
+after ``writer_stall_s`` seconds of a wait that hears nothing from it, ``flush``,
 ``close`` or a ``record`` waiting for room warns naming the child's pid, its state and the steps it
 holds, kills it, and a thread of the training process writes those steps (and every later one):
 each file holds its own step's values and the counts are exact. Strict mode raises a TraceError

@@ -1,4 +1,4 @@
-"""Faults of the batched writer thread and the staging buffer pool (issue 16) that must not corrupt a
+"""Faults of the batched writer thread and the staging buffer pool that must not corrupt a
 step held for later, lose an error in strict mode, hand back a buffer a copy may still be writing
 into, kill the writer thread under ``-W error``, keep a tensor of another device than the CPU, or cost
 a step of float8 / complex extra fields. Each test failed before its fix; values are worked out by hand

@@ -75,7 +75,7 @@ def test_any_length_prefix_and_truncation(trace_dir, length, cut):
     outcome(trace_dir, payload[:cut] if cut < len(PAYLOAD) else payload)
 
 
-# -- hostile shapes: zero-byte tensors with huge dims (issue 13) -------------------------------------
+# -- hostile shapes: zero-byte tensors with huge dims -------------------------------------
 
 _SHAPED_FIELDS = ("completion_ids", "completion_mask", "policy_logprobs", "prompt_ids", "rewards",
                   "advantages", "reward_components", "my_extra")

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue 13), each pinned to the message: the bounded reading cost of tiny hostile files
+"""Hostile inputs, each pinned to the message: the bounded reading cost of tiny hostile files
 (zero-byte tensors with huge shapes, oversized token strings), odd text (lone surrogates, null bytes, a
 path that is not UTF-8), B = 0 steps in the views and the app, reward component names that collide
 with the views' columns. (Write faults: test_write_faults.py; live runs: test_live_runs.py; ``tracer

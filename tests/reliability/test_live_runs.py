@@ -1,4 +1,4 @@
-"""Live runs (issue 13): the background writer updates the manifest's ``steps_written`` while the run
+"""Live runs: the background writer updates the manifest's ``steps_written`` while the run
 goes on, at a bounded rate; ``scan()`` lists the steps folder once, so a file a live writer adds is
 never called foreign, and ``tracer info`` on a live run never does either."""
 

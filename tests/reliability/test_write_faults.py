@@ -1,4 +1,4 @@
-"""Write faults (issue 13), each pinned to the message: with ``when_full="drop"`` the training thread
+"""Write faults, each pinned to the message: with ``when_full="drop"`` the training thread
 never waits on the disk (no fsync, no manifest write in ``record``), strict mode raises for every
 failed write and counts them all (non-strict mode counts the same), and a writer inherited through
 fork() refuses the child at once."""

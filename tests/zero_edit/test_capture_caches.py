@@ -1,4 +1,4 @@
-"""The caches and shortcuts of zero-edit capture's training-thread path (issue 16): each gives what
+"""The caches and shortcuts of zero-edit capture's training-thread path: each gives what
 the code it replaces gave, and each is dropped when what it was made from changes.
 
 * :func:`tracer.zero_edit.frame_lookup.read_indices` / ``read_metadata`` read a name map's sections compiled
@@ -42,7 +42,7 @@ from tracer.zero_edit.watch import Watcher
 from tests.fixtures.paths import REPO
 
 
-# -- the reading replaced, as it was (tracer/zero_edit/frame_lookup.py before issue 16's capture pass) --------
+# -- the reading replaced, as it was (tracer/zero_edit/frame_lookup.py before call-site plans) --------
 
 def _reference_as_int(value):
     if type(value) is int:

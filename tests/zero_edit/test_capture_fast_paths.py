@@ -1,5 +1,4 @@
-"""The shortcuts the zero-edit capture and the writer process take at every backward (issue 16,
-fifteenth pass) give what the long way gives: rows by ``index_select`` are ``value[index]``, a
+"""The shortcuts the zero-edit capture and the writer process take at every backward  give what the long way gives: rows by ``index_select`` are ``value[index]``, a
 layout found by the signature tuple's identity is the layout of that step's own fields (another
 ``derive`` or source dtype with the same tuple is another layout), a record that asks for no path
 still writes its file, the metadata's header size is checked on every step, and the call-site and

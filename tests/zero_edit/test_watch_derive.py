@@ -1,5 +1,5 @@
 """Zero-edit capture leaves the map's per-token derived fields (``ratio``, ``approx_kl_k2``,
-``ref_kl_k3``) to the writer (issue 16: off the training thread): the trace still records them, with
+``ref_kl_k3``) to the writer (off the training thread): the trace still records them, with
 the values of the formulas (SPEC.md section 4) worked out here from the loop's own tensors."""
 
 import threading

@@ -7,7 +7,7 @@ The JSON-lines index (:mod:`tracer.format.run_index`) stays the record of what t
 appended after every step file, crash-safe line by line); the columns are a compaction of its first
 ``index_bytes`` bytes, written by the writer thread at ``close()`` (and at a forced ``flush()`` once
 the index has grown by as many lines as the columns hold: each line is converted about twice in all),
-to a temporary name and renamed. One safetensors file (no pickle), tensors:
+to a temporary name and renamed. One safetensors file (raw tensors and JSON metadata only), tensors:
 
     coordinates   int64 [N, 4]   step, inner_step, micro_batch, rank of each listed step file
     size          int64 [N]      its size in bytes when written

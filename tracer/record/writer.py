@@ -130,6 +130,7 @@ class TraceWriter:
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
+        self._backends: Backends | None = None  # set last: a writer thread it starts may tick before
         try:  # from here on a failure must not keep the rank's lock (the next writer would be refused)
             manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
                                     {"async_write": async_write, "max_queue_steps": max_queue_steps,
@@ -368,7 +369,7 @@ class TraceWriter:
         unless ``force`` (the writer thread's tick, ``flush``). A failure is logged (strict: kept
         to raise from the next call), never raised here. Also appends the summary index's lines
         (when the index is written in this process)."""
-        if hasattr(self, "_backends"):  # the writer thread may tick before the constructor returns
+        if self._backends is not None:
             self._backends.flush_index(force)
         self._book.update(force)
 
