@@ -76,10 +76,19 @@ FIELDS: dict[str, FieldSpec] = {
         _spec("returns", "BT", FLOAT, "reward", "GAE returns = advantages + values", {"ppo"}),
         _spec("token_rewards", "BT", FLOAT, "reward", "per-token reward (PPO: sequence reward on last kept token)"),
         _spec("per_token_loss", "BT", FLOAT, "", "loss per token before reduction"),
+        # Multi-turn / agentic rows (tracer/format/turns.py)
+        _spec("turn_ids", "BT", INT64, "", "0 = prompt, k >= 1 = assistant turn k with the tool results and "
+              "environment messages answering it, -1 = padding"),
+        _spec("token_roles", "BT", INT64, "", "role of each token: index into metadata role_names "
+              "(system, user, assistant, tool); -1 = padding"),
+        _spec("mask_reasons", "BT", INT64, "", "why each token is or is not in the loss: index into metadata "
+              "mask_reason_names (kept, prompt, padding, after_eos, truncated, tool_output, environment, ...)"),
         # Per sequence [B]
         _spec("rewards", "B", FLOAT, "reward", "scalar reward per sequence", _RL),
         _spec("advantages", "B", FLOAT, "", "advantage per sequence (per token for PPO)", _RL, ppo=("B", "T")),
         _spec("group_ids", "B", INT64, "", "prompt group of each row; G consecutive rows share one", _GROUPED),
+        _spec("episode_ids", "B", INT64, "", "per-turn rows: rows of one episode share an id (turn_ids says "
+              "which turn a row holds)"),
         _spec("row_ids", "B", INT64, "", "index of each row in the rollout batch (maps minibatch rows back)"),
         _spec("reward_components", "BF", FLOAT, "reward", "per reward function, names in metadata"),
         # Scalar []
@@ -107,8 +116,8 @@ FIELDS: dict[str, FieldSpec] = {
 # stages (and from earlier steps, through the weights), never from later ones. ``tracer diff`` names
 # the most upstream diverging field at the earliest step as the cause and groups the others under it.
 DATA_FLOW: tuple[tuple[str, ...], ...] = (
-    ("prompt_ids", "prompt_mask", "group_ids", "row_ids"),
-    ("completion_ids", "completion_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"),
+    ("prompt_ids", "prompt_mask", "group_ids", "row_ids", "episode_ids"),
+    ("completion_ids", "turn_ids", "token_roles", "mask_reasons", "completion_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"),
     ("rewards", "reward_components"),
     ("token_rewards", "values"),
     ("advantages", "returns"),
@@ -157,6 +166,11 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
                             "group_zscore | group_zscore_unbiased | batch_zscore_unbiased | group_mean | rloo | rloo_kl"),
     "gradient_accumulation_steps": (int, "micro-batches per optimizer step (the first ones see fresh weights)"),
     "rows_before_cut": (int, "the step's B before SamplingPolicy.first_k_sequences kept its first rows"),
+    "role_names": (list, "names of the token_roles codes (default system, user, assistant, tool)"),
+    "mask_reason_names": (list, "names of the mask_reasons codes (default kept, prompt, padding, after_eos, "
+                                "truncated, tool_output, environment; a trainer may add its own)"),
+    "advantage_assignment": (str, "multi-turn: 'episode' (one outcome advantage broadcast over every turn) | "
+                                  "'turn' (each turn its own advantage)"),
     "micro_batch_counted": (bool, "tracer.watch numbered this micro-batch by counting backwards (the frame named "
                                   "no micro-batch or inner step): it may be a later pass over the rollout"),
 }

@@ -1,0 +1,192 @@
+"""Multi-turn and agentic rows (SPEC.md section 4, "Turns, roles and mask reasons"): what the
+optional per-token fields ``turn_ids``, ``token_roles`` and ``mask_reasons`` mean, and the spans
+they describe.
+
+An episode is a prompt followed by assistant turns; between the turns sit tool results and the
+environment's messages, which the model did not sample and must never be trained on. A row holds
+either a whole episode (a *packed* row: the prompt's tail, every turn and every tool result in one
+``[T]`` row, as MiniMind's ``train_agent.py`` and TRL's ``tools=`` build them) or one turn of it
+(*per-turn* rows, tied together by the ``[B]`` field ``episode_ids``).
+
+- ``turn_ids [B, T]`` int64: 0 = the prompt (context before the first assistant turn); k >= 1 = the
+  k-th assistant turn *and* the tool results / environment messages that answer it, up to the next
+  assistant turn; -1 = padding.
+- ``token_roles [B, T]`` int64: index into step metadata ``role_names`` (default
+  :data:`ROLE_NAMES`); -1 = padding.
+- ``mask_reasons [B, T]`` int64: why each token is or is not in the loss, index into step metadata
+  ``mask_reason_names`` (default :data:`MASK_REASON_NAMES`, which a trainer may extend with its own
+  names). When absent the reader infers the reasons (:func:`infer_mask_reasons`).
+
+A trace that records none of them is read as before: a single-turn completion, or, when its mask
+keeps several runs of tokens separated by masked non-padding tokens, a packed episode whose turns
+are those runs (:func:`infer_turn_ids`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+ROLE_NAMES = ("system", "user", "assistant", "tool")
+ASSISTANT, TOOL, SYSTEM, USER, ENVIRONMENT_ROLE = "assistant", "tool", "system", "user", "environment"
+
+# Why a token is (not) in the loss. ``masked``: not kept for a reason the trace does not say.
+KEPT, PROMPT, PROMPT_PADDING, PADDING, AFTER_EOS, TRUNCATED, TOOL_OUTPUT, ENVIRONMENT, MASKED = (
+    "kept", "prompt", "prompt_padding", "padding", "after_eos", "truncated", "tool_output", "environment", "masked")
+MASK_REASON_NAMES = (KEPT, PROMPT, PADDING, AFTER_EOS, TRUNCATED, TOOL_OUTPUT, ENVIRONMENT)
+NOT_TRAINED_TEXT = {
+    PROMPT: "prompt", PROMPT_PADDING: "prompt padding", PADDING: "padding", AFTER_EOS: "after the end of the answer",
+    TRUNCATED: "truncated", TOOL_OUTPUT: "tool output", ENVIRONMENT: "environment message", MASKED: "masked",
+}
+PAD_TURN = -1
+TURN_FIELDS = ("turn_ids", "token_roles", "mask_reasons")
+
+
+def role_names(metadata: Mapping[str, object] | None) -> tuple[str, ...]:
+    """The step's role names (metadata ``role_names``, else :data:`ROLE_NAMES`)."""
+    names = (metadata or {}).get("role_names")
+    return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else ROLE_NAMES
+
+
+def reason_names(metadata: Mapping[str, object] | None) -> tuple[str, ...]:
+    """The step's mask reason names (metadata ``mask_reason_names``, else :data:`MASK_REASON_NAMES`)."""
+    names = (metadata or {}).get("mask_reason_names")
+    return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else MASK_REASON_NAMES
+
+
+@dataclass(frozen=True)
+class Span:
+    """A maximal run of one row's tokens with one turn and one role.
+
+    Attributes:
+        turn: the turn id (0 = prompt).
+        role: the role name (``""`` when the trace records no roles: then every kept run is
+            ``assistant`` and the masked runs between them ``environment``).
+        start, end: token positions ``[start, end)`` in the row.
+        kept: how many of its tokens the mask keeps.
+    """
+
+    turn: int
+    role: str
+    start: int
+    end: int
+    kept: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def infer_turn_ids(ids: torch.Tensor, keep: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
+    """Turn ids ``[B, T]`` int64 read from the mask alone: each run of kept tokens opens a turn, the
+    masked tokens after it (tool output, environment) belong to that turn, tokens before the first
+    kept one are the prompt (0), and the trailing pad run is -1. A single-turn row comes out as 0 …
+    0, 1 … 1, -1 … -1.
+
+    ``ids``, ``keep``: ``[B, T]`` (int64, bool)."""
+    B, T = keep.shape
+    keep = keep.bool()
+    starts = keep.clone()
+    starts[:, 1:] &= ~keep[:, :-1]  # (B, T) the first token of each kept run
+    turns = starts.long().cumsum(dim=1)  # (B, T)
+    if pad_token_id is not None and T:
+        trailing = (ids == pad_token_id).flip(1).cumprod(dim=1).flip(1).bool() & ~keep  # (B, T)
+        turns = torch.where(trailing, torch.full_like(turns, PAD_TURN), turns)
+    return turns
+
+
+def turn_count(turn_ids: torch.Tensor) -> torch.Tensor:
+    """Assistant turns per row, ``[B]`` int64 (the largest turn id; 0 for a row without one)."""
+    if turn_ids.numel() == 0:
+        return torch.zeros(turn_ids.shape[0], dtype=torch.long)
+    return turn_ids.clamp(min=0).max(dim=1).values
+
+
+def row_spans(turns: Sequence[int], roles: Sequence[int] | None, keep: Sequence[bool],
+              names: Sequence[str] = ROLE_NAMES) -> list[Span]:
+    """The spans of one row: maximal runs of equal (turn, role), padding (turn -1) left out.
+
+    ``turns``, ``roles``, ``keep``: the row's ``[T]`` values as lists; ``roles`` None when the trace
+    records none (then a kept run is ``assistant`` and a masked run ``""`` in turn 0 and
+    ``environment`` after it)."""
+    spans: list[Span] = []
+    T = len(turns)
+    t = 0
+    while t < T:
+        turn = turns[t]
+        key = (turn, roles[t] if roles is not None else bool(keep[t]))
+        end = t + 1
+        while end < T and (turns[end], roles[end] if roles is not None else bool(keep[end])) == key:
+            end += 1
+        if turn != PAD_TURN:
+            if roles is not None:
+                r = roles[t]
+                role = names[r] if 0 <= r < len(names) else f"role {r}"
+            else:
+                role = ASSISTANT if keep[t] else ("" if turn == 0 else ENVIRONMENT_ROLE)
+            spans.append(Span(int(turn), role, t, end, int(sum(1 for k in keep[t:end] if k))))
+        t = end
+    return spans
+
+
+def infer_mask_reasons(ids: Sequence[int], keep: Sequence[bool], eos_token_id: int | None, pad_token_id: int | None,
+                       turns: Sequence[int] | None = None, roles: Sequence[int] | None = None,
+                       names: Sequence[str] = ROLE_NAMES) -> list[str]:
+    """Why each token of one row is kept or masked, ``[T]`` strings (:data:`MASK_REASON_NAMES` and
+    ``masked``).
+
+    With turns and roles: ``kept``; ``padding`` (turn -1 or the trailing pad run); ``prompt`` (turn
+    0); ``tool_output`` (role tool); ``environment`` (any other non-assistant role after the
+    prompt); an assistant token after an EOS *of the same turn* is ``after_eos`` (the EOS that closes
+    a turn never reaches into the next one), any other masked assistant token ``masked``.
+    Without them a row is one completion: ``after_eos`` after its first EOS at or after the first
+    kept token, ``padding`` on pad tokens, ``prompt`` before the first kept token (a packed row's
+    prompt), ``masked`` otherwise, unless the mask keeps runs separated by masked non-pad tokens (a
+    packed episode, :func:`infer_turn_ids`): then the tokens before the first kept one are
+    ``prompt`` and the gaps between kept runs ``environment``."""
+    T = len(ids)
+    if turns is None:
+        inferred = infer_turn_ids(torch.tensor([list(ids)], dtype=torch.long).reshape(1, T),
+                                  torch.tensor([list(keep)], dtype=torch.bool).reshape(1, T), pad_token_id)[0].tolist()
+        multi = max(inferred, default=0) > 1
+    else:
+        inferred, multi = list(turns), True
+    out: list[str] = []
+    seen_eos_turn: int | None = None
+    ever_eos = False
+    first_kept = next((t for t in range(T) if keep[t]), T)
+    for t in range(T):
+        tok, k, turn = ids[t], bool(keep[t]), inferred[t]
+        role = None
+        if roles is not None:
+            r = roles[t]
+            role = names[r] if 0 <= r < len(names) else None
+        if k:
+            out.append(KEPT)
+        elif turns is None and not multi:
+            out.append(AFTER_EOS if ever_eos else PADDING if pad_token_id is not None and tok == pad_token_id
+                       else PROMPT if 0 < first_kept < T and t < first_kept else MASKED)
+        elif turn == PAD_TURN or (pad_token_id is not None and tok == pad_token_id and role is None):
+            out.append(PADDING)
+        elif turn == 0:
+            out.append(PROMPT)
+        elif role == TOOL:
+            out.append(TOOL_OUTPUT)
+        elif role is not None and role != ASSISTANT:
+            out.append(ENVIRONMENT)
+        elif role == ASSISTANT:
+            out.append(AFTER_EOS if seen_eos_turn == turn else MASKED)
+        else:  # no roles: a masked run inside a turn comes after its assistant tokens
+            out.append(ENVIRONMENT)
+        if eos_token_id is not None and tok == eos_token_id and t >= first_kept:
+            ever_eos = True
+            if role in (None, ASSISTANT):
+                seen_eos_turn = turn
+    return out
+
+
+def recorded_mask_reasons(codes: Sequence[int], names: Sequence[str]) -> list[str]:
+    """A recorded ``mask_reasons`` row ``[T]`` as names; an out-of-range code reads ``masked``."""
+    return [names[c] if 0 <= c < len(names) else MASKED for c in codes]
