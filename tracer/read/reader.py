@@ -312,8 +312,11 @@ class Trace:
         """One row per completion token (and per prompt token) of one step, or of one sequence.
 
         Columns: ``step, inner_step, rank, sequence, section`` (prompt | completion), ``position``
-        (index within its section), ``token_id, token_text, kept, mask_reason`` and one column per
-        per-token value field present (``[B]`` fields such as GRPO advantages are broadcast);
+        (index within its section), ``token_id, token_text, kept, mask_reason`` (``prompt``,
+        ``tool_output``, ``after_eos``…: :func:`tracer.read.tables.mask_reasons`), ``turn, role``
+        (0 and ``""`` on prompt rows) and one column per per-token value field present (``[B]``
+        fields such as GRPO advantages are broadcast; placeholder logprobs and what is computed from
+        them empty: :func:`tracer.read.tables.without_placeholders`);
         with ``derive``, the derived fields too, named in ``attrs["derived"]``.
         """
         data = self.load_step(key, derive=derive) if sequence is None else {
@@ -326,7 +329,8 @@ class Trace:
         if "prompt_ids" in data:
             frames.append(tables.prompt_frame(data, rows, self.token_text))
         if "completion_ids" in data:
-            frames.append(tables.completion_frame(data, rows, self.token_text, self.eos_token_id, self.pad_token_id))
+            frames.append(tables.completion_frame(data, rows, self.token_text, self.eos_token_id, self.pad_token_id,
+                                                   self.metadata(key)))
         if not frames:
             return pd.DataFrame()
         table = pd.concat(frames, ignore_index=True)

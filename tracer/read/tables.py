@@ -1,56 +1,116 @@
-"""Pandas tables over loaded step tensors: token tables (one row per token, with why a position is
-masked) and per-step summaries. The reader calls these; the maths comes from :mod:`tracer.formulas`."""
+"""Pandas tables over loaded step tensors: token tables (one row per token, with its turn, role and
+why a position is masked) and per-step summaries. The reader calls these; the maths comes from
+:mod:`tracer.formulas`, the turns, roles and mask reasons from :mod:`tracer.format.turns`.
+
+Placeholders: at a position the loss does not use, a trainer often leaves a logprob at exactly
+``0.0`` (TRL's ``old_per_token_logps`` and ``sampling_per_token_logps`` over tool output and
+padding). That is no logprob, and a ratio or KL computed from it is no value either: the tables
+show it, and every field computed from it, as empty (NaN), never as a number
+(:func:`without_placeholders`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import pandas as pd
 import torch
 
 from tracer.formulas import summaries
+from tracer.formulas.derived import DERIVED_FIELDS
 from tracer.format import summary as summary_format
+from tracer.format import turns as turn_format
+from tracer.format.turns import (  # noqa: F401  (the reasons' one home; re-exported for the app)
+    AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT, TRUNCATED)
 
 # Per-token float fields shown in token tables, in display order.
 TOKEN_VALUE_FIELDS = (
     "old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio", "ref_kl_k3",
     "approx_kl_k2", "entropy", "advantages", "values", "returns", "token_rewards", "per_token_loss",
 )
-# Why a position is (not) in the loss.
-KEPT, PROMPT, PROMPT_PADDING, AFTER_EOS, PADDING, MASKED = (
-    "kept", "prompt", "prompt_padding", "after_eos", "padding", "masked")
 # Fields a per-step summary reads.
 SUMMARY_FIELDS = summary_format.FIELDS
+# Logprob fields a trainer may fill with a placeholder 0.0 where the loss does not look.
+PLACEHOLDER_FIELDS = ("old_logprobs", "sampler_logprobs", "ref_logprobs")
+PLACEHOLDER = 0.0
 
 
 def mask_reasons(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_id: int | None,
-    pad_token_id: int | None = None,
+    pad_token_id: int | None = None, *, turn_ids: torch.Tensor | None = None,
+    token_roles: torch.Tensor | None = None, recorded: torch.Tensor | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> list[list[str]]:
     """Why each completion position is kept or masked, ``[B][T]`` strings.
 
-    ``kept`` when the mask keeps it; otherwise ``after_eos`` when an EOS token appears earlier in
-    the row, ``padding`` when the token is the pad token, ``masked`` for any other reason
-    (truncation, tool output, a trainer's own rule).
+    ``recorded`` (the step's ``mask_reasons [B, T]``) is read through the step's
+    ``mask_reason_names``; otherwise the reasons are inferred row by row with
+    :func:`tracer.format.turns.infer_mask_reasons` from the mask, EOS and pad ids and, when the step
+    records them, ``turn_ids`` and ``token_roles [B, T]``: ``kept``, ``prompt``, ``padding``,
+    ``after_eos``, ``tool_output``, ``environment``, ``masked``…
     """
-    B, T = completion_ids.shape
+    if recorded is not None and tuple(recorded.shape) == tuple(completion_ids.shape):
+        names = turn_format.reason_names(metadata)
+        return [turn_format.recorded_mask_reasons(row, names) for row in recorded.tolist()]
     ids = completion_ids.tolist()
     keep = completion_mask.bool().tolist()
-    out: list[list[str]] = []
+    shaped = lambda t: t is not None and tuple(t.shape) == tuple(completion_ids.shape)  # noqa: E731
+    turns = turn_ids.tolist() if shaped(turn_ids) else None
+    roles = token_roles.tolist() if shaped(token_roles) else None
+    names = turn_format.role_names(metadata)
+    return [turn_format.infer_mask_reasons(ids[b], keep[b], eos_token_id, pad_token_id,
+                                           turns[b] if turns is not None else None,
+                                           roles[b] if roles is not None else None, names)
+            for b in range(len(ids))]
+
+
+def turn_roles(data: Mapping[str, torch.Tensor], pad_token_id: int | None, eos_token_id: int | None = None,
+               metadata: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, list[list[str]]]:
+    """The turn id ``[B, T]`` int64 and role name ``[B][T]`` of every completion position: the
+    recorded ``turn_ids`` / ``token_roles`` (names from ``role_names``), else the turns
+    :func:`tracer.format.turns.infer_turn_ids` reads from the mask and the roles
+    :func:`tracer.format.turns.row_spans` gives them (``assistant`` for a kept run, ``environment``
+    for a masked run after the prompt, ``""`` in the prompt and padding)."""
+    ids = data["completion_ids"]
+    keep = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    turn_ids = data.get("turn_ids")
+    if turn_ids is None or turn_ids.shape != ids.shape:
+        turn_ids = turn_format.infer_turn_ids(ids, keep, pad_token_id, eos_token_id=eos_token_id)
+    token_roles = data.get("token_roles")
+    roles_rows = token_roles.tolist() if token_roles is not None and token_roles.shape == ids.shape else None
+    names = turn_format.role_names(metadata)
+    B, T = ids.shape
+    out = []
+    turns_rows, keep_rows = turn_ids.tolist(), keep.tolist()
     for b in range(B):
-        row, seen_eos = [], False
-        for t in range(T):
-            if keep[b][t]:
-                row.append(KEPT)
-            elif seen_eos:
-                row.append(AFTER_EOS)
-            elif pad_token_id is not None and ids[b][t] == pad_token_id:
-                row.append(PADDING)
-            else:
-                row.append(MASKED)
-            if eos_token_id is not None and ids[b][t] == eos_token_id:
-                seen_eos = True
+        row = [""] * T
+        for span in turn_format.row_spans(turns_rows[b], roles_rows[b] if roles_rows else None, keep_rows[b], names):
+            row[span.start:span.end] = [span.role] * span.length
         out.append(row)
+    return turn_ids.long(), out
+
+
+def without_placeholders(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``data`` with every placeholder made NaN: at a position the mask drops, a logprob of
+    :data:`PLACEHOLDER_FIELDS` that is exactly 0.0 is a filler, not a logprob; it, and every field
+    computed from it (:data:`tracer.formulas.derived.DERIVED_FIELDS`: the ratio and k2 from the old
+    logprobs, k3 from the reference's), become NaN there. Kept positions are never touched. Returns
+    a new dict (changed fields are float copies); ``data`` is unchanged."""
+    ids = data.get("completion_ids")
+    if ids is None:
+        return dict(data)
+    dropped = ~data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    out = dict(data)
+    for name in PLACEHOLDER_FIELDS:
+        value = data.get(name)
+        if value is None or value.shape != ids.shape or not value.is_floating_point():
+            continue
+        filler = dropped & (value == PLACEHOLDER)
+        if not bool(filler.any()):
+            continue
+        for target in (name, *[d for d, (inputs, _) in DERIVED_FIELDS.items() if name in inputs]):
+            if target in out and out[target].shape == ids.shape and out[target].is_floating_point():
+                out[target] = torch.where(filler, torch.full_like(out[target], float("nan")), out[target])
     return out
 
 
@@ -68,16 +128,27 @@ def prompt_frame(data: dict[str, torch.Tensor], rows: list[int], token_text: Cal
         "token_text": token_text(flat),
         "kept": False,
         "mask_reason": [PROMPT if k else PROMPT_PADDING for k in prompt_mask.reshape(-1).tolist()],
+        "turn": 0,
+        "role": "",
     })
 
+
 def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text: Callable[[list[int]], list[str]],
-                 eos_token_id: int | None, pad_token_id: int | None) -> pd.DataFrame:
-    """Completion rows of a token table, with each per-token value field present."""
+                     eos_token_id: int | None, pad_token_id: int | None,
+                     metadata: Mapping[str, Any] | None = None) -> pd.DataFrame:
+    """Completion rows of a token table, with each per-token value field present.
+
+    Columns: ``sequence, section, position, token_id, token_text, kept, mask_reason`` (recorded
+    ``mask_reasons``, else inferred: :func:`mask_reasons`), ``turn`` and ``role``
+    (:func:`turn_roles`), then the value fields, placeholders empty (:func:`without_placeholders`).
+    ``metadata``: the step's (``role_names``, ``mask_reason_names``)."""
     ids = data["completion_ids"]
     B, T = ids.shape
     completion_mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
     flat = ids.reshape(-1).tolist()
-    reasons = mask_reasons(ids, completion_mask, eos_token_id, pad_token_id)
+    reasons = mask_reasons(ids, completion_mask, eos_token_id, pad_token_id, turn_ids=data.get("turn_ids"),
+                           token_roles=data.get("token_roles"), recorded=data.get("mask_reasons"), metadata=metadata)
+    turn_ids, roles = turn_roles(data, pad_token_id, eos_token_id, metadata)
     frame = pd.DataFrame({
         "sequence": [r for r in rows for _ in range(T)],
         "section": "completion",
@@ -86,7 +157,10 @@ def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text:
         "token_text": token_text(flat),
         "kept": completion_mask.reshape(-1).tolist(),
         "mask_reason": [r for row in reasons for r in row],
+        "turn": turn_ids.reshape(-1).numpy(),
+        "role": [r for row in roles for r in row],
     })
+    data = without_placeholders(data)
     for name in TOKEN_VALUE_FIELDS:
         if name not in data:
             continue

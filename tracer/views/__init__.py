@@ -11,10 +11,13 @@ what it needs: headers for the early-stop overview, ``[B]`` fields for the group
 - GRPO / CISPO / RLOO: :func:`group_frame` (one row per group of a step file),
   :func:`group_completions` (the G completions of one group), :func:`zero_variance_shares`
   (share of zero-variance groups per step).
+- Multi-turn and agentic rows: :func:`conversation` (one sequence as an episode: its spans, one row
+  per turn with the means over the turn's trained tokens).
 - DPO: :func:`dpo_pair_tokens` and :func:`dpo_pair_terms` (one pair, token by token and summed),
   :func:`dpo_step_summary` (margin and preference accuracy per step).
 """
 
+from tracer.views.conversation import Conversation, ConversationSpan, conversation, conversation_from_table
 from tracer.views.dpo import dpo_pair_terms, dpo_pair_tokens, dpo_step_summary
 from tracer.views.groups import (
     GROUPED_ALGORITHMS,
@@ -31,4 +34,5 @@ __all__ = [
     "GROUPED_ALGORITHMS", "RAN", "EARLY_STOP", "NOT_RUN", "NO_FILE", "RolloutRow", "rollout_rows", "ppo_minibatch_table",
     "ppo_early_stops", "group_std_estimator", "group_ids_of", "group_frame", "group_completions", "group_prompt_text",
     "zero_variance_shares", "dpo_pair_tokens", "dpo_pair_terms", "dpo_step_summary",
+    "Conversation", "ConversationSpan", "conversation", "conversation_from_table",
 ]
