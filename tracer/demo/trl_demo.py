@@ -85,7 +85,7 @@ def quiet_loading():
 
 def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], build: Mapping[str, Any], demo: str,
                steps: int, seed: int, progress: bool, model_dir: str | os.PathLike | None,
-               **trainer_kwargs: Any) -> Path:
+               build_model: Callable[..., Any] = build_tiny_model, **trainer_kwargs: Any) -> Path:
     """Build the tiny model, ``make_trainer(model_path, scratch_dir, steps=, seed=, progress=, **trainer_kwargs)``,
     attach the tracer to ``out_dir`` and train on one CPU thread.
 
@@ -96,6 +96,8 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
         model_dir: a tiny model saved by ``build_tiny_model`` (used as it is), or where to build
             one (kept); a temporary directory when None. The manifest's ``config.model_build`` says
             how to rebuild it bit for bit.
+        build_model: ``build_model(path, seed=seed)`` builds the model when none is saved there
+            (default :func:`~tracer.demo.tiny_model.build_tiny_model`).
 
     Returns:
         ``Path(out_dir)``.
@@ -107,7 +109,7 @@ def run_traced(out_dir: str | os.PathLike, make_trainer: Callable[..., Any], bui
         with quiet_loading():
             model_path = Path(model_dir) if model_dir is not None else Path(scratch) / "model"
             if not (model_path / "config.json").is_file():  # a model saved there already is used as it is
-                build_tiny_model(model_path, seed=seed)
+                build_model(model_path, seed=seed)
             trainer = make_trainer(model_path, Path(scratch) / "trl", steps=steps, seed=seed, progress=progress,
                                    **trainer_kwargs)
         model_build = {"builder": "tracer.demo.tiny_model.build_tiny_model", "seed": seed,
