@@ -43,8 +43,31 @@ def answer_start(ids_name: str, keep: torch.Tensor) -> torch.Tensor:
     return first_index(keep)
 
 
-@register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer (EOS tokens of "
-          "the prompt or earlier chat turns do not count)")
+def first_eos_of_turn(ids: torch.Tensor, start: torch.Tensor, eos: int, turn_ids: torch.Tensor | None,
+                      roles: torch.Tensor | None, assistant: int | None) -> torch.Tensor:
+    """Per token, the position of the first EOS of its turn at or after the row's answer start (T
+    where that turn has none), ``[B, T]`` int64; padding (turn -1) counts as the turn before it. Without ``turn_ids`` the row is one turn. With roles,
+    only an EOS the assistant wrote counts (a tool message's closing token does not end an answer).
+
+    ``ids``: ``[B, T]``; ``start``: ``[B]``; ``turn_ids``, ``roles``: ``[B, T]`` or None."""
+    B, T = ids.shape
+    pos = torch.arange(T).expand(B, T)
+    is_eos = (ids == eos) & (pos >= start.unsqueeze(1))
+    if roles is not None and assistant is not None:
+        is_eos &= roles == assistant
+    if turn_ids is None:
+        return first_index(is_eos).unsqueeze(1).expand(B, T)
+    turn_ids = turn_ids.cummax(dim=1).values  # padding (-1) belongs to the turn before it
+    out = torch.full((B, T), T, dtype=torch.long)
+    for b, t in is_eos.nonzero().tolist():
+        turn = turn_ids[b, t]
+        same = (turn_ids[b] == turn) & (out[b] == T)
+        out[b] = torch.where(same, torch.full_like(out[b], t), out[b])
+    return out
+
+
+@register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer, per turn "
+          "(EOS tokens of the prompt, and the EOS that closes a chat turn, do not end the answer)")
 def check_after_eos(ctx: StepContext):
     eos = ctx.eos_token_id
     if eos is None:
@@ -56,28 +79,36 @@ def check_after_eos(ctx: StepContext):
         if B == 0 or T == 0:
             continue  # an empty side has no token after any EOS
         pos = torch.arange(T).expand(B, T)
-        start = answer_start(ids_name, keep)  # (B,)
-        first_eos = first_index((ids == eos) & (pos >= start.unsqueeze(1)))  # (B,)
-        after = pos > first_eos.unsqueeze(1)  # (B, T)
-        leak = keep & after
+        layout = ctx.turn_layout() if ids_name == "completion_ids" else None
+        packed = layout is not None and layout.packed
+        start = answer_start("chosen_ids" if packed else ids_name, keep)  # (B,)
+        multi = layout is not None and (layout.recorded or layout.multi_turn)
+        first_eos = first_eos_of_turn(ids, start, eos, layout.turn_ids if multi else None,
+                                      layout.roles if multi else None,
+                                      layout.role_code("assistant") if multi else None)  # (B, T)
+        leak = keep & (pos > first_eos)
         if not bool(leak.any()):
             continue
         rows = leak.any(dim=1).nonzero().flatten().tolist()
         b = rows[0]
         t = int(first_index(leak[b : b + 1])[0])
-        shifted = all(int(leak[r].sum()) == 1 and bool(leak[r, int(first_eos[r]) + 1]) and not bool(keep[r, 0])
-                      for r in rows)
+        e = int(first_eos[b, t])
+        shifted = all(int(leak[r].sum()) == 1 and bool(leak[r, int(first_eos[r, first_index(leak[r:r + 1])[0]]) + 1])
+                      and not bool(keep[r, int(start[r]) if packed else 0]) for r in rows)
         hint = (" Every affected row keeps exactly the token after its EOS and drops its first token: "
                 f"{mask_name} looks shifted right by one position." if shifted else "")
+        turn_id = int(layout.turn_ids[b, : t + 1].max()) if multi else None  # padding: the turn before it
+        turn = f" of turn {turn_id}" if multi else ""
         message = (
-            f"seq {b} keeps token {t} after its first EOS (id {eos}) at token {int(first_eos[b])}: "
-            f"{mask_name} must be 0 after the first EOS. {len(rows)} of {B} rows keep {int(leak.sum())} "
-            f"tokens after EOS.{hint} Why it matters: the loss trains on tokens that are not part of the "
-            "answer (padding or text after the end). Likely fix: mask = arange(T) <= index of the first "
+            f"seq {b} keeps token {t} after its first EOS{turn} (id {eos}) at token {e}: "
+            f"{mask_name} must be 0 after the first EOS{' of each turn' if multi else ''}. {len(rows)} of {B} rows "
+            f"keep {int(leak.sum())} tokens after EOS.{hint} Why it matters: the loss trains on tokens that are not "
+            "part of the answer (padding or text after the end). Likely fix: mask = arange(T) <= index of the first "
             "EOS, built at target positions (the same positions as the logprobs)."
         )
         findings.append(ctx.finding("masks.after_eos", ERROR, message, b, t, field=mask_name, ids_field=ids_name,
-                                    rows=rows[:50], tokens=int(leak.sum()), shifted_by_one=shifted))
+                                    rows=rows[:50], tokens=int(leak.sum()), shifted_by_one=shifted,
+                                    turn=turn_id))
     return findings
 
 

@@ -45,16 +45,32 @@ def same_message(items: list[Finding]) -> list[tuple[Finding, list[Finding]]]:
     return list(entries.values())
 
 
+def not_checked_lines(skipped: list[Finding]) -> list[Text]:
+    """The block that opens a report when checks could not run: ``not checked: N checks`` and, per
+    check, the steps and the reason (the missing field or key), so a skip never reads as a pass."""
+    if not skipped:
+        return []
+    lines = [Text(f"not checked: {len(skipped)} check{'s' if len(skipped) != 1 else ''} could not run (a missing "
+                  "field or metadata key; what they test is unknown, not passed)", style="bold yellow")]
+    lines.extend(Text(f"  {f.check}: {f.message}", style="yellow") for f in skipped)
+    if any("completion_ids" in f.message for f in skipped):
+        lines.append(Text("  fix: record the sampled token ids as completion_ids [B, T], aligned with the per-token "
+                          "logprobs (tracer run: map them in a name map passed with --map, e.g. completion_ids = "
+                          "[\"input_ids[:, 1:]\"] when the logprobs score input_ids[:, 1:])", style="yellow"))
+    return lines
+
+
 def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
-    """A rich Group: one block per check (worst severity first), its findings of one message shown
-    once with their other locations (:func:`same_message`; ``max_per_check`` such entries), one
-    line per skipped check, then a summary of counts."""
+    """A rich Group: first the checks that could not run (:func:`not_checked_lines`), then one block
+    per check (worst severity first), its findings of one message shown once with their other
+    locations (:func:`same_message`; ``max_per_check`` such entries), then a summary of counts."""
     worst = {}
     for f in findings:
         worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
     ordered = sorted((f for f in findings if f.severity != SKIPPED),
                      key=lambda f: (worst[f.check], f.check, SEVERITY_RANK[f.severity]))
     blocks: list = [Text(title, style="bold")] if title else []
+    blocks.extend(not_checked_lines([f for f in findings if f.severity == SKIPPED]))
     for check_id, group in groupby(ordered, key=lambda f: f.check):
         items = list(group)
         severity = SEVERITIES[worst[check_id]]
@@ -73,11 +89,6 @@ def render_findings(findings: list[Finding], title: str = "", max_per_check: int
             blocks.append(Text("    " + f.message))
         if len(entries) > max_per_check:
             blocks.append(Text(f"    … {len(entries) - max_per_check} more (use --json for all)", style="dim"))
-    skipped = [f for f in findings if f.severity == SKIPPED]
-    if skipped:
-        blocks.append(Text(f"SKIPPED {len(skipped)} check{'s' if len(skipped) != 1 else ''} (missing field or "
-                           "metadata key)", style=STYLE[SKIPPED]))
-        blocks.extend(Text(f"  {f.check}: {f.message}", style=STYLE[SKIPPED]) for f in skipped)
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     verdict = ("FAIL" if counts["error"] else "PASS", "bold red" if counts["error"] else "bold green")

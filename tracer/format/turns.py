@@ -79,22 +79,41 @@ class Span:
         return self.end - self.start
 
 
-def infer_turn_ids(ids: torch.Tensor, keep: torch.Tensor, pad_token_id: int | None) -> torch.Tensor:
-    """Turn ids ``[B, T]`` int64 read from the mask alone: each run of kept tokens opens a turn, the
-    masked tokens after it (tool output, environment) belong to that turn, tokens before the first
-    kept one are the prompt (0), and the trailing pad run is -1. A single-turn row comes out as 0 …
-    0, 1 … 1, -1 … -1.
+MIN_GAP = 2  # non-pad, non-EOS tokens a masked gap must hold to separate two turns (infer_turn_ids)
+
+
+def infer_turn_ids(ids: torch.Tensor, keep: torch.Tensor, pad_token_id: int | None,
+                   eos_token_id: int | None = None) -> torch.Tensor:
+    """Turn ids ``[B, T]`` int64 read from the mask alone, for a trace that records none: tokens
+    before the first kept one are the prompt (0); a run of kept tokens opens a new turn when the
+    masked gap before it holds at least :data:`MIN_GAP` tokens that are neither pad nor EOS (a tool
+    result or an environment message with its role header; a hole of padding or a lone EOS does not
+    separate turns); the masked tokens after a turn's kept run belong to that turn; the trailing pad
+    run is -1. A single-turn row comes out as 0 … 0, 1 … 1, -1 … -1.
 
     ``ids``, ``keep``: ``[B, T]`` (int64, bool)."""
     B, T = keep.shape
-    keep = keep.bool()
-    starts = keep.clone()
-    starts[:, 1:] &= ~keep[:, :-1]  # (B, T) the first token of each kept run
-    turns = starts.long().cumsum(dim=1)  # (B, T)
-    if pad_token_id is not None and T:
-        trailing = (ids == pad_token_id).flip(1).cumprod(dim=1).flip(1).bool() & ~keep  # (B, T)
-        turns = torch.where(trailing, torch.full_like(turns, PAD_TURN), turns)
-    return turns
+    rows_ids, rows_keep = ids.tolist(), keep.bool().tolist()
+    out = []
+    for row_ids, row_keep in zip(rows_ids, rows_keep):
+        trailing = T
+        while trailing > 0 and not row_keep[trailing - 1] and pad_token_id is not None \
+                and row_ids[trailing - 1] == pad_token_id:
+            trailing -= 1
+        turns, turn, gap = [], 0, 0
+        for t in range(T):
+            if t >= trailing:
+                turns.append(PAD_TURN)
+                continue
+            if row_keep[t]:
+                if turn == 0 or (t > 0 and not row_keep[t - 1] and gap >= MIN_GAP):
+                    turn += 1
+                gap = 0
+            elif row_ids[t] != pad_token_id and row_ids[t] != eos_token_id:
+                gap += 1
+            turns.append(turn)
+        out.append(turns)
+    return torch.tensor(out, dtype=torch.long).reshape(B, T)
 
 
 def turn_count(turn_ids: torch.Tensor) -> torch.Tensor:
@@ -149,7 +168,8 @@ def infer_mask_reasons(ids: Sequence[int], keep: Sequence[bool], eos_token_id: i
     T = len(ids)
     if turns is None:
         inferred = infer_turn_ids(torch.tensor([list(ids)], dtype=torch.long).reshape(1, T),
-                                  torch.tensor([list(keep)], dtype=torch.bool).reshape(1, T), pad_token_id)[0].tolist()
+                                  torch.tensor([list(keep)], dtype=torch.bool).reshape(1, T), pad_token_id,
+                                  eos_token_id)[0].tolist()
         multi = max(inferred, default=0) > 1
     else:
         inferred, multi = list(turns), True

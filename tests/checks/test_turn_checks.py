@@ -1,0 +1,142 @@
+"""The span-aware checks of multi-turn and agentic rows (tracer/checks/turns.py, masks.after_eos per
+turn): a packed episode (system and user prompt, assistant turn 1 with a tool call, the tool's
+result, assistant turn 2) written by TraceWriter with the toy tokenizer, healthy and with each bug
+injected by hand."""
+
+import torch
+
+from tracer.checks import ERROR, run_checks
+from tracer.format.turns import MASK_REASON_NAMES
+
+from tests.fixtures.check_traces import EOS, PAD, found, write_trace
+
+SYSTEM, USER, ASSISTANT, TOOL = 0, 1, 2, 3
+# (role, turn, kept, ids) spans of one packed row; EOS (2) closes every message
+EPISODE = [
+    (SYSTEM, 0, False, [10, 11, EOS]),
+    (USER, 0, False, [12, 13, 14, EOS]),
+    (ASSISTANT, 1, True, [20, 21, 22, 23, EOS]),
+    (TOOL, 1, False, [30, 31, 32, 33, 34, EOS]),
+    (ASSISTANT, 2, True, [24, 25, 26, 27, 28, 29, EOS]),
+]
+T = sum(len(ids) for *_, ids in EPISODE) + 3  # 25 tokens and three pad tokens
+TURN2 = slice(18, 25)  # the positions of assistant turn 2
+TOOL1 = slice(12, 18)  # the positions of the tool result
+
+
+def episode(rows=2, seed=0):
+    """Tensors of ``rows`` identical packed rows: healthy, old == sampler == policy at kept tokens
+    (a first pass), 0.0 placeholders at every other position, as packing loops write them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, roles, turns, keep = [], [], [], []
+    for role, turn, kept, span in EPISODE:
+        ids += span
+        roles += [role] * len(span)
+        turns += [turn] * len(span)
+        keep += [kept] * len(span)
+    pad = T - len(ids)
+    ids, roles, turns, keep = ids + [PAD] * pad, roles + [-1] * pad, turns + [-1] * pad, keep + [False] * pad
+    policy = -0.1 - 2.9 * torch.rand(rows, T, generator=gen)  # (B, T) in [-3, -0.1]
+    mask = torch.tensor([keep] * rows)
+    old = torch.where(mask, policy, torch.zeros_like(policy))
+    reasons = [[MASK_REASON_NAMES.index(r) for r in
+                ["prompt"] * 7 + ["kept"] * 5 + ["tool_output"] * 6 + ["kept"] * 7 + ["padding"] * pad]] * rows
+    return {
+        "completion_ids": torch.tensor([ids] * rows), "completion_mask": mask,
+        "turn_ids": torch.tensor([turns] * rows), "token_roles": torch.tensor([roles] * rows),
+        "mask_reasons": torch.tensor(reasons),
+        "policy_logprobs": policy, "old_logprobs": old.clone(), "sampler_logprobs": old.clone(),
+        "rewards": torch.tensor([1.0, 0.0][:rows]), "advantages": torch.tensor([1.0, -1.0][:rows]),
+    }
+
+
+def check(tmp_path, tensors, name="t"):
+    return run_checks(write_trace(tmp_path / name, "grpo", [(0, 0, tensors, {"num_generations": 2})]))
+
+
+def errors(findings):
+    return sorted({f.check for f in findings if f.severity == ERROR})
+
+
+def test_a_healthy_packed_episode_passes_every_check(tmp_path):
+    assert errors(check(tmp_path, episode())) == []
+
+
+def test_without_turn_ids_or_roles_the_prompt_and_turn_eos_are_not_the_end_of_the_answer(tmp_path):
+    # MiniMind's train_agent.py: packed rows, no turns or roles recorded, no prompt_ids
+    tensors = {k: v for k, v in episode().items() if k not in ("turn_ids", "token_roles", "mask_reasons")}
+    findings = check(tmp_path, tensors)
+    assert found(findings, "masks.after_eos") == []
+    assert errors(findings) == []
+
+
+def test_a_kept_token_after_the_eos_of_a_turn_is_named_with_its_turn(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][0, 25] = True  # the first pad token after turn 2's EOS (position 24)
+    (f,) = found(check(tmp_path, tensors), "masks.after_eos")
+    assert (f.severity, f.sequence, f.token, f.details["turn"]) == (ERROR, 0, 25, 2)
+    assert "after its first EOS of turn 2 (id 2) at token 24" in f.message
+
+
+def test_tool_output_in_the_loss_mask_names_the_turn_and_the_span(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][:, TOOL1] = True
+    (f,) = found(check(tmp_path, tensors), "turns.tool_output_trained")
+    assert (f.severity, f.sequence, f.token, f.details["turn"], f.details["span"]) == (ERROR, 0, 12, 1, [12, 18])
+    assert "turn 1: the tool span at tokens 12..17 (6 tokens" in f.message
+    assert f.details["tokens"] == 12  # 6 tool tokens in each of 2 rows
+
+
+def test_tool_output_is_found_from_mask_reasons_alone(tmp_path):
+    tensors = episode()
+    del tensors["token_roles"]
+    tensors["completion_mask"][1, TOOL1] = True
+    (f,) = found(check(tmp_path, tensors), "turns.tool_output_trained")
+    assert (f.sequence, f.token) == (1, 12) and "mask_reasons says" in f.message
+
+
+def test_placeholder_old_logprobs_on_trained_tokens_are_an_error(tmp_path):
+    tensors = episode()
+    tensors["old_logprobs"][0, TURN2] = 0.0  # the fill written where turn 2's logprobs belong
+    (f,) = [x for x in found(check(tmp_path, tensors), "turns.placeholder_logprobs") if x.field == "old_logprobs"]
+    assert (f.severity, f.sequence, f.token) == (ERROR, 0, 18)
+    assert f.details["tokens"] == 7 and "exactly 0.0" in f.message and "turn 2" in f.message
+
+
+def test_a_constant_fill_on_trained_tokens_is_an_error_but_a_real_zero_logprob_is_not(tmp_path):
+    tensors = episode()
+    tensors["old_logprobs"][1, TURN2] = -1e-9  # a constant fill other than 0
+    tensors["sampler_logprobs"][1, TURN2] = -1e-9
+    (f, _) = found(check(tmp_path, tensors, "fill"), "turns.placeholder_logprobs")
+    assert (f.sequence, f.token) == (1, 18) and "the constant" in f.message
+    healthy = episode()
+    healthy["policy_logprobs"][0, 10] = healthy["old_logprobs"][0, 10] = healthy["sampler_logprobs"][0, 10] = 0.0
+    assert found(check(tmp_path, healthy, "real"), "turns.placeholder_logprobs") == []
+
+
+def test_a_shift_inside_one_later_turn_is_named_as_a_shift_of_that_turn(tmp_path):
+    tensors = episode()
+    for name in ("old_logprobs",):
+        row = tensors[name][0].clone()
+        tensors[name][0, 18:24] = row[19:25]  # turn 2's logprobs read one token late (its EOS moved in)
+        tensors[name][0, 24] = tensors["policy_logprobs"][0, 24]
+    (f,) = found(check(tmp_path, tensors), "turns.turn_shift")
+    assert (f.severity, f.sequence, f.token, f.details["turn"], f.details["shift"]) == (ERROR, 0, 18, 2, 1)
+    assert "turn 2 (tokens 18..24)" in f.message
+
+
+def test_a_later_turn_left_out_of_the_trained_tokens_is_named(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][1, TURN2] = False  # the mask stops at the first tool call
+    (f,) = found(check(tmp_path, tensors), "turns.untrained_turn")
+    assert (f.severity, f.sequence, f.token, f.details["turn"]) == (ERROR, 1, 18, 2)
+    assert "none of its 7 assistant tokens is trained" in f.message
+
+
+def test_a_turn_cut_mid_way_is_named_unless_its_reason_says_truncated(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][0, 21:25] = False
+    (f,) = found(check(tmp_path, tensors, "cut"), "turns.untrained_turn")
+    assert (f.sequence, f.token) == (0, 21) and "stops at token 21 after 3 trained tokens" in f.message
+    tensors["mask_reasons"][0, 21:25] = MASK_REASON_NAMES.index("truncated")
+    assert found(check(tmp_path, tensors, "truncated"), "turns.untrained_turn") == []
