@@ -61,7 +61,7 @@ import torch
 
 from tracer import formulas
 from tracer.errors import TraceError
-from tracer.integrations import trl_vllm
+from tracer.integrations import trl_tools, trl_vllm
 from tracer.integrations.trl_base import TrainerTraceHook, require_methods
 from tracer.integrations.trl_metadata import algorithm_of, hyperparameters_of, run_config_of, tokenizer_of
 
@@ -86,6 +86,9 @@ class _Rollout:
     group_ids: torch.Tensor  # (B,) int64
     global_rows: torch.Tensor  # (B,) int64, row in the all-process generation batch
     optimizer_step: int = 0  # optimizer steps completed when it was generated (``state.global_step``)
+    turn_ids: torch.Tensor | None = None  # (B, T) int64, tool-calling runs only (trl_tools.episode_roles)
+    token_roles: torch.Tensor | None = None  # (B, T) int64
+    truncated_masked: torch.Tensor | None = None  # (B,) bool, rows TRL masked as truncated
 
 
 class GRPOTraceHook(TrainerTraceHook):
@@ -107,6 +110,7 @@ class GRPOTraceHook(TrainerTraceHook):
         self._in_loss = False
         self._policy: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._loss: torch.Tensor | None = None
+        self._chat_markers: trl_tools.ChatMarkers | None = None  # tool-calling runs: read at the first rollout
         self._wrap("_calculate_rewards", after=self._on_rewards)
         self._wrap("_generate_and_score_completions", after=self._on_rollout)
         self._wrap("_get_per_token_logps_and_entropies", after=self._on_logps)
@@ -168,8 +172,19 @@ class GRPOTraceHook(TrainerTraceHook):
         self._rollouts_seen += 1
         self._rollout = _Rollout(index, rewards, components, global_rows // trainer.num_generations, global_rows,
                                  self._optimizer_step())
+        if getattr(trainer, "tools", None):
+            self._read_turns(self._rollout, output["completion_ids"].detach().cpu())
         device = output["completion_ids"].device
         output[ROW_ID_KEY] = torch.arange(B, dtype=torch.int64, device=device) + index * _ROW_STRIDE
+
+    def _read_turns(self, rollout: _Rollout, completion_ids: torch.Tensor) -> None:
+        """Turns and roles of a tool-calling rollout, from the ids and the chat template
+        (:mod:`tracer.integrations.trl_tools`), never from TRL's ``tool_mask``."""
+        if self._chat_markers is None:
+            self._chat_markers = trl_tools.chat_markers(self.trainer)
+        turn_ids, token_roles, truncated = trl_tools.episode_roles(completion_ids, self._chat_markers)
+        rollout.turn_ids, rollout.token_roles = turn_ids, token_roles
+        rollout.truncated_masked = truncated & bool(getattr(self.trainer, "mask_truncated_completions", False))
 
     def _record_micro_batch(self, inputs: Mapping[str, Any]) -> None:
         rollout, row_ids = self._rollout, inputs.get(ROW_ID_KEY)
@@ -188,6 +203,9 @@ class GRPOTraceHook(TrainerTraceHook):
         tensors.update(self._rollout_tensors(rollout, rows))
         tensors.update(self._derived_tensors(tensors))
         metadata = self._step_metadata(inputs, tensors, rollout)
+        if rollout.turn_ids is not None:
+            tensors.update(self._turn_tensors(rollout, rows, tensors["completion_mask"]))
+            metadata.update(trl_tools.turn_metadata())
         loss_tensors, loss_metadata = self._loss_fields(tensors)
         tensors.update(loss_tensors)
         metadata.update(loss_metadata)
@@ -227,6 +245,14 @@ class GRPOTraceHook(TrainerTraceHook):
             "group_ids": rollout.group_ids[rows],
             "generation_row_ids": rollout.global_rows[rows],
         }
+
+    @staticmethod
+    def _turn_tensors(rollout: _Rollout, rows: torch.Tensor, keep: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``turn_ids``, ``token_roles`` and ``mask_reasons`` of the micro-batch's ``rows``; ``keep``
+        ``[B, T]``: the mask the loss used."""
+        token_roles = rollout.token_roles[rows]  # (B, T)
+        return {"turn_ids": rollout.turn_ids[rows], "token_roles": token_roles,
+                "mask_reasons": trl_tools.mask_reasons(token_roles, keep, rollout.truncated_masked[rows])}
 
     def _derived_tensors(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """ratio, approx_kl_k2 and ref_kl_k3, recomputed in float32 with :mod:`tracer.formulas`."""
