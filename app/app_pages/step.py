@@ -87,7 +87,10 @@ st.caption("Sorted over the whole step; click a column header to sort this page.
 st.header(f"Sequence × position: {label(quantity, derived)}")
 st.plotly_chart(heatmap_figure(frame, quantity, derived), width="stretch", key="step_heatmap")
 st.caption(f"Blank: masked positions (not in the loss). Diverging scale centred on {neutral(quantity):g}; "
-           "long steps are binned, each bin showing its value farthest from the centre.")
+           "long steps are binned, each bin showing its value farthest from the centre." +
+           (" T1, T2…: where each assistant turn of a row starts (hover: its positions and roles; the blank cells "
+            "inside a turn are its tool results and other masked tokens)."
+            if "turn" in frame and len(frame) and frame["turn"].max() > 1 else ""))
 
 st.header("Histograms over the kept tokens")
 meta = trace_cache.step_metadata(trace_path, str(key.path), trace_cache.file_id(key.path))

@@ -18,9 +18,10 @@ from plotly.colors import sample_colorscale
 
 from app.components.colour_scale import SCALE, colour_of, legend_values, neutral_of, scale_ends
 from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
-from tracer.read.tables import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT_PADDING
+from tracer.read.tables import (AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT,
+                                TRUNCATED)
 
-__all__ = ["REASON_STYLE", "coloured_html", "colour_of", "legend_html", "neutral_of", "span_of"]
+__all__ = ["REASON_STYLE", "coloured_html", "coloured_tokens", "colour_of", "legend_html", "neutral_of", "span_of"]
 # How a position that does not enter the loss looks, by reason (no colour of the scale).
 REASON_STYLE: dict[str, str] = {
     AFTER_EOS: "background:#d9d9d9;color:#555;text-decoration:line-through;",
@@ -28,7 +29,14 @@ REASON_STYLE: dict[str, str] = {
     PROMPT_PADDING: "background:#ececec;color:#777;border:1px dotted #999;",
     MASKED: "background:repeating-linear-gradient(45deg,#e0e0e0 0 4px,#f5f5f5 4px 8px);color:#555;"
             "border:1px dashed #777;",
+    TRUNCATED: "background:repeating-linear-gradient(45deg,#e0e0e0 0 4px,#f5f5f5 4px 8px);color:#555;"
+               "border:1px dashed #777;",
+    TOOL_OUTPUT: "background:#eef1f5;color:#555;",
+    ENVIRONMENT: "background:#f1eef5;color:#555;",
+    PROMPT: "background:#f4f4f4;color:#555;",
 }
+# Reasons the legend shows always; the others only when the table has them.
+_ALWAYS_IN_LEGEND = (AFTER_EOS, PADDING, MASKED)
 _SPAN = "padding:1px 0;border-radius:2px;white-space:pre-wrap;"
 _BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.95rem;line-height:1.9;"
         "padding:0.6rem;border:1px solid #ddd;border-radius:0.4rem;background:#fff;color:#111;")
@@ -61,9 +69,22 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
     and the token's real string.
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
+    return f'<div style="{_BOX}">{coloured_tokens(rows, quantity, value_columns)}</div>'
+
+
+def scale_span(rows: pd.DataFrame, quantity: str | None) -> float:
+    """The half-width of ``quantity``'s scale over the kept rows of ``rows`` (:func:`span_of`)."""
     kept_values = rows.loc[rows["mask_reason"] == KEPT, quantity] if quantity in rows else pd.Series(dtype=float)
+    return span_of(kept_values, neutral_of(quantity or ""))
+
+
+def coloured_tokens(rows: pd.DataFrame, quantity: str | None, value_columns: list[str],
+                    span: float | None = None) -> str:
+    """The spans of :func:`coloured_html` for ``rows`` (no enclosing box): one per token, one per
+    filler run. ``span``: the scale's half-width (None: from these rows' kept values), so that
+    pieces of one sequence drawn apart share one scale."""
     centre = neutral_of(quantity or "")
-    span = span_of(kept_values, centre)
+    span = scale_span(rows, quantity) if span is None else span
     records = rows.to_dict("records")
     colours = _colours(rows, quantity, centre, span)
     out, run = [], []
@@ -77,7 +98,7 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
         if not run:
             out.append(_token_span(row, colour, value_columns))
     out += _filler(run)
-    return f'<div style="{_BOX}">{"".join(out)}</div>'
+    return "".join(out)
 
 
 def _colours(rows: pd.DataFrame, quantity: str | None, centre: float, span: float) -> list[str | None]:
@@ -122,7 +143,8 @@ def legend_html(quantity: str | None, table: pd.DataFrame) -> str:
             colour = colour_of(value, centre, span)
             chips.append(f'<span style="{_SPAN}background:{colour};color:{_ink(colour)};padding:1px 6px;">'
                          f'{html.escape(quantity)} {value:.4g}</span>')
+    present = set(rows["mask_reason"]) if "mask_reason" in rows else set()
     for reason, style in REASON_STYLE.items():
-        if reason != PROMPT_PADDING:
+        if reason != PROMPT_PADDING and (reason in _ALWAYS_IN_LEGEND or reason in present):
             chips.append(f'<span style="{_SPAN}{style}padding:1px 6px;">{html.escape(reason)}</span>')
     return f'<div style="font-size:0.85rem;">{" ".join(chips)}</div>'

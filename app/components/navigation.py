@@ -28,6 +28,8 @@ class PageSpec:
 
 PAGES: tuple[PageSpec, ...] = (
     PageSpec("app_pages/tokens.py", "Tokens", ":material/table_rows:", url_path="tokens"),
+    PageSpec("app_pages/conversation.py", "Conversation", ":material/forum:", ("ppo", "grpo", "cispo", "rloo"),
+             "conversation"),
     PageSpec("app_pages/step.py", "Step", ":material/grid_on:", ("ppo", "grpo", "cispo", "rloo"), "step"),
     PageSpec("app_pages/ppo.py", "PPO: GAE and early stop", ":material/timeline:", ("ppo",), "ppo"),
     PageSpec("app_pages/groups.py", "Groups", ":material/group_work:", GROUPED_ALGORITHMS, "groups"),

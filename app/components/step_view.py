@@ -9,6 +9,7 @@ never averaged away), and the histograms send bin counts, not values.
 
 from __future__ import annotations
 
+import html
 import math
 
 import numpy as np
@@ -23,6 +24,7 @@ from tracer.views.step import QUANTITIES, neutral
 MAX_HEATMAP_COLUMNS = 512
 MAX_HEATMAP_ROWS = 512
 HISTOGRAM_BINS = 60
+MAX_TURN_LABELS = 2_000  # turn labels drawn on the heatmap at most (more: none, the hover still says)
 FARTHEST, LARGEST, SMALLEST = "farthest from neutral", "largest first", "smallest first"
 ORDERS = (FARTHEST, LARGEST, SMALLEST)
 # Histogram panels: (column, title, neutral line).
@@ -130,7 +132,8 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
     """Sequence x position heatmap of ``quantity``: masked cells blank, a diverging scale centred
     on the neutral value (1 for the ratio, 0 for KL and advantage), its colour axis cut to the values
     the quantity can take (from 0 for k3, k2, |differences|, entropy and the ratio;
-    :func:`app.components.colour_scale.scale_ends`), symmetric for signed ones (advantage)."""
+    :func:`app.components.colour_scale.scale_ends`), symmetric for signed ones (advantage). A
+    multi-turn step has its turns labelled (:func:`turn_labels`)."""
     if frame.empty or quantity not in frame or not frame.loc[frame["kept"].astype(bool), quantity].notna().any():
         return empty_figure(f"no kept token has {quantity}")
     z, names, starts, col_w, row_w = heatmap_matrix(frame, quantity)
@@ -145,9 +148,35 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
     fig.update_yaxes(autorange="reversed", title_text="sequence", type="category")
     fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""))
     integer_ticks(fig, list(starts), axis="x")
+    if row_w == 1:
+        labels = turn_labels(frame, col_w)
+        if labels is not None:
+            fig.add_trace(labels)
     fig.update_layout(height=min(900, 160 + 16 * len(names)), margin={"t": 30, "b": 40},
-                      plot_bgcolor="#f4f4f4")
+                      plot_bgcolor="#f4f4f4", showlegend=False)
     return fig
+
+
+def turn_labels(frame: pd.DataFrame, col_w: int = 1) -> go.Scatter | None:
+    """Text marks ``T1``, ``T2``… at the first position of each assistant turn of each row of a
+    multi-turn step (``turn`` and ``role`` columns of ``step_token_frame``), hover naming the
+    turn's span and its roles (``turn 2 · positions 13–15 · assistant, tool``); None for single-turn
+    steps or past :data:`MAX_TURN_LABELS` turns. ``col_w``: the heatmap's positions per column."""
+    if "turn" not in frame or frame.empty or frame["turn"].max() <= 1:
+        return None
+    rows = frame[frame["turn"] > 0]
+    names = row_labels(rows)
+    spans = (rows.assign(_row=names).groupby(["_row", "turn"], sort=False)
+             .agg(first=("position", "min"), last=("position", "max"),
+                  roles=("role", lambda r: ", ".join(dict.fromkeys(str(x) for x in r if x)))).reset_index())
+    if len(spans) > MAX_TURN_LABELS:
+        return None
+    hover = [html.escape(f"{row} · turn {turn} · positions {first}–{last}" + (f" · {roles}" if roles else ""))
+             for row, turn, first, last, roles in spans[["_row", "turn", "first", "last", "roles"]].itertuples(
+                 index=False)]
+    return go.Scatter(x=(spans["first"] // col_w * col_w).to_numpy(), y=spans["_row"].to_numpy(), mode="text",
+                      text=[f"T{t}" for t in spans["turn"]], textposition="middle right",
+                      textfont={"size": 10, "color": "#333"}, hovertext=hover, hoverinfo="text", name="turns")
 
 
 def histograms_figure(frame: pd.DataFrame, clip: tuple[float, float] | None = None,

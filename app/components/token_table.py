@@ -15,7 +15,8 @@ import html
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from tracer.read.tables import AFTER_EOS, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOKEN_VALUE_FIELDS
+from tracer.read.tables import (AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING,
+                                TOKEN_VALUE_FIELDS, TOOL_OUTPUT, TRUNCATED)
 
 # Why a position is (not) in the loss -> what it means, for the legend.
 MASK_LEGEND: dict[str, str] = {
@@ -24,7 +25,10 @@ MASK_LEGEND: dict[str, str] = {
     PROMPT_PADDING: "prompt padding (prompt_mask = False)",
     AFTER_EOS: "completion position after the first EOS",
     PADDING: "completion padding (the pad token id)",
-    MASKED: "completion token masked for another reason (truncation, tool output, trainer rule)",
+    TOOL_OUTPUT: "a tool's result inside the completion (agentic rows): the model did not sample it",
+    ENVIRONMENT: "an environment or user message between assistant turns: not sampled by the model",
+    TRUNCATED: "completion token cut by truncation",
+    MASKED: "completion token masked for another reason (the trace does not say which)",
 }
 # Row background per reason; kept rows stay unstyled. Greys, darker for positions that are pure filler.
 MASK_BACKGROUND: dict[str, str] = {
@@ -33,6 +37,9 @@ MASK_BACKGROUND: dict[str, str] = {
     AFTER_EOS: "#d0d0d0",
     PADDING: "#d0d0d0",
     MASKED: "#e0e0e0",
+    TRUNCATED: "#e0e0e0",
+    TOOL_OUTPUT: "#e6ebf2",
+    ENVIRONMENT: "#ebe6f2",
 }
 MASKED_TEXT_COLOUR = "#6e6e6e"
 # The token a finding points at (Health page -> Tokens page): amber, bold, a left border.
@@ -41,6 +48,8 @@ HIGHLIGHT_STYLE = "background-color: #ffd54f; color: #000000; font-weight: bold;
 LEAD_COLUMNS = ("section", "position", "token_id", "token_text", "mask_reason")
 VALUE_COLUMNS = ("old_logprobs", "policy_logprobs", "ref_logprobs", "sampler_logprobs", "ratio",
                  "ref_kl_k3", "approx_kl_k2", "advantages")
+# The turn and role of each token, shown for an episode of several turns or recorded roles.
+TURN_COLUMNS = ("turn", "role")
 # Above this many cells the table is shown unstyled (the mask_reason column still says it all).
 MAX_STYLED_CELLS = 200_000
 # Filler positions that the plain-text views collapse into one marker.
@@ -101,6 +110,7 @@ def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.
     constant for one sequence (step, inner_step, rank, sequence) and the ``kept`` flag (``mask_reason == "kept"`` says the same). Value columns follow the order
     old, policy, ref, sampler logprobs, ratio, ref_kl_k3, approx_kl_k2, advantages, then the rest.
     ``token_text`` goes through :func:`visible_token` (a whitespace-only token shows as ``␣``…).
+    ``turn`` and ``role`` follow the lead columns when the sequence is an episode (:func:`multi_turn`).
     """
     if not include_prompt and "section" in table:
         table = table[table["section"] != "prompt"]
@@ -108,8 +118,18 @@ def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.
         table = table.sort_values("section", key=lambda s: s != "completion", kind="stable")
     values = [c for c in VALUE_COLUMNS if c in table]
     values += [c for c in TOKEN_VALUE_FIELDS if c in table and c not in values]
-    columns = [c for c in LEAD_COLUMNS if c in table] + values
+    columns = [c for c in LEAD_COLUMNS if c in table] + [c for c in TURN_COLUMNS if multi_turn(table)] + values
     return visible_tokens(table[columns].reset_index(drop=True))  # a whitespace-only token shows its marker
+
+
+def multi_turn(table: pd.DataFrame) -> bool:
+    """True when ``table`` holds an episode: more than one assistant turn, or roles other than
+    ``assistant`` after the prompt (tool results, environment messages)."""
+    if "turn" not in table or "role" not in table or table.empty:
+        return False
+    completion = table[table["section"] == "completion"] if "section" in table else table
+    return bool(completion["turn"].max() > 1) or bool(
+        (completion.loc[completion["turn"] > 0, "role"] != "assistant").any())
 
 
 def _row_style(reason: str) -> str:

@@ -101,6 +101,13 @@ def token_table(trace_path: str, step_path: str, sequence: int, identity: FileId
     return trace.token_table(step_key(trace, step_path), sequence)
 
 
+@st.cache_resource(max_entries=16, show_spinner=False)  # no copy per rerun: never mutate it
+def conversation(trace_path: str, step_path: str, sequence: int, identity: FileId) -> views.Conversation:
+    """``views.conversation``: one sequence as an episode (reads that sequence's row and the [B] rewards)."""
+    trace = open_trace(trace_path)
+    return views.conversation(trace, step_key(trace, step_path), sequence)
+
+
 @st.cache_data(max_entries=64, show_spinner=False)
 def step_fields(trace_path: str, step_path: str, identity: FileId) -> dict[str, tuple[list[int], str]]:
     """``{field: (shape, dtype)}`` of one step file (header only)."""

@@ -22,6 +22,7 @@ _SYNCED_STATE = "_tracer_url_synced"  # the selection parameters the app last wr
 _PAGE_STATE = "_tracer_url_page"  # the URL path of the page the last run showed
 # Each page's own parameters, by URL path ("" is the root, which shows the Tokens page).
 PAGE_PARAMS: dict[str, tuple[str, ...]] = {"": ("colour", "token"), "tokens": ("colour", "token"), "step": ("q",),
+                                           "conversation": ("colour", "turns"),
                                            "groups": ("group",), "steps": ("overlay",)}
 
 

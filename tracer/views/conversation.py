@@ -109,8 +109,8 @@ def conversation_from_table(table: pd.DataFrame, reward: float | None = None) ->
     rows = table[table["section"] == "completion"] if "section" in table else table
     rows = rows.reset_index(drop=True)
     if "old_logprobs" in rows and "sampler_logprobs" in rows:
-        old = torch.from_numpy(rows["old_logprobs"].to_numpy(dtype="float64", na_value=math.nan))
-        sampler = torch.from_numpy(rows["sampler_logprobs"].to_numpy(dtype="float64", na_value=math.nan))
+        old = torch.tensor(rows["old_logprobs"].to_numpy(dtype="float64", na_value=math.nan))
+        sampler = torch.tensor(rows["sampler_logprobs"].to_numpy(dtype="float64", na_value=math.nan))
         rows = rows.assign(abs_old_sampler=formulas.sampler_log_ratio(old, sampler).abs().numpy())
     spans = episode_spans(rows)
     return Conversation(spans, turn_frame(rows, reward), rows, reward)
@@ -187,8 +187,8 @@ def turn_frame(rows: pd.DataFrame, reward: float | None = None) -> pd.DataFrame:
     ``turn``, ``roles`` (in order of appearance), ``tokens``, ``trained_tokens``, the means of
     :data:`TURN_MEANS` over the turn's trained tokens (:func:`tracer.formulas.masked_mean`; NaN
     when it trains none, or the column is absent), ``reward`` (the sequence's, on its last turn)."""
-    turns = torch.as_tensor(rows["turn"].to_numpy(dtype="int64"))  # (T,)
-    keep = torch.as_tensor(rows["kept"].to_numpy(dtype=bool))  # (T,)
+    turns = torch.tensor(rows["turn"].to_numpy(dtype="int64"))  # (T,)
+    keep = torch.tensor(rows["kept"].to_numpy(dtype=bool))  # (T,)
     ids = sorted(t for t in set(turns.tolist()) if t != turn_format.PAD_TURN)
     if not ids:
         return pd.DataFrame(columns=list(TURN_COLUMNS))
@@ -207,7 +207,7 @@ def turn_frame(rows: pd.DataFrame, reward: float | None = None) -> pd.DataFrame:
         if column not in rows:
             out[name] = math.nan
             continue
-        values = torch.from_numpy(rows[column].to_numpy(dtype="float64", na_value=math.nan))  # (T,)
+        values = torch.tensor(rows[column].to_numpy(dtype="float64", na_value=math.nan))  # (T,)
         means = formulas.masked_mean(values.unsqueeze(0).expand(K, -1), trained, dim=1)  # (K,)
         out[name] = torch.where(trained.any(dim=1), means, torch.full_like(means, math.nan)).numpy()
     out["reward"] = [reward if reward is not None and i == K - 1 else math.nan for i in range(K)]
