@@ -72,13 +72,14 @@ def test_pages_follow_the_algorithm():
         return [p.title for p in pages_for(algorithm)]
 
     common = ["Steps", "Health", "Diff", "Overview"]
-    assert titles("ppo") == ["Tokens", "Step", "PPO: GAE and early stop", "Mismatch", *common]
+    assert titles("ppo") == ["Tokens", "Conversation", "Step", "PPO: GAE and early stop", "Mismatch", *common]
     for algorithm in ("grpo", "cispo", "rloo"):
-        assert titles(algorithm) == ["Tokens", "Step", "Groups", "Mismatch", *common]
+        assert titles(algorithm) == ["Tokens", "Conversation", "Step", "Groups", "Mismatch", *common]
     assert titles("dpo") == ["Tokens", "DPO pairs", *common]  # no completion tokens: no Step page
     assert len({p.url_path for p in PAGES}) == len(PAGES) and all(p.url_path for p in PAGES)
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
-    assert hidden_pages_note("dpo") == "Hidden for a dpo run: Step, PPO: GAE and early stop, Groups, Mismatch."
+    assert hidden_pages_note("dpo") == ("Hidden for a dpo run: Conversation, Step, PPO: GAE and early stop, Groups, "
+                                        "Mismatch.")
     assert hidden_pages_note(None) is None
 
 
