@@ -76,8 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a tiny real trainer on CPU with the tracer attached")
-    demo.add_argument("--algo", choices=DEMO_ALGOS, default="grpo",
-                      help="hand-written loop (ppo, grpo, cispo, dpo) or TRL trainer (*-trl); default grpo")
+    demo.add_argument("name", nargs="?", choices=DEMO_ALGOS, default=None, metavar="DEMO",
+                      help="the demo to run, as --algo (e.g. `tracer demo agent --out D`)")
+    demo.add_argument("--algo", choices=DEMO_ALGOS, default=None,
+                      help="hand-written loop (ppo, grpo, cispo, dpo), TRL trainer (*-trl), or agent (TRL GRPO "
+                           "with a calculator tool: multi-turn episodes); default grpo")
     demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -87,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--rollout", choices=("hf", "vllm"), default="hf",
                       help="grpo/cispo only: sample with the policy's generate (hf, default) or a colocated "
                            "vLLM engine synced each step (vllm)")
+    demo.add_argument("--leak-tool-output", action="store_true",
+                      help="agent only: inject the bug that leaves the tool results in the loss mask")
 
     info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
                           description="Summarise a trace: algorithm, steps, ranks, fields. "
@@ -151,8 +156,14 @@ def _parser() -> argparse.ArgumentParser:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from tracer.demo.runner import run_demo
 
+    if args.name is not None and args.algo is not None and args.name != args.algo:
+        raise TraceError(f"demo {args.name} --algo {args.algo}: name one demo, either as `tracer demo {args.name}` "
+                         f"or with --algo {args.name}")
+    args.algo = args.name or args.algo or "grpo"
     if args.steps < 1:
         raise TraceError(f"--steps must be >= 1, got {args.steps}")
+    if args.leak_tool_output and args.algo != "agent":
+        raise TraceError(f"--leak-tool-output applies to the agent demo only, not {args.algo}")
     if args.bug is not None and args.algo != "grpo-vllm":
         raise TraceError(f"--bug applies to --algo grpo-vllm only, not {args.algo}")
     if args.rollout != "hf" and args.algo not in ("grpo", "cispo"):
@@ -161,7 +172,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         what = "--algo grpo-vllm" if args.algo == "grpo-vllm" else "--rollout vllm"
         raise TraceError(f"{what} needs vLLM in this environment: `make .venv-vllm` builds one "
                          "(torch 2.13.0 first, then pip install -e '.[vllm]'); see README, 'vLLM'")
-    missing = [m for m in ("transformers", "tokenizers") + (("trl",) if args.algo.endswith(("-trl", "-vllm")) else ())
+    missing = [m for m in ("transformers", "tokenizers")
+               + (("trl",) if args.algo.endswith(("-trl", "-vllm")) or args.algo == "agent" else ())
                if importlib.util.find_spec(m) is None]
     if missing:
         raise TraceError(f"--algo {args.algo} needs {', '.join(missing)} (its tiny model is a transformers model"
@@ -176,7 +188,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                          "trace (and its tiny model)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug,
-                   rollout=args.rollout)
+                   rollout=args.rollout, leak_tool_output=args.leak_tool_output)
     print(f"wrote trace to {out}; browse it with: python -m tracer view {out}")
     return 0
 

@@ -32,6 +32,7 @@ MAX_COMPLETION_LENGTH = 96  # three tool calls, two tool results and an answer f
 MAX_TOOL_CALLS = 3  # TRL's max_tool_calling_iterations
 LEARNING_RATE = 1e-3
 BETA = 0.04
+NUM_ITERATIONS = 2  # two optimizer steps per rollout: TRL keeps old logprobs, so the ratio moves on inner step 1
 
 
 def make_dataset(seed: int = 0, size: int = 32):
@@ -81,7 +82,8 @@ def make_trainer(model_dir: str | os.PathLike, output_dir: str | os.PathLike, st
 
     fields = dict(per_device_train_batch_size=NUM_GENERATIONS * PROMPTS_PER_STEP, num_generations=NUM_GENERATIONS,
                   max_completion_length=MAX_COMPLETION_LENGTH, max_tool_calling_iterations=MAX_TOOL_CALLS,
-                  temperature=1.0, learning_rate=LEARNING_RATE, beta=BETA, loss_type="grpo")
+                  temperature=1.0, learning_rate=LEARNING_RATE, beta=BETA, loss_type="grpo",
+                  num_iterations=NUM_ITERATIONS)
     trainer = cpu_trainer(GRPOTrainer, GRPOConfig, model_dir, output_dir, steps, seed, progress,
                           {**fields, **config_overrides}, reward_funcs=[correct_sum], tools=[add],
                           train_dataset=make_dataset(seed))

@@ -2,7 +2,8 @@
 
 Hand-written loops (the seed's, traced through ``tracer.Tracer``): ``ppo``, ``grpo``, ``cispo``,
 ``dpo``. TRL trainers (traced through ``tracer.attach``): ``grpo-trl``, ``rloo-trl``, ``dpo-trl``, and
-``grpo-vllm`` (TRL GRPO sampling with a colocated vLLM engine; needs the ``vllm`` extra).
+``grpo-vllm`` (TRL GRPO sampling with a colocated vLLM engine; needs the ``vllm`` extra), and
+``agent`` (TRL GRPO with ``tools=``: multi-turn tool-calling episodes, :mod:`tracer.demo.agent_trl`).
 All run on CPU in seconds on a tiny model built locally (``tracer.demo.tiny_model``).
 """
 
@@ -15,12 +16,14 @@ from tracer.record.writer import refuse_existing_trace
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
 TRL = ("grpo-trl", "rloo-trl", "dpo-trl")
 VLLM = ("grpo-vllm",)  # TRL GRPO sampling with a colocated vLLM engine: needs the `vllm` extra
-DEMO_ALGOS = HAND_WRITTEN + TRL + VLLM
+AGENT = "agent"  # TRL GRPO with tools=[add]: multi-turn tool-calling episodes
+DEMO_ALGOS = HAND_WRITTEN + TRL + VLLM + (AGENT,)
 ROLLOUTS = ("hf", "vllm")  # who samples in the hand-written grpo / cispo loop
 
 
 def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, progress: bool = True,
-             model_dir: str | Path | None = None, bug: str | None = None, rollout: str = "hf") -> Path:
+             model_dir: str | Path | None = None, bug: str | None = None, rollout: str = "hf",
+             leak_tool_output: bool = False) -> Path:
     """Run the demo trainer ``algo`` for ``steps`` optimizer steps and trace it into ``out_dir``.
 
     Args:
@@ -32,9 +35,11 @@ def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, prog
             :data:`tracer.demo.grpo_vllm.BUGS`).
         rollout: ``grpo`` / ``cispo`` only: ``hf`` (the policy's ``generate``) or ``vllm`` (a
             colocated vLLM engine synced each step; needs the ``vllm`` extra).
+        leak_tool_output: ``agent`` only: leave the tool results in the loss
+            (:func:`tracer.demo.agent_trl.leak_tool_output`).
     Raises:
         ValueError: unknown ``algo``, ``bug`` given for another demo or unknown, ``rollout`` unknown
-            or given for another demo.
+            or given for another demo, ``leak_tool_output`` for another demo than ``agent``.
         TraceError: ``out_dir`` already holds a trace.
     """
     if algo not in DEMO_ALGOS:
@@ -43,8 +48,16 @@ def run_demo(algo: str, out_dir: str | Path, steps: int = 2, seed: int = 0, prog
         raise ValueError(f"--bug applies to {list(VLLM)} only, not {algo!r}")
     if rollout not in ROLLOUTS or (rollout != "hf" and algo not in ("grpo", "cispo")):
         raise ValueError(f"--rollout {rollout!r}: choose one of {list(ROLLOUTS)}; 'vllm' applies to grpo and cispo")
+    if leak_tool_output and algo != AGENT:
+        raise ValueError(f"leak_tool_output applies to {AGENT!r} only, not {algo!r}")
     engine_shape = algo in VLLM or rollout == "vllm"
     refuse_existing_trace(out_dir)
+    if algo == AGENT:
+        from tracer.demo.agent_trl import run_agent_demo
+
+        return run_agent_demo(out_dir, steps=steps, seed=seed, progress=progress,
+                              model_dir=model_dir if model_dir is not None else Path(out_dir) / "model",
+                              leak=leak_tool_output)
     if model_dir is None:
         from tracer.demo.tiny_model import VLLM_SHAPE, build_tiny_model
 
