@@ -76,10 +76,31 @@ def resolve_in(expr: Expression, local: Mapping, global_: Mapping) -> Any:
             value = value[attr]
         else:
             value = getattr(value, attr, _MISSING)
-    if value is _MISSING or expr.index is None:
+    if value is _MISSING:
+        return value
+    if expr.slices is not None:
+        return take_slices(value, expr.subscript)
+    if expr.index is None:
         return value
     index = _lookup(expr.index, local, global_)
     return take_rows(value, index) if row_index(index) else _MISSING
+
+
+_SLICEABLE = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def take_slices(value: Any, subscript: tuple) -> Any:
+    """``value[subscript]`` (a view; ``subscript`` holds slices and at most one Ellipsis), or ``_MISSING``
+    when ``value`` is not a plain tensor (a tensor subclass may run its own code on indexing: map a
+    variable holding the sliced plain tensor) or has fewer dimensions than the slices."""
+    if type(value) not in _SLICEABLE:
+        return _MISSING
+    try:
+        if value.dim() < sum(item is not Ellipsis for item in subscript):
+            return _MISSING
+        return value[subscript]
+    except Exception:  # noqa: BLE001  (a nested or sparse tensor that refuses slicing: no value)
+        return _MISSING
 
 
 _NAMESPACE_MAPPING: list = [None, False]  # [abc.get_cache_token() when known, isinstance(a Namespace, abc.Mapping)]
@@ -214,7 +235,8 @@ def _compiled(section: Mapping[str, tuple[Expression, ...]]) -> tuple[tuple, fro
     if cached is None or cached[0] is not section or cached[1] != section or tuple(cached[1]) != tuple(section):
         if len(_READERS) >= 64:
             _READERS.clear()
-        keys = tuple((key, tuple((e.path[0] if len(e.path) == 1 and e.index is None else None, e) for e in exprs))
+        keys = tuple((key, tuple((e.path[0] if len(e.path) == 1 and e.index is None and e.slices is None else None, e)
+                                for e in exprs))
                      for key, exprs in section.items())
         heads = frozenset(e.path[0] for exprs in section.values() for e in exprs)
         cached = _READERS[id(section)] = (section, dict(section), keys, heads)

@@ -8,11 +8,14 @@ names (seed lesson 25) and documents the format. A user map is tried before the 
     [fields]
     policy_logprobs = ["logp_new"]          # canonical field = variables, tried in order
     old_logprobs = ["logp_old[idx]"]        # `name[index]`: rows of the whole rollout
+    completion_ids = ["input_ids[:, 1:]"]   # slices: the tokens each position of a packed row predicts
     [indices]
     step = ["update"]
 
 Expressions are ``name``, ``name.attr...`` (attribute, or key of a dict-like) and an optional
-``[index_name]`` at the end. Nothing is evaluated: the expression is parsed and looked up.
+subscript at the end: ``[index_name]`` (rows of a whole-rollout tensor) or slices with integer
+bounds, one per dimension from the first, ``...`` allowed once (``[:, 1:]``, ``[:, :-1]``,
+``[..., 2:-1]``, ``[1::2]``). Nothing is evaluated: the expression is parsed and looked up.
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ INDEX_KEYS = ("step", "epoch", "inner_step", "micro_batch")
 STACKED_STEMS = ("ids", "mask", "policy_logprobs", "ref_logprobs")
 OBJECT_KEYS = ("tokenizer", "config")
 DERIVABLE = ("ratio", "ref_kl_k3", "approx_kl_k2", "group_ids", "dpo_terms")
-_EXPRESSION = re.compile(r"(?P<path>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\[(?P<index>[A-Za-z_]\w*)\])?")
+_EXPRESSION = re.compile(r"(?P<path>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\[(?P<subscript>[^\[\]]*)\])?")
+_INDEX_NAME = re.compile(r"[A-Za-z_]\w*")
+_BOUND = r"\s*(-?\d+)?\s*"
+_SLICE = re.compile(rf"{_BOUND}:{_BOUND}(?::{_BOUND})?")
+ELLIPSIS = "..."
 
 
 class NameMapError(TraceError):
@@ -41,11 +48,20 @@ class NameMapError(TraceError):
 
 @dataclass(frozen=True)
 class Expression:
-    """A parsed map entry: ``path`` (``("args", "beta")``) and an optional row index variable."""
+    """A parsed map entry: ``path`` (``("args", "beta")``) and an optional row index variable, or
+    slices: ``(start, stop, step)`` triples (None where the text gives no bound) and
+    :data:`ELLIPSIS`, applied as ``value[subscript]`` (``input_ids[:, 1:]``)."""
 
     text: str
     path: tuple[str, ...]
     index: str | None = None
+    slices: tuple[tuple[int | None, int | None, int | None] | str, ...] | None = None
+    subscript: tuple = field(default=(), compare=False, repr=False)  # the slices as Python objects
+
+    def __post_init__(self) -> None:
+        if self.slices is not None and not self.subscript:
+            object.__setattr__(self, "subscript", tuple(
+                Ellipsis if item == ELLIPSIS else slice(*item) for item in self.slices))
 
 
 @dataclass(frozen=True)
@@ -66,13 +82,45 @@ class NameMap:
 
 
 def parse_expression(text: str, where: str) -> Expression:
-    """Parse ``name(.attr)*([index])?``; raises NameMapError naming ``where`` otherwise."""
+    """Parse ``name(.attr)*`` with an optional ``[index_name]`` or ``[slices]``; raises NameMapError
+    naming ``where`` otherwise."""
     match = _EXPRESSION.fullmatch(text.strip()) if isinstance(text, str) else None
     if match is None:
         raise NameMapError(
-            f"{where}: {text!r} is not a variable expression; write `name`, `name.attr` or `name[index_name]` "
-            "(e.g. \"old_resp_logp[inds]\", \"args.beta\")")
-    return Expression(text.strip(), tuple(match["path"].split(".")), match["index"])
+            f"{where}: {text!r} is not a variable expression; write `name`, `name.attr`, `name[index_name]` "
+            "or `name[slices]` (e.g. \"old_resp_logp[inds]\", \"args.beta\", \"input_ids[:, 1:]\")")
+    path, subscript = tuple(match["path"].split(".")), match["subscript"]
+    if subscript is None:
+        return Expression(text.strip(), path)
+    if _INDEX_NAME.fullmatch(subscript.strip()):
+        return Expression(text.strip(), path, index=subscript.strip())
+    return Expression(text.strip(), path, slices=_parse_slices(text.strip(), subscript, where))
+
+
+def _parse_slices(text: str, subscript: str, where: str) -> tuple:
+    """The ``(start, stop, step)`` triples and ellipses of ``subscript`` (what is between the brackets
+    of ``text``); raises NameMapError naming ``where``, the entry and the item that is not a slice."""
+    items = []
+    for item in subscript.split(","):
+        if item.strip() == ELLIPSIS:
+            if ELLIPSIS in items:
+                raise NameMapError(f"{where}: {text!r} has more than one `...`; a subscript may hold one "
+                                   "(e.g. \"logps[..., 1:]\")")
+            items.append(ELLIPSIS)
+            continue
+        match = _SLICE.fullmatch(item)
+        if match is None:
+            raise NameMapError(
+                f"{where}: {text!r}: {item.strip()!r} is not a slice; a subscript is one row-index variable "
+                "(`name[inds]`) or slices with integer bounds, one per dimension, and `...` "
+                "(e.g. \"input_ids[:, 1:]\", \"logps[:, :-1]\"); integer indices, which drop a dimension, "
+                "and expressions are not read")
+        start, stop, step = (None if g is None else int(g) for g in match.groups())
+        if step is not None and step <= 0:
+            raise NameMapError(f"{where}: {text!r}: slice step {step} in {item.strip()!r}; tensors take "
+                               "positive steps only")
+        items.append((start, stop, step))
+    return tuple(items)
 
 
 def _toml_module():
@@ -198,7 +246,8 @@ def load_name_map(spec: str | Path | Mapping[str, Any] | None = None, algorithm:
 
     Raises:
         NameMapError: a missing or malformed file, an unknown section, canonical field, index key or
-            derivable field, or an expression that is not ``name(.attr)*([index])?``.
+            derivable field, or an expression that is not ``name(.attr)*`` with an optional
+            ``[index_name]`` or ``[slices]``.
     """
     if isinstance(spec, Mapping):
         raw, where, shipped = dict(spec), "name map dict", False

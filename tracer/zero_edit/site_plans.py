@@ -85,7 +85,7 @@ def _compile(probe: Probe) -> tuple:
         action = _CHECK_REJECT
     else:
         action = _LOOK
-    head = expr.path[0] if len(expr.path) == 1 else None
+    head = expr.path[0] if len(expr.path) == 1 and expr.slices is None else None  # slices: resolve_in
     return head, expr.index if head is not None else None, probe.signature, action, probe
 
 

@@ -216,6 +216,9 @@ class Watcher:
         """The end-of-run summary, a few lines of text (``tracer run`` and ``tracer.watch`` log it)."""
         r = self.report()
         lines = [self.summary()]
+        missing_ids = self.missing_token_ids()
+        if missing_ids:
+            lines.append(missing_ids)
         if r["dropped_steps"]:
             why = "; ".join(r["drop_reasons"][:3]) or "see the manifest's drop_reasons"
             lines.append(f"tracer: {r['dropped_steps']} step(s) dropped: {why}")
@@ -228,11 +231,27 @@ class Watcher:
                          "(manifest capture_report)")
         return lines
 
+    def missing_token_ids(self) -> str | None:
+        """The summary's line for a run traced without token ids (no candidate of ``completion_ids``, DPO's
+        ``chosen_ids``, held them): what cannot be checked, and the map entry that fixes it; None otherwise."""
+        ids_field = "chosen_ids" if self.algorithm == "dpo" else "completion_ids"
+        if not self.steps_recorded or ids_field in self.sources:
+            return None
+        tried = self.name_map.names("fields", ids_field) + [
+            f"{n} (stacked)" for n in self.name_map.names("stacked", "ids") if self.algorithm == "dpo"]
+        why = (f"none of the variables the map names for {ids_field} ({', '.join(tried)}) held the tokens the "
+               "logprobs score" if tried else f"the map names no variable for {ids_field}")
+        return (f"tracer: token ids not captured: {why}, so `tracer check` skips every check that reads them "
+                "(EOS and padding masks, the completion's start, turns of packed rows) and no token text is shown. "
+                f"Fix: map {ids_field} to them, e.g. `{ids_field} = [\"input_ids[:, 1:]\"]` (a packed row [B, L] whose logprobs "
+                "are [B, L-1]) under [fields] in a name map passed with --map FILE (tracer.watch(name_map=FILE))")
+
     def _log_summary(self) -> None:
         if self.backward_calls == 0 and self.writer is None:
             return  # nothing_traced_message() says it
         logger = summary_logger()
-        incomplete = bool(self.failures or self.rejected or (self.writer is not None and self.writer.dropped_steps))
+        incomplete = bool(self.failures or self.rejected or (self.writer is not None and self.writer.dropped_steps)
+                          or self.missing_token_ids())
         for line in self.summary_lines():
             logger.log(logging.WARNING if incomplete else logging.INFO, line)
 
