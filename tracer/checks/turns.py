@@ -62,6 +62,8 @@ def _not_model_written(ctx: StepContext, layout: TurnLayout) -> tuple[torch.Tens
           RL_ALGORITHMS)
 def check_tool_output_trained(ctx: StepContext):
     layout = ctx.turn_layout()
+    if not layout.recorded and not layout.multi_turn and not ctx.has("token_roles") and not ctx.has("mask_reasons"):
+        return []  # single-turn rows: no tool output to train on
     foreign, source = _not_model_written(ctx, layout)
     keep = ctx.mask()
     leak = foreign & keep
@@ -94,7 +96,7 @@ def check_placeholder_logprobs(ctx: StepContext):
     keep = ctx.mask()
     names = [n for n in ("old_logprobs", "sampler_logprobs") if n in ctx.data and n not in ctx.derived]
     if not names:
-        raise Skip("needs old_logprobs or sampler_logprobs as recorded (not derived)")
+        return []  # no recorded old or sampler logprob that could hold a placeholder
     findings = []
     for name in names:
         side = ctx.tensor(name)
@@ -171,7 +173,7 @@ def _shift_fit(a: torch.Tensor, b: torch.Tensor, ok: torch.Tensor, shift: int) -
 def check_turn_shift(ctx: StepContext):
     layout = ctx.turn_layout()
     if not layout.multi_turn:
-        raise Skip("single-turn rows: alignment.logprob_shift tests whole rows")
+        return []  # single-turn rows: alignment.logprob_shift tests whole rows
     if ctx.has("old_logprobs", "sampler_logprobs"):
         pairs = [("old_logprobs", "sampler_logprobs")]
     elif ctx.has("old_logprobs", "policy_logprobs") and ctx.key.inner_step == 0 and "old_logprobs" not in ctx.derived:
@@ -217,6 +219,8 @@ def check_turn_shift(ctx: StepContext):
           "'truncated' reason), not only the first ones", RL_ALGORITHMS)
 def check_untrained_turn(ctx: StepContext):
     layout = ctx.turn_layout()
+    if layout.roles is None and not layout.multi_turn:
+        return []  # single-turn rows: no later turn to leave out
     if layout.roles is None:
         raise Skip("needs token_roles (which tokens the assistant wrote), which these do not record")
     keep = ctx.mask()

@@ -10,11 +10,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tracer.format.capture_report import describe_capture_reports, read_capture_reports
 from tracer.errors import TraceError
+from tracer.format import turns
+from tracer.format.capture_report import describe_capture_reports, read_capture_reports
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
-from tracer.read.reader import Trace
 from tracer.format.summary import SUMMARY_KEY
+from tracer.read.reader import StepKey, Trace
 
 STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or still running)",
                "finished": "finished", "unknown": "unknown (no readable manifest)"}
@@ -81,8 +82,72 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "fields": fields,
         "first_step_metadata": metadata,
         **({"integrity": verify_trace(trace, keys)} if verify else {}),
+        "turns": turn_facts(trace, keys[0]) if keys else None,
         "overview": _overview(trace),
     }
+
+
+def turn_facts(trace: Trace, key: StepKey) -> dict[str, Any] | None:
+    """Turns and roles of one step file's rows (SPEC.md section 4, tracer/format/turns.py), or None for a
+    single-turn step: ``recorded`` (turn_ids / token_roles / mask_reasons that the file holds),
+    ``episodes`` (rows), ``turns`` (min / mean / max assistant turns per row), ``roles`` (per role:
+    tokens and trained tokens; ``assistant`` and ``environment`` read from the mask when no roles are
+    recorded) and ``not_trained`` (masked tokens per reason)."""
+    present = trace.fields(key)
+    if "completion_ids" not in present or "completion_mask" not in present:
+        return None
+    wanted = ["completion_ids", "completion_mask"] + [f for f in turns.TURN_FIELDS if f in present]
+    data = trace.load_step(key, wanted, derive=False)
+    ids, keep = data["completion_ids"], data["completion_mask"].bool()
+    if ids.dim() != 2 or ids.shape != keep.shape:
+        return None
+    metadata = trace.metadata(key)
+    recorded = [f for f in turns.TURN_FIELDS if f in data and data[f].shape == ids.shape]
+    turn_ids = (data["turn_ids"].long() if "turn_ids" in recorded
+                else turns.infer_turn_ids(ids, keep, trace.pad_token_id, trace.eos_token_id))
+    counts = turns.turn_count(turn_ids)  # (B,)
+    if not recorded and not bool((counts > 1).any()):
+        return None
+    names = turns.role_names(metadata)
+    roles = data["token_roles"].long() if "token_roles" in recorded else None
+    by_role: dict[str, dict[str, int]] = {}
+    reasons: dict[str, int] = {}
+    reason_names = turns.reason_names(metadata)
+    for b in range(ids.shape[0]):
+        row_keep = keep[b].tolist()
+        for span in turns.row_spans(turn_ids[b].tolist(), roles[b].tolist() if roles is not None else None,
+                                    row_keep, names):
+            entry = by_role.setdefault(span.role or turns.PROMPT, {"tokens": 0, "trained": 0})
+            entry["tokens"] += span.length
+            entry["trained"] += span.kept
+        row_reasons = (turns.recorded_mask_reasons(data["mask_reasons"][b].tolist(), reason_names)
+                       if "mask_reasons" in recorded else
+                       turns.infer_mask_reasons(ids[b].tolist(), row_keep, trace.eos_token_id, trace.pad_token_id,
+                                                turn_ids[b].tolist(), roles[b].tolist() if roles is not None else None,
+                                                names))
+        for reason in row_reasons:
+            if reason != turns.KEPT:
+                reasons[reason] = reasons.get(reason, 0) + 1
+    return {"step_file": key.label, "recorded": recorded, "episodes": int(ids.shape[0]),
+            "turns": {"min": int(counts.min()), "mean": float(counts.float().mean()), "max": int(counts.max())},
+            "roles": by_role, "not_trained": reasons}
+
+
+def describe_turns(facts: dict[str, Any] | None) -> list[str]:
+    """``tracer info``'s lines about turns and roles (:func:`turn_facts`); none for a single-turn trace."""
+    if not facts:
+        return []
+    t = facts["turns"]
+    source = (f"recorded: {', '.join(facts['recorded'])}" if facts["recorded"] else
+              "read from the mask: no turn_ids or token_roles recorded")
+    lines = [f"turns ({facts['step_file']}): {facts['episodes']} episodes, {t['min']}..{t['max']} assistant turns "
+             f"each (mean {t['mean']:.2f}); {source}"]
+    roles = ", ".join(f"{role} {v['tokens']} tokens ({v['trained']} trained)" for role, v in facts["roles"].items())
+    lines.append(f"roles: {roles}")
+    if facts["not_trained"]:
+        lines.append("not trained: " + ", ".join(f"{n} {r}" for r, n in sorted(facts["not_trained"].items(),
+                                                                                 key=lambda kv: -kv[1])))
+    return lines
 
 
 def _home_trace(trace: Trace) -> Trace | None:
@@ -150,6 +215,8 @@ def print_info(info: dict[str, Any]) -> None:
     for line in describe_drops(info["dropped_steps"], info["drop_reasons"]):
         say(line)
     for line in describe_capture_reports(info.get("capture_reports") or {}, info["ranks"]):
+        say(line)
+    for line in describe_turns(info.get("turns")):
         say(line)
     if info["fields"]:
         table = Table(title="fields (first readable step file)")
