@@ -140,3 +140,17 @@ def test_a_turn_cut_mid_way_is_named_unless_its_reason_says_truncated(tmp_path):
     assert (f.sequence, f.token) == (0, 21) and "stops at token 21 after 3 trained tokens" in f.message
     tensors["mask_reasons"][0, 21:25] = MASK_REASON_NAMES.index("truncated")
     assert found(check(tmp_path, tensors, "truncated"), "turns.untrained_turn") == []
+
+
+def test_per_token_advantages_follow_the_declared_assignment(tmp_path):
+    tensors = episode()
+    tensors["token_advantages"] = torch.where(tensors["completion_mask"], 1.0, 0.0) * torch.tensor([[1.0], [-1.0]])
+    meta = {"num_generations": 2, "advantage_assignment": "episode"}
+    assert found(run_checks(write_trace(tmp_path / "ok", "grpo", [(0, 0, tensors, meta)])),
+                 "turns.advantage_assignment") == []
+    tensors["token_advantages"][0, 18:25] = 0.5  # turn 2 of row 0 credited on its own
+    (f,) = found(run_checks(write_trace(tmp_path / "bad", "grpo", [(0, 0, tensors, meta)])), "turns.advantage_assignment")
+    assert (f.severity, f.sequence, f.token) == (ERROR, 0, 18) and "turn 2" in f.message
+    per_turn = {**meta, "advantage_assignment": "turn"}
+    assert found(run_checks(write_trace(tmp_path / "turn", "grpo", [(0, 0, tensors, per_turn)])),
+                 "turns.advantage_assignment") == []

@@ -11,6 +11,8 @@ that read a step span by span.
   row-wide ``alignment.logprob_shift`` averages away).
 * ``turns.untrained_turn``: an assistant turn whose tokens the mask drops (wholly, or cut mid-way
   with no EOS and no ``truncated`` reason), while other turns of the row are trained.
+* ``turns.advantage_assignment``: per-token advantages that are not one value per episode (or per
+  turn) as metadata ``advantage_assignment`` declares.
 """
 
 from __future__ import annotations
@@ -268,3 +270,47 @@ def check_untrained_turn(ctx: StepContext):
         if len(findings) >= 5:
             break
     return findings
+
+
+ASSIGNMENTS = ("episode", "turn")
+
+
+@register("turns.advantage_assignment", "per-token advantages follow the declared multi-turn assignment: one "
+          "value over the whole episode ('episode') or one per turn ('turn')", RL_ALGORITHMS - {"ppo"})
+def check_advantage_assignment(ctx: StepContext):
+    declared = ctx.hyper("advantage_assignment", None)
+    if declared is None:
+        return []  # nothing declared: the advantage checks judge the values by their rule
+    if declared not in ASSIGNMENTS:
+        raise Skip(f"metadata advantage_assignment = {declared!r} is neither of {', '.join(ASSIGNMENTS)}")
+    name = next((n for n in ("token_advantages", "advantages") if n in ctx.data and ctx.data[n].dim() == 2), None)
+    if name is None:
+        return []  # [B] advantages: broadcast over the row, one per episode by construction
+    layout = ctx.turn_layout()
+    values, keep = ctx.tensor(name), ctx.mask()
+    for b in range(keep.shape[0]):
+        kept = keep[b].nonzero().flatten().tolist()
+        if not kept:
+            continue
+        groups: dict[int, list[int]] = {}
+        for t in kept:
+            groups.setdefault(0 if declared == "episode" else int(layout.turn_ids[b, t]), []).append(t)
+        for group, positions in groups.items():
+            row = values[b, positions]
+            spread = float(row.max() - row.min())
+            if spread <= ctx.tol.atol + ctx.tol.rtol * float(row.abs().max()):
+                continue
+            t = positions[int((row - row[0]).abs().argmax())]
+            where = "the episode" if declared == "episode" else f"turn {group}"
+            message = (
+                f"seq {b}: metadata advantage_assignment = {declared!r} (one advantage per "
+                f"{'episode' if declared == 'episode' else 'turn'}), but {name} takes {row.unique().numel()} "
+                f"values over the trained tokens of {where} ({float(row.min()):.4f} .. {float(row.max()):.4f}; token "
+                f"{positions[0]}: {float(row[0]):.4f}, token {t}: {float(values[b, t]):.4f}, turn "
+                f"{int(layout.turn_ids[b, t])}). Why it matters: turns of one episode are credited differently from "
+                "what the run declares. Likely fix: broadcast the episode's outcome advantage over every turn's "
+                "tokens (or declare advantage_assignment = 'turn' when each turn is scored on its own)."
+            )
+            return [ctx.finding("turns.advantage_assignment", ERROR, message, b, t, field=name, declared=declared,
+                                spread=spread)]
+    return []
