@@ -12,7 +12,8 @@ on every page. Pure: no Streamlit.
 
 from __future__ import annotations
 
-from plotly.colors import sample_colorscale
+import numpy as np
+from plotly.colors import get_colorscale, sample_colorscale
 
 SCALE = "RdBu_r"
 # Quantities >= 0 by construction (SPEC.md section 3: ratio = exp(.), k3 = exp(d) - d - 1 >= 0,
@@ -53,6 +54,30 @@ def colour_of(value: float, centre: float, span: float) -> str:
     """The scale's colour for ``value`` (``rgb(r, g, b)``): white at ``centre``, full blue / red at
     ``centre ∓ span``; values beyond are clipped."""
     return sample_colorscale(SCALE, [_position(value, centre, span)])[0]
+
+
+def _stops() -> tuple[np.ndarray, np.ndarray]:
+    """The scale's stops ``[S]`` and their colours ``[S, 3]`` as 0-1 floats (as Plotly reads them)."""
+    pairs = get_colorscale(SCALE)
+    stops = np.array([float(p) for p, _ in pairs])
+    rgb = np.array([[float(x) / 255.0 for x in c[c.index("(") + 1:-1].split(",")] for _, c in pairs])
+    return stops, rgb
+
+
+def sample_colours(ts) -> list[str]:
+    """``plotly.colors.sample_colorscale(SCALE, ts)`` with numpy: the same ``rgb(r, g, b)`` strings
+    (the same interpolation between the two stops around each point, rounded half to even as
+    Plotly's ``convert_to_RGB_255``), for thousands of tokens at once. ``ts``: points in [0, 1]."""
+    t = np.asarray(ts, dtype=float)
+    if t.size == 0:
+        return []
+    stops, rgb = _stops()
+    high = np.searchsorted(stops, t, side="left")  # bisect_left, as Plotly
+    low = high - 1  # -1 at t = 0: Plotly's scale[-1], which gives the first colour all the same
+    interpolant = (t - stops[low]) / (stops[high] - stops[low])
+    colour = rgb[low] + interpolant[:, None] * (rgb[high] - rgb[low])  # (N, 3)
+    channels = np.round(colour * 255.0).astype(int)  # numpy rounds half to even, as Decimal ROUND_HALF_EVEN
+    return [f"rgb({r}, {g}, {b})" for r, g, b in channels.tolist()]
 
 
 def plotly_colorscale(low: float, high: float, centre: float, span: float) -> list[list]:

@@ -14,14 +14,12 @@ import html
 import math
 
 import pandas as pd
-from plotly.colors import sample_colorscale
-
-from app.components.colour_scale import SCALE, colour_of, legend_values, neutral_of, scale_ends
+from app.components.colour_scale import colour_of, legend_values, neutral_of, sample_colours, scale_ends
 from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
 from tracer.read.tables import (AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT,
                                 TRUNCATED)
 
-__all__ = ["REASON_STYLE", "coloured_html", "coloured_tokens", "colour_of", "legend_html", "neutral_of", "span_of"]
+__all__ = ["REASON_STYLE", "coloured_blocks", "coloured_html", "coloured_tokens", "colour_of", "legend_html", "neutral_of", "span_of"]
 # How a position that does not enter the loss looks, by reason (no colour of the scale).
 REASON_STYLE: dict[str, str] = {
     AFTER_EOS: "background:#d9d9d9;color:#555;text-decoration:line-through;",
@@ -55,7 +53,8 @@ def _ink(rgb: str) -> str:
 
 def _hover(row: dict, value_columns: list[str]) -> str:
     parts = [f"position {row['position']} · {row['mask_reason']}", f"token {row['token_id']!r}: {row['token_text']!r}"]
-    parts += [f"{c} = {row[c]:.5g}" for c in value_columns if c in row and pd.notna(row[c])]
+    parts += [f"{c} = {v:.5g}" for c in value_columns
+              if isinstance(v := row.get(c), (int, float)) and v == v]  # NaN (an empty value) left out
     return "\n".join(parts)
 
 
@@ -81,12 +80,24 @@ def scale_span(rows: pd.DataFrame, quantity: str | None) -> float:
 def coloured_tokens(rows: pd.DataFrame, quantity: str | None, value_columns: list[str],
                     span: float | None = None) -> str:
     """The spans of :func:`coloured_html` for ``rows`` (no enclosing box): one per token, one per
-    filler run. ``span``: the scale's half-width (None: from these rows' kept values), so that
-    pieces of one sequence drawn apart share one scale."""
+    filler run. ``span``: the scale's half-width (None: from these rows' kept values)."""
+    return coloured_blocks(rows, quantity, value_columns, [(0, len(rows))], span)[0]
+
+
+def coloured_blocks(rows: pd.DataFrame, quantity: str | None, value_columns: list[str],
+                    blocks: list[tuple[int, int]], span: float | None = None) -> list[str]:
+    """:func:`coloured_tokens` of each ``rows.iloc[start:end]`` of ``blocks``, on one scale (``span``,
+    None: from all the rows' kept values), the colours and rows read once for all the blocks (an
+    episode of thousands of tokens drawn turn by turn)."""
     centre = neutral_of(quantity or "")
     span = scale_span(rows, quantity) if span is None else span
-    records = rows.to_dict("records")
+    needed = dict.fromkeys(c for c in ("position", "mask_reason", "token_id", "token_text", *value_columns) if c in rows)
+    records = rows[list(needed)].to_dict("records")  # only what a span shows: a wide table converts slowly
     colours = _colours(rows, quantity, centre, span)
+    return [_block(records[start:end], colours[start:end], value_columns) for start, end in blocks]
+
+
+def _block(records: list[dict], colours: list[str | None], value_columns: list[str]) -> str:
     out, run = [], []
     for row, colour in zip(records, colours):
         reason = row["mask_reason"]
@@ -108,7 +119,7 @@ def _colours(rows: pd.DataFrame, quantity: str | None, centre: float, span: floa
     values = rows[quantity].astype(float)
     use = (rows["mask_reason"] == KEPT) & values.notna() & values.map(math.isfinite)
     ts = (0.5 + (values[use] - centre) / (2 * span)).clip(0.0, 1.0).tolist()
-    sampled = iter(sample_colorscale(SCALE, ts) if ts else [])
+    sampled = iter(sample_colours(ts))
     return [next(sampled) if u else None for u in use.tolist()]
 
 

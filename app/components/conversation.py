@@ -15,7 +15,7 @@ import html
 
 import pandas as pd
 
-from app.components.coloured_text import coloured_tokens, scale_span
+from app.components.coloured_text import coloured_blocks, scale_span
 from tracer.format.turns import NOT_TRAINED_TEXT
 from tracer.views.conversation import (
     ENVIRONMENT_BLOCK, MESSAGE, PROMPT_BLOCK, TOOL_CALL, TOOL_RESULT, Conversation, ConversationSpan)
@@ -70,19 +70,20 @@ def chat_html(conversation: Conversation, quantity: str | None, value_columns: l
     turn, a labelled block per span. Trained tokens are coloured by ``quantity`` on one scale over
     every trained token of the episode; the hover of a token lists ``value_columns``."""
     rows = conversation.tokens
-    span = scale_span(rows, quantity)
     wanted = None if turns is None else set(turns)
+    pieces = [p for p in conversation.spans if wanted is None or p.turn in wanted]
+    lo = min((p.start for p in pieces), default=0)
+    hi = max((p.end for p in pieces), default=0)
+    texts = coloured_blocks(rows.iloc[lo:hi], quantity, value_columns, [(p.start - lo, p.end - lo) for p in pieces],
+                            scale_span(rows, quantity))  # one scale: the whole episode's
     out, current = [], None
-    for piece in conversation.spans:
-        if wanted is not None and piece.turn not in wanted:
-            continue
+    for piece, tokens in zip(pieces, texts):
         if piece.turn != current:
             current = piece.turn
             title = "prompt" if current == 0 else f"turn {current}"
             out.append(f'<div style="{_TURN}">{html.escape(title)}</div>')
         colour = ROLE_COLOURS.get("tool_call" if piece.block == TOOL_CALL else piece.role, "#999")
         background = "#fff" if piece.kept else "#fafafa"
-        tokens = coloured_tokens(rows.iloc[piece.start:piece.end], quantity, value_columns, span)
         out.append(f'<div style="{_BLOCK.format(colour=colour, background=background)}">'
                    f'<div style="{_LABEL.format(colour=colour)}">{html.escape(role_label(piece))}</div>'
                    f'<div style="{_TEXT}">{tokens}</div></div>')

@@ -8,7 +8,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+from plotly.colors import sample_colorscale
+
+from app.components.colour_scale import SCALE, sample_colours
+from app.components.conversation import chat_html, page_count, role_label, turns_on_page
+from tracer.read import Trace
+from tracer.views import conversation
 
 from tests.fixtures.agent_traces import TOOL, write_agent_trace
 from tests.fixtures.toy_traces import ToyTokenizer, start, write_trace
@@ -119,3 +126,26 @@ def test_step_heatmap_labels_the_turns(monkeypatch, root):
     labels = next(t for t in heatmap["data"] if t.get("name") == "turns")
     assert labels["text"] == ["T1", "T2", "T1", "T2"]
     assert "turn 1 · positions 5–12 · assistant, tool" in labels["hovertext"][0]
+
+
+# -- pure builders ------------------------------------------------------------------------------
+
+
+def test_sample_colours_are_plotlys():
+    # the numpy sampler of the chat gives Plotly's strings exactly: random points, the stops, the ends
+    ts = [*np.random.default_rng(0).random(2000).tolist(), 0.0, 0.1, 0.5, 0.30000000000000004, 0.9, 1.0,
+          *[i / 255 for i in range(256)]]
+    assert sample_colours(ts) == sample_colorscale(SCALE, ts)
+    assert sample_colours([]) == []
+
+
+def test_chat_of_some_turns_and_the_labels(root):
+    trace = Trace(root / "agent")
+    episode = conversation(trace, trace.steps()[0], 0)
+    assert page_count(episode, per_page=1) == 2
+    assert turns_on_page(episode, 0, per_page=1) == [0, 1] and turns_on_page(episode, 1, per_page=1) == [2]
+    second = chat_html(episode, "ratio", ["ratio"], turns=[2])
+    assert "turn 2" in second and "turn 1" not in second and "prompt" not in second
+    labels = [role_label(s) for s in episode.spans]
+    assert labels == ["system · not trained: prompt", "user · not trained: prompt", "assistant",
+                      "assistant · tool call", "tool · tool result · not trained: tool output", "assistant"]

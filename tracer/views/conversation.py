@@ -189,26 +189,26 @@ def turn_frame(rows: pd.DataFrame, reward: float | None = None) -> pd.DataFrame:
     when it trains none, or the column is absent), ``reward`` (the sequence's, on its last turn)."""
     turns = torch.tensor(rows["turn"].to_numpy(dtype="int64"))  # (T,)
     keep = torch.tensor(rows["kept"].to_numpy(dtype=bool))  # (T,)
-    ids = sorted(t for t in set(turns.tolist()) if t != turn_format.PAD_TURN)
+    order = torch.argsort(turns, stable=True)  # positions grouped by turn
+    present, sizes = torch.unique_consecutive(turns[order], return_counts=True)
+    groups = dict(zip(present.tolist(), torch.split(order, sizes.tolist())))  # turn -> its positions
+    ids = [t for t in groups if t != turn_format.PAD_TURN]
     if not ids:
         return pd.DataFrame(columns=list(TURN_COLUMNS))
-    K = len(ids)
-    in_turn = turns.unsqueeze(0) == torch.tensor(ids).unsqueeze(1)  # (K, T)
-    trained = in_turn & keep.unsqueeze(0)  # (K, T)
-    roles = rows["role"].astype(str).tolist()
+    trained = [keep[groups[t]] for t in ids]  # K x (n_k,)
+    roles = rows["role"].astype(str).replace("", "prompt").groupby(rows["turn"], sort=False).unique()
     out = pd.DataFrame({
         "turn": ids,
-        "roles": [", ".join(dict.fromkeys(r or "prompt" for r, hit in zip(roles, row) if hit))
-                  for row in in_turn.tolist()],
-        "tokens": in_turn.sum(dim=1).numpy(),
-        "trained_tokens": trained.sum(dim=1).numpy(),
+        "roles": [", ".join(roles[t]) for t in ids],
+        "tokens": [len(groups[t]) for t in ids],
+        "trained_tokens": [int(k.sum()) for k in trained],
     })
     for name, column in TURN_MEANS.items():
         if column not in rows:
             out[name] = math.nan
             continue
         values = torch.tensor(rows[column].to_numpy(dtype="float64", na_value=math.nan))  # (T,)
-        means = formulas.masked_mean(values.unsqueeze(0).expand(K, -1), trained, dim=1)  # (K,)
-        out[name] = torch.where(trained.any(dim=1), means, torch.full_like(means, math.nan)).numpy()
-    out["reward"] = [reward if reward is not None and i == K - 1 else math.nan for i in range(K)]
+        out[name] = [float(formulas.masked_mean(values[groups[t]], k)) if bool(k.any()) else math.nan
+                     for t, k in zip(ids, trained)]
+    out["reward"] = [reward if reward is not None and t == ids[-1] else math.nan for t in ids]
     return out
