@@ -59,7 +59,8 @@ test-main: $(STAMP)
 test-verl: $(VERL_STAMP)
 	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py
 
-# Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs (tiny local model, CPU).
+# Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs, and a TRL GRPO
+# run with tools=[add] (multi-turn tool-calling episodes) (tiny local models, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl
 sample-traces: $(STAMP)
 	for algo in $(SAMPLES); do \
@@ -68,6 +69,8 @@ sample-traces: $(STAMP)
 	done
 	rm -rf sample_traces/grpo-trl-tiny
 	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
+	rm -rf sample_traces/agent-trl-tiny
+	HF_HUB_OFFLINE=1 $(PY) -m tracer demo agent --out sample_traces/agent-trl-tiny --steps 4 --seed 0
 
 # Regenerate the bundled diff pair: the GRPO loop and the same loop with one documented change (scorer clipped at
 # 2 instead of 3; tracer/demo/diff_pair.py). `tracer diff` and the app's Diff page open on it.
