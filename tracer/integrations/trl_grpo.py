@@ -21,6 +21,12 @@ TRL's callbacks never see tensors, so the hook wraps four methods on the trainer
   values from TRL 1.7 on (logps, entropies, aux_loss), 2 before; both are handled.
 - ``compute_loss`` marks the micro-batch boundary: after it returns, one step file is written.
 
+With ``tools=`` (or ``environment_factory=``) a completion row is a packed episode: assistant turns
+with the tool results TRL appended between them. ``completion_mask`` is then TRL's loss mask,
+``completion_mask * tool_mask`` (``tool_mask`` is recorded beside it), and ``turn_ids``,
+``token_roles`` and ``mask_reasons`` are read from the ids and the chat template, never from
+``tool_mask`` (:mod:`tracer.integrations.trl_tools`), so a tool token left in the loss shows.
+
 Rows of a step file are put back in generation order (sorted by row id), so the G completions of a
 prompt are consecutive and ``group_ids`` comes in runs of G whenever a micro-batch holds whole
 groups (always when ``steps_per_generation == 1``, TRL's default with no gradient accumulation).
