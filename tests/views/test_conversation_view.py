@@ -143,3 +143,18 @@ def test_tool_call_marker_split_across_tokens():
     assert _tool_call_pieces(0, 6, texts) == [(0, 1, MESSAGE), (1, 5, TOOL_CALL), (5, 6, MESSAGE)]
     assert _tool_call_pieces(0, 2, ["plain", " text"]) == [(0, 2, MESSAGE)]
     assert _tool_call_pieces(0, 2, ["<tool_call>", "x"]) == [(0, 2, TOOL_CALL)]  # never closed: to the end
+
+
+def test_step_table_gives_turns_roles_and_no_placeholder_values(traces):
+    from tracer.views.step import step_token_frame
+
+    frame = step_token_frame(traces["recorded"], 0)
+    row = frame[frame["sequence"] == 0].set_index("position")
+    assert row.loc[[5, 10, 13, 16], "turn"].tolist() == [1, 1, 2, -1]
+    assert row.loc[[0, 3, 5, 10, 16], "role"].tolist() == ["system", "user", "assistant", "tool", ""]
+    assert row.loc[list(TOOL), "mask_reason"].tolist() == ["tool_output"] * 3
+    # at the tool result: old and sampler are placeholders, so |policy - old|, ratio, k2 and
+    # |old - sampler| are empty; trained positions keep theirs (position 9: ratio 2, |old - sampler| 0.1)
+    for column in ("abs_policy_old", "ratio", "approx_kl_k2", "abs_old_sampler", "old_minus_sampler"):
+        assert row.loc[list(TOOL), column].isna().all(), column
+    assert row.loc[9, "ratio"] == pytest.approx(2.0) and row.loc[9, "abs_old_sampler"] == pytest.approx(0.1, rel=1e-5)
