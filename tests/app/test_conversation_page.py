@@ -149,3 +149,17 @@ def test_chat_of_some_turns_and_the_labels(root):
     labels = [role_label(s) for s in episode.spans]
     assert labels == ["system · not trained: prompt", "user · not trained: prompt", "assistant",
                       "assistant · tool call", "tool · tool result · not trained: tool output", "assistant"]
+
+
+def test_bundled_agent_sample(monkeypatch):
+    """The bundled TRL ``tools=`` trace (sample_traces/agent-trl-tiny): the chat shows its tool call and
+    tool result, the turn table its two turns."""
+    from tests.fixtures.paths import SAMPLES
+
+    if not (SAMPLES / "agent-trl-tiny").is_dir():
+        pytest.skip("sample_traces/agent-trl-tiny is not in this checkout")
+    at = open_conversation(monkeypatch, SAMPLES, "agent-trl-tiny")
+    body = chat(at)
+    assert "assistant · tool call" in body and "tool · tool result · not trained: tool output" in body
+    assert any("as recorded (turn_ids, token_roles, mask_reasons)" in c.value for c in at.caption)
+    assert turns_table(at)["turn"].tolist()[-1] >= 2
