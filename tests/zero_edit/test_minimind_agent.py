@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tracer import Trace
+from tracer.checks import ERROR, run_checks
 from tracer.format.turns import infer_turn_ids
 from tracer.zero_edit.frame_lookup import _MISSING, resolve_in
 from tracer.zero_edit.name_maps import NameMapError, load_name_map, parse_expression
@@ -117,6 +118,14 @@ def test_rows_are_packed_episodes_with_tool_results_between_turns(agent_run, mod
                 between = tokenizer.decode(ids[b, first_gap_start:].tolist())
                 assert '<|im_start|>tool\n{"result": ' in between
     assert {1, 2} <= turns_seen  # single-turn answers and tool-calling episodes (seed 0 also has 3-turn ones)
+
+
+def test_tracer_check_finds_no_error_on_the_healthy_run(agent_run):
+    # kl.k1_negative_step may warn at step 2: the engine's forced tool-call tokens were not sampled from the
+    # policy (step 1 lowered their logprobs), which is what that warning is about; no check may call it an error
+    out, _, _ = agent_run
+    errors = [f for f in run_checks(out) if f.severity == ERROR]
+    assert errors == []
 
 
 def test_a_run_without_token_ids_says_so_with_the_fix(tmp_path, caplog):
