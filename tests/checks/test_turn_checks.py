@@ -154,3 +154,13 @@ def test_per_token_advantages_follow_the_declared_assignment(tmp_path):
     per_turn = {**meta, "advantage_assignment": "turn"}
     assert found(run_checks(write_trace(tmp_path / "turn", "grpo", [(0, 0, tensors, per_turn)])),
                  "turns.advantage_assignment") == []
+
+
+def test_kept_tool_output_is_one_finding_not_also_an_after_eos_one(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][:, TOOL1] = True  # the tool result follows turn 1's EOS
+    for name in ("old_logprobs", "sampler_logprobs"):  # scored by the trainer's forward pass, as TRL does
+        tensors[name][:, TOOL1] = tensors["policy_logprobs"][:, TOOL1]
+    assert errors(check(tmp_path, tensors, "scored")) == ["turns.tool_output_trained"]
+    tensors["old_logprobs"][:, TOOL1] = 0.0  # placeholders there: still one cause, not also a placeholder finding
+    assert "turns.placeholder_logprobs" not in errors(check(tmp_path, tensors, "filled"))

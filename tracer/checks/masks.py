@@ -87,6 +87,9 @@ def check_after_eos(ctx: StepContext):
                                       layout.roles if multi else None,
                                       layout.role_code("assistant") if multi else None)  # (B, T)
         leak = keep & (pos > first_eos)
+        if multi and layout.roles is not None:  # a kept tool or environment token is turns.tool_output_trained's
+            assistant = layout.role_code("assistant")
+            leak &= (layout.roles < 0) | (layout.roles == assistant)
         if not bool(leak.any()):
             continue
         rows = leak.any(dim=1).nonzero().flatten().tolist()

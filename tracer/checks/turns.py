@@ -99,13 +99,17 @@ def check_placeholder_logprobs(ctx: StepContext):
     names = [n for n in ("old_logprobs", "sampler_logprobs") if n in ctx.data and n not in ctx.derived]
     if not names:
         return []  # no recorded old or sampler logprob that could hold a placeholder
+    try:
+        foreign = _not_model_written(ctx, ctx.turn_layout())[0]
+    except Skip:
+        foreign = torch.zeros_like(keep)
     findings = []
     for name in names:
         side = ctx.tensor(name)
         real_low = policy < -PLACEHOLDER_GAP  # the policy gives the token a probability well below 1
         zero = keep & (side == 0.0) & real_low
         fill = keep & real_low & _varying(policy, _constant_runs(side, keep))
-        bad = zero | fill
+        bad = (zero | fill) & ~foreign  # a kept tool token is turns.tool_output_trained's finding
         if not bool(bad.any()):
             continue
         rows = bad.any(dim=1).nonzero().flatten().tolist()
