@@ -21,6 +21,7 @@ What differs from MiniMind, and why:
   re-tokenised chat gets), so a healthy run has no token drift between rollout and training.
 - No reward model, checkpointing, DDP, wandb or SkipBatchSampler; tools are MiniMind's calculate_math only,
   run without the SIGALRM timeout (the watcher's tests may own that signal).
+- `--inject BUG` injects a known agentic bug for the checks' tests (none by default).
 - `--dump_dir DIR` saves each step's tensors (safetensors, before backward) for the tests to compare with.
 """
 
@@ -50,6 +51,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TOOL_CALL = '<tool_call>{{"name": "calculate_math", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+INJECT = ""  # --inject: a known bug, for tests (set in __main__)
 
 
 def Logger(content):
@@ -222,10 +226,12 @@ def rollout_single(rollout_engine, tokenizer, messages, tools, max_turns=3, max_
         pairs = [(t, lp) for t, lp in zip(new_ids, new_logps) if t != tokenizer.pad_token_id and t != tokenizer.eos_token_id]
         new_ids = [t for t, _ in pairs]
         new_logps = [lp for _, lp in pairs]
+        if INJECT == "turn_shift" and turn > 0:  # injected bug: a later turn's logprobs read one token late
+            new_logps = new_logps[1:] + new_logps[-1:]
         new_text = rollout_result.completions[0]
         all_outputs.append(new_text)
         response_ids.extend(new_ids)
-        response_mask.extend([1] * len(new_ids))
+        response_mask.extend([0 if INJECT == "first_turn_only" and turn > 0 else 1] * len(new_ids))  # injected: later turns untrained
         response_old_logps.extend(new_logps)
         final_context = context + new_text
         calls = parse_tool_calls(new_text)
@@ -247,7 +253,7 @@ def rollout_single(rollout_engine, tokenizer, messages, tools, max_turns=3, max_
         current_len = len(prompt_ids) + len(response_ids)
         obs_delta = observe_ids[current_len:]
         response_ids.extend(obs_delta)
-        response_mask.extend([0] * len(obs_delta))
+        response_mask.extend([1 if INJECT == "tool_output_in_mask" else 0] * len(obs_delta))  # injected: tool result trained
         response_old_logps.extend([0.0] * len(obs_delta))
         final_context = observe_context
 
@@ -478,8 +484,12 @@ if __name__ == "__main__":
     parser.add_argument("--tool_call_ratio", type=float, default=0.5, help="episodes whose first turn calls the tool")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump_dir", type=str, default="", help="save each step's tensors here (tests)")
+    parser.add_argument("--inject", default="", choices=["", "tool_output_in_mask", "first_turn_only", "turn_shift"],
+                        help="a known agentic bug (tests): tool results in the loss mask, turns after the first "
+                             "left untrained, a later turn's logprobs one token late")
     args = parser.parse_args()
 
+    INJECT = args.inject
     setup_seed(42 + args.seed)
     lm_config = SimpleNamespace(use_moe=bool(args.use_moe))
     autocast_ctx = nullcontext()

@@ -128,6 +128,24 @@ def test_tracer_check_finds_no_error_on_the_healthy_run(agent_run):
     assert errors == []
 
 
+@pytest.mark.parametrize("bug, check, says", [
+    ("tool_output_in_mask", "turns.tool_output_trained", "the tool span at tokens"),
+    ("first_turn_only", "turns.untrained_turn", "none of its"),
+    ("turn_shift", "turns.turn_shift", "fit policy_logprobs shifted by +1"),
+])
+def test_an_agentic_bug_in_the_unmodified_loop_is_named_with_its_turn(model_dir, tmp_path, bug, check, says):
+    out = tmp_path / bug
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracer", "run", "--algo", "cispo", "--out", str(out), "--meta",
+         "loss_reduction=sequence_mean", "--", str(SCRIPT), "--model_dir", str(model_dir), "--inject", bug],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    findings = run_checks(out)
+    named = [f for f in findings if f.check == check and f.severity == ERROR]
+    assert named and says in named[0].message and f"turn {named[0].details['turn']}" in named[0].message
+    assert named[0].details["turn"] >= 1
+
+
 def test_a_run_without_token_ids_says_so_with_the_fix(tmp_path, caplog):
     name_map = {"extends": "", "fields": {"policy_logprobs": ["per_token_logps"],
                                           "completion_mask": ["completion_mask"]}}

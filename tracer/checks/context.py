@@ -176,33 +176,6 @@ class StepHeader:
         return passes.get((self.key.step, self.key.inner_step, self.key.rank), [self.key])
 
 
-@dataclass(frozen=True)
-class TurnLayout:
-    """Turns and roles of one step's ``[B, T]`` completion rows (SPEC.md section 4, tracer/format/turns.py).
-
-    Attributes:
-        turn_ids: ``[B, T]`` int64, 0 = prompt, k >= 1 = turn k, -1 = padding.
-        roles: ``[B, T]`` int64 codes into ``role_names``, or None when the trace records no roles.
-        role_names: the names of the role codes.
-        recorded: True when ``turn_ids`` were recorded, False when inferred from the mask.
-        packed: the rows may hold their prompt (turn 0) ahead of the answer: ``turn_ids`` recorded,
-            or no ``prompt_ids`` recorded beside the completion.
-    """
-
-    turn_ids: torch.Tensor
-    roles: torch.Tensor | None
-    role_names: tuple[str, ...]
-    recorded: bool
-    packed: bool
-
-    def role_code(self, name: str) -> int | None:
-        return self.role_names.index(name) if name in self.role_names else None
-
-    @property
-    def multi_turn(self) -> bool:
-        return bool((self.turn_ids > 1).any())
-
-
 class StepContext(StepHeader):
     """One step file opened for checking: ``data`` (all tensors), ``metadata``, ``options``."""
 
@@ -214,7 +187,7 @@ class StepContext(StepHeader):
         stored = [str(t.dtype).removeprefix("torch.") for t in self.data.values() if t.is_floating_point()]
         self.dtype = loosest_dtype(self.declared_dtypes() + stored)
         self.tol = TOLERANCES[self.dtype]
-        self._turns: TurnLayout | None = None
+        self._turns: turns.Layout | None = None
 
     # -- inputs -------------------------------------------------------------------------------
 
@@ -273,23 +246,23 @@ class StepContext(StepHeader):
         pad = self.trace.pad_token_id
         return int(pad) if pad is not None else self.metadata.get("pad_token_id")
 
-    def turn_layout(self) -> "TurnLayout":
-        """The step's turns and roles (:class:`TurnLayout`): the recorded ``turn_ids`` / ``token_roles``,
-        else turns inferred from ``completion_mask`` (:func:`tracer.format.turns.infer_turn_ids`) and no
-        roles. Skip without ``completion_ids`` and ``completion_mask``."""
+    def turn_layout(self) -> turns.Layout:
+        """The step's turns and roles (:func:`tracer.format.turns.read_layout`: recorded, read from the
+        chat template's markers, or turns read from the mask). Skip without ``completion_ids`` and
+        ``completion_mask``."""
         if self._turns is None:
             ids, keep = self.data.get("completion_ids"), self.data.get("completion_mask")
             if ids is None or keep is None:
                 raise Skip("needs completion_ids and completion_mask (the token ids were not recorded)")
-            keep = keep.bool()
-            recorded = "turn_ids" in self.data and self.data["turn_ids"].shape == ids.shape
-            turn_ids = (self.data["turn_ids"].long() if recorded
-                        else turns.infer_turn_ids(ids, keep, self.pad_token_id, self.eos_token_id))
-            roles = self.data.get("token_roles")
-            roles = roles.long() if roles is not None and roles.shape == ids.shape else None
-            self._turns = TurnLayout(turn_ids, roles, turns.role_names(self.metadata), recorded,
-                                     packed=recorded or "prompt_ids" not in self.data)
+            self._turns = turns.read_layout(ids, keep.bool(), self.data, self.metadata, self.trace.tokens,
+                                            self.eos_token_id, self.pad_token_id)
         return self._turns
+
+    @property
+    def packed_rows(self) -> bool:
+        """The completion rows may hold their prompt ahead of the answer: ``turn_ids`` recorded, or no
+        ``prompt_ids`` recorded beside the completion (MiniMind's packed ``input_ids[:, 1:]``)."""
+        return "turn_ids" in self.data or "prompt_ids" not in self.data
 
     # -- output -------------------------------------------------------------------------------
 

@@ -80,9 +80,9 @@ def check_after_eos(ctx: StepContext):
             continue  # an empty side has no token after any EOS
         pos = torch.arange(T).expand(B, T)
         layout = ctx.turn_layout() if ids_name == "completion_ids" else None
-        packed = layout is not None and layout.packed
+        packed = layout is not None and ctx.packed_rows
         start = answer_start("chosen_ids" if packed else ids_name, keep)  # (B,)
-        multi = layout is not None and (layout.recorded or layout.multi_turn)
+        multi = layout is not None and (layout.source != "mask" or layout.multi_turn)
         first_eos = first_eos_of_turn(ids, start, eos, layout.turn_ids if multi else None,
                                       layout.roles if multi else None,
                                       layout.role_code("assistant") if multi else None)  # (B, T)

@@ -10,7 +10,8 @@ that read a step span by span.
   shifted by one position far better than unshifted (a shift confined to one turn, which the
   row-wide ``alignment.logprob_shift`` averages away).
 * ``turns.untrained_turn``: an assistant turn whose tokens the mask drops (wholly, or cut mid-way
-  with no EOS and no ``truncated`` reason), while other turns of the row are trained.
+  before its EOS or ``<|im_end|>`` with no ``truncated`` reason), while other turns of the row are
+  trained.
 * ``turns.advantage_assignment``: per-token advantages that are not one value per episode (or per
   turn) as metadata ``advantage_assignment`` declares.
 """
@@ -21,7 +22,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_MIN_GAP, SHIFT_RATIO
-from tracer.checks.context import StepContext, TurnLayout
+from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, RL_ALGORITHMS, Skip, register
 from tracer.format import turns as turn_format
 
@@ -39,19 +40,20 @@ def _span_text(ctx: StepContext, b: int, start: int, end: int, limit: int = 60) 
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
-def _row_spans(ctx: StepContext, layout: TurnLayout, b: int) -> list[turn_format.Span]:
+def _row_spans(ctx: StepContext, layout: turn_format.Layout, b: int) -> list[turn_format.Span]:
     keep = ctx.mask()[b].tolist()
     roles = layout.roles[b].tolist() if layout.roles is not None else None
     return turn_format.row_spans(layout.turn_ids[b].tolist(), roles, keep, layout.role_names)
 
 
-def _not_model_written(ctx: StepContext, layout: TurnLayout) -> tuple[torch.Tensor, str]:
+def _not_model_written(ctx: StepContext, layout: turn_format.Layout) -> tuple[torch.Tensor, str]:
     """``[B, T]`` bool: tokens the model did not write after the prompt (roles other than assistant
     in a turn >= 1, or a recorded reason tool_output / environment), and which field says so."""
     B, T = ctx.data["completion_ids"].shape
     if layout.roles is not None:
         assistant = layout.role_code(turn_format.ASSISTANT)
-        return (layout.roles >= 0) & (layout.roles != assistant) & (layout.turn_ids >= 1), "token_roles"
+        source = "token_roles" if layout.source == "recorded" else "the chat template's role markers"
+        return (layout.roles >= 0) & (layout.roles != assistant) & (layout.turn_ids >= 1), source
     if "mask_reasons" in ctx.data:
         names = turn_format.reason_names(ctx.metadata)
         codes = [names.index(n) for n in (turn_format.TOOL_OUTPUT, turn_format.ENVIRONMENT) if n in names]
@@ -64,7 +66,7 @@ def _not_model_written(ctx: StepContext, layout: TurnLayout) -> tuple[torch.Tens
           RL_ALGORITHMS)
 def check_tool_output_trained(ctx: StepContext):
     layout = ctx.turn_layout()
-    if not layout.recorded and not layout.multi_turn and not ctx.has("token_roles") and not ctx.has("mask_reasons"):
+    if layout.source == "mask" and not layout.multi_turn and not ctx.has("mask_reasons"):
         return []  # single-turn rows: no tool output to train on
     foreign, source = _not_model_written(ctx, layout)
     keep = ctx.mask()
@@ -74,14 +76,24 @@ def check_tool_output_trained(ctx: StepContext):
     rows = leak.any(dim=1).nonzero().flatten().tolist()
     b = rows[0]
     t = int(leak[b].nonzero()[0])
-    spans = [s for s in _row_spans(ctx, layout, b) if s.start <= t < s.end]
-    span = spans[0] if spans else turn_format.Span(int(layout.turn_ids[b, t]), "", t, t + 1, 1)
-    role = span.role or "tool output"
+    turn = int(layout.turn_ids[b, t])
+    start, end = t, t + 1  # the run of not-model-written tokens around t, within its turn
+    while start > 0 and bool(foreign[b, start - 1]) and int(layout.turn_ids[b, start - 1]) == turn:
+        start -= 1
+    while end < keep.shape[1] and bool(foreign[b, end]) and int(layout.turn_ids[b, end]) == turn:
+        end += 1
+    if layout.roles is not None:
+        role = layout.role_names[int(layout.roles[b, t])]
+    else:
+        names = turn_format.reason_names(ctx.metadata)
+        code = int(ctx.data["mask_reasons"][b, t])
+        role = names[code] if 0 <= code < len(names) else "tool output"
+    span = turn_format.Span(turn, role, start, end, int(keep[b, start:end].sum()))
     total = int(foreign.sum())
     message = (
         f"seq {b}, turn {span.turn}: the {role} span at tokens {span.start}..{span.end - 1} ({span.length} tokens, "
         f"{_span_text(ctx, b, span.start, span.end)}) is kept by completion_mask ({span.kept} of its tokens), though "
-        f"the model did not write it ({source} says {role}). {len(rows)} of {keep.shape[0]} rows train "
+        f"the model did not write it (role {role}, from {source}). {len(rows)} of {keep.shape[0]} rows train "
         f"{int(leak.sum())} of the step's {total} tool/environment tokens. Why it matters: the policy is pushed "
         "to predict the tool's output, and those tokens' old logprobs are placeholders, so their ratio and KL are "
         "meaningless. Likely fix: multiply the loss mask by the tool mask (TRL: completion_mask * tool_mask; a "
@@ -231,7 +243,7 @@ def check_untrained_turn(ctx: StepContext):
         raise Skip("needs token_roles (which tokens the assistant wrote), which these do not record")
     keep = ctx.mask()
     ids = ctx.data["completion_ids"]
-    eos = ctx.eos_token_id
+    ends = turn_format.message_end_ids(ctx.trace.tokens, ctx.eos_token_id)  # EOS, and ChatML's <|im_end|>
     reasons = None
     if "mask_reasons" in ctx.data:
         names = turn_format.reason_names(ctx.metadata)
@@ -248,7 +260,7 @@ def check_untrained_turn(ctx: StepContext):
                 continue
             if reasons is not None and all(reasons[b][t] in on_purpose for t in dropped):
                 continue
-            first_eos = next((t for t in range(span.start, span.end) if eos is not None and int(ids[b, t]) == eos), span.end)
+            first_eos = next((t for t in range(span.start, span.end) if int(ids[b, t]) in ends), span.end)
             first_kept = next((t for t in range(span.start, span.end) if bool(keep[b, t])), None)
             if first_kept is None:  # the whole turn dropped (a bare role header of the template does not count)
                 dropped = dropped if span.length > HEADER_TOKENS else []

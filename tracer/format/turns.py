@@ -210,3 +210,152 @@ def infer_mask_reasons(ids: Sequence[int], keep: Sequence[bool], eos_token_id: i
 def recorded_mask_reasons(codes: Sequence[int], names: Sequence[str]) -> list[str]:
     """A recorded ``mask_reasons`` row ``[T]`` as names; an out-of-range code reads ``masked``."""
     return [names[c] if 0 <= c < len(names) else MASKED for c in codes]
+
+
+IM_START = "<|im_start|>"  # ChatML: every message opens with <|im_start|>{role}\n
+IM_END = "<|im_end|>"  # ... and closes with <|im_end|>
+TOOL_RESPONSE = "<tool_response>"
+
+
+def message_end_ids(token_strings: Sequence[str] | None, eos_token_id: int | None) -> set[int]:
+    """Token ids that close a message: the EOS, and a ChatML template's ``<|im_end|>`` (a tokenizer
+    whose EOS is another token still ends each turn with it)."""
+    ends = {eos_token_id} if eos_token_id is not None else set()
+    if token_strings is not None:
+        ends |= {i for i, s in enumerate(token_strings) if s == IM_END}
+    return ends
+
+
+def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[str], pad_token_id: int | None,
+                 names: Sequence[str] = ROLE_NAMES) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+    """Roles read from a ChatML chat template's markers in the token ids, for a trace that records
+    none: each message opens with ``<|im_start|>``, then its role's name up to a newline; the role
+    holds until the next ``<|im_start|>``. Tokens before a row's first marker: the role named by
+    the row's leading text when it is a role name followed by a newline (a packed row that lost its
+    first token to ``input_ids[:, 1:]``), else ``assistant`` (a completion continuing the prompt's
+    generation header). A ``user`` message opening with ``<tool_response>`` (Qwen's templates) is a
+    tool result. The trailing pad run the mask drops is -1.
+
+    Returns ``(roles [B, T] int64, role names)``, the names extended by any other role found; None
+    when the tokenizer has no ``<|im_start|>`` token or no row holds one."""
+    start_ids = [i for i, s in enumerate(token_strings) if s == IM_START]
+    if not start_ids or not bool(torch.isin(ids, torch.tensor(start_ids)).any()):
+        return None
+    start = start_ids[0]
+    names = list(names)
+    B, T = ids.shape
+    out = torch.full((B, T), -1, dtype=torch.long)
+
+    def text(i: int) -> str:
+        return token_strings[i] if 0 <= i < len(token_strings) else ""
+
+    def header(row: list[int], t: int) -> tuple[str, int]:
+        """The role named from position t up to the newline, and the position after the newline."""
+        parts, u = [], t
+        while u < len(row) and len(parts) < 8:
+            piece = text(row[u])
+            u += 1
+            if "\n" in piece:
+                parts.append(piece.split("\n", 1)[0])
+                return "".join(parts).strip(), u
+            parts.append(piece)
+        return "", t
+
+    def code(role: str) -> int:
+        if role not in names:
+            names.append(role)
+        return names.index(role)
+
+    for b, (row, row_keep) in enumerate(zip(ids.tolist(), keep.bool().tolist())):
+        end = T
+        while end > 0 and not row_keep[end - 1] and pad_token_id is not None and row[end - 1] == pad_token_id:
+            end -= 1
+        role, _ = header(row, 0)
+        current = code(role if role in names else ASSISTANT)
+        values = []
+        for t in range(end):
+            if row[t] == start:
+                role, after = header(row, t + 1)
+                if role == USER and after < end and text(row[after]).startswith(TOOL_RESPONSE):
+                    role = TOOL  # Qwen's templates wrap a tool result in a user message
+                current = code(role or ENVIRONMENT_ROLE)
+            values.append(current)
+        out[b, :end] = torch.tensor(values, dtype=torch.long)
+    return out, tuple(names)
+
+
+def turns_from_roles(roles: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """Turn ids ``[B, T]`` from roles: each assistant message (a run of assistant tokens after a
+    token of another role, or the row's start) opens the next turn; tokens before the first one are
+    the prompt (0); padding (-1) stays -1. ``roles``: ``[B, T]`` int64 codes into ``names``."""
+    assistant = list(names).index(ASSISTANT) if ASSISTANT in names else -2
+    is_a = roles == assistant
+    opens = is_a.clone()
+    opens[:, 1:] &= ~is_a[:, :-1]
+    turns = opens.long().cumsum(dim=1)
+    return torch.where(roles < 0, torch.full_like(turns, PAD_TURN), turns)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Turns and roles of a step's ``[B, T]`` completion rows, however the trace tells them.
+
+    Attributes:
+        turn_ids: ``[B, T]`` int64, 0 = prompt, k >= 1 = turn k, -1 = padding.
+        roles: ``[B, T]`` int64 codes into ``role_names`` (-1 = padding), or None when no roles are
+            known (then a kept run is ``assistant`` and a masked run after the prompt ``environment``).
+        role_names: the names of the role codes.
+        source: ``"recorded"`` (turn_ids or token_roles in the file), ``"chat_template"`` (roles read
+            from the ChatML markers of the token strings, :func:`chatml_roles`) or ``"mask"`` (turns
+            read from the mask, :func:`infer_turn_ids`).
+    """
+
+    turn_ids: torch.Tensor
+    roles: torch.Tensor | None
+    role_names: tuple[str, ...]
+    source: str
+
+    def role_code(self, name: str) -> int | None:
+        return self.role_names.index(name) if name in self.role_names else None
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool((self.turn_ids > 1).any())
+
+    def role_rows(self, keep: torch.Tensor) -> list[list[str]]:
+        """Role names ``[B][T]`` (``""`` in padding; without roles: ``assistant`` for kept tokens,
+        ``environment`` for masked ones after the prompt, ``""`` in the prompt)."""
+        if self.roles is not None:
+            table = list(self.role_names)
+            return [[table[c] if 0 <= c < len(table) else "" for c in row] for row in self.roles.tolist()]
+        return [[ASSISTANT if k else (ENVIRONMENT_ROLE if turn > 0 else "") for turn, k in zip(turns, keeps)]
+                for turns, keeps in zip(self.turn_ids.tolist(), keep.bool().tolist())]
+
+
+def read_layout(ids: torch.Tensor, keep: torch.Tensor, fields: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, object] | None, token_strings: Sequence[str] | None,
+                eos_token_id: int | None, pad_token_id: int | None) -> Layout:
+    """The one reading of a step's turns and roles (checks, tables, views and ``tracer info`` all
+    call it): recorded ``turn_ids`` / ``token_roles`` first; else roles from the ChatML markers of
+    the token strings (:func:`chatml_roles`) when the row is multi-turn by them, with turns from the
+    roles; else turns from the mask (:func:`infer_turn_ids`) and no roles.
+
+    ``ids``, ``keep``: ``[B, T]``; ``fields``: the step's tensors (``turn_ids``, ``token_roles`` used
+    when ``[B, T]``)."""
+    shape = tuple(ids.shape)
+    turn_ids, roles = fields.get("turn_ids"), fields.get("token_roles")
+    turn_ids = turn_ids.long() if turn_ids is not None and tuple(turn_ids.shape) == shape else None
+    roles = roles.long() if roles is not None and tuple(roles.shape) == shape else None
+    names = role_names(metadata)
+    if turn_ids is not None or roles is not None:
+        if turn_ids is None:
+            turn_ids = turns_from_roles(roles, names)
+        return Layout(turn_ids, roles, names, "recorded")
+    if token_strings is not None:
+        read = chatml_roles(ids, keep, token_strings, pad_token_id, names)
+        if read is not None:
+            roles, names = read
+            turn_ids = turns_from_roles(roles, names)
+            if bool((turn_ids > 1).any()) or bool((roles != names.index(ASSISTANT)).logical_and(roles >= 0).any()):
+                return Layout(turn_ids, roles, names, "chat_template")
+    return Layout(infer_turn_ids(ids, keep, pad_token_id, eos_token_id), None, names, "mask")

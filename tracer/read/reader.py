@@ -330,7 +330,7 @@ class Trace:
             frames.append(tables.prompt_frame(data, rows, self.token_text))
         if "completion_ids" in data:
             frames.append(tables.completion_frame(data, rows, self.token_text, self.eos_token_id, self.pad_token_id,
-                                                   self.metadata(key)))
+                                                   self.metadata(key), self.tokens))
         if not frames:
             return pd.DataFrame()
         table = pd.concat(frames, ignore_index=True)

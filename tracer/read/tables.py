@@ -11,7 +11,7 @@ show it, and every field computed from it, as empty (NaN), never as a number
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 import torch
@@ -35,59 +35,43 @@ PLACEHOLDER_FIELDS = ("old_logprobs", "sampler_logprobs", "ref_logprobs")
 PLACEHOLDER = 0.0
 
 
+def layout_of(data: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | None,
+              token_strings: Sequence[str] | None, eos_token_id: int | None,
+              pad_token_id: int | None) -> turn_format.Layout:
+    """The turns and roles of a step's completion rows (:func:`tracer.format.turns.read_layout`)."""
+    ids = data["completion_ids"]
+    keep = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    return turn_format.read_layout(ids, keep, data, metadata, token_strings, eos_token_id, pad_token_id)
+
+
 def mask_reasons(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_id: int | None,
-    pad_token_id: int | None = None, *, turn_ids: torch.Tensor | None = None,
-    token_roles: torch.Tensor | None = None, recorded: torch.Tensor | None = None,
-    metadata: Mapping[str, Any] | None = None,
+    pad_token_id: int | None = None, *, layout: turn_format.Layout | None = None,
+    recorded: torch.Tensor | None = None, metadata: Mapping[str, Any] | None = None,
 ) -> list[list[str]]:
     """Why each completion position is kept or masked, ``[B][T]`` strings.
 
     ``recorded`` (the step's ``mask_reasons [B, T]``) is read through the step's
     ``mask_reason_names``; otherwise the reasons are inferred row by row with
-    :func:`tracer.format.turns.infer_mask_reasons` from the mask, EOS and pad ids and, when the step
-    records them, ``turn_ids`` and ``token_roles [B, T]``: ``kept``, ``prompt``, ``padding``,
-    ``after_eos``, ``tool_output``, ``environment``, ``masked``…
+    :func:`tracer.format.turns.infer_mask_reasons` from the mask, EOS and pad ids and, for a
+    multi-turn step, the ``layout``'s turns and roles (:func:`layout_of`): ``kept``, ``prompt``,
+    ``padding``, ``after_eos``, ``tool_output``, ``environment``, ``masked``…
     """
     if recorded is not None and tuple(recorded.shape) == tuple(completion_ids.shape):
         names = turn_format.reason_names(metadata)
         return [turn_format.recorded_mask_reasons(row, names) for row in recorded.tolist()]
     ids = completion_ids.tolist()
     keep = completion_mask.bool().tolist()
-    shaped = lambda t: t is not None and tuple(t.shape) == tuple(completion_ids.shape)  # noqa: E731
-    turns = turn_ids.tolist() if shaped(turn_ids) else None
-    roles = token_roles.tolist() if shaped(token_roles) else None
+    turns = roles = None
     names = turn_format.role_names(metadata)
+    if layout is not None and (layout.source != "mask" or layout.multi_turn):
+        turns = layout.turn_ids.tolist()
+        roles = layout.roles.tolist() if layout.roles is not None else None
+        names = layout.role_names
     return [turn_format.infer_mask_reasons(ids[b], keep[b], eos_token_id, pad_token_id,
                                            turns[b] if turns is not None else None,
                                            roles[b] if roles is not None else None, names)
             for b in range(len(ids))]
-
-
-def turn_roles(data: Mapping[str, torch.Tensor], pad_token_id: int | None, eos_token_id: int | None = None,
-               metadata: Mapping[str, Any] | None = None) -> tuple[torch.Tensor, list[list[str]]]:
-    """The turn id ``[B, T]`` int64 and role name ``[B][T]`` of every completion position: the
-    recorded ``turn_ids`` / ``token_roles`` (names from ``role_names``), else the turns
-    :func:`tracer.format.turns.infer_turn_ids` reads from the mask and the roles
-    :func:`tracer.format.turns.row_spans` gives them (``assistant`` for a kept run, ``environment``
-    for a masked run after the prompt, ``""`` in the prompt and padding)."""
-    ids = data["completion_ids"]
-    keep = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
-    turn_ids = data.get("turn_ids")
-    if turn_ids is None or turn_ids.shape != ids.shape:
-        turn_ids = turn_format.infer_turn_ids(ids, keep, pad_token_id, eos_token_id=eos_token_id)
-    token_roles = data.get("token_roles")
-    roles_rows = token_roles.tolist() if token_roles is not None and token_roles.shape == ids.shape else None
-    names = turn_format.role_names(metadata)
-    B, T = ids.shape
-    out = []
-    turns_rows, keep_rows = turn_ids.tolist(), keep.tolist()
-    for b in range(B):
-        row = [""] * T
-        for span in turn_format.row_spans(turns_rows[b], roles_rows[b] if roles_rows else None, keep_rows[b], names):
-            row[span.start:span.end] = [span.role] * span.length
-        out.append(row)
-    return turn_ids.long(), out
 
 
 def without_placeholders(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,20 +119,23 @@ def prompt_frame(data: dict[str, torch.Tensor], rows: list[int], token_text: Cal
 
 def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text: Callable[[list[int]], list[str]],
                      eos_token_id: int | None, pad_token_id: int | None,
-                     metadata: Mapping[str, Any] | None = None) -> pd.DataFrame:
+                     metadata: Mapping[str, Any] | None = None,
+                     token_strings: Sequence[str] | None = None) -> pd.DataFrame:
     """Completion rows of a token table, with each per-token value field present.
 
     Columns: ``sequence, section, position, token_id, token_text, kept, mask_reason`` (recorded
     ``mask_reasons``, else inferred: :func:`mask_reasons`), ``turn`` and ``role``
-    (:func:`turn_roles`), then the value fields, placeholders empty (:func:`without_placeholders`).
-    ``metadata``: the step's (``role_names``, ``mask_reason_names``)."""
+    (:func:`layout_of`), then the value fields, placeholders empty (:func:`without_placeholders`).
+    ``metadata``: the step's (``role_names``, ``mask_reason_names``); ``token_strings``: the trace's
+    (a chat template's role markers name the roles of a trace that records none)."""
     ids = data["completion_ids"]
     B, T = ids.shape
     completion_mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
     flat = ids.reshape(-1).tolist()
-    reasons = mask_reasons(ids, completion_mask, eos_token_id, pad_token_id, turn_ids=data.get("turn_ids"),
-                           token_roles=data.get("token_roles"), recorded=data.get("mask_reasons"), metadata=metadata)
-    turn_ids, roles = turn_roles(data, pad_token_id, eos_token_id, metadata)
+    layout = layout_of(data, metadata, token_strings, eos_token_id, pad_token_id)
+    reasons = mask_reasons(ids, completion_mask, eos_token_id, pad_token_id, layout=layout,
+                           recorded=data.get("mask_reasons"), metadata=metadata)
+    turn_ids, roles = layout.turn_ids, layout.role_rows(completion_mask)
     frame = pd.DataFrame({
         "sequence": [r for r in rows for _ in range(T)],
         "section": "completion",

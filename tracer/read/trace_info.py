@@ -103,32 +103,30 @@ def turn_facts(trace: Trace, key: StepKey) -> dict[str, Any] | None:
         return None
     metadata = trace.metadata(key)
     recorded = [f for f in turns.TURN_FIELDS if f in data and data[f].shape == ids.shape]
-    turn_ids = (data["turn_ids"].long() if "turn_ids" in recorded
-                else turns.infer_turn_ids(ids, keep, trace.pad_token_id, trace.eos_token_id))
-    counts = turns.turn_count(turn_ids)  # (B,)
-    if not recorded and not bool((counts > 1).any()):
+    layout = turns.read_layout(ids, keep, data, metadata, trace.tokens, trace.eos_token_id, trace.pad_token_id)
+    counts = turns.turn_count(layout.turn_ids)  # (B,)
+    if layout.source == "mask" and not bool((counts > 1).any()) and not recorded:
         return None
-    names = turns.role_names(metadata)
-    roles = data["token_roles"].long() if "token_roles" in recorded else None
+    roles = layout.roles
     by_role: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
     reason_names = turns.reason_names(metadata)
     for b in range(ids.shape[0]):
         row_keep = keep[b].tolist()
-        for span in turns.row_spans(turn_ids[b].tolist(), roles[b].tolist() if roles is not None else None,
-                                    row_keep, names):
+        row_turns = layout.turn_ids[b].tolist()
+        row_roles = roles[b].tolist() if roles is not None else None
+        for span in turns.row_spans(row_turns, row_roles, row_keep, layout.role_names):
             entry = by_role.setdefault(span.role or turns.PROMPT, {"tokens": 0, "trained": 0})
             entry["tokens"] += span.length
             entry["trained"] += span.kept
         row_reasons = (turns.recorded_mask_reasons(data["mask_reasons"][b].tolist(), reason_names)
                        if "mask_reasons" in recorded else
                        turns.infer_mask_reasons(ids[b].tolist(), row_keep, trace.eos_token_id, trace.pad_token_id,
-                                                turn_ids[b].tolist(), roles[b].tolist() if roles is not None else None,
-                                                names))
+                                                row_turns, row_roles, layout.role_names))
         for reason in row_reasons:
             if reason != turns.KEPT:
                 reasons[reason] = reasons.get(reason, 0) + 1
-    return {"step_file": key.label, "recorded": recorded, "episodes": int(ids.shape[0]),
+    return {"step_file": key.label, "recorded": recorded, "source": layout.source, "episodes": int(ids.shape[0]),
             "turns": {"min": int(counts.min()), "mean": float(counts.float().mean()), "max": int(counts.max())},
             "roles": by_role, "not_trained": reasons}
 
@@ -139,7 +137,8 @@ def describe_turns(facts: dict[str, Any] | None) -> list[str]:
         return []
     t = facts["turns"]
     source = (f"recorded: {', '.join(facts['recorded'])}" if facts["recorded"] else
-              "read from the mask: no turn_ids or token_roles recorded")
+              "roles read from the chat template's markers: no turn_ids or token_roles recorded"
+              if facts.get("source") == "chat_template" else "read from the mask: no turn_ids or token_roles recorded")
     lines = [f"turns ({facts['step_file']}): {facts['episodes']} episodes, {t['min']}..{t['max']} assistant turns "
              f"each (mean {t['mean']:.2f}); {source}"]
     roles = ", ".join(f"{role} {v['tokens']} tokens ({v['trained']} trained)" for role, v in facts["roles"].items())

@@ -17,7 +17,7 @@ import torch
 from tracer import formulas
 from tracer.read import StepKey, Trace
 from tracer.format import turns as turn_format
-from tracer.read.tables import mask_reasons, without_placeholders
+from tracer.read.tables import layout_of, mask_reasons, without_placeholders
 
 # Per-token quantities of the step table: column -> (label, neutral value of its colour scale).
 QUANTITIES: dict[str, tuple[str, float]] = {
@@ -78,15 +78,17 @@ def _file_frame(trace: Trace, key: StepKey) -> pd.DataFrame | None:
     mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
     flat_ids = ids.reshape(-1).tolist()
     meta = trace.metadata(key)
-    reasons = mask_reasons(ids, mask, trace.eos_token_id, trace.pad_token_id, turn_ids=data.get("turn_ids"),
-                           token_roles=data.get("token_roles"), recorded=data.get("mask_reasons"), metadata=meta)
+    layout = layout_of(data, meta, trace.tokens, trace.eos_token_id, trace.pad_token_id)
+    reasons = mask_reasons(ids, mask, trace.eos_token_id, trace.pad_token_id, layout=layout,
+                           recorded=data.get("mask_reasons"), metadata=meta)
     frame = pd.DataFrame({
         "rank": key.rank, "micro_batch": key.micro_batch,
         "sequence": np.repeat(np.arange(B), T), "position": np.tile(np.arange(T), B),
         "token_id": flat_ids, "token_text": trace.token_text(flat_ids),
         "mask_reason": [r for row in reasons for r in row], "kept": mask.reshape(-1).numpy(),
     })
-    frame["turn"], frame["role"] = _turns_and_roles(data, mask, trace.pad_token_id, trace.eos_token_id, meta)
+    frame["turn"] = layout.turn_ids.reshape(-1).numpy()
+    frame["role"] = [r for row in layout.role_rows(mask) for r in row]
     for name, values in _quantities(trace, key, without_placeholders(data), mask).items():
         values = values.float()
         if values.dim() == 1 and values.shape[0] == B:  # [B] (GRPO advantages): one value per row
@@ -94,28 +96,6 @@ def _file_frame(trace: Trace, key: StepKey) -> pd.DataFrame | None:
         if tuple(values.shape) == (B, T):
             frame[name] = values.reshape(-1).numpy()
     return frame
-
-
-def _turns_and_roles(data: dict[str, torch.Tensor], mask: torch.Tensor, pad_token_id: int | None,
-                     eos_token_id: int | None, meta: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Each position's turn (recorded ``turn_ids``, else :func:`tracer.format.turns.infer_turn_ids`)
-    and role (recorded ``token_roles`` by ``role_names``; else ``assistant`` for a kept token,
-    ``environment`` for a masked one after the prompt, ``""`` in the prompt and padding), flat ``[B * T]``."""
-    ids = data["completion_ids"]
-    turn_ids = data.get("turn_ids")
-    if turn_ids is None or turn_ids.shape != ids.shape:
-        turn_ids = turn_format.infer_turn_ids(ids, mask, pad_token_id, eos_token_id=eos_token_id)
-    turns = turn_ids.reshape(-1).numpy()
-    token_roles = data.get("token_roles")
-    if token_roles is not None and token_roles.shape == ids.shape:
-        names = np.array([*turn_format.role_names(meta), ""], dtype=object)  # -1 (padding) -> ""
-        codes = token_roles.reshape(-1).numpy()
-        roles = names[np.where((codes >= 0) & (codes < len(names) - 1), codes, -1)]
-    else:
-        keep = mask.reshape(-1).numpy()
-        roles = np.where(keep, turn_format.ASSISTANT, np.where(turns > 0, turn_format.ENVIRONMENT_ROLE, ""))
-        roles = roles.astype(object)
-    return turns, roles
 
 
 def _quantities(trace: Trace, key: StepKey, data: dict[str, torch.Tensor], mask: torch.Tensor) -> dict:
