@@ -238,5 +238,5 @@ def click_a_step_point(page) -> None:
     wait_idle(page)
     assert urlsplit(page.url).path == "/step"
     query = parse_qs(urlsplit(page.url).query)
-    assert (query["step"], query["inner"]) == (["1"], ["0"]), page.url
+    assert (query["run"], query["step"], query["inner"]) == (["grpo-tiny"], ["1"], ["0"]), page.url
     expect(page.locator("[data-testid=stMain]")).to_contain_text("step 1 · inner 0 ·")

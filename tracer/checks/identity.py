@@ -15,6 +15,7 @@ import torch
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
 from tracer.checks.context import TOLERANCES, StepContext, StepHeader, check_memo, loosest_dtype
+from tracer.checks import turns
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
@@ -179,9 +180,14 @@ def check_first_step(ctx: StepContext):
         return []  # not a first step, or old = policy.detach(): ratio 1 by construction
     policy, old = ctx.require("policy_logprobs", "old_logprobs")
     keep = ctx.mask()
+    if int(keep.sum()) == 0:
+        raise Skip("no kept token in completion_mask")
+    explained = turns.explained_positions(ctx) if ctx.has("completion_ids") else torch.zeros_like(keep)
+    n_explained = int(explained.sum())
+    keep = keep & ~explained  # tool output, placeholders or shifted turns: the turns checks name them
     n_kept = int(keep.sum())
     if n_kept == 0:
-        raise Skip("no kept token in completion_mask")
+        return []
     delta = (policy - old).abs()  # (B, T)
     ratio = formulas.ratio(policy, old)  # (B, T)
     beyond = (delta > ctx.tol.identity_atol) & keep
@@ -203,11 +209,12 @@ def check_first_step(ctx: StepContext):
         n_out = int((((ratio < low) | (ratio > high)) & keep).sum())
         clip_text = (f"; {n_out} of {n_kept} kept tokens have a ratio outside [{low:g}, {high:g}] "
                      f"(clip fraction {n_out / n_kept:.3f}, expected 0)")
+    left_out = f"over the other tokens, leaving out {n_explained} that the turns checks name " if n_explained else ""
     message = (
         f"inner step {ctx.key.inner_step} on fresh rollouts: policy_logprobs must equal old_logprobs "
         f"(same weights, same tokens), but {int(beyond.sum())} of {n_kept} kept tokens differ by more than "
         f"{ctx.tol.identity_atol:g} nats ({ctx.dtype}){clip_text}; mean ratio {mean_ratio:.4f} "
-        f"(expected 1 ± {ctx.tol.mean_ratio:g}). Worst: seq {b}, token {t}: policy {float(policy[b, t]):.4f}, "
+        f"{left_out}(expected 1 ± {ctx.tol.mean_ratio:g}). Worst: seq {b}, token {t}: policy {float(policy[b, t]):.4f}, "
         f"old {float(old[b, t]):.4f}, ratio {float(ratio[b, t]):.4f}. Why it matters: the first update "
         "clips and weights tokens for a mismatch, not for a policy change. Likely fix: compute old and "
         "policy logprobs the same way (eval vs train mode/dropout, temperature, padding and masking, "

@@ -121,7 +121,8 @@ def check_placeholder_logprobs(ctx: StepContext):
         real_low = policy < -PLACEHOLDER_GAP  # the policy gives the token a probability well below 1
         zero = keep & (side == 0.0) & real_low
         fill = keep & real_low & _varying(policy, _constant_runs(side, keep))
-        bad = (zero | fill) & ~foreign  # a kept tool token is turns.tool_output_trained's finding
+        # a kept tool token, and the template tokens kept with it, are turns.tool_output_trained's finding
+        bad = _outside_foreign_runs(zero | fill, foreign & keep)
         if not bool(bad.any()):
             continue
         rows = bad.any(dim=1).nonzero().flatten().tolist()
@@ -143,6 +144,27 @@ def check_placeholder_logprobs(ctx: StepContext):
         findings.append(ctx.finding("turns.placeholder_logprobs", ERROR, message, b, t, field=name, rows=rows[:50],
                                     tokens=int(bad.sum()), value=value))
     return findings
+
+
+def _outside_foreign_runs(bad: torch.Tensor, foreign: torch.Tensor) -> torch.Tensor:
+    """``bad`` without the runs of consecutive ``bad | foreign`` positions that hold a ``foreign`` one:
+    a tool result kept by the mask comes with the chat template's tokens around it (``<|im_end|>``,
+    the next role header), whose fill is the same mistake. ``[B, T]`` bool."""
+    out = bad & ~foreign
+    for b in (bad & ~foreign).any(dim=1).nonzero().flatten().tolist():
+        either, row_f = (bad[b] | foreign[b]).tolist(), foreign[b].tolist()
+        t, T = 0, len(either)
+        while t < T:
+            if not either[t]:
+                t += 1
+                continue
+            end = t
+            while end < T and either[end]:
+                end += 1
+            if any(row_f[t:end]):
+                out[b, t:end] = False
+            t = end
+    return out
 
 
 def _constant_runs(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -192,14 +214,45 @@ def check_turn_shift(ctx: StepContext):
     layout = ctx.turn_layout()
     if not layout.multi_turn:
         return []  # single-turn rows: alignment.logprob_shift tests whole rows
-    if ctx.has("old_logprobs", "sampler_logprobs"):
-        pairs = [("old_logprobs", "sampler_logprobs")]
-    elif ctx.has("old_logprobs", "policy_logprobs") and ctx.key.inner_step == 0 and "old_logprobs" not in ctx.derived:
-        pairs = [("old_logprobs", "policy_logprobs")]
-    else:
+    pairs = _shift_pairs(ctx)
+    if not pairs:
         raise Skip("needs old_logprobs with sampler_logprobs, or old and policy logprobs at inner step 0")
-    keep = ctx.mask()
     findings = []
+    for b, span, name, other, sh, best, mae0, n0, fits in _shifted_spans(ctx, layout, pairs):
+        if any(f.sequence == b for f in findings):
+            continue  # one finding per row
+        s, e = span.start, span.end
+        message = (
+            f"seq {b}, turn {span.turn} (tokens {s}..{e - 1}): {name} fit {other} shifted by {sh:+d} (mean "
+            f"|Δ| {best:.4f} nats) far better than unshifted ({mae0:.4f} nats over {n0} tokens): inside this "
+            f"turn {name}[j] holds the logprob of the {'next' if sh > 0 else 'previous'} token. Why it "
+            "matters: this turn's tokens are trained with their neighbours' logprobs. Likely fix: when "
+            "concatenating turns, append each turn's logprobs at the same offsets as its tokens (a token "
+            "dropped or added between turns, e.g. an EOS filtered from the ids but not from the logprobs, "
+            "moves every later turn by one)."
+        )
+        findings.append(ctx.finding("turns.turn_shift", ERROR, message, b, s, field=name, turn=span.turn,
+                                    shift=sh, span=[s, e], mae_by_shift={str(k): v[0] for k, v in fits.items()}))
+        if len(findings) >= 5:
+            break
+    return findings
+
+
+def _shift_pairs(ctx: StepContext) -> list[tuple[str, str]]:
+    """(recorded, reference) logprob pairs a per-turn shift is tested on; [] when there is none."""
+    if ctx.has("old_logprobs", "sampler_logprobs"):
+        return [("old_logprobs", "sampler_logprobs")]
+    if ctx.has("old_logprobs", "policy_logprobs") and ctx.key.inner_step == 0 and "old_logprobs" not in ctx.derived:
+        return [("old_logprobs", "policy_logprobs")]
+    return []
+
+
+def _shifted_spans(ctx: StepContext, layout: turn_format.Layout, pairs: list[tuple[str, str]]) -> list[tuple]:
+    """Every assistant span (>= :data:`SPAN_MIN_TOKENS` kept tokens, turn >= 1) whose recorded
+    logprobs fit the reference shifted by ±1 clearly better than unshifted: ``(row, span, name,
+    other, shift, mae shifted, mae unshifted, tokens, fits)``."""
+    keep = ctx.mask()
+    out = []
     for name, other in pairs:
         a, ref = ctx.tensor(name), ctx.tensor(other)
         for b in range(keep.shape[0]):
@@ -214,23 +267,32 @@ def check_turn_shift(ctx: StepContext):
                 if not shifted or not mae0 > SHIFT_MIN_GAP:
                     continue
                 best, sh = min(shifted)
-                if not best < SHIFT_RATIO * mae0:
-                    continue
-                message = (
-                    f"seq {b}, turn {span.turn} (tokens {s}..{e - 1}): {name} fit {other} shifted by {sh:+d} (mean "
-                    f"|Δ| {best:.4f} nats) far better than unshifted ({mae0:.4f} nats over {n0} tokens): inside this "
-                    f"turn {name}[j] holds the logprob of the {'next' if sh > 0 else 'previous'} token. Why it "
-                    "matters: this turn's tokens are trained with their neighbours' logprobs. Likely fix: when "
-                    "concatenating turns, append each turn's logprobs at the same offsets as its tokens (a token "
-                    "dropped or added between turns, e.g. an EOS filtered from the ids but not from the logprobs, "
-                    "moves every later turn by one)."
-                )
-                findings.append(ctx.finding("turns.turn_shift", ERROR, message, b, s, field=name, turn=span.turn,
-                                            shift=sh, span=[s, e], mae_by_shift={str(k): v[0] for k, v in fits.items()}))
-                break  # one finding per row
-            if len(findings) >= 5:
-                break
-    return findings
+                if best < SHIFT_RATIO * mae0:
+                    out.append((b, span, name, other, sh, best, mae0, n0, fits))
+    return out
+
+
+def explained_positions(ctx: StepContext) -> torch.Tensor:
+    """Kept positions ``[B, T]`` bool whose old logprob a ``turns`` check already names as wrong: tool
+    or environment tokens in the loss mask, placeholder old logprobs, turns whose logprobs are
+    shifted. ``identity.first_step`` leaves them out, so one cause gives one finding."""
+    keep = ctx.mask()
+    out = torch.zeros_like(keep)
+    if not ctx.has("completion_ids", "policy_logprobs", "old_logprobs"):
+        return out
+    layout = ctx.turn_layout()
+    try:
+        out |= _not_model_written(ctx, layout)[0] & keep
+    except Skip:
+        pass
+    if "old_logprobs" not in ctx.derived:
+        policy, old = ctx.tensor("policy_logprobs"), ctx.tensor("old_logprobs")
+        fill = (old == 0.0) | _varying(policy, _constant_runs(old, keep))
+        out |= keep & fill & (policy < -PLACEHOLDER_GAP)
+    if layout.multi_turn:
+        for b, span, *_ in _shifted_spans(ctx, layout, _shift_pairs(ctx)):
+            out[b, span.start:span.end] |= keep[b, span.start:span.end]
+    return out
 
 
 @register("turns.untrained_turn", "every assistant turn of a rollout is trained up to its end (an EOS, or a "
