@@ -62,6 +62,12 @@ if pages > 1:
                                                 f"{min(p * TURNS_PER_PAGE, episode.assistant_turns)}")
     urls.set_page_param("turns", None if chosen == 1 else chosen)
     page = chosen - 1
+foreign = episode.trained_not_written
+if foreign:
+    st.error(f"{sum(s.kept for s in foreign)} tokens of {len(foreign)} tool result / environment block(s) are in the "
+             f"loss, though the model did not write them (first: turn {foreign[0].turn}, positions "
+             f"{foreign[0].start}..{foreign[0].end - 1}). `tracer check` names it turns.tool_output_trained; the "
+             "Health page lists the findings.", icon=":material/error:")
 hover = [c for c in HOVER if c in tokens]
 st.html(chat_html(episode, colour_by, hover, turns_on_page(episode, page)))
 st.html(legend_html(colour_by, tokens))
@@ -79,8 +85,9 @@ st.dataframe(turns, hide_index=True, width="stretch", key="conversation_turns_ta
        ("mean_ratio", "mean_ref_kl_k3", "mean_abs_old_sampler", "advantage", "reward") if c in turns},
     "trained_tokens": st.column_config.NumberColumn("trained", help="tokens of the turn in the loss"),
 })
-st.caption("Means over each turn's trained tokens only (tool results, prompt and padding never enter them); "
-           "the reward is the sequence's, shown on its last turn.")
+st.caption("Means over each turn's trained tokens only (the tokens the loss keeps"
+           + (": here tool results too, the bug above" if foreign else "; tool results, prompt and padding are not") +
+           "); the reward is the sequence's, shown on its last turn.")
 
 st.subheader("Open a token in the token table")
 positions = trained_positions(episode)

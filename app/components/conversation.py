@@ -22,7 +22,8 @@ from tracer.views.conversation import (
 
 # Left border colour of a block, by role (others: grey).
 ROLE_COLOURS = {"system": "#6a737d", "user": "#1f77b4", "assistant": "#2ca02c", "tool": "#ff7f0e",
-                "environment": "#9467bd", "tool_call": "#d62728"}
+                "environment": "#9467bd", "tool_call": "#17becf"}
+TRAINED_FOREIGN = "#d62728"  # a tool result or environment message the loss trains on: the bug's colour
 BLOCK_LABELS = {PROMPT_BLOCK: "", MESSAGE: "", TOOL_CALL: "tool call", TOOL_RESULT: "tool result",
                 ENVIRONMENT_BLOCK: "environment"}
 TURNS_PER_PAGE = 16
@@ -45,7 +46,10 @@ def role_label(span: ConversationSpan) -> str:
     kind = BLOCK_LABELS.get(span.block, "")
     if kind and kind != role:
         parts.append(kind)
-    if span.kept < span.length:
+    if span.turn >= 1 and span.kept and span.block in (TOOL_RESULT, ENVIRONMENT_BLOCK):
+        parts.append(f"TRAINED: {span.kept} of {span.length} tokens in the loss, though the model did not write "
+                     "them (turns.tool_output_trained)")
+    elif span.kept < span.length:
         reason = NOT_TRAINED_TEXT.get(span.mask_reason, span.mask_reason)
         parts.append(f"not trained: {reason}" if span.kept == 0 else f"{span.kept} of {span.length} trained "
                      f"(others: {reason})")
@@ -53,11 +57,13 @@ def role_label(span: ConversationSpan) -> str:
 
 
 def turns_on_page(conversation: Conversation, page: int, per_page: int = TURNS_PER_PAGE) -> list[int]:
-    """The turn ids page ``page`` (from 0) shows: the prompt (turn 0) with the first page's turns."""
+    """The turn ids page ``page`` (from 0) shows: the prompt (turn 0, recorded in the row or as
+    ``prompt_ids``) with the first page's turns."""
     ids = sorted({s.turn for s in conversation.spans})
     assistant = [t for t in ids if t > 0]
     shown = assistant[page * per_page:(page + 1) * per_page]
-    return ([0] if page == 0 and 0 in ids else []) + shown
+    has_prompt = 0 in ids or bool(conversation.prompt_tokens)
+    return ([0] if page == 0 and has_prompt else []) + shown
 
 
 def page_count(conversation: Conversation, per_page: int = TURNS_PER_PAGE) -> int:
@@ -77,6 +83,14 @@ def chat_html(conversation: Conversation, quantity: str | None, value_columns: l
     texts = coloured_blocks(rows.iloc[lo:hi], quantity, value_columns, [(p.start - lo, p.end - lo) for p in pieces],
                             scale_span(rows, quantity))  # one scale: the whole episode's
     out, current = [], None
+    if conversation.prompt_tokens and (wanted is None or 0 in wanted) and not any(p.turn == 0 for p in pieces):
+        colour = ROLE_COLOURS["user"]  # the prompt_ids rows: shown as text, never trained
+        out.append(f'<div style="{_TURN}">prompt</div>'
+                   f'<div style="{_BLOCK.format(colour=colour, background="#fafafa")}">'
+                   f'<div style="{_LABEL.format(colour=colour)}">prompt (prompt_ids) · not trained: prompt</div>'
+                   f'<div style="{_TEXT}white-space:pre-wrap;">{html.escape("".join(conversation.prompt_tokens))}'
+                   f'</div></div>')
+        current = 0
     for piece, tokens in zip(pieces, texts):
         if piece.turn != current:
             current = piece.turn
@@ -84,6 +98,8 @@ def chat_html(conversation: Conversation, quantity: str | None, value_columns: l
             out.append(f'<div style="{_TURN}">{html.escape(title)}</div>')
         colour = ROLE_COLOURS.get("tool_call" if piece.block == TOOL_CALL else piece.role, "#999")
         background = "#fff" if piece.kept else "#fafafa"
+        if piece.turn >= 1 and piece.kept and piece.block in (TOOL_RESULT, ENVIRONMENT_BLOCK):
+            colour, background = TRAINED_FOREIGN, "#fdecea"
         out.append(f'<div style="{_BLOCK.format(colour=colour, background=background)}">'
                    f'<div style="{_LABEL.format(colour=colour)}">{html.escape(role_label(piece))}</div>'
                    f'<div style="{_TEXT}">{tokens}</div></div>')

@@ -29,6 +29,7 @@ def root(tmp_path_factory) -> Path:
     write_agent_trace(root / "agent")
     write_agent_trace(root / "agent_inferred", record_turns=False, record_ratio=False)
     write_trace(root / "single", tokenizer=ToyTokenizer(), steps=1)
+    write_agent_trace(root / "agent_leak", leak_tool_output=True)
     return root
 
 
@@ -161,5 +162,16 @@ def test_bundled_agent_sample(monkeypatch):
     at = open_conversation(monkeypatch, SAMPLES, "agent-trl-tiny")
     body = chat(at)
     assert "assistant · tool call" in body and "tool · tool result · not trained: tool output" in body
+    assert "prompt (prompt_ids) · not trained: prompt" in body  # TRL keeps the prompt in prompt_ids
     assert any("as recorded (turn_ids, token_roles, mask_reasons)" in c.value for c in at.caption)
     assert turns_table(at)["turn"].tolist()[-1] >= 2
+
+
+def test_tool_output_in_the_loss_is_flagged_on_its_block(monkeypatch, root):
+    at = open_conversation(monkeypatch, root, "agent_leak")
+    assert any("3 tokens of 1 tool result / environment block(s) are in the loss" in e.value and "turn 1" in e.value
+               for e in at.error)
+    assert "tool · tool result · TRAINED: 3 of 3 tokens in the loss" in chat(at)
+    assert any("here tool results too" in c.value for c in at.caption)
+    healthy = open_conversation(monkeypatch, root, "agent")
+    assert not healthy.error and "TRAINED" not in chat(healthy)

@@ -85,6 +85,7 @@ def test_tool_output_in_the_loss_mask_names_the_turn_and_the_span(tmp_path):
     assert (f.severity, f.sequence, f.token, f.details["turn"], f.details["span"]) == (ERROR, 0, 12, 1, [12, 18])
     assert "turn 1: the tool span at tokens 12..17 (6 tokens" in f.message
     assert f.details["tokens"] == 12  # 6 tool tokens in each of 2 rows
+    assert "The recorded mask_reasons says 'tool_output' at token 12, yet completion_mask keeps it" in f.message
 
 
 def test_tool_output_is_found_from_mask_reasons_alone(tmp_path):
@@ -164,3 +165,11 @@ def test_kept_tool_output_is_one_finding_not_also_an_after_eos_one(tmp_path):
     assert errors(check(tmp_path, tensors, "scored")) == ["turns.tool_output_trained"]
     tensors["old_logprobs"][:, TOOL1] = 0.0  # placeholders there: still one cause, not also a placeholder finding
     assert "turns.placeholder_logprobs" not in errors(check(tmp_path, tensors, "filled"))
+
+
+def test_without_turn_fields_a_kept_tool_result_says_the_rows_may_be_multi_turn(tmp_path):
+    tensors = {k: v for k, v in episode().items() if k not in ("turn_ids", "token_roles", "mask_reasons")}
+    tensors["completion_mask"][:, TOOL1] = True  # no gap left between the turns: read as one answer
+    (f,) = found(check(tmp_path, tensors), "masks.after_eos")
+    assert f.token == 12 and "2 of these rows keep another EOS after it" in f.message
+    assert "record turn_ids and token_roles" in f.message

@@ -101,6 +101,12 @@ def check_after_eos(ctx: StepContext):
         hint = (" Every affected row keeps exactly the token after its EOS and drops its first token: "
                 f"{mask_name} looks shifted right by one position." if shifted else "")
         turn_id = int(layout.turn_ids[b, : t + 1].max()) if multi else None  # padding: the turn before it
+        later_eos = [r for r in rows if bool((leak[r] & (ids[r] == eos)).any())]  # a second EOS in the kept tail
+        if later_eos and not multi and ids_name == "completion_ids":
+            hint += (f" {len(later_eos)} of these rows keep another EOS after it: if they hold several turns (an "
+                     "agent's tool results between assistant turns), that EOS closes a turn, not the answer; record "
+                     "turn_ids and token_roles (docs/agentic.md) so the mask is checked turn by turn and kept tool "
+                     "output is named as such.")
         turn = f" of turn {turn_id}" if multi else ""
         message = (
             f"seq {b} keeps token {t} after its first EOS{turn} (id {eos}) at token {e}: "

@@ -89,12 +89,20 @@ def check_tool_output_trained(ctx: StepContext):
         code = int(ctx.data["mask_reasons"][b, t])
         role = names[code] if 0 <= code < len(names) else "tool output"
     span = turn_format.Span(turn, role, start, end, int(keep[b, start:end].sum()))
+    contradiction = ""
+    if "mask_reasons" in ctx.data:
+        names = turn_format.reason_names(ctx.metadata)
+        code = int(ctx.data["mask_reasons"][b, t])
+        recorded = names[code] if 0 <= code < len(names) else None
+        if recorded not in (None, turn_format.KEPT):
+            contradiction = (f" The recorded mask_reasons says {recorded!r} at token {t}, yet completion_mask keeps "
+                             "it: the mask the loss used is not the one the reasons describe.")
     total = int(foreign.sum())
     message = (
         f"seq {b}, turn {span.turn}: the {role} span at tokens {span.start}..{span.end - 1} ({span.length} tokens, "
         f"{_span_text(ctx, b, span.start, span.end)}) is kept by completion_mask ({span.kept} of its tokens), though "
         f"the model did not write it (role {role}, from {source}). {len(rows)} of {keep.shape[0]} rows train "
-        f"{int(leak.sum())} of the step's {total} tool/environment tokens. Why it matters: the policy is pushed "
+        f"{int(leak.sum())} of the step's {total} tool/environment tokens.{contradiction} Why it matters: the policy is pushed "
         "to predict the tool's output, and those tokens' old logprobs are placeholders, so their ratio and KL are "
         "meaningless. Likely fix: multiply the loss mask by the tool mask (TRL: completion_mask * tool_mask; a "
         "packing loop: response_mask 0 for every token appended after a tool call)."

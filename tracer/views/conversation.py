@@ -87,6 +87,13 @@ class Conversation:
     turns: pd.DataFrame
     tokens: pd.DataFrame
     reward: float | None
+    prompt_tokens: tuple[str, ...] = ()
+
+    @property
+    def trained_not_written(self) -> list[ConversationSpan]:
+        """Spans after the prompt that the model did not write (tool results, environment messages)
+        yet the loss keeps tokens of: what ``turns.tool_output_trained`` names."""
+        return [s for s in self.spans if s.turn >= 1 and s.kept and s.block in (TOOL_RESULT, ENVIRONMENT_BLOCK)]
 
     @property
     def assistant_turns(self) -> int:
@@ -105,7 +112,12 @@ def conversation(trace: Trace, key: StepKey, sequence: int) -> Conversation:
 
 def conversation_from_table(table: pd.DataFrame, reward: float | None = None) -> Conversation:
     """:func:`conversation` over a token table already read (one sequence: ``Trace.token_table(key,
-    sequence)``); ``reward`` is the sequence's reward (None: not recorded)."""
+    sequence)``); ``reward`` is the sequence's reward (None: not recorded). The prompt rows of the
+    table (``prompt_ids``, when the completion rows do not hold the prompt) become ``prompt_tokens``
+    (padding left out)."""
+    prompt = table[(table["section"] == "prompt") & (table["mask_reason"] == turn_format.PROMPT)] \
+        if "section" in table else table.iloc[0:0]
+    prompt_tokens = tuple(str(t) for t in prompt["token_text"].tolist())
     rows = table[table["section"] == "completion"] if "section" in table else table
     rows = rows.reset_index(drop=True)
     if "old_logprobs" in rows and "sampler_logprobs" in rows:
@@ -113,7 +125,7 @@ def conversation_from_table(table: pd.DataFrame, reward: float | None = None) ->
         sampler = torch.tensor(rows["sampler_logprobs"].to_numpy(dtype="float64", na_value=math.nan))
         rows = rows.assign(abs_old_sampler=formulas.sampler_log_ratio(old, sampler).abs().numpy())
     spans = episode_spans(rows)
-    return Conversation(spans, turn_frame(rows, reward), rows, reward)
+    return Conversation(spans, turn_frame(rows, reward), rows, reward, prompt_tokens)
 
 
 def episode_spans(rows: pd.DataFrame) -> list[ConversationSpan]:
