@@ -371,9 +371,9 @@ def _apply_url_run(root: Path, traces: list[Path]) -> bool:
         st.error("The run named in the URL is not a trace under the root.", icon=":material/block:")
         st.text(printable(why))
         return False
-    # applied once per new value, and again whenever the chooser shows another run than the URL names:
-    # a page switched with query_params (a point clicked on the Steps page) can find the chooser reset
-    if st.session_state.get(_URL_APPLIED) != requested or st.session_state.get("run") != match:
+    # applied once per new value, and again when the chooser's state is gone: a page switched with
+    # query_params (a point clicked on the Steps page) finds the chooser reset to the first run
+    if st.session_state.get(_URL_APPLIED) != requested or "run" not in st.session_state:
         st.session_state[_URL_APPLIED] = requested
         st.session_state["run"] = match
     return True

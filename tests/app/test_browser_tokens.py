@@ -158,7 +158,8 @@ def test_hostile_root_in_chromium(sync_playwright, server, tmp_path):
     shots = screenshot_dir(tmp_path)
     dialogs: list[str] = []
     with sync_playwright() as pw:
-        browser, page = open_page(pw, dialogs)
+        # tall enough that the sidebar's Step file chooser (below the set-aside notes) opens its list on screen
+        browser, page = open_page(pw, dialogs, height=2000)
         try:
             page.goto(f"{server}/?run=../outside")
             expect(page.locator("[data-testid=stMain]")).to_contain_text("refused to open '../outside'")

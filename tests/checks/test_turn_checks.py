@@ -136,11 +136,18 @@ def test_a_later_turn_left_out_of_the_trained_tokens_is_named(tmp_path):
 
 def test_a_turn_cut_mid_way_is_named_unless_its_reason_says_truncated(tmp_path):
     tensors = episode()
-    tensors["completion_mask"][0, 21:25] = False
+    tensors["completion_mask"][0, 19:25] = False
     (f,) = found(check(tmp_path, tensors, "cut"), "turns.untrained_turn")
-    assert (f.sequence, f.token) == (0, 21) and "stops at token 21 after 3 trained tokens" in f.message
-    tensors["mask_reasons"][0, 21:25] = MASK_REASON_NAMES.index("truncated")
+    assert (f.sequence, f.token) == (0, 19) and "drops 5 of the turn's tokens from token 19 (after 1 trained ones)" in f.message
+    tensors["mask_reasons"][0, 19:25] = MASK_REASON_NAMES.index("truncated")
     assert found(check(tmp_path, tensors, "truncated"), "turns.untrained_turn") == []
+
+
+def test_a_short_untrained_tail_is_a_stop_string_the_loop_appended(tmp_path):
+    tensors = episode()
+    tensors["completion_mask"][:, 21:24] = False  # 3 tokens re-appended after the sampled text, before the EOS
+    tensors["mask_reasons"][:, 21:24] = MASK_REASON_NAMES.index("kept")  # no reason recorded for them
+    assert found(check(tmp_path, tensors), "turns.untrained_turn") == []
 
 
 def test_per_token_advantages_follow_the_declared_assignment(tmp_path):
@@ -173,3 +180,59 @@ def test_without_turn_fields_a_kept_tool_result_says_the_rows_may_be_multi_turn(
     (f,) = found(check(tmp_path, tensors), "masks.after_eos")
     assert f.token == 12 and "2 of these rows keep another EOS after it" in f.message
     assert "record turn_ids and token_roles" in f.message
+
+
+def test_with_turn_fields_padding_is_what_they_say_whatever_the_token(tmp_path):
+    tensors = episode()
+    tensors["completion_ids"][0, 24] = PAD  # turn 2 ended by a sampled pad id (a second EOS): the assistant's
+    assert found(check(tmp_path, tensors, "sampled"), "masks.padding") == []
+    tensors = episode()
+    tensors["completion_mask"][1, 25:] = True  # the trailing padding kept
+    (f,) = found(check(tmp_path, tensors, "kept"), "masks.padding")
+    assert (f.severity, f.sequence, f.token, f.details["tokens"]) == (ERROR, 1, 25, 3)
+
+
+def per_turn_rows(advantage_of_episode):
+    """2 prompts x 2 episodes x 3 turn rows (B = 12): each row one assistant turn of 4 tokens; an
+    episode's reward and advantage copied to its three rows, as per-turn trainers do."""
+    rewards_by_episode = [1.0, 0.0, 0.5, 0.5]  # prompt 0: 1 vs 0; prompt 1: equal rewards
+    rows = [(e, turn) for e in range(4) for turn in (1, 2, 3)]
+    ids = torch.tensor([[20 + turn, 21, 22, EOS] for _, turn in rows])
+    policy = -0.5 - torch.rand(12, 4, generator=torch.Generator().manual_seed(1))
+    return {
+        "completion_ids": ids, "completion_mask": torch.ones(12, 4, dtype=torch.bool),
+        "turn_ids": torch.tensor([[turn] * 4 for _, turn in rows]),
+        "token_roles": torch.full((12, 4), ASSISTANT), "episode_ids": torch.tensor([e for e, _ in rows]),
+        "policy_logprobs": policy, "old_logprobs": policy.clone(),
+        "rewards": torch.tensor([rewards_by_episode[e] for e, _ in rows]),
+        "advantages": torch.tensor([advantage_of_episode[e] for e, _ in rows]),
+        "group_ids": torch.tensor([e // 2 for e, _ in rows]),
+    }
+
+
+def test_per_turn_rows_are_judged_one_row_per_episode(tmp_path):
+    # group z-score with population std over the 2 episodes of each prompt: (1 - 0.5) / (0.5 + 1e-4)
+    z = 0.5 / (0.5 + 1e-4)
+    healthy = run_checks(write_trace(tmp_path / "ok", "grpo", [(0, 0, per_turn_rows([z, -z, 0.0, 0.0]),
+                                                                 {"num_generations": 2})]))
+    assert errors(healthy) == [] and found(healthy, "advantages.group_size") == []
+    wrong = run_checks(write_trace(tmp_path / "bad", "grpo", [(0, 0, per_turn_rows([0.7, -z, 0.0, 0.0]),
+                                                               {"num_generations": 2})]))
+    (f,) = [x for x in found(wrong, "recompute.advantages") if x.severity == ERROR]
+    assert f.sequence == 0  # episode 0's first row
+
+
+def test_a_sequence_mean_over_the_rows_that_keep_a_token_is_a_sequence_mean(tmp_path):
+    from tracer import formulas
+
+    tensors = episode(rows=2)
+    tensors["completion_mask"][1] = False  # an empty row, left out of MiniMind's mean (valid_rows)
+    ptl = -tensors["policy_logprobs"]
+    loss = formulas.masked_mean(ptl[:1], tensors["completion_mask"][:1], dim=1).mean()  # by hand: row 0 only
+    tensors.update(per_token_loss=ptl, loss=loss)
+    meta = {"num_generations": 2, "loss_reduction": "sequence_mean"}
+    findings = run_checks(write_trace(tmp_path / "t", "grpo", [(0, 0, tensors, meta)]))
+    assert found(findings, "recompute.loss") == []
+    tensors["loss"] = loss * 1.3
+    findings = run_checks(write_trace(tmp_path / "u", "grpo", [(0, 0, tensors, meta)]))
+    assert [f.severity for f in found(findings, "recompute.loss")] == [ERROR]

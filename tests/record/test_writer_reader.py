@@ -41,6 +41,8 @@ ALL_METADATA = {
     "reward_component_names": ["accuracy", "length"], "old_logprobs_source": "recorded", "trl_loss_type": "grpo",
     "advantage_rule": "group_zscore", "gradient_accumulation_steps": 4, "kl_in_reward": True, "kl_estimator": "k1",
     "micro_batch_counted": True, "rows_before_cut": 16,
+    "role_names": ["system", "user", "assistant", "tool"], "advantage_assignment": "episode",
+    "mask_reason_names": ["kept", "prompt", "padding", "after_eos", "truncated", "tool_output", "environment"],
 }
 
 

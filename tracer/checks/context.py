@@ -8,6 +8,7 @@ Hyperparameters come from the step metadata (SPEC.md section 4 keys), then from 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +258,31 @@ class StepContext(StepHeader):
             self._turns = turns.read_layout(ids, keep.bool(), self.data, self.metadata, self.trace.tokens,
                                             self.eos_token_id, self.pad_token_id)
         return self._turns
+
+    def episode_rows(self) -> list[int] | None:
+        """Per-turn rows (SPEC.md section 4): the first row of each episode, in order, when rows
+        share ``episode_ids`` values; None when every row is its own episode."""
+        ids = self.data.get("episode_ids")
+        if ids is None or ids.dim() != 1:
+            return None
+        seen: dict[int, int] = {}
+        for row, episode in enumerate(ids.tolist()):
+            seen.setdefault(episode, row)
+        return list(seen.values()) if len(seen) < ids.numel() else None
+
+    def episode_view(self) -> "StepContext":
+        """This step with one row per episode (the first row of each, :meth:`episode_rows`): the view
+        the per-sequence checks of rewards, groups and advantages judge, since one episode's reward and
+        advantage are copied to each of its turns' rows. ``self`` when every row is an episode."""
+        rows = self.episode_rows()
+        if rows is None:
+            return self
+        B = self.data["episode_ids"].shape[0]
+        index = torch.tensor(rows, dtype=torch.long)
+        view = copy.copy(self)
+        view.data = {name: (t[index] if t.dim() >= 1 and t.shape[0] == B else t) for name, t in self.data.items()}
+        view._turns = None
+        return view
 
     @property
     def packed_rows(self) -> bool:

@@ -15,6 +15,8 @@ import torch
 from tracer import formulas
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, Skip, register
+from tracer.format import turns
+from tracer.format.turns import TURN_FIELDS
 
 SIDES = (("completion_ids", "completion_mask"), ("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))
 
@@ -57,13 +59,13 @@ def first_eos_of_turn(ids: torch.Tensor, start: torch.Tensor, eos: int, turn_ids
         is_eos &= roles == assistant
     if turn_ids is None:
         return first_index(is_eos).unsqueeze(1).expand(B, T)
-    turn_ids = turn_ids.cummax(dim=1).values  # padding (-1) belongs to the turn before it
-    out = torch.full((B, T), T, dtype=torch.long)
-    for b, t in is_eos.nonzero().tolist():
-        turn = turn_ids[b, t]
-        same = (turn_ids[b] == turn) & (out[b] == T)
-        out[b] = torch.where(same, torch.full_like(out[b], t), out[b])
-    return out
+    turns = turn_ids.long().cummax(dim=1).values.clamp(min=0)  # padding (-1) belongs to the turn before it
+    K = int(turns.max()) + 1 if turns.numel() else 1
+    slot = torch.arange(B).unsqueeze(1) * K + turns  # (B, T) one slot per (row, turn)
+    candidate = torch.where(is_eos, pos, torch.full_like(pos, T))  # (B, T)
+    first = torch.full((B * K,), T, dtype=torch.long).scatter_reduce(
+        0, slot.reshape(-1), candidate.reshape(-1), reduce="amin")  # (B * K,) first EOS per slot
+    return first[slot]
 
 
 @register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer, per turn "
@@ -123,6 +125,8 @@ def check_after_eos(ctx: StepContext):
 
 @register("masks.padding", "completion_mask must be 0 on trailing padding tokens")
 def check_padding(ctx: StepContext):
+    if ctx.has("completion_ids", "completion_mask") and any(ctx.has(f) for f in TURN_FIELDS):
+        return _recorded_padding(ctx)
     pad, eos = ctx.pad_token_id, ctx.eos_token_id
     if pad is None:
         raise Skip("needs the pad token id: manifest tokenizer.pad_token_id or metadata pad_token_id")
@@ -168,6 +172,36 @@ def check_padding(ctx: StepContext):
             findings.append(ctx.finding("masks.padding", severity, message, b, t, field=mask_name, ids_field=ids_name,
                                         rows=rows[:50], tokens=int(rows_leak.sum())))
     return findings
+
+
+def _recorded_padding(ctx: StepContext):
+    """masks.padding for a step that records turn fields: padding is what they say (turn or role -1, or
+    the reason ``padding``), whatever the token (a sampled pad id that ends a turn is the assistant's,
+    and a pad id equal to EOS no longer hides kept padding)."""
+    keep = ctx.mask()
+    B, T = keep.shape
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    for name in ("turn_ids", "token_roles"):
+        if ctx.has(name) and ctx.data[name].shape == keep.shape:
+            padding |= ctx.data[name] < 0
+    if ctx.has("mask_reasons") and ctx.data["mask_reasons"].shape == keep.shape:
+        names = turns.reason_names(ctx.metadata)
+        if turns.PADDING in names:
+            padding |= ctx.data["mask_reasons"] == names.index(turns.PADDING)
+    leak = padding & keep
+    if not bool(leak.any()):
+        return []
+    rows = leak.any(dim=1).nonzero().flatten().tolist()
+    b = rows[0]
+    t = int(first_index(leak[b: b + 1])[0])
+    message = (
+        f"seq {b} keeps padding: token {t} is padding by the recorded turn fields (turn / role -1, or reason "
+        f"'padding'), yet completion_mask keeps it; {len(rows)} of {B} rows keep {int(leak.sum())} padding tokens. "
+        "Why it matters: padding is trained as if the model had produced it and dilutes every masked mean. Likely "
+        "fix: build the mask from the real lengths (or ids != pad), not all ones."
+    )
+    return [ctx.finding("masks.padding", ERROR, message, b, t, field="completion_mask", rows=rows[:50],
+                        tokens=int(leak.sum()))]
 
 
 @register("masks.empty_row", "every row keeps at least one token")

@@ -92,6 +92,12 @@ def check_loss(ctx: StepContext):
         per_token_loss, source = recomputed_per_token_loss(ctx), "per-token loss recomputed from the recorded inputs"
     values, divisor = candidate_losses(ctx, per_token_loss, keep)
     matches = [n for n, v in values.items() if abs(loss - v) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(v)]
+    if "sequence_mean" not in matches and not bool(keep.any(dim=1).all()):
+        # rows the mask empties left out of the mean over sequences (MiniMind's agent loop: valid_rows)
+        kept_rows = float(ctx.hyper("loss_scale", 1.0)) * float(formulas.kept_rows_sequence_mean_loss(
+            per_token_loss.double(), keep))
+        if abs(loss - kept_rows) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(kept_rows):
+            matches.append("sequence_mean")
     declared = _declared(ctx)
     listing = (f"sequence-mean {values['sequence_mean']:.6g}, token-mean {values['token_mean']:.6g}, constant "
                f"divisor {divisor:g} {values['constant']:.6g}")

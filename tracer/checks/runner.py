@@ -6,6 +6,7 @@ worst first (error, warning, info, skipped), then by check id and location.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable
 
@@ -51,6 +52,19 @@ def select_checks(select: Iterable[str] | None = None) -> list[Check]:
 def _sort_key(f: Finding):
     loc = tuple(-1 if v is None else v for v in (f.step, f.inner_step, f.micro_batch, f.rank, f.sequence, f.token))
     return (SEVERITY_RANK[f.severity], f.check, loc)
+
+
+EPISODE_CHECKS = ("advantages.", "recompute.advantages")  # judged on one row per episode (per-turn rows)
+
+
+def _run_step_check(check: Check, ctx: StepContext) -> list[Finding]:
+    """``check`` on ``ctx``; the per-sequence advantage checks on its episode view (one row per
+    episode when per-turn rows share ``episode_ids``), their rows mapped back to the step's."""
+    rows = ctx.episode_rows() if check.id.startswith(EPISODE_CHECKS) else None
+    if rows is None:
+        return check.run(ctx)
+    return [replace(f, sequence=rows[f.sequence] if f.sequence is not None and 0 <= f.sequence < len(rows)
+                    else f.sequence) for f in check.run(ctx.episode_view())]
 
 
 def _crash(check: Check, err: Exception, key=None) -> Finding:
@@ -136,7 +150,7 @@ def run_checks(
             if check.scope != "step" or ctx.algorithm not in check.algorithms:
                 continue
             try:
-                findings.extend(check.run(ctx))
+                findings.extend(_run_step_check(check, ctx))
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).append(key)
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:

@@ -28,6 +28,7 @@ from tracer.format import turns as turn_format
 
 PLACEHOLDER_GAP = 0.5  # nats: a placeholder old logprob counts where the policy gives the token below -0.5
 CONSTANT_RUN = 4  # kept tokens in a row holding one and the same old logprob: a constant fill
+STOP_TOKENS = 4  # an untrained tail of a turn this short is a stop string appended by the loop (vLLM drops it)
 HEADER_TOKENS = 3  # tokens a role header of a chat template may take ("<|im_start|>assistant" and a newline)
 RUN_SPREAD = 0.1  # nats the policy must spread over a constant run of old logprobs for it to be a fill
 SPAN_MIN_TOKENS = 3  # kept tokens an assistant span needs before its own shift test means anything
@@ -247,12 +248,16 @@ def check_turn_shift(ctx: StepContext):
 
 
 def _shift_pairs(ctx: StepContext) -> list[tuple[str, str]]:
-    """(recorded, reference) logprob pairs a per-turn shift is tested on; [] when there is none."""
+    """(recorded, reference) logprob pairs a per-turn shift is tested on: old against the sampler's,
+    and at inner step 0 (the policy scored the same tokens with the same weights) against the
+    policy's, which also shows a shift that old and sampler share (both read from one buffer);
+    [] when there is none."""
+    pairs = []
     if ctx.has("old_logprobs", "sampler_logprobs"):
-        return [("old_logprobs", "sampler_logprobs")]
+        pairs.append(("old_logprobs", "sampler_logprobs"))
     if ctx.has("old_logprobs", "policy_logprobs") and ctx.key.inner_step == 0 and "old_logprobs" not in ctx.derived:
-        return [("old_logprobs", "policy_logprobs")]
-    return []
+        pairs.append(("old_logprobs", "policy_logprobs"))
+    return pairs
 
 
 def _shifted_spans(ctx: StepContext, layout: turn_format.Layout, pairs: list[tuple[str, str]]) -> list[tuple]:
@@ -318,7 +323,9 @@ def check_untrained_turn(ctx: StepContext):
     if "mask_reasons" in ctx.data:
         names = turn_format.reason_names(ctx.metadata)
         reasons = [[names[c] if 0 <= c < len(names) else "" for c in row] for row in ctx.data["mask_reasons"].tolist()]
-    on_purpose = {turn_format.TRUNCATED, turn_format.AFTER_EOS}
+    if ctx.hyper("rollout_rs", None):  # verl's rollout rejection sampling masks tokens or rows on purpose
+        return []
+    not_said = {turn_format.KEPT, turn_format.MASKED, ""}  # any other recorded reason says why a token is dropped
     findings = []
     for b in range(keep.shape[0]):
         spans = [s for s in _row_spans(ctx, layout, b) if s.role == turn_format.ASSISTANT and s.turn >= 1]
@@ -328,21 +335,26 @@ def check_untrained_turn(ctx: StepContext):
             dropped = [t for t in range(span.start, span.end) if not bool(keep[b, t])]
             if not dropped:
                 continue
-            if reasons is not None and all(reasons[b][t] in on_purpose for t in dropped):
-                continue
+            if reasons is not None:
+                dropped = [t for t in dropped if reasons[b][t] in not_said]
             first_eos = next((t for t in range(span.start, span.end) if int(ids[b, t]) in ends), span.end)
             first_kept = next((t for t in range(span.start, span.end) if bool(keep[b, t])), None)
             if first_kept is None:  # the whole turn dropped (a bare role header of the template does not count)
                 dropped = dropped if span.length > HEADER_TOKENS else []
             else:  # dropped after the turn's first trained token and before its EOS (leading ones: its header)
                 dropped = [t for t in dropped if first_kept < t < first_eos]
+            if dropped and first_kept is not None and len(dropped) <= STOP_TOKENS \
+                    and dropped == list(range(dropped[0], first_eos)):  # a run ending at the EOS (or the turn's end)
+                dropped = []  # a short untrained tail: a stop string the loop appended after the sampled text
             if not dropped:
                 continue
             if span.kept == 0:
                 what = f"none of its {span.length} assistant tokens is trained"
             else:
-                what = (f"its mask stops at token {dropped[0]} after {span.kept} trained tokens, {len(dropped)} of the "
-                        f"turn's tokens before its end (no EOS before them, no 'truncated' reason)")
+                before = sum(1 for u in range(span.start, dropped[0]) if bool(keep[b, u]))
+                what = (f"its mask drops {len(dropped)} of the turn's tokens from token {dropped[0]} (after {before} "
+                        "trained ones) before its end, with no EOS before them and no recorded reason such as "
+                        "'truncated'")
             message = (
                 f"seq {b}, turn {span.turn} (tokens {span.start}..{span.end - 1}, {_span_text(ctx, b, span.start, span.end)}): "
                 f"{what}, while other turns of the rollout are. Why it matters: the reward is given for the whole "

@@ -44,10 +44,19 @@ PAD_TURN = -1
 TURN_FIELDS = ("turn_ids", "token_roles", "mask_reasons")
 
 
+ASSISTANT_ALIASES = ("model", "gpt", "bot")  # other templates' names of the assistant role (Gemma: model)
+
+
 def role_names(metadata: Mapping[str, object] | None) -> tuple[str, ...]:
-    """The step's role names (metadata ``role_names``, else :data:`ROLE_NAMES`)."""
+    """The step's role names (metadata ``role_names``, else :data:`ROLE_NAMES`); a name of
+    :data:`ASSISTANT_ALIASES` reads ``assistant`` when the names hold no ``assistant``."""
     names = (metadata or {}).get("role_names")
-    return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else ROLE_NAMES
+    if not (isinstance(names, (list, tuple)) and names):
+        return ROLE_NAMES
+    names = tuple(str(n) for n in names)
+    if ASSISTANT not in names:
+        names = tuple(ASSISTANT if n in ASSISTANT_ALIASES else n for n in names)
+    return names
 
 
 def reason_names(metadata: Mapping[str, object] | None) -> tuple[str, ...]:
@@ -215,6 +224,7 @@ def recorded_mask_reasons(codes: Sequence[int], names: Sequence[str]) -> list[st
 IM_START = "<|im_start|>"  # ChatML: every message opens with <|im_start|>{role}\n
 IM_END = "<|im_end|>"  # ... and closes with <|im_end|>
 TOOL_RESPONSE = "<tool_response>"
+CONTEXT_ROLE = "context"  # the tail of a prompt cut from the left: a message whose role header was cut away
 
 
 def message_end_ids(token_strings: Sequence[str] | None, eos_token_id: int | None) -> set[int]:
@@ -227,24 +237,29 @@ def message_end_ids(token_strings: Sequence[str] | None, eos_token_id: int | Non
 
 
 def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[str], pad_token_id: int | None,
-                 names: Sequence[str] = ROLE_NAMES) -> tuple[torch.Tensor, tuple[str, ...]] | None:
-    """Roles read from a ChatML chat template's markers in the token ids, for a trace that records
-    none: each message opens with ``<|im_start|>``, then its role's name up to a newline; the role
-    holds until the next ``<|im_start|>``. Tokens before a row's first marker: the role named by
-    the row's leading text when it is a role name followed by a newline (a packed row that lost its
-    first token to ``input_ids[:, 1:]``), else ``assistant`` (a completion continuing the prompt's
-    generation header). A ``user`` message opening with ``<tool_response>`` (Qwen's templates) is a
-    tool result. The trailing pad run the mask drops is -1.
+                 names: Sequence[str] = ROLE_NAMES) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...]] | None:
+    """Roles and turns read from a ChatML chat template's markers in the token ids of packed rows
+    (the prompt ahead of the turns), for a trace that records none: each message opens with
+    ``<|im_start|>``, then its role's name up to a newline; the role holds until the next
+    ``<|im_start|>``; each ``<|im_start|>assistant`` opens a turn (two assistant messages in a row
+    are two turns). A ``user`` message opening with ``<tool_response>`` (Qwen's templates) is a tool
+    result. Tokens before a row's first marker: a leading pad run the mask drops is -1 (left
+    padding); the rest is the prompt's tail (turn 0; its role named by the row's leading text when
+    that is a role name and a newline, as in a row that lost its ``<|im_start|>`` to
+    ``input_ids[:, 1:]``, else :data:`CONTEXT_ROLE`, a row cut from the left), unless the mask keeps
+    its first token (then the row opens with an assistant turn). The trailing pad run the mask
+    drops is -1.
 
-    Returns ``(roles [B, T] int64, role names)``, the names extended by any other role found; None
-    when the tokenizer has no ``<|im_start|>`` token or no row holds one."""
+    Returns ``(roles [B, T] int64, turn_ids [B, T] int64, role names)``, the names extended by any
+    other role found; None when the tokenizer has no ``<|im_start|>`` token or no row holds one."""
     start_ids = [i for i, s in enumerate(token_strings) if s == IM_START]
     if not start_ids or not bool(torch.isin(ids, torch.tensor(start_ids)).any()):
         return None
     start = start_ids[0]
     names = list(names)
     B, T = ids.shape
-    out = torch.full((B, T), -1, dtype=torch.long)
+    roles_out = torch.full((B, T), -1, dtype=torch.long)
+    turns_out = torch.full((B, T), PAD_TURN, dtype=torch.long)
 
     def text(i: int) -> str:
         return token_strings[i] if 0 <= i < len(token_strings) else ""
@@ -266,22 +281,35 @@ def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[
             names.append(role)
         return names.index(role)
 
+    assistant = code(ASSISTANT)
     for b, (row, row_keep) in enumerate(zip(ids.tolist(), keep.bool().tolist())):
         end = T
         while end > 0 and not row_keep[end - 1] and pad_token_id is not None and row[end - 1] == pad_token_id:
             end -= 1
-        role, _ = header(row, 0)
-        current = code(role if role in names else ASSISTANT)
-        values = []
-        for t in range(end):
+        first = 0
+        while first < end and not row_keep[first] and pad_token_id is not None and row[first] == pad_token_id:
+            first += 1
+        if first >= end:
+            continue
+        if row_keep[first]:
+            current, turn = assistant, 1
+        else:
+            role, _ = header(row, first)
+            current, turn = code(role if role in names else CONTEXT_ROLE), 0
+        roles, turns = [], []
+        for t in range(first, end):
             if row[t] == start:
                 role, after = header(row, t + 1)
                 if role == USER and after < end and text(row[after]).startswith(TOOL_RESPONSE):
                     role = TOOL  # Qwen's templates wrap a tool result in a user message
                 current = code(role or ENVIRONMENT_ROLE)
-            values.append(current)
-        out[b, :end] = torch.tensor(values, dtype=torch.long)
-    return out, tuple(names)
+                if current == assistant:
+                    turn += 1
+            roles.append(current)
+            turns.append(turn)
+        roles_out[b, first:end] = torch.tensor(roles, dtype=torch.long)
+        turns_out[b, first:end] = torch.tensor(turns, dtype=torch.long)
+    return roles_out, turns_out, tuple(names)
 
 
 def turns_from_roles(roles: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
@@ -336,9 +364,12 @@ def read_layout(ids: torch.Tensor, keep: torch.Tensor, fields: Mapping[str, torc
                 metadata: Mapping[str, object] | None, token_strings: Sequence[str] | None,
                 eos_token_id: int | None, pad_token_id: int | None) -> Layout:
     """The one reading of a step's turns and roles (checks, tables, views and ``tracer info`` all
-    call it): recorded ``turn_ids`` / ``token_roles`` first; else roles from the ChatML markers of
-    the token strings (:func:`chatml_roles`) when the row is multi-turn by them, with turns from the
-    roles; else turns from the mask (:func:`infer_turn_ids`) and no roles.
+    call it): recorded ``turn_ids`` / ``token_roles`` first; else, for packed rows (no
+    ``prompt_ids`` recorded: the template's prompt is inside the rows), roles and turns from the
+    ChatML markers of the token strings (:func:`chatml_roles`) when they show more than one turn or
+    a message after the prompt; else turns from the mask (:func:`infer_turn_ids`) and no roles. A
+    completion with its prompt in ``prompt_ids`` is never read by its markers: a model can write
+    ``<|im_start|>user`` itself (a base model imitating a chat), and those tokens are its own.
 
     ``ids``, ``keep``: ``[B, T]``; ``fields``: the step's tensors (``turn_ids``, ``token_roles`` used
     when ``[B, T]``)."""
@@ -351,11 +382,10 @@ def read_layout(ids: torch.Tensor, keep: torch.Tensor, fields: Mapping[str, torc
         if turn_ids is None:
             turn_ids = turns_from_roles(roles, names)
         return Layout(turn_ids, roles, names, "recorded")
-    if token_strings is not None:
+    if token_strings is not None and "prompt_ids" not in fields:  # packed rows: the template's prompt is in them
         read = chatml_roles(ids, keep, token_strings, pad_token_id, names)
         if read is not None:
-            roles, names = read
-            turn_ids = turns_from_roles(roles, names)
-            if bool((turn_ids > 1).any()) or bool((roles != names.index(ASSISTANT)).logical_and(roles >= 0).any()):
+            roles, turn_ids, names = read
+            if bool((turn_ids > 1).any()) or bool(((roles != names.index(ASSISTANT)) & (turn_ids >= 1)).any()):
                 return Layout(turn_ids, roles, names, "chat_template")
     return Layout(infer_turn_ids(ids, keep, pad_token_id, eos_token_id), None, names, "mask")

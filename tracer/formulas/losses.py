@@ -26,6 +26,17 @@ def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torc
     return masked_mean(per_token_loss, mask, dim=1).mean()
 
 
+def kept_rows_sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`sequence_mean_loss` over the rows that keep at least one token (0 when none does): rows
+    the mask empties do not count in the mean over sequences. ``[B, T]`` -> scalar. Source: MiniMind
+    ``trainer/train_agent.py`` (``valid_rows = token_counts > 0``; ``(... .sum(dim=1)[valid_rows] /
+    token_counts[valid_rows].clamp(min=1)).mean()``)."""
+    rows = mask.bool().any(dim=1)  # (B,)
+    if not bool(rows.any()):
+        return per_token_loss.sum() * 0.0
+    return masked_mean(per_token_loss[rows], mask[rows], dim=1).mean()
+
+
 def token_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked mean over all kept tokens of the batch (DAPO / TRL ``bnpo`` style), scalar."""
     return masked_mean(per_token_loss, mask)
