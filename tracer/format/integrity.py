@@ -46,14 +46,20 @@ _INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8":
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES, BOOL: {"BOOL": torch.bool, **_INT_DTYPES, **_FLOAT_DTYPES}}
 
-# Manifest keys the reader uses -> the JSON type they must have.
+# Manifest keys tracer reads -> the JSON type they must have (tracer/read, checks, diff, views, app).
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "schema_version": (str, int), "algorithm": (str,), "status": (str,), "created": (str,),
     "tokenizer": (dict,), "hyperparameters": (dict,), "config": (dict,), "producers": (dict,),
-    "sampling": (dict,), "capture": (dict,), "world_size": (int,), "steps_written": (int,),
-    "dropped_steps": (int,), "skipped_steps": (int,), "drop_reasons": (list,),
+    "sampling": (dict,), "capture": (dict,), "capture_report": (dict,), "world_size": (int,),
+    "steps_written": (int,), "dropped_steps": (int,), "skipped_steps": (int,), "drop_reasons": (list,),
 }
 _JSON_NAMES = {dict: "a JSON object", list: "a JSON list", str: "a string", int: "an integer"}
+MAX_MANIFEST_TEXT = 4096  # characters of one manifest string (a status, a drop reason); real ones hold < 300
+MAX_MANIFEST_LIST = 1000  # drop reasons kept (the writer keeps 20)
+MAX_COUNT = 2**62  # a count (steps, drops, ranks) or a token id is in [0, 2**62)
+# Step metadata, as a safetensors header holds it: what a reader decodes (the writer refuses more).
+MAX_METADATA_BYTES = 4 * 2**20
+MAX_METADATA_KEYS = 10_000  # real steps hold a few dozen keys
 
 
 def _regular_size(path: Path, what: str) -> int:
@@ -235,29 +241,69 @@ def read_json(path: Path, what: str, max_bytes: int, max_values: int = MAX_JSON_
 
 
 def clean_manifest(raw: Any, path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The manifest with wrong-typed keys dropped, and one note per dropped key.
+    """The manifest with wrong-typed or oversized values left out, and one note per value left out.
 
-    Keys the reader uses must have their JSON type (``tokenizer`` an object, ``dropped_steps`` an
-    integer...); the tokenizer's special token ids must be integers. Unknown keys are kept.
+    Every key tracer reads is checked here, once (:data:`_MANIFEST_TYPES`): its JSON type; a string
+    at most :data:`MAX_MANIFEST_TEXT` characters; a count (``dropped_steps``, ``world_size``...) in
+    ``[0, 2**62)``; ``drop_reasons`` a list of at most :data:`MAX_MANIFEST_LIST` strings (other entries
+    left out); the tokenizer's special token ids integers in ``[0, 2**62)``. Each note names the file,
+    the key, what was expected and what was found. Unknown keys are kept as they are.
     """
     if not isinstance(raw, dict):
         return {}, [f"{path}: expected a JSON object, got {type(raw).__name__}; manifest ignored"]
     manifest, notes = {}, []
     for key, value in raw.items():
-        types = _MANIFEST_TYPES.get(key)
-        if types and (not isinstance(value, types) or isinstance(value, bool)):
-            notes.append(f"{path}: key {key!r} should be {_JSON_NAMES[types[0]]}, got {type(value).__name__}; "
-                         "ignored")
+        problem = _manifest_value_problem(key, value)
+        if problem is not None:
+            notes.append(f"{path}: key {key!r} should be {problem}; ignored")
             continue
         manifest[key] = value
+    reasons = manifest.get("drop_reasons")
+    if reasons is not None:
+        kept = [r for r in reasons[:MAX_MANIFEST_LIST] if isinstance(r, str) and len(r) <= MAX_MANIFEST_TEXT]
+        if len(kept) < len(reasons):
+            found = sorted({_found(r) for r in reasons if not (isinstance(r, str) and len(r) <= MAX_MANIFEST_TEXT)})
+            notes.append(f"{path}: key 'drop_reasons' should be a list of at most {MAX_MANIFEST_LIST} strings of at "
+                         f"most {MAX_MANIFEST_TEXT} characters, got {len(reasons)} entries"
+                         + (f" ({', '.join(found)})" if found else "")
+                         + f"; {len(reasons) - len(kept)} ignored")
+            manifest["drop_reasons"] = kept
     tokenizer = manifest.get("tokenizer")
     if tokenizer:
         for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = tokenizer.get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62):
-                notes.append(f"{path}: tokenizer.{key} should be an integer in [0, 2**62), got {value!r:.40}; ignored")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_COUNT):
+                notes.append(f"{path}: tokenizer.{key} should be an integer in [0, 2**62), got {_found(value)}; "
+                             "ignored")
                 manifest["tokenizer"] = tokenizer = {k: v for k, v in tokenizer.items() if k != key}
     return manifest, notes
+
+
+def _manifest_value_problem(key: str, value: Any) -> str | None:
+    """What a manifest key's value should be and what it is (``"an integer, got str"``), or None when
+    it fits (:func:`clean_manifest`)."""
+    types = _MANIFEST_TYPES.get(key)
+    if types is None:
+        return None
+    expected = " or ".join(_JSON_NAMES[t] for t in types)
+    if not isinstance(value, types) or isinstance(value, bool):
+        return f"{expected}, got {type(value).__name__}"
+    if isinstance(value, str) and len(value) > MAX_MANIFEST_TEXT:
+        return f"{expected} of at most {MAX_MANIFEST_TEXT} characters, got {len(value)} characters"
+    low = 1 if key == "world_size" else 0
+    if isinstance(value, int) and key != "schema_version" and not low <= value < MAX_COUNT:
+        return f"an integer in [{low}, 2**62), got {_found(value)}"
+    return None
+
+
+def _found(value: Any) -> str:
+    """A manifest value as a note shows it: its type, and for a scalar its first 40 characters."""
+    if isinstance(value, (dict, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters" if len(value) > 40 else repr(value)
+    text = repr(value)
+    return text if len(text) <= 40 else f"an integer of {len(text)} digits"
 
 
 def clean_tokens(raw: Any, path: Path) -> list[str]:
