@@ -113,10 +113,11 @@ def _parser() -> argparse.ArgumentParser:
                            description="Find the known RL tensor bugs in a trace (SPEC.md section 6; the checks "
                                        "are listed in docs/checks.md). Exit code: 0 no error finding, 1 at least "
                                        "one error finding, 2 unusable input.")
-    check.add_argument("path", help="trace directory or one step .safetensors file")
+    check.add_argument("path", nargs="?", help="trace directory or one step .safetensors file")
     check.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     check.add_argument("--select", action="extend", nargs="+", metavar="ID",
-                       help="check ids (masks.after_eos) or families (masks) to run; default all")
+                       help="check ids (masks.after_eos) or families (masks) to run, space- or comma-separated; "
+                            "default all")
     check.add_argument("--sampler-ratio-bound", type=float, default=2.0, metavar="C",
                        help="sampler.mismatch counts tokens whose exp(old - sampler) is outside [1/C, C] (default 2)")
     check.add_argument("--max-per-check", type=_positive_int, default=10, help="findings shown per check (default 10)")
@@ -296,6 +297,19 @@ def _refuse_a_folder_of_traces(path: str, command: str) -> None:
                          f"e.g. tracer {command} {inside[0]} ({shown})")
 
 
+def _select_and_path(args: argparse.Namespace) -> None:
+    """``--select`` ids split at commas; a path written after them (``tracer check --select masks RUN``,
+    which argparse hands to --select) taken back as the path when it names no check."""
+    from tracer.checks import CHECKS, FAMILIES
+
+    names = [part for item in (args.select or []) for part in item.split(",") if part]
+    if args.path is None and names and names[-1] not in CHECKS and names[-1] not in FAMILIES:
+        args.path = names.pop()
+    if args.path is None:
+        raise TraceError("no trace given: tracer check PATH [--select ID ...]")
+    args.select = names or None
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -304,6 +318,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if not args.sampler_ratio_bound > 1:
         raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
+    _select_and_path(args)
     _refuse_a_folder_of_traces(args.path, "check")
     findings = run_checks(args.path, select=args.select,
                           options=CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound))

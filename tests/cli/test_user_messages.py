@@ -101,3 +101,16 @@ def test_eos_and_pad_ids_in_the_hyperparameters_turn_the_mask_checks_on_without_
     assert ("masks.padding", "skipped", None, None) not in found
     unknown = {f.check: f.severity for f in run_checks(tmp_path / "none", select=["masks"])}
     assert unknown["masks.after_eos"] == "skipped" and unknown["masks.padding"] == "skipped"
+
+
+def test_check_takes_its_path_after_select_and_comma_separated_ids(tmp_path, capsys):
+    from tests.fixtures.check_traces import case1_tensors, write_trace
+
+    root = write_trace(tmp_path / "r", "grpo", [(0, 0, case1_tensors())])
+    assert main(["check", "--select", "masks", "identity.first_step", str(root)]) == 1  # case 1: first-step error
+    assert "identity.first_step" in capsys.readouterr().out
+    assert main(["check", str(root), "--select", "masks,kl"]) == 0
+    out = capsys.readouterr().out
+    assert "identity.first_step" not in out and "PASS" in out
+    assert main(["check", "--select", "masks"]) == 2
+    assert "no trace given" in capsys.readouterr().err
