@@ -16,7 +16,6 @@ import torch
 
 from tracer import formulas
 from tracer.read import StepKey, Trace
-from tracer.format import turns as turn_format
 from tracer.read.tables import layout_of, mask_reasons, without_placeholders
 
 # Per-token quantities of the step table: column -> (label, neutral value of its colour scale).
