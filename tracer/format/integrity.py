@@ -122,13 +122,37 @@ def check_element_budget(path: Path, handle: Any, size: int) -> None:
                 "empty tensors); refusing a header that would cost far more to read than the file holds")
 
 
-def open_step_file(path: Path):
-    """``safe_open`` a step file after :func:`check_step_file_bounds`, then
-    :func:`check_element_budget` (use as a context manager).
+def check_metadata_bounds(path: Path, raw: Any) -> int:
+    """Refuse step metadata (the header's ``__metadata__``, ``dict[str, str]``) of more than
+    :data:`MAX_METADATA_KEYS` keys or :data:`MAX_METADATA_BYTES` characters of keys and values: decoding it
+    would cost seconds for every reader (the writer refuses to write as much). Returns its size
+    (characters of keys and values).
 
     Raises:
-        TraceFormatError: the bounds check or the element budget fails, or safetensors refuses the
-            header (the message carries its reason).
+        TraceFormatError: naming the file, the count or size found and the limit.
+    """
+    if not raw:
+        return 0
+    keys = len(raw)
+    if keys > MAX_METADATA_KEYS:
+        raise TraceFormatError(f"{path}: the step metadata holds {keys} keys, over the limit of {MAX_METADATA_KEYS} "
+                               "(real steps hold a few dozen: hyperparameters and small values); refusing to "
+                               "decode it")
+    size = sum(len(k) + len(v) for k, v in raw.items())
+    if size > MAX_METADATA_BYTES:
+        raise TraceFormatError(f"{path}: the step metadata holds {size} characters of keys and values, over the "
+                               f"limit of {MAX_METADATA_BYTES} (real steps hold a few KB: hyperparameters and small "
+                               "values); refusing to decode it")
+    return size
+
+
+def open_step_file(path: Path):
+    """``safe_open`` a step file after :func:`check_step_file_bounds`, then
+    :func:`check_element_budget` and :func:`check_metadata_bounds` (use as a context manager).
+
+    Raises:
+        TraceFormatError: the bounds check, the element budget or the metadata bounds fail, or
+            safetensors refuses the header (the message carries its reason).
     """
     size = check_step_file_bounds(path)
     try:
@@ -137,6 +161,7 @@ def open_step_file(path: Path):
         raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
     try:
         check_element_budget(path, handle, size)
+        check_metadata_bounds(path, handle.metadata())
     except BaseException:
         handle.__exit__(None, None, None)
         raise

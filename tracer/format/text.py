@@ -41,3 +41,13 @@ def clean_text(value: Any) -> Any:
     if isinstance(value, dict):
         return {clean_text(k): clean_text(v) for k, v in value.items()}
     return value
+
+
+MAX_TOKEN_TEXT = 256  # characters of one token's text shown; real tokens hold < 100
+
+
+def shown_token(text: str, cap: int = MAX_TOKEN_TEXT) -> str:
+    """One token's text as tables and views show it: at most ``cap`` characters, the rest elided
+    with its length named (``"xxx…(+1048320 chars)"``), so a hostile ``tokens.json`` entry of 1 MB costs a
+    table a few hundred bytes per row, not a megabyte."""
+    return text if len(text) <= cap else f"{text[:cap]}…(+{len(text) - cap} chars)"

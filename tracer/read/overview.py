@@ -26,7 +26,6 @@ from tracer.format import summary as summary_format
 from tracer.errors import TraceFormatError
 from tracer.format.integrity import check_step_header
 from tracer.format.names import STEP_FILE_RE, STEPS_DIR
-from tracer.format.metadata_codec import decode_metadata
 from tracer.read.step_table import StepKey
 from tracer.format.summary_store import SummaryColumns
 from tracer.format.text import clean_str
@@ -265,7 +264,7 @@ class TraceOverview:
         """The summary of one step file: from its header when it holds one, else from its tensors."""
         trace = self.trace
         with trace._open(key.path) as fh:
-            meta = decode_metadata(fh.metadata())
+            meta = trace._metadata_of(key.path, fh)
             check_step_header(key.path, fh, trace._algorithm_of(meta))
         stored = summary_format.read_summary(meta)
         if stored is not None:

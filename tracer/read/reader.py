@@ -29,7 +29,8 @@ from tracer.format.integrity import (
     read_json,
 )
 from tracer.format.schema import FIELDS
-from tracer.format.metadata_codec import decode_metadata
+from tracer.format.text import MAX_TOKEN_TEXT, shown_token
+from tracer.read.metadata_cache import MetadataCache
 from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
@@ -135,7 +136,7 @@ class Trace:
         for path in paths:
             try:
                 with self._open(path) as fh:
-                    meta = decode_metadata(fh.metadata())
+                    meta = self._metadata_of(path, fh)
                     check_step_header(path, fh, self._algorithm_of(meta))
             except TraceFormatError as err:
                 problems[path] = str(err)
@@ -208,10 +209,19 @@ class Trace:
         is unusable (then :meth:`scan` says why)."""
         return self._tokens[0]
 
+    @cached_property
+    def _shown_tokens(self) -> list[str]:
+        """:attr:`tokens` as shown (:func:`tracer.format.text.shown_token`: at most 256 characters), made
+        once per trace: every occurrence of an id in a table is the same string object."""
+        return [t if len(t) <= MAX_TOKEN_TEXT else shown_token(t) for t in self.tokens or []]
+
     def token_text(self, ids: Iterable[int]) -> list[str]:
-        """Text of each id; ``<id N>`` when the trace has no token strings or the id is unknown."""
-        tokens = self.tokens or []
-        return [tokens[i] if 0 <= i < len(tokens) else f"<id {i}>" for i in ids]
+        """Text of each id as shown: at most :data:`tracer.format.text.MAX_TOKEN_TEXT` characters, a
+        longer token's rest elided with its length named (``…(+1048320 chars)``); ``<id N>`` when the
+        trace has no token strings or the id is unknown. Holds B x T x the cap characters at most."""
+        tokens = self._shown_tokens
+        n = len(tokens)
+        return [tokens[i] if 0 <= i < n else f"<id {i}>" for i in ids]
 
     def decode(self, ids: Iterable[int]) -> str:
         """Concatenated text of ``ids``."""
@@ -232,14 +242,24 @@ class Trace:
 
     def _checked(self, key: StepKey, fh) -> None:
         """Schema check of an open step file's header (TraceFormatError naming the field)."""
-        check_step_header(key.path, fh, self._algorithm_of(decode_metadata(fh.metadata())))
+        check_step_header(key.path, fh, self._algorithm_of(self._metadata_of(key.path, fh)))
+
+    def _metadata_of(self, path: Path, fh) -> dict[str, Any]:
+        """The decoded metadata of an open step file, decoded once per file version
+        (:class:`tracer.read.metadata_cache.MetadataCache`); shared: not to be changed."""
+        cache = self.__dict__.get("_metadata_cache")
+        if cache is None:
+            cache = self._metadata_cache = MetadataCache()
+        return cache.get(path, fh)
 
     def _header(self, path: Path) -> dict[str, Any]:
         with self._open(path) as fh:
-            return decode_metadata(fh.metadata())
+            return dict(self._metadata_of(path, fh))
 
     def metadata(self, key: StepKey) -> dict[str, Any]:
-        """Decoded step metadata of one step file."""
+        """Decoded step metadata of one step file (a copy: the caller may change it). Decoded once per
+        file version and cached; metadata over :data:`tracer.format.integrity.MAX_METADATA_KEYS` keys or
+        :data:`~tracer.format.integrity.MAX_METADATA_BYTES` is refused (TraceFormatError naming the file)."""
         return self._header(key.path)
 
     def fields(self, key: StepKey) -> dict[str, tuple[list[int], str]]:
@@ -258,7 +278,7 @@ class Trace:
         added (:func:`derive_fields`; :meth:`derived_fields` names them)."""
         with self._open(key.path) as fh:
             self._checked(key, fh)
-            meta = decode_metadata(fh.metadata())
+            meta = self._metadata_of(key.path, fh)
             present = list(fh.keys())
             wanted = present if fields is None else [f for f in fields if f in present]
             missing = [] if fields is None else [f for f in fields if f not in present]
@@ -280,7 +300,7 @@ class Trace:
         """The fields the reader derives for this step file (header only): those of
         :data:`DERIVED_FIELDS` the file lacks while it records their inputs."""
         with self._open(key.path) as fh:
-            return derivable(list(fh.keys()), decode_metadata(fh.metadata()))
+            return derivable(list(fh.keys()), self._metadata_of(key.path, fh))
 
     def load_sequence(self, key: StepKey, sequence: int, derive: bool = True) -> dict[str, torch.Tensor]:
         """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
@@ -290,7 +310,7 @@ class Trace:
         out = {}
         with self._open(key.path) as fh:
             self._checked(key, fh)
-            algorithm = self._algorithm_of(decode_metadata(fh.metadata()))
+            algorithm = self._algorithm_of(self._metadata_of(key.path, fh))
             shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
             canonical_b = [shape[0] for name, shape in shapes.items()
                            if name in FIELDS and FIELDS[name].dims_for(algorithm)[:1] == ("B",) and shape]
@@ -300,7 +320,7 @@ class Trace:
                 if not 0 <= sequence < shape[0]:
                     raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
                 out[name] = fh.get_slice(name)[sequence : sequence + 1][0]
-            meta = decode_metadata(fh.metadata())
+            meta = self._metadata_of(key.path, fh)
         check_mask_values(key.path, out)
         if derive:
             out.update(derive_fields(out, meta))

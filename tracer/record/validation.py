@@ -16,12 +16,12 @@ from tracer.format import summary as summary_format
 from tracer.format.names import step_label
 from tracer.format.schema import BOOL, FIELDS, check_mask_field, check_tensors
 from tracer.format.metadata_codec import encode_metadata, jsonable
+from tracer.format.integrity import MAX_METADATA_BYTES, MAX_METADATA_KEYS  # what readers decode
 
 MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 # Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
                          "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summary_format.SUMMARY_KEY})
-MAX_METADATA_BYTES = 4 * 2**20  # well under the reader's 16 MiB header cap
 
 
 def coordinate(name: str, value: Any) -> int:
@@ -161,6 +161,7 @@ class RecordChecks:
         self._metadata = MetadataCache()
         self._recorded: set[tuple[int, int, int]] = set()
         self._hyperparameter_bytes = sum(len(k) + len(v) for k, v in encode_metadata(hyperparameters).items())
+        self._hyperparameter_keys = len(encode_metadata(hyperparameters))
         self._metadata_size: tuple = (None, 0)  # (an encoded metadata dict, its header bytes with the hyperparameters')
 
     def step(self, step: Any, inner_step: Any, micro_batch: Any, tensors: dict[str, Any],
@@ -192,6 +193,11 @@ class RecordChecks:
         if encoded is not self._metadata_size[0]:  # the cache gives the same dict for the same metadata
             self._metadata_size = (encoded, self._hyperparameter_bytes + sum(len(k) + len(v) for k, v in encoded.items()))
         size = self._metadata_size[1]
+        keys = len(encoded) + self._hyperparameter_keys + len(WRITER_KEYS)
+        if keys > MAX_METADATA_KEYS:
+            raise SchemaError(f"step metadata of {keys} keys (with the hyperparameters and the writer's own) exceeds "
+                              f"{MAX_METADATA_KEYS} keys; readers refuse headers with that many: keep metadata to "
+                              "hyperparameters and small values (a dict under one key counts as one)")
         if size > MAX_METADATA_BYTES:
             raise SchemaError(f"step metadata of {size} bytes exceeds {MAX_METADATA_BYTES} bytes; readers refuse "
                               "headers that large: keep metadata to hyperparameters and small values")
