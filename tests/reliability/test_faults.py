@@ -83,15 +83,19 @@ def test_info_shows_the_drops_and_why(runs, capsys):
 
 
 def test_when_nothing_fits_the_old_manifest_is_kept_intact(runs):
-    """Not even the manifest can be rewritten: the drops reach the trainer as warnings, the
-    manifest on disk is the last complete one (status running, so info says unfinished)."""
+    """Not even the manifest (nor its reserved counts, tracer/format/counts.py) can be rewritten: the
+    drops reach the trainer as warnings, the manifest on disk is the last complete one (status
+    running, so info says unfinished and that later drops are unknown)."""
     out, report = runs
     assert report["nothing_fits"]["ran"] == STEPS and len(report["nothing_fits"]["warnings"]) == DROPPED
     assert_intact(out / "nothing_fits", range(FULL_AT))
     info = trace_info(out / "nothing_fits")
     assert info["status_text"].startswith("unfinished") and info["unreadable"] == {}
-    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["manifest.json", "steps",
+    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["manifest.counts", "manifest.json", "steps",
                                                                          "summary_index.rank_0.jsonl"]
+    # RLIMIT_FSIZE 0 refuses even the in-place write of the counts reserved at the start: info says
+    # the count stops at the manifest's last update, never that nothing was dropped
+    assert info["drops_note"].startswith("counted until the manifest's last update: the writer did not close")
     # the summary index holds the lines flushed before the disk filled up; the rest failed quietly
     assert Trace(out / "nothing_fits").step_summary().attrs["from_index"] == FULL_AT
 

@@ -96,7 +96,7 @@ def test_strict_mode_raises_for_every_failed_write_and_counts_them_all(tmp_path,
             errors.append(str(err))
     pattern = (rf"tracer: writing {re.escape(str(tmp_path / 'run'))} failed: step_(\d{{8}})\.inner_0\.mb_0\.rank_0"
                r"\.safetensors: OSError: \[Errno 28\] No space left on device(?: \((\d+) writes failed since the "
-               r"last error raised; all are counted in the manifest's dropped_steps\))?$")
+               r"last error raised; all are counted in the trace's dropped_steps, shown by `tracer info`\))?$")
     matches = [re.match(pattern, e) for e in errors]
     assert all(matches), errors
     assert int(matches[0].group(1)) == 5

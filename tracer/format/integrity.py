@@ -52,6 +52,7 @@ _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "tokenizer": (dict,), "hyperparameters": (dict,), "config": (dict,), "producers": (dict,),
     "sampling": (dict,), "capture": (dict,), "capture_report": (dict,), "world_size": (int,),
     "steps_written": (int,), "dropped_steps": (int,), "skipped_steps": (int,), "drop_reasons": (list,),
+    "revision": (int,),  # time.time_ns() of the manifest's write (tracer/format/counts.py)
 }
 _JSON_NAMES = {dict: "a JSON object", list: "a JSON list", str: "a string", int: "an integer"}
 MAX_MANIFEST_TEXT = 4096  # characters of one manifest string (a status, a drop reason); real ones hold < 300

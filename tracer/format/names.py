@@ -2,6 +2,7 @@
 named by its coordinates, and listing a folder's step files.
 
     manifest.json          run-level facts (schema version, algorithm, producers, tokenizer, config, status)
+    manifest.counts        the manifest's status and counts where a full disk cannot hide them (tracer.format.counts)
     tokens.json            {"tokens": [text of id 0, text of id 1, ...]}, stored once per trace
     steps/step_00000003.inner_0.mb_0.rank_0.safetensors
     summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,

@@ -32,6 +32,7 @@ from tracer.format.schema import FIELDS
 from tracer.format.text import MAX_TOKEN_TEXT, shown_token
 from tracer.read.metadata_cache import MetadataCache
 from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files
+from tracer.format.counts import COUNT_KEYS, COUNTS_NAME, newer_counts
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 
@@ -55,6 +56,7 @@ class Trace:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.manifest_notes: list[str] = []  # why (parts of) the manifest were ignored
+        self.counts_note: str | None = None  # where the counts came from when not from the manifest
         if self.path.is_file():
             if self.path.suffix != ".safetensors":
                 raise TraceFormatError(
@@ -68,9 +70,9 @@ class Trace:
             self._single = False
             manifest_path = self.root / MANIFEST_NAME
             if manifest_path.exists():
-                self.manifest = self._read_manifest(manifest_path)
+                self.manifest = self._with_counts(self._read_manifest(manifest_path))
             elif self._step_paths():
-                self.manifest = {}
+                self.manifest = self._with_counts({})
             else:
                 raise TraceFormatError(
                     f"{self.path} is not a trace: expected {MANIFEST_NAME} and {STEPS_DIR}/*.safetensors "
@@ -89,6 +91,19 @@ class Trace:
             manifest, self.manifest_notes = {}, [f"{err}; manifest ignored"]
         if self.manifest_notes and not self._step_paths() and not manifest:
             raise TraceFormatError(self.manifest_notes[0])
+        return manifest
+
+    def _with_counts(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """``manifest`` with the status and counts of ``manifest.counts`` when they are newer: the
+        writer kept them there because the manifest could not be rewritten (a full disk;
+        :mod:`tracer.format.counts`). ``counts_note`` then says so."""
+        counts = newer_counts(self.root, manifest)
+        if counts is None:
+            return manifest
+        manifest = {**manifest, **{key: counts[key] for key in COUNT_KEYS}}
+        why = counts.get("manifest_error")
+        self.counts_note = (f"status and counts from {COUNTS_NAME}: the writer could not rewrite {MANIFEST_NAME}"
+                            + (f" ({why})" if isinstance(why, str) else ""))
         return manifest
 
     # -- listing ------------------------------------------------------------------------------

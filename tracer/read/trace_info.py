@@ -73,6 +73,8 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "micro_batches": sorted({k.micro_batch for k in keys}),
         "ranks": sorted({k.rank for k in keys}),
         "dropped_steps": manifest.get("dropped_steps", 0),
+        "drops_known": "dropped_steps" in manifest,  # False: no readable manifest (printed "unknown")
+        "drops_note": drops_note(home if home is not None else trace, manifest, status),
         "drop_reasons": manifest.get("drop_reasons", []),
         "capture_report": manifest.get("capture_report"),  # rank 0's (the manifest's), as before
         "capture_reports": {str(rank): report for rank, report in  # every rank's, zero-edit tracing only
@@ -85,6 +87,19 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "turns": turn_facts(trace, keys[0]) if keys else None,
         "overview": _overview(trace),
     }
+
+
+def drops_note(trace: Trace, manifest: dict[str, Any], status: str) -> str | None:
+    """Why the drop count may not be the manifest's final one: taken from ``manifest.counts`` (the
+    manifest could not be rewritten, e.g. a full disk), counted only until the last manifest update
+    of a writer that did not close, or not recorded at all. None for a closed writer's manifest."""
+    if "dropped_steps" not in manifest:
+        return "no drop count recorded (no readable manifest): the number of dropped steps is unknown"
+    if status == "running":
+        return ("counted until the manifest's last update: the writer did not close (still running, killed, "
+                "or its disk full before the trace reserved room for the counts), so later drops are unknown"
+                + (f"; {trace.counts_note}" if trace.counts_note else ""))
+    return trace.counts_note
 
 
 def turn_facts(trace: Trace, key: StepKey) -> dict[str, Any] | None:
@@ -210,7 +225,9 @@ def print_info(info: dict[str, Any]) -> None:
         say(f"a step file of the trace {info['manifest_of']} (status and drops from its manifest)")
     say(f"algorithm: {info['algorithm']}   status: {info['status_text']}   schema: {info['schema_version']}")
     say(f"steps: {span}   step files: {info['num_step_files']}   inner steps: {info['inner_steps']}   "
-        f"ranks: {info['ranks']}   dropped: {info['dropped_steps']}")
+        f"ranks: {info['ranks']}   dropped: {info['dropped_steps'] if info.get('drops_known', True) else 'unknown'}")
+    if info.get("drops_note"):
+        say(f"drop count: {info['drops_note']}")
     for line in describe_drops(info["dropped_steps"], info["drop_reasons"]):
         say(line)
     for line in describe_capture_reports(info.get("capture_reports") or {}, info["ranks"]):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from tracer.errors import TraceError, user_stacklevel
+from tracer.format.counts import COUNT_KEYS, write_counts
 from tracer.format.names import FORMAT_NAME, MANIFEST_NAME
 from tracer.format.schema import SCHEMA_VERSION
 from tracer.format.metadata_codec import jsonable
@@ -195,8 +196,8 @@ class ManifestBook:
         with self.lock:
             (reason, err), self.error = self.error, None
             count, self.failures_pending = self.failures_pending, 0
-        more = (f" ({count} writes failed since the last error raised; all are counted in the manifest's "
-                "dropped_steps)") if count > 1 else ""
+        more = (f" ({count} writes failed since the last error raised; all are counted in the trace's "
+                "dropped_steps, shown by `tracer info`)") if count > 1 else ""
         raise TraceError(f"tracer: writing {self.root} failed: {reason}{more}") from err
 
     # -- the manifest -------------------------------------------------------------------------
@@ -218,15 +219,29 @@ class ManifestBook:
         with self._write_lock:
             with self.lock:
                 self.manifest.update(steps_written=self.steps_written, dropped_steps=self.dropped_steps,
-                                     skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons))
+                                     skipped_steps=self.skipped_steps, drop_reasons=list(self.drop_reasons),
+                                     revision=time.time_ns())
                 payload, self.dirty = dict(self.manifest), False
             try:
                 self._write_json(self.root / MANIFEST_NAME, payload)
-            except OSError:
+            except OSError as err:
                 self.dirty = True
+                self._write_counts(payload, err)
                 raise
             finally:
                 self.written_at = time.monotonic()
+
+    def _write_counts(self, payload: dict[str, Any], err: OSError) -> None:
+        """The manifest could not be rewritten (a full disk): keep its counts in the space reserved
+        for them (:mod:`tracer.format.counts`), which needs no new block. A failure there is logged:
+        the manifest's failure is the one reported."""
+        body = {key: payload[key] for key in COUNT_KEYS}
+        body.update(revision=payload["revision"], manifest_error=f"{type(err).__name__}: {err}"[:500])
+        try:
+            write_counts(self.root, body)
+        except OSError as counts_err:
+            log.warning("tracer: could not keep the counts of %s in its reserved file either: %s; "
+                        "`tracer info` will say its drop count is unknown", self.root, counts_err)
 
     def manifest_failed(self, err: OSError) -> None:
         """The manifest could not be rewritten: strict mode raises it from the next call."""

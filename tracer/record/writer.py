@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import torch
 
 from tracer.errors import TraceError, user_stacklevel
+from tracer.format.counts import COUNTS_NAME, reserve_counts
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
 from tracer.format.metadata_codec import jsonable
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
@@ -37,7 +38,7 @@ from tracer.record.validation import RecordChecks, check_captured
 log = logging.getLogger(__name__)
 
 _MANIFEST_OWN_KEYS = frozenset({"schema_version", "algorithm", "status", "steps_written", "dropped_steps",
-                                "skipped_steps", "drop_reasons", "tokenizer", "producer"})
+                                "skipped_steps", "drop_reasons", "tokenizer", "producer", "revision"})
 
 
 class TraceWriter:
@@ -141,6 +142,8 @@ class TraceWriter:
                 manifest["tokenizer"] = tokenizer_identity(tokenizer)
                 if self.rank == 0:
                     self._write_tokens(tokenizer)
+            if self.rank == 0:
+                self._reserve_counts()
             try:
                 self._book.write()
             except OSError as err:
@@ -372,6 +375,16 @@ class TraceWriter:
         if self._backends is not None:
             self._backends.flush_index(force)
         self._book.update(force)
+
+    def _reserve_counts(self) -> None:
+        """Room for the manifest's counts while the disk has some (:mod:`tracer.format.counts`): a
+        disk the step files fill later cannot hide the drops. A failure is logged (the disk is full
+        already: the manifest cannot be written either)."""
+        try:
+            reserve_counts(self.root)
+        except OSError as err:
+            log.warning("tracer: could not reserve %s in %s: %s; a disk that fills may hide the drop count",
+                        COUNTS_NAME, self.root, err)
 
     def _write_tokens(self, tokenizer: Any) -> None:
         """``tokens.json``: the text of every token id (rank 0). A failure leaves the trace usable (ids
