@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from tracer.checks.finding import SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
-from tracer.checks.runner import description
+from tracer.checks.runner import UNFINISHED, description
 
 STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
 
@@ -61,36 +61,46 @@ def not_checked_lines(skipped: list[Finding]) -> list[Text]:
 
 
 def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
-    """A rich Group: first the checks that could not run (:func:`not_checked_lines`), then one block
-    per check (worst severity first), its findings of one message shown once with their other
-    locations (:func:`same_message`; ``max_per_check`` such entries), then a summary of counts."""
+    """A rich Group: first a ``trace.unfinished`` finding (the run is still going or was killed: what
+    follows covers only the step files on disk), then the checks that could not run
+    (:func:`not_checked_lines`), then one block per check (worst severity first), its findings of one
+    message shown once with their other locations (:func:`same_message`; ``max_per_check`` such
+    entries), then a summary of counts."""
     worst = {}
     for f in findings:
         worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
     ordered = sorted((f for f in findings if f.severity != SKIPPED),
-                     key=lambda f: (worst[f.check], f.check, SEVERITY_RANK[f.severity]))
+                     key=lambda f: (f.check != UNFINISHED, worst[f.check], f.check, SEVERITY_RANK[f.severity]))
     blocks: list = [Text(title, style="bold")] if title else []
-    blocks.extend(not_checked_lines([f for f in findings if f.severity == SKIPPED]))
+    skipped = not_checked_lines([f for f in findings if f.severity == SKIPPED])
+    if not any(f.check == UNFINISHED for f in ordered):
+        blocks.extend(skipped)
     for check_id, group in groupby(ordered, key=lambda f: f.check):
-        items = list(group)
-        severity = SEVERITIES[worst[check_id]]
-        about = description(check_id)
-        head = Text.assemble((f"{severity.upper():8}", STYLE[severity]), (check_id, "bold"),
-                             (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
-                             (f"  — {about}" if about else "", "dim"))
-        blocks.append(head)
-        entries = same_message(items)
-        for f, others in entries[:max_per_check]:
-            where = location_text(f)
-            if others:
-                shown = ", ".join(location_text(o) for o in others[:3]) + (", …" if len(others) > 3 else "")
-                where += f" (the same at {len(others)} more: {shown})"
-            blocks.append(Text.from_markup(f"  [{STYLE[f.severity]}]{f.severity}[/] [dim]{escape(where)}[/]"))
-            blocks.append(Text("    " + f.message))
-        if len(entries) > max_per_check:
-            blocks.append(Text(f"    … {len(entries) - max_per_check} more (use --json for all)", style="dim"))
+        blocks.extend(_check_block(check_id, list(group), SEVERITIES[worst[check_id]], max_per_check))
+        if check_id == UNFINISHED:  # said first; then what could not run
+            blocks.extend(skipped)
     counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
     summary = ", ".join(f"{n} {s}" for s, n in counts.items())
     verdict = ("FAIL" if counts["error"] else "PASS", "bold red" if counts["error"] else "bold green")
     blocks.append(Text.assemble(verdict, f"  {summary}"))
     return Group(*blocks)
+
+
+def _check_block(check_id: str, items: list[Finding], severity: str, max_per_check: int) -> list:
+    """One check's lines: its head (severity, id, count, what it checks), then each message once."""
+    about = description(check_id)
+    head = Text.assemble((f"{severity.upper():8}", STYLE[severity]), (check_id, "bold"),
+                         (f"  {len(items)} finding{'s' if len(items) != 1 else ''}", "dim"),
+                         (f"  — {about}" if about else "", "dim"))
+    blocks: list = [head]
+    entries = same_message(items)
+    for f, others in entries[:max_per_check]:
+        where = location_text(f)
+        if others:
+            shown = ", ".join(location_text(o) for o in others[:3]) + (", …" if len(others) > 3 else "")
+            where += f" (the same at {len(others)} more: {shown})"
+        blocks.append(Text.from_markup(f"  [{STYLE[f.severity]}]{f.severity}[/] [dim]{escape(where)}[/]"))
+        blocks.append(Text("    " + f.message))
+    if len(entries) > max_per_check:
+        blocks.append(Text(f"    … {len(entries) - max_per_check} more (use --json for all)", style="dim"))
+    return blocks

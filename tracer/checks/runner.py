@@ -51,7 +51,7 @@ def select_checks(select: Iterable[str] | None = None) -> list[Check]:
 
 def _sort_key(f: Finding):
     loc = tuple(-1 if v is None else v for v in (f.step, f.inner_step, f.micro_batch, f.rank, f.sequence, f.token))
-    return (SEVERITY_RANK[f.severity], f.check, loc)
+    return (f.check != UNFINISHED, SEVERITY_RANK[f.severity], f.check, loc)  # an unfinished run is said first
 
 
 EPISODE_CHECKS = ("advantages.", "recompute.advantages")  # judged on one row per episode (per-turn rows)
@@ -111,7 +111,7 @@ def run_checks(
         options: thresholds such as the sampler ratio bound C.
         steps: only these step files (``trace.steps()`` items), e.g. the one a UI page shows.
     Returns:
-        Findings, worst first. A check that cannot run for lack of a field or metadata key yields one
+        Findings: a ``trace.unfinished`` one first, then worst first. A check that cannot run for lack of a field or metadata key yields one
         ``skipped`` finding per reason (``details["steps"]`` lists the step files). A step file that
         cannot be read yields a ``trace.unreadable`` error naming the file and the reason, and the
         other step files are checked; an ignored manifest or token strings file a ``trace.files``
@@ -127,7 +127,10 @@ def run_checks(
     keys = trace.steps() if steps is None else list(steps)
     if not keys:
         why = list(trace.scan().values())[:3]
-        raise TraceFormatError(f"{trace.path} holds no step file: nothing to check"
+        unfinished = ("this trace is unfinished (its manifest says status 'running': the writer has not closed; "
+                      "the run is still going, or it crashed or was killed before close()), and it "
+                      if trace.status == "running" else "")
+        raise TraceFormatError(f"{trace.path}: {unfinished}holds no step file: nothing to check"
                                + (f" (unreadable: {'; '.join(why)})" if why else ""))
     findings: list[Finding] = _file_notes(trace)
     skips: dict[tuple[str, str], list] = {}
