@@ -1,6 +1,7 @@
 """Hostile traces (each under 1 MB) read by every tool, with a time and memory limit per case.
 
     python tests/scripts/hostile_campaign.py [--app] [--json]
+    python tests/scripts/hostile_campaign.py --bounds [CASE...]   # the issue-48 classes, a process per tool
 
 Each generator writes one small trace whose files are valid JSON / safetensors but hostile:
 zero-byte tensors with huge shapes, token strings that cost much more memory than their size,
@@ -185,6 +186,305 @@ CASES: dict[str, Callable[[Path], None]] = {f.__name__: f for f in (
     component_collision)}
 
 
+# -- issue 48: wrong JSON types, one huge token, huge metadata, a disk that fills -----------------------
+#
+# Each tool runs on each of these inputs in its own process (forked from a worker that has done the
+# imports), so a traceback on stderr, the exit code, the wall and CPU time and the peak resident
+# memory (os.wait4's ru_maxrss) are the command's own. tests/reliability/test_hostile_bounds_campaign.py
+# holds every (input, tool) pair to BOUNDS_TIME_LIMIT_S, BOUNDS_CPU_LIMIT_S and BOUNDS_MEMORY_LIMIT_MB.
+# The CPU limit is what catches a slow path on a loaded machine: before issue 48, check on the
+# 100,000-key trace took 8.5 s of CPU, info 3.2 s, the reader 2.1 s.
+
+BOUNDS_TIME_LIMIT_S = 10.0
+BOUNDS_CPU_LIMIT_S = 2.0  # the issue's "within 2 s"; the largest after the fixes is 0.6 s
+BOUNDS_MEMORY_LIMIT_MB = 500.0  # peak resident set of the process, imports (~300 MB) included
+BOUNDS_TOOLS = ("info", "info --json", "check", "diff", "reader")
+_HARD_STOP_RSS_MB = 2048.0  # a child past this is killed at once (the pair then fails the memory budget)
+
+
+def _wrong_values() -> dict:
+    """One value of each wrong JSON type per key (shared with test_manifest_field_types.py)."""
+    from tests.reliability.test_manifest_field_types import WRONG_VALUES
+    return WRONG_VALUES
+
+
+def _manifest_wrong(kind: str) -> Callable[[Path], None]:
+    def make(out: Path) -> None:
+        from tracer.format.counts import reserve_counts, write_counts
+        from tracer.format.integrity import _MANIFEST_TYPES
+
+        value = _wrong_values()[kind]
+        _manifest(out, {key: value for key in _MANIFEST_TYPES})
+        _bounds_step(out)
+        # manifest.counts (read when newer than the manifest's revision, which is wrong here): valid
+        # counts, a wrong value where the slot's check does not look (manifest_error)
+        reserve_counts(out)
+        write_counts(out, {"revision": 1, "status": "finished", "steps_written": 1, "dropped_steps": 2,
+                           "skipped_steps": 0, "drop_reasons": ["step 1: disk full"], "manifest_error": value})
+    make.__name__ = f"manifest_every_key_{kind}"
+    make.__doc__ = f"Every manifest key tracer reads set to the {kind} wrong value; manifest.counts' manifest_error too."
+    return make
+
+
+def manifest_wrong_inside_objects(out: Path) -> None:
+    """Wrong values inside the manifest's objects (hyperparameters, config, tokenizer...), the kinds in turn."""
+    pick = iter(list(_wrong_values().values()) * 8)
+
+    def inner(names: tuple[str, ...]) -> dict:
+        return {name: next(pick) for name in names}
+
+    hyper = ("beta", "num_generations", "clip_epsilon_high", "clip_epsilon_low", "learning_rate", "loss_type",
+             "scale_rewards", "epsilon")
+    _manifest(out, {"hyperparameters": inner(hyper), "sampling": inner(("every_n_steps", "first_k_sequences")),
+                    "producers": inner(("torch",)), "capture": inner(("writer",)),
+                    "config": inner(("trainer_args", "diff_change", "trainer", *hyper)),
+                    "tokenizer": inner(("class", "name_or_path", "eos_token_id", "pad_token_id")),
+                    "capture_report": inner(("backward_calls", "steps_recorded", "drops", "sources"))})
+    _bounds_step(out)
+
+
+def _zero_step(b: int = 8, t: int = 64) -> dict[str, torch.Tensor]:
+    return {"prompt_ids": torch.zeros(b, 3, dtype=torch.int64), "prompt_mask": torch.ones(b, 3, dtype=torch.bool),
+            "completion_ids": torch.zeros(b, t, dtype=torch.int64),
+            "completion_mask": torch.ones(b, t, dtype=torch.bool), "policy_logprobs": torch.full((b, t), -1.0),
+            "old_logprobs": torch.full((b, t), -1.0), "rewards": torch.zeros(b), "advantages": torch.zeros(b),
+            "group_ids": torch.arange(b) // 2}
+
+
+def _bounds_step(out: Path, step: int = 0, meta: dict[str, str] | None = None) -> None:
+    """A step like the healthy trace's (B = 8, T = 64, metadata as the writer writes it), so that
+    ``diff`` against it compares the fields instead of refusing other batch sizes."""
+    _step(out, _zero_step(), meta={"schema_version": "1", "step": str(step), **(meta or {})}, step=step)
+
+
+def one_huge_token(out: Path) -> None:
+    """tokens.json whose token 0 is 1 MiB of text; every one of the 8 x (3 + 64) ids is 0."""
+    _manifest(out)
+    _bounds_step(out)
+    (out / TOKENS_NAME).write_text(json.dumps({"tokens": ["x" * 2**20, "a"]}))
+
+
+def metadata_100k_keys(out: Path) -> None:
+    """3 step files (1.4 MB each) whose header holds 100,000 metadata keys (over the 10,000 limit)."""
+    _manifest(out)
+    for step in range(3):
+        _bounds_step(out, step, {f"k{i:06d}": "1" for i in range(100_000)})
+
+
+def metadata_9900_keys(out: Path) -> None:
+    """3 step files (1.35 MB each) with 9,900 metadata keys of 130 characters (allowed)."""
+    _manifest(out)
+    for step in range(3):
+        _bounds_step(out, step, {f"k{i:05d}": "v" * 130 for i in range(9_900)})
+
+
+def disk_filled(out: Path) -> Path:
+    """A trace whose own step files filled a 1 MiB tmpfs (mounted at ``out``: root only) to 0 bytes
+    free while a thread writer recorded 60 steps; returns the trace (``out / "run"``)."""
+    import os
+
+    from tests.reliability.test_disk_full_counts import fill_disk
+
+    out.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode != 0:
+        raise OSError(f"cannot mount a tmpfs at {out}: {done.stderr.strip()}")
+    _MOUNTED.append(out)
+    fill_disk(out / "run", "thread")
+    free = os.statvfs(out).f_bavail
+    if free != 0:
+        raise AssertionError(f"the step files left {free} blocks free on the 1 MiB tmpfs; expected 0")
+    return out / "run"
+
+
+_MOUNTED: list[Path] = []
+
+
+def unmount_all() -> None:
+    while _MOUNTED:
+        subprocess.run(["umount", "-l", str(_MOUNTED.pop())], check=False)
+
+
+def can_mount() -> bool:
+    import os
+    import shutil
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+BOUNDS_CASES: dict[str, Callable[[Path], Path | None]] = {f.__name__: f for f in (
+    *(_manifest_wrong(kind) for kind in sorted(_wrong_values())), manifest_wrong_inside_objects, one_huge_token,
+    metadata_100k_keys, metadata_9900_keys, disk_filled)}
+
+
+def make_bounds_inputs(root: Path, only: list[str] | None = None) -> tuple[Path, dict[str, Path]]:
+    """Write a healthy trace and each bounds case under ``root``: (healthy, {case: trace}). The disk
+    case is left out unless this process may mount a tmpfs; call unmount_all() when done."""
+    healthy = root / "healthy"
+    _manifest(healthy)
+    for step in range(3):
+        _bounds_step(healthy, step)
+    made = {}
+    for case, make in BOUNDS_CASES.items():
+        if (only and case not in only) or (case == "disk_filled" and not can_mount()):
+            continue
+        made[case] = make(root / case) or root / case
+    return healthy, made
+
+
+def _bounds_tool(tool: str, path: Path, healthy: Path) -> int:
+    """``tool`` on ``path``, as its command would run it: the exit code (a traceback goes to stderr)."""
+    if tool == "reader":
+        trace = Trace(path)
+        try:
+            for key in trace.steps()[:3]:
+                trace.token_table(key).to_string()
+        except TraceError as err:
+            print(f"tracer: {err}", file=sys.stderr)
+            return 2
+        return 0
+    argv = {"info": ["info", str(path)], "info --json": ["info", "--json", str(path)],
+            "check": ["check", str(path)], "diff": ["diff", str(healthy), str(path)]}[tool]
+    return cli.main(argv)
+
+
+def _bounds_child(tool: str, path: Path, healthy: Path, out_file: str, err_file: str) -> None:
+    """In the forked child: stdout and stderr to files (strict UTF-8, as a pipe), run, exit with the code."""
+    import os
+
+    for fd, name in ((1, out_file), (2, err_file)):
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8", errors="strict")  # noqa: SIM115
+    sys.stderr = io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8",  # noqa: SIM115
+                                  errors="backslashreplace")
+    try:
+        code = _bounds_tool(tool, path, healthy)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:  # noqa: BLE001 - what the interpreter would do: print it, exit 1
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code if isinstance(code, int) and 0 <= code < 256 else 1)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def bounds_worker(spec: dict) -> None:
+    """Fork one child per (case, path, tool) job; one JSON line per result on stdout."""
+    import os
+    import signal
+
+    # what the tools import, done here once (not in each child): a child's figures are its command's own
+    import pandas
+    import rich.console
+
+    import tracer.checks.report
+    import tracer.diff
+    import tracer.read.trace_info
+
+    del pandas, rich, tracer
+
+    healthy = Path(spec["healthy"])
+    with tempfile.TemporaryDirectory() as tmp:
+        out_file, err_file = str(Path(tmp) / "out"), str(Path(tmp) / "err")
+        for case, path, tool in spec["jobs"]:
+            sys.stdout.flush()
+            t0 = time.perf_counter()
+            pid = os.fork()
+            if pid == 0:
+                _bounds_child(tool, Path(path), healthy, out_file, err_file)
+            killed = None
+            while True:
+                done, status, usage = os.wait4(pid, os.WNOHANG)
+                if done:
+                    break
+                seconds = time.perf_counter() - t0
+                if killed is None and (seconds > 2 * BOUNDS_TIME_LIMIT_S or _rss_mb(pid) > _HARD_STOP_RSS_MB):
+                    killed = f"killed after {seconds:.1f} s at {_rss_mb(pid):.0f} MB"
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.005)
+            seconds = time.perf_counter() - t0
+            stderr = Path(err_file).read_text(encoding="utf-8", errors="replace")
+            result = {"case": case, "tool": tool, "exit": os.waitstatus_to_exitcode(status),
+                      "seconds": round(seconds, 3), "cpu_s": round(usage.ru_utime + usage.ru_stime, 3),
+                      "peak_mb": round(usage.ru_maxrss / 1024, 1),
+                      "traceback": "Traceback (most recent call last)" in stderr,
+                      "stderr": stderr.strip()[-2000:], "killed": killed}
+            sys.stdout.write("RESULT " + json.dumps(result) + "\n")
+            sys.stdout.flush()
+
+
+def run_bounds(healthy: Path, made: dict[str, Path], worker_timeout_s: float = 600) -> list[dict]:
+    """Every (case, tool) result for the bounds inputs ``made``, and first for the healthy trace
+    (case ``healthy``, the baseline): case, tool, exit, seconds, cpu_s, peak_mb, traceback, stderr,
+    killed. When the worker itself dies, the job it was on is reported as a crash (exit None) and a
+    new worker takes the rest."""
+    cases = {"healthy": healthy, **made}
+    pending = [[case, str(path), tool] for case, path in cases.items() for tool in BOUNDS_TOOLS]
+    results = []
+    while pending:
+        spec = {"healthy": str(healthy), "jobs": pending}
+        proc = subprocess.run([sys.executable, __file__, "--bounds-worker", json.dumps(spec)], capture_output=True,
+                              text=True, timeout=worker_timeout_s, check=False)
+        done = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        results += done
+        pending = pending[len(done):]
+        if pending:
+            case, _, tool = pending.pop(0)
+            tail = (proc.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1][:160]
+            results.append({"case": case, "tool": tool, "exit": None, "seconds": float("nan"), "cpu_s": float("nan"),
+                            "peak_mb": float("nan"), "traceback": True,
+                            "stderr": f"the worker died (exit {proc.returncode}): {tail}", "killed": None})
+    return results
+
+
+def within_bounds(r: dict) -> bool:
+    """Whether a result is within the time, CPU and memory budgets (False for NaN: the worker died)."""
+    return (r["seconds"] <= BOUNDS_TIME_LIMIT_S and r["cpu_s"] <= BOUNDS_CPU_LIMIT_S
+            and r["peak_mb"] <= BOUNDS_MEMORY_LIMIT_MB)
+
+
+def bounds_main(only: list[str] | None) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            healthy, made = make_bounds_inputs(Path(tmp), only)
+            sizes = {case: max(p.stat().st_size for p in path.rglob("*") if p.is_file())
+                     for case, path in {"healthy": healthy, **made}.items()}
+            t0 = time.perf_counter()
+            results = run_bounds(healthy, made)
+            total = time.perf_counter() - t0
+        finally:
+            unmount_all()
+    base = {r["tool"]: r["peak_mb"] for r in results if r["case"] == "healthy"}
+    for r in results:
+        r["above_healthy_mb"] = round(r["peak_mb"] - base[r["tool"]], 1)
+    print("| input | largest file | tool | exit | wall s | CPU s | peak RSS MB | above healthy MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        flag = "" if (r["exit"] in (0, 1, 2) and not r["traceback"] and within_bounds(r)) else " <--"
+        print(f"| {r['case']} | {sizes[r['case']] / 2**20:.2f} MB | {r['tool']} | {r['exit']} | {r['seconds']:.2f} | "
+              f"{r['cpu_s']:.2f} | {r['peak_mb']:.0f} | {r['above_healthy_mb']:+.0f} |{flag}")
+    ok = [r for r in results if r["seconds"] == r["seconds"]]
+    print(json.dumps({"inputs": len(made), "runs": len(results), "tracebacks": sum(r["traceback"] for r in results),
+                      "bad_exit": sum(r["exit"] not in (0, 1, 2) for r in results),
+                      "over_budget": sum(not within_bounds(r) for r in results),
+                      "max_seconds": max(r["seconds"] for r in ok), "max_cpu_s": max(r["cpu_s"] for r in ok),
+                      "max_peak_mb": max(r["peak_mb"] for r in ok),
+                      "max_above_healthy_mb": max(r["above_healthy_mb"] for r in ok), "total_s": round(total, 1)}))
+    return 0
+
+
 # -- tools ------------------------------------------------------------------------------------------
 
 
@@ -325,6 +625,11 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         worker([tuple(job) for job in json.loads(argv[1])])
         return 0
+    if argv[:1] == ["--bounds-worker"]:
+        bounds_worker(json.loads(argv[1]))
+        return 0
+    if "--bounds" in argv:
+        return bounds_main([a for a in argv if not a.startswith("--")] or None)
     only = [a for a in argv if not a.startswith("--")] or None
     results = run(app="--app" in argv, only=only)
     if "--json" in argv:
