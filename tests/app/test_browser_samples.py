@@ -88,6 +88,8 @@ PAGES_BY_URL = (
     ("/dpo?run=dpo-tiny&step=2&seq=1", "DPO pairs", "step 2 · inner 0 · mb 0 · rank 0 · pair 1"),
     ("/steps?run=dpo-tiny", "Steps", "dpo · 3 step files"),
     ("/groups?run=rloo-trl-tiny&step=1", "Groups", "step 1 · inner 1 · mb 0 · rank 0"),  # step 1 has inner 1 only
+    # the bundled TRL tools= run: roles, the tool call and the tool's result as blocks of their own
+    ("/conversation?run=agent-trl-tiny&step=0&seq=0", "Conversation", "tool · tool result · not trained: tool output"),
 )
 
 
@@ -134,6 +136,9 @@ def test_every_page_by_url_on_the_samples(sync_playwright, samples_server, tmp_p
                     check_url_tokens_page(page, main)
                 if path.startswith("/step?"):
                     check_url_step_page(page, main)
+                if path.startswith("/conversation?"):
+                    for label in ("assistant · tool call", "prompt (prompt_ids) · not trained: prompt", "turn 2"):
+                        expect(main).to_contain_text(label)
             page.goto(samples_server + "/steps?run=grpo-tiny")
             click_a_step_point(page)
             page.screenshot(path=str(shots / "steps_click_opened_step.png"), full_page=True)
