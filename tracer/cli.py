@@ -10,6 +10,7 @@ the script's own exit code, or 3 when the script succeeded but nothing was trace
 from __future__ import annotations
 
 import argparse
+import re
 import errno
 import importlib.metadata
 import importlib.util
@@ -359,9 +360,29 @@ COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cm
             "run": _cmd_run}
 
 
+STREAMLIT_OPTION = re.compile(r"^--(server|browser|theme|client|runner|logger|global)\.([A-Za-z]+)")
+
+
+def _streamlit_options_hint(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    """``tracer view --server.headless true``: Streamlit's own options are not ``tracer view``'s; say
+    how to pass them (``STREAMLIT_*`` variables) instead of argparse's bare 'unrecognized arguments'."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "view":
+        return
+    wrong = [a for a in args if STREAMLIT_OPTION.match(a)]
+    if wrong:
+        first = STREAMLIT_OPTION.match(wrong[0])
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", first.group(2)).upper()
+        parser.error(f"{wrong[0]} is a Streamlit option, not one of tracer view's: tracer view already serves "
+                     f"headless on 127.0.0.1 with usage statistics off; pass other Streamlit options as "
+                     f"environment variables, e.g. STREAMLIT_{first.group(1).upper()}_{snake}=... tracer view PATH")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    _streamlit_options_hint(parser, argv)
+    args = parser.parse_args(argv)
     for stream in (sys.stdout, sys.stderr):  # a non-UTF-8 file name prints escaped, not as a traceback
         try:
             stream.reconfigure(errors="backslashreplace")

@@ -194,7 +194,7 @@ def test_case7_every_group_has_zero_variance(tmp_path):
     (f,) = found(run_checks(root), "advantages.zero_variance")
     assert (f.severity, f.step, f.sequence) == (WARNING, 0, 0)
     assert f.details["zero_variance_share"] == 1.0
-    assert "all 2 groups have zero reward variance (group rewards [-8.0, 2.0])" in f.message
+    assert "all 2 groups have zero reward variance (the reward each group shares: [-8.0, 2.0])" in f.message
     assert "batch std of the rewards is 5 (5.345 with Bessel's correction)" in f.message
     assert "no learning signal" in f.message
 

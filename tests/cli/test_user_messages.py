@@ -114,3 +114,11 @@ def test_check_takes_its_path_after_select_and_comma_separated_ids(tmp_path, cap
     assert "identity.first_step" not in out and "PASS" in out
     assert main(["check", "--select", "masks"]) == 2
     assert "no trace given" in capsys.readouterr().err
+
+
+def test_a_streamlit_option_given_to_view_says_how_to_pass_it(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["view", "runs", "--server.maxUploadSize", "500"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--server.maxUploadSize is a Streamlit option" in err and "STREAMLIT_SERVER_MAX_UPLOAD_SIZE=" in err

@@ -167,14 +167,14 @@ def check_zero_variance(ctx: StepContext):
     if largest > ctx.tol.atol and _advantages_have_another_term(ctx):
         return [ctx.finding(
             "advantages.zero_variance", INFO,
-            f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), but the "
+            f"all {len(groups)} groups have zero reward variance (the reward each group shares: {values[:8]}), but the "
             f"recorded advantages are not 0 (largest |A| {largest:.4g}): they come from the advantage "
             f"rule's other terms (advantage_rule {ctx.hyper('advantage_rule', None)!r}; RLOO's "
             "rloo_kl subtracts beta * sum(old - ref) from each reward), not from the reward.",
             zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups), largest_advantage=largest)]
     if largest > ctx.tol.atol:  # no term besides the reward: these advantages do not come from these rewards
         message = (
-            f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), yet the recorded "
+            f"all {len(groups)} groups have zero reward variance (the reward each group shares: {values[:8]}), yet the recorded "
             f"advantages are not 0 (largest |A| {largest:.4g}), and the advantage rule has no term besides the "
             "reward. Why it matters: the advantages were not computed from these rewards within their groups "
             "(a batch-level normalisation, or advantages of other rows: stale, shuffled or misaligned), so the "
@@ -188,14 +188,14 @@ def check_zero_variance(ctx: StepContext):
         return [ctx.finding(
             "advantages.zero_variance", INFO,
             f"{'the one group' if len(groups) == 1 else f'all {len(groups)} groups'} of this micro-batch "
-            f"{'has' if len(groups) == 1 else 'have'} zero reward variance (group rewards {values[:8]}), "
+            f"{'has' if len(groups) == 1 else 'have'} zero reward variance (the reward each group shares: {values[:8]}), "
             f"so its advantages are 0; over the {files} micro-batch files of step {ctx.key.step} (inner step "
             f"{ctx.key.inner_step}), {rollout_zero} of {rollout_groups} groups ({rollout_zero / rollout_groups:.0%}) "
             "have zero variance: the step's other groups carry its learning signal.",
             zero[0][0], field="rewards", zero_variance_share=share, groups=len(groups),
             step_zero_variance_share=rollout_zero / rollout_groups)]
     message = (
-        f"all {len(groups)} groups have zero reward variance (group rewards {values[:8]}), so every advantage is "
+        f"all {len(groups)} groups have zero reward variance (the reward each group shares: {values[:8]}), so every advantage is "
         f"0 and the step carries no learning signal (only the KL term moves the policy). The batch std of the "
         f"rewards is {float(flat.std(unbiased=False)):.4g} ({float(flat.std(unbiased=True)):.4g} with Bessel's "
         "correction), which hides this in batch-level logs. Why it matters: the step costs a full rollout "
