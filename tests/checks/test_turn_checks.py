@@ -236,3 +236,40 @@ def test_a_sequence_mean_over_the_rows_that_keep_a_token_is_a_sequence_mean(tmp_
     tensors["loss"] = loss * 1.3
     findings = run_checks(write_trace(tmp_path / "u", "grpo", [(0, 0, tensors, meta)]))
     assert [f.severity for f in found(findings, "recompute.loss")] == [ERROR]
+
+
+class NewlineTokenizer:
+    """The toy tokenizer's strings (``<pad>``, ``<unk>``, ``<eos>``, ``t3``...) with id 9 a newline."""
+
+    eos_token_id, pad_token_id, name_or_path = EOS, PAD, "toy-newline"
+
+    def __len__(self):
+        return 64
+
+    def batch_decode(self, ids, **_):
+        names = {0: "<pad>", 1: "<unk>", 2: "<eos>", 9: "\n"}
+        return [names.get(i[0], f"t{i[0]}") for i in ids]
+
+
+def test_the_newline_a_chat_template_writes_after_eos_is_part_of_the_answer(tmp_path):
+    from tracer import TraceWriter
+
+    # DPO sides as MiniMind's train_dpo.py masks them: prompt, answer, <|im_end|>, "\n" kept, padding
+    chosen = torch.tensor([[5, 6, 7, 8, EOS, 9, PAD, PAD]])
+    rejected = torch.tensor([[5, 6, 10, 11, 12, EOS, 9, PAD]])
+    mask_c = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+    mask_r = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    lp = torch.full((1, 8), -1.0)
+    tensors = {"chosen_ids": chosen, "rejected_ids": rejected, "chosen_mask": mask_c | (chosen == 9),
+               "rejected_mask": mask_r | (rejected == 9), "chosen_policy_logprobs": lp, "rejected_policy_logprobs": lp,
+               "chosen_ref_logprobs": lp, "rejected_ref_logprobs": lp}
+
+    def after_eos(name, tokens):
+        with TraceWriter(tmp_path / name, "dpo", tokenizer=NewlineTokenizer(), hyperparameters={"beta": 0.1}) as w:
+            w.record(0, tokens)
+        return found(run_checks(tmp_path / name), "masks.after_eos")
+
+    assert after_eos("newline", tensors) == []
+    tensors["chosen_mask"] = tensors["chosen_mask"] | (chosen == PAD)  # padding after it: still an error
+    (f,) = after_eos("padding", tensors)
+    assert (f.sequence, f.token, f.field) == (0, 6, "chosen_mask")

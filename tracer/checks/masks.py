@@ -68,6 +68,30 @@ def first_eos_of_turn(ids: torch.Tensor, start: torch.Tensor, eos: int, turn_ids
     return first[slot]
 
 
+TEMPLATE_TAIL = 2  # whitespace-only tokens right after an EOS that a chat template writes (<|im_end|> "\n")
+
+
+def _template_tail(ctx: StepContext, ids: torch.Tensor, first_eos: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the run of at most :data:`TEMPLATE_TAIL` whitespace-only tokens right after the
+    first EOS (of each turn): a chat template closes a message with ``<|im_end|>`` and a newline, and a
+    loss mask built from the template's spans (MiniMind's train_dpo.py) keeps that newline with the
+    answer. All False when the trace holds no token strings (whitespace cannot be told)."""
+    B, T = ids.shape
+    out = torch.zeros(B, T, dtype=torch.bool)
+    tokens = ctx.trace.tokens
+    if tokens is None or T == 0:
+        return out
+    blank = [i for i, text in enumerate(tokens) if text and not text.strip()]
+    if not blank:
+        return out
+    is_blank = torch.isin(ids, torch.tensor(blank, dtype=ids.dtype))  # (B, T)
+    pos = torch.arange(T).expand(B, T)
+    for k in range(1, TEMPLATE_TAIL + 1):
+        at = pos == first_eos + k  # (B, T) the k-th token after the turn's EOS
+        out |= at & is_blank & (k == 1 or out.roll(1, dims=1))
+    return out
+
+
 @register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer, per turn "
           "(EOS tokens of the prompt, and the EOS that closes a chat turn, do not end the answer)")
 def check_after_eos(ctx: StepContext):
@@ -89,6 +113,7 @@ def check_after_eos(ctx: StepContext):
                                       layout.roles if multi else None,
                                       layout.role_code("assistant") if multi else None)  # (B, T)
         leak = keep & (pos > first_eos)
+        leak &= ~_template_tail(ctx, ids, first_eos)  # the newline a chat template writes after its EOS
         if multi and layout.roles is not None:  # a kept tool or environment token is turns.tool_output_trained's
             assistant = layout.role_code("assistant")
             leak &= (layout.roles < 0) | (layout.roles == assistant)
