@@ -68,20 +68,21 @@ def first_eos_of_turn(ids: torch.Tensor, start: torch.Tensor, eos: int, turn_ids
     return first[slot]
 
 
-TEMPLATE_TAIL = 2  # whitespace-only tokens right after an EOS that a chat template writes (<|im_end|> "\n")
+TEMPLATE_TAIL = 2  # newline-only tokens right after an EOS that a chat template writes (<|im_end|> "\n")
 
 
 def _template_tail(ctx: StepContext, ids: torch.Tensor, first_eos: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool: the run of at most :data:`TEMPLATE_TAIL` whitespace-only tokens right after the
+    """``[B, T]`` bool: the run of at most :data:`TEMPLATE_TAIL` newline-only tokens right after the
     first EOS (of each turn): a chat template closes a message with ``<|im_end|>`` and a newline, and a
     loss mask built from the template's spans (MiniMind's train_dpo.py) keeps that newline with the
-    answer. All False when the trace holds no token strings (whitespace cannot be told)."""
+    answer. All False when the trace holds no token strings (a newline cannot be told). A space or
+    any other token after the EOS is still a leak."""
     B, T = ids.shape
     out = torch.zeros(B, T, dtype=torch.bool)
     tokens = ctx.trace.tokens
     if tokens is None or T == 0:
         return out
-    blank = [i for i, text in enumerate(tokens) if text and not text.strip()]
+    blank = [i for i, text in enumerate(tokens) if text and not text.strip("\r\n")]  # newlines only
     if not blank:
         return out
     is_blank = torch.isin(ids, torch.tensor(blank, dtype=ids.dtype))  # (B, T)
