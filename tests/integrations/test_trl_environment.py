@@ -29,7 +29,7 @@ from tracer.format.turns import ROLE_NAMES, row_spans  # noqa: E402
 from tracer.integrations import trl_tools  # noqa: E402
 
 # the agent model and its tokenizer, built once for this module as for test_trl_tools.py
-from tests.integrations.test_trl_tools import agent_model_dir, tokenizer  # noqa: E402,F401
+from tests.integrations.test_trl_tools import agent_model_dir, assert_turn_fields, tokenizer  # noqa: E402,F401
 
 pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
               pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")]
@@ -132,12 +132,7 @@ def test_environment_rows_record_turns_roles_and_reasons(env_run):
     assert len(steps) == STEPS == len(rollouts)  # num_iterations=1: one rollout, one step file per optimizer step
     multi_turn_rows = 0
     for (data, meta), rollout in zip(steps, rollouts):
-        B, T = data["completion_ids"].shape
-        for name in ("turn_ids", "token_roles", "mask_reasons"):
-            assert data[name].shape == (B, T) and data[name].dtype == torch.int64, name
-        assert meta["role_names"] == list(ROLE_NAMES)
-        assert meta["mask_reason_names"] == list(trl_tools.TRL_MASK_REASON_NAMES)
-        assert meta["advantage_assignment"] == "episode"
+        assert_turn_fields(data, meta)
         assert meta["reward_component_names"] == ["AddEnvironment"] and meta["reward_weights"] == [1.0]
         rows = data["generation_row_ids"]  # (B,) the rows in TRL's generation order
         assert torch.equal(data["completion_ids"], rollout["completion_ids"][rows])

@@ -64,15 +64,21 @@ def _unpadded(ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     return ~trailing
 
 
+def assert_turn_fields(data, meta) -> None:
+    """A tool-calling step records turn_ids, token_roles and mask_reasons [B, T] int64, with TRL's role
+    and reason names and one outcome advantage per episode (also used by test_trl_environment.py)."""
+    B, T = data["completion_ids"].shape
+    for name in ("turn_ids", "token_roles", "mask_reasons"):
+        assert data[name].shape == (B, T) and data[name].dtype == torch.int64, name
+    assert meta["role_names"] == list(ROLE_NAMES)
+    assert meta["mask_reason_names"] == list(trl_tools.TRL_MASK_REASON_NAMES)
+    assert meta["advantage_assignment"] == "episode"
+
+
 def test_tool_calling_steps_record_turns_roles_and_reasons(healthy):
     assert healthy.manifest["dropped_steps"] == 0 and healthy.status == "finished"
     for data, meta in _steps(healthy):
-        B, T = data["completion_ids"].shape
-        for name in ("turn_ids", "token_roles", "mask_reasons"):
-            assert data[name].shape == (B, T) and data[name].dtype == torch.int64, name
-        assert meta["role_names"] == list(ROLE_NAMES)
-        assert meta["mask_reason_names"] == list(trl_tools.TRL_MASK_REASON_NAMES)
-        assert meta["advantage_assignment"] == "episode"
+        assert_turn_fields(data, meta)
     turns = torch.cat([d["turn_ids"].max(dim=1).values for d, _ in _steps(healthy)])
     assert (turns >= 2).float().mean() >= 0.5  # most episodes call the tool at least once
 

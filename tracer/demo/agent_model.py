@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tracer.demo.tiny_model import QWEN2_PRETOKENIZE_REGEX, torch_threads
+from tracer.demo.tiny_model import QWEN2_PRETOKENIZE_REGEX, next_token_warm_up, torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -166,21 +166,8 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
 
 def _warm_up(model, tokenizer, texts: list[str], steps: int, generator: torch.Generator) -> float:
     """Next-token training on the rendered conversations (every token; pads ignored); the last loss."""
-    enc = tokenizer(texts, padding=True, padding_side="right", return_tensors="pt", add_special_tokens=False)
-    input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]  # (N, S)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)  # (N, S)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
-    model.train()
-    loss = torch.tensor(float("nan"))
-    for _ in range(steps):
-        idx = torch.randint(0, input_ids.size(0), (WARMUP_BATCH,), generator=generator)
-        out = model(input_ids=input_ids[idx], attention_mask=attention_mask[idx], labels=labels[idx])
-        optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        optimizer.step()
-        loss = out.loss.detach()
-    model.eval()
-    return float(loss)
+    return next_token_warm_up(model, tokenizer, texts, steps, generator, WARMUP_BATCH, WARMUP_LR,
+                              add_special_tokens=False)
 
 
 def build_agent_model(out_dir: str | os.PathLike, seed: int = 0, warmup_steps: int = WARMUP_STEPS,

@@ -115,17 +115,20 @@ def _tiny_config(tokenizer, **overrides):
     return Qwen2Config(**{**fields, **overrides})
 
 
-def _warm_up(model, tokenizer, lines: list[str], steps: int, generator: torch.Generator) -> float:
-    """Plain next-token training on the corpus (each line + ``<eos>``); returns the last loss."""
-    texts = [line + EOS_TOKEN for line in lines]
-    enc = tokenizer(texts, padding=True, padding_side="right", return_tensors="pt")
+def next_token_warm_up(model, tokenizer, texts: list[str], steps: int, generator: torch.Generator, batch: int,
+                       lr: float, **encode: object) -> float:
+    """Plain next-token training on ``texts`` (right-padded; pads ignored by the loss): ``steps`` AdamW
+    steps of ``batch`` texts drawn with ``generator``; returns the last loss. The tiny models' shared
+    warm-up (this module's corpus, :mod:`tracer.demo.agent_model`'s conversations); ``encode`` goes to
+    the tokenizer call."""
+    enc = tokenizer(texts, padding=True, padding_side="right", return_tensors="pt", **encode)
     input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]  # (N, S)
     labels = input_ids.masked_fill(attention_mask == 0, -100)  # (N, S)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     loss = torch.tensor(float("nan"))
     for _ in range(steps):
-        idx = torch.randint(0, input_ids.size(0), (WARMUP_BATCH,), generator=generator)
+        idx = torch.randint(0, input_ids.size(0), (batch,), generator=generator)
         out = model(input_ids=input_ids[idx], attention_mask=attention_mask[idx], labels=labels[idx])
         optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -133,6 +136,12 @@ def _warm_up(model, tokenizer, lines: list[str], steps: int, generator: torch.Ge
         loss = out.loss.detach()
     model.eval()
     return float(loss)
+
+
+def _warm_up(model, tokenizer, lines: list[str], steps: int, generator: torch.Generator) -> float:
+    """Next-token training on the corpus (each line + ``<eos>``); returns the last loss."""
+    return next_token_warm_up(model, tokenizer, [line + EOS_TOKEN for line in lines], steps, generator,
+                              WARMUP_BATCH, WARMUP_LR)
 
 
 def build_tiny_model(out_dir: str | os.PathLike, seed: int = 0, warmup_steps: int = WARMUP_STEPS,
