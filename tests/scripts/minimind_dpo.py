@@ -3,6 +3,10 @@ stacked in one batch (x, y, mask), per-token policy_log_probs / ref_log_probs, s
 inside dpo_loss. It knows nothing of tracer: tests trace it with `python -m tracer run --algo dpo`.
 
 Numerically it is tracer/demo/dpo_loop.py (same seed, same pairs).
+
+``--bug ref_is_policy`` injects reference aliasing: the reference model is the policy object itself
+(``ref_model = model`` instead of a frozen deep copy), so the reference forward scores with the
+weights being trained, every DPO logit is 0 and the loss stays at log 2.
 """
 
 import argparse
@@ -72,7 +76,10 @@ def main(args):
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if args.bug == "ref_is_policy":
+        ref_model = model  # the bug: the reference is the policy being trained
+    else:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     train_epoch(model, ref_model, tokenizer, optimizer, args)
 
@@ -85,5 +92,7 @@ if __name__ == "__main__":
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bug", choices=("ref_is_policy",), default=None,
+                        help="inject a bug: ref_is_policy = the reference model is the policy object")
     args = parser.parse_args()
     main(args)

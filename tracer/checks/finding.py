@@ -106,7 +106,7 @@ class Check:
 
 CHECKS: dict[str, Check] = {}
 FAMILIES = ("fields", "identity", "alignment", "masks", "kl", "logprobs", "nonfinite", "advantages", "sampler",
-            "recompute", "integrity", "turns")
+            "recompute", "integrity", "turns", "dpo", "health")
 ALL_ALGORITHMS = frozenset({"ppo", "grpo", "cispo", "rloo", "dpo", ""})
 RL_ALGORITHMS = frozenset({"ppo", "grpo", "cispo", "rloo", ""})  # "" = unknown algorithm
 

@@ -167,6 +167,8 @@ def run_checks(
         if check.scope == "trace" and algorithm in check.algorithms:
             try:
                 findings.extend(check.run(trace, options, readable))
+            except Skip as skip:
+                skips.setdefault((check.id, str(skip)), []).extend(readable)
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():
