@@ -3,7 +3,7 @@ one engine per process). Besides the trace it saves, independently of the tracer
 (``vllm_outputs.json``: every ``LLM.generate`` call's completion ids and the logprob vLLM gave each
 sampled token) and TRL's own logged metrics (``log_history.json``, logging every step).
 
-    python tests/vllm_engine/engine_run.py OUT_DIR [--steps N] [--is-mode MODE] [--bug BUG]
+    python tests/vllm_engine/engine_run.py OUT_DIR [--steps N] [--is-mode MODE] [--bug BUG] [--engine-dtype DTYPE]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--is-mode", default=grpo_vllm.IS_MODE)
     parser.add_argument("--bug", default=None)
+    parser.add_argument("--engine-dtype", default=None, help="the engine's dtype (default: TRL's, vLLM's auto)")
     args = parser.parse_args()
     out = Path(args.out)
     engine_environment()
@@ -46,7 +47,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch, keep_cpu_linear_weights(), torch_threads(1):
         model = build_tiny_model(Path(scratch) / "model", seed=0, shape=VLLM_SHAPE)
         trainer = grpo_vllm.make_trainer(model, Path(scratch) / "trl", steps=args.steps, seed=0, progress=False,
-                                         bug=args.bug, vllm_importance_sampling_mode=args.is_mode,
+                                         bug=args.bug, engine_dtype=args.engine_dtype,
+                                         vllm_importance_sampling_mode=args.is_mode,
                                          logging_strategy="steps", logging_steps=1)
         capture_generate(trainer.vllm_generation.llm, calls)
         tracer.attach(trainer, out / "trace")

@@ -12,11 +12,17 @@ plus the worst tokens and, when the trace records them (TRL with vLLM), what TRL
 correction did: the weights, how many tokens or sequences its cap truncated or masked, and for
 sequence modes whether the sequence ratio was aggregated by sum or by mean (trl#5814).
 
-Severity. Error: a systematic pattern (:mod:`tracer.checks.sampler_patterns`: a temperature factor,
-a one-signed truncation shift, a constant offset), an engine that reports raw logprobs while it
-samples with temperature or truncation, or a mismatch beyond the error bounds. Warning: beyond the
-warning bounds, or an importance-sampling correction that is length-biased or differs from the
-recorded settings. Info: noise-level differences (the ~1e-3 nats of a healthy fp32 run).
+Cause. :func:`tracer.checks.sampler_patterns.diagnose` tests each plausible cause against the data
+(temperature on one side, truncation when top-p/top-k/min-p is in effect or unrecorded, a sampler
+penalty on repeated tokens, a stale policy, a constant offset) with the sampler's settings in effect
+(``sampler_*`` metadata, read from the engine's ``SamplingParams``; else the trainer's
+``temperature``/``top_p``/``top_k``) and names the one that explains it, or says that none does.
+
+Severity. Error: a cause found, an engine that reports raw logprobs while it samples with
+temperature or truncation, or a mismatch beyond the error bounds. Warning: beyond the warning
+bounds, or an importance-sampling correction that is length-biased or differs from the recorded
+settings. Info: within the noise of the engine's dtype (``sampler_dtype``: ~5e-3 nats for a bf16
+vLLM engine, ~0 for fp32; :func:`tracer.checks.sampler_patterns.noise_floor`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks import sampler_patterns as patterns
-from tracer.checks.context import StepContext, worst_positions
+from tracer.checks.context import StepContext, check_memo, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
 
@@ -53,24 +59,48 @@ def _statistics(delta: torch.Tensor, prob_diff: torch.Tensor, bound: float) -> d
             "prob_diff_mean": float(prob_diff.mean()), "prob_diff_max": float(prob_diff.max())}
 
 
-def _found_patterns(ctx: StepContext, trainer: torch.Tensor, sampler: torch.Tensor, delta: torch.Tensor) -> list[str]:
-    top_p, top_k = ctx.hyper("top_p", "unrecorded"), ctx.hyper("top_k", "unrecorded")
-    truncating = _is_number(top_p) and float(top_p) < 1 or _is_number(top_k) and int(top_k) > 0
-    offset = patterns.offset_pattern(delta)
-    if offset is not None and not (truncating and float(delta.mean()) < 0):
-        return [offset]  # a constant shift is also one-signed: name one cause (truncation when configured)
-    found = [patterns.truncation_pattern(delta, top_p, top_k), patterns.one_signed_pattern(delta)]
+def _first_rollout(ctx: StepContext, name: str) -> tuple[int, float] | None:
+    """(step, mean |trainer - sampler|) of the first recorded rollout of this rank (lowest step, inner
+    step 0, micro-batch 0), or None when this file is it or it records no sampler logprobs. Read
+    once per run of the checks (:func:`check_memo`)."""
+    memo = check_memo(ctx.trace, "sampler_first_rollout")
+    if ctx.key.rank not in memo:
+        keys = sorted((k for k in ctx.trace.steps() if k.inner_step == 0 and k.rank == ctx.key.rank),
+                      key=lambda k: (k.step, k.micro_batch))
+        memo[ctx.key.rank] = None
+        if keys:
+            data = ctx.trace.load_step(keys[0], [name, "sampler_logprobs", "completion_mask"], derive=False)
+            if {name, "sampler_logprobs", "completion_mask"} <= set(data):
+                trainer, sampler = data[name].double(), data["sampler_logprobs"].double()
+                keep = data["completion_mask"].bool() & torch.isfinite(trainer) & torch.isfinite(sampler)
+                if int(keep.sum()):
+                    memo[ctx.key.rank] = (keys[0].step, float((trainer - sampler)[keep].abs().mean()))
+    first = memo[ctx.key.rank]
+    return None if first is None or first[0] >= ctx.key.step else first
+
+
+def _seen(ctx: StepContext, keep: torch.Tensor) -> torch.Tensor | None:
+    """``[N]`` bool over kept tokens: the token occurred earlier in its row (prompt or completion);
+    None when the completion ids are not recorded."""
+    if not ctx.has("completion_ids"):
+        return None
+    prompt_ids = ctx.data.get("prompt_ids")
+    prompt_mask = ctx.data.get("prompt_mask")
+    if prompt_ids is not None and prompt_ids.shape[0] != keep.shape[0]:
+        prompt_ids = prompt_mask = None
+    seen = patterns.seen_in_context(prompt_ids, prompt_mask, ctx.data["completion_ids"])  # (B, T)
+    return seen[keep]
+
+
+def _cause(ctx: StepContext, name: str, trainer: torch.Tensor, sampler: torch.Tensor, delta: torch.Tensor,
+           keep: torch.Tensor, settings: patterns.Settings) -> str | None:
+    """The one cause :func:`tracer.checks.sampler_patterns.diagnose` finds for this step, with the
+    engine's raw-logprobs configuration folded into a temperature cause."""
     # ctx.dtype: how the logprobs were stored / computed. Not sampler_dtype: vLLM runs the model in bf16
     # but computes log_softmax in float32, so its logprobs near 0 are not rounded to bf16
-    temperature = patterns.temperature_pattern(trainer, sampler, delta, ctx.dtype, ctx.hyper("temperature", "unrecorded"),
-                                               ctx.hyper("sampler_logprobs_mode", None))
-    if temperature is not None:
-        found.append(temperature[0])
-    return [p for p in found if p is not None]
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    evidence = patterns.Evidence(trainer, sampler, delta, _seen(ctx, keep), _first_rollout(ctx, name), ctx.key.step,
+                                 ctx.dtype, settings)
+    return patterns.diagnose(evidence, ctx.hyper("temperature", "unrecorded"))
 
 
 def _config_problems(ctx: StepContext) -> list[str]:
@@ -192,13 +222,20 @@ def check_sampler_mismatch(ctx: StepContext):
     delta = formulas.sampler_log_ratio(t64, s64)
     C = ctx.options.sampler_ratio_bound
     stats = _statistics(delta, formulas.sampler_prob_diff(t64, s64), C)
-    systematic = _found_patterns(ctx, t64, s64, delta) + _config_problems(ctx)
+    settings = patterns.settings_of(ctx.hyper)
+    cause = _cause(ctx, name, t64, s64, delta, keep, settings)
+    config = _config_problems(ctx)
+    if cause is not None and config and "temperature applied on one side" in cause:
+        systematic = [f"{cause}: {config[0]}"]  # the configuration is the cause the data shows: one finding
+    else:
+        systematic = ([cause] if cause is not None else []) + config
     correction, soft = _correction(ctx, delta_full, keep)
     severity = _severity(stats, systematic, soft)
     worst = worst_positions(delta_full.abs(), keep, ctx.options.worst_tokens)
     b, t = worst[0]
     qtext = ", ".join(f"{k} {v:+.4f}" for k, v in stats["quantiles"].items())
-    message = (
+    lead = f"Cause: {'; '.join(systematic)}. " if systematic else ""
+    message = lead + (
         f"{name} - sampler_logprobs over {delta.numel()} kept tokens: mean {stats['mean']:+.4f} nats, mean |·| "
         f"{stats['mean_abs']:.4f}, {qtext}; |p_old - p_sampler| mean {stats['prob_diff_mean']:.4f}, max "
         f"{stats['prob_diff_max']:.4f}; {stats['outside']} tokens ({stats['share_outside']:.2%}) have exp(old - "
@@ -206,15 +243,22 @@ def check_sampler_mismatch(ctx: StepContext):
     )
     if correction is not None:
         message += _correction_text(correction)
-    if systematic or soft:
-        message += " Pattern: " + "; ".join(systematic + soft) + "."
+    if soft:
+        message += " Importance-sampling problem: " + "; ".join(soft) + "."
+    floor = patterns.noise_floor(settings.engine_dtype)
+    engine = f"{settings.engine_dtype} engine" if settings.engine_dtype else "engine of unrecorded dtype"
+    if not systematic and stats["mean_abs"] <= floor:
+        message += f" Within the noise of a {engine} (mean |·| {stats['mean_abs']:.4f} <= {floor:.3g} nats)."
+    elif not systematic:
+        message += (f" No known cause explains it: mean |·| {stats['mean_abs']:.4f} nats is beyond the noise of a "
+                    f"{engine} ({floor:.3g}) with no temperature, truncation, penalty, stale-policy or offset pattern "
+                    f"({settings.text(('temperature', *patterns.TRUNCATION_KEYS, *patterns.PENALTY_KEYS))}).")
     if severity != INFO:
         message += (f" Rule: no systematic pattern, |mean| <= {WARN_MEAN} nats, mean |p_old - p_sampler| <= {WARN_PROB} "
                     f"and at most {WARN_SHARE:.0%} of tokens outside [1/C, C]. Why it matters: the rollout was "
                     "sampled from a different distribution than the trainer scores, so the update is off-policy and "
-                    "an importance-sampling correction built on these logprobs is biased. Likely fix: align sampler "
-                    "and trainer (temperature, top-p/top-k, logprobs mode, dtype, weight sync).")
+                    "an importance-sampling correction built on these logprobs is biased.")
     worst_list = [{"sequence": i, "token": j, "old_minus_sampler": float(delta_full[i, j])} for i, j in worst]
     return [ctx.finding("sampler.mismatch", severity, message, b, t, field="sampler_logprobs", trainer_field=name,
                         ratio_bound=C, worst_tokens=worst_list, patterns=systematic + soft, correction=correction,
-                        **stats)]
+                        noise_floor=floor, engine_dtype=settings.engine_dtype, **stats)]

@@ -1,35 +1,99 @@
-"""Patterns that tell a systematic sampler/trainer mismatch from numerical noise (used by
-:mod:`tracer.checks.sampler`). Each detector takes the kept tokens' logprobs as float64 vectors
-``[N]`` (``trainer``, ``sampler``; ``delta = trainer - sampler``) and returns a sentence naming the
-cause, or None.
+"""The causes of a sampler/trainer mismatch, each a hypothesis tested on the recorded numbers (used
+by :mod:`tracer.checks.sampler` and :mod:`tracer.checks.probability`). Each detector takes the kept
+tokens' logprobs as float64 vectors ``[N]`` (``trainer``, ``sampler``; ``delta = trainer - sampler``)
+and returns a sentence naming the cause with its evidence, or None. :func:`diagnose` tries them in
+order and keeps the first that explains the data: one cause per finding.
 
-What each bug does to the numbers (derivations in the docstrings):
+What each cause does to the numbers (derivations in the docstrings):
 
 - temperature applied on one side only (trl#4159: the engine reports raw logprobs while it sampled
   from logits / τ): on confident tokens ``log(1 - p)`` scales by the ratio of the two temperatures;
   on a near-uniform distribution the logprobs themselves scale by it;
-- top-p / top-k renormalisation on the sampler's side only (trl#6789): the sampler's probability
-  of every kept token is its trainer probability divided by the nucleus mass (< 1), so
-  ``trainer < sampler`` on ~every token;
+- top-p / top-k / min-p renormalisation on the sampler's side only (trl#6789): the sampler's
+  probability of every kept token is its trainer probability divided by the kept mass (< 1), so
+  ``trainer < sampler`` on ~every token. Only a hypothesis when truncation is in effect (or the
+  settings are unrecorded): with top_p = 1, top_k off and min_p = 0 vLLM truncates nothing;
+- a repetition / presence / frequency penalty on the sampler's side only: vLLM lowers the logits of
+  tokens already in the context, so the mismatch sits on tokens seen earlier in the row;
+- a stale policy (the engine samples with weights older than the trainer's: a weight sync that did
+  not happen): the first rollout agrees (both sides start from the same weights), later ones drift
+  with the updates;
 - a constant offset: ``delta`` the same on every token (a normalisation term lost on one side).
 
-Noise (fp32 kernels differ, bf16 rounding) has random sign, no scale factor and no constant part,
-so none of these fire on it; all also need the mismatch to exceed :data:`NOISE_FLOOR`.
+Engine noise (bf16 weights and activations, other kernels) has random sign, no scale factor, no
+constant part and no link to the context, so none of these fire on it; all also need the mismatch
+to exceed the noise floor of the engine's dtype (:func:`noise_floor`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-NOISE_FLOOR = 0.01  # nats: mean |old - sampler| below this is noise-level (healthy fp32 runs: ~1e-3)
+NOISE_FLOOR = 0.01  # nats of mean |old - sampler|: the floor of an fp32 engine, or an unrecorded dtype
+# mean |old - sampler| over kept tokens on healthy runs of the vLLM CPU engine, tiny model, TRL GRPO
+# (BENCHMARKS.md "Sampler noise floor"): bf16 weights give ~5e-3 nats, fp32 ~1e-7
+ENGINE_NOISE = {"bfloat16": 0.0056, "float16": 0.0056, "float32": 1e-6}
+NOISE_MARGIN = 4  # a mismatch below this multiple of the engine's measured noise is noise
 ONE_SIGNED_SHARE = 0.9  # share of kept tokens on one side
 MIN_TOKENS = 8  # fewer tokens than this: no pattern is claimed
 SLOPE_TOLERANCE = 0.2  # |slope - 1| above this is a scale factor (healthy bf16-engine runs: within 0.04)
 MIN_CORRELATION = 0.98  # a scale factor must explain the relation (correlation ≈ 1)
 OFFSET_SPREAD = 0.1  # constant offset: std(delta) below this share of |mean(delta)|
+PENALTY_SHARE = 0.8  # share of sum |delta| on the tokens seen earlier in the row
+PENALTY_CONCENTRATION = 3.0  # mean |delta| on seen tokens over mean |delta| on unseen ones
+STALE_GROWTH = 3.0  # a stale policy: this step's mean |delta| over the first rollout's
 DTYPE_EPS = {"float64": 2.2e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.8e-3}
+TRUNCATION_KEYS = ("top_p", "top_k", "min_p")
+PENALTY_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+           "frequency_penalty": 0.0, "temperature": 1.0}
+
+
+def noise_floor(engine_dtype: object) -> float:
+    """Mean |old - sampler| (nats) below which a mismatch is the engine's rounding noise:
+    :data:`NOISE_MARGIN` × the noise measured on healthy runs of an engine in ``engine_dtype``, at
+    least :data:`NOISE_FLOOR` (an unrecorded dtype gets :data:`NOISE_FLOOR`)."""
+    return max(NOISE_FLOOR, NOISE_MARGIN * ENGINE_NOISE.get(str(engine_dtype), 0.0))
+
+
+def is_off(name: str, value: object) -> bool:
+    """Whether a sampler setting leaves the distribution alone (vLLM: top_k 0 or -1, top_p 1, min_p 0,
+    repetition_penalty 1, presence/frequency_penalty 0, temperature 1)."""
+    number = float(value)  # type: ignore[arg-type]
+    if name == "top_k":
+        return number <= 0
+    return number == NEUTRAL[name]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The sampler's settings as recorded: ``values[name]`` a number, or None when unrecorded."""
+
+    values: dict[str, float | None]
+    engine_dtype: str | None
+    logprobs_mode: str | None
+
+    def in_effect(self, names: tuple[str, ...]) -> list[str]:
+        """``"name = value"`` for each of ``names`` recorded and not neutral."""
+        return [f"{n} = {_fmt(self.values[n])}" for n in names
+                if self.values.get(n) is not None and not is_off(n, self.values[n])]
+
+    def unrecorded(self, names: tuple[str, ...]) -> bool:
+        return all(self.values.get(n) is None for n in names)
+
+    def text(self, names: tuple[str, ...]) -> str:
+        return ", ".join(f"{n} = {_fmt(self.values.get(n))}" for n in names)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "unrecorded"
+    number = float(value)  # type: ignore[arg-type]
+    return str(int(number)) if number == int(number) and abs(number) >= 1 or number == 0 else f"{number:g}"
 
 
 def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
@@ -45,7 +109,7 @@ def _fit(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
 
 
 def temperature_pattern(trainer: torch.Tensor, sampler: torch.Tensor, delta: torch.Tensor, dtype: str,
-                        temperature: object, logprobs_mode: object) -> tuple[str, float] | None:
+                        temperature: object, logprobs_mode: object, floor: float = NOISE_FLOOR) -> tuple[str, float] | None:
     """A temperature applied on one side only: returns (sentence, factor) or None.
 
     Confident tokens (p > 1/2 on both sides: the argmax): with z the logits and Δ = z_2 - z_max
@@ -54,10 +118,10 @@ def temperature_pattern(trainer: torch.Tensor, sampler: torch.Tensor, delta: tor
     distributions: ``log p ≈ -log V + (z - mean z) / τ``, the same slope on the logprobs
     themselves. Complements below ``10 · eps(dtype)`` (rounded) are left out.
     """
-    if float(delta.abs().mean()) < NOISE_FLOOR:
+    if float(delta.abs().mean()) < floor:
         return None
-    floor = max(1e-5, 10 * DTYPE_EPS.get(dtype, 1.2e-7))
-    confident = (trainer > -math.log(2)) & (sampler > -math.log(2)) & (trainer < -floor) & (sampler < -floor)
+    eps_floor = max(1e-5, 10 * DTYPE_EPS.get(dtype, 1.2e-7))
+    confident = (trainer > -math.log(2)) & (sampler > -math.log(2)) & (trainer < -eps_floor) & (sampler < -eps_floor)
     candidates = []
     if int(confident.sum()) >= MIN_TOKENS:
         fit = _fit(torch.log(-torch.expm1(trainer[confident])), torch.log(-torch.expm1(sampler[confident])))
@@ -72,51 +136,181 @@ def temperature_pattern(trainer: torch.Tensor, sampler: torch.Tensor, delta: tor
         if abs(slope - 1) > SLOPE_TOLERANCE and corr >= MIN_CORRELATION:
             mode = f", engine logprobs_mode = {logprobs_mode}" if logprobs_mode is not None else ""
             return (what.format(slope=slope, n=n) + f" (correlation {corr:.3f}): a temperature applied on one side "
-                    f"only (temperature = {temperature}{mode}); the engine must report logprobs after temperature "
-                    "(vLLM logprobs_mode='processed_logprobs') and the trainer must divide logits by τ before "
-                    "log_softmax", slope)
+                    f"only (temperature = {temperature}{mode})", slope)
     return None
 
 
-def truncation_pattern(delta: torch.Tensor, top_p: object, top_k: object) -> str | None:
-    """Top-p / top-k renormalisation on the sampler's side only: ``p_sampler = p_trainer / Z`` with
-    the nucleus mass ``Z < 1`` for every sampled (hence kept) token, so ``trainer - sampler = log Z
-    < 0`` on ~every token (a one-signed shift; ``Z = 1`` only where the nucleus is the whole
-    vocabulary). Fires when ≥ :data:`ONE_SIGNED_SHARE` of the tokens are below and the mean gap is
-    beyond the noise floor."""
+def truncation_pattern(delta: torch.Tensor, settings: str, floor: float = NOISE_FLOOR) -> str | None:
+    """Top-p / top-k / min-p renormalisation on the sampler's side only: ``p_sampler = p_trainer /
+    Z`` with the kept mass ``Z < 1`` for every sampled (hence kept) token, so ``trainer - sampler =
+    log Z < 0`` on ~every token (``Z = 1`` only where nothing was cut). Fires when ≥
+    :data:`ONE_SIGNED_SHARE` of the tokens are below and the mean gap is beyond ``floor``;
+    ``settings`` names the truncation in effect."""
     if delta.numel() < MIN_TOKENS:
         return None
     below = float((delta < 0).double().mean())
-    if below < ONE_SIGNED_SHARE or float(delta.mean()) > -NOISE_FLOOR:
+    if below < ONE_SIGNED_SHARE or float(delta.mean()) > -floor:
         return None
     return (f"trainer logprobs are below the sampler's on {below:.0%} of tokens (mean {float(delta.mean()):+.4f} "
-            f"nats): the sampler renormalised over a truncated distribution (top_p = {top_p}, top_k = {top_k}); "
-            "score with the same truncation, sample without it, or log the engine's logprobs before truncation")
+            f"nats): the sampler renormalised over a truncated distribution ({settings}) that the trainer does not "
+            "apply")
 
 
-def offset_pattern(delta: torch.Tensor) -> str | None:
+def seen_in_context(prompt_ids: torch.Tensor | None, prompt_mask: torch.Tensor | None,
+                    completion_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: completion token ``t`` of row ``b`` occurred earlier in the row, in the kept
+    prompt tokens (``prompt_ids``/``prompt_mask`` ``[B, L]``, may be None) or at a completion position
+    before ``t``. A stable sort of each row's ids puts equal ids together in position order; every
+    one but the first of a run was seen before."""
+    B, T = completion_ids.shape
+    if prompt_ids is None:
+        prompt_ids = completion_ids.new_zeros((B, 0))
+        prompt_mask = torch.zeros(B, 0, dtype=torch.bool)
+    L = prompt_ids.shape[1]
+    unique = -1 - torch.arange(L, dtype=torch.int64).expand(B, L)  # never equal to a real id
+    prompt = torch.where(prompt_mask.bool() if prompt_mask is not None else torch.ones_like(unique, dtype=torch.bool),
+                         prompt_ids.long(), unique)  # (B, L)
+    row = torch.cat([prompt, completion_ids.long()], dim=1)  # (B, L + T)
+    sorted_ids, order = torch.sort(row, dim=1, stable=True)
+    repeat = torch.zeros_like(row, dtype=torch.bool)
+    repeat[:, 1:] = sorted_ids[:, 1:] == sorted_ids[:, :-1]
+    seen = torch.zeros_like(repeat).scatter(1, order, repeat)  # (B, L + T)
+    return seen[:, L:]  # (B, T)
+
+
+def penalty_pattern(delta: torch.Tensor, seen: torch.Tensor, settings: str, floor: float = NOISE_FLOOR) -> str | None:
+    """A repetition / presence / frequency penalty applied by the sampler only. vLLM divides a
+    positive logit of a token already in the context by ``repetition_penalty`` (multiplies a negative
+    one) and subtracts ``presence_penalty + frequency_penalty · count``; the trainer scores the plain
+    logits. So the gap sits on the tokens seen earlier in the row (``seen`` ``[N]`` bool), with one
+    sign (> 0 for penalties that discourage repeats), and is small elsewhere (renormalisation only).
+    Fires when the seen tokens carry ≥ :data:`PENALTY_SHARE` of ``sum |delta|``, their mean |delta|
+    is ≥ :data:`PENALTY_CONCENTRATION` × that of the others and beyond ``floor``, and ≥
+    :data:`ONE_SIGNED_SHARE` of them share a sign."""
+    n_seen = int(seen.sum())
+    if delta.numel() < MIN_TOKENS or n_seen < MIN_TOKENS // 2 or n_seen == delta.numel():
+        return None
+    gap = delta.abs()
+    share = float(gap[seen].sum() / gap.sum()) if float(gap.sum()) > 0 else 0.0
+    on_seen, off_seen = float(gap[seen].mean()), float(gap[~seen].mean())
+    signed = max(float((delta[seen] > 0).double().mean()), float((delta[seen] < 0).double().mean()))
+    if share < PENALTY_SHARE or on_seen < floor or on_seen < PENALTY_CONCENTRATION * off_seen \
+            or signed < ONE_SIGNED_SHARE:
+        return None
+    direction = "lower" if float(delta[seen].mean()) > 0 else "higher"
+    return (f"the mismatch sits on tokens repeated from the context: {share:.0%} of |old - sampler| on the "
+            f"{n_seen / delta.numel():.0%} of kept tokens seen earlier in the row (mean |·| {on_seen:.4f} nats "
+            f"there, {off_seen:.4f} elsewhere; the sampler gives them {direction} logprobs on {signed:.0%}): a "
+            f"sampler penalty on repeated tokens that the trainer does not apply ({settings})")
+
+
+def stale_policy_pattern(mean_abs: float, step: int, first_step: int, first_mean_abs: float,
+                         floor: float) -> str | None:
+    """A stale policy: the engine samples with weights older than the trainer's. At the first
+    rollout both sides hold the same (initial) weights, so ``first_mean_abs`` (mean |delta| of the
+    first recorded step, ``first_step``) is at the noise floor; every update the engine misses moves
+    the trainer away, so later steps drift. Fires when this ``step`` is later, the first step is
+    within ``floor`` and this step's mean |delta| is beyond ``floor`` and ≥ :data:`STALE_GROWTH` ×
+    the first's."""
+    if step <= first_step or first_mean_abs > floor or mean_abs < floor or mean_abs < STALE_GROWTH * first_mean_abs:
+        return None
+    return (f"mean |old - sampler| {mean_abs:.4f} nats at step {step} against {first_mean_abs:.4f} at step "
+            f"{first_step} (the first rollout, both sides on the same initial weights), {mean_abs / max(first_mean_abs, 1e-12):.0f}× "
+            "larger with no temperature, truncation, penalty or offset pattern: the engine samples with a stale "
+            "policy (weights older than the trainer's: the weight sync into the engine did not take effect)")
+
+
+def offset_pattern(delta: torch.Tensor, floor: float = NOISE_FLOOR) -> str | None:
     """A constant offset: ``delta`` nearly the same on every token (std below
-    :data:`OFFSET_SPREAD` × |mean|), beyond the noise floor. A log-normaliser or a constant
-    term is missing on one side."""
+    :data:`OFFSET_SPREAD` × |mean|), beyond ``floor``. A log-normaliser or a constant term is
+    missing on one side."""
     if delta.numel() < MIN_TOKENS:
         return None
     mean, std = float(delta.mean()), float(delta.std())
-    if abs(mean) < NOISE_FLOOR or std > OFFSET_SPREAD * abs(mean):
+    if abs(mean) < floor or std > OFFSET_SPREAD * abs(mean):
         return None
     return (f"old - sampler is a constant {mean:+.4f} nats (std {std:.2e}) on every token: a normalisation "
             "term is missing on one side (log_softmax vs raw logits, a log-probability shifted by a constant)")
 
 
-def one_signed_pattern(delta: torch.Tensor) -> str | None:
-    """Trainer above the sampler on ≥ :data:`ONE_SIGNED_SHARE` of the tokens beyond the noise
-    floor (the mirror of truncation): the sampler's distribution is flatter than the trainer's on
-    the sampled tokens (a temperature above the trainer's on the engine side, or the trainer
-    renormalising)."""
+def one_signed_pattern(delta: torch.Tensor, floor: float = NOISE_FLOOR) -> str | None:
+    """Trainer above the sampler on ≥ :data:`ONE_SIGNED_SHARE` of the tokens beyond ``floor`` (the
+    mirror of truncation): the sampler's distribution is flatter than the trainer's on the sampled
+    tokens (a temperature above the trainer's on the engine side, or the trainer renormalising)."""
     if delta.numel() < MIN_TOKENS:
         return None
     above = float((delta > 0).double().mean())
-    if above < ONE_SIGNED_SHARE or float(delta.mean()) < NOISE_FLOOR:
+    if above < ONE_SIGNED_SHARE or float(delta.mean()) < floor:
         return None
     return (f"trainer logprobs are above the sampler's on {above:.0%} of tokens (mean {float(delta.mean()):+.4f} "
             "nats): the two sides score different distributions (a temperature or a truncation applied to the "
             "trainer only)")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What :func:`diagnose` tests the causes on. ``trainer``, ``sampler``, ``delta`` ``[N]`` float64
+    over kept tokens; ``seen`` ``[N]`` bool (token seen earlier in its row) or None when the ids are
+    not recorded; ``first`` (first recorded step, its mean |delta|) or None; ``step``; ``dtype`` of
+    the trainer's logprobs; ``settings``."""
+
+    trainer: torch.Tensor
+    sampler: torch.Tensor
+    delta: torch.Tensor
+    seen: torch.Tensor | None
+    first: tuple[int, float] | None
+    step: int
+    dtype: str
+    settings: Settings
+
+
+def diagnose(ev: Evidence, temperature: object) -> str | None:
+    """The one cause that explains ``ev`` (a sentence with its evidence), or None (noise, or no
+    known cause). Order: a constant offset; truncation when it is in effect; a penalty when one is in
+    effect or none is recorded; a temperature on one side; a stale policy; truncation when its
+    settings are unrecorded; a one-signed shift. A cause ruled out by the recorded settings is not
+    tried: with top_p = 1, top_k off and min_p = 0 nothing was truncated."""
+    s, delta = ev.settings, ev.delta
+    floor = noise_floor(s.engine_dtype)
+    truncating = s.in_effect(TRUNCATION_KEYS)
+    penalties = s.in_effect(PENALTY_KEYS)
+    offset = offset_pattern(delta, floor)
+    if offset is not None and not (truncating and float(delta.mean()) < 0):
+        return offset  # a constant shift is also one-signed: name one cause (truncation when configured)
+    tries: list[Callable[[], str | None]] = []
+    if truncating:
+        tries.append(lambda: truncation_pattern(delta, ", ".join(truncating), floor))
+    if ev.seen is not None and (penalties or s.unrecorded(PENALTY_KEYS)):
+        tries.append(lambda: penalty_pattern(delta, ev.seen, ", ".join(penalties) or
+                                             "penalty settings unrecorded", floor))
+
+    def temperature_cause() -> str | None:
+        found = temperature_pattern(ev.trainer, ev.sampler, delta, ev.dtype, temperature, s.logprobs_mode, floor)
+        return None if found is None else found[0]
+
+    tries.append(temperature_cause)
+    if ev.first is not None:
+        tries.append(lambda: stale_policy_pattern(float(delta.abs().mean()), ev.step, ev.first[0], ev.first[1], floor))
+    if not truncating and any(s.values.get(n) is None for n in TRUNCATION_KEYS[:2]):
+        tries.append(lambda: truncation_pattern(delta, s.text(TRUNCATION_KEYS), floor))
+    tries.append(lambda: one_signed_pattern(delta, floor))
+    for attempt in tries:
+        cause = attempt()
+        if cause is not None:
+            return cause
+    return None
+
+
+def settings_of(hyper: Callable[[str, Any], Any]) -> Settings:
+    """The sampler's settings from a step's hyperparameters (``hyper(name, default)``): the engine's
+    settings in effect (``sampler_<name>``, recorded from the engine's ``SamplingParams``) first,
+    then the trainer's (``<name>``)."""
+    values: dict[str, float | None] = {}
+    for name in ("temperature", *TRUNCATION_KEYS, *PENALTY_KEYS):
+        value = hyper(f"sampler_{name}", None)
+        if value is None:
+            value = hyper(name, None)
+        values[name] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    dtype = hyper("sampler_dtype", None)
+    mode = hyper("sampler_logprobs_mode", None)
+    return Settings(values, None if dtype is None else str(dtype), None if mode is None else str(mode))
