@@ -43,8 +43,6 @@ MIN_TOKENS = 8  # fewer tokens than this: no pattern is claimed
 SLOPE_TOLERANCE = 0.2  # |slope - 1| above this is a scale factor (healthy bf16-engine runs: within 0.04)
 MIN_CORRELATION = 0.98  # a scale factor must explain the relation (correlation ≈ 1)
 OFFSET_SPREAD = 0.1  # constant offset: std(delta) below this share of |mean(delta)|
-PENALTY_SHARE = 0.8  # share of sum |delta| on the tokens seen earlier in the row
-PENALTY_CONCENTRATION = 3.0  # mean |delta| on seen tokens over mean |delta| on unseen ones
 STALE_GROWTH = 3.0  # a stale policy: this step's mean |delta| over the first rollout's
 DTYPE_EPS = {"float64": 2.2e-16, "float32": 1.2e-7, "float16": 9.8e-4, "bfloat16": 7.8e-3}
 TRUNCATION_KEYS = ("top_p", "top_k", "min_p")
@@ -178,30 +176,38 @@ def seen_in_context(prompt_ids: torch.Tensor | None, prompt_mask: torch.Tensor |
     return seen[:, L:]  # (B, T)
 
 
-def penalty_pattern(delta: torch.Tensor, seen: torch.Tensor, settings: str, floor: float = NOISE_FLOOR) -> str | None:
+def penalty_pattern(delta: torch.Tensor, seen: torch.Tensor, settings: str, floor: float = NOISE_FLOOR,
+                    min_seen: int = MIN_TOKENS // 2) -> str | None:
     """A repetition / presence / frequency penalty applied by the sampler only. vLLM divides a
     positive logit of a token already in the context by ``repetition_penalty`` (multiplies a negative
     one) and subtracts ``presence_penalty + frequency_penalty · count``; the trainer scores the plain
-    logits. So the gap sits on the tokens seen earlier in the row (``seen`` ``[N]`` bool), with one
-    sign (> 0 for penalties that discourage repeats), and is small elsewhere (renormalisation only).
-    Fires when the seen tokens carry ≥ :data:`PENALTY_SHARE` of ``sum |delta|``, their mean |delta|
-    is ≥ :data:`PENALTY_CONCENTRATION` × that of the others and beyond ``floor``, and ≥
-    :data:`ONE_SIGNED_SHARE` of them share a sign."""
-    n_seen = int(seen.sum())
-    if delta.numel() < MIN_TOKENS or n_seen < MIN_TOKENS // 2 or n_seen == delta.numel():
+    logits. A penalty that discourages repeats lowers the sampler's logprob of every token seen
+    earlier in the row (``seen`` ``[N]`` bool): ``delta > 0`` there; renormalisation raises the others:
+    ``delta < 0`` (a penalty < 1 flips both). So the sign of ``delta`` follows ``seen``. Over the
+    tokens whose |delta| exceeds ``floor`` (below it a token says nothing: noise, or p ≈ 1), fires
+    when there are ≥ :data:`MIN_TOKENS` of them, ≥ :data:`ONE_SIGNED_SHARE` have the sign ``seen``
+    predicts, ≥ ``min_seen`` were seen (1 is enough when a penalty is recorded in effect: the
+    settings make it the hypothesis, the signs confirm it) and the seen tokens' mean |delta| is
+    beyond ``floor``."""
+    informative = delta.abs() > floor
+    if delta.numel() < MIN_TOKENS or int(informative.sum()) < MIN_TOKENS:
+        return None
+    seen_i, delta_i = seen[informative], delta[informative]
+    if int(seen_i.sum()) < max(1, min_seen) or float(delta[seen].abs().mean()) < floor:
+        return None
+    discourage = float(((delta_i > 0) == seen_i).double().mean())
+    agreement = max(discourage, 1 - discourage)
+    if agreement < ONE_SIGNED_SHARE:
         return None
     gap = delta.abs()
-    share = float(gap[seen].sum() / gap.sum()) if float(gap.sum()) > 0 else 0.0
-    on_seen, off_seen = float(gap[seen].mean()), float(gap[~seen].mean())
-    signed = max(float((delta[seen] > 0).double().mean()), float((delta[seen] < 0).double().mean()))
-    if share < PENALTY_SHARE or on_seen < floor or on_seen < PENALTY_CONCENTRATION * off_seen \
-            or signed < ONE_SIGNED_SHARE:
-        return None
-    direction = "lower" if float(delta[seen].mean()) > 0 else "higher"
-    return (f"the mismatch sits on tokens repeated from the context: {share:.0%} of |old - sampler| on the "
-            f"{n_seen / delta.numel():.0%} of kept tokens seen earlier in the row (mean |·| {on_seen:.4f} nats "
-            f"there, {off_seen:.4f} elsewhere; the sampler gives them {direction} logprobs on {signed:.0%}): a "
-            f"sampler penalty on repeated tokens that the trainer does not apply ({settings})")
+    share = float(gap[seen].sum() / gap.sum())
+    lower, higher = ("lower", "higher") if discourage >= 0.5 else ("higher", "lower")
+    return (f"the mismatch sits on tokens repeated from the context: the {float(seen.double().mean()):.0%} of kept "
+            f"tokens seen earlier in the row (prompt or completion) carry {share:.0%} of |old - sampler| and get "
+            f"{lower} sampler logprobs (mean old - sampler {float(delta[seen].mean()):+.4f} nats), the others "
+            f"{higher} ({float(delta[~seen].mean()):+.4f}, renormalisation); the sign follows the context on "
+            f"{agreement:.0%} of the {int(informative.sum())} tokens beyond the noise: a sampler penalty on repeated "
+            f"tokens that the trainer does not apply ({settings})")
 
 
 def stale_policy_pattern(mean_abs: float, step: int, first_step: int, first_mean_abs: float,
@@ -281,8 +287,8 @@ def diagnose(ev: Evidence, temperature: object) -> str | None:
     if truncating:
         tries.append(lambda: truncation_pattern(delta, ", ".join(truncating), floor))
     if ev.seen is not None and (penalties or s.unrecorded(PENALTY_KEYS)):
-        tries.append(lambda: penalty_pattern(delta, ev.seen, ", ".join(penalties) or
-                                             "penalty settings unrecorded", floor))
+        tries.append(lambda: penalty_pattern(delta, ev.seen, ", ".join(penalties) or "penalty settings unrecorded",
+                                             floor, 1 if penalties else MIN_TOKENS // 2))
 
     def temperature_cause() -> str | None:
         found = temperature_pattern(ev.trainer, ev.sampler, delta, ev.dtype, temperature, s.logprobs_mode, floor)
