@@ -212,7 +212,7 @@ def advantage_rule_findings(ctx: StepContext):
         diffs[name] = (expected, torch.where(live, (recorded.double() - expected).abs(), 0.0), tol)
     matches = [n for n, (_, d, tol) in diffs.items() if bool((d <= tol).all())]
     default = declared or next(iter(rules))
-    if default in matches:
+    if default in matches or _std_normalisation_reported(ctx, matches, declared):
         return []
     if matches and declared is None:
         return [ctx.finding("recompute.advantages", INFO, f"advantages follow the {matches[0]!r} rule "
@@ -235,6 +235,17 @@ def advantage_rule_findings(ctx: StepContext):
     )
     return [ctx.finding("recompute.advantages", ERROR, message, rows[i], field="advantages", rule=default,
                         matching_rules=matches)]
+
+
+def _std_normalisation_reported(ctx: StepContext, matches: list[str], declared: str | None) -> bool:
+    """True for a verl GRPO step (metadata ``adv_estimator`` ``grpo`` / ``grpo_vectorized``) whose values follow
+    the other of ``verl_grpo`` / ``group_mean`` than the one declared: the std normalisation in effect
+    differs, and ``recompute.advantage_std`` (:mod:`tracer.checks.effective_config`) names it with the
+    config's value, so this check does not report the same cause twice."""
+    pair = {"verl_grpo", "group_mean"}
+    if ctx.hyper("adv_estimator", None) not in ("grpo", "grpo_vectorized") or declared not in pair:
+        return False
+    return (pair - {declared}).pop() in matches
 
 
 def named_rule(ctx: StepContext) -> str | None:

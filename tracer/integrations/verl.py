@@ -46,6 +46,17 @@ Facts from verl 0.9.1's source that shape the trace (docs/verl.md says what was 
   micro-batches). A row seen again marks the next epoch (``inner_step``).
 - ``pg_loss`` is aggregated over the *global* mini-batch (``batch_num_tokens``, ``dp_size``), not the
   micro-batch, so it is stored as the extra field ``verl_pg_loss``, not as the canonical ``loss``.
+  The policy losses aggregate with ``core_algos.agg_loss(loss_mat, loss_mask, loss_agg_mode,
+  **config.global_batch_info)``, looked up in ``core_algos``'s globals at call time: this module wraps
+  it, and the call a tracing loss makes gives ``verl_pg_losses [B, T]`` (the per-token loss) and the
+  aggregation in effect.
+- Declared vs in effect. verl reads a setting in one place and uses it in another, so a trace keeps
+  both: ``declared_<key>`` is what a config object says (worker: the ``ActorConfig`` ``ppo_loss``
+  received; driver: the ``AlgoConfig`` passed to ``compute_advantage`` as ``config``, which ``fit``
+  reads its arguments from), ``<key>`` what the call used (the policy loss's ``loss_agg_mode`` and
+  ``config`` arguments, the mode ``agg_loss`` was called with; ``compute_advantage``'s own
+  ``adv_estimator`` / ``norm_adv_by_std_in_grpo`` / ``gamma`` / ``lam`` arguments). ``tracer check``
+  (:mod:`tracer.checks.effective_config`) compares both with what the tensors show.
 
 Files (each a trace of its own; :mod:`tracer.integrations.verl_join` merges them)::
 
@@ -140,17 +151,24 @@ def _lazy_lookup(original: Callable) -> Callable:
 
 
 def _tracing_loss(name: str, fn: Callable) -> Callable:
-    """``fn`` wrapped: call it with the arguments verl passes, record, return its result unchanged."""
+    """``fn`` wrapped: call it with the arguments verl passes, keep the ``agg_loss`` calls it makes,
+    record, return its result unchanged."""
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        result = fn(*args, **kwargs)
+        previous, _context.agg_calls = getattr(_context, "agg_calls", None), []
+        try:
+            result = fn(*args, **kwargs)
+            agg_calls = _context.agg_calls
+        finally:
+            _context.agg_calls = previous
         try:
             bound = inspect.signature(fn).bind(*args, **kwargs)
             bound.apply_defaults()
             recorder = _recorder("worker")
             if recorder is not None:
-                recorder.record(name, dict(bound.arguments), result, getattr(_context, "data", None))
+                recorder.record(name, dict(bound.arguments), result, getattr(_context, "data", None),
+                                agg_calls=agg_calls, declared=getattr(_context, "config", None))
         except Exception as err:  # tracing must never stop training
             _failed("worker", err)
         return result
@@ -158,16 +176,39 @@ def _tracing_loss(name: str, fn: Callable) -> Callable:
     return _marked(traced)
 
 
+def _traced_agg_loss(original: Callable) -> Callable:
+    """``core_algos.agg_loss`` that, inside a tracing loss, keeps the arguments it was called with and
+    its result (what the policy loss aggregated, and how); a plain pass-through everywhere else."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def agg_loss(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls = getattr(_context, "agg_calls", None)
+        if calls is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                calls.append({**bound.arguments, "result": result})
+            except TypeError:  # a call verl itself would have refused
+                pass
+        return result
+
+    return _marked(agg_loss)
+
+
 def _traced_ppo_loss(original: Callable) -> Callable:
-    """verl's ``ppo_loss`` with its micro-batch ``data`` kept where the tracing loss can read it."""
+    """verl's ``ppo_loss`` with its micro-batch ``data`` and its ``config`` (the worker's ``ActorConfig``,
+    what the run declares) kept where the tracing loss can read them."""
 
     @functools.wraps(original)
     def ppo_loss(config, model_output, data, *args, **kwargs):
-        previous, _context.data = getattr(_context, "data", None), data
+        previous = getattr(_context, "data", None), getattr(_context, "config", None)
+        _context.data, _context.config = data, config
         try:
             return original(config, model_output, data, *args, **kwargs)
         finally:
-            _context.data = previous
+            _context.data, _context.config = previous
 
     return _marked(ppo_loss)
 
@@ -319,6 +360,7 @@ def install(out_dir: str | os.PathLike | None = None, tokenizer: Any = None) -> 
     from verl.trainer.ppo import core_algos
 
     _wrap_once(core_algos, "get_policy_loss_fn", _lazy_lookup)  # before losses.py binds it
+    _wrap_once(core_algos, "agg_loss", _traced_agg_loss)  # the policy losses look it up at call time
     for name, patch in _PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

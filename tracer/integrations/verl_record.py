@@ -120,10 +120,11 @@ class DriverRecorder(_Recorder):
         estimator = _name(arguments.get("adv_estimator"))
         algorithm = _ALGORITHM.get(estimator, "grpo")
         tensors, uids = self._tensors(batch, non_tensor, algorithm, row_ids)
-        meta = self._metadata(arguments, estimator, uids)
+        meta = {**self._metadata(arguments, estimator, uids), **_declared_algorithm(arguments.get("config")),
+                **_kl_in_reward(batch), **_meta_info_temperature(data)}
         writer = self._writer(algorithm, {k: v for k, v in meta.items() if k != "uids"},
                               {"framework": "verl", "role": "driver"})
-        writer.record(step, tensors, metadata={"uids": meta["uids"], "verl_role": "driver"})
+        writer.record(step, tensors, metadata={**meta, "verl_role": "driver"})  # the settings of this call
 
     @staticmethod
     def _tensors(batch: Any, non_tensor: Mapping[str, Any], algorithm: str,
@@ -176,6 +177,51 @@ class DriverRecorder(_Recorder):
         return meta
 
 
+def _declared_algorithm(config: Any) -> dict[str, Any]:
+    """What the ``AlgoConfig`` passed to ``compute_advantage`` as ``config`` declares (``fit`` reads the
+    call's arguments from it): ``declared_adv_estimator``, ``declared_norm_adv_by_std_in_grpo``,
+    ``declared_gamma`` / ``declared_lam``, ``declared_use_kl_in_reward``, ``declared_kl_penalty`` and the
+    KL controller's ``declared_kl_coef``. Empty when no config was passed."""
+    get = getattr(config, "get", None)
+    if get is None:
+        return {}
+    meta: dict[str, Any] = {}
+    if get("adv_estimator", None) is not None:
+        meta["declared_adv_estimator"] = _name(get("adv_estimator"))
+    meta["declared_norm_adv_by_std_in_grpo"] = bool(get("norm_adv_by_std_in_grpo", True))  # fit's default
+    for key in ("gamma", "lam"):
+        if isinstance(get(key, None), (int, float)):
+            meta[f"declared_{key}"] = float(get(key))
+    if get("use_kl_in_reward", None) is not None:
+        meta["declared_use_kl_in_reward"] = bool(get("use_kl_in_reward"))
+    if get("kl_penalty", None) is not None:
+        meta["declared_kl_penalty"] = str(get("kl_penalty"))
+    coef = getattr(get("kl_ctrl", None), "get", lambda *_: None)("kl_coef", None)
+    if isinstance(coef, (int, float)):
+        meta["declared_kl_coef"] = float(coef)
+    return meta
+
+
+def _kl_in_reward(batch: Any) -> dict[str, Any]:
+    """``use_kl_in_reward`` in effect: True when ``token_level_rewards`` differ from ``token_level_scores`` on a
+    kept token (``apply_kl_penalty`` subtracted a KL term; verl copies the scores otherwise), with the
+    largest |difference| as ``kl_in_reward_max_abs``; empty when the scores are not in the batch."""
+    if "token_level_scores" not in set(batch.keys()):
+        return {}
+    keep = batch["response_mask"].bool()
+    gap = (batch["token_level_rewards"].double() - batch["token_level_scores"].double()).abs()[keep]
+    gap = gap[torch.isfinite(gap)]
+    largest = float(gap.max()) if gap.numel() else 0.0
+    return {"use_kl_in_reward": largest > 0.0, "kl_in_reward_max_abs": largest}
+
+
+def _meta_info_temperature(data: Any) -> dict[str, Any]:
+    """``declared_temperature``: ``meta_info["temperature"]`` of the driver's batch (``fit`` sets it from
+    ``rollout.temperature``; the workers' forward divides the logits by what reaches them)."""
+    value = (getattr(data, "meta_info", None) or {}).get("temperature")
+    return {"declared_temperature": float(value)} if isinstance(value, (int, float)) else {}
+
+
 class WorkerRecorder(_Recorder):
     """Records each call of a ``tracer_<name>`` policy loss on this worker rank as one step file.
 
@@ -194,9 +240,12 @@ class WorkerRecorder(_Recorder):
         self._mini_batch = self._in_mini_batch = -1
         self._seen: set[int] = set()
 
-    def record(self, loss_mode: str, arguments: Mapping[str, Any], result: Any, data: Any) -> None:
+    def record(self, loss_mode: str, arguments: Mapping[str, Any], result: Any, data: Any,
+               agg_calls: list[Mapping[str, Any]] | None = None, declared: Any = None) -> None:
         """Record one policy-loss call: ``arguments`` as the loss received them, ``result`` = (pg_loss, metrics),
-        ``data`` the micro-batch TensorDict of ``ppo_loss`` (None when the loss was called directly)."""
+        ``data`` the micro-batch TensorDict of ``ppo_loss`` (None when the loss was called directly),
+        ``agg_calls`` the ``core_algos.agg_loss`` calls the loss made (arguments and ``result``),
+        ``declared`` the ``ActorConfig`` ``ppo_loss`` received (None: the loss's own ``config``)."""
         if self.disabled:
             return
         policy, old = arguments["log_prob"].detach(), arguments["old_log_prob"].detach()  # (B, T)
@@ -216,9 +265,14 @@ class WorkerRecorder(_Recorder):
         pg_loss = result[0] if isinstance(result, tuple) else result
         if isinstance(pg_loss, torch.Tensor) and pg_loss.numel() == 1:
             tensors["verl_pg_loss"] = pg_loss.detach().reshape(())
+        call = _pg_loss_call(agg_calls or [], pg_loss, (B, T))
+        if call is not None:
+            tensors["verl_pg_losses"] = call["loss_mat"].detach()
         row_ids = self._from_batch(data, T, tensors) if data is not None else None
         position = self._position(row_ids, data)
-        meta = {**position, **_loss_metadata(loss_mode, arguments.get("loss_agg_mode"), config, data)}
+        meta = {**position, **_loss_metadata(loss_mode, arguments.get("loss_agg_mode"), config, data),
+                **_in_effect(call, arguments.get("loss_agg_mode"), config, declared if declared is not None else config,
+                             data)}
         algorithm = "cispo" if loss_mode == "cispo" else "grpo"
         writer = self._writer(algorithm, {}, {"framework": "verl", "role": "worker"})
         step, epoch, call = meta.pop("step"), meta.pop("epoch"), meta.pop("call_in_step")
@@ -291,6 +345,64 @@ def _rows_per_mini_batch(data: Any) -> int | None:
     if isinstance(size, int) and size > 0:
         return max(size // int(dp or 1), 1)
     return None
+
+
+def _pg_loss_call(calls: list[Mapping[str, Any]], pg_loss: Any, shape: tuple[int, int]) -> Mapping[str, Any] | None:
+    """The ``agg_loss`` call whose result the policy loss returned as ``pg_loss`` (the same tensor, else the
+    same value), over a ``[B, T]`` loss of the micro-batch's shape; None when there is no such call."""
+    calls = [c for c in calls if isinstance(c.get("loss_mat"), torch.Tensor) and tuple(c["loss_mat"].shape) == shape]
+    same = [c for c in calls if c["result"] is pg_loss]
+    if not same and isinstance(pg_loss, torch.Tensor):
+        same = [c for c in calls if isinstance(c["result"], torch.Tensor) and c["result"].shape == pg_loss.shape
+                and bool(torch.equal(c["result"].detach(), pg_loss.detach()))]
+    return same[-1] if same else None
+
+
+def _number(value: Any) -> Any:
+    """A scalar (int, float, one-element tensor) as a Python number; None for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+_CLIP_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+_DECLARED_KEYS = ("loss_agg_mode", *_CLIP_KEYS, "entropy_coeff", "use_kl_loss", "kl_loss_type", "kl_loss_coef",
+                  "loss_scale_factor")
+
+
+def _in_effect(call: Mapping[str, Any] | None, agg_argument: Any, config: Any, declared: Any,
+               data: Any) -> dict[str, Any]:
+    """The settings in effect at the call next to the declared ones (module docstring of
+    :mod:`tracer.integrations.verl`): ``loss_agg_mode`` = the mode of the ``agg_loss`` call that gave
+    ``pg_loss`` (else the argument), ``loss_agg_mode_argument`` = what the policy loss received,
+    ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size`` / ``loss_scale_factor`` as ``agg_loss`` got
+    them, ``clip_ratio*`` of the loss's ``config``, ``temperature`` of the micro-batch; and
+    ``declared_<key>`` of the ``ActorConfig`` ``ppo_loss`` received."""
+    meta: dict[str, Any] = {"loss_agg_mode_argument": str(agg_argument)}
+    if call is not None:
+        meta["loss_agg_mode"] = str(call["loss_agg_mode"])
+        meta["loss_reduction"] = LOSS_REDUCTION.get(meta["loss_agg_mode"], f"verl:{meta['loss_agg_mode']}")
+        meta["pg_losses_from"] = "agg_loss"
+        for key in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"):
+            if _number(call.get(key)) is not None:
+                meta[key] = _number(call.get(key))
+    get = getattr(config, "get", None)
+    if get is not None:
+        for key in _CLIP_KEYS:
+            if _number(get(key, None)) is not None:
+                meta[key] = float(get(key))
+        if meta.get("loss_scale_factor") is None and _number(get("loss_scale_factor", None)) is not None:
+            meta["loss_scale_factor"] = _number(get("loss_scale_factor", None))
+    declared_get = getattr(declared, "get", None)
+    if declared_get is not None:
+        for key in _DECLARED_KEYS:
+            value = declared_get(key, None)
+            if value is not None and isinstance(value, (str, int, float, bool)):
+                meta[f"declared_{key}"] = value
+    temperature = _number(_get(data, "temperature"))
+    if temperature is not None:
+        meta["temperature"] = float(temperature)
+    return meta
 
 
 def _loss_metadata(loss_mode: str, agg_mode: Any, config: Any, data: Any) -> dict[str, Any]:
