@@ -7,6 +7,7 @@ The importance-sampling part is checked against weights built here by hand from 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +200,148 @@ def test_sequence_ratio_aggregation_sum_vs_mean(tmp_path, aggregation):
     assert c["aggregation"] == aggregation and c["cut_if_sum"] == cut_by_sum and c["cut_if_mean"] == 0
     length_bias = [p for p in f.details["patterns"] if "aggregated by sum" in p]
     assert bool(length_bias) == (aggregation == "sum")
+
+
+# -- the cause, with the sampler's settings in effect ------------------------------------------------
+
+def test_one_signed_shift_is_not_truncation_when_truncation_is_off(tmp_path):
+    # trainer below the sampler on every token, but the engine recorded top_p = 1, top_k = 0, min_p = 0:
+    # nothing was truncated, so the truncation hypothesis is ruled out and no cause is claimed from one step
+    g = torch.Generator().manual_seed(8)
+    trainer = -torch.rand(B, T, generator=g) * 2 - 0.1
+    sampler = trainer + 0.05 + 0.2 * torch.rand(B, T, generator=g)  # one-signed, not constant
+    off = {"sampler_top_p": 1.0, "sampler_top_k": 0, "sampler_min_p": 0.0, "sampler_dtype": "bfloat16"}
+    f = mismatch(tmp_path, "off", trainer, sampler, hyper=off)
+    assert not any("truncated" in p for p in f.details["patterns"])
+    assert "No known cause explains it" in f.message and "top_p = 1, top_k = 0, min_p = 0" in f.message
+    assert "Likely fix" not in f.message
+    # the same numbers with top_k = 5 in effect: truncation, and only truncation
+    f = mismatch(tmp_path, "on", trainer, sampler, hyper={**off, "sampler_top_k": 5})
+    assert f.severity == ERROR and len(f.details["patterns"]) == 1
+    assert f.message.startswith("Cause: trainer logprobs are below the sampler's on 100% of tokens")
+    assert "(top_k = 5)" in f.message
+
+
+def apply_repetition_penalty(logits: torch.Tensor, context: list[list[int]], penalty: float) -> torch.Tensor:
+    """vLLM's rule (vllm/model_executor/layers/utils.py apply_penalties), by hand: a token already in the
+    context has its logit divided by ``penalty`` when positive, multiplied when negative."""
+    out = logits.clone()
+    for token in set(context):
+        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
+    return out
+
+
+def test_repetition_penalty_is_named_from_the_repeated_tokens(tmp_path):
+    # rows of 12 tokens sampled from softmax(penalised logits / τ), the prompt ids 0..5 in context
+    prompt = torch.arange(6).repeat(B, 1)  # (B, L)
+    logits = make_logits(9, scale=1.0)
+    g = torch.Generator().manual_seed(9)
+    ids = torch.zeros(B, T, dtype=torch.int64)
+    trainer, sampler = torch.zeros(B, T), torch.zeros(B, T)
+    for b in range(B):
+        context = prompt[b].tolist()
+        for t in range(T):
+            processed = torch.log_softmax(apply_repetition_penalty(logits[b, t], context, 1.3) / TAU, -1)
+            token = int(torch.multinomial(processed.exp(), 1, generator=g))
+            ids[b, t] = token
+            sampler[b, t] = processed[token]
+            trainer[b, t] = torch.log_softmax(logits[b, t] / TAU, -1)[token]
+            context.append(token)
+    hyper = {"sampler_repetition_penalty": 1.3, "sampler_presence_penalty": 0.0, "sampler_frequency_penalty": 0.0}
+    f = mismatch(tmp_path, "rep", trainer, sampler, hyper=hyper, completion_ids=ids, prompt_ids=prompt,
+                 prompt_mask=torch.ones(B, 6, dtype=torch.bool))
+    assert f.severity == ERROR and len(f.details["patterns"]) == 1
+    assert f.message.startswith("Cause: the mismatch sits on tokens repeated from the context")
+    assert "(repetition_penalty = 1.3)" in f.message
+    # the share of tokens seen earlier in their row, counted here with a set per row
+    seen = [[ids[b, t].item() in set(prompt[b].tolist()) | set(ids[b, :t].tolist()) for t in range(T)] for b in range(B)]
+    assert f"the {sum(map(sum, seen)) / (B * T):.0%} of kept tokens seen earlier" in f.message
+    # no penalty in effect: the same data is not blamed on a penalty
+    f = mismatch(tmp_path, "norep", trainer, sampler, hyper={**hyper, "sampler_repetition_penalty": 1.0},
+                 completion_ids=ids, prompt_ids=prompt, prompt_mask=torch.ones(B, 6, dtype=torch.bool))
+    assert not any("repeated from the context" in p for p in f.details["patterns"])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_seen_in_context_matches_a_loop(seed):
+    from tracer.checks.sampler_patterns import seen_in_context
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids, completion_ids = torch.randint(0, 6, (5, 4), generator=g), torch.randint(0, 6, (5, 7), generator=g)
+    prompt_mask = torch.rand(5, 4, generator=g) > 0.3
+    expected = [[completion_ids[b, t].item() in set(prompt_ids[b][prompt_mask[b]].tolist())
+                 | set(completion_ids[b, :t].tolist()) for t in range(7)] for b in range(5)]
+    assert seen_in_context(prompt_ids, prompt_mask, completion_ids).tolist() == expected
+
+
+# -- recorded runs of TRL GRPO with the vLLM CPU engine (tests/data/vllm_bugs/, engine_run.py --bug) ---------
+
+VLLM_RUNS = Path(__file__).resolve().parents[1] / "data" / "vllm_bugs"
+
+
+def recorded(run: str):
+    from tracer import Trace
+
+    trace = Trace(VLLM_RUNS / run)
+    steps = sorted(trace.steps(), key=lambda k: k.step)
+    findings = {f.step: f for f in found(run_checks(VLLM_RUNS / run), "sampler.mismatch")}
+    return trace, steps, findings
+
+
+def mean_abs_gap(trace, key) -> float:
+    data = trace.load_step(key)
+    keep = data["completion_mask"].bool()
+    return float((data["old_logprobs"].double() - data["sampler_logprobs"].double())[keep].abs().mean())
+
+
+def test_recorded_stale_weight_sync_is_a_stale_policy():
+    trace, steps, findings = recorded("stale-sync")
+    meta = trace.metadata(steps[0])
+    assert (meta["sampler_top_p"], meta["sampler_top_k"], meta["sampler_min_p"]) == (1.0, 0, 0.0)  # truncation off
+    first = mean_abs_gap(trace, steps[0])
+    assert findings[0].severity == INFO and findings[0].details["patterns"] == []  # same initial weights
+    for key in steps[1:]:
+        f = findings[key.step]
+        assert f.severity == ERROR and len(f.details["patterns"]) == 1
+        assert f.message.startswith(f"Cause: mean |old - sampler| {mean_abs_gap(trace, key):.4f} nats at step "
+                                    f"{key.step} against {first:.4f} at step 0")
+        assert "the engine samples with a stale policy" in f.message
+        assert "truncated distribution" not in f.message
+
+
+def test_recorded_repetition_penalty_is_named():
+    trace, steps, findings = recorded("repetition-penalty")
+    assert trace.metadata(steps[0])["sampler_repetition_penalty"] == pytest.approx(1.3)
+    for key in steps:
+        f = findings[key.step]
+        assert f.severity == ERROR and len(f.details["patterns"]) == 1
+        assert f.message.startswith("Cause: the mismatch sits on tokens repeated from the context")
+        assert "(repetition_penalty = 1.3)" in f.message
+
+
+def test_recorded_top_k_is_truncation_only():
+    trace, steps, findings = recorded("top-k")
+    for key in steps:
+        f = findings[key.step]
+        assert f.severity == ERROR and len(f.details["patterns"]) == 1  # no temperature finding beside it
+        assert f.message.startswith("Cause: trainer logprobs are below the sampler's on")
+        assert "(top_k = 5)" in f.message and "temperature applied" not in f.message
+
+
+# Measured on these recorded healthy runs (BENCHMARKS.md "Sampler noise floor"): mean |old - sampler| per
+# step 0.0055, 0.0043, 0.0070 nats with the engine in bfloat16 (vLLM's "auto" for this float32 model),
+# below 1e-6 with dtype="float32"; the bounds below are those figures with a factor 2 of room.
+@pytest.mark.parametrize("run, low, high", [("healthy-bf16", 0.002, 0.014), ("healthy-fp32", 0.0, 1e-6)])
+def test_recorded_healthy_engine_noise_by_dtype(run, low, high):
+    from tracer.checks.sampler_patterns import noise_floor
+
+    trace, steps, findings = recorded(run)
+    dtype = trace.metadata(steps[0])["sampler_dtype"]
+    assert dtype == run.removeprefix("healthy-").replace("bf16", "bfloat16").replace("fp32", "float32")
+    for key in steps:
+        gap = mean_abs_gap(trace, key)
+        assert low <= gap <= high
+        f = findings[key.step]
+        assert f.severity == INFO and f.details["patterns"] == [] and f.details["noise_floor"] > gap
+        assert f"Within the noise of a {dtype} engine" in f.message
+    assert noise_floor("bfloat16") > 0.014  # the floor sits above the bf16 engine's noise
