@@ -11,7 +11,8 @@ log-space gap on a rare token (``sampler.mismatch``) barely moves it.
 Severity: info with the numbers; a warning when the mean gap exceeds 0.05 or, over at least 100
 kept tokens, the correlation falls below 0.9 (bf16 engines against an FSDP trainer typically show a
 mean of a few 1e-3 and a correlation above 0.99). Reported once per rollout (inner step 0), like
-``sampler.mismatch``; never an error (``sampler.mismatch`` judges the log-space gap).
+``sampler.mismatch``; never an error (``sampler.mismatch`` judges the log-space gap and names the
+cause, :func:`tracer.checks.sampler_patterns.diagnose`: this check gives the numbers only).
 """
 
 from __future__ import annotations
@@ -55,8 +56,7 @@ def check_probs_diff(ctx: StepContext):
     if severity == WARNING:
         message += (f" Rule: mean gap <= {WARN_MEAN_GAP} and correlation >= {WARN_PEARSON} (over >= "
                     f"{PEARSON_MIN_TOKENS} tokens). Why it matters: the engine sampled from a distribution the "
-                    "trainer does not reproduce, so the update is off-policy. Likely fix: same weights (check the "
-                    "weight sync), dtype, temperature and top-p/top-k on both sides, or verl's rollout correction "
-                    "(algorithm.rollout_correction) on exp(old - sampler).")
+                    "trainer does not reproduce, so the update is off-policy. The cause that explains it (or that "
+                    "none of the known ones does) is in this step's sampler.mismatch finding.")
     return [ctx.finding("sampler.probs_diff", severity, message, b, t, field="sampler_logprobs", kept_tokens=n,
                         **{f"probs_diff_{k}" if k != "pearson" else "pearson": v for k, v in gap.items()})]
