@@ -113,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
                                   "(exit 1 on any error, 2 unusable)",
                            description="Find the known RL tensor bugs in a trace (SPEC.md section 6; the checks "
                                        "are listed in docs/checks.md). Exit code: 0 no error finding, 1 at least "
-                                       "one error finding, 2 unusable input.")
+                                       "one error finding (or a warning with --fail-on warning, or a bug class not "
+                                       "checked with --strict-coverage), 2 unusable input.")
     check.add_argument("path", nargs="?", help="trace directory or one step .safetensors file")
     check.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     check.add_argument("--select", action="extend", nargs="+", metavar="ID",
@@ -121,7 +122,20 @@ def _parser() -> argparse.ArgumentParser:
                             "default all")
     check.add_argument("--sampler-ratio-bound", type=float, default=2.0, metavar="C",
                        help="sampler.mismatch counts tokens whose exp(old - sampler) is outside [1/C, C] (default 2)")
-    check.add_argument("--max-per-check", type=_positive_int, default=10, help="findings shown per check (default 10)")
+    check.add_argument("--max-per-check", type=_positive_int, default=10,
+                       help="entries shown per check (default 10); findings of one cause that differ only in their "
+                            "numbers (the same bug at several steps) are one entry, --json lists each")
+    check.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
+                       help="a health warning's threshold (repeatable): ref_kl (mean k3 nats per kept token, default 1), "
+                            "clip_fraction (share outside the clip region after the first update, default 0.5), "
+                            "sampler_gap (mean |old - sampler| nats, default 0.1), entropy_floor (nats, default "
+                            "0.05), entropy_drop (share of the first step's entropy lost, default 0.9), reward_flat "
+                            "(share of groups with zero reward std, default 1); see docs/checks.md")
+    check.add_argument("--fail-on", choices=("error", "warning"), default="error",
+                       help="exit 1 on an error finding (default), or on an error or warning finding")
+    check.add_argument("--strict-coverage", action="store_true",
+                       help="exit 1 when a common bug class could not be checked for want of a field (the report's "
+                            "'not checked: <class> - record <fields>' lines)")
 
     diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)",
                           description="Compare two traces field by field, mask-aware (docs/regression-testing.md). "
@@ -314,15 +328,16 @@ def _select_and_path(args: argparse.Namespace) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tracer.checks import CheckOptions, has_errors, run_checks
+    from tracer.checks import ERROR, WARNING, CheckOptions, has_errors, run_checks
+    from tracer.checks.coverage import NOT_CHECKED
     from tracer.checks.report import render_findings
 
     if not args.sampler_ratio_bound > 1:
         raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
     _select_and_path(args)
     _refuse_a_folder_of_traces(args.path, "check")
-    findings = run_checks(args.path, select=args.select,
-                          options=CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound))
+    options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(_thresholds(args.threshold))
+    findings = run_checks(args.path, select=args.select, options=options)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))
     else:
@@ -330,7 +345,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
         # terminal it wraps to the window
         Console().print(render_findings(findings, title=str(args.path), max_per_check=args.max_per_check),
                         soft_wrap=not sys.stdout.isatty())
-    return 1 if has_errors(findings) else 0
+    failing = (ERROR, WARNING) if args.fail_on == "warning" else (ERROR,)
+    unchecked = args.strict_coverage and any(f.check == NOT_CHECKED for f in findings)
+    return 1 if has_errors(findings) or any(f.severity in failing for f in findings) or unchecked else 0
+
+
+def _thresholds(items: list[str]) -> dict[str, float]:
+    """``--threshold NAME=VALUE`` items as ``{name: value}``; TraceError for one without ``=`` or a number."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise TraceError(f"--threshold {item!r}: expected NAME=VALUE with a number, e.g. --threshold ref_kl=2.0")
+    return out
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

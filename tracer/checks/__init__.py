@@ -34,6 +34,7 @@ from tracer.checks import micro_batches, probability  # noqa: F401  (checks of v
 from tracer.checks import turns  # noqa: F401  (multi-turn and agentic rows)
 from tracer.checks import effective_config  # noqa: F401  (the configuration in effect vs the declared)
 from tracer.checks import dpo  # noqa: F401  (DPO's reference: aliasing the policy)
+from tracer.checks import health  # noqa: F401  (warnings of a drifting run, with overridable thresholds)
 from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
 from tracer.checks.finding import (
     CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,

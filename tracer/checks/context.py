@@ -9,12 +9,13 @@ Hyperparameters come from the step metadata (SPEC.md section 4 keys), then from 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from tracer.checks.finding import Finding, Skip
+from tracer.errors import TraceError
 from tracer.format import turns
 from tracer.read import StepKey, Trace
 
@@ -60,14 +61,70 @@ def loosest_dtype(names: list[str]) -> str:
 class CheckOptions:
     """Options of one ``check`` run.
 
+    The ``health`` thresholds (``tracer check --threshold NAME=VALUE``, names in :data:`HEALTH_THRESHOLDS`)
+    mark a run that is not broken but drifting; each default is chosen from published practice, so a
+    healthy run stays well below it. A step-file value warns when the run stays past it (at two or
+    more steps, or at its last step; ``tracer.checks.health``):
+
     Attributes:
         sampler_ratio_bound: C; a token whose ``exp(old - sampler)`` lies outside [1/C, C] counts
             as a sampler/trainer mismatch.
         worst_tokens: how many worst tokens a finding lists in its details.
+        ref_kl_max: ``ref_kl``: mean k3 KL to the reference per kept token (nats) above which a step
+            file warns. 1.0 nats per token: TRL's adaptive KL controller targets 6 nats per *sequence*
+            (Ziegler et al. 2019, ``PPOConfig.target``), and GRPO/verl runs at β = 0.001-0.04 log
+            0.001-0.1 nats per token.
+        clip_fraction_max: ``clip_fraction``: share of kept tokens whose ratio lies outside the clip
+            region, after the first update on a rollout, above which a step file warns. 0.5: PPO's clip
+            fraction sits at 0.05-0.2 in healthy runs (Engstrom et al. 2020, "Implementation Matters";
+            cleanrl's ``clipfrac`` logs) and reaches 0.3-0.4 on tiny batches here (sample_traces/grpo-tiny);
+            past half the trust region binds on most tokens.
+        sampler_gap_max: ``sampler_gap``: mean |old - sampler| over kept tokens (nats, TRL's
+            ``sampling/sampling_logp_difference/mean``) above which a step file warns. 0.1 nats: fp32
+            vLLM vs trainer measures ~0.005 here; bf16 engines 0.01-0.05 (Yao et al. 2025, "Your
+            efficient RL framework secretly brings you off-policy RL training").
+        entropy_floor: ``entropy_floor``: mean token entropy (nats) under which a run whose first
+            step file was above it has collapsed. 0.05 nats: the entropy-collapse regime of Cui et al.
+            2025 ("The Entropy Mechanism of RL for Reasoning LMs"), where the policy is nearly greedy.
+        entropy_drop: ``entropy_drop``: share of the first step file's mean entropy lost (0.9 = the
+            entropy fell below a tenth of its first value) that counts as collapse (Cui et al. 2025;
+            DAPO's clip-higher, Yu et al. 2025, exists to prevent it).
+        reward_flat_share: ``reward_flat``: share of a step file's groups with zero reward std (all G
+            rewards equal) at or above which it warns. 1.0: every group flat, so the reward gives the
+            step no signal (DAPO's dynamic sampling drops such groups).
     """
 
     sampler_ratio_bound: float = 2.0
     worst_tokens: int = 5
+    ref_kl_max: float = 1.0
+    clip_fraction_max: float = 0.5
+    sampler_gap_max: float = 0.1
+    entropy_floor: float = 0.05
+    entropy_drop: float = 0.9
+    reward_flat_share: float = 1.0
+
+    def with_thresholds(self, thresholds: dict[str, float]) -> "CheckOptions":
+        """A copy with the ``health`` thresholds named by their :data:`HEALTH_THRESHOLDS` names (or
+        attribute names) set. Raises TraceError for an unknown name or a value out of its range."""
+        changes = {}
+        for name, value in thresholds.items():
+            attribute = HEALTH_THRESHOLDS.get(name, name if name in HEALTH_THRESHOLDS.values() else None)
+            if attribute is None:
+                raise TraceError(f"unknown threshold {name!r}; known: "
+                                 + ", ".join(f"{n} (default {getattr(CheckOptions, a):g})" for n, a in HEALTH_THRESHOLDS.items()))
+            value = float(value)
+            shares = ("clip_fraction_max", "entropy_drop", "reward_flat_share")
+            if not value >= 0 or (attribute in shares and value > 1):
+                raise TraceError(f"threshold {name} = {value:g} is out of range: "
+                                 + ("a share in [0, 1]" if attribute in shares else "a value >= 0"))
+            changes[attribute] = value
+        return replace(self, **changes)
+
+
+# ``tracer check --threshold NAME=VALUE`` names -> CheckOptions attributes (the ``health`` family)
+HEALTH_THRESHOLDS = {"ref_kl": "ref_kl_max", "clip_fraction": "clip_fraction_max", "sampler_gap": "sampler_gap_max",
+                     "entropy_floor": "entropy_floor", "entropy_drop": "entropy_drop",
+                     "reward_flat": "reward_flat_share"}
 
 
 _REQUIRED = object()

@@ -91,7 +91,7 @@ def _previous_learning_rate(trace: Trace, keys: list[StepKey], key: StepKey) -> 
 def check_reference_aliasing(trace: Trace, options, keys: list[StepKey]):
     keys = sorted(keys, key=lambda k: (k.step, k.inner_step, k.micro_batch, k.rank))
     first_step = keys[0].step
-    updated, aliased, frozen_lr, sizes, rates = [], [], [], set(), set()
+    updated, aliased, frozen_lr, unscored, sizes, rates = [], [], [], [], set(), set()
     worst, pairs, tokens, what, losses = 0.0, 0, 0, "", {}
     for key in keys:
         if key.step == first_step:  # before any optimizer step: a fresh copy equals the policy
@@ -99,6 +99,7 @@ def check_reference_aliasing(trace: Trace, options, keys: list[StepKey]):
         data = trace.load_step(key, fields=_FIELDS)
         found = _ref_gap(data)
         if found is None:
+            unscored.append(key)
             continue
         rate = _previous_learning_rate(trace, keys, key)
         if rate == 0.0:
@@ -117,11 +118,9 @@ def check_reference_aliasing(trace: Trace, options, keys: list[StepKey]):
             loss = _recorded_loss(trace, key, data)
             if loss is not None:
                 losses[key.step] = loss
-    if not updated and not aliased:
-        if frozen_lr or len({k.step for k in keys}) > 1:
-            return []
-        raise Skip("needs step files after an optimizer step with chosen/rejected policy and reference logprobs "
-                   "(the first step's reference equals the policy by construction)")
+    if unscored and not updated and not frozen_lr:
+        raise Skip("needs chosen/rejected masks and policy logprobs, and the reference as chosen_ref_logprobs / "
+                   "rejected_ref_logprobs (or their per-pair sums), which these do not record")
     if not aliased:
         return []
     header = StepHeader(trace, aliased[0])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
+from tracer.checks.coverage import NOT_CHECKED, not_checked
 from tracer.checks.finding import (
     ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
 )
@@ -24,7 +25,8 @@ UNFINISHED = "trace.unfinished"  # finding id of a trace whose writer has not cl
 # what the report says of the findings about the trace's files, which are not registered checks
 TRACE_FINDINGS = {UNREADABLE: "a step file that cannot be read",
                   TRACE_FILES: "a manifest or token strings file the reader had to ignore",
-                  UNFINISHED: "the writer has not closed: the trace may grow or be cut short"}
+                  UNFINISHED: "the writer has not closed: the trace may grow or be cut short",
+                  NOT_CHECKED: "a common bug class none of whose checks could run (tracer.checks.coverage)"}
 
 
 def description(check_id: str) -> str:
@@ -135,6 +137,7 @@ def run_checks(
     findings: list[Finding] = _file_notes(trace)
     skips: dict[tuple[str, str], list] = {}
     readable = []
+    seen = _Coverage()
     for key in keys:
         try:
             ctx = StepContext(trace, key, options)
@@ -142,6 +145,7 @@ def run_checks(
             findings.append(_unreadable(key, err))
             continue
         readable.append(key)
+        seen.step(ctx)
         if ctx.algorithm not in ALL_ALGORITHMS:
             findings.append(Finding(
                 "fields.required", WARNING,
@@ -154,8 +158,10 @@ def run_checks(
                 continue
             try:
                 findings.extend(_run_step_check(check, ctx))
+                seen.ran.setdefault(check.id, set()).add(key)
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).append(key)
+                seen.skipped.setdefault(check.id, {})[key] = str(skip)
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
                 log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
                 findings.append(_crash(check, err, key))
@@ -167,8 +173,10 @@ def run_checks(
         if check.scope == "trace" and algorithm in check.algorithms:
             try:
                 findings.extend(check.run(trace, options, readable))
+                seen.ran[check.id] = set(readable)
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).extend(readable)
+                seen.skipped[check.id] = {k: str(skip) for k in readable}
             except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():
@@ -180,4 +188,58 @@ def run_checks(
                                 step=first.step, inner_step=first.inner_step, micro_batch=first.micro_batch,
                                 rank=first.rank, path=str(first.path),
                                 details={"steps": [k.label for k in where[:50]]}))
-    return sorted(findings, key=_sort_key)
+    findings.extend(seen.not_checked({c.id for c in checks}, readable))
+    return sorted(_drop_covered(findings), key=_sort_key)
+
+
+class _Coverage:
+    """What each check did on each step file (ran, or skipped and why), and what each file records,
+    for :func:`tracer.checks.coverage.not_checked`."""
+
+    def __init__(self) -> None:
+        self.ran: dict[str, set] = {}
+        self.skipped: dict[str, dict] = {}
+        self.fields: dict = {}
+        self.algorithm: dict = {}
+        self.conditions: dict = {}
+
+    def step(self, ctx: StepContext) -> None:
+        key = ctx.key
+        self.fields[key] = set(ctx.data) - ctx.derived
+        self.algorithm[key] = ctx.algorithm
+        met = set()
+        coef = ctx.hyper("kl_coef", None)
+        coef = coef if coef is not None else ctx.hyper("beta", None)
+        try:
+            if coef is None or float(coef) != 0.0:
+                met.add("kl")
+        except (TypeError, ValueError):
+            met.add("kl")
+        if "sampler_logprobs" in ctx.data or ctx.flag("use_vllm") or ctx.hyper("rollout_engine", None):
+            met.add("engine")
+        self.conditions[key] = met
+
+    def not_checked(self, selected: set[str], readable: list) -> list[Finding]:
+        if any("engine" in met for met in self.conditions.values()):  # an engine sampled some step: all of them
+            for met in self.conditions.values():
+                met.add("engine")
+        return not_checked(selected, self.ran, self.skipped, self.fields, readable, self.algorithm, self.conditions)
+
+
+def _drop_covered(findings: list[Finding]) -> list[Finding]:
+    """Without the ``health`` warnings whose every step already has an error or warning of the check
+    that names their cause (``details["covered_by"]``: check id prefixes): one cause, one finding."""
+    flagged: dict[str, set] = {}
+    for f in findings:
+        if f.severity in (ERROR, WARNING) and f.step is not None:
+            flagged.setdefault(f.check, set()).add(f.step)
+    kept = []
+    for f in findings:
+        prefixes = f.details.get("covered_by") if isinstance(f.details, dict) else None
+        if prefixes and f.severity == WARNING:
+            steps = set(f.details.get("steps") or [])
+            covered = {s for check, at in flagged.items() if check.startswith(tuple(prefixes)) for s in at}
+            if steps and steps <= covered:
+                continue
+        kept.append(f)
+    return kept

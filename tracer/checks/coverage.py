@@ -1,0 +1,102 @@
+"""Coverage: which common bug classes a run of the checks could not judge, and which fields would let
+it. A check that cannot run yields a ``skipped`` finding; a class of bugs whose every check was skipped
+on a step file is *not checked* there, and ``tracer check`` opens its report with
+``not checked: <class> — record <fields>`` (and exits 1 on it with ``--strict-coverage``), so a green
+PASS never hides a class that was never looked at.
+
+Each class lists the checks that can catch it (any one of them running on a step file covers the
+class there) and the fields they read, in the words of SPEC.md section 4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracer.checks.finding import RL_ALGORITHMS, SKIPPED, Finding
+
+NOT_CHECKED = "trace.not_checked"  # finding id of a bug class none of whose checks could run
+
+
+@dataclass(frozen=True)
+class BugClass:
+    """A common class of RL tensor bugs.
+
+    Attributes:
+        name: what a user calls the bug (``"loss reduction and loss over padding"``).
+        checks: ids of the checks that catch it (any one that runs covers it).
+        fields: the recorded fields those checks read (what to record to cover it).
+        algorithms: the algorithms it applies to.
+        condition: ``"kl"``: only where a KL penalty is in use (not where ``kl_coef`` / ``beta`` is
+            recorded as 0); ``"engine"``: only where an inference engine sampled (metadata ``use_vllm``
+            true, a ``rollout_engine``, or ``sampler_logprobs`` recorded in some step file: a loop
+            that samples with the policy itself has no sampler to mismatch); ``""``: always.
+    """
+
+    name: str
+    checks: tuple[str, ...]
+    fields: tuple[str, ...]
+    algorithms: frozenset[str] = RL_ALGORITHMS
+    condition: str = ""
+
+
+BUG_CLASSES: tuple[BugClass, ...] = (
+    BugClass("loss reduction and loss over padding", ("recompute.loss", "recompute.per_token_loss"),
+             ("loss", "per_token_loss", "completion_mask")),
+    BugClass("KL penalty sign", ("kl.k3_sign", "kl.ref_gap", "recompute.ref_kl_k3", "recompute.per_token_loss"),
+             ("ref_logprobs", "per_token_loss"), condition="kl"),
+    BugClass("sampler mismatch", ("sampler.mismatch", "sampler.probs_diff", "alignment.logprob_shift"),
+             ("sampler_logprobs", "old_logprobs"), condition="engine"),
+    BugClass("first-step identity and old aliasing policy", ("identity.first_step", "identity.old_aliases_policy"),
+             ("policy_logprobs", "old_logprobs", "completion_mask")),
+    BugClass("masks after EOS and on padding", ("masks.after_eos", "masks.padding"),
+             ("completion_ids", "completion_mask")),
+    BugClass("group advantages", ("advantages.group_sum", "advantages.zero_variance", "recompute.advantages"),
+             ("rewards", "advantages", "group_ids"), frozenset({"grpo", "cispo", "rloo", ""})),
+    BugClass("DPO reference aliasing the policy", ("dpo.reference_aliasing",),
+             ("chosen_ref_logprobs", "rejected_ref_logprobs"), frozenset({"dpo"})),
+    BugClass("DPO loss", ("recompute.dpo",), ("chosen_policy_logprobs", "rejected_policy_logprobs", "loss"),
+             frozenset({"dpo"})),
+)
+
+
+def applies(bug: BugClass, algorithm: str, conditions: set[str]) -> bool:
+    """Whether ``bug`` applies to a step file of ``algorithm`` that meets ``conditions`` (of ``kl``, ``engine``)."""
+    return algorithm in bug.algorithms and (not bug.condition or bug.condition in conditions)
+
+
+def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict], fields: dict,
+                keys: list, algorithm_of: dict, conditions: dict) -> list[Finding]:
+    """One ``trace.not_checked`` finding (severity ``skipped``) per bug class that none of its selected
+    checks judged on some step file.
+
+    Args:
+        selected: ids of the checks this run was asked for (a class none of whose checks is selected
+            is not reported: the user chose not to look).
+        ran: check id -> the step keys it ran on without skipping.
+        skipped: check id -> {step key: the skip's reason}.
+        fields: step key -> the set of field names the file records (derived fields left out).
+        keys: the readable step keys, in order.
+        algorithm_of: step key -> its algorithm.
+        conditions: step key -> the :attr:`BugClass.condition` values it meets.
+    """
+    out = []
+    for bug in BUG_CLASSES:
+        checks = [c for c in bug.checks if c in selected]
+        if not checks:
+            continue
+        missed = [k for k in keys if applies(bug, algorithm_of[k], conditions[k])
+                  and any(k in skipped.get(c, {}) for c in checks) and not any(k in ran.get(c, set()) for c in checks)]
+        if not missed:
+            continue
+        absent = [f for f in bug.fields if any(f not in fields[k] for k in missed)]
+        reasons = sorted({skipped[c][k] for c in checks for k in missed if k in skipped.get(c, {})})
+        first = missed[0]
+        record = f"record {', '.join(absent)}" if absent else "needs " + "; ".join(reasons[:2])
+        applicable = sum(applies(bug, algorithm_of[k], conditions[k]) for k in keys)
+        message = (f"not checked: {bug.name} — {record} (on {len(missed)} of {applicable} step files none of "
+                   f"{', '.join(checks)} could run: {'; '.join(reasons[:2])})")
+        out.append(Finding(NOT_CHECKED, SKIPPED, message, step=first.step, inner_step=first.inner_step,
+                           micro_batch=first.micro_batch, rank=first.rank, path=str(first.path),
+                           details={"class": bug.name, "fields": absent, "checks": checks,
+                                    "steps": [k.label for k in missed[:50]], "reasons": reasons[:5]}))
+    return out

@@ -1,0 +1,234 @@
+"""Health of a run that is not broken but drifting: warnings when a measured quantity crosses a
+documented, overridable threshold (:class:`tracer.checks.context.CheckOptions`, ``tracer check
+--threshold NAME=VALUE``). Each is a trace check that gives one finding naming the value, the
+threshold and the steps it occurs on:
+
+- ``health.ref_kl``: mean k3 KL to the reference over kept tokens (``tracer.formulas.ref_kl_k3``).
+- ``health.clip_fraction``: share of kept tokens outside the clip region after the first update on a
+  rollout (on fresh rollouts the ratio is 1: ``identity.first_step`` judges those).
+- ``health.sampler_gap``: mean |old - sampler| over kept tokens (TRL's ``sampling_logp_difference``).
+- ``health.entropy_collapse``: mean token entropy fallen below a floor, or by a large share of its
+  first value.
+- ``health.reward_flat``: the share of groups whose G rewards are all equal.
+
+A warning leaves ``tracer check``'s exit code at 0 unless ``--fail-on warning`` is given. A quantity
+the trace does not record is not judged and not reported as skipped: these are advice on a run, and
+the bug classes that need fields are reported by ``tracer.checks.coverage``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from tracer.checks.advantage_rules import full_groups
+from tracer.checks.context import HEALTH_THRESHOLDS, CheckOptions, StepContext, StepHeader, check_memo
+from tracer.checks.dpo import steps_text
+from tracer.checks.finding import RL_ALGORITHMS, WARNING, Finding, Skip, register
+from tracer.checks.identity import _clip_region, is_fresh
+from tracer.read import StepKey, Trace
+
+GROUPED = frozenset({"grpo", "cispo", "rloo", ""})
+
+
+def _mean(values: torch.Tensor, keep: torch.Tensor) -> float | None:
+    """Mean of ``values`` over kept, finite positions; None when there is none (NaN is nonfinite's finding)."""
+    keep = keep.bool() & torch.isfinite(values)
+    return float(values.double()[keep].mean()) if bool(keep.any()) else None
+
+
+def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> float | None:
+    if is_fresh(ctx) or "ratio" not in ctx.data:
+        return None
+    region = _clip_region(ctx)
+    if region is None:
+        return None
+    ratio = ctx.tensor("ratio")
+    return _mean((((ratio < region[0]) | (ratio > region[1]))).double(), keep)
+
+
+def _reward_flat(ctx: StepContext) -> float | None:
+    if ctx.algorithm not in GROUPED or "rewards" not in ctx.data:
+        return None
+    view = ctx.episode_view()
+    rewards = view.tensor("rewards")
+    groups, G = full_groups(view, rewards.shape[0])
+    if G < 2 or not groups:
+        return None
+    return sum(float(rewards[rows].max() - rewards[rows].min()) == 0.0 for rows in groups) / len(groups)
+
+
+def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, float | None]:
+    """The health quantities of one step file: ``ref_kl`` (mean k3, nats), ``clip_fraction`` (share),
+    ``sampler_gap`` (mean |old - sampler|, nats), ``entropy`` (mean, nats), ``reward_flat`` (share of
+    groups), each None when the file lacks its inputs."""
+    ctx = StepContext(trace, key, options)
+    out: dict[str, float | None] = {}
+    if "completion_mask" in ctx.data:
+        keep = ctx.mask()
+        out["ref_kl"] = _mean(ctx.tensor("ref_kl_k3"), keep) if "ref_kl_k3" in ctx.data else None
+        out["clip_fraction"] = _clip_fraction(ctx, keep)
+        try:
+            old = ctx.old_logprobs()
+        except Skip:
+            old = None
+        if old is not None and "sampler_logprobs" in ctx.data:
+            out["sampler_gap"] = _mean((old - ctx.tensor("sampler_logprobs")).abs(), keep)
+        out["entropy"] = _mean(ctx.tensor("entropy"), keep) if "entropy" in ctx.data else None
+    try:
+        out["reward_flat"] = _reward_flat(ctx)
+    except Skip:
+        out["reward_flat"] = None
+    return out
+
+
+def _health(trace: Trace, options: CheckOptions, keys: list[StepKey]) -> list[tuple[StepKey, dict[str, float | None]]]:
+    """:func:`step_health` of every step file, in step order, once per run of the checks."""
+    memo = check_memo(trace, "health")
+    for key in keys:
+        if key not in memo:
+            try:
+                memo[key] = step_health(trace, key, options)
+            except Exception:  # noqa: BLE001  (an unreadable file is trace.unreadable's finding)
+                memo[key] = {}
+    return [(k, memo[k]) for k in sorted(keys, key=lambda k: (k.step, k.inner_step, k.micro_batch, k.rank))]
+
+
+def _values(trace, options, keys, quantity: str) -> list[tuple[StepKey, float]]:
+    rows = _health(trace, options, keys)
+    return [(k, h[quantity]) for k, h in rows if h.get(quantity) is not None and math.isfinite(h[quantity])]
+
+
+def _finding(check: str, name: str, above: list[tuple[StepKey, float]], total: int, quantity: str, threshold: str,
+             worst: str, why: str, **details) -> Finding:
+    """One warning for the step files in ``above`` (worst first): the quantity past its threshold, the
+    steps, the worst value, and what it means."""
+    worst_key, _ = above[0]
+    steps = sorted({k.step for k, _ in above})
+    message = (f"{quantity} {threshold} (--threshold {name}=...) at step{'s' if len(steps) > 1 else ''} "
+               f"{steps_text(steps)} ({len(above)} of {total} step files): {worst} at step {worst_key.step}, "
+               f"inner step {worst_key.inner_step}. {why}")
+    return Finding(check, WARNING, message, step=worst_key.step, inner_step=worst_key.inner_step,
+                   micro_batch=worst_key.micro_batch, rank=worst_key.rank, path=str(worst_key.path),
+                   details=dict(steps=steps, threshold_name=name, cause=check, **details))
+
+
+def _above(values, limit: float, larger: Callable[[float, float], bool] = lambda v, lim: v > lim):
+    """The (key, value) pairs past ``limit``, worst first, when the run stays past it: at two or more
+    steps, or at its last step (a diverging run ends there). A spike at one earlier step that the run
+    recovered from is no drift (a few tokens with a large k3 can lift one step's mean: the healthy
+    sample_traces/agent-trl-tiny has 3.08 nats at step 1 from three tokens of ref - policy = 6 nats,
+    and 0.01-0.02 after); ``kl.ref_gap`` judges such tokens."""
+    hits = [(k, v) for k, v in values if larger(v, limit)]
+    steps = {k.step for k, _ in hits}
+    last = max(k.step for k, _ in values) if values else None
+    if len(steps) < 2 and last not in steps:
+        return []
+    return sorted(hits, key=lambda kv: -kv[1])
+
+
+@register("health.ref_kl", "mean k3 KL to the reference over kept tokens stays under the threshold "
+          "(--threshold ref_kl, default 1 nat per token)", RL_ALGORITHMS, scope="trace")
+def check_ref_kl(trace: Trace, options: CheckOptions, keys: list[StepKey]):
+    values = _values(trace, options, keys, "ref_kl")
+    above = _above(values, options.ref_kl_max)
+    if not above:
+        return []
+    worst = above[0][1]
+    return [_finding("health.ref_kl", "ref_kl", above, len(values),
+                     "mean ref KL (k3, over kept tokens)", f"above the threshold {options.ref_kl_max:g} nats",
+                     f"{worst:.4g} nats at its largest",
+                     "The policy has moved far from the reference: the KL penalty "
+                     f"(beta {_coef(trace, above[0][0])}) no longer holds it near the reference model.",
+                     largest=worst, limit=options.ref_kl_max,
+                     values={k.label: v for k, v in above[:20]})]
+
+
+def _coef(trace: Trace, key: StepKey) -> str:
+    coef = StepHeader(trace, key).kl_coef()
+    return "not recorded" if coef is None else f"{coef:g}"
+
+
+@register("health.clip_fraction", "share of kept tokens outside the clip region after the first update stays "
+          "under the threshold (--threshold clip_fraction, default 0.5)", RL_ALGORITHMS, scope="trace")
+def check_clip_fraction(trace: Trace, options: CheckOptions, keys: list[StepKey]):
+    values = [(k, h["clip_fraction"]) for k, h in _health(trace, options, keys) if h.get("clip_fraction") is not None]
+    above = _above(values, options.clip_fraction_max)
+    if not above:
+        return []
+    key, worst = above[0]
+    header = StepHeader(trace, key)
+    eps = f"clip_epsilon_low {header.hyper('clip_epsilon_low', '?')}, clip_epsilon_high {header.hyper('clip_epsilon_high', '?')}"
+    return [_finding("health.clip_fraction", "clip_fraction", above, len(values),
+                     f"share of kept tokens with a ratio outside the clip region ({eps})",
+                     f"above the threshold {options.clip_fraction_max:.0%}", f"{worst:.0%} at its largest",
+                     "The updates move the policy further per step than the trust region allows, so the clip "
+                     "removes the gradient of most tokens (a learning rate or number of inner steps too large "
+                     "for this clip range).",
+                     largest=worst, limit=options.clip_fraction_max, values={k.label: v for k, v in above[:20]})]
+
+
+@register("health.sampler_gap", "mean |old - sampler| over kept tokens stays under the threshold "
+          "(--threshold sampler_gap, default 0.1 nats)", RL_ALGORITHMS, scope="trace")
+def check_sampler_gap(trace: Trace, options: CheckOptions, keys: list[StepKey]):
+    values = _values(trace, options, keys, "sampler_gap")
+    above = _above(values, options.sampler_gap_max)
+    if not above:
+        return []
+    key, worst = above[0]
+    return [_finding("health.sampler_gap", "sampler_gap", above, len(values),
+                     "mean |old − sampler| over kept tokens", f"above the threshold {options.sampler_gap_max:g} nats",
+                     f"{worst:.4g} nats at its largest",
+                     "The inference engine's logprobs drift from the trainer's, so the rollout is off-policy "
+                     "by this much before any update.",
+                     largest=worst, limit=options.sampler_gap_max, values={k.label: v for k, v in above[:20]},
+                     covered_by=["sampler."])]
+
+
+@register("health.entropy_collapse", "mean token entropy stays above a floor and above a share of its first "
+          "value (--threshold entropy_floor, default 0.05 nats; entropy_drop, default 0.9)", RL_ALGORITHMS,
+          scope="trace")
+def check_entropy_collapse(trace: Trace, options: CheckOptions, keys: list[StepKey]):
+    values = _values(trace, options, keys, "entropy")
+    if len(values) < 2:
+        return []
+    first_key, first = values[0]
+    if first <= 0:
+        return []
+    limit = max(options.entropy_floor if first > options.entropy_floor else 0.0, (1 - options.entropy_drop) * first)
+    low = sorted([(k, v) for k, v in values[1:] if v < limit], key=lambda kv: kv[1])
+    if not low:
+        return []
+    key, lowest = low[0]
+    steps = sorted({k.step for k, _ in low})
+    message = (f"mean token entropy fell from {first:.4g} nats (step {first_key.step}) to {lowest:.4g} nats "
+               f"(step {key.step}), under {limit:.4g} nats at step{'s' if len(steps) > 1 else ''} {steps_text(steps)} "
+               f"({len(low)} of {len(values)} step files): the threshold is the larger of the floor "
+               f"{options.entropy_floor:g} nats and {1 - options.entropy_drop:.0%} of the first value "
+               f"(--threshold entropy_floor=..., entropy_drop=...). The policy has become nearly deterministic "
+               "on these prompts, so its samples stop exploring and the group advantages lose their spread.")
+    return [Finding("health.entropy_collapse", WARNING, message, step=key.step, inner_step=key.inner_step,
+                    micro_batch=key.micro_batch, rank=key.rank, path=str(key.path),
+                    details=dict(steps=steps, first=first, lowest=lowest, threshold=limit,
+                                 cause="health.entropy_collapse", values={k.label: v for k, v in low[:20]}))]
+
+
+@register("health.reward_flat", "the share of groups whose G rewards are all equal stays under the threshold "
+          "(--threshold reward_flat, default 1.0: every group)", GROUPED, scope="trace")
+def check_reward_flat(trace: Trace, options: CheckOptions, keys: list[StepKey]):
+    values = _values(trace, options, keys, "reward_flat")
+    above = _above(values, options.reward_flat_share, lambda v, lim: v >= lim and v > 0)
+    if not above:
+        return []
+    key, worst = above[0]
+    return [_finding("health.reward_flat", "reward_flat", above, len(values),
+                     "share of groups with zero reward std (all G rewards equal)",
+                     f"at or above the threshold {options.reward_flat_share:.0%}", f"{worst:.0%} at its largest",
+                     "The reward does not tell these groups' completions apart, so they give the update no signal.",
+                     largest=worst, limit=options.reward_flat_share, values={k.label: v for k, v in above[:20]},
+                     covered_by=["advantages.zero_variance"])]
+
+
+__all__ = ["HEALTH_THRESHOLDS", "step_health"]
