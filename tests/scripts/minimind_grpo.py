@@ -53,12 +53,17 @@ def grpo_train_epoch(model, ref_model, tokenizer, optimizer, args):
                 clamped_ratio = torch.clamp(ratio, max=args.epsilon_high).detach()
                 per_token_loss = -(clamped_ratio * advantages.unsqueeze(1) * per_token_logps - args.beta * per_token_kl)
             else:
-                clipped_ratio = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon)
+                clip_high = 2.0 if args.bug == "clip_typo" else args.epsilon  # bug: 1 + 2.0 typed for 1 + 0.2
+                clipped_ratio = torch.clamp(ratio, 1 - args.epsilon, 1 + clip_high)
                 per_token_loss1 = ratio * advantages.unsqueeze(1)
                 per_token_loss2 = clipped_ratio * advantages.unsqueeze(1)
-                per_token_loss = -(torch.min(per_token_loss1, per_token_loss2) - args.beta * per_token_kl)
-            policy_loss = ((per_token_loss * completion_mask).sum(dim=1)
-                           / completion_mask.sum(dim=1).clamp(min=1)).mean()
+                kl_sign = -1.0 if args.bug == "flip_kl" else 1.0  # bug: the KL penalty subtracted
+                per_token_loss = -(torch.min(per_token_loss1, per_token_loss2) - kl_sign * args.beta * per_token_kl)
+            if args.bug == "loss_over_padding":  # bug: the mean over all B x T positions, padding included
+                policy_loss = per_token_loss.mean()
+            else:
+                policy_loss = ((per_token_loss * completion_mask).sum(dim=1)
+                               / completion_mask.sum(dim=1).clamp(min=1)).mean()
             loss = policy_loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -91,5 +96,7 @@ if __name__ == "__main__":
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash_at_step", type=int, default=-1)
+    parser.add_argument("--bug", choices=["flip_kl", "clip_typo", "loss_over_padding"], default=None,
+                        help="inject a known bug (flip_kl and clip_typo: the grpo loss only)")
     args = parser.parse_args()
     main(args)

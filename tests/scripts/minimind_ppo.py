@@ -76,12 +76,20 @@ def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
                     early_stop = True
                     break
                 ratio = torch.exp(log_ratio)
-                clipped_ratio = torch.clamp(ratio, 1 - args.clip_epsilon, 1 + args.clip_epsilon)
-                per_token_loss = -torch.min(ratio * advantages[inds], clipped_ratio * advantages[inds])
-                kl_ref = torch.exp(ref_resp_logp[inds] - mb_resp_logp) - (ref_resp_logp[inds] - mb_resp_logp) - 1.0
+                clip_high = 2.0 if args.bug == "clip_typo" else args.clip_epsilon  # bug: 1 + 2.0 typed for 1 + 0.2
                 kl_sign = -1.0 if args.bug == "flip_kl" else 1.0  # bug: the KL penalty subtracted
-                per_token_loss = per_token_loss + kl_sign * args.kl_coef * kl_ref
-                policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
+                if args.loss_form == "minimind":
+                    policy_loss = minimind_policy_loss(ratio, mb_resp_logp, ref_resp_logp[inds], advantages[inds],
+                                                       resp_policy_mask[inds], clip_high, kl_sign, args)
+                else:
+                    clipped_ratio = torch.clamp(ratio, 1 - args.clip_epsilon, 1 + clip_high)
+                    per_token_loss = -torch.min(ratio * advantages[inds], clipped_ratio * advantages[inds])
+                    kl_ref = torch.exp(ref_resp_logp[inds] - mb_resp_logp) - (ref_resp_logp[inds] - mb_resp_logp) - 1.0
+                    per_token_loss = per_token_loss + kl_sign * args.kl_coef * kl_ref
+                    if args.bug == "loss_over_padding":  # bug: the mean over all B x T positions, padding included
+                        policy_loss = per_token_loss.mean()
+                    else:
+                        policy_loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
                 mb_values = critic(gen_out[inds], full_mask[inds], prompt_len)
                 value_loss = (((mb_values - returns[inds]) ** 2) * mask).sum() / mask.sum().clamp(min=1)
                 loss = policy_loss + args.vf_coef * value_loss
@@ -91,6 +99,22 @@ def ppo_train_epoch(actor, critic, ref_model, tokenizer, optimizer, args):
             if early_stop:
                 break
         print(f"step {step}: reward {rewards.mean().item():.3f}")
+
+
+def minimind_policy_loss(ratio, mb_resp_logp, ref_resp_logp, advantages, resp_policy_mask, clip_high, kl_sign, args):
+    """The real MiniMind train_ppo.py's policy loss, one scalar and no per-token loss variable:
+    masked mean of max(-A * r, -A * clip(r)) plus kl_coef times the masked mean of k3. The arguments are
+    the minibatch's rows (MiniMind indexes them with [inds] inline). Injected bugs: `kl_sign` -1 (the
+    penalty subtracted), `clip_high` (the upper clip bound 1 + clip_high), `--bug loss_over_padding`
+    (both means taken over all B x T positions)."""
+    if args.bug == "loss_over_padding":  # bug: unmasked means, padding included
+        resp_policy_mask = torch.ones_like(resp_policy_mask)
+    kl_ref_penalty = ((torch.exp(ref_resp_logp - mb_resp_logp) - (ref_resp_logp - mb_resp_logp) - 1.0)
+                      * resp_policy_mask).sum() / resp_policy_mask.sum().clamp(min=1)
+    policy_loss = ((torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - args.clip_epsilon,
+                                                                               1.0 + clip_high))
+                    * resp_policy_mask).sum() / resp_policy_mask.sum().clamp(min=1) + kl_sign * args.kl_coef * kl_ref_penalty)
+    return policy_loss
 
 
 def main(args):
@@ -124,6 +148,11 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--whiten_advantages", action="store_true", help="MiniMind's whitening of the GAE advantages")
     parser.add_argument("--ignore_warnings", action="store_true", help="warnings.filterwarnings('ignore'), as MiniMind")
-    parser.add_argument("--bug", choices=["flip_kl", "recompute_old"], default=None, help="inject a known bug")
+    parser.add_argument("--loss_form", choices=["per_token", "minimind"], default="per_token",
+                        help="per_token: a per_token_loss variable reduced by its masked mean; minimind: the real "
+                             "train_ppo.py's one scalar policy_loss (masked mean of the clipped term + kl_coef * "
+                             "masked mean of k3)")
+    parser.add_argument("--bug", choices=["flip_kl", "recompute_old", "clip_typo", "loss_over_padding"], default=None,
+                        help="inject a known bug")
     args = parser.parse_args()
     main(args)

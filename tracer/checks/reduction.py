@@ -19,14 +19,16 @@ Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tracer import formulas
 from tracer.checks.comparison import compare
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
-from tracer.checks.per_token_loss import (FLIPPED_KL, flipped_kl_matches, kl_term_name, recomputed_per_token_loss,
-                                          trl_loss_type)
+from tracer.checks.loss_hypotheses import CLEAR, float_noise, reduction_hypotheses, variant_hypotheses
+from tracer.checks.per_token_loss import recomputed_per_token_loss, trl_loss_type
 
 TRL_LOSS_REDUCTION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "bnpo": "token_mean",
                       "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant"}
@@ -75,7 +77,8 @@ def candidate_losses(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch
 
 
 @register("recompute.loss", "the recorded loss equals the declared reduction (sequence-mean / token-mean "
-          "/ constant divisor) of the per-token loss", RL_ALGORITHMS)
+          "/ constant divisor) of the per-token loss; else names the explanation that reproduces it (another "
+          "reduction, the unmasked mean over padding, the KL sign, the clip range)", RL_ALGORITHMS)
 def check_loss(ctx: StepContext):
     loss = recorded_loss(ctx)
     cut = ctx.rows_cut(ctx.mask().shape[0])
@@ -86,44 +89,82 @@ def check_loss(ctx: StepContext):
         return _check_sequence_level_loss(ctx, loss)
     keep = ctx.mask()
     source = "recorded per_token_loss"
-    if "per_token_loss" in ctx.data:
-        per_token_loss = ctx.tensor("per_token_loss")
-    else:
+    recomputed = "per_token_loss" not in ctx.data
+    if recomputed:
         per_token_loss, source = recomputed_per_token_loss(ctx), "per-token loss recomputed from the recorded inputs"
+    else:
+        per_token_loss = ctx.tensor("per_token_loss")
     values, divisor = candidate_losses(ctx, per_token_loss, keep)
-    matches = [n for n, v in values.items() if abs(loss - v) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(v)]
-    if "sequence_mean" not in matches and not bool(keep.any(dim=1).all()):
-        # rows the mask empties left out of the mean over sequences (MiniMind's agent loop: valid_rows)
-        kept_rows = float(ctx.hyper("loss_scale", 1.0)) * float(formulas.kept_rows_sequence_mean_loss(
-            per_token_loss.double(), keep))
-        if abs(loss - kept_rows) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(kept_rows):
-            matches.append("sequence_mean")
     declared = _declared(ctx)
-    listing = (f"sequence-mean {values['sequence_mean']:.6g}, token-mean {values['token_mean']:.6g}, constant "
-               f"divisor {divisor:g} {values['constant']:.6g}")
-    if declared in matches:
-        return []
-    if matches and declared is None:
-        return [ctx.finding("recompute.loss", INFO, f"recorded loss {loss:.6g} matches the {' = '.join(matches)} "
-                            f"reduction of the {source} ({listing}).", field="loss", matches=matches, **values)]
-    if not matches and trl_loss_type(ctx) in GENERATION_BATCH_TOKEN_MEAN and not ctx.hyper("num_items_in_batch", None):
+    hypotheses = reduction_hypotheses(ctx, values, per_token_loss, keep, divisor, declared, source)
+    noise = float_noise(ctx, per_token_loss, keep, loss)
+    loose = [h.key for h in hypotheses
+             if h.key in values and abs(loss - h.value) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(h.value)]
+    matches = list(dict.fromkeys(loose))  # the reductions within the dtype's loss tolerance (as before ranking)
+    healthy = [h for h in hypotheses if h.legitimate]
+    best_healthy = min((h.residual(loss) for h in healthy), default=math.inf)  # none: an unknown declared name
+    if best_healthy <= noise:
+        return _undeclared_info(ctx, loss, matches or [min(healthy, key=lambda h: h.residual(loss)).key], values,
+                                divisor, source) if declared is None else []
+    wrong = [h for h in hypotheses if not h.legitimate]
+    if recomputed:
+        wrong += variant_hypotheses(ctx, keep, [declared] if declared else list(values), divisor, loss, noise)
+    # those that reproduce the loss to a tenth of the noise first; among them the priority decides (an exact tie)
+    fits = sorted((h for h in wrong if h.residual(loss) <= noise),
+                  key=lambda h: (h.residual(loss) > noise / CLEAR, h.priority, h.residual(loss)))
+    named = fits[0] if fits and best_healthy > CLEAR * noise else None
+    if named is None and (declared in matches or (declared is None and matches)):
+        return _undeclared_info(ctx, loss, matches, values, divisor, source) if declared is None else []
+    if named is None and not matches and trl_loss_type(ctx) in GENERATION_BATCH_TOKEN_MEAN \
+            and not ctx.hyper("num_items_in_batch", None):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
-    reduce_declared = (lambda ptl: torch.tensor(candidate_losses(ctx, ptl, keep)[0][declared or "token_mean"]))
-    flipped = ("per_token_loss" not in ctx.data and flipped_kl_matches(ctx, reduce_declared, torch.tensor(loss)))
+    return [_error(ctx, loss, named, fits, healthy, matches, declared, values, divisor, source, noise)]
+
+
+def _undeclared_info(ctx: StepContext, loss: float, matches: list[str], values: dict, divisor: float, source: str):
+    return [ctx.finding("recompute.loss", INFO, f"recorded loss {loss:.6g} matches the {' = '.join(matches)} "
+                        f"reduction of the {source} ({_listing(values, divisor)}).", field="loss", matches=matches,
+                        **values)]
+
+
+def _listing(values: dict, divisor: float) -> str:
+    return (f"sequence-mean {values['sequence_mean']:.6g}, token-mean {values['token_mean']:.6g}, constant "
+            f"divisor {divisor:g} {values['constant']:.6g}")
+
+
+def _error(ctx: StepContext, loss: float, named, fits: list, healthy: list, matches: list[str], declared: str | None,
+           values: dict, divisor: float, source: str, noise: float):
+    """The one finding: the cause that reproduces the loss first, then the evidence (its residual, the
+    healthy hypothesis' value and gap, the float noise), then the reductions for reference."""
     said = f"metadata says {declared!r}" if declared else "no reduction is declared (metadata loss_reduction)"
-    found = f"it matches {' = '.join(matches)}" if matches else "it matches none of the three reductions"
-    message = (
-        (FLIPPED_KL.format(term=kl_term_name(ctx)) if flipped else "") +
-        f"recorded loss {loss:.6g}: {found}, but {said}. Reductions of the {source}: {listing}. Why it "
-        "matters: the reduction decides how much each token and each sequence weighs (token-mean favours "
-        "long completions, sequence-mean short ones), so a run trained with another reduction than "
-        "intended learns a different objective. Likely fix: reduce with the intended function "
-        "(tracer.formulas.sequence_mean_loss / token_mean_loss / constant_divisor_loss) or record the "
-        "loss_reduction the trainer really uses."
-    )
-    return [ctx.finding("recompute.loss", ERROR, message, field="loss", recorded=loss, declared=declared,
-                        matches=matches, divisor=divisor, kl_sign_flipped=flipped, **values)]
+    closest = min(healthy, key=lambda h: h.residual(loss)) if healthy else None
+    gap = "" if closest is None else (
+        f"{closest.text.replace('the ', 'the declared ', 1) if declared else closest.text} gives {closest.value:.6g}, "
+        f"off by {closest.residual(loss):.2g}")
+    evidence = f"; {gap}" if gap else ""
+    listing = f"Reductions of the {source}: {_listing(values, divisor)}."
+    if named is not None and named.key in values:  # another legitimate reduction
+        message = (f"loss reduction: recorded loss {loss:.6g}: it matches {named.key}, but {said} "
+                   f"(to {named.residual(loss):.1g}{evidence}). {listing}")
+    elif named is not None:
+        said_in_text = ("clip_range", named.key, "constant" if named.key == "unmasked_mean" else named.key)
+        also = [h for h in fits[1:] if h.key not in said_in_text and h.residual(loss) <= noise / CLEAR]
+        message = (f"{named.cause}: recorded loss {loss:.6g} equals {named.text} (to {named.residual(loss):.1g})"
+                   f"{evidence} (float noise here {noise:.1g}). "
+                   + (f"Equally close: {also[0].text}. " if also else "") + listing)
+    elif matches:
+        message = f"loss reduction: recorded loss {loss:.6g}: it matches {' = '.join(matches)}, but {said}. {listing}"
+    else:
+        tried = ", nor with the KL sign, the KL term or the clip range varied" if "recomputed" in source else ""
+        message = (f"unexplained loss: recorded loss {loss:.6g}: it matches none of the three reductions, nor the "
+                   f"unmasked mean over all positions{tried}; {said}{evidence}. {listing}")
+    details = {"recorded": loss, "declared": declared, "matches": matches, "divisor": divisor, "noise": noise,
+               "cause": named.key if named is not None else None,
+               "kl_sign_flipped": named is not None and named.key == "kl_sign_flipped", **values}
+    if named is not None:
+        details.update(named.details, explained_residual=named.residual(loss))
+    return ctx.finding("recompute.loss", ERROR, message, field="loss", **details)
 
 
 def _check_sequence_level_loss(ctx: StepContext, loss: float):

@@ -47,6 +47,20 @@ def constant_divisor_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, divi
     return masked_sum(per_token_loss, mask) / divisor
 
 
+def unmasked_mean_loss(per_token_loss: torch.Tensor) -> torch.Tensor:
+    """The plain mean over all ``B * T`` positions of ``per_token_loss`` ``[B, T]``, padding and every
+    other masked position included: ``per_token_loss.mean()``. Scalar, in the loss's dtype.
+
+    No RL loss means this: it is the bug of a loop that forgets its mask in the reduction (the seed's
+    lesson 25 warns against it: "do not average over every token of the batch"). It is here so that a
+    check can recognise a recorded loss taken this way. Where the per-token loss is 0 at every masked
+    position it equals :func:`constant_divisor_loss` with divisor ``B * T``.
+    Source: seed section 6 (the correct form ``((loss * mask).sum(1) / mask.sum(1)).mean()`` and the
+    warning); the unmasked mean is ``torch.Tensor.mean``.
+    """
+    return per_token_loss.mean()
+
+
 def loss_contributions(per_token_loss: torch.Tensor, mask: torch.Tensor, reduction: str,
                        divisor: float | None = None) -> torch.Tensor:
     """Each token's share of the scalar loss, ``[B, T]``: ``per_token_loss`` times the weight the
