@@ -15,7 +15,7 @@ import torch
 from tracer import formulas
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, Skip, register
-from tracer.format import turns
+from tracer.format import chat_template, turns
 from tracer.format.turns import TURN_FIELDS
 
 SIDES = (("completion_ids", "completion_mask"), ("chosen_ids", "chosen_mask"), ("rejected_ids", "rejected_mask"))
@@ -68,29 +68,47 @@ def first_eos_of_turn(ids: torch.Tensor, start: torch.Tensor, eos: int, turn_ids
     return first[slot]
 
 
-TEMPLATE_TAIL = 2  # newline-only tokens right after an EOS that a chat template writes (<|im_end|> "\n")
+NEWLINE_TAIL = 2  # without a recorded template: newline-only tokens after an EOS taken as the template's tail
 
 
-def _template_tail(ctx: StepContext, ids: torch.Tensor, first_eos: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool: the run of at most :data:`TEMPLATE_TAIL` newline-only tokens right after the
-    first EOS (of each turn): a chat template closes a message with ``<|im_end|>`` and a newline, and a
-    loss mask built from the template's spans (MiniMind's train_dpo.py) keeps that newline with the
-    answer. All False when the trace holds no token strings (a newline cannot be told). A space or
-    any other token after the EOS is still a leak."""
+def template_tail(ctx: StepContext, ids: torch.Tensor, first_eos: torch.Tensor, eos: int) -> tuple[torch.Tensor, str]:
+    """``([B, T] bool, rule)``: the tokens right after the first EOS (of each turn) that the chat template
+    writes there, and the rule that said so, for the message. A loss mask built from the rendered
+    conversation (MiniMind's train_dpo.py) keeps them with the answer.
+
+    With the manifest's ``tokenizer.template_end_of_turn_tail`` (measured at capture from the tokenizer's
+    chat template, :mod:`tracer.format.chat_template`): exactly the recorded tail of the EOS, token by
+    token (``<|im_end|>`` then ``"\\n"`` for ChatML, nothing for Llama 3's ``<|eot_id|>``; nothing for an
+    EOS that is not the template's end-of-turn token). Without it, when the trace holds token strings:
+    the run of at most :data:`NEWLINE_TAIL` newline-only tokens after the EOS (a space or any other
+    token is still a leak). Else nothing."""
     B, T = ids.shape
     out = torch.zeros(B, T, dtype=torch.bool)
     tokens = ctx.trace.tokens
-    if tokens is None or T == 0:
-        return out
-    blank = [i for i, text in enumerate(tokens) if text and not text.strip("\r\n")]  # newlines only
-    if not blank:
-        return out
-    is_blank = torch.isin(ids, torch.tensor(blank, dtype=ids.dtype))  # (B, T)
+    tails = chat_template.recorded_tails(ctx.trace.manifest.get("tokenizer"))
+    if tails is not None:
+        tail = tails.get(eos, ())
+        ends = "; ".join(f"id {i}, then {chat_template.tail_text(t, tokens)}" for i, t in tails.items())
+        rule = ("the chat template recorded at capture writes nothing after the EOS, so the mask may keep nothing "
+                "after it" if eos in tails and not tail else
+                f"the chat template recorded at capture writes {chat_template.tail_text(tail, tokens)} after the EOS, "
+                "and the mask may keep that" if eos in tails else
+                f"the chat template recorded at capture ends a turn with another token ({ends}), so nothing after "
+                "this EOS is the template's")
+        expected = [out] + [ids == i for i in tail]  # expected[k]: (B, T) the k-th tail token (k >= 1)
+    elif tokens is not None:
+        newline = [i for i, text in enumerate(tokens) if text and not text.strip("\r\n")]  # newlines only
+        rule = (f"no chat template recorded (a trace written before it was, or a tokenizer without one): up to "
+                f"{NEWLINE_TAIL} newline-only tokens after the EOS were taken as the template's")
+        is_newline = torch.isin(ids, torch.tensor(newline, dtype=ids.dtype)) if newline else torch.zeros_like(out)
+        expected = [out] + [is_newline] * NEWLINE_TAIL
+    else:
+        return out, "no chat template nor token strings recorded: every kept token after the EOS counts"
     pos = torch.arange(T).expand(B, T)
-    for k in range(1, TEMPLATE_TAIL + 1):
+    for k in range(1, len(expected)):
         at = pos == first_eos + k  # (B, T) the k-th token after the turn's EOS
-        out |= at & is_blank & (k == 1 or out.roll(1, dims=1))
-    return out
+        out |= at & expected[k] & (k == 1 or out.roll(1, dims=1))  # ... where the (k-1)-th one was the tail's
+    return out, rule
 
 
 @register("masks.after_eos", "completion_mask must be 0 after the first EOS token of the answer, per turn "
@@ -114,7 +132,8 @@ def check_after_eos(ctx: StepContext):
                                       layout.roles if multi else None,
                                       layout.role_code("assistant") if multi else None)  # (B, T)
         leak = keep & (pos > first_eos)
-        leak &= ~_template_tail(ctx, ids, first_eos)  # the newline a chat template writes after its EOS
+        tail, rule = template_tail(ctx, ids, first_eos, eos)  # (B, T) what the chat template writes after its EOS
+        leak &= ~tail
         if multi and layout.roles is not None:  # a kept tool or environment token is turns.tool_output_trained's
             assistant = layout.role_code("assistant")
             leak &= (layout.roles < 0) | (layout.roles == assistant)
@@ -124,10 +143,13 @@ def check_after_eos(ctx: StepContext):
         b = rows[0]
         t = int(first_index(leak[b : b + 1])[0])
         e = int(first_eos[b, t])
-        shifted = all(int(leak[r].sum()) == 1 and bool(leak[r, int(first_eos[r, first_index(leak[r:r + 1])[0]]) + 1])
-                      and not bool(keep[r, int(start[r]) if packed else 0]) for r in rows)
-        hint = (" Every affected row keeps exactly the token after its EOS and drops its first token: "
-                f"{mask_name} looks shifted right by one position." if shifted else "")
+        shifted = ids_name == "completion_ids" and _shifted_by_one(rows, leak, keep, tail, first_eos,
+                                                                   start if packed else None)
+        n_tail = int(tail[b, e + 1: t].sum())  # template tail tokens the row keeps between its EOS and t
+        beyond = (f", the first beyond the {n_tail} token{'s' * (n_tail != 1)} the chat template writes after it"
+                  if n_tail else "")
+        hint = (f" Every affected row keeps exactly the token after its EOS{' and template tail' if n_tail else ''} "
+                f"and drops its first token: {mask_name} looks shifted right by one position." if shifted else "")
         turn_id = int(layout.turn_ids[b, : t + 1].max()) if multi else None  # padding: the turn before it
         later_eos = [r for r in rows if bool((leak[r] & (ids[r] == eos)).any())]  # a second EOS in the kept tail
         if later_eos and not multi and ids_name == "completion_ids":
@@ -136,17 +158,35 @@ def check_after_eos(ctx: StepContext):
                      "turn_ids and token_roles (docs/agentic.md) so the mask is checked turn by turn and kept tool "
                      "output is named as such.")
         turn = f" of turn {turn_id}" if multi else ""
+        token_id = int(ids[b, t])
+        text = f" {ctx.trace.token_text([token_id])[0]!r}" if ctx.trace.tokens is not None else ""
         message = (
-            f"seq {b} keeps token {t} after its first EOS{turn} (id {eos}) at token {e}: "
+            f"seq {b} keeps token {t} (id {token_id}{text}) after its first EOS{turn} (id {eos}) at token {e}{beyond}: "
             f"{mask_name} must be 0 after the first EOS{' of each turn' if multi else ''}. {len(rows)} of {B} rows "
-            f"keep {int(leak.sum())} tokens after EOS.{hint} Why it matters: the loss trains on tokens that are not "
-            "part of the answer (padding or text after the end). Likely fix: mask = arange(T) <= index of the first "
-            "EOS, built at target positions (the same positions as the logprobs)."
+            f"keep {int(leak.sum())} tokens after EOS.{hint} What may follow the EOS: {rule}. Why it matters: the loss "
+            "trains on tokens that are not part of the answer (padding or text after the end). Likely fix: end the "
+            f"mask at the first EOS{' and the template tail' if n_tail else ''}, built at target positions (the same "
+            "positions as the logprobs)."
         )
         findings.append(ctx.finding("masks.after_eos", ERROR, message, b, t, field=mask_name, ids_field=ids_name,
                                     rows=rows[:50], tokens=int(leak.sum()), shifted_by_one=shifted,
                                     turn=turn_id))
     return findings
+
+
+def _shifted_by_one(rows: list[int], leak: torch.Tensor, keep: torch.Tensor, tail: torch.Tensor,
+                    first_eos: torch.Tensor, start: torch.Tensor | None) -> bool:
+    """True when each of ``rows`` leaks exactly one token, the one right after its EOS (and the template's
+    tail), and drops its first token (``start``: per row, where a packed row's answer starts; None: 0):
+    a mask shifted right by one. Only for ``completion_ids``: a DPO side's first kept token is where its
+    answer starts by definition, so a shift cannot be told there. ``[B, T]`` tensors; ``start``: ``[B]``."""
+    for r in rows:
+        u = int(first_index(leak[r:r + 1])[0])
+        right_after = u - 1 == int(first_eos[r, u]) or bool(tail[r, u - 1])
+        first = int(start[r]) if start is not None else 0
+        if int(leak[r].sum()) != 1 or not right_after or bool(keep[r, first]):
+            return False
+    return True
 
 
 @register("masks.padding", "completion_mask must be 0 on trailing padding tokens")

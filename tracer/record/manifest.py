@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from tracer.errors import TraceError, user_stacklevel
+from tracer.format.chat_template import TEMPLATE_TAIL_KEY, end_of_turn_tails
 from tracer.format.counts import COUNT_KEYS, write_counts
 from tracer.format.names import FORMAT_NAME, MANIFEST_NAME
 from tracer.format.schema import SCHEMA_VERSION
@@ -272,12 +273,17 @@ def token_strings(tokenizer: Any) -> list[str]:
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
-    """Class, name and special token ids of ``tokenizer`` (kept in the manifest)."""
+    """Class, name and special token ids of ``tokenizer`` (kept in the manifest), and when it has a
+    chat template, the token ids the template writes after its end-of-turn token
+    (``template_end_of_turn_tail``, :mod:`tracer.format.chat_template`)."""
     ident: dict[str, Any] = {"class": type(tokenizer).__name__}
     for key in ("name_or_path", "eos_token_id", "pad_token_id", "bos_token_id", "padding_side"):
         value = getattr(tokenizer, key, None)
         if isinstance(value, (str, int)):
             ident[key] = value
+    tails = end_of_turn_tails(tokenizer)
+    if tails is not None:
+        ident[TEMPLATE_TAIL_KEY] = tails
     return ident
 
 
