@@ -330,8 +330,8 @@ def test_recorded_top_k_is_truncation_only():
 
 # Measured on these recorded healthy runs (BENCHMARKS.md "Sampler noise floor"): mean |old - sampler| per
 # step 0.0055, 0.0043, 0.0070 nats with the engine in bfloat16 (vLLM's "auto" for this float32 model),
-# below 1e-6 with dtype="float32"; the bounds below are those figures with a factor 2 of room.
-@pytest.mark.parametrize("run, low, high", [("healthy-bf16", 0.002, 0.014), ("healthy-fp32", 0.0, 1e-6)])
+# 5.0e-7, 4.8e-7, 6.1e-7 with dtype="float32"; the bounds below are those figures with a factor 2 of room.
+@pytest.mark.parametrize("run, low, high", [("healthy-bf16", 0.002, 0.014), ("healthy-fp32", 0.0, 1.2e-6)])
 def test_recorded_healthy_engine_noise_by_dtype(run, low, high):
     from tracer.checks.sampler_patterns import noise_floor
 

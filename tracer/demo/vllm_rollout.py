@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tracer.demo import rollout as ro
+from tracer.integrations import trl_vllm
 
 __all__ = ["VLLMSampler"]
 
@@ -30,6 +31,10 @@ class VLLMSampler:
     Attributes:
         llm: the ``vllm.LLM``.
         logprobs_mode: the engine's logprobs mode (``"processed_logprobs"``).
+        settings: the sampler's settings in effect at the last ``generate`` call, as step metadata
+            (``sampler_temperature``, ``sampler_top_p``, ... read from the ``SamplingParams`` passed,
+            :func:`tracer.integrations.trl_vllm.sampling_settings`; ``sampler_dtype`` and
+            ``sampler_logprobs_mode`` from the engine); ``{}`` before the first rollout.
     """
 
     logprobs_mode = "processed_logprobs"
@@ -46,6 +51,7 @@ class VLLMSampler:
         self.llm = LLM(model=str(Path(model_dir)), dtype=self.dtype, seed=seed, max_model_len=max_model_len,
                        max_num_batched_tokens=4096, distributed_executor_backend="external_launcher",
                        logprobs_mode=self.logprobs_mode)
+        self.settings: dict = {}
 
     def __enter__(self) -> "VLLMSampler":
         return self
@@ -76,6 +82,9 @@ class VLLMSampler:
         requests = [{"prompt_token_ids": row[mask].tolist()} for row, mask in zip(prompt_ids, prompt_mask)]
         params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens, logprobs=0)
         outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        config = self.llm.llm_engine.model_config
+        self.settings = {**trl_vllm.sampling_settings(params), "sampler_dtype": str(config.dtype).removeprefix("torch."),
+                         "sampler_logprobs_mode": str(getattr(config.logprobs_mode, "value", config.logprobs_mode))}
         sampled = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
         T = max(len(ids) for ids, _ in sampled)
         B = len(sampled)
