@@ -176,7 +176,7 @@ def grpo_step(steps: int = 1, perturb: dict | None = None, loss_mode: str = "tra
         if nan_at is not None and step == 0:
             data.batch["old_log_probs"][nan_at] = float("nan")
         data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G,
-                                             norm_adv_by_std_in_grpo=True, config=AlgoConfig())
+                                             norm_adv_by_std_in_grpo=True, config=AlgoConfig(adv_estimator="grpo"))
         batches.append(data)
         update_actor(model, data, actor_config(loss_mode), perturb if step == 0 else None)
     tv.finish()
@@ -210,7 +210,7 @@ def test_verl_imports_the_module_named_in_its_environment_variable(tmp_path):
 def test_untraced_loss_and_tracing_loss_return_the_same(traced):
     model = tiny_model()
     data = rollout(model, seed=100)
-    data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig())
+    data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig(adv_estimator="grpo"))
     plain = update_actor(tiny_model(), data, actor_config("vanilla"))
     tv.finish()
     traced_run = update_actor(tiny_model(), data, actor_config("tracer_vanilla"))
@@ -394,7 +394,7 @@ def test_probability_space_gap_warns_on_a_temperature_applied_on_one_side(traced
     model = tiny_model()
     data = rollout(model, seed=100)
     data.batch["rollout_log_probs"] = data.batch["old_log_probs"] * 0.3  # engine at temperature 1/0.3-ish
-    data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig())
+    data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig(adv_estimator="grpo"))
     tv.finish()
     (finding,) = [f for f in run_checks(traced / "rollout") if f.check == "sampler.probs_diff"]
     expected = calculate_debug_metrics(data)
@@ -411,7 +411,7 @@ def test_a_tracing_failure_never_stops_training(tmp_path, monkeypatch):
     model = tiny_model()
     data = rollout(model, seed=100)
     with pytest.warns(RuntimeWarning, match="could not record") as caught:
-        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig())
+        data = ray_trainer.compute_advantage(data, adv_estimator="grpo", num_repeat=G, config=AlgoConfig(adv_estimator="grpo"))
         results = update_actor(model, data, actor_config("tracer_vanilla"))
     assert len(results) == B // MICRO * EPOCHS and all(torch.isfinite(r["loss"]) for r in results)
     # one warning per side (the trace cannot be opened), not one per micro-batch

@@ -322,12 +322,14 @@ def test_healthy_verl_configuration_raises_no_alarm(traced, config):
 def test_verl_grpo_vectorized_ignores_norm_adv_by_std(traced):
     """A verl 0.9.1 bug tracer finds: ``compute_advantage`` does not pass ``norm_adv_by_std_in_grpo`` to
     registry estimators, and ``compute_grpo_vectorized_outcome_advantage`` divides by the group std
-    anyway (core_algos.py). Declared ``group_mean`` (the flag is False), the recorded advantages are
-    ``verl_grpo``'s: recompute.advantages says so."""
+    anyway (core_algos.py). Declared False, the recorded advantages are divided by the group std:
+    recompute.advantage_std names the setting in effect (and recompute.advantages does not say it twice)."""
     findings = run_case(Case(adv_estimator="grpo_vectorized", norm_adv_by_std_in_grpo=False), traced)
-    errors = [f for f in findings["rollout"] if f.check == "recompute.advantages" and f.severity == "error"]
-    assert errors and all("'group_mean' rule" in f.message and "verl_grpo" in f.details["matching_rules"]
+    errors = [f for f in findings["rollout"] if f.check == "recompute.advantage_std" and f.severity == "error"]
+    assert errors and all(f.message.startswith("advantage std normalisation in effect is on, config declares "
+                                               "norm_adv_by_std_in_grpo=False") and f.details["in_effect"] is True
                           for f in errors)
+    assert not [f for f in findings["rollout"] if f.check == "recompute.advantages" and f.severity == "error"]
 
 
 def test_rows_rejected_by_rollout_sampling_are_named_as_such(traced):

@@ -13,7 +13,9 @@ ask the recorded tensors which setting actually ran:
 - ``recompute.advantage_std``: verl GRPO's recorded advantages against the rule with and without the
   std normalisation (``norm_adv_by_std_in_grpo``), recomputed from ``rewards`` per group.
 - ``recompute.declared_settings``: any other recorded setting whose value at the call differs from
-  the config's (estimator, γ, λ, clip ratios, temperature, the KL penalty in the rewards).
+  the config's (verl: estimator, γ, λ, clip ratios, temperature, the KL penalty in the rewards; TRL
+  (:func:`tracer.integrations.trl_metadata.settings_in_effect`): loss type, β, ε, the sampling
+  settings ``generate`` used).
 
 An error's first line names the setting in effect and the declared one, with the numbers; the
 second says where the two parted, from what was recorded at each call.
@@ -26,10 +28,13 @@ import torch
 from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups
 from tracer.checks.context import StepContext
-from tracer.checks.finding import ERROR, RL_ALGORITHMS, Skip, register
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.formulas.verl_losses import VERL_LOSS_AGG_MODES, verl_agg_loss, verl_vanilla_per_token_loss
 
 VERL_GRPO_ESTIMATORS = ("grpo", "grpo_vectorized")
+# verl policy losses that aggregate with a fixed mode whatever loss_agg_mode says, by design (verl 0.9.1
+# core_algos.compute_policy_loss_sapo: agg_loss(..., loss_agg_mode="seq-mean-token-mean"))
+VERL_FIXED_AGG_MODES = {"sapo": "seq-mean-token-mean"}
 
 
 def _tolerance(ctx: StepContext, value: float) -> float:
@@ -108,6 +113,14 @@ def check_loss_agg_mode(ctx: StepContext):
             field="verl_pg_loss", declared=declared, candidates=candidates)]
     at_call = ctx.hyper("loss_agg_mode", None)
     effective = at_call if at_call in matches else matches[0]
+    loss_mode = ctx.hyper("loss_mode", None)
+    if VERL_FIXED_AGG_MODES.get(loss_mode) in matches:
+        fixed = VERL_FIXED_AGG_MODES[loss_mode]
+        return [ctx.finding("recompute.loss_agg_mode", INFO, (
+            f"policy loss {loss_mode!r} aggregates with {fixed} whatever loss_agg_mode says (verl's own design, "
+            f"core_algos.compute_policy_loss_{loss_mode}); config declares {declared}: recorded pg_loss {recorded:.6g} "
+            f"equals agg_loss(..., '{fixed}') to {gaps[fixed]:.1g}; {declared} gives {candidates[declared]:.6g}."),
+            field="verl_pg_loss", in_effect=fixed, declared=declared)]
     message = (f"loss aggregation in effect is {effective}, config declares {declared}: recorded pg_loss {recorded:.6g} "
                f"equals agg_loss(..., '{effective}') to {gaps[effective]:.1g}; {declared} gives "
                f"{candidates[declared]:.6g}.\n{_where_agg_parted(ctx, effective, declared)} Per-token loss: {source}; "
@@ -186,16 +199,35 @@ def check_advantage_std(ctx: StepContext):
 
 # -- other settings: the value at the call against the config's -------------------------------------
 
-# key recorded at the call -> what it is (the declared one is "declared_<key>")
+# key recorded at the call -> (the declared key, what the value at the call is)
 COMPARED_SETTINGS = {
-    "adv_estimator": "advantage estimator compute_advantage ran",
-    "gamma": "γ compute_advantage was called with",
-    "lam": "λ compute_advantage was called with",
-    "clip_ratio_low": "clip_ratio_low of the config the policy loss received",
-    "clip_ratio_high": "clip_ratio_high of the config the policy loss received",
-    "clip_ratio_c": "dual-clip clip_ratio_c of the config the policy loss received",
-    "temperature": "temperature of the micro-batch the worker's forward divided the logits by",
-    "use_kl_in_reward": "KL penalty in the rewards (token_level_rewards differ from token_level_scores)",
+    # verl (tracer.integrations.verl)
+    "adv_estimator": ("declared_adv_estimator", "the advantage estimator compute_advantage ran"),
+    "gamma": ("declared_gamma", "the γ compute_advantage was called with"),
+    "lam": ("declared_lam", "the λ compute_advantage was called with"),
+    "clip_ratio_low": ("declared_clip_ratio_low", "clip_ratio_low of the config the policy loss received"),
+    "clip_ratio_high": ("declared_clip_ratio_high", "clip_ratio_high of the config the policy loss received"),
+    "clip_ratio_c": ("declared_clip_ratio_c", "the dual-clip clip_ratio_c of the config the policy loss received"),
+    "use_kl_in_reward": ("declared_use_kl_in_reward", "a KL penalty in the rewards (token_level_rewards differ "
+                                                      "from token_level_scores)"),
+    # TRL (tracer.integrations.trl_metadata.settings_in_effect) and verl's worker temperature
+    "temperature": ("declared_temperature", "the temperature the trainer divides the logits by when it scores "
+                                            "logprobs"),
+    "generation_temperature": ("declared_temperature", "the temperature generate() sampled with (GenerationConfig; "
+                                                       "TRL's generation_kwargs override the config's field)"),
+    "generation_top_p": ("declared_top_p", "the top_p generate() sampled with (GenerationConfig)"),
+    "generation_top_k": ("declared_top_k", "the top_k generate() sampled with (GenerationConfig)"),
+    "generation_min_p": ("declared_min_p", "the min_p generate() sampled with (GenerationConfig)"),
+    "generation_repetition_penalty": ("declared_repetition_penalty", "the repetition_penalty generate() sampled "
+                                                                     "with (GenerationConfig)"),
+    "loss_type": ("declared_loss_type", "the loss_type _compute_loss branched on"),
+    "beta": ("declared_beta", "the β _compute_loss used"),
+    "clip_epsilon_low": ("declared_clip_epsilon_low", "the lower clip ε _compute_loss used"),
+    "clip_epsilon_high": ("declared_clip_epsilon_high", "the upper clip ε _compute_loss used"),
+    "importance_sampling_level": ("declared_importance_sampling_level", "the ratio level _compute_loss used"),
+    "scale_rewards": ("declared_scale_rewards", "the reward scaling the advantages used"),
+    "num_generations": ("declared_num_generations", "the group size the advantages used"),
+    "mask_truncated_completions": ("declared_mask_truncated_completions", "the truncation masking the rollout used"),
 }
 
 
@@ -205,12 +237,12 @@ def _differs(a, b) -> bool:
     return a != b
 
 
-@register("recompute.declared_settings", "a setting at the call (verl: estimator, γ, λ, clip ratios, temperature, "
-          "KL in the rewards) equals the config's", RL_ALGORITHMS)
+@register("recompute.declared_settings", "a setting at the call (verl: estimator, γ, λ, clip ratios, KL in the "
+          "rewards; TRL: loss type, β, ε, sampling settings) equals the config's", RL_ALGORITHMS)
 def check_declared_settings(ctx: StepContext):
     findings = []
-    for key, what in COMPARED_SETTINGS.items():
-        at_call, declared = ctx.hyper(key, None), ctx.hyper(f"declared_{key}", None)
+    for key, (declared_key, what) in COMPARED_SETTINGS.items():
+        at_call, declared = ctx.hyper(key, None), ctx.hyper(declared_key, None)
         if at_call is None or declared is None or not _differs(at_call, declared):
             continue
         if key == "use_kl_in_reward" and not at_call:
@@ -218,13 +250,13 @@ def check_declared_settings(ctx: StepContext):
         evidence = (f" (max |token_level_rewards - token_level_scores| {ctx.hyper('kl_in_reward_max_abs', 0.0):.3g})"
                     if key == "use_kl_in_reward" else "")
         findings.append(ctx.finding("recompute.declared_settings", ERROR, (
-            f"{key} in effect is {at_call!r}, config declares {declared!r}{evidence}.\n{what[0].upper() + what[1:]} "
-            f"differs from the config this run was started with: the config's value did not reach the call."),
-            setting=key, in_effect=at_call, declared=declared))
-    if not findings and not any(ctx.hyper(f"declared_{k}", None) is not None for k in COMPARED_SETTINGS):
+            f"{key} in effect is {at_call!r}, config declares {declared_key.removeprefix('declared_')} = "
+            f"{declared!r}{evidence}.\n{what[0].upper() + what[1:]} differs from the config the run was started "
+            "with: the config's value did not reach the call."), setting=key, in_effect=at_call, declared=declared))
+    if not findings and not any(ctx.hyper(d, None) is not None for d, _ in COMPARED_SETTINGS.values()):
         raise Skip("no declared_<setting> metadata (recorded by tracer.integrations.verl)")
     return findings
 
 
-__all__ = ["COMPARED_SETTINGS", "VERL_GRPO_ESTIMATORS", "advantage_std_in_effect", "agg_candidates",
+__all__ = ["COMPARED_SETTINGS", "VERL_FIXED_AGG_MODES", "VERL_GRPO_ESTIMATORS", "advantage_std_in_effect", "agg_candidates",
            "check_advantage_std", "check_declared_settings", "check_loss_agg_mode"]

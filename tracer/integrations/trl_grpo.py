@@ -69,7 +69,8 @@ from tracer import formulas
 from tracer.errors import TraceError
 from tracer.integrations import trl_tools, trl_vllm
 from tracer.integrations.trl_base import TrainerTraceHook, require_methods
-from tracer.integrations.trl_metadata import algorithm_of, hyperparameters_of, run_config_of, tokenizer_of
+from tracer.integrations.trl_metadata import (algorithm_of, hyperparameters_of, run_config_of, settings_in_effect,
+                                               tokenizer_of)
 
 __all__ = ["GRPOTraceHook", "ROW_ID_KEY"]
 
@@ -349,6 +350,7 @@ class GRPOTraceHook(TrainerTraceHook):
             # where later passes are on fresh rollouts too: TRL then drops old_per_token_logps)
             "fresh_rollouts": self._optimizer_step() == rollout.optimizer_step,
         }
+        meta.update(settings_in_effect(self.trainer))  # what this call runs with, beside the declared config
         learning_rate = _current_learning_rate(self.trainer)
         if learning_rate is not None:  # the optimizer step this micro-batch feeds will use it (0 during warmup)
             meta["learning_rate"] = learning_rate

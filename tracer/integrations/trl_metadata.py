@@ -163,6 +163,61 @@ def dpo_hyperparameters_of(trainer: Any) -> dict[str, Any]:
     }
 
 
+# step metadata key -> the trainer attribute TRL 1.16 reads at the call (_compute_loss, _generate_and_score_completions)
+_IN_EFFECT_ATTRIBUTES = {"loss_type": "loss_type", "beta": "beta", "clip_epsilon_low": "epsilon_low",
+                         "clip_epsilon_high": "epsilon_high", "importance_sampling_level": "importance_sampling_level",
+                         "scale_rewards": "scale_rewards", "temperature": "temperature",
+                         "num_generations": "num_generations", "mask_truncated_completions": "mask_truncated_completions"}
+# step metadata key -> the GRPOConfig field that declares it (epsilon_high None = epsilon, TRL's own resolution)
+_DECLARED_ARGS = {"loss_type": "loss_type", "beta": "beta", "clip_epsilon_low": "epsilon",
+                  "clip_epsilon_high": "epsilon_high", "importance_sampling_level": "importance_sampling_level",
+                  "scale_rewards": "scale_rewards", "temperature": "temperature", "num_generations": "num_generations",
+                  "mask_truncated_completions": "mask_truncated_completions", "top_p": "top_p", "top_k": "top_k",
+                  "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "do_sample")
+
+
+def settings_in_effect(trainer: Any) -> dict[str, Any]:
+    """The settings a TRL GRPO/RLOO trainer uses at this call, beside those its config declares.
+
+    ``<key>``: the trainer's own attribute, which ``_compute_loss`` and the logprob scoring read
+    (``loss_type``, ``beta``, ``clip_epsilon_low`` / ``_high`` = ``epsilon_low`` / ``_high``,
+    ``importance_sampling_level``, ``scale_rewards``, ``temperature``, ``num_generations``,
+    ``mask_truncated_completions``) and ``steps_per_generation`` (read from ``args`` at the call);
+    ``generation_<key>``: the ``GenerationConfig`` transformers' ``generate`` samples with
+    (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``do_sample``; TRL
+    builds it from the config's fields, then ``generation_kwargs`` override them; absent with vLLM);
+    ``declared_<key>``: the ``GRPOConfig`` / ``RLOOConfig`` field (``epsilon_high`` None resolved to
+    ``epsilon`` as TRL's ``__init__`` does). Scalars only; unreadable attributes are left out.
+    Source: TRL 1.16 ``grpo_trainer.py`` ``__init__`` (``generation_kwargs.update(args.generation_kwargs)``).
+    """
+    args = trainer.args
+    meta: dict[str, Any] = {}
+    for key, attr in _IN_EFFECT_ATTRIBUTES.items():
+        value = getattr(trainer, attr, None)
+        if _scalar(value):
+            meta[key] = value
+    if _scalar(getattr(args, "steps_per_generation", None)):
+        meta["steps_per_generation"] = args.steps_per_generation
+    generation = getattr(trainer, "generation_config", None)
+    if generation is not None and not getattr(trainer, "use_vllm", False):
+        for key in _GENERATION_KEYS:
+            value = getattr(generation, key, None)
+            if _scalar(value):
+                meta[f"generation_{key}"] = value
+    for key, field in _DECLARED_ARGS.items():
+        value = getattr(args, field, None)
+        if key == "clip_epsilon_high" and value is None:
+            value = getattr(args, "epsilon", None)
+        if _scalar(value):
+            meta[f"declared_{key}"] = value
+    return meta
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
 def run_config_of(trainer: Any, extra: Mapping[str, Any] | None,
                   keys: tuple[str, ...] = _CONFIG_KEYS) -> dict[str, Any]:
     """The manifest's ``config``: trainer class, model path, the TRL arguments ``keys`` that shape
