@@ -100,22 +100,19 @@ def _cause(ctx: StepContext, name: str, trainer: torch.Tensor, sampler: torch.Te
     # but computes log_softmax in float32, so its logprobs near 0 are not rounded to bf16
     evidence = patterns.Evidence(trainer, sampler, delta, _seen(ctx, keep), _first_rollout(ctx, name), ctx.key.step,
                                  ctx.dtype, settings)
-    return patterns.diagnose(evidence, ctx.hyper("temperature", "unrecorded"))
+    return patterns.diagnose(evidence, settings.show("temperature"))
 
 
-def _config_problems(ctx: StepContext) -> list[str]:
-    """An engine that reports raw logprobs (before temperature and truncation) while sampling with
-    them: its logprobs are not those of the distribution it sampled from."""
-    if ctx.hyper("sampler_logprobs_mode", None) not in ("raw_logprobs", "raw_logits"):
+def _config_problems(settings: patterns.Settings) -> list[str]:
+    """An engine that reports raw logprobs (before temperature, penalties and truncation) while
+    sampling with them (``settings`` in effect): its logprobs are not those of the distribution it
+    sampled from."""
+    if settings.logprobs_mode not in ("raw_logprobs", "raw_logits"):
         return []
-    temperature, top_p, top_k = (ctx.hyper(k, None) for k in ("temperature", "top_p", "top_k"))
-    used = [f"temperature = {temperature}" if temperature not in (None, 1, 1.0) else "",
-            f"top_p = {top_p}" if top_p is not None and float(top_p) < 1 else "",
-            f"top_k = {top_k}" if top_k not in (None, 0, -1) else ""]
-    used = [u for u in used if u]
+    used = settings.in_effect(("temperature", *patterns.TRUNCATION_KEYS, *patterns.PENALTY_KEYS))
     if not used:
         return []
-    return [f"the engine reports {ctx.hyper('sampler_logprobs_mode')} while it samples with {', '.join(used)}: its "
+    return [f"the engine reports {settings.logprobs_mode} while it samples with {', '.join(used)}: its "
             "logprobs are not those of the distribution it sampled from (use logprobs_mode='processed_logprobs')"]
 
 
@@ -224,7 +221,7 @@ def check_sampler_mismatch(ctx: StepContext):
     stats = _statistics(delta, formulas.sampler_prob_diff(t64, s64), C)
     settings = patterns.settings_of(ctx.hyper)
     cause = _cause(ctx, name, t64, s64, delta, keep, settings)
-    config = _config_problems(ctx)
+    config = _config_problems(settings)
     if cause is not None and config and "temperature applied on one side" in cause:
         systematic = [f"{cause}: {config[0]}"]  # the configuration is the cause the data shows: one finding
     else:

@@ -83,6 +83,10 @@ class Settings:
     def unrecorded(self, names: tuple[str, ...]) -> bool:
         return all(self.values.get(n) is None for n in names)
 
+    def show(self, name: str) -> str:
+        """The recorded value of ``name`` as the messages write it (``"unrecorded"`` when absent)."""
+        return _fmt(self.values.get(name))
+
     def text(self, names: tuple[str, ...]) -> str:
         return ", ".join(f"{n} = {_fmt(self.values.get(n))}" for n in names)
 
