@@ -46,7 +46,9 @@ Rules (documented in docs/regression-testing.md):
   the unshifted one.
 - Cause: the headline names the failing field that diverges at the earliest step and, at that
   step, comes first in the data-flow order ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10); the
-  other failing fields are listed under it as following from it.
+  other failing fields are listed under it as following from it. When every field recorded at inner
+  step i is equal (or only its loss differs) and the first field to differ at inner i + 1 is a policy
+  field, the headline names the update between them instead (``DiffResult.update_cause``).
 """
 
 from tracer.diff.engine import IGNORED_METADATA, diff

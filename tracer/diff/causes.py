@@ -6,7 +6,10 @@ the earliest step and, at that step, comes first in the data-flow order
 ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10: prompt -> completion ids/masks -> rewards ->
 values -> advantages -> sampler/old/ref logprobs -> policy logprobs -> ratio/KL -> per-token loss ->
 loss). Changing the reward function changes the rewards first and every later field through them:
-the headline says ``rewards``, and the rest is listed as following from it.
+the headline says ``rewards``, and the rest is listed as following from it. When every recorded input
+of an update is equal and the policy the next inner pass scores differs, no field is the cause: the
+headline names the update (:attr:`~tracer.diff.result.DiffResult.update_cause`) and says whether the
+loss differs, is equal, or is not recorded.
 ``DiffReport.format(verbose=True)`` (:mod:`tracer.diff.report`) keeps every detail.
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import math
 
 from tracer.diff.locations import EXACT, FLOAT, MASK
-from tracer.diff.result import DiffResult, FieldDiff
+from tracer.diff.result import DiffResult, FieldDiff, UpdateCause
 from tracer.format.schema import DATA_FLOW, flow_rank
 
 # A name per stage of DATA_FLOW, for the cause line.
@@ -53,17 +56,55 @@ def _stage(name: str) -> str:
 
 
 def headline(report: DiffResult) -> str:
-    """``rewards diverges first, at step 0, seq 1 (a=0.5, b=0.6)``; empty when nothing does."""
+    """``rewards diverges first, at step 0, seq 1 (a=0.5, b=0.6)``, or when an update is the cause
+    (:attr:`~tracer.diff.result.DiffResult.update_cause`) ``the update between step 0 inner 0 and inner 1
+    (loss, gradients or optimizer state): policy_logprobs diverges first, at ...``; empty when nothing
+    differs."""
     cause = report.cause
     if cause is None:
         return ""
+    update = report.update_cause
+    if update is not None:
+        loc = update.effect_at
+        return (f"{update.name()} (loss, gradients or optimizer state): {update.effect.name} diverges first, "
+                f"at {loc.where()} ({loc.values()})")
     if cause.first is None:
         return f"{cause.name} drifts ({cause.drift_detail})"
     loc = cause.first
     return f"{cause.name} diverges first, at {loc.where()} ({loc.values()})"
 
 
+def update_evidence(update: UpdateCause) -> str:
+    """Why the update is the cause, with the numbers: ``every recorded input of inner 0 is equal, and
+    the loss differs by |Δ|=0.031 (a=0.52, b=0.55)``, ``... and the loss is not recorded``, or ``... and
+    so is the recorded loss``, then the step metadata the two runs were given differently."""
+    inner = update.before[1]
+    text = f"every recorded input of inner {inner} is equal"
+    if update.loss:
+        parts = []
+        for name, d in update.loss.items():
+            if flow_rank(name)[0] == len(DATA_FLOW) - 1 and not d.first.index:  # the scalar loss: both values
+                parts.append(f"{name} by |Δ|={d.max_abs_diff:.2g} ({d.first.values()})")
+            else:
+                parts.append(f"{name} at {d.differing} position{'s' * (d.differing != 1)} by up to "
+                             f"|Δ|={d.max_abs_diff:.2g}")
+        text += f", and the loss differs: {'; '.join(parts)}"
+    elif update.loss_recorded:
+        text += (f", and so is the recorded loss ({', '.join(update.loss_recorded)}): the gradients or the "
+                 "optimizer step differ (learning rate, gradient clipping, optimizer state)")
+    else:
+        text += ", and the loss is not recorded"
+    if update.metadata:
+        text += "; step metadata the runs were given differs: " + ", ".join(
+            f"{k} a={a!r} b={b!r}" for k, (a, b) in update.metadata.items())
+    return text
+
+
 def _cause_line(report: DiffResult, cause: FieldDiff) -> str:
+    update = report.update_cause
+    if update is not None:
+        return (f"cause: {update.name()} (loss, gradients or optimizer state): {update_evidence(update)}; "
+                f"then {update.effect.name} differs at inner {update.after[1]}")
     n = f"{cause.differing} of {cause.compared} {'kept ' if cause.mask else ''}positions differ ({cause.share:.1%})"
     if cause.kind == FLOAT and cause.differing:
         n += f", max |Δ|={cause.max_abs_diff:.2g}, mean(b-a)={cause.mean_diff or 0.0:+.2g}"
@@ -137,7 +178,9 @@ def render_short(report: DiffResult) -> str:
     failing = ([cause] if cause else []) + report.downstream
     if cause is not None:
         lines += ["", _cause_line(report, cause)]
-        if report.downstream:
+        if report.update_cause is not None:
+            lines.append("follows from the update (these fields, at the steps shown):")
+        elif report.downstream:
             lines.append(f"follows from {cause.name} (later in the data flow, or at later steps):")
         lines += _table(failing)
     tokens = [t.summary() for t in report.token_alignment.values() if t.differing_tokens or t.prompt_rows_differing]
@@ -154,4 +197,4 @@ def render_short(report: DiffResult) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["headline", "passes_with", "render_short", "round_up"]
+__all__ = ["headline", "passes_with", "render_short", "round_up", "update_evidence"]

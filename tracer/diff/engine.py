@@ -16,7 +16,7 @@ from tracer.diff.inputs import (check_batch, check_compatible, check_names, chec
                                 pair_steps, per_field, producers_of, sampling_of, step_id)
 from tracer.diff.locations import EXACT, FLOAT, MASK, StepId, step_label
 from tracer.diff.report import DiffReport
-from tracer.diff.result import FieldDiff
+from tracer.diff.result import UPDATE_GROUPS_KEPT, FieldDiff, StepDifference
 from tracer.diff.stats import FieldStats, coarseness, field_tolerance
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
 from tracer.errors import ChecksumError, TraceFormatError
@@ -71,7 +71,8 @@ def diff(
     report = DiffReport(str(a), str(b), tuple(labels), trace_a.algorithm or trace_b.algorithm,
                         step_pairs=len(pairs), only_in_a=only_a, only_in_b=only_b,
                         sampling={"a": sampling_of(trace_a), "b": sampling_of(trace_b)},
-                        producers={"a": producers_of(trace_a), "b": producers_of(trace_b)})
+                        producers={"a": producers_of(trace_a), "b": producers_of(trace_b)},
+                        compared_steps=[step_id(key_a) for key_a, _ in pairs], fields_selected=fields is not None)
     atols, rtols = per_field(atol, "atol"), per_field(rtol, "rtol")
     wanted = None if fields is None else list(fields)
     if pairs:
@@ -191,8 +192,10 @@ class _Engine:
                     if context is not None and context.shape == ta.shape:
                         keep = context if keep is None else keep & context
                     keeps[which] = keep
-                acc.compare(step, ta, tb, keeps[which])
+                difference = acc.compare(step, ta, tb, keeps[which])
                 self._token_text(acc, step, fa, fb)
+                if difference is not None:
+                    self._keep_difference(step, name, difference)
 
     def _contexts(self, step: StepId, fa, fb, heads, masks) -> dict[str, torch.Tensor]:
         """``{mask name: [B, T] same-context positions}`` per ids field both sides record, and the
@@ -254,6 +257,14 @@ class _Engine:
             loc.token_text = self.trace_a.token_text([id_a])[0] if id_a is not None else "<no token>"
             if id_b != id_a:
                 loc.token_text_b = self.trace_b.token_text([id_b])[0] if id_b is not None else "<no token>"
+
+    def _keep_difference(self, step: StepId, name: str, difference: StepDifference) -> None:
+        """Keep how ``name`` differs in this pair while the pair belongs to one of the first
+        ``UPDATE_GROUPS_KEPT`` ``(step, inner_step)`` groups that differ (what the update rule reads)."""
+        kept = self.report.step_differences
+        groups = {s[:2] for s in kept}
+        if step[:2] in groups or len(groups) < UPDATE_GROUPS_KEPT:
+            kept.setdefault(step, {})[name] = difference
 
     def _missing(self, step: StepId, name: str, side: str) -> None:
         entry = self.report.missing_fields.setdefault(name, {"only_in": side, "step_pairs": 0, "first_step": step})

@@ -12,9 +12,9 @@ from typing import Any
 
 import pandas as pd
 
-from tracer.diff.causes import render_short
+from tracer.diff.causes import render_short, update_evidence
 from tracer.diff.locations import FLOAT, Location, step_label
-from tracer.diff.result import DiffResult, FieldDiff
+from tracer.diff.result import DiffResult, FieldDiff, UpdateCause
 
 
 class DiffReport(DiffResult):
@@ -87,6 +87,7 @@ class DiffReport(DiffResult):
             "only_in_b": self.only_in_b, "missing_fields": self.missing_fields, "metadata": self.metadata,
             "unreadable": self.unreadable, "verified_files": self.verified_files, "producers": self.producers,
             "cause": self.cause.name if self.cause else None,
+            "update_cause": _update_dict(self.update_cause),
             "downstream": [f.name for f in self.downstream],
             "token_alignment": {k: asdict(v) for k, v in self.token_alignment.items()},
             "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
@@ -126,6 +127,17 @@ def field_details(f: FieldDiff, max_locations: int) -> list[str]:
     if f.differing > min(max_locations, len(f.worst)):
         lines.append(f"… {f.differing - min(max_locations, len(f.worst))} more differing positions")
     return lines
+
+
+def _update_dict(update: UpdateCause | None) -> dict[str, Any] | None:
+    """:attr:`DiffResult.update_cause` for ``--json``: the two passes, the first policy field it changes
+    and where, the loss fields that differ (with their numbers) or are recorded, the metadata that differs."""
+    if update is None:
+        return None
+    return {"name": update.name(), "before": list(update.before), "after": list(update.after),
+            "effect": update.effect.name, "effect_at": asdict(update.effect_at),
+            "loss": {n: asdict(d) for n, d in update.loss.items()}, "loss_recorded": update.loss_recorded,
+            "metadata": {k: list(v) for k, v in update.metadata.items()}, "evidence": update_evidence(update)}
 
 
 def _json_safe(obj: Any) -> Any:

@@ -108,6 +108,59 @@ class FieldDiff:
 
 
 @dataclass
+class StepDifference:
+    """How one field differs in one step pair (kept for the first step pairs that differ: enough to
+    tell whether an update is the cause, :attr:`DiffResult.update_cause`).
+
+    Attributes:
+        differing: positions outside tolerance in this pair.
+        max_abs_diff: max ``|b - a|`` over them.
+        first: the pair's first differing position.
+    """
+
+    differing: int
+    max_abs_diff: float
+    first: Location
+
+
+@dataclass
+class UpdateCause:
+    """The update between two inner steps of one step as the cause of a diff: every recorded input
+    of the update (the step files of ``before``) is equal in both traces, yet the policy the next
+    pass scores (``after``) differs. What changed is the update itself: its loss, its gradients or the
+    optimizer's state (learning rate, clipping, moments).
+
+    Attributes:
+        before, after: ``(step, inner_step)`` of the two passes; ``after = (step, inner_step + 1)``.
+        effect: the first policy field that differs at ``after`` (``policy_logprobs``...).
+        effect_at: where it first differs.
+        loss: ``{field: StepDifference}`` for the loss fields (``per_token_loss``, ``dpo_loss``,
+            ``loss``) that differ at ``before``; empty when the recorded loss is equal.
+        loss_recorded: the loss fields the traces record (empty: the loss is not recorded).
+        metadata: ``{key: (a, b)}`` step metadata both sides record with different values, first at or
+            before ``before`` (the configuration the two runs were given).
+    """
+
+    before: tuple[int, int]
+    after: tuple[int, int]
+    effect: FieldDiff
+    effect_at: Location
+    loss: dict[str, StepDifference]
+    loss_recorded: list[str]
+    metadata: dict[str, tuple[Any, Any]]
+
+    def name(self) -> str:
+        """``the update between step 0 inner 0 and inner 1``."""
+        (step, inner), (_, next_inner) = self.before, self.after
+        return f"the update between step {step} inner {inner} and inner {next_inner}"
+
+
+POLICY_STAGE = flow_rank("policy_logprobs")[0]
+LOSS_STAGE = flow_rank("per_token_loss")[0]  # per_token_loss, dpo_loss; then loss, then non-canonical fields
+UPDATE_GROUPS_KEPT = 2  # (step, inner) groups whose step pairs keep their StepDifferences
+
+
+@dataclass
 class DiffResult:
     """What :func:`tracer.diff` found, as data and one-line statements (findings, notes, verdict);
     :class:`tracer.diff.report.DiffReport` adds the renderings. ``equal`` is True when nothing below
@@ -134,6 +187,10 @@ class DiffResult:
             to say why steps are on one side only.
         producers: ``{"a": .., "b": ..}``, each trace's manifest ``producers`` (package versions,
             ``cpu_kernels``, ``mkl_cbwr``): not compared; :attr:`producer_differences` are a note.
+        compared_steps: the step ids of the matched step pairs, in order.
+        fields_selected: only some fields were compared (``fields=``): no claim about every input.
+        step_differences: ``{step id: {field: StepDifference}}`` for the step pairs of the first
+            :data:`UPDATE_GROUPS_KEPT` ``(step, inner_step)`` groups that differ (bounded memory).
     """
 
     a: str
@@ -152,6 +209,9 @@ class DiffResult:
     token_alignment: dict[str, TokenAlignment] = field(default_factory=dict)
     sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
     producers: dict[str, dict[str, str]] = field(default_factory=dict)
+    compared_steps: list[StepId] = field(default_factory=list)
+    fields_selected: bool = False
+    step_differences: dict[StepId, dict[str, StepDifference]] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -207,6 +267,56 @@ class DiffResult:
         """``(field, location)`` of the :attr:`cause`'s first differing position."""
         cause = self.cause
         return (cause.name, cause.first) if cause is not None and cause.first is not None else None
+
+    @property
+    def update_cause(self) -> UpdateCause | None:
+        """The update between inner steps ``i`` and ``i + 1`` of one step, when it explains the first
+        divergence: every field recorded at inner ``i`` (every micro-batch and rank) is equal, or only
+        its loss differs, and at inner ``i + 1`` the first field that differs, in data-flow order, is a
+        policy field (``policy_logprobs``...: what the updated weights score). The inputs of inner
+        ``i + 1`` (ids, masks, rewards, advantages, old/ref logprobs: the same rollout) are equal too,
+        so nothing recorded explains the new policy but the update: its loss, gradients or optimizer
+        state. None otherwise, and whenever "every recorded input" cannot be claimed: only some fields
+        compared, a step pair unreadable, a field recorded on one side only by then, or the pass
+        before not compared."""
+        cause = self.cause
+        if cause is None or cause.first is None or self.fields_selected or self.unreadable:
+            return None
+        stage = flow_rank(cause.name)[0]
+        at = cause.first.step[:2]
+        if stage == POLICY_STAGE:
+            before, after = (at[0], at[1] - 1), at
+        elif stage >= LOSS_STAGE:
+            before, after = at, (at[0], at[1] + 1)
+        else:
+            return None
+        groups = {s[:2] for s in self.compared_steps}
+        if before[1] < 0 or before not in groups or after not in groups:
+            return None
+        if any(m["first_step"][:2] <= after for m in self.missing_fields.values()):
+            return None
+        at_before, at_after = self._group_differences(before), self._group_differences(after)
+        if any(flow_rank(n)[0] < LOSS_STAGE for n in at_before) or not at_after:
+            return None
+        effect = min(at_after, key=lambda n: (flow_rank(n), n))
+        if flow_rank(effect)[0] != POLICY_STAGE:
+            return None
+        last = max(s for s in self.compared_steps if s[:2] == before)
+        metadata = {k: (m["a"], m["b"]) for k, m in self.metadata_conflicts.items() if m["first_step"] <= last}
+        loss_fields = [n for n in self.fields if flow_rank(n)[0] in (LOSS_STAGE, LOSS_STAGE + 1)]
+        return UpdateCause(before, after, self.fields[effect], at_after[effect].first,
+                           {n: d for n, d in at_before.items() if n in loss_fields}, loss_fields, metadata)
+
+    def _group_differences(self, group: tuple[int, int]) -> dict[str, StepDifference]:
+        """``{field: StepDifference}`` over the step pairs of ``(step, inner_step)`` (the first pair
+        where each field differs; ``differing`` summed, ``max_abs_diff`` the max)."""
+        out: dict[str, StepDifference] = {}
+        for step in sorted(s for s in self.step_differences if s[:2] == group):
+            for name, d in self.step_differences[step].items():
+                seen = out.get(name)
+                out[name] = d if seen is None else StepDifference(seen.differing + d.differing,
+                                                                  max(seen.max_abs_diff, d.max_abs_diff), seen.first)
+        return out
 
     def findings(self) -> list[str]:
         """One line per finding; empty when ``equal``."""

@@ -8,7 +8,7 @@ import math
 import torch
 
 from tracer.diff.locations import FLOAT, MASK, Location, StepId, Tolerance
-from tracer.diff.result import FieldDiff
+from tracer.diff.result import FieldDiff, StepDifference
 
 # Defaults of torch.testing.assert_close, keyed by the safetensors dtype name.
 DEFAULT_TOLERANCES: dict[str, Tolerance] = {
@@ -60,12 +60,14 @@ class FieldStats:
         self.unshifted = [0, 0.0]  # positions, sum |Δ| over failing step pairs
         self.shifted = {s: [0, 0, 0.0] for s in (1, -1)}  # positions, failing, sum |Δ|
 
-    def compare(self, step: StepId, ta: torch.Tensor, tb: torch.Tensor, keep: torch.Tensor | None):
+    def compare(self, step: StepId, ta: torch.Tensor, tb: torch.Tensor,
+                keep: torch.Tensor | None) -> StepDifference | None:
+        """Add one step pair's values; returns how the field differs in this pair (None: it does not)."""
         r = self.r
         keep = torch.ones(ta.shape, dtype=torch.bool) if keep is None else keep
         if ta.dtype == tb.dtype and torch.equal(ta, tb):  # the same values: nothing below would change but the count
             r.compared += int(keep.sum())
-            return
+            return None
         a, b = ta.double(), tb.double()
         absd, fail = mismatch(a, b, keep, self.tol)
         if r.kind != FLOAT:  # exact on the stored integers (float64 is exact only below 2**53)
@@ -89,12 +91,13 @@ class FieldStats:
             r.kept_only_in_b += int((tb.bool() & ~ta.bool()).sum())
         n_fail = int(fail.sum())
         if n_fail == 0:
-            return
+            return None
         r.differing += n_fail
         r.step_pairs_differing += 1
         if len(self.dims) == 2 and self.dims[1] in ("T", "L") and a.dim() == 2:
             self._shift_stats(a, b, keep, absd)
-        self._locate(step, ta, tb, absd, fail)
+        first = self._locate(step, ta, tb, absd, fail)
+        return StepDifference(n_fail, float(absd[fail].max()), first)
 
     def _shift_stats(self, a, b, keep, absd) -> None:
         finite = keep & absd.isfinite()
@@ -108,7 +111,8 @@ class FieldStats:
             acc[1] += int(fail_s.sum())
             acc[2] += float(absd_s[both & absd_s.isfinite()].sum())
 
-    def _locate(self, step, ta, tb, absd, fail) -> None:
+    def _locate(self, step, ta, tb, absd, fail) -> Location:
+        """Keep the pair's worst differing positions; returns its first one."""
         r = self.r
         flat = fail.reshape(-1).nonzero().squeeze(1)
         if r.kind == FLOAT:
@@ -124,10 +128,12 @@ class FieldStats:
                             rows[index[0]] if index else rows[0])
 
         new = [location(int(i)) for i in flat_top]
+        first = location(int(flat[0]))
         if r.first is None:
-            r.first = location(int(flat[0]))
+            r.first = first
         key = (lambda l: (-l.abs_diff, l.step, l.index)) if r.kind == FLOAT else (lambda l: (l.step, l.index))
         r.worst = sorted(r.worst + new, key=key)[:MAX_LOCATIONS]
+        return first
 
     def finish(self) -> FieldDiff:
         r = self.r
