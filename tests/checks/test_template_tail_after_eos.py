@@ -193,3 +193,20 @@ def test_minimind_train_dpo_with_its_chat_template_mask_runs_clean_under_tracer_
                 kept = [i for i, k in zip(row, keep) if k]
                 assert kept[-2:] == [im_end, newline]
     assert not [f for f in run_checks(out) if f.severity == ERROR]
+
+
+@pytest.mark.parametrize("recorded", [
+    "not an object", {"two": [1]}, {"2": "\n"}, {"2": [True]}, {"2": [-1]}, {"2": list(range(17))},
+    {str(i): [] for i in range(65)}])
+def test_a_malformed_recorded_tail_is_ignored_and_the_newline_rule_applies(recorded, tmp_path):
+    """A trace from a stranger: a manifest tail of the wrong shape is no tail (read as absent), never a crash."""
+    from tracer.format.chat_template import recorded_tails
+
+    assert recorded_tails({"template_end_of_turn_tail": recorded}) is None
+    tokenizer = chat_tokenizer("qwen2.5")
+    root = write(tmp_path / "t", "dpo", tokenizer, dpo_tensors(tokenizer, extra=1), {"beta": 0.1})
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["tokenizer"]["template_end_of_turn_tail"] = recorded
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    (f,) = after_eos(root)
+    assert "no chat template recorded" in f.message and f.token_id == tokenizer.pad_token_id

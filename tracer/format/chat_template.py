@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_TAIL_KEY = "template_end_of_turn_tail"
 MAX_TAIL = 16  # a longer recorded tail is not a chat template's end of turn: ignored when read
+MAX_END_TOKENS = 64  # end-of-turn tokens read from a manifest (one is recorded; more is not a trace of ours)
 # The conversation rendered to measure the tail (short, plain text, no system message).
 _USER, _ANSWER, _USER_AGAIN = "What is 3 + 4?", "7", "And 5 + 6?"
 
@@ -87,10 +88,11 @@ def _special_ids(tokenizer: Any) -> set[int]:
 
 def recorded_tails(tokenizer_entry: Any) -> dict[int, tuple[int, ...]] | None:
     """The manifest's ``tokenizer`` entry's :data:`TEMPLATE_TAIL_KEY` as ``{end-of-turn id: tail ids}``;
-    None when absent or malformed (a key that is not a decimal id, a tail that is not a list of at
-    most :data:`MAX_TAIL` non-negative integers): a trace from a stranger never breaks a check."""
+    None when absent or malformed (more than :data:`MAX_END_TOKENS` keys, a key that is not a decimal
+    id, a tail that is not a list of at most :data:`MAX_TAIL` non-negative integers): a trace from a
+    stranger never breaks a check."""
     raw = tokenizer_entry.get(TEMPLATE_TAIL_KEY) if isinstance(tokenizer_entry, Mapping) else None
-    if not isinstance(raw, Mapping) or not raw:
+    if not isinstance(raw, Mapping) or not raw or len(raw) > MAX_END_TOKENS:
         return None
     out: dict[int, tuple[int, ...]] = {}
     for key, tail in raw.items():
