@@ -11,12 +11,11 @@ import json
 import pytest
 import torch
 
-from tracer import Trace, TraceWriter
-from tracer.checks import ERROR, run_checks
-
 from tests.fixtures.check_traces import found
 from tests.fixtures.models import build_chat_model, chat_tokenizer
 from tests.fixtures.paths import SCRIPTS
+from tracer import Trace, TraceWriter
+from tracer.checks import ERROR, run_checks
 
 FAMILIES = ("minimind", "qwen2.5", "llama3")
 END_OF_TURN = {"minimind": "<|im_end|>", "qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}
