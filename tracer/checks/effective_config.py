@@ -29,7 +29,11 @@ from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
-from tracer.formulas.verl_losses import VERL_LOSS_AGG_MODES, verl_agg_loss, verl_vanilla_per_token_loss
+from tracer.formulas.verl_losses import (
+    VERL_LOSS_AGG_MODES,
+    verl_agg_loss,
+    verl_vanilla_per_token_loss,
+)
 
 VERL_GRPO_ESTIMATORS = ("grpo", "grpo_vectorized")
 # verl policy losses that aggregate with a fixed mode whatever loss_agg_mode says, by design (verl 0.9.1
@@ -51,7 +55,7 @@ def _per_token_pg_loss(ctx: StepContext) -> tuple[torch.Tensor, str]:
     loss_mode = ctx.hyper("loss_mode", None)
     if loss_mode != "vanilla":
         raise Skip(f"needs field verl_pg_losses (policy loss {loss_mode!r} is recomputed only when it is 'vanilla')")
-    policy, old, mask = ctx.require("policy_logprobs", "old_logprobs", "completion_mask")
+    policy, old, _ = ctx.require("policy_logprobs", "old_logprobs", "completion_mask")
     advantages = ctx.tensor("token_advantages") if ctx.has("token_advantages") else ctx.require("advantages")[0]
     low, high = ctx.hyper("clip_epsilon_low"), ctx.hyper("clip_epsilon_high")
     weights = ctx.tensor("rollout_is_weights").double() if ctx.has("rollout_is_weights") else None
