@@ -108,11 +108,15 @@ else:
     st.error(f"different: {len(findings)} finding(s) over {report.step_pairs} step pairs.", icon=":material/error:")
 first = report.first_divergence
 if report.cause is not None:  # field names and token text inside: plain text, never Markdown
-    st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})" if first
-            else f"cause: {headline(report)}")
+    update = report.update_cause  # every input of an update equal, the next policy not: the update is the cause
+    if update is not None:
+        st.text(f"cause: {headline(report)}")
+    else:
+        st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})" if first
+                else f"cause: {headline(report)}")
     follows = [f.name for f in report.downstream]
     if follows:
-        st.text(f"follows from {report.cause.name}: {', '.join(follows)}")
+        st.text(f"follows from {update.name() if update is not None else report.cause.name}: {', '.join(follows)}")
 for tokens in report.token_alignment.values():
     if tokens.differing_tokens or tokens.prompt_rows_differing:
         st.text(tokens.summary())

@@ -161,3 +161,21 @@ def test_a_pair_that_differs_in_an_input_keeps_naming_that_input(runs, capsys):
 def test_comparing_some_fields_only_makes_no_claim_about_every_input(runs):
     report = diff(runs["baseline_no_loss"], runs["token_mean_no_loss"], fields=["policy_logprobs"])
     assert report.cause.name == "policy_logprobs" and report.update_cause is None
+
+
+def test_the_diff_page_headlines_the_update_too(runs, monkeypatch):
+    """The app's Diff page says what `tracer diff` says: the update, then what follows from it."""
+    from tests.fixtures.toy_traces import start
+
+    root = runs["baseline"].parent
+    at = start(monkeypatch, root)
+    at.switch_page("app_pages/diff.py").run()
+    at.selectbox(key="diff_a").select(runs["baseline"]).run()
+    at.selectbox(key="diff_b").select(runs["token_mean"]).run()
+    assert not at.exception, [e.value for e in at.exception]
+    texts = [t.value for t in at.text]
+    assert not any(t.startswith("first divergence") for t in texts)
+    assert any(t.startswith("cause: the update between step 0 inner 0 and inner 1 (loss, gradients or optimizer "
+                            "state): policy_logprobs diverges first, at step 0, inner 1") for t in texts), texts
+    follows = [t for t in texts if t.startswith("follows from ")]
+    assert all(t.startswith("follows from the update between step 0 inner 0 and inner 1: ") for t in follows)
