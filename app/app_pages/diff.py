@@ -111,9 +111,10 @@ if report.cause is not None:  # field names and token text inside: plain text, n
     update = report.update_cause  # every input of an update equal, the next policy not: the update is the cause
     if update is not None:
         st.text(f"cause: {headline(report)}")
-    else:
-        st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})" if first
-                else f"cause: {headline(report)}")
+    if first:
+        st.text(f"first divergence: {first[0]} at {first[1].where()} ({first[1].values()})")
+    elif update is None:
+        st.text(f"cause: {headline(report)}")
     follows = [f.name for f in report.downstream]
     if follows:
         st.text(f"follows from {update.name() if update is not None else report.cause.name}: {', '.join(follows)}")
