@@ -58,3 +58,18 @@ def test_the_check_block_finds_the_examples_bug_from_the_checkout(tmp_path):
     assert check.returncode == 1, check.stdout + check.stderr  # exit 1: an error finding
     assert "ERROR   masks.after_eos  1 finding" in check.stdout and "ERROR   masks.padding  1 finding" in check.stdout
     assert "FAIL  2 error, 0 warning" in check.stdout
+
+
+def test_the_explicit_api_skeleton_with_a_loss_over_padding_exits_1(tmp_path, model_dir, capsys):
+    """The skeleton as written records loss and per_token_loss; its loss (the prelude's) is a mean over
+    all B x T positions, padding after EOS included, while it declares sequence_mean: an error."""
+    from tracer.cli import main
+
+    from tests.fixtures.readme_skeleton import run_skeleton, skeleton
+
+    assert '"per_token_loss": per_token_loss' in skeleton() and '"loss": loss' in skeleton()
+    trace = run_skeleton(tmp_path, model_dir)
+    capsys.readouterr()
+    assert main(["check", str(trace)]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR   recompute.loss" in out and "not checked: loss reduction" not in out
