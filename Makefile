@@ -57,7 +57,7 @@ test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 
 test-verl: $(VERL_STAMP)
-	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py
+	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py tests/integrations/test_verl_effective_config.py
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs, and a TRL GRPO
 # run with tools=[add] (multi-turn tool-calling episodes) (tiny local models, CPU).
