@@ -111,6 +111,14 @@ def test_recorded_sampler_logprobs_are_what_vllm_returned(token_run):
             assert torch.equal(recorded, torch.tensor(out["logprobs"], dtype=torch.float32))
 
 
+def test_recorded_sampler_settings_are_those_vllm_generate_was_given(token_run):
+    given = json.loads((token_run / "sampling_params.json").read_text())
+    assert len(given) == 3 and all(g == given[0] for g in given)  # one generate call per step, same settings
+    meta = Trace(token_run / "trace").metadata(sorted(Trace(token_run / "trace").steps())[0])
+    assert {name: meta[f"sampler_{name}"] for name in given[0]} == pytest.approx(given[0])
+    assert meta["sampler_temperature"] == pytest.approx(0.7) and meta["sampler_top_k"] in (0, -1)
+
+
 def test_healthy_run_passes_check_and_records_the_correction(token_run):
     meta = Trace(token_run / "trace").metadata(sorted(Trace(token_run / "trace").steps())[0])
     assert meta["sampler_engine"] == "vllm" and meta["is_mode"] == "token_truncate" and meta["is_clip_max"] == 3.0
@@ -181,3 +189,40 @@ def test_hand_written_loop_with_vllm_rollout_syncs_weights_every_step(tmp_path):
     moved = [k for k in trace.steps() if k.inner_step == 1]  # the second pass over a rollout: policy != old
     assert moved and any(float((trace.load_step(k)["ratio"] - 1).abs().max()) > 1e-3 for k in moved)
     assert cli("check", str(out)).returncode == 0
+
+
+@pytest.mark.parametrize("bug, steps, setting, cause", [
+    ("stale-sync", "3", ("sampler_top_k", 0), "the engine samples with a stale policy"),
+    ("repetition-penalty", "2", ("sampler_repetition_penalty", 1.3),
+     "the mismatch sits on tokens repeated from the context"),
+    ("top-k", "2", ("sampler_top_k", 5), "the sampler renormalised over a truncated distribution (top_k = 5)"),
+])
+def test_injected_sampler_fault_fails_check_naming_its_one_cause(tmp_path, bug, steps, setting, cause):
+    run = engine_run(tmp_path / bug, "--steps", steps, "--bug", bug)
+    given = json.loads((run / "sampling_params.json").read_text())
+    name, value = setting
+    assert given[0][name.removeprefix("sampler_")] == pytest.approx(value)  # what vLLM was given
+    trace = Trace(run / "trace")
+    assert trace.metadata(trace.steps()[0])[name] == pytest.approx(value)  # what the trace says it was given
+    proc = cli("check", str(run / "trace"), "--json")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    rows = sorted((r for r in json.loads(proc.stdout) if r["check"] == "sampler.mismatch"), key=lambda r: r["step"])
+    faulty = rows[1:] if bug == "stale-sync" else rows  # the first rollout of a stale run has the initial weights
+    assert faulty and all(r["severity"] == ERROR for r in faulty)
+    for r in faulty:
+        first_line = r["message"].split(". old_logprobs - sampler_logprobs")[0]
+        assert first_line.startswith("Cause: ") and cause in first_line and len(r["details"]["patterns"]) == 1
+    if bug == "stale-sync":
+        assert rows[0]["severity"] == INFO and rows[0]["details"]["patterns"] == []
+
+
+def test_fp32_engine_matches_an_fp32_trainer_to_rounding(tmp_path):
+    run = engine_run(tmp_path / "fp32", "--steps", "2", "--engine-dtype", "float32")
+    trace = Trace(run / "trace")
+    assert trace.metadata(trace.steps()[0])["sampler_dtype"] == "float32"
+    for key, data in _steps(trace):
+        keep = data["completion_mask"].bool()
+        # both sides run the same float32 weights; vLLM's CPU kernels round differently: < 1e-6 nats here,
+        # where the default bf16 engine shows ~5e-3 (BENCHMARKS.md "Sampler noise floor")
+        assert float((data["old_logprobs"] - data["sampler_logprobs"])[keep].abs().max()) < 1e-5
+    assert cli("check", str(run / "trace")).returncode == 0
