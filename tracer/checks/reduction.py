@@ -150,7 +150,7 @@ def _error(ctx: StepContext, loss: float, named, fits: list, healthy: list, matc
     elif named is not None:
         said_in_text = ("clip_range", named.key, "constant" if named.key == "unmasked_mean" else named.key)
         also = [h for h in fits[1:] if h.key not in said_in_text and h.residual(loss) <= noise / CLEAR]
-        message = (f"{named.cause}: recorded loss {loss:.6g} equals {named.text} (to {named.residual(loss):.1g})"
+        message = (f"{named.cause}: recorded loss {loss:.6g} equals {named.text} to {named.residual(loss):.1g}"
                    f"{evidence} (float noise here {noise:.1g}). "
                    + (f"Equally close: {also[0].text}. " if also else "") + listing)
     elif matches:
