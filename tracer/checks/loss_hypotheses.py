@@ -118,9 +118,11 @@ def reduction_hypotheses(ctx: StepContext, values: dict, per_token_loss: torch.T
 
 
 def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[str], divisor: float,
-                       loss: float, noise: float) -> list[Hypothesis]:
+                       loss: float, noise: float, clip_reduction: str) -> list[Hypothesis]:
     """The per-token loss recomputed with one thing changed, under each of ``reductions``: the KL
-    term's sign flipped, the KL term left out, the clip range solved for (one side, then both)."""
+    term's sign flipped, the KL term left out; and the clip range solved for (one side, then both)
+    under ``clip_reduction`` alone (the declared one, else the closest: each solve costs ~40
+    recomputations)."""
     out = []
     coef = loss_kl_coef(ctx)
     for name in reductions:
@@ -138,7 +140,8 @@ def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[st
                 out.append(Hypothesis(key, cause, f"the {words} of the per-token loss {how} "
                                       f"(coefficient {coef:g})", value, details={"reduction": name},
                                       priority=2 if sign else 3))
-        out.extend(_clip_hypotheses(ctx, reduce, words, name, loss, noise))
+    reduce = reducer(ctx, keep, clip_reduction, divisor)
+    out.extend(_clip_hypotheses(ctx, reduce, REDUCTION_WORDS[clip_reduction], clip_reduction, loss, noise))
     return out
 
 
@@ -206,7 +209,7 @@ def _solve_monotone(f, target: float, upper: float, noise: float) -> tuple[float
     if abs(f_hi - target) <= noise:  # flat from `upper` on: the clip binds on no token of this side
         return upper, True
     lo, hi = 0.0, upper
-    for _ in range(60):
+    for _ in range(40):  # upper <= ~1 in practice: 40 halvings reach 1e-12, below any typed value's spacing
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
     eps = (lo + hi) / 2

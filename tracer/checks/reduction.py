@@ -108,7 +108,9 @@ def check_loss(ctx: StepContext):
                                 divisor, source) if declared is None else []
     wrong = [h for h in hypotheses if not h.legitimate]
     if recomputed:
-        wrong += variant_hypotheses(ctx, keep, [declared] if declared else list(values), divisor, loss, noise)
+        closest = declared if declared in values else min(values, key=lambda n: abs(loss - values[n]))
+        wrong += variant_hypotheses(ctx, keep, [declared] if declared in values else list(values), divisor, loss,
+                                    noise, closest)
     # those that reproduce the loss to a tenth of the noise first; among them the priority decides (an exact tie)
     fits = sorted((h for h in wrong if h.residual(loss) <= noise),
                   key=lambda h: (h.residual(loss) > noise / CLEAR, h.priority, h.residual(loss)))
