@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures.paths import SCRIPTS
 from tracer import Trace
 from tracer.checks import ERROR, INFO, WARNING, run_checks
 from tracer.cli import main as cli_main
-
-from tests.fixtures.paths import SCRIPTS
 
 KL_COEF, EPS = 0.02, 0.2  # minimind_ppo.py's defaults
 
@@ -39,7 +38,7 @@ def by_hand(d: dict, kl_sign: float = 1.0, clip_high: float = EPS, kl_coef: floa
     """MiniMind's per-token PPO loss [B, T] from one recorded step file, in float64:
     max(-A*r, -A*clip(r, 1 - 0.2, 1 + clip_high)) + sign * kl_coef * (exp(ref - pi) - (ref - pi) - 1)."""
     pi, old, ref = d["policy_logprobs"].double(), d["old_logprobs"].double(), d["ref_logprobs"].double()
-    adv, r = d["advantages"].double(), torch.exp(d["policy_logprobs"].double() - d["old_logprobs"].double())
+    adv, r = d["advantages"].double(), torch.exp(pi - old)
     k3 = torch.exp(ref - pi) - (ref - pi) - 1
     return torch.max(-adv * r, -adv * r.clamp(1 - EPS, 1 + clip_high)) + kl_sign * kl_coef * k3
 

@@ -31,7 +31,12 @@ import torch
 from tracer import formulas
 from tracer.checks.context import StepContext
 from tracer.checks.finding import Skip
-from tracer.checks.per_token_loss import kl_term_name, loss_kl_coef, recomputed_per_token_loss, trl_loss_type
+from tracer.checks.per_token_loss import (
+    kl_term_name,
+    loss_kl_coef,
+    recomputed_per_token_loss,
+    trl_loss_type,
+)
 from tracer.formulas.losses import unmasked_mean_loss
 
 NOISE_ULPS = 32.0  # float rounding of a recomputed loss, in ulps of the mean |per-token loss| (measured: <= 1)

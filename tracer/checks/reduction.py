@@ -15,6 +15,13 @@ float). The reductions (SPEC.md section 3):
 
 The declared reduction is metadata ``loss_reduction``, else the one TRL's ``loss_type`` implies.
 Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every candidate.
+
+When the declared reduction does not reproduce the loss to float noise, the explanations of
+:mod:`tracer.checks.loss_hypotheses` (the unmasked mean over padding, the KL sign flipped or the KL
+term missing, another clip range) are ranked by residual, and the error names the one that
+reproduces the loss, cause first, with its residual, the declared value and the gap. A wrong
+explanation is named even inside the dtype's ``loss_rtol`` when the declared one is off by clearly
+more than float noise; where explanations give the same value, nothing is said.
 """
 
 from __future__ import annotations
@@ -27,7 +34,12 @@ from tracer import formulas
 from tracer.checks.comparison import compare
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
-from tracer.checks.loss_hypotheses import CLEAR, float_noise, reduction_hypotheses, variant_hypotheses
+from tracer.checks.loss_hypotheses import (
+    CLEAR,
+    float_noise,
+    reduction_hypotheses,
+    variant_hypotheses,
+)
 from tracer.checks.per_token_loss import recomputed_per_token_loss, trl_loss_type
 
 TRL_LOSS_REDUCTION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "bnpo": "token_mean",
