@@ -107,7 +107,7 @@ test-vllm: $(VLLM_STAMP)
 
 # Regenerate sample_traces/grpo-vllm-tiny from a real run of the colocated vLLM engine, and the two
 # broken runs the app tests open (tests/data/vllm_bugs/, without their 1.4 MB model).
-VLLM_BUGS = raw-logprobs top-p
+VLLM_BUGS = raw-logprobs top-p top-k repetition-penalty stale-sync
 sample-trace-vllm: $(VLLM_STAMP)
 	rm -rf sample_traces/grpo-vllm-tiny
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m tracer demo --algo grpo-vllm --out sample_traces/grpo-vllm-tiny --steps 4 --seed 0

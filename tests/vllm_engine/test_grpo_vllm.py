@@ -183,6 +183,9 @@ def test_hand_written_loop_with_vllm_rollout_syncs_weights_every_step(tmp_path):
     trace = Trace(out)
     meta = trace.metadata(trace.steps()[0])
     assert meta["sampler_engine"] == "vllm" and meta["old_logprobs_source"] == "trainer_forward"
+    # the engine's settings in effect, per step, from the SamplingParams the loop passed to generate
+    assert (meta["sampler_dtype"], meta["sampler_temperature"], meta["sampler_top_p"]) == ("float32", 1.0, 1.0)
+    assert meta["sampler_logprobs_mode"] == "processed_logprobs"
     findings = sampler_findings(out)
     assert sorted(f.step for f in findings) == [0, 1, 2]
     assert all(f.severity == INFO and f.details["max_abs"] < 1e-4 for f in findings)

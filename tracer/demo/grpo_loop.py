@@ -58,10 +58,10 @@ class GRPOConfig:
 
 
 def _record(tr: Tracer, cfg: GRPOConfig, step: int, inner: int, batch: ro.Rollout, rewards, components,
-            advantages, ref_logprobs, policy_logprobs, per_token_loss) -> None:
+            advantages, ref_logprobs, policy_logprobs, per_token_loss, sampler_settings=None) -> None:
     policy = policy_logprobs.detach()
     tr.record(
-        step=step, inner_step=inner,
+        step=step, inner_step=inner, metadata=sampler_settings or None,
         prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
         completion_ids=batch.completion_ids, completion_mask=batch.completion_mask,
         policy_logprobs=policy, old_logprobs=batch.old_logprobs, ref_logprobs=ref_logprobs,
@@ -107,7 +107,7 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
                     cfg.beta, ref_logprobs)
             loss = formulas.sequence_mean_loss(per_token_loss, batch.completion_mask)
             _record(tr, cfg, step, inner, batch, rewards, components, advantages, ref_logprobs,
-                    per_token_logps, per_token_loss)
+                    per_token_logps, per_token_loss, None if sampler is None else sampler.settings)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -124,8 +124,9 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
         "top_p": 1.0, "top_k": 0, "clip_epsilon_low": cfg.clip_epsilon, "clip_epsilon_high": eps_high,
         "loss_reduction": "sequence_mean", "advantage_rule": "group_zscore",
         "old_logprobs_source": "sampler_forward" if cfg.rollout == "hf" else "trainer_forward",
-        **({"sampler_engine": "vllm", "sampler_logprobs_mode": "processed_logprobs", "sampler_dtype": "float32"}
-           if cfg.rollout == "vllm" else {}),
+        # the engine's settings in effect (sampler_temperature, sampler_dtype, ...) come per step from
+        # VLLMSampler.settings, read from the SamplingParams of each generate call
+        **({"sampler_engine": "vllm"} if cfg.rollout == "vllm" else {}),
         "reward_component_names": ro.REWARD_COMPONENT_NAMES,
         **({"cispo_epsilon_high": cfg.epsilon_high} if cfg.loss_type == "cispo" else {}),
     }
