@@ -64,7 +64,7 @@ class CheckOptions:
     The ``health`` thresholds (``tracer check --threshold NAME=VALUE``, names in :data:`HEALTH_THRESHOLDS`)
     mark a run that is not broken but drifting; each default is chosen from published practice, so a
     healthy run stays well below it. A step-file value warns when the run stays past it (at two or
-    more steps, or at its last step; ``tracer.checks.health``):
+    more steps, or at its last step; the clip fraction at any step file; ``tracer.checks.health``):
 
     Attributes:
         sampler_ratio_bound: C; a token whose ``exp(old - sampler)`` lies outside [1/C, C] counts
@@ -74,11 +74,12 @@ class CheckOptions:
             file warns. 1.0 nats per token: TRL's adaptive KL controller targets 6 nats per *sequence*
             (Ziegler et al. 2019, ``PPOConfig.target``), and GRPO/verl runs at β = 0.001-0.04 log
             0.001-0.1 nats per token.
-        clip_fraction_max: ``clip_fraction``: share of kept tokens whose ratio lies outside the clip
-            region, after the first update on a rollout, above which a step file warns. 0.5: PPO's clip
-            fraction sits at 0.05-0.2 in healthy runs (Engstrom et al. 2020, "Implementation Matters";
-            cleanrl's ``clipfrac`` logs) and reaches 0.3-0.4 on tiny batches here (sample_traces/grpo-tiny);
-            past half the trust region binds on most tokens.
+        clip_fraction_max: ``clip_fraction``: share of kept tokens whose gradient the clip removes (ratio
+            past the bound on the side the advantage pushes, ``tracer info``'s clip_fraction) in one step
+            file after the first update on a rollout, above which it warns (any one file). 0.5: PPO's
+            clip fraction sits at 0.05-0.2 in healthy runs (Engstrom et al. 2020, "Implementation
+            Matters"; cleanrl's ``clipfrac`` logs) and reaches 0.29 on the 14-token minibatches of
+            sample_traces/ppo-tiny; past half, the trust region removes most of the update.
         sampler_gap_max: ``sampler_gap``: mean |old - sampler| over kept tokens (nats, TRL's
             ``sampling/sampling_logp_difference/mean``) above which a step file warns. 0.1 nats: fp32
             vLLM vs trainer measures ~0.005 here; bf16 engines 0.01-0.05 (Yao et al. 2025, "Your

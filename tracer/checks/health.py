@@ -4,8 +4,11 @@ documented, overridable threshold (:class:`tracer.checks.context.CheckOptions`, 
 threshold and the steps it occurs on:
 
 - ``health.ref_kl``: mean k3 KL to the reference over kept tokens (``tracer.formulas.ref_kl_k3``).
-- ``health.clip_fraction``: share of kept tokens outside the clip region after the first update on a
-  rollout (on fresh rollouts the ratio is 1: ``identity.first_step`` judges those).
+- ``health.clip_fraction``: share of kept tokens whose gradient the clip removes (ratio past the bound
+  on the side its advantage pushes: TRL's ``clip_ratio/low_mean`` + ``high_mean``) after the first
+  update on a rollout (on fresh rollouts the ratio is 1: ``identity.first_step`` judges those). Not the
+  share outside the region whatever the sign: a tight clip (ε 0.05) leaves most tokens outside it in a
+  healthy run (tests/checks/test_minimind_configs.py, 0.7-0.8) while it removes the gradient of 0.1-0.2.
 - ``health.sampler_gap``: mean |old - sampler| over kept tokens (TRL's ``sampling_logp_difference``).
 - ``health.entropy_collapse``: mean token entropy fallen below a floor, or by a large share of its
   first value.
@@ -23,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from tracer import formulas
 from tracer.checks.advantage_rules import full_groups
 from tracer.checks.context import HEALTH_THRESHOLDS, CheckOptions, StepContext, StepHeader, check_memo
 from tracer.checks.dpo import steps_text
@@ -40,13 +44,18 @@ def _mean(values: torch.Tensor, keep: torch.Tensor) -> float | None:
 
 
 def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> float | None:
-    if is_fresh(ctx) or "ratio" not in ctx.data:
+    """The share of kept tokens whose gradient the clip removes (``tracer.formulas.clip_fractions``' low +
+    high, the ``clip_fraction`` of ``tracer info``: ratio past the bound on the side the advantage
+    pushes), on a step file after the first update on its rollout; None on fresh rollouts or without
+    ratio, advantages or the clip range."""
+    if is_fresh(ctx) or "ratio" not in ctx.data or "advantages" not in ctx.data:
         return None
     region = _clip_region(ctx)
     if region is None:
         return None
-    ratio = ctx.tensor("ratio")
-    return _mean((((ratio < region[0]) | (ratio > region[1]))).double(), keep)
+    low, high = region
+    fractions = formulas.clip_fractions(ctx.tensor("ratio"), ctx.tensor("advantages"), keep, 1.0 - low, high - 1.0)
+    return float(fractions["low"] + fractions["high"])
 
 
 def _reward_flat(ctx: StepContext) -> float | None:
@@ -115,16 +124,17 @@ def _finding(check: str, name: str, above: list[tuple[StepKey, float]], total: i
                    details=dict(steps=steps, threshold_name=name, cause=check, **details))
 
 
-def _above(values, limit: float, larger: Callable[[float, float], bool] = lambda v, lim: v > lim):
+def _above(values, limit: float, larger: Callable[[float, float], bool] = lambda v, lim: v > lim,
+           persistent: bool = True):
     """The (key, value) pairs past ``limit``, worst first, when the run stays past it: at two or more
     steps, or at its last step (a diverging run ends there). A spike at one earlier step that the run
     recovered from is no drift (a few tokens with a large k3 can lift one step's mean: the healthy
     sample_traces/agent-trl-tiny has 3.08 nats at step 1 from three tokens of ref - policy = 6 nats,
-    and 0.01-0.02 after); ``kl.ref_gap`` judges such tokens."""
+    and 0.01-0.02 after); ``kl.ref_gap`` judges such tokens. ``persistent=False``: any step file past it."""
     hits = [(k, v) for k, v in values if larger(v, limit)]
     steps = {k.step for k, _ in hits}
     last = max(k.step for k, _ in values) if values else None
-    if len(steps) < 2 and last not in steps:
+    if persistent and len(steps) < 2 and last not in steps:
         return []
     return sorted(hits, key=lambda kv: -kv[1])
 
@@ -151,18 +161,19 @@ def _coef(trace: Trace, key: StepKey) -> str:
     return "not recorded" if coef is None else f"{coef:g}"
 
 
-@register("health.clip_fraction", "share of kept tokens outside the clip region after the first update stays "
-          "under the threshold (--threshold clip_fraction, default 0.5)", RL_ALGORITHMS, scope="trace")
+@register("health.clip_fraction", "share of kept tokens whose gradient the clip removes after the first update "
+          "stays under the threshold (--threshold clip_fraction, default 0.5)", RL_ALGORITHMS, scope="trace")
 def check_clip_fraction(trace: Trace, options: CheckOptions, keys: list[StepKey]):
     values = [(k, h["clip_fraction"]) for k, h in _health(trace, options, keys) if h.get("clip_fraction") is not None]
-    above = _above(values, options.clip_fraction_max)
+    above = _above(values, options.clip_fraction_max, persistent=False)  # one pass that clips most tokens is too far
     if not above:
         return []
     key, worst = above[0]
     header = StepHeader(trace, key)
     eps = f"clip_epsilon_low {header.hyper('clip_epsilon_low', '?')}, clip_epsilon_high {header.hyper('clip_epsilon_high', '?')}"
     return [_finding("health.clip_fraction", "clip_fraction", above, len(values),
-                     f"share of kept tokens with a ratio outside the clip region ({eps})",
+                     f"share of kept tokens whose gradient the clip removes (ratio past the bound on the side its "
+                     f"advantage pushes; {eps})",
                      f"above the threshold {options.clip_fraction_max:.0%}", f"{worst:.0%} at its largest",
                      "The updates move the policy further per step than the trust region allows, so the clip "
                      "removes the gradient of most tokens (a learning rate or number of inner steps too large "
