@@ -75,6 +75,7 @@ from tracer.formulas.losses import (
     sequence_mean_loss,
     kept_rows_sequence_mean_loss,
     token_mean_loss,
+    unmasked_mean_loss,
 )
 from tracer.formulas.reductions import (
     host_array,
@@ -93,7 +94,7 @@ __all__ = [
     # reductions
     "masked_sum", "masked_mean", "masked_quantiles", "row_quantiles", "host_array", "masked_row_quantiles",
     # losses
-    "sequence_mean_loss", "kept_rows_sequence_mean_loss", "token_mean_loss", "constant_divisor_loss", "loss_contributions", "clip_fractions",
+    "sequence_mean_loss", "kept_rows_sequence_mean_loss", "token_mean_loss", "unmasked_mean_loss", "constant_divisor_loss", "loss_contributions", "clip_fractions",
     "grpo_per_token_loss", "cispo_per_token_loss", "ppo_per_token_loss", "dpo_terms",
     # advantages
     "GROUP_STD_EPS", "group_advantages", "ZERO_VARIANCE_LOOP_VALUES", "zero_variance_groups", "zero_variance_counts",
