@@ -37,7 +37,7 @@ from tracer.checks.per_token_loss import (
     recomputed_per_token_loss,
     trl_loss_type,
 )
-from tracer.formulas.losses import unmasked_mean_loss
+
 
 NOISE_ULPS = 32.0  # float rounding of a recomputed loss, in ulps of the mean |per-token loss| (measured: <= 1)
 CLEAR = 10.0  # a healthy hypothesis off by more than CLEAR * noise is clearly not float noise
@@ -95,7 +95,7 @@ def reducer(ctx: StepContext, keep: torch.Tensor, name: str, divisor: float) -> 
              "kept_rows": lambda p: formulas.kept_rows_sequence_mean_loss(p, keep),
              "token_mean": lambda p: formulas.token_mean_loss(p, keep),
              "constant": lambda p: formulas.constant_divisor_loss(p, keep, divisor),
-             "unmasked_mean": unmasked_mean_loss}
+             "unmasked_mean": formulas.unmasked_mean_loss}
     return lambda ptl: scale * float(rules[name](ptl.double()))
 
 
