@@ -126,8 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="entries shown per check (default 10); findings of one cause that differ only in their "
                             "numbers (the same bug at several steps) are one entry, --json lists each")
     check.add_argument("--threshold", action="append", default=[], metavar="NAME=VALUE",
-                       help="a health warning's threshold (repeatable): ref_kl (mean k3 nats per kept token, default 1), "
-                            "clip_fraction (share outside the clip region after the first update, default 0.5), "
+                       help="a health warning's threshold (repeatable): ref_kl (mean k3 nats per kept token, default 2), "
+                            "clip_fraction (share of tokens whose gradient the clip removes after the first update, default 0.5; not "
+                            "judged under a clip epsilon below 0.1), "
                             "sampler_gap (mean |old - sampler| nats, default 0.1), entropy_floor (nats, default "
                             "0.05), entropy_drop (share of the first step's entropy lost, default 0.9), reward_flat "
                             "(share of groups with zero reward std, default 1); see docs/checks.md")

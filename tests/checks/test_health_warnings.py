@@ -70,9 +70,9 @@ def test_a_diverging_grpo_run_warns_once_for_its_ref_kl_and_once_for_its_clip_fr
     assert sum(f.check.startswith("health.") for f in findings) == 2  # one finding per quantity, not per step
     ref_kl = health["health.ref_kl"]
     assert ref_kl.severity == WARNING
-    assert ref_kl.details["steps"] == sorted({k.step for k, v in kl.items() if v > 1.0})
+    assert ref_kl.details["steps"] == sorted({k.step for k, v in kl.items() if v > 2.0})
     assert ref_kl.details["largest"] == pytest.approx(max(kl.values()), rel=1e-5)
-    assert ref_kl.message.startswith("mean ref KL (k3, over kept tokens) above the threshold 1 nats (--threshold "
+    assert ref_kl.message.startswith("mean ref KL (k3, over kept tokens) above the threshold 2 nats (--threshold "
                                      "ref_kl=...) at steps ")
     assert f"{max(kl.values()):.4g} nats at its largest" in ref_kl.message and "(beta 0.04)" in ref_kl.message
     clipped = health["health.clip_fraction"]
@@ -142,7 +142,7 @@ def test_unknown_or_out_of_range_thresholds_are_refused(tmp_path, capsys):
     root = write_trace(tmp_path / "t", "grpo", [(0, 0, _step(1.0, 0.0, [1, 0, 1, 0]))], {"num_generations": 2})
     assert cli_main(["check", str(root), "--threshold", "ref_kl"]) == 2
     assert "expected NAME=VALUE with a number, e.g. --threshold ref_kl=2.0" in capsys.readouterr().err
-    assert "ref_kl (mean k3 nats per kept token, default 1)" in " ".join(_check_help().split())
+    assert "ref_kl (mean k3 nats per kept token, default 2)" in " ".join(_check_help().split())
 
 
 def _check_help() -> str:

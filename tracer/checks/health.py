@@ -28,7 +28,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.advantage_rules import full_groups
-from tracer.checks.context import HEALTH_THRESHOLDS, CheckOptions, StepContext, StepHeader, check_memo
+from tracer.checks.context import HEALTH_THRESHOLDS, TIGHT_CLIP, CheckOptions, StepContext, StepHeader, check_memo
 from tracer.checks.dpo import steps_text
 from tracer.checks.finding import RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import _clip_region, is_fresh
@@ -47,13 +47,15 @@ def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> float | None:
     """The share of kept tokens whose gradient the clip removes (``tracer.formulas.clip_fractions``' low +
     high, the ``clip_fraction`` of ``tracer info``: ratio past the bound on the side the advantage
     pushes), on a step file after the first update on its rollout; None on fresh rollouts or without
-    ratio, advantages or the clip range."""
+    ratio, advantages or the clip range, and under a clip epsilon below ``TIGHT_CLIP`` (0.1)."""
     if is_fresh(ctx) or "ratio" not in ctx.data or "advantages" not in ctx.data:
         return None
     region = _clip_region(ctx)
     if region is None:
         return None
     low, high = region
+    if ctx.algorithm != "cispo" and min(1.0 - low, high - 1.0) < TIGHT_CLIP:
+        return None  # a trust region tighter than practice binds by design
     fractions = formulas.clip_fractions(ctx.tensor("ratio"), ctx.tensor("advantages"), keep, 1.0 - low, high - 1.0)
     return float(fractions["low"] + fractions["high"])
 
@@ -140,7 +142,7 @@ def _above(values, limit: float, larger: Callable[[float, float], bool] = lambda
 
 
 @register("health.ref_kl", "mean k3 KL to the reference over kept tokens stays under the threshold "
-          "(--threshold ref_kl, default 1 nat per token)", RL_ALGORITHMS, scope="trace")
+          "(--threshold ref_kl, default 2 nats per token)", RL_ALGORITHMS, scope="trace")
 def check_ref_kl(trace: Trace, options: CheckOptions, keys: list[StepKey]):
     values = _values(trace, options, keys, "ref_kl")
     above = _above(values, options.ref_kl_max)
