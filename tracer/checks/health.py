@@ -12,7 +12,8 @@ threshold and the steps it occurs on:
 - ``health.sampler_gap``: mean |old - sampler| over kept tokens (TRL's ``sampling_logp_difference``).
 - ``health.entropy_collapse``: mean token entropy fallen below a floor, or by a large share of its
   first value.
-- ``health.reward_flat``: the share of groups whose G rewards are all equal.
+- ``health.reward_flat``: the share of groups whose G rewards are all equal and whose advantages are
+  0 (no other term, such as RLOO's KL-penalised rewards, gives them a signal).
 
 A warning leaves ``tracer check``'s exit code at 0 unless ``--fail-on warning`` is given. A quantity
 the trace does not record is not judged and not reported as skipped: these are advice on a run, and
@@ -68,7 +69,14 @@ def _reward_flat(ctx: StepContext) -> float | None:
     groups, G = full_groups(view, rewards.shape[0])
     if G < 2 or not groups:
         return None
-    return sum(float(rewards[rows].max() - rewards[rows].min()) == 0.0 for rows in groups) / len(groups)
+    advantages = view.tensor("advantages") if "advantages" in view.data else None
+
+    def no_signal(rows: list[int]) -> bool:  # equal rewards, and no other advantage term (RLOO's KL) moves them
+        if float(rewards[rows].max() - rewards[rows].min()) != 0.0:
+            return False
+        return advantages is None or float(advantages[rows].abs().max()) <= ctx.tol.atol
+
+    return sum(no_signal(rows) for rows in groups) / len(groups)
 
 
 def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, float | None]:
