@@ -81,8 +81,12 @@ def _zero_edit(out: Path, cache: Path, meta: list[str], map_text: str | None = N
 
 
 def _alarms(findings) -> list[str]:
+    """Errors and warnings of the correctness checks. The ``health`` family is advice on how far a run
+    moves, not a bug class: these loops step Adam at lr 3e-3 .. 1e-2 on a tiny model (about 1000 times a
+    real run's rate, so that one update shows) and clip 55-65 % of their tokens' gradients, which
+    ``health.clip_fraction`` reports truthfully (its behaviour is pinned in test_health_warnings.py)."""
     return [f"{f.severity} {f.check} (step {f.step}, inner {f.inner_step}, mb {f.micro_batch}): {f.message}"
-            for f in findings if f.severity in (ERROR, WARNING)]
+            for f in findings if f.severity in (ERROR, WARNING) and f.family != "health"]
 
 
 def _of(findings, check: str, severity: str | None = None) -> list:

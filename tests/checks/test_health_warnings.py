@@ -119,11 +119,11 @@ def test_entropy_collapse_sampler_gap_and_flat_rewards_are_one_warning_each(tmp_
     entropy = health["health.entropy_collapse"]
     assert entropy.details["steps"] == [2, 3] and entropy.details["threshold"] == pytest.approx(0.2)
     assert entropy.message.startswith("mean token entropy fell from 2 nats (step 0) to 0.04 nats (step 3), under "
-                                      "0.2 nats at steps 2, 3 (2 of 4 step files)")
+                                      "0.2 nats at steps 2, 3 (2 of 4 updates)")
     gap = health["health.sampler_gap"]
     assert gap.details["steps"] == [1, 2, 3] and gap.details["largest"] == pytest.approx(0.3, abs=1e-6)
     assert gap.message.startswith("mean |old − sampler| over kept tokens above the threshold 0.1 nats "
-                                  "(--threshold sampler_gap=...) at steps 1..3 (3 of 4 step files): 0.3 nats")
+                                  "(--threshold sampler_gap=...) at steps 1..3 (3 of 4 updates): 0.3 nats")
     flat = health["health.reward_flat"]
     assert flat.details["steps"] == [2, 3] and flat.details["largest"] == 1.0
     # the floor (0.05 nats) decides when it is the larger line: drop 0.99 puts 1% of 2.0 = 0.02 under it

@@ -84,7 +84,9 @@ def test_first_k_sequences_skips_the_loss_check_only_where_rows_were_dropped(tmp
     # K below it: the loss covers rows the files lack, so the check skips, saying why
     cut = _grpo_steps(tmp_path / "cut", k=2, rows=4, loss_bug=True)
     assert errors(cut) == []
-    assert [f.message for f in cut if f.severity == "skipped"] == [
-        "skipped on 2 of 2 step files: the writer kept the first 2 of the step's 4 sequences (first_k_sequences): "
-        "the recorded loss was taken over all of them"]
+    reason = "the writer kept the first 2 of the step's 4 sequences (first_k_sequences): the recorded loss was taken over all of them"
+    assert [f.message for f in cut if f.check == "recompute.loss"] == [f"skipped on 2 of 2 step files: {reason}"]
+    # and the report opens with the bug class left unchecked, and why (tracer.checks.coverage)
+    assert [f.message for f in cut if f.check == "trace.not_checked"] == [
+        f"not checked: loss reduction and loss over padding — on 2 of 2 step files none of recompute.loss could run: {reason}"]
     assert tracer.Trace(tmp_path / "cut").metadata(tracer.Trace(tmp_path / "cut").steps()[0])["rows_before_cut"] == 4

@@ -73,3 +73,5 @@ def test_the_explicit_api_skeleton_with_a_loss_over_padding_exits_1(tmp_path, mo
     assert main(["check", str(trace)]) == 1
     out = capsys.readouterr().out
     assert "ERROR   recompute.loss" in out and "not checked: loss reduction" not in out
+    # the cause, named first: the recorded loss is per_token_loss.mean() over all 4 x 6 positions
+    assert "    loss over padding: recorded loss " in out and "over all 4 × 6 positions, padding included" in out

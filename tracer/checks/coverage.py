@@ -91,10 +91,10 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
         absent = [f for f in bug.fields if any(f not in fields[k] for k in missed)]
         reasons = sorted({skipped[c][k] for c in checks for k in missed if k in skipped.get(c, {})})
         first = missed[0]
-        record = f"record {', '.join(absent)}" if absent else "needs " + "; ".join(reasons[:2])
         applicable = sum(applies(bug, algorithm_of[k], conditions[k]) for k in keys)
-        message = (f"not checked: {bug.name} — {record} (on {len(missed)} of {applicable} step files none of "
-                   f"{', '.join(checks)} could run: {'; '.join(reasons[:2])})")
+        why = f"on {len(missed)} of {applicable} step files none of {', '.join(checks)} could run: {'; '.join(reasons[:2])}"
+        # a missing field says what to record; otherwise (rows cut by first_k_sequences...) the reason is the news
+        message = f"not checked: {bug.name} — " + (f"record {', '.join(absent)} ({why})" if absent else why)
         out.append(Finding(NOT_CHECKED, SKIPPED, message, step=first.step, inner_step=first.inner_step,
                            micro_batch=first.micro_batch, rank=first.rank, path=str(first.path),
                            details={"class": bug.name, "fields": absent, "checks": checks,

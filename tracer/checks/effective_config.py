@@ -94,6 +94,8 @@ def _where_agg_parted(ctx: StepContext, effective: str, declared: str) -> str:
 @register("recompute.loss_agg_mode", "verl's recorded pg_loss is the declared loss_agg_mode of its per-token loss "
           "(names the mode in effect)", RL_ALGORITHMS)
 def check_loss_agg_mode(ctx: StepContext):
+    if "verl_pg_loss" not in ctx.data:
+        return []  # not a verl worker file (only tracer.integrations.verl records pg_loss): not applicable
     (pg_loss,) = ctx.require("verl_pg_loss")
     recorded = float(pg_loss.reshape(()))
     declared = ctx.hyper("declared_loss_agg_mode", None) or ctx.hyper("loss_agg_mode")
@@ -182,6 +184,8 @@ def _where_std_parted(ctx: StepContext, effective: bool, declared: bool) -> str:
 @register("recompute.advantage_std", "verl GRPO's advantages follow the declared norm_adv_by_std_in_grpo (names "
           "the one in effect)", RL_ALGORITHMS)
 def check_advantage_std(ctx: StepContext):
+    if ctx.hyper("adv_estimator", None) not in VERL_GRPO_ESTIMATORS:
+        return []  # not verl's GRPO (another estimator, or not a verl trace): not applicable, not skipped
     found = advantage_std_in_effect(ctx)
     rules, rows, recorded = found["rules"], found["rows"], found["recorded"]
     declared = ctx.hyper("declared_norm_adv_by_std_in_grpo", None)
@@ -257,8 +261,8 @@ def check_declared_settings(ctx: StepContext):
             f"{key} in effect is {at_call!r}, config declares {declared_key.removeprefix('declared_')} = "
             f"{declared!r}{evidence}.\n{what[0].upper() + what[1:]} differs from the config the run was started "
             "with: the config's value did not reach the call."), setting=key, in_effect=at_call, declared=declared))
-    if not findings and not any(ctx.hyper(d, None) is not None for d, _ in COMPARED_SETTINGS.values()):
-        raise Skip("no declared_<setting> metadata (recorded by tracer.integrations.verl)")
+    # a trace without declared_<setting> metadata (only the verl and TRL integrations record the config's
+    # values beside those at the call) has nothing to compare: not applicable, so no skipped line
     return findings
 
 

@@ -1,7 +1,8 @@
 """Health of a run that is not broken but drifting: warnings when a measured quantity crosses a
 documented, overridable threshold (:class:`tracer.checks.context.CheckOptions`, ``tracer check
 --threshold NAME=VALUE``). Each is a trace check that gives one finding naming the value, the
-threshold and the steps it occurs on:
+threshold and the steps it occurs on. Each quantity is judged per update (step, inner step): its mean
+over the kept tokens (or groups) of all the update's micro-batches and ranks:
 
 - ``health.ref_kl``: mean k3 KL to the reference over kept tokens (``tracer.formulas.ref_kl_k3``).
 - ``health.clip_fraction``: share of kept tokens whose gradient the clip removes (ratio past the bound
@@ -38,13 +39,17 @@ from tracer.read import StepKey, Trace
 GROUPED = frozenset({"grpo", "cispo", "rloo", ""})
 
 
-def _mean(values: torch.Tensor, keep: torch.Tensor) -> float | None:
-    """Mean of ``values`` over kept, finite positions; None when there is none (NaN is nonfinite's finding)."""
+Total = tuple[float, int]  # (sum, count): a step file's part of an update's mean
+
+
+def _mean(values: torch.Tensor, keep: torch.Tensor) -> Total | None:
+    """Sum and count of ``values`` over kept, finite positions; None when there is none (NaN is
+    nonfinite's finding)."""
     keep = keep.bool() & torch.isfinite(values)
-    return float(values.double()[keep].mean()) if bool(keep.any()) else None
+    return (float(values.double()[keep].sum()), int(keep.sum())) if bool(keep.any()) else None
 
 
-def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> float | None:
+def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> Total | None:
     """The share of kept tokens whose gradient the clip removes (``tracer.formulas.clip_fractions``' low +
     high, the ``clip_fraction`` of ``tracer info``: ratio past the bound on the side the advantage
     pushes), on a step file after the first update on its rollout; None on fresh rollouts or without
@@ -58,10 +63,11 @@ def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> float | None:
     if ctx.algorithm != "cispo" and min(1.0 - low, high - 1.0) < TIGHT_CLIP:
         return None  # a trust region tighter than practice binds by design
     fractions = formulas.clip_fractions(ctx.tensor("ratio"), ctx.tensor("advantages"), keep, 1.0 - low, high - 1.0)
-    return float(fractions["low"] + fractions["high"])
+    kept = int(keep.sum())
+    return (float(fractions["low"] + fractions["high"]) * kept, kept) if kept else None
 
 
-def _reward_flat(ctx: StepContext) -> float | None:
+def _reward_flat(ctx: StepContext) -> Total | None:
     if ctx.algorithm not in GROUPED or "rewards" not in ctx.data:
         return None
     view = ctx.episode_view()
@@ -76,15 +82,17 @@ def _reward_flat(ctx: StepContext) -> float | None:
             return False
         return advantages is None or float(advantages[rows].abs().max()) <= ctx.tol.atol
 
-    return sum(no_signal(rows) for rows in groups) / len(groups)
+    return float(sum(no_signal(rows) for rows in groups)), len(groups)
 
 
-def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, float | None]:
-    """The health quantities of one step file: ``ref_kl`` (mean k3, nats), ``clip_fraction`` (share),
-    ``sampler_gap`` (mean |old - sampler|, nats), ``entropy`` (mean, nats), ``reward_flat`` (share of
-    groups), each None when the file lacks its inputs."""
+def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, Total | None]:
+    """The health quantities of one step file as ``(sum, count)``, so that the micro-batches and ranks
+    of one update add up to its mean: ``ref_kl`` (k3 over kept tokens, nats), ``clip_fraction``
+    (clipped kept tokens), ``sampler_gap`` (|old - sampler| over kept tokens, nats), ``entropy``
+    (over kept tokens, nats), ``reward_flat`` (flat groups over groups); each None when the file
+    lacks its inputs."""
     ctx = StepContext(trace, key, options)
-    out: dict[str, float | None] = {}
+    out: dict[str, Total | None] = {}
     if "completion_mask" in ctx.data:
         keep = ctx.mask()
         out["ref_kl"] = _mean(ctx.tensor("ref_kl_k3"), keep) if "ref_kl_k3" in ctx.data else None
@@ -103,7 +111,7 @@ def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, 
     return out
 
 
-def _health(trace: Trace, options: CheckOptions, keys: list[StepKey]) -> list[tuple[StepKey, dict[str, float | None]]]:
+def _health(trace: Trace, options: CheckOptions, keys: list[StepKey]) -> list[tuple[StepKey, dict[str, Total | None]]]:
     """:func:`step_health` of every step file, in step order, once per run of the checks."""
     memo = check_memo(trace, "health")
     for key in keys:
@@ -116,18 +124,28 @@ def _health(trace: Trace, options: CheckOptions, keys: list[StepKey]) -> list[tu
 
 
 def _values(trace, options, keys, quantity: str) -> list[tuple[StepKey, float]]:
-    rows = _health(trace, options, keys)
-    return [(k, h[quantity]) for k, h in rows if h.get(quantity) is not None and math.isfinite(h[quantity])]
+    """``quantity`` per update (step, inner step): the mean over the kept tokens (groups) of all its
+    micro-batches and ranks, keyed by its first step file. A micro-batch of two rows is too small to
+    judge alone: one of a healthy run's may clip 2 of 3 tokens where its update clips a fifth."""
+    totals: dict[tuple[int, int], list] = {}
+    for key, health in _health(trace, options, keys):
+        part = health.get(quantity)
+        if part is None or not math.isfinite(part[0]):
+            continue
+        entry = totals.setdefault((key.step, key.inner_step), [key, 0.0, 0])
+        entry[1] += part[0]
+        entry[2] += part[1]
+    return [(key, total / count) for key, total, count in totals.values() if count]
 
 
 def _finding(check: str, name: str, above: list[tuple[StepKey, float]], total: int, quantity: str, threshold: str,
              worst: str, why: str, **details) -> Finding:
-    """One warning for the step files in ``above`` (worst first): the quantity past its threshold, the
+    """One warning for the updates in ``above`` (worst first): the quantity past its threshold, the
     steps, the worst value, and what it means."""
     worst_key, _ = above[0]
     steps = sorted({k.step for k, _ in above})
     message = (f"{quantity} {threshold} (--threshold {name}=...) at step{'s' if len(steps) > 1 else ''} "
-               f"{steps_text(steps)} ({len(above)} of {total} step files): {worst} at step {worst_key.step}, "
+               f"{steps_text(steps)} ({len(above)} of {total} updates): {worst} at step {worst_key.step}, "
                f"inner step {worst_key.inner_step}. {why}")
     return Finding(check, WARNING, message, step=worst_key.step, inner_step=worst_key.inner_step,
                    micro_batch=worst_key.micro_batch, rank=worst_key.rank, path=str(worst_key.path),
@@ -174,7 +192,7 @@ def _coef(trace: Trace, key: StepKey) -> str:
 @register("health.clip_fraction", "share of kept tokens whose gradient the clip removes after the first update "
           "stays under the threshold (--threshold clip_fraction, default 0.5)", RL_ALGORITHMS, scope="trace")
 def check_clip_fraction(trace: Trace, options: CheckOptions, keys: list[StepKey]):
-    values = [(k, h["clip_fraction"]) for k, h in _health(trace, options, keys) if h.get("clip_fraction") is not None]
+    values = _values(trace, options, keys, "clip_fraction")
     above = _above(values, options.clip_fraction_max, persistent=False)  # one pass that clips most tokens is too far
     if not above:
         return []
@@ -226,7 +244,7 @@ def check_entropy_collapse(trace: Trace, options: CheckOptions, keys: list[StepK
     steps = sorted({k.step for k, _ in low})
     message = (f"mean token entropy fell from {first:.4g} nats (step {first_key.step}) to {lowest:.4g} nats "
                f"(step {key.step}), under {limit:.4g} nats at step{'s' if len(steps) > 1 else ''} {steps_text(steps)} "
-               f"({len(low)} of {len(values)} step files): the threshold is the larger of the floor "
+               f"({len(low)} of {len(values)} updates): the threshold is the larger of the floor "
                f"{options.entropy_floor:g} nats and {1 - options.entropy_drop:.0%} of the first value "
                f"(--threshold entropy_floor=..., entropy_drop=...). The policy has become nearly deterministic "
                "on these prompts, so its samples stop exploring and the group advantages lose their spread.")

@@ -99,6 +99,10 @@ def _file_notes(trace: Trace) -> list[Finding]:
     return found
 
 
+# a check that reads another step file (a first rollout, an earlier micro-batch) may meet an unreadable one:
+# TraceError is then that check's crash (a warning), not the end of the run (trace.unreadable names the file)
+
+
 def run_checks(
     trace: Trace | str | Path,
     select: Iterable[str] | None = None,
@@ -162,7 +166,7 @@ def run_checks(
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).append(key)
                 seen.skipped.setdefault(check.id, {})[key] = str(skip)
-            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError, TraceError) as err:
                 log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
                 findings.append(_crash(check, err, key))
     if not readable:
@@ -177,7 +181,7 @@ def run_checks(
             except Skip as skip:
                 skips.setdefault((check.id, str(skip)), []).extend(readable)
                 seen.skipped[check.id] = {k: str(skip) for k in readable}
-            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError) as err:
+            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError, TraceError) as err:
                 findings.append(_crash(check, err))
     for (check_id, reason), where in skips.items():
         first = where[0]

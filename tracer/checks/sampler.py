@@ -37,6 +37,7 @@ from tracer.checks import sampler_patterns as patterns
 from tracer.checks.context import StepContext, check_memo, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
+from tracer.errors import TraceError
 
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
 WARN_SHARE, ERROR_SHARE = 0.01, 0.10  # share of tokens outside [1/C, C]
@@ -68,13 +69,16 @@ def _first_rollout(ctx: StepContext, name: str) -> tuple[int, float] | None:
         keys = sorted((k for k in ctx.trace.steps() if k.inner_step == 0 and k.rank == ctx.key.rank),
                       key=lambda k: (k.step, k.micro_batch))
         memo[ctx.key.rank] = None
-        if keys:
-            data = ctx.trace.load_step(keys[0], [name, "sampler_logprobs", "completion_mask"], derive=False)
-            if {name, "sampler_logprobs", "completion_mask"} <= set(data):
-                trainer, sampler = data[name].double(), data["sampler_logprobs"].double()
-                keep = data["completion_mask"].bool() & torch.isfinite(trainer) & torch.isfinite(sampler)
-                if int(keep.sum()):
-                    memo[ctx.key.rank] = (keys[0].step, float((trainer - sampler)[keep].abs().mean()))
+        try:
+            data = (ctx.trace.load_step(keys[0], [name, "sampler_logprobs", "completion_mask"], derive=False)
+                    if keys else {})
+        except TraceError:  # an unreadable first rollout is trace.unreadable's finding; no baseline then
+            data = {}
+        if {name, "sampler_logprobs", "completion_mask"} <= set(data):
+            trainer, sampler = data[name].double(), data["sampler_logprobs"].double()
+            keep = data["completion_mask"].bool() & torch.isfinite(trainer) & torch.isfinite(sampler)
+            if int(keep.sum()):
+                memo[ctx.key.rank] = (keys[0].step, float((trainer - sampler)[keep].abs().mean()))
     first = memo[ctx.key.rank]
     return None if first is None or first[0] >= ctx.key.step else first
 
