@@ -119,27 +119,30 @@ REFERENCE: dict[str, dict[str, str]] = {
                    "`truncation_mode = \"keep_end\"` is an info.",
     },
     "turns.tool_output_trained": {
-        "needs": "`completion_mask` and `token_roles` or `mask_reasons` on a multi-turn step; `completion_ids` "
-                 "for the span's text.",
+        "needs": "`completion_mask` and `token_roles` or `mask_reasons` on a multi-turn step (not applicable to "
+                 "single-turn rows without `mask_reasons`); `completion_ids` for the span's text.",
         "assumes": "the recorded roles / reasons are the truth: a token of role tool, user, system or "
                    "environment after the prompt (or reason tool_output / environment) was not written by the "
                    "model.",
     },
     "turns.placeholder_logprobs": {
-        "needs": "`policy_logprobs`, `completion_mask`, and `old_logprobs` and/or `sampler_logprobs`.",
+        "needs": "`policy_logprobs`, `completion_mask`, and a recorded (not derived) `old_logprobs` and/or "
+                 "`sampler_logprobs`; not applicable without them.",
         "assumes": "the policy's logprob is the reference for a real value: a recorded 0.0, or one constant "
                    "over ≥ 4 consecutive trained tokens where the policy spreads > 0.1 nats, counts only where "
                    "the policy gives the token < −0.5 nats.",
     },
     "turns.turn_shift": {
-        "needs": "`turn_ids` (or turns read from the mask), `old_logprobs`, and `sampler_logprobs` or, at inner "
-                 "step 0, `policy_logprobs`.",
+        "needs": "multi-turn rows (`turn_ids`, or turns read from the mask; not applicable to single-turn rows), "
+                 "`old_logprobs` with `sampler_logprobs`, or old and `policy_logprobs` at inner step 0 (skipped "
+                 "without either pair).",
         "assumes": "a turn needs ≥ 3 kept tokens; a shift wins when the unshifted mean |Δ| exceeds 0.1 nats and "
                    "the shifted one is below half of it (the thresholds of `alignment.logprob_shift`).",
     },
     "turns.untrained_turn": {
-        "needs": "`token_roles` (recorded, or read from a packed row's ChatML markers), `completion_mask`; "
-                 "`mask_reasons` to accept a recorded reason.",
+        "needs": "`token_roles` (recorded, or read from a packed row's ChatML markers), `completion_ids`, "
+                 "`completion_mask`; `mask_reasons` to accept a recorded reason. Not applicable to single-turn "
+                 "rows; skipped on multi-turn rows without roles.",
         "assumes": "every assistant turn is trained up to its EOS or `<|im_end|>`; a role header of up to 3 "
                    "tokens and a short untrained tail (a stop string the loop re-appended) are not the bug; not "
                    "run under verl's `rollout_rs`.",
@@ -277,7 +280,7 @@ REFERENCE: dict[str, dict[str, str]] = {
                  "defaults to it); metadata `clip_fraction_low` / `_high` / `_region` to compare with.",
         "assumes": "token-level ratios (skipped for a sequence-level `importance_sampling_level`); TRL's "
                    "sign-aware definitions (`tracer.formulas.clip_fractions`); recorded vs recomputed within "
-                   "1e-3.",
+                   "1e-3; with none recorded, an info giving the recomputed ones when a ratio leaves the region.",
     },
     "recompute.dpo": {
         "needs": "the four DPO per-token logprob fields, both masks, `beta`, and at least one of `dpo_logits`, "
