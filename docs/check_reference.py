@@ -1,7 +1,8 @@
 """Print docs/checks.md's "Check reference": for every registered check, what it needs, what it assumes,
 and an example message produced by running the check on a small real trace.
 
-    python docs/check_reference.py              # Markdown on stdout; paste it at the end of docs/checks.md
+    python docs/check_reference.py              # Markdown on stdout
+    python docs/check_reference.py --write      # replace the section at the end of docs/checks.md with it
 
 The needs / assumes texts (:data:`REFERENCE`) are written from each check's code (``tracer/checks/*.py``).
 Each example is real: :data:`TRACES` builds, per check, step files with ``TraceWriter`` (the toy tokenizer of
@@ -869,5 +870,18 @@ def main() -> None:
             print("```")
 
 
+def write(doc: Path = REPO / "docs" / "checks.md") -> None:
+    """Replace ``doc`` from its ``## Check reference`` heading to the end (or append) with :func:`main`'s output."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main()
+    text = doc.read_text(encoding="utf-8")
+    head = text.split("\n## Check reference\n", 1)[0].rstrip("\n")
+    doc.write_text(f"{head}\n\n{out.getvalue()}", encoding="utf-8")
+
+
 if __name__ == "__main__":
-    main()
+    write() if sys.argv[1:] == ["--write"] else main()

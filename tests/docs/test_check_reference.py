@@ -72,6 +72,6 @@ def test_docs_checks_md_holds_the_current_reference_at_its_end(reference):
     _, printed = reference
     doc = DOC.read_text(encoding="utf-8")
     assert printed.strip() in doc, (
-        "docs/checks.md's Check reference differs from what the checks say now: replace the section from "
-        "'## Check reference' to the end with the output of `python docs/check_reference.py`")
+        "docs/checks.md's Check reference differs from what the checks say now: run "
+        "`python docs/check_reference.py --write` (it replaces the section from '## Check reference' to the end)")
     assert doc.rstrip().endswith(printed.strip())
