@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tracer.errors import TraceError
-from tracer.demo.runner import DEMO_ALGOS
+from tracer.demo.runner import DEMO_ALGOS, VLLM_BUGS
 from tracer.read import Trace, find_traces
 from tracer.format.schema import ALGORITHMS
 from tracer.read.trace_info import print_info, trace_info
@@ -85,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    demo.add_argument("--bug", choices=("raw-logprobs", "top-p"), default=None,
-                      help="grpo-vllm only: inject a sampler/trainer mismatch (engine reports raw logprobs, or "
-                           "samples with top_p < 1)")
+    demo.add_argument("--bug", choices=VLLM_BUGS, default=None,
+                      help="grpo-vllm only: inject a sampler/trainer mismatch (the engine reports raw logprobs; "
+                           "samples with top_p < 1, top_k 5 or repetition_penalty 1.3 the trainer does not apply; "
+                           "or gets no weight sync after step 0)")
     demo.add_argument("--rollout", choices=("hf", "vllm"), default="hf",
                       help="grpo/cispo only: sample with the policy's generate (hf, default) or a colocated "
                            "vLLM engine synced each step (vllm)")

@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from tracer.demo.runner import VLLM_BUGS as BUGS
 from tracer.demo.trl_demo import run_traced
 
-BUGS = ("raw-logprobs", "top-p", "top-k", "repetition-penalty", "stale-sync")
 TEMPERATURE = 0.7
 TOP_P_BUG = 0.8
 TOP_K_BUG = 5
