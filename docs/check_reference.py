@@ -19,8 +19,8 @@ import math
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -30,7 +30,7 @@ def reference():
 
 def _sections(text: str) -> dict[str, str]:
     """``{check id: its section's text}`` of the printed reference."""
-    parts = re.split(r"^### `([a-z_]+\.[a-z_0-9]+)`$", text, flags=re.M)
+    parts = re.split(r"^### `([a-z_]+\.[a-z_0-9]+)`$", text, flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
 
 
@@ -49,9 +49,9 @@ def test_every_check_gets_a_section_with_a_non_empty_example(reference):
     sections = _sections(printed)
     assert list(sections) == list(CHECKS)  # one each, in the registry's (running) order
     for check_id, body in sections.items():
-        needs = re.search(r"^\*\*Needs:\*\* (\S.*)$", body, re.M)
-        assumes = re.search(r"^\*\*Assumes:\*\* (\S.*)$", body, re.M)
-        example = re.search(r"^\*\*Example\*\* \((error|warning|info);.*\n\n```text\n(.+?)\n```", body, re.M | re.S)
+        needs = re.search(r"^\*\*Needs:\*\* (\S.*)$", body, re.MULTILINE)
+        assumes = re.search(r"^\*\*Assumes:\*\* (\S.*)$", body, re.MULTILINE)
+        example = re.search(r"^\*\*Example\*\* \((error|warning|info);.*\n\n```text\n(.+?)\n```", body, re.MULTILINE | re.DOTALL)
         assert needs and assumes and example, check_id
         assert example.group(2).strip(), check_id
 
