@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Sequence
 
 from tracer.errors import TraceError
-from tracer.demo.runner import DEMO_ALGOS, VLLM_BUGS
+from tracer.demo.runner import DEMO_ALGOS
+from tracer.demo.sampler_faults import VLLM_BUGS
 from tracer.read import Trace, find_traces
 from tracer.format.schema import ALGORITHMS
 from tracer.read.trace_info import print_info, trace_info

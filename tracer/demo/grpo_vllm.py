@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from tracer.demo.runner import VLLM_BUGS as BUGS
+from tracer.demo.sampler_faults import VLLM_BUGS as BUGS
 from tracer.demo.trl_demo import run_traced
 
 TEMPERATURE = 0.7

@@ -16,9 +16,6 @@ from tracer.record.writer import refuse_existing_trace
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
 TRL = ("grpo-trl", "rloo-trl", "dpo-trl")
 VLLM = ("grpo-vllm",)  # TRL GRPO sampling with a colocated vLLM engine: needs the `vllm` extra
-# the sampler faults `--algo grpo-vllm --bug` injects (tracer.demo.grpo_vllm); here so the CLI lists them
-# without importing TRL
-VLLM_BUGS = ("raw-logprobs", "top-p", "top-k", "repetition-penalty", "stale-sync")
 AGENT = "agent"  # TRL GRPO with tools=[add]: multi-turn tool-calling episodes
 DEMO_ALGOS = HAND_WRITTEN + TRL + VLLM + (AGENT,)
 ROLLOUTS = ("hf", "vllm")  # who samples in the hand-written grpo / cispo loop
