@@ -14,35 +14,58 @@ import torch
 
 from tracer import formulas
 from tracer.checks.advantage_rules import advantage_rule_findings
-from tracer.checks.comparison import compare
+from tracer.checks.comparison import Variant, compare, compare_with_variants
 from tracer.checks.context import StepContext, check_memo
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.checks.kl_placement import kl_in_reward, reward_kl
+from tracer.formulas.logprobs import approx_kl_k2_variants, ratio_variants, ref_kl_k3_variants
 
 CLIP_FRACTION_ATOL = 1e-3  # recorded vs recomputed clip fraction (a share of kept tokens)
 
 
-@register("recompute.ratio", "recorded ratio == exp(policy - old)", RL_ALGORITHMS)
+@register("recompute.ratio", "recorded ratio == exp(policy - old); names the variant (inverted, exp not applied "
+          "or applied twice, logprobs divided) that reproduces a wrong one", RL_ALGORITHMS)
 def check_ratio(ctx: StepContext):
     if ctx.hyper("importance_sampling_level", "token") != "token":
         raise Skip("importance_sampling_level is not 'token': the recorded ratio is per sequence")
     ratio, policy = ctx.require_recorded("ratio", "policy_logprobs")
-    return compare(ctx, "recompute.ratio", "ratio", ratio, formulas.ratio(policy, ctx.old_logprobs()),
-                   ctx.mask(), "tracer.formulas.ratio")
+    old = ctx.old_logprobs()
+    wrong = ratio_variants(policy, old)
+    return compare_with_variants(ctx, "recompute.ratio", "ratio", ratio, formulas.ratio(policy, old), ctx.mask(),
+                                 "exp(policy − old)", [
+                                     Variant("ratio inverted", "exp(old − policy)", wrong["inverted"]),
+                                     Variant("exp not applied (the log ratio recorded as the ratio)", "policy − old",
+                                             wrong["log_ratio"]),
+                                     Variant("exp applied twice", "exp(exp(policy − old))", wrong["exp_twice"]),
+                                     Variant("logprobs divided as if they were probabilities", "policy / old",
+                                             wrong["logprob_quotient"])])
 
 
-@register("recompute.ref_kl_k3", "recorded ref_kl_k3 == exp(ref - policy) - (ref - policy) - 1", RL_ALGORITHMS)
+@register("recompute.ref_kl_k3", "recorded ref_kl_k3 == exp(ref - policy) - (ref - policy) - 1; names the variant "
+          "(arguments swapped, k1 or k2 stored as k3) that reproduces a wrong one", RL_ALGORITHMS)
 def check_ref_kl_k3(ctx: StepContext):
     k3, policy, ref = ctx.require_recorded("ref_kl_k3", "policy_logprobs", "ref_logprobs")
-    return compare(ctx, "recompute.ref_kl_k3", "ref_kl_k3", k3, formulas.ref_kl_k3(policy, ref), ctx.mask(),
-                   "tracer.formulas.ref_kl_k3")
+    wrong = ref_kl_k3_variants(policy, ref)
+    return compare_with_variants(ctx, "recompute.ref_kl_k3", "ref_kl_k3", k3, formulas.ref_kl_k3(policy, ref),
+                                 ctx.mask(), "exp(ref − policy) − (ref − policy) − 1", [
+                                     Variant("k3 arguments swapped (KL(ref ‖ policy), not KL(policy ‖ ref))",
+                                             "exp(policy − ref) − (policy − ref) − 1", wrong["swapped"]),
+                                     Variant("k1 stored under the k3 name", "policy − ref", wrong["k1"]),
+                                     Variant("k2 stored under the k3 name", "0.5·(policy − ref)²", wrong["k2"])])
 
 
-@register("recompute.approx_kl_k2", "recorded approx_kl_k2 == 0.5 * (policy - old)^2", RL_ALGORITHMS)
+@register("recompute.approx_kl_k2", "recorded approx_kl_k2 == 0.5 * (policy - old)^2; names the variant (0.5 "
+          "missing, k1 or k3 stored as k2) that reproduces a wrong one", RL_ALGORITHMS)
 def check_approx_kl_k2(ctx: StepContext):
     k2, policy = ctx.require_recorded("approx_kl_k2", "policy_logprobs")
-    return compare(ctx, "recompute.approx_kl_k2", "approx_kl_k2", k2,
-                   formulas.approx_kl_k2(policy, ctx.old_logprobs()), ctx.mask(), "tracer.formulas.approx_kl_k2")
+    old = ctx.old_logprobs()
+    wrong = approx_kl_k2_variants(policy, old)
+    return compare_with_variants(ctx, "recompute.approx_kl_k2", "approx_kl_k2", k2, formulas.approx_kl_k2(policy, old),
+                                 ctx.mask(), "0.5·(policy − old)²", [
+                                     Variant("k2 missing its 0.5", "(policy − old)²", wrong["no_half"]),
+                                     Variant("k1 stored under the k2 name", "policy − old", wrong["k1"]),
+                                     Variant("k3 stored under the k2 name", "exp(policy − old) − (policy − old) − 1",
+                                             wrong["k3"])])
 
 
 # the rule recomputation lives with the group and rule helpers the advantages family shares

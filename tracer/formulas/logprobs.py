@@ -114,6 +114,48 @@ def ref_kl(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
     return ref_kl_k3(policy_logprobs, ref_logprobs)
 
 
+# -- known wrong variants of the derived tensors (for the recompute checks to name the bug) ---------------
+def ratio_variants(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Known wrong importance ratios, each ``[B, T]`` like :func:`ratio`:
+
+    - ``inverted``: ``exp(old - policy)`` = 1 / ratio (the subtraction's operands swapped);
+    - ``log_ratio``: ``policy - old`` (exp never applied: the log ratio stored as the ratio);
+    - ``exp_twice``: ``exp(exp(policy - old))`` (exp applied to a ratio already exponentiated);
+    - ``logprob_quotient``: ``policy / old`` (logprobs divided as if they were probabilities).
+
+    The correct ratio, ``exp(policy - old)`` = p_policy / p_old, is seed section 2.3; the variants are
+    the ways that rule is broken with the same two tensors."""
+    log_ratio = policy_logprobs - old_logprobs
+    return {"inverted": torch.exp(-log_ratio), "log_ratio": log_ratio, "exp_twice": torch.exp(torch.exp(log_ratio)),
+            "logprob_quotient": policy_logprobs / old_logprobs}
+
+
+def ref_kl_k3_variants(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Known wrong values stored as ``ref_kl_k3``, each ``[B, T]`` nats like :func:`ref_kl_k3`:
+
+    - ``swapped``: k3 with its arguments swapped, ``exp(policy - ref) - (policy - ref) - 1`` (estimates
+      KL(ref || policy), not KL(policy || ref));
+    - ``k1``: ``policy - ref`` (:func:`kl_k1`) stored under the k3 name;
+    - ``k2``: ``0.5 * (policy - ref)^2`` stored under the k3 name.
+
+    Source: Schulman, "Approximating KL Divergence" (2020): k1, k2, k3 for samples from the policy."""
+    return {"swapped": ref_kl_k3(ref_logprobs, policy_logprobs), "k1": kl_k1(policy_logprobs, ref_logprobs),
+            "k2": approx_kl_k2(policy_logprobs, ref_logprobs)}
+
+
+def approx_kl_k2_variants(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Known wrong values stored as ``approx_kl_k2``, each ``[B, T]`` nats like :func:`approx_kl_k2`:
+
+    - ``no_half``: ``(policy - old)^2``, twice k2 (the 0.5 missing);
+    - ``k1``: ``policy - old``;
+    - ``k3``: ``(ratio - 1) - log ratio`` = ``exp(policy - old) - (policy - old) - 1`` (CleanRL's
+      ``approx_kl``, another estimator stored under the k2 name).
+
+    Source: Schulman (2020); MiniMind ``train_ppo.py`` (k2); CleanRL ``ppo.py`` (``approx_kl``)."""
+    return {"no_half": 2.0 * approx_kl_k2(policy_logprobs, old_logprobs), "k1": kl_k1(policy_logprobs, old_logprobs),
+            "k3": ref_kl_k3(old_logprobs, policy_logprobs)}
+
+
 def sequence_logprobs(token_logprobs_: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Masked sum of token logprobs per sequence, ``[B, T]`` -> ``[B]`` nats (DPO)."""
     return masked_sum(token_logprobs_, mask, dim=1)
