@@ -134,5 +134,7 @@ def test_a_setting_at_the_call_that_differs_from_the_config_is_an_error(tmp_path
                                                 "clip_ratio_low": 0.2})
     (f,) = _found(trace, "recompute.declared_settings")
     assert f.message.splitlines()[0] == "clip_ratio_high in effect is 0.2, config declares clip_ratio_high = 0.28."
+    # the second line names the setting as written in the config, not capitalised ("Clip_ratio_high")
+    assert f.message.splitlines()[1].startswith("The clip_ratio_high of the config the policy loss received differs")
     assert _found(_worker_trace(tmp_path / "ok", 2.5, {"declared_clip_ratio_low": 0.2, "clip_ratio_low": 0.2}),
                   "recompute.declared_settings") == []

@@ -72,8 +72,8 @@ def test_case2_logprobs_shifted_by_one(tmp_path):
     # shift -1 has no kept pair. +1 fits (0 < 0.5 * 2.8), so old_logprobs[j] is token j+1's logprob.
     assert (f.severity, f.step, f.sequence, f.token, f.token_id) == (ERROR, 0, 0, 0, 12)
     assert f.details["shift"] == 1
-    assert "shifted by +1 (mean |Δ| 0.0000 nats over 1 tokens)" in f.message
-    assert "unshifted (mean |Δ| 2.8000 nats over 1 tokens)" in f.message
+    assert "shifted by +1 (mean |Δ| 0.0000 nats over 1 token)" in f.message
+    assert "unshifted (mean |Δ| 2.8000 nats over 1 token)" in f.message
     assert "the kept tokens of seq 0 sum to -3.0000 instead of -0.2000" in f.message
     assert cli_json(root, "--select", "alignment.logprob_shift")[0] == 1
 

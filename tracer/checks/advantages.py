@@ -19,6 +19,7 @@ import torch
 from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups, named_rule, whitened_fit
 from tracer.checks.context import StepContext, check_memo
+from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
@@ -242,7 +243,7 @@ def check_z_bound(ctx: StepContext):
     message = (
         f"|A| = {value:.4g} at seq {row} exceeds sqrt(G - 1) = {bound:.4g}, the largest magnitude a z-score "
         f"(r - mean_g) / std_g can take in a group of G = {G} (with Bessel's std it is (G-1)/sqrt(G)); "
-        f"{n_over} rows exceed it. Why it matters: the advantages were not normalised within the group, so "
+        f"{count(n_over, 'row exceeds', 'rows exceed')} it. Why it matters: the advantages were not normalised within the group, so "
         "their scale (and the effective learning rate) depends on the batch. Likely fix: take mean and std "
         "over the same G rows (rewards.view(-1, G)), not over the batch or the wrong axis (view(G, -1))."
     )
@@ -283,8 +284,8 @@ def check_masked_positions(ctx: StepContext):
                             "as verl's masked_whiten leaves them; harmless where the loss masks them.",
                             b, t, field="advantages", positions=int(leak.sum()))]
     message = (
-        f"advantages[{b}, {t}] = {float(advantages[b, t]):.4g} at a masked position; {int(leak.sum())} masked "
-        "positions carry a non-zero advantage. Why it matters: harmless only if every consumer masks it; "
+        f"advantages[{b}, {t}] = {float(advantages[b, t]):.4g} at a masked position; "
+        f"{count(int(leak.sum()), 'masked position carries', 'masked positions carry')} a non-zero advantage. Why it matters: harmless only if every consumer masks it; "
         "it also shows GAE ran across padding, so the last kept token may bootstrap from a padded value. "
         "Likely fix: zero values and rewards at masked positions before GAE (tracer.formulas.gae does)."
     )
@@ -305,8 +306,8 @@ def check_reward_placement(ctx: StepContext):
     if bool(masked.any()):
         b, t = (int(i) for i in masked.nonzero()[0])
         message = (f"token_rewards[{b}, {t}] = {float(token_rewards[b, t]):.4g} sits at a masked position; the last "
-                   f"kept token of seq {b} is {int(last[b])}. {int(masked.any(dim=1).sum())} rows put reward on "
-                   f"masked positions. {why}")
+                   f"kept token of seq {b} is {int(last[b])}. "
+                   f"{count(int(masked.any(dim=1).sum()), 'row puts', 'rows put')} reward on masked positions. {why}")
         return [ctx.finding("advantages.reward_placement", ERROR, message, b, t, field="token_rewards",
                             last_kept=int(last[b]))]
     rewards = ctx.data.get("rewards")

@@ -18,6 +18,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import StepContext
+from tracer.checks.text import count
 from tracer.checks.finding import ERROR, RL_ALGORITHMS, register
 
 SHIFTS = (-1, 0, 1)
@@ -64,7 +65,7 @@ def check_logprob_shift(ctx: StepContext):
     direction = "next" if best > 0 else "previous"
     message = (
         f"{name} fit sampler_logprobs shifted by {best:+d} (mean |Δ| {best_mae:.4f} nats over "
-        f"{fits[best][1]} tokens) far better than unshifted (mean |Δ| {mae0:.4f} nats over {n0} tokens): "
+        f"{count(fits[best][1], 'token')}) far better than unshifted (mean |Δ| {mae0:.4f} nats over {count(n0, 'token')}): "
         f"{name}[j] holds the logprob of the {direction} token. At seq {b}, token {t}: recorded "
         f"{float(recorded[b, t]):.4f}, sampler {float(sampler[b, t]):.4f}; the kept tokens of seq {b} sum to "
         f"{sums[0]:.4f} instead of {sums[1]:.4f}. Why it matters: every token is trained with its "
@@ -106,7 +107,7 @@ def _wrong_position_evidence(ctx: StepContext, name: str, recorded: torch.Tensor
         position = "next" if shift > 0 else "previous"
         read = "prompt_len + j (logits[:, L:])" if shift > 0 else "prompt_len - 2 + j (logits[:, L-2:-2])"
         message = (
-            f"{name} do not fit sampler_logprobs (mean |Δ| {mae0:.4f} nats over {n0} tokens, and no shift of whole "
+            f"{name} do not fit sampler_logprobs (mean |Δ| {mae0:.4f} nats over {count(n0, 'token')}, and no shift of whole "
             f"rows fits), but at the {n} kept positions where a token repeats its {position} neighbour, {name}[j] "
             f"equals sampler_logprobs[j{shift:+d}] (mean |Δ| {fit:.4f} nats, against {unshifted:.4f} unshifted): "
             f"each token is scored with the distribution of the {position} position. At seq {b}, token {j}: "

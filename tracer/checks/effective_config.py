@@ -213,8 +213,8 @@ COMPARED_SETTINGS = {
     "adv_estimator": ("declared_adv_estimator", "the advantage estimator compute_advantage ran"),
     "gamma": ("declared_gamma", "the γ compute_advantage was called with"),
     "lam": ("declared_lam", "the λ compute_advantage was called with"),
-    "clip_ratio_low": ("declared_clip_ratio_low", "clip_ratio_low of the config the policy loss received"),
-    "clip_ratio_high": ("declared_clip_ratio_high", "clip_ratio_high of the config the policy loss received"),
+    "clip_ratio_low": ("declared_clip_ratio_low", "the clip_ratio_low of the config the policy loss received"),
+    "clip_ratio_high": ("declared_clip_ratio_high", "the clip_ratio_high of the config the policy loss received"),
     "clip_ratio_c": ("declared_clip_ratio_c", "the dual-clip clip_ratio_c of the config the policy loss received"),
     "use_kl_in_reward": ("declared_use_kl_in_reward", "a KL penalty in the rewards (token_level_rewards differ "
                                                       "from token_level_scores)"),

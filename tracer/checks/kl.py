@@ -14,6 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import CheckOptions, StepContext, StepHeader, loosest_dtype, worst_positions
+from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import ALIAS_NOISE, is_fresh
 from tracer.read import Trace
@@ -68,7 +69,7 @@ def check_ref_gap(ctx: StepContext):
     severity = ERROR if worst >= REF_GAP_ERROR else WARNING
     message = (
         f"ref - policy = {worst:.4g} nats at seq {b}, token {t} (ref {float(ref[b, t]):.4g}, policy "
-        f"{float(policy[b, t]):.4g}): {rule}; {n_harmful} kept tokens are at or past {REF_GAP_ERROR:g} nats, "
+        f"{float(policy[b, t]):.4g}): {rule}; {count(n_harmful, 'kept token is', 'kept tokens are')} at or past {REF_GAP_ERROR:g} nats, "
         f"where k3 ≈ 4.85e8 is already harmful. Why it matters: one token the policy has all but ruled out "
         "while the reference still likes it dominates the KL term and its gradient. Likely fix: clamp "
         "ref - policy before exp (e.g. to ±20 nats), and check that policy and reference score the same "

@@ -14,6 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.context import StepContext
+from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, Skip, register
 from tracer.format import chat_template, turns
 from tracer.format.turns import TURN_FIELDS
@@ -162,8 +163,8 @@ def check_after_eos(ctx: StepContext):
         text = f" {ctx.trace.token_text([token_id])[0]!r}" if ctx.trace.tokens is not None else ""
         message = (
             f"seq {b} keeps token {t} (id {token_id}{text}) after its first EOS{turn} (id {eos}) at token {e}{beyond}: "
-            f"{mask_name} must be 0 after the first EOS{' of each turn' if multi else ''}. {len(rows)} of {B} rows "
-            f"keep {int(leak.sum())} tokens after EOS.{hint} What may follow the EOS: {rule}. Why it matters: the loss "
+            f"{mask_name} must be 0 after the first EOS{' of each turn' if multi else ''}. {len(rows)} of {count(B, 'row')} "
+            f"keep {count(int(leak.sum()), 'token')} after EOS.{hint} What may follow the EOS: {rule}. Why it matters: the loss "
             "trains on tokens that are not part of the answer (padding or text after the end). Likely fix: end the "
             f"mask at the first EOS{' and the template tail' if n_tail else ''}, built at target positions (the same "
             "positions as the logprobs)."
@@ -223,7 +224,8 @@ def check_padding(ctx: StepContext):
             if severity == ERROR:
                 message = (
                     f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding, "
-                    f"yet {mask_name} keeps it; {len(rows)} of {B} rows keep {int(rows_leak.sum())} pad tokens. Why "
+                    f"yet {mask_name} keeps it; {len(rows)} of {count(B, 'row')} "
+                    f"keep {count(int(rows_leak.sum()), 'pad token')}. Why "
                     "it matters: padding is trained as if the model had produced it and dilutes every masked mean. "
                     "Likely fix: build the mask from the real lengths (or ids != pad), not all ones."
                 )
@@ -262,7 +264,8 @@ def _recorded_padding(ctx: StepContext):
     t = int(first_index(leak[b: b + 1])[0])
     message = (
         f"seq {b} keeps padding: token {t} is padding by the recorded turn fields (turn / role -1, or reason "
-        f"'padding'), yet completion_mask keeps it; {len(rows)} of {B} rows keep {int(leak.sum())} padding tokens. "
+        f"'padding'), yet completion_mask keeps it; {len(rows)} of {count(B, 'row')} "
+        f"keep {count(int(leak.sum()), 'padding token')}. "
         "Why it matters: padding is trained as if the model had produced it and dilutes every masked mean. Likely "
         "fix: build the mask from the real lengths (or ids != pad), not all ones."
     )
