@@ -16,6 +16,7 @@ from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
 from tracer.checks.context import TOLERANCES, StepContext, StepHeader, check_memo, loosest_dtype
 from tracer.checks import turns
+from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
 POLICY_DETACHED = "policy_detached"
@@ -160,6 +161,34 @@ def _previous_learning_rate(ctx: StepContext) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _first_step_cause(ctx: StepContext, policy: torch.Tensor, old: torch.Tensor, keep: torch.Tensor) -> str:
+    """The one cause the recorded differences point at, with its numbers, for identity.first_step:
+    rows of padded prompts alone differ (padding / position ids), a one-sided gap (other weights), or
+    zero-mean noise (dropout: a train-mode forward)."""
+    d = (policy.double() - old.double()).masked_fill(~keep, 0.0)  # (B, T) signed, 0 off the mask
+    beyond = (d.abs() > ctx.tol.identity_atol) & keep  # (B, T)
+    rows_off = beyond.any(dim=1)  # (B,)
+    if ctx.has("prompt_mask") and ctx.data["prompt_mask"].shape[0] == keep.shape[0]:
+        padded = ~ctx.data["prompt_mask"].bool().all(dim=1)  # (B,) prompt shorter than the padded width
+        if bool(padded.any()) and bool((rows_off <= padded).all()) and bool((padded & ~rows_off).sum() == 0) \
+                and bool((~padded & keep.any(dim=1)).any()):
+            return (f"Only the {count(int(padded.sum()), 'row')} with a padded prompt differ "
+                    f"(seqs {padded.nonzero().flatten().tolist()[:8]}); the {count(int((~padded).sum()), 'unpadded row')} "
+                    "match: one side scores padded rows with other attention masks or position ids than the "
+                    "other. Pass the same attention_mask (and position_ids) to both forwards.")
+    n = int(keep.sum())
+    mean, mean_abs = float(d.sum()) / n, float(d.abs().sum()) / n
+    if abs(mean) >= 0.5 * mean_abs:
+        side = "higher" if mean > 0 else "lower"
+        return (f"The gap is one-sided: policy is {side} than old on average (mean policy − old {mean:+.4f} nats, "
+                f"mean |policy − old| {mean_abs:.4f}), as when old_logprobs come from other weights than "
+                "policy_logprobs (an earlier rollout's, or another model copy). Compute old_logprobs from the "
+                "weights that sampled this rollout.")
+    return (f"The gap is zero-mean noise (mean policy − old {mean:+.4f} nats against mean |policy − old| "
+            f"{mean_abs:.4f}), the signature of dropout: one of the two forwards ran in train mode. Score both "
+            "under model.eval() (or with dropout 0).")
+
+
 @register("identity.first_step", "on fresh rollouts policy == old per token (dtype tolerance), "
           "mean ratio 1, clip fraction 0", RL_ALGORITHMS)
 def check_first_step(ctx: StepContext):
@@ -215,10 +244,7 @@ def check_first_step(ctx: StepContext):
         f"(same weights, same tokens), but {int(beyond.sum())} of {n_kept} kept tokens differ by more than "
         f"{ctx.tol.identity_atol:g} nats ({ctx.dtype}){clip_text}; mean ratio {mean_ratio:.4f} "
         f"{left_out}(expected 1 ± {ctx.tol.mean_ratio:g}). Worst: seq {b}, token {t}: policy {float(policy[b, t]):.4f}, "
-        f"old {float(old[b, t]):.4f}, ratio {float(ratio[b, t]):.4f}. Why it matters: the first update "
-        "clips and weights tokens for a mismatch, not for a policy change. Likely fix: compute old and "
-        "policy logprobs the same way (eval vs train mode/dropout, temperature, padding and masking, "
-        "the same model copy), and make sure old_logprobs come from this rollout, not an earlier one."
+        f"old {float(old[b, t]):.4f}, ratio {float(ratio[b, t]):.4f}. {_first_step_cause(ctx, policy, old, keep)}"
     )
     return [ctx.finding("identity.first_step", ERROR, message, b, t, field="policy_logprobs",
                         tokens_beyond_tolerance=int(beyond.sum()), kept_tokens=n_kept,

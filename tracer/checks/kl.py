@@ -118,13 +118,45 @@ def check_k1_negative_step(ctx: StepContext):
     message = (
         f"mean k1 = policy - ref over the {n} kept tokens of this step is {mean:.4g} nats, {abs(mean) / se if se else float('inf'):.1f} "
         f"standard errors below 0 ({share:.0%} of tokens negative). On fresh rollouts the tokens are sampled "
-        "from this policy, so k1 averages to KL(policy || ref) >= 0. Why it matters: the tokens were not "
-        "sampled from this policy (another temperature, off-policy data), or policy and reference logprobs "
-        "are swapped, so every KL estimate and penalty of the step is off. Likely fix: check which model "
-        "produced each logprob tensor and that all use the sampling temperature."
+        "from this policy, so k1 averages to KL(policy || ref) >= 0. "
+        f"{k1_cause(ctx.data, keep)}"
     )
     return [ctx.finding("kl.k1_negative_step", WARNING, message, field="policy_logprobs", mean_k1=mean,
                         standard_error=se, tokens=n)]
+
+
+def k1_cause(data: dict, keep: torch.Tensor | None) -> str:
+    """The one cause of a negative mean k1 the recorded logprobs show, for kl.k1_negative(_step):
+    ref_logprobs match the sampling model's logprobs (sampler_logprobs, else old_logprobs on fresh
+    rollouts) better than policy_logprobs do (policy and reference swapped), or policy matches
+    sampler_logprobs and the reference is then scored another way; without either tensor, the most likely cause."""
+    policy, ref = data["policy_logprobs"].double(), data["ref_logprobs"].double()
+    keep = data["completion_mask"].bool() if keep is None else keep
+    for name in ("sampler_logprobs", "old_logprobs"):
+        if name not in data or data[name].shape != policy.shape:
+            continue
+        sampled = data[name].double()
+        ok = keep & torch.isfinite(sampled) & torch.isfinite(policy) & torch.isfinite(ref)
+        if not bool(ok.any()):
+            continue
+        to_policy, to_ref = float((policy - sampled).abs()[ok].mean()), float((ref - sampled).abs()[ok].mean())
+        if to_ref < 0.5 * to_policy:
+            return (f"Policy and reference are swapped: ref_logprobs match {name} (mean |Δ| {to_ref:.4f} nats) "
+                    f"where policy_logprobs are off by {to_policy:.4f}, so the reference tensor holds the sampling "
+                    "policy's logprobs and every KL estimate has its sign turned. Pass the two tensors the other "
+                    "way round.")
+        if to_policy < 0.5 * to_ref and name == "sampler_logprobs":  # old == policy on fresh rollouts anyway
+            return (f"policy_logprobs match {name} (mean |Δ| {to_policy:.4f} nats, ref_logprobs {to_ref:.4f}), so "
+                    "the tokens were sampled from this policy: ref_logprobs are scored another way than policy's "
+                    "(another temperature, template or model revision). Score the reference exactly as the policy.")
+    return ("Neither sampler_logprobs nor old_logprobs are recorded to tell a policy/reference swap from tokens "
+            "sampled by another policy; the most likely cause is that the tokens were not sampled from this "
+            "policy (off-policy data or another sampling temperature). Record sampler_logprobs to tell them apart.")
+
+
+def _cause_fields(trace: Trace, key) -> dict:
+    return trace.load_step(key, ["policy_logprobs", "ref_logprobs", "completion_mask", "sampler_logprobs",
+                                 "old_logprobs"])
 
 
 def _k1_stats(trace: Trace, key) -> tuple[float, float] | None:
@@ -173,10 +205,8 @@ def check_k1_negative(trace: Trace, options: CheckOptions, keys: list) -> list[F
     message = (
         f"mean k1 = policy - ref over kept tokens is significantly negative in all {len(moving)} step files "
         f"of fresh rollouts that moved (lowest {m:.4g} nats at step {key.step}, inner {key.inner_step}). "
-        "Sampled from the policy, k1 averages to KL(policy || ref) >= 0. Why it matters: persistently negative, "
-        "the tokens were not sampled from this policy (off-policy data, a temperature or top-p mismatch) or "
-        "policy and reference are swapped, and every KL estimate of the run is off. Likely fix: check which "
-        "model produced each logprob tensor and that all use the sampling temperature."
+        "Sampled from the policy, k1 averages to KL(policy || ref) >= 0. "
+        f"{k1_cause(_cause_fields(trace, key), None)}"
     )
     return [Finding("kl.k1_negative", WARNING, message, **where,
                     details={"mean_k1_by_step": {f"{k.step}.{k.inner_step}.{k.micro_batch}.{k.rank}": mean

@@ -273,6 +273,16 @@ def _recorded_padding(ctx: StepContext):
                         tokens=int(leak.sum()))]
 
 
+def _empty_row_cause(ctx: StepContext, mask_name: str, empty: list[int]) -> str:
+    """What an empty row does to the update, and the one place it comes from (the mask's construction),
+    for an unexplained masks.empty_row error."""
+    ids_name = "completion_ids" if mask_name == "completion_mask" else mask_name.replace("_mask", "_ids")
+    where = f" though {ids_name} holds tokens there" if ctx.has(ids_name) else ""
+    return (f" Such a row adds nothing to the gradient yet counts in a per-sequence mean (an unclamped masked "
+            f"mean divides by 0 for it): {mask_name} was built{where} from lengths or an offset that leave "
+            f"{'it' if len(empty) == 1 else 'these rows'} empty.")
+
+
 @register("masks.empty_row", "every row keeps at least one token")
 def check_empty_row(ctx: StepContext):
     findings = []
@@ -290,9 +300,7 @@ def check_empty_row(ctx: StepContext):
                    "purpose)" if rejection else "")
         message = (
             f"{len(empty)} of {keep.shape[0]} rows keep no token in {mask_name} (first: seq {empty[0]}){because}. "
-            "Why it matters: such a row adds nothing to the gradient yet still counts in a per-sequence mean, "
-            "and an unclamped masked mean divides by 0. Likely fix: check how the mask is built (lengths, "
-            "EOS position, prompt offset) or drop empty rows before the update."
+            + ("" if severity == INFO else _empty_row_cause(ctx, mask_name, empty))
         )
         findings.append(ctx.finding("masks.empty_row", severity, message, empty[0], field=mask_name, rows=empty[:50]))
     return findings
