@@ -101,3 +101,21 @@ def test_trl_dpo_trainer_with_a_shallow_copy_of_the_policy_as_reference_is_one_e
     assert finding.details["pairs"] == 2 * dpo_trl.PAIRS_PER_STEP
     assert finding.message.startswith("reference aliases the policy: chosen and rejected ref logprobs equal the "
                                       f"policy's on all {2 * dpo_trl.PAIRS_PER_STEP} pairs")
+
+
+def test_minimind_dpo_under_gradient_accumulation_is_judged_from_its_first_optimizer_step(tmp_path, model_dir):
+    """MiniMind's train_dpo.py divides the loss by accumulation_steps and steps the optimizer every N
+    batches, numbering batches as steps: before batch N nothing has moved, so ref == policy is healthy
+    there, and the recorded loss / N is the loss it means (recompute.dpo takes the 1 / N scale)."""
+    healthy = _minimind_dpo(tmp_path / "accum", model_dir, "--accumulation_steps", "2")
+    trace = Trace(healthy)
+    assert {trace.metadata(k).get("gradient_accumulation_steps") for k in trace.steps()} == {2}
+    findings = run_checks(healthy)
+    assert [f"{f.check}: {f.message}" for f in findings if f.severity in (ERROR, "warning")] == []
+    aliased = _minimind_dpo(tmp_path / "accum_alias", model_dir, "--accumulation_steps", "2", "--bug", "ref_is_policy")
+    for key in Trace(aliased).steps():  # the recorded loss is log 2 / 2 at every step: logits 0
+        assert abs(float(Trace(aliased).load_step(key)["loss"]) - math.log(2) / 2) < 1e-6
+    (finding,) = _aliasing(run_checks(aliased))
+    # batches 0 and 1 precede the first optimizer step; batches 2 and 3 follow one
+    assert finding.severity == ERROR and finding.details["steps"] == [2, 3]
+    assert f"the loss is log 2 = {math.log(2):.4f} on every step (recorded loss 0.6931 at steps 2, 3)" in finding.message

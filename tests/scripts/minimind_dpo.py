@@ -66,9 +66,11 @@ def train_epoch(model, ref_model, tokenizer, optimizer, args):
         logits = model(input_ids=x, attention_mask=attention).logits
         policy_log_probs = logits_to_log_probs(logits, y)
         loss = dpo_loss(ref_log_probs, policy_log_probs, mask, beta=args.beta)
-        optimizer.zero_grad(set_to_none=True)
+        loss = loss / args.accumulation_steps  # as MiniMind's train_dpo.py: the optimizer steps every N batches
         loss.backward()
-        optimizer.step()
+        if (step + 1) % args.accumulation_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         print(f"step {step}: dpo loss {loss.item():.4f}")
 
 
@@ -91,6 +93,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--accumulation_steps", type=int, default=1, help="MiniMind's gradient accumulation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bug", choices=("ref_is_policy",), default=None,
                         help="inject a bug: ref_is_policy = the reference model is the policy object")

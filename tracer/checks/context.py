@@ -408,3 +408,17 @@ def worst_positions(score: torch.Tensor, keep: torch.Tensor, n: int) -> list[tup
     top = torch.topk(flat, count).indices.tolist()
     T = score.shape[1]
     return [(i // T, i % T) for i in top]
+
+
+def loss_scales(ctx: StepContext) -> list[float]:
+    """The factors the recorded loss may carry besides its reduction: metadata ``loss_scale`` when
+    recorded; else 1 and, with ``gradient_accumulation_steps`` > 1 recorded, ``1 / steps`` (a loop
+    that backpropagates ``loss / accumulation_steps`` and records that, as MiniMind's trainers do)."""
+    if ctx.hyper("loss_scale", None) is not None:
+        return [float(ctx.hyper("loss_scale"))]
+    steps = ctx.hyper("gradient_accumulation_steps", None)
+    try:
+        steps = int(steps) if steps is not None else 1
+    except (TypeError, ValueError):
+        steps = 1
+    return [1.0] if steps <= 1 else [1.0, 1.0 / steps]

@@ -56,6 +56,8 @@ def _clip_fraction(ctx: StepContext, keep: torch.Tensor) -> Total | None:
     ratio, advantages or the clip range, and under a clip epsilon below ``TIGHT_CLIP`` (0.1)."""
     if is_fresh(ctx) or "ratio" not in ctx.data or "advantages" not in ctx.data:
         return None
+    if ctx.rows_cut(keep.shape[0]) is not None:
+        return None  # first_k_sequences: a few rows of the update (3 rows, 11 tokens) are no measure of its share
     region = _clip_region(ctx)
     if region is None:
         return None

@@ -88,28 +88,38 @@ def float_noise(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch.Tens
     return NOISE_ULPS * eps * max(scales) + 1e-30
 
 
-def reducer(ctx: StepContext, keep: torch.Tensor, name: str, divisor: float) -> Callable[[torch.Tensor], float]:
-    """``ptl [B, T] -> scalar loss`` under reduction ``name`` times metadata ``loss_scale``."""
-    scale = float(ctx.hyper("loss_scale", 1.0))
+def reducer(ctx: StepContext, keep: torch.Tensor, name: str, divisor: float,
+            scale: float | None = None) -> Callable[[torch.Tensor], float]:
+    """``ptl [B, T] -> scalar loss`` under reduction ``name`` times ``scale`` (default: metadata
+    ``loss_scale``, else 1)."""
+    scale = float(ctx.hyper("loss_scale", 1.0)) if scale is None else scale
     rules = {"sequence_mean": lambda p: formulas.sequence_mean_loss(p, keep),
              "kept_rows": lambda p: formulas.kept_rows_sequence_mean_loss(p, keep),
              "token_mean": lambda p: formulas.token_mean_loss(p, keep),
              "constant": lambda p: formulas.constant_divisor_loss(p, keep, divisor),
-             "unmasked_mean": formulas.unmasked_mean_loss}
+             "unmasked_mean": formulas.unmasked_mean_loss,
+             "padded_divisor": lambda p: formulas.constant_divisor_loss(p, keep, float(keep.numel()))}
     return lambda ptl: scale * float(rules[name](ptl.double()))
 
 
 def reduction_hypotheses(ctx: StepContext, values: dict, per_token_loss: torch.Tensor, keep: torch.Tensor,
-                         divisor: float, declared: str | None, source: str) -> list[Hypothesis]:
+                         divisor: float, declared: str | None, source: str, scale: float | None = None,
+                         constant_is_padded: str | None = None) -> list[Hypothesis]:
     """The legitimate reductions (``values``: :func:`tracer.checks.reduction.candidate_losses`), the
-    sequence mean over kept rows when a row keeps nothing, and the unmasked mean over ``B * T``."""
+    sequence mean over kept rows when a row keeps nothing, the unmasked mean over ``B * T``, and the
+    masked sum over ``B * T`` (padding counted in the divisor: ``(ptl * mask).mean()``).
+
+    ``constant_is_padded``: why the constant divisor ``B * T`` is no constant (the padded width changes
+    between step files and no ``max_completion_length`` / ``loss_divisor`` is recorded); the constant
+    reduction is then not legitimate: it is the padded divisor."""
     B, T = keep.shape
     out = [Hypothesis(name, "loss reduction", f"the {REDUCTION_WORDS[name]} of the {source}"
-                      + (f" ({divisor:g})" if name == "constant" else ""), v, declared in (None, name),
+                      + (f" ({divisor:g})" if name == "constant" else ""), v,
+                      declared in (None, name) and not (name == "constant" and constant_is_padded),
                       {"reduction": name}, priority=1) for name, v in values.items()]
     if not bool(keep.any(dim=1).all()):  # MiniMind's agent loop leaves empty rows out of the mean (valid_rows)
         out.append(Hypothesis("sequence_mean", "loss reduction", f"the sequence-mean over the rows that keep a "
-                              f"token of the {source}", reducer(ctx, keep, "kept_rows", divisor)(per_token_loss),
+                              f"token of the {source}", reducer(ctx, keep, "kept_rows", divisor, scale)(per_token_loss),
                               declared in (None, "sequence_mean"), {"reduction": "sequence_mean"}, priority=1))
     padding = int((~keep).sum())
     zero_padding = bool((per_token_loss[~keep] == 0).all()) if padding else True
@@ -117,13 +127,21 @@ def reduction_hypotheses(ctx: StepContext, values: dict, per_token_loss: torch.T
     text = (f"the unmasked mean of the {source} over all {B} × {T} positions, padding included ({padding} of "
             f"{B * T} positions are masked{also})")
     out.append(Hypothesis("unmasked_mean", "loss over padding", text,
-                          reducer(ctx, keep, "unmasked_mean", divisor)(per_token_loss), False,
+                          reducer(ctx, keep, "unmasked_mean", divisor, scale)(per_token_loss), False,
                           {"positions": B * T, "masked_positions": padding}))
+    if padding and (not zero_padding or divisor != B * T or constant_is_padded):
+        # the kept tokens summed, divided by every position: `(ptl * mask).mean()`, padding in the divisor
+        why = f"; {constant_is_padded}" if constant_is_padded else ""
+        out.append(Hypothesis("padded_divisor", "loss over padding", f"the masked sum of the {source} divided by "
+                              f"all {B} × {T} = {B * T} positions, padding counted in the divisor ({padding} of "
+                              f"{B * T} positions are masked{why})",
+                              reducer(ctx, keep, "padded_divisor", divisor, scale)(per_token_loss), False,
+                              {"positions": B * T, "masked_positions": padding}))
     return out
 
 
 def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[str], divisor: float,
-                       loss: float, noise: float, clip_reduction: str) -> list[Hypothesis]:
+                       loss: float, noise: float, clip_reduction: str, scale: float | None = None) -> list[Hypothesis]:
     """The per-token loss recomputed with one thing changed, under each of ``reductions``: the KL
     term's sign flipped, the KL term left out; and the clip range solved for (one side, then both)
     under ``clip_reduction`` alone (the declared one, else the closest: each solve costs ~40
@@ -131,7 +149,7 @@ def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[st
     out = []
     coef = loss_kl_coef(ctx)
     for name in reductions:
-        reduce = reducer(ctx, keep, name, divisor)
+        reduce = reducer(ctx, keep, name, divisor, scale)
         words = REDUCTION_WORDS[name]
         if coef:
             term = kl_term_name(ctx)
@@ -145,7 +163,7 @@ def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[st
                 out.append(Hypothesis(key, cause, f"the {words} of the per-token loss {how} "
                                       f"(coefficient {coef:g})", value, details={"reduction": name},
                                       priority=2 if sign else 3))
-    reduce = reducer(ctx, keep, clip_reduction, divisor)
+    reduce = reducer(ctx, keep, clip_reduction, divisor, scale)
     out.extend(_clip_hypotheses(ctx, reduce, REDUCTION_WORDS[clip_reduction], clip_reduction, loss, noise))
     return out
 

@@ -15,7 +15,7 @@ import torch
 from tracer import formulas
 from tracer.checks.advantage_rules import advantage_rule_findings
 from tracer.checks.comparison import Variant, compare, compare_with_variants
-from tracer.checks.context import StepContext, check_memo
+from tracer.checks.context import StepContext, check_memo, loss_scales
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.checks.kl_placement import kl_in_reward, reward_kl
 from tracer.formulas.logprobs import approx_kl_k2_variants, ratio_variants, ref_kl_k3_variants
@@ -162,6 +162,12 @@ def check_dpo(ctx: StepContext):
     sigmoid = ctx.hyper("dpo_loss_is_sigmoid", True) is not False  # TRL ipo/hinge/sft mixes: another loss
     whole = ctx.rows_cut(cp.shape[0]) is None  # first_k_sequences: the loss was over pairs the file lacks
     if sigmoid and whole and "loss" in ctx.data and ctx.data["loss"].numel() == 1:  # the step's loss: mean over pairs
-        findings += compare(ctx, "recompute.dpo", "loss", ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1),
-                            torch.ones(1, dtype=torch.bool), "the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
+        recorded, mean = ctx.tensor("loss").reshape(1), terms["dpo_loss"].mean().reshape(1)
+        one = torch.ones(1, dtype=torch.bool)
+        found = compare(ctx, "recompute.dpo", "loss", recorded, mean, one,
+                        "the mean over pairs of tracer.formulas.dpo_terms' dpo_loss")
+        for scale in loss_scales(ctx)[1:]:  # a loop that records loss / accumulation_steps (MiniMind's train_dpo.py)
+            if found and not compare(ctx, "recompute.dpo", "loss", recorded, scale * mean, one, ""):
+                found = []
+        findings += found
     return findings

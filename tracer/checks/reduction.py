@@ -14,7 +14,11 @@ float). The reductions (SPEC.md section 3):
   B * ``max_completion_length`` (Dr. GRPO, TRL ``dr_grpo``), else B * T.
 
 The declared reduction is metadata ``loss_reduction``, else the one TRL's ``loss_type`` implies.
-Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every candidate.
+Metadata ``loss_scale`` (e.g. 1 / gradient_accumulation_steps) multiplies every candidate; without it,
+a recorded ``gradient_accumulation_steps`` > 1 adds the candidates times ``1 / steps`` (a loop that
+records the ``loss / accumulation_steps`` it backpropagates). Without a recorded divisor, the constant
+reduction's ``B * T`` is the padded width: when that width changes between step files it is no
+constant, and a loss that matches it is named a loss over padding (padding counted in the divisor).
 
 When the declared reduction does not reproduce the loss to float noise, the explanations of
 :mod:`tracer.checks.loss_hypotheses` (the unmasked mean over padding, the KL sign flipped or the KL
@@ -32,8 +36,9 @@ import torch
 
 from tracer import formulas
 from tracer.checks.comparison import compare
-from tracer.checks.context import StepContext
+from tracer.checks.context import StepContext, check_memo, loss_scales
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
+from tracer.errors import TraceError
 from tracer.checks.loss_hypotheses import (
     CLEAR,
     float_noise,
@@ -66,14 +71,16 @@ def _declared(ctx: StepContext) -> str | None:
     return declared
 
 
-def candidate_losses(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch.Tensor) -> tuple[dict, float]:
-    """The scalar loss under each reduction (times ``loss_scale``) and the constant divisor used."""
+def candidate_losses(ctx: StepContext, per_token_loss: torch.Tensor, keep: torch.Tensor,
+                     scale: float | None = None) -> tuple[dict, float]:
+    """The scalar loss under each reduction (times ``scale``, default metadata ``loss_scale``, else 1)
+    and the constant divisor used."""
     B, T = per_token_loss.shape
     divisor = ctx.hyper("loss_divisor", None) or ctx.hyper("loss_constant_divisor", None)
     if divisor is None:
         max_len = ctx.hyper("max_completion_length", None)
         divisor = B * (int(max_len) if max_len is not None else T)
-    scale = float(ctx.hyper("loss_scale", 1.0))
+    scale = float(ctx.hyper("loss_scale", 1.0)) if scale is None else scale
     ptl = per_token_loss.double()
     token_mean = formulas.token_mean_loss(ptl, keep)
     num_items = ctx.hyper("num_items_in_batch", None)
@@ -106,10 +113,17 @@ def check_loss(ctx: StepContext):
         per_token_loss, source = recomputed_per_token_loss(ctx), "per-token loss recomputed from the recorded inputs"
     else:
         per_token_loss = ctx.tensor("per_token_loss")
-    values, divisor = candidate_losses(ctx, per_token_loss, keep)
     declared = _declared(ctx)
-    hypotheses = reduction_hypotheses(ctx, values, per_token_loss, keep, divisor, declared, source)
+    padded = _constant_is_padded(ctx, keep)
     noise = float_noise(ctx, per_token_loss, keep, loss)
+    scale, values, divisor, hypotheses = None, {}, 0.0, []
+    for scale in loss_scales(ctx):  # the recorded loss_scale; else 1, then 1 / gradient_accumulation_steps
+        values, divisor = candidate_losses(ctx, per_token_loss, keep, scale)
+        hypotheses = reduction_hypotheses(ctx, values, per_token_loss, keep, divisor, declared, source, scale, padded)
+        if min((h.residual(loss) for h in hypotheses if h.legitimate), default=math.inf) <= noise:
+            break
+    if scale != 1.0 and ctx.hyper("loss_scale", None) is None:  # the loop divides by its accumulation steps
+        source += f" times 1 / gradient_accumulation_steps ({scale:g})"
     loose = [h.key for h in hypotheses
              if h.key in values and abs(loss - h.value) <= ctx.tol.atol + ctx.tol.loss_rtol * abs(h.value)]
     matches = list(dict.fromkeys(loose))  # the reductions within the dtype's loss tolerance (as before ranking)
@@ -122,7 +136,7 @@ def check_loss(ctx: StepContext):
     if recomputed:
         closest = declared if declared in values else min(values, key=lambda n: abs(loss - values[n]))
         wrong += variant_hypotheses(ctx, keep, [declared] if declared in values else list(values), divisor, loss,
-                                    noise, closest)
+                                    noise, closest, scale)
     # those that reproduce the loss to a tenth of the noise first; among them the priority decides (an exact tie)
     fits = sorted((h for h in wrong if h.residual(loss) <= noise),
                   key=lambda h: (h.residual(loss) > noise / CLEAR, h.priority, h.residual(loss)))
@@ -137,6 +151,33 @@ def check_loss(ctx: StepContext):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
     return [_error(ctx, loss, named, fits, healthy, matches, declared, values, divisor, source, noise)]
+
+
+def _constant_is_padded(ctx: StepContext, keep: torch.Tensor) -> str | None:
+    """Why the constant divisor ``B * T`` is no constant, or None. Without a recorded divisor
+    (``loss_divisor``, ``loss_constant_divisor``, ``max_completion_length``) the constant reduction
+    divides by ``B * T``, the padded width of this step file; Dr. GRPO's divisor is a constant
+    (``B * max_completion_length``). When the padded width changes between the trace's step files,
+    a loss that matches ``masked sum / (B * T)`` divides by the padding it holds: not a constant."""
+    if any(ctx.hyper(k, None) is not None for k in ("loss_divisor", "loss_constant_divisor", "max_completion_length")):
+        return None
+    memo = check_memo(ctx.trace, "completion_widths")
+    if "widths" not in memo:
+        widths = set()
+        for key in ctx.trace.steps()[:200]:  # headers only
+            try:
+                shape = ctx.trace.fields(key).get("completion_mask", (None,))[0]
+            except TraceError:
+                continue
+            if shape and len(shape) == 2:
+                widths.add(int(shape[1]))
+        memo["widths"] = sorted(widths)
+    widths = memo["widths"]
+    if len(widths) < 2:
+        return None
+    shown = ", ".join(str(w) for w in widths[:6]) + (", …" if len(widths) > 6 else "")
+    return (f"the padded width T changes between step files ({shown}) and no max_completion_length or "
+            "loss_divisor is recorded, so B × T is no constant divisor")
 
 
 def _undeclared_info(ctx: StepContext, loss: float, matches: list[str], values: dict, divisor: float, source: str):
