@@ -21,6 +21,7 @@ import torch
 from tracer import formulas
 from tracer.checks.context import StepHeader, loosest_dtype
 from tracer.checks.finding import ERROR, INFO, Finding, Skip, register
+from tracer.checks.text import steps_text
 from tracer.checks.identity import ALIAS_NOISE
 from tracer.format.schema import REF_SEQUENCE_SUMS
 from tracer.read import StepKey, Trace
@@ -29,17 +30,6 @@ SIDES = ("chosen", "rejected")
 LOG_2 = math.log(2.0)  # -logsigmoid(0): the DPO loss of a pair whose logit is 0
 _FIELDS = [f"{s}_{n}" for s in SIDES for n in ("mask", "policy_logprobs", "ref_logprobs")] + \
     list(REF_SEQUENCE_SUMS.values()) + ["loss", "dpo_loss"]
-
-
-def steps_text(steps: list[int]) -> str:
-    """``[1, 2, 3, 5]`` -> ``"1..3, 5"``: runs of consecutive step numbers as ranges."""
-    runs: list[list[int]] = []
-    for s in sorted(set(steps)):
-        if runs and s == runs[-1][-1] + 1:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _ref_gap(data: dict[str, torch.Tensor]) -> tuple[float, int, int, str] | None:

@@ -31,7 +31,7 @@ import torch
 from tracer import formulas
 from tracer.checks.advantage_rules import full_groups
 from tracer.checks.context import HEALTH_THRESHOLDS, TIGHT_CLIP, CheckOptions, StepContext, StepHeader, check_memo
-from tracer.checks.dpo import steps_text
+from tracer.checks.text import steps_text
 from tracer.checks.finding import RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import _clip_region, is_fresh
 from tracer.read import StepKey, Trace

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from tracer.checks.coverage import NOT_CHECKED
-from tracer.checks.dpo import steps_text
+from tracer.checks.text import steps_text
 from tracer.checks.finding import SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
 from tracer.checks.runner import UNFINISHED, description
 

@@ -1,4 +1,5 @@
-"""Message wording the checks share: a count with its noun in the right number ("1 row", "2 rows")."""
+"""Message wording the checks share: a count with its noun in the right number ("1 row", "2 rows"),
+step numbers as ranges ("1..3, 5")."""
 
 from __future__ import annotations
 
@@ -12,3 +13,14 @@ def plural(n: int, noun: str, many: str | None = None) -> str:
 def count(n: int, noun: str, many: str | None = None) -> str:
     """``"1 row"``, ``"2 rows"``: ``n`` and :func:`plural` of ``noun``."""
     return f"{n} {plural(n, noun, many)}"
+
+
+def steps_text(steps: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1..3, 5"``: runs of consecutive step numbers as ranges."""
+    runs: list[list[int]] = []
+    for s in sorted(set(steps)):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
