@@ -207,3 +207,32 @@ def test_clip_typo_is_solved_for_from_the_scalar_loss_where_a_ratio_passes_3(mod
             assert f.details["clip_unbound"] is True
             assert abs(f.details["implied_clip_epsilon_high"] - float((r - 1)[positive].max())) < 1e-6
     assert pinned >= 1, "the run no longer drives a ratio past 3: the typed bound cannot show"
+
+
+def test_grpo_kl_coefficient_ten_times_the_declared_beta_is_named(model_dir, tmp_path):
+    """MiniMind-style GRPO with 0.4 typed for beta 0.04 in its loss (the trace records args.beta = 0.04): the
+    per-token loss is linear in the coefficient, so (recorded - loss without KL) / k3 is 0.4 on every token."""
+    out = tmp_path / "beta"
+    assert cli_main(["run", "--algo", "grpo", "--out", str(out), "--", str(SCRIPTS / "minimind_grpo.py"),
+                     "--model_dir", str(model_dir), "--bug", "beta_x10"]) == 0
+    named = []
+    for where, d in steps(out):
+        keep = d["completion_mask"].bool()
+        ratio = torch.exp(d["policy_logprobs"].double() - d["old_logprobs"].double())
+        adv = d["advantages"].double().unsqueeze(1)
+        base = -torch.min(ratio * adv, ratio.clamp(1 - EPS, 1 + EPS) * adv)
+        delta = d["ref_logprobs"].double() - d["policy_logprobs"].double()
+        k3 = torch.exp(delta) - delta - 1
+        usable = keep & (k3 >= 1e-4)
+        if int(usable.sum()) >= 3:  # by hand: the recorded loss carries 0.4 * k3
+            implied = (d["per_token_loss"].double() - base)[usable] / k3[usable]
+            assert float((implied - 0.4).abs().max()) < 4e-3
+            named.append(where)
+    assert named, "the run no longer moves the policy from the reference: the coefficient cannot show"
+    found_ = {(f.step, f.inner_step, f.micro_batch): f for f in run_checks(out)
+              if f.check == "recompute.per_token_loss" and f.severity == ERROR}
+    for where in named:
+        f = found_[where]
+        assert f.message.startswith("KL coefficient: the recorded per_token_loss follows the loss with its ref_kl_k3 "
+                                    "term weighted by 0.4, not the recorded beta 0.04")
+        assert f.details["implied_kl_coef"] == 0.4 and f.details["cause"] == "kl_coef"

@@ -58,7 +58,8 @@ def grpo_train_epoch(model, ref_model, tokenizer, optimizer, args):
                 per_token_loss1 = ratio * advantages.unsqueeze(1)
                 per_token_loss2 = clipped_ratio * advantages.unsqueeze(1)
                 kl_sign = -1.0 if args.bug == "flip_kl" else 1.0  # bug: the KL penalty subtracted
-                per_token_loss = -(torch.min(per_token_loss1, per_token_loss2) - kl_sign * args.beta * per_token_kl)
+                beta = 10 * args.beta if args.bug == "beta_x10" else args.beta  # bug: 0.4 typed for 0.04
+                per_token_loss = -(torch.min(per_token_loss1, per_token_loss2) - kl_sign * beta * per_token_kl)
             if args.bug == "loss_over_padding":  # bug: the mean over all B x T positions, padding included
                 policy_loss = per_token_loss.mean()
             else:
@@ -96,7 +97,7 @@ if __name__ == "__main__":
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash_at_step", type=int, default=-1)
-    parser.add_argument("--bug", choices=["flip_kl", "clip_typo", "loss_over_padding"], default=None,
-                        help="inject a known bug (flip_kl and clip_typo: the grpo loss only)")
+    parser.add_argument("--bug", choices=["flip_kl", "clip_typo", "loss_over_padding", "beta_x10"], default=None,
+                        help="inject a known bug (flip_kl, clip_typo, beta_x10: the grpo loss only)")
     args = parser.parse_args()
     main(args)

@@ -253,6 +253,16 @@ def check_per_token_loss(ctx: StepContext):
     elif flipped_kl_matches(ctx, lambda ptl: ptl, recorded):
         findings[0].message = FLIPPED_KL.format(term=kl_term_name(ctx)) + findings[0].message
         findings[0].details["kl_sign_flipped"] = True
+    elif (implied := _implied_kl_coef(ctx, recorded)) is not None:
+        coef, n_tokens, low, high = implied
+        declared = loss_kl_coef(ctx)
+        name = "kl_coef" if ctx.algorithm == "ppo" else "beta"
+        findings[0].message = (
+            f"KL coefficient: the recorded per_token_loss follows the loss with its {kl_term_name(ctx).split(' * ')[-1]} "
+            f"term weighted by {coef:g}, not the recorded {name} {declared:g}: (recorded − the loss without its KL "
+            f"term) / the KL term is {low:.4g}..{high:.4g} on all {n_tokens} kept tokens whose KL term is not 0, "
+            f"and the loss recomputed with {coef:g} matches. " + findings[0].message)
+        findings[0].details.update(cause="kl_coef", implied_kl_coef=coef, declared_kl_coef=declared)
     elif _kl_counted_twice(ctx, recorded):
         findings[0].message = (
             "The recorded per_token_loss matches the loss with a KL term added, while the KL penalty is in the "
@@ -265,6 +275,48 @@ def check_per_token_loss(ctx: StepContext):
         if findings[0].severity == ERROR:
             findings[0] = _clip_explanation(ctx, findings[0], recorded)
     return findings
+
+
+KL_TERM_FLOOR = 1e-4  # a token's KL term (coefficient 1) below this gives no reliable coefficient in float32
+KL_COEF_SPREAD = 0.01  # the implied coefficients of all tokens within 1 % of their median: one coefficient
+
+
+def _implied_kl_coef(ctx: StepContext, recorded: torch.Tensor) -> tuple[float, int, float, float] | None:
+    """The one KL coefficient, other than the recorded one, that explains the recorded per-token loss.
+
+    The GRPO / CISPO / PPO per-token loss is linear in the coefficient: ``base + coef * term``, with
+    ``base`` the loss without its KL term and ``term`` the KL term at coefficient 1 (both recomputed
+    with :func:`recomputed_per_token_loss`). Each kept token whose term is at least ``KL_TERM_FLOOR``
+    gives ``(recorded - base) / term``; when these agree (within ``KL_COEF_SPREAD`` of their median)
+    on at least 3 tokens, the median (rounded to 2 significant digits when that still reproduces the
+    loss) is the coefficient in effect, provided it differs from the recorded one and the loss
+    recomputed with it matches the recorded one under the dtype tolerance. Returns ``(coef, tokens,
+    lowest, highest implied value)``, or None. Not tried when the penalty is declared in the rewards."""
+    if kl_in_reward(ctx) or not ctx.has("ref_logprobs"):
+        return None
+    try:
+        base = recomputed_per_token_loss(ctx, kl_sign=0.0).double()
+        term = recomputed_per_token_loss(ctx, kl_coef=1.0).double() - base
+    except Skip:
+        return None
+    keep = ctx.mask() & torch.isfinite(recorded) & torch.isfinite(term) & (term.abs() >= KL_TERM_FLOOR)
+    if int(keep.sum()) < 3:
+        return None
+    implied = ((recorded.double() - base) / term)[keep]
+    median = float(implied.median())
+    declared = loss_kl_coef(ctx)
+    if not math.isfinite(median) or median == 0.0 or abs(median - declared) <= KL_COEF_SPREAD * abs(median):
+        return None
+    if float((implied - median).abs().max()) > KL_COEF_SPREAD * abs(median):
+        return None
+    for coef in dict.fromkeys((float(f"{median:.2g}"), median)):  # a typed value first
+        try:
+            candidate = recomputed_per_token_loss(ctx, kl_coef=coef)
+        except Skip:
+            return None
+        if not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, candidate, ctx.mask(), ""):
+            return coef, int(keep.sum()), float(implied.min()), float(implied.max())
+    return None
 
 
 def _kl_counted_twice(ctx: StepContext, recorded: torch.Tensor) -> bool:
