@@ -45,7 +45,8 @@ def grpo_train_epoch(model, ref_model, tokenizer, optimizer, args):
             ref_per_token_logps = ro.completion_logprobs(ref_model, outputs, full_mask, prompt_len, args.temperature)
         model.train()
         for inner_step in range(args.num_iterations):
-            per_token_logps = ro.completion_logprobs(model, outputs, full_mask, prompt_len, args.temperature)
+            train_temperature = 1.0 if args.bug == "no_temp_train" else args.temperature  # bug: logits not / T
+            per_token_logps = ro.completion_logprobs(model, outputs, full_mask, prompt_len, train_temperature)
             kl_div = ref_per_token_logps - per_token_logps
             per_token_kl = torch.exp(kl_div) - kl_div - 1
             ratio = torch.exp(per_token_logps - old_per_token_logps)
@@ -97,7 +98,8 @@ if __name__ == "__main__":
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--crash_at_step", type=int, default=-1)
-    parser.add_argument("--bug", choices=["flip_kl", "clip_typo", "loss_over_padding", "beta_x10"], default=None,
-                        help="inject a known bug (flip_kl, clip_typo, beta_x10: the grpo loss only)")
+    parser.add_argument("--bug", choices=["flip_kl", "clip_typo", "loss_over_padding", "beta_x10", "no_temp_train"], default=None,
+                        help="inject a known bug (flip_kl, clip_typo, beta_x10: the grpo loss only; no_temp_train: the "
+                             "training forward leaves out the sampling temperature)")
     args = parser.parse_args()
     main(args)

@@ -10,12 +10,15 @@ TRL, a ``generation_slice`` consumed before the first optimizer step), see :func
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tracer import formulas
 from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
 from tracer.checks.context import TOLERANCES, StepContext, StepHeader, check_memo, loosest_dtype
 from tracer.checks import turns
+from tracer.checks import sampler_patterns
 from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
@@ -161,11 +164,44 @@ def _previous_learning_rate(ctx: StepContext) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _temperature_cause(ctx: StepContext, policy: torch.Tensor, old: torch.Tensor, keep: torch.Tensor) -> str | None:
+    """old and policy scored at two temperatures (one forward divides the logits by the sampling
+    temperature, the other does not): ``log(1 - p)`` of confident tokens scales by the ratio of the two
+    temperatures (:func:`tracer.checks.sampler_patterns.temperature_pattern`, policy as the trainer's
+    side, old as the sampler's). Names the side that left the recorded temperature out when the factor
+    is that temperature or its inverse (within 10 %)."""
+    found = sampler_patterns.temperature_pattern(policy.double()[keep], old.double()[keep],
+                                                 (policy.double() - old.double())[keep], ctx.dtype, None, None)
+    if found is None:
+        return None
+    _, slope = found  # log(1 - p_old) ≈ slope · log(1 - p_policy): slope = T_policy / T_old
+    recorded = ctx.hyper("temperature", None)
+    side = ""
+    if isinstance(recorded, (int, float)) and recorded > 0 and recorded != 1 and slope > 0:
+        # one side at the recorded T, the other at 1: T_policy / T_old is 1 / T (policy left it out) or T (old
+        # did); the approximation log(1 - p) ∝ 1 / T is rough on a small vocabulary, so the direction decides,
+        # with the factor at least half way there in log scale
+        toward = math.log(slope) / -math.log(recorded)  # 1 at 1 / T, -1 at T
+        if toward >= 0.5:
+            side = (f" With the recorded temperature {recorded:g}, that factor (1 / {recorded:g} = {1 / recorded:.3g} "
+                    "exactly, for a dominant runner-up token) says the policy forward leaves the temperature out.")
+        elif toward <= -0.5:
+            side = (f" With the recorded temperature {recorded:g}, that factor ({recorded:g} exactly, for a dominant "
+                    "runner-up token) says the old forward leaves the temperature out.")
+    return (f"old and policy follow one model at two temperatures: log(1 − p_old) ≈ {slope:.3f} × log(1 − p_policy) "
+            f"on the confident tokens (the ratio of the two forwards' temperatures, T_policy / T_old), so one of "
+            f"them divides the logits by another temperature than the other.{side} Score both at the sampling "
+            "temperature.")
+
+
 def _first_step_cause(ctx: StepContext, policy: torch.Tensor, old: torch.Tensor, keep: torch.Tensor) -> str:
     """The one cause the recorded differences point at, with its numbers, for identity.first_step:
     rows of padded prompts alone differ (padding / position ids), a one-sided gap (other weights), or
     zero-mean noise (dropout: a train-mode forward)."""
     d = (policy.double() - old.double()).masked_fill(~keep, 0.0)  # (B, T) signed, 0 off the mask
+    temperature = _temperature_cause(ctx, policy, old, keep)
+    if temperature is not None:
+        return temperature
     beyond = (d.abs() > ctx.tol.identity_atol) & keep  # (B, T)
     rows_off = beyond.any(dim=1)  # (B,)
     if ctx.has("prompt_mask") and ctx.data["prompt_mask"].shape[0] == keep.shape[0]:
