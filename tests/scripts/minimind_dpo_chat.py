@@ -13,9 +13,11 @@ import copy
 import json
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# MiniMind's own loss functions, shared with the batch-only copy (sys.path[0] is this folder, as under `tracer run`)
+from minimind_dpo import dpo_loss, logits_to_log_probs
 
 
 class DPODataset(Dataset):
@@ -69,26 +71,6 @@ class DPODataset(Dataset):
             else:
                 i += 1
         return loss_mask
-
-
-def logits_to_log_probs(logits, labels):
-    log_probs = F.log_softmax(logits, dim=2)
-    return torch.gather(log_probs, dim=2, index=labels.unsqueeze(2)).squeeze(-1)
-
-
-def dpo_loss(ref_log_probs, policy_log_probs, mask, beta):
-    ref_log_probs = (ref_log_probs * mask).sum(dim=1)
-    policy_log_probs = (policy_log_probs * mask).sum(dim=1)
-    batch_size = ref_log_probs.shape[0]
-    chosen_ref_log_probs = ref_log_probs[:batch_size // 2]
-    reject_ref_log_probs = ref_log_probs[batch_size // 2:]
-    chosen_policy_log_probs = policy_log_probs[:batch_size // 2]
-    reject_policy_log_probs = policy_log_probs[batch_size // 2:]
-    pi_logratios = chosen_policy_log_probs - reject_policy_log_probs
-    ref_logratios = chosen_ref_log_probs - reject_ref_log_probs
-    logits = pi_logratios - ref_logratios
-    loss = -F.logsigmoid(beta * logits)
-    return loss.mean()
 
 
 def train_epoch(epoch, loader, iters, ref_model, beta=0.1):

@@ -190,6 +190,14 @@ class StepHeader:
             raise Skip(f"needs metadata key {name!r} (SPEC.md section 4), which this step does not record")
         return default
 
+    def accumulation_steps(self) -> int:
+        """``gradient_accumulation_steps`` (:meth:`hyper`): micro-batches (or batches) per optimizer step;
+        1 when absent or not a positive integer."""
+        value = self.hyper("gradient_accumulation_steps", None)
+        try:
+            return max(int(value), 1) if value is not None else 1
+        except (TypeError, ValueError):
+            return 1
 
     def rows_cut(self, rows: int) -> int | None:
         """The step's B before the writer's ``first_k_sequences`` kept this file's ``rows`` sequences
@@ -416,9 +424,5 @@ def loss_scales(ctx: StepContext) -> list[float]:
     that backpropagates ``loss / accumulation_steps`` and records that, as MiniMind's trainers do)."""
     if ctx.hyper("loss_scale", None) is not None:
         return [float(ctx.hyper("loss_scale"))]
-    steps = ctx.hyper("gradient_accumulation_steps", None)
-    try:
-        steps = int(steps) if steps is not None else 1
-    except (TypeError, ValueError):
-        steps = 1
+    steps = ctx.accumulation_steps()
     return [1.0] if steps <= 1 else [1.0, 1.0 / steps]

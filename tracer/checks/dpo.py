@@ -67,19 +67,6 @@ def _recorded_loss(trace: Trace, key: StepKey, data: dict[str, torch.Tensor]) ->
     return None
 
 
-def _accumulation_steps(trace: Trace, key: StepKey) -> int:
-    """Metadata ``gradient_accumulation_steps`` of ``key`` (1 when absent or not a positive integer). A
-    loop that numbers its batches as steps (MiniMind's ``train_dpo.py``: ``step`` counts batches, the
-    optimizer steps every ``accumulation_steps`` of them) has made no optimizer step before batch N; a
-    trainer that numbers optimizer steps (TRL) is then judged from step N on, a few steps later than
-    it could be, never early."""
-    value = trace.metadata(key).get("gradient_accumulation_steps")
-    try:
-        return max(int(value), 1) if value is not None else 1
-    except (TypeError, ValueError):
-        return 1
-
-
 def _previous_learning_rate(trace: Trace, keys: list[StepKey], key: StepKey) -> float | None:
     """Metadata ``learning_rate`` of the step file just before ``key`` (the optimizer step that moved the
     weights to where ``key`` scores them); None when not recorded."""
@@ -97,8 +84,11 @@ def check_reference_aliasing(trace: Trace, options, keys: list[StepKey]):
     updated, aliased, frozen_lr, unscored, sizes, rates = [], [], [], [], set(), set()
     worst, pairs, tokens, what, losses = 0.0, 0, 0, "", {}
     for key in keys:
-        if key.step - first_step < _accumulation_steps(trace, key):
-            continue  # before any optimizer step (the first, or the first N under gradient accumulation): a fresh copy
+        # before any optimizer step, a fresh copy: the first step, or the first N batches under gradient
+        # accumulation (MiniMind's train_dpo.py numbers batches as steps and steps the optimizer every N; a
+        # trainer that numbers optimizer steps, TRL, is then judged from step N on: later, never early)
+        if key.step - first_step < StepHeader(trace, key).accumulation_steps():
+            continue
         data = trace.load_step(key, fields=_FIELDS)
         found = _ref_gap(data)
         if found is None:
@@ -121,7 +111,7 @@ def check_reference_aliasing(trace: Trace, options, keys: list[StepKey]):
             loss = _recorded_loss(trace, key, data)
             if loss is not None:  # a loop that records loss / accumulation_steps: the loss it means
                 scale = trace.metadata(key).get("loss_scale")
-                steps = _accumulation_steps(trace, key)
+                steps = StepHeader(trace, key).accumulation_steps()
                 if isinstance(scale, (int, float)) and scale > 0:
                     loss = loss / scale
                 elif steps > 1 and abs(loss * steps - LOG_2) < abs(loss - LOG_2):

@@ -96,13 +96,11 @@ def is_fresh(ctx: StepHeader) -> bool:
         return False
     generation_slice = ctx.metadata.get("generation_slice")
     if generation_slice is not None:
-        accumulation = int(ctx.hyper("gradient_accumulation_steps", 1) or 1)
-        return int(generation_slice) // accumulation == 0
+        return int(generation_slice) // ctx.accumulation_steps() == 0
     if ctx.algorithm != "ppo":
         return True
     # PPO: each minibatch is an optimizer step, unless gradients accumulate over several of them
-    accumulation = int(ctx.hyper("gradient_accumulation_steps", 1) or 1)
-    return ctx.key.micro_batch // max(accumulation, 1) == 0
+    return ctx.key.micro_batch // ctx.accumulation_steps() == 0
 
 
 def _clip_region(ctx: StepContext) -> tuple[float, float] | None:
