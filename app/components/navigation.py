@@ -28,6 +28,7 @@ class PageSpec:
 
 PAGES: tuple[PageSpec, ...] = (
     PageSpec("app_pages/tokens.py", "Tokens", ":material/table_rows:", url_path="tokens"),
+    PageSpec("app_pages/rollouts.py", "Rollouts", ":material/list:", ("ppo", "grpo", "cispo", "rloo"), "rollouts"),
     PageSpec("app_pages/conversation.py", "Conversation", ":material/forum:", ("ppo", "grpo", "cispo", "rloo"),
              "conversation"),
     PageSpec("app_pages/step.py", "Step", ":material/grid_on:", ("ppo", "grpo", "cispo", "rloo"), "step"),
