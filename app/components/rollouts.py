@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Mapping
+from collections.abc import Mapping
 
 import pandas as pd
 
@@ -130,7 +130,7 @@ def _number(text: str | None, kind: type):
 def select_rollouts(frame: pd.DataFrame, query: RolloutQuery) -> pd.DataFrame:
     """The rows of ``frame`` (``rollout_frame``) that pass ``query``'s filters and search, sorted by
     ``query.sort`` (stable: ties keep file order; NaN last in either direction). The flagged filter
-    needs a :data:`FINDINGS` column of counts; without one it keeps every row. Never mutates ``frame``.
+    needs a :data:`FINDINGS` column of counts; without one (or with NaN: not checked) it keeps every row. Never mutates ``frame``.
 
     Raises:
         KeyError: ``query.sort`` is not a column of ``frame``.
@@ -146,8 +146,8 @@ def select_rollouts(frame: pd.DataFrame, query: RolloutQuery) -> pd.DataFrame:
         keep &= frame["reward"] <= query.reward_max
     if query.group is not None:
         keep &= frame["group"] == query.group
-    if query.flagged and FINDINGS in frame and pd.api.types.is_numeric_dtype(frame[FINDINGS]):
-        keep &= frame[FINDINGS].fillna(0) > 0
+    if query.flagged and FINDINGS in frame and frame[FINDINGS].notna().all():  # counted (not NaN: not checked)
+        keep &= frame[FINDINGS] > 0
     if query.search:
         keep &= frame["text"].fillna("").str.contains(query.search, case=False, regex=False)
     shown = frame[keep.to_numpy(dtype=bool)]
