@@ -1,15 +1,22 @@
-"""Steps: per-step curves over every step file of the run (masked means from the reader; margin,
-accuracy, loss and logps for DPO), one line per inner step and rank; other runs overlaid on the
-same axes; the sidebar's rank filter keeps one rank. Clicking a point opens that step on the Step
-page (the DPO pairs page for DPO)."""
+"""Steps: any per-step quantity of the run over its steps (every numeric column of the per-step
+summary: ratio, KL, clip, reward and advantage means and quantiles, loss, entropy, length, reward
+components, user and TRL scalars ``scalars/<name>``; margin, accuracy, loss and logps for DPO), one
+panel each, one line per inner step and rank; other runs overlaid quantity by quantity; smoothing,
+log scale, step or wall-clock x-axis. Every choice is in the URL
+(``?overlay=…&y=…&smooth=…&log=…&x=…``). Clicking a point opens that step on the Step page (the
+DPO pairs page for a DPO run)."""
 
 import streamlit as st
 
 from app.components import figures, trace_cache, urls
-from app.components.figures import DPO_STEP_PANELS, STEP_PANELS, clicked_step, step_curves_figure
 from app.components.sidebar import current_selection, discover_traces, run_param
+from app.components.step_curves import (
+    X_AXES, Layout, clicked_step, default_columns, derived_fields, scalar_columns, step_curves_figure, title_of,
+    with_step_columns)
 
 OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
+Y_PARAM, SMOOTH_PARAM, LOG_PARAM, X_PARAM = "y", "smooth", "log", "x"  # ?y=mean_ratio,scalars/grad_norm&smooth=0.6…
+MAX_SMOOTHING = 0.99
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -21,48 +28,88 @@ if not count:
     st.stop()
 
 
-def summary_of(path) -> "tuple":
-    """(summary frame, panels) of one run: DPO runs get their own per-step summary."""
+def summary_of(path):
+    """One run's per-step summary: DPO runs get their own (with the step summary's scalars)."""
     run = trace_cache.open_trace(str(path))
     files = trace_cache.listing_token(run)
-    if run.algorithm == "dpo":
-        return trace_cache.dpo_step_summary(str(path), files), DPO_STEP_PANELS
     frame = trace_cache.step_summary(str(path), files)
+    if run.algorithm == "dpo":
+        return with_step_columns(trace_cache.dpo_step_summary(str(path), files), frame)
     if selection.rank is not None and "rank" in frame:
         frame = frame[frame["rank"] == selection.rank].reset_index(drop=True)
-    return frame, STEP_PANELS
+    return frame
+
+
+def listed(name: str) -> list[str]:
+    """The comma-separated names of the URL's parameter ``name``."""
+    return [v for v in (st.query_params.get(name) or "").split(",") if v]
+
+
+def url_smoothing() -> float:
+    try:
+        value = float(st.query_params.get(SMOOTH_PARAM) or 0.0)
+    except ValueError:
+        return 0.0
+    return value if 0.0 <= value <= MAX_SMOOTHING else 0.0
 
 
 root = selection.root
 others = [p for p in discover_traces(root) if p != selection.trace_path]
 labels = {p: run_param(root, p) for p in others}
-wanted = [p for p in others if labels[p] in (st.query_params.get(OVERLAY_PARAM) or "").split(",")]
-overlay = st.multiselect("Overlay runs", others, default=wanted, format_func=labels.__getitem__, key="overlay",
-                         help="draw other runs of the root on the same axes (one colour per run)")
+wanted = [p for p in others if labels[p] in listed(OVERLAY_PARAM)]
+left, right = st.columns(2)
+overlay = left.multiselect("Overlay runs", others, default=wanted, format_func=labels.__getitem__, key="overlay",
+                           help="draw other runs of the root on the same axes (one colour per run)")
 urls.set_page_param(OVERLAY_PARAM, ",".join(labels[p] for p in overlay) or None)
 
-summary, panels = summary_of(selection.trace_path)
-if selection.rank is not None:
-    st.text(f"rank {selection.rank} (the sidebar's rank filter)")
-elif "rank" in summary and summary["rank"].nunique() > 1:
-    st.text(f"ranks {', '.join(map(str, sorted(summary['rank'].unique())))}: one line per inner step and rank")
-derived = {name for text in (summary["derived"].unique() if "derived" in summary else ())  # a few distinct texts
-           if isinstance(text, str) for name in text.split(", ") if name}
-if derived:  # curves over fields the reader derived (tracer.formulas.derived): say so in their titles
-    uses = {"mean_ratio": "ratio", "clip_fraction": "ratio", "mean_ref_kl_k3": "ref_kl_k3",
-            "mean_approx_kl_k2": "approx_kl_k2"}
-    panels = tuple((col, title + (" (derived)" if uses.get(col) in derived else "")) for col, title in panels)
-    st.caption(f"{', '.join(sorted(derived))}: derived by the reader from the recorded logprobs (tracer.formulas).")
-runs = {run_param(root, selection.trace_path): summary}
-for path in overlay:
-    other, other_panels = summary_of(path)
-    if other_panels != panels:
-        st.caption(f"{labels[path]} is a {trace_cache.open_trace(str(path)).algorithm} run: its curves differ; "
-                   "not overlaid.")
-        continue
-    runs[labels[path]] = other
-figure = step_curves_figure(runs if len(runs) > 1 else summary, panels)
+summary = summary_of(selection.trace_path)
+runs = {run_param(root, selection.trace_path): summary} | {labels[p]: summary_of(p) for p in overlay}
+algorithms = {run_param(root, selection.trace_path): trace.algorithm} | \
+             {labels[p]: trace_cache.open_trace(str(p)).algorithm for p in overlay}
+options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)))
+asked = listed(Y_PARAM) if Y_PARAM in st.query_params else None
+chosen = right.multiselect(
+    "Quantities", options, default=[c for c in asked if c in options] if asked is not None
+    else default_columns(summary, trace.algorithm),
+    format_func=lambda c: c if title_of(c) == c else f"{title_of(c)} · {c}", key="step_columns",
+    help="per-step columns of the summary, one panel each: recorded or derived means and quantiles, "
+         "reward components, the loss, and the scalars the trainer logged (scalars/…)")
+urls.set_page_param(Y_PARAM, ",".join(chosen))
+smooth_box, log_box, x_box = st.columns([1, 2, 2])
+smoothing = smooth_box.slider("Smoothing", 0.0, MAX_SMOOTHING, url_smoothing(), 0.01, key="step_smoothing",
+                              help="exponential moving average, debiased as TensorBoard does (0 = raw values)")
+urls.set_page_param(SMOOTH_PARAM, f"{smoothing:g}" if smoothing else None)
+log_columns = log_box.multiselect("Log scale", chosen, default=[c for c in listed(LOG_PARAM) if c in chosen],
+                                  format_func=title_of, key="step_log", help="panels drawn on a log y-axis")
+urls.set_page_param(LOG_PARAM, ",".join(log_columns) or None)
+x_axis = x_box.radio("x-axis", list(X_AXES), index=list(X_AXES).index(urls.page_param(X_PARAM, list(X_AXES), "step")),
+                     format_func=X_AXES.__getitem__, horizontal=True, key="step_x")
+urls.set_page_param(X_PARAM, None if x_axis == "step" else x_axis)
+
+figure, notes = step_curves_figure(runs, Layout(chosen, smoothing, log_columns, x_axis))
 event = st.plotly_chart(figure, width="stretch", on_select="rerun", selection_mode="points", key="step_curves")
+for text in [notes.x, *notes.log.values()]:
+    if text:
+        st.info(text, icon=":material/info:")
+unknown = [c for c in asked or () if c not in options]
+if unknown:
+    st.caption(f"Named in the link but not recorded by {' or '.join(runs)}: {', '.join(unknown)}.")
+for label, missing in notes.missing.items():
+    if len(runs) == 1:
+        st.caption(f"No values in this run: {', '.join(map(title_of, missing))}.")
+    elif len(missing) < len(chosen):
+        st.caption(f"Not in {label} (a {algorithms[label]} run): {', '.join(map(title_of, missing))}.")
+    else:
+        own = [title_of(c) for c in scalar_columns(runs[label]) if runs[label][c].notna().any()]
+        st.caption(f"{label} (a {algorithms[label]} run) records none of the chosen quantities; its own: "
+                   f"{', '.join(own) or 'none'}.")
+for label, frame in runs.items():
+    if derived := derived_fields(frame):  # curves over fields the reader derived (tracer.formulas.derived)
+        st.caption(f"{label + ': ' if len(runs) > 1 else ''}{', '.join(sorted(derived))}: derived by the reader "
+                   "from the recorded logprobs (tracer.formulas).")
+if smoothing:
+    st.caption(f"Smoothed: exponential moving average of weight {smoothing:g} over each line's steps, debiased "
+               "as TensorBoard does; the faint lines are the raw values.")
 if trace.algorithm == "dpo":
     st.caption("Over the step's pairs (tracer.views.dpo_step_summary): margin = mean chosen_rewards − "
                "rejected_rewards; preference accuracy = share of pairs with chosen_rewards > rejected_rewards; "
@@ -76,7 +123,7 @@ points = list((event or {}).get("selection", {}).get("points", []))  # a PlotlyS
 if points:
     step, inner, run_index = clicked_step(figure, points[0])
     run_label = list(runs)[run_index]
-    target = "app_pages/dpo.py" if trace.algorithm == "dpo" else "app_pages/step.py"
+    target = "app_pages/dpo.py" if algorithms[run_label] == "dpo" else "app_pages/step.py"
     st.switch_page(target, query_params={"run": run_label, "step": str(step), "inner": str(inner)})
 
 with st.expander("Per-step table"):
