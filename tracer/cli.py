@@ -1,7 +1,8 @@
 """Command line: ``python -m tracer {demo, info, view, diff, check, run}`` (also installed as ``tracer``).
 
-Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, a step file whose
-bytes disagree with its recorded checksum in ``diff`` and ``info --verify``); ``diff`` exits 1
+Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, step files none of
+which can be read, a step file whose bytes disagree with its recorded checksum in ``diff`` and
+``info --verify``); ``diff`` exits 1
 when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
 the script's own exit code, or 3 when the script succeeded but nothing was traced; ``view`` exits
 1 when its Streamlit server exits or does not answer during start-up (``--start-timeout``).
@@ -26,7 +27,7 @@ from tracer.demo.runner import DEMO_ALGOS
 from tracer.demo.sampler_faults import VLLM_BUGS
 from tracer.read import Trace, find_traces
 from tracer.format.schema import ALGORITHMS
-from tracer.read.trace_info import print_info, trace_info
+from tracer.read.trace_info import info_problem, print_info, trace_info
 from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -98,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="summarise a trace: algorithm, steps, ranks, fields",
                           description="Summarise a trace: algorithm, steps, ranks, fields. "
-                                      "Exit code: 0 success, 2 unusable input (with --verify: or a corrupt step file).")
+                                      "Exit code: 0 success (step files that cannot be read beside readable ones are "
+                                      "listed under 'problems'; tracer check exits 1 on them), 2 unusable input: "
+                                      "no readable step file among those on disk (as tracer check), or with "
+                                      "--verify a corrupt or unreadable step file.")
     info.add_argument("path", help="trace directory or one step .safetensors file")
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.add_argument("--verify", action="store_true",
@@ -219,7 +223,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, default=str))
     else:
         print_info(info)
-    return 2 if info.get("integrity", {}).get("corrupt") else 0
+    problem = info_problem(info)
+    if problem is not None:
+        print(f"tracer info: error: {problem}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _require_app_dependencies() -> None:

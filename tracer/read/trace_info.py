@@ -89,6 +89,37 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
     }
 
 
+def info_problem(info: dict[str, Any]) -> str | None:
+    """Why ``tracer info`` exits 2 after printing ``info`` (a :func:`trace_info` dict), or None.
+
+    The same rule as ``tracer check``, which exits 2 on a trace that holds step files of which
+    none can be read: nothing in it can be summarised, checked or browsed. A trace with no step file
+    at all (a writer that has not recorded yet) is not a problem: its manifest is what there is to
+    show. With ``--verify`` (``"integrity"`` in ``info``), a step file whose bytes disagree with its
+    checksum, or that cannot be read to be verified, is one. Some unreadable step files among
+    readable ones are not (exit 0; they are listed under "problems"): the summary of the readable
+    ones is what ``info`` is for, and ``tracer check`` exits 1 on them (``trace.unreadable``).
+    """
+    unreadable = info["unreadable"]
+    if unreadable and not info["num_step_files"]:
+        return (f"{info['path']}: none of its {_step_files(info['path'], unreadable)} can be read, nothing to "
+                f"summarise; the first: {next(iter(unreadable.values()))}")
+    integrity = info.get("integrity")
+    bad = {**integrity["corrupt"], **unreadable} if integrity is not None else {}
+    if bad:
+        return (f"{info['path']}: --verify: {_step_files(info['path'], bad)} corrupt or unreadable; "
+                f"the first: {next(iter(bad.values()))}")
+    return None
+
+
+def _step_files(root: str, reasons: dict[str, str]) -> str:
+    """``2 step file(s) (steps/a.safetensors, steps/b.safetensors)``: the files of ``reasons``
+    (path -> reason) counted and named relative to the trace ``root``, five at most."""
+    names = [str(Path(p).relative_to(root)) if Path(p).is_relative_to(root) and p != root else p for p in reasons]
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f"{len(names)} step file(s) ({shown})"
+
+
 def drops_note(trace: Trace, manifest: dict[str, Any], status: str) -> str | None:
     """Why the drop count may not be the manifest's final one: taken from ``manifest.counts`` (the
     manifest could not be rewritten, e.g. a full disk), counted only until the last manifest update
