@@ -398,6 +398,14 @@ class Trace:
         """One row per step file with its summary: :meth:`tracer.read.overview.TraceOverview.step_summary`."""
         return self.overview.step_summary()
 
+    def rollouts(self, progress: Any = None) -> pd.DataFrame:
+        """One row per completion of every step file: :func:`tracer.read.rollouts.rollout_frame`
+        (``progress(done, total)`` is called while step files are read from their tensors).
+        Raises TraceError for a DPO trace."""
+        from tracer.read.rollouts import rollout_frame  # rollouts builds on this module
+
+        return rollout_frame(self, progress)
+
     def summary_index(self) -> dict[str, dict[str, Any]]:
         """The run's summary index beyond its columns: :meth:`tracer.read.overview.TraceOverview.summary_index`."""
         return self.overview.summary_index()

@@ -124,6 +124,7 @@ class LocalBackend:
         if self.background is not None:
             self.background.stop()
         self.steps.index.close()
+        self.steps.rollouts.close()
 
     def flush_index(self, force: bool) -> None:
         """Append the summary index's buffered lines (when due, or now with ``force``)."""

@@ -117,6 +117,7 @@ class StagedStep:
     summarised: bool = False  # its summary was computed (or tried) with its batch
     settled: bool = False  # written, lost or held by the anomaly ring: a batch's error handler leaves it alone
     derive: tuple[str, ...] = ()  # fields the writer derives and records (tracer.formulas.derived.derive_recorded)
+    rows: Any = None  # its per-row statistics and texts for the rollout summaries (tracer.record.step_writer)
 
     def wait(self) -> None:
         if self.event is not None:

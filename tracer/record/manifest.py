@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from tracer.errors import TraceError, user_stacklevel
+from tracer.errors import SchemaError, TraceError, user_stacklevel
+from tracer.format.integrity import MAX_TOKEN_ENTRIES
 from tracer.format.chat_template import TEMPLATE_TAIL_KEY, end_of_turn_tails
 from tracer.format.counts import COUNT_KEYS, write_counts
 from tracer.format.names import FORMAT_NAME, MANIFEST_NAME
@@ -270,6 +271,56 @@ def token_strings(tokenizer: Any) -> list[str]:
         f"tokenizer of type {type(tokenizer).__name__} has neither batch_decode nor decode_batch; "
         "pass a transformers tokenizer or a tokenizers.Tokenizer"
     )
+
+
+def vocabulary_strings(vocabulary: Any) -> list[str]:
+    """The token strings of a plain vocabulary, as ``tokens.json`` holds them (index = token id).
+
+    Args:
+        vocabulary: a list (or tuple) of strings, ``vocabulary[i]`` the text of id i; or a dict
+            ``{id: text}`` (int keys, str values); or a dict ``{text: id}`` (str keys, int values:
+            what a tokenizer's ``get_vocab()`` returns). An id a dict does not name (up to its
+            largest) gets ``<id N>``, the text the reader shows for an unknown id.
+
+    Raises:
+        SchemaError: another type, a non-string text, a negative or non-int id, two texts for one id,
+            or ids beyond :data:`tracer.format.integrity.MAX_TOKEN_ENTRIES` (the reader would refuse
+            the file).
+    """
+    def bad(what: str, got: Any) -> SchemaError:
+        return SchemaError(f"vocabulary: {what}, got {got!r}; pass a list of token strings (id = index), "
+                           "{id: text} or {text: id}")
+
+    if isinstance(vocabulary, (list, tuple)):
+        for i, text in enumerate(vocabulary):
+            if not isinstance(text, str):
+                raise bad(f"entry {i} is not a string", type(text).__name__)
+        pairs = list(enumerate(vocabulary))
+    elif isinstance(vocabulary, Mapping):
+        items = list(vocabulary.items())
+        if all(_token_id(k) and isinstance(v, str) for k, v in items):
+            pairs = [(int(k), v) for k, v in items]
+        elif all(isinstance(k, str) and _token_id(v) for k, v in items):
+            pairs = [(int(v), k) for k, v in items]
+        else:
+            k, v = next((k, v) for k, v in items if not (_token_id(k) and isinstance(v, str)))
+            raise bad("a dict must map every int id >= 0 to its text, or every text to its int id >= 0; "
+                      f"entry {k!r}: {v!r} is neither", type(vocabulary).__name__)
+    else:
+        raise bad("expected a list or a dict", type(vocabulary).__name__)
+    size = max((i for i, _ in pairs), default=-1) + 1
+    if size > MAX_TOKEN_ENTRIES:
+        raise bad(f"ids up to {MAX_TOKEN_ENTRIES - 1} are stored", size - 1)
+    tokens: list[str | None] = [None] * size
+    for i, text in pairs:
+        if tokens[i] is not None and tokens[i] != text:
+            raise bad(f"id {i} has two texts ({tokens[i]!r} and {text!r})", vocabulary)
+        tokens[i] = text
+    return [f"<id {i}>" if t is None else t for i, t in enumerate(tokens)]
+
+
+def _token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:

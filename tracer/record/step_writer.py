@@ -16,12 +16,17 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import os
+
 from tracer.record import step_bytes
+from tracer.format import rollout_store
 from tracer.format import summary as summary_format
+from tracer.format.integrity import MAX_TOKEN_ENTRIES, MAX_TOKENS_BYTES, clean_tokens, read_json
+from tracer.formulas import rows as row_formulas
 from tracer.formulas import summaries
 from tracer.record.capture import StagedStep
 from tracer.formulas.derived import derivable, derive_fields, derive_recorded
-from tracer.format.names import STEPS_DIR, step_file_name, step_label
+from tracer.format.names import STEPS_DIR, TOKENS_NAME, step_file_name, step_label
 from tracer.format.files import unshare
 from tracer.record.manifest import ManifestBook
 from tracer.format.run_index import IndexWriter
@@ -56,6 +61,9 @@ class StepWriter:
         self._plans: dict[tuple, step_bytes.StepPlan] = {}  # signatures already in stored form, planned
         # the run's summary index (tracer.format.run_index); resume_index: go on with a dead writer process's
         self.index = IndexWriter(self.root, rank, resume=resume_index)
+        # the run's per-row summaries (tracer.format.rollout_store), with the token strings of tokens.json
+        self.rollouts = rollout_store.RolloutWriter(self.root, rank, resume=resume_index)
+        self._shown_tokens: list[str] | None = None
         steps_dir = self.root / STEPS_DIR  # a step file's path: a child made without parsing (tracer.format.names)
         self._child = getattr(steps_dir, "_make_child_relpath", steps_dir.joinpath)
 
@@ -101,6 +109,22 @@ class StepWriter:
         # never raises; the size save_atomic knows spares a stat (an int: a replaced save may return anything)
         self.index.add(path, derivable(item.tensors, item.metadata), encoded, item.metadata,
                        size if type(size) is int else None)
+        rows, item.rows = item.rows, None
+        if rows is not None:
+            self._add_rollouts(path, item, rows, size)
+
+    def _add_rollouts(self, path: Path, item: StagedStep, rows: tuple, size: Any) -> None:
+        """Append the rollout line of a step file just written (never raises)."""
+        try:
+            if type(size) is not int:
+                size = os.stat(path).st_size
+            stats, texts, names = rows
+            self.rollouts.add(rollout_store.line_of(
+                path.name, (item.step, item.inner_step, item.micro_batch, self.rank), size, stats,
+                [t for t, _ in texts], [c for _, c in texts], names))
+        except Exception as err:  # noqa: BLE001  (an accelerator: the reader reads the file instead)
+            log.warning("tracer: %s not listed in %s (%s: %s)", path.name, self.rollouts.path.name,
+                        type(err).__name__, err)
 
     def summarise(self, items: list[StagedStep]) -> None:
         """Put each step's summary (:mod:`tracer.format.summary`, steps of one batch computed together)
@@ -118,6 +142,38 @@ class StepWriter:
                     self.summarise([item])
                 return
             log.warning("tracer: step %s: no summary in its header (%s: %s)", items[0].step, type(err).__name__, err)
+            return
+        for item, (tensors, metadata) in zip(items, batch):
+            self._summarise_rows(item, tensors, metadata)
+
+    def _summarise_rows(self, item: StagedStep, tensors: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """The step's per-row statistics and texts (:mod:`tracer.format.rollout_store`), kept on the item for
+        :meth:`write`; nothing for a DPO step or one without completions, or when they fail."""
+        if self.algorithm == "dpo" or "completion_ids" not in tensors:
+            return
+        try:
+            stats = row_formulas.row_statistics(tensors, metadata)
+            shown = self._token_strings()
+            texts = [rollout_store.completion_text(shown, ids) for ids in row_formulas.kept_ids(tensors)]
+            names = metadata.get("reward_component_names")
+            item.rows = (stats, texts, names if isinstance(names, list) else None)
+        except Exception as err:  # noqa: BLE001  (an accelerator, never a reason to drop data)
+            log.warning("tracer: step %s: no rollout summary (%s: %s)", item.step, type(err).__name__, err)
+
+    def _token_strings(self) -> list[str]:
+        """The token strings of the trace's ``tokens.json`` as the reader shows them, read once it
+        exists (rank 0 writes it when the writer starts); [] until then (ids show as ``<id N>``)."""
+        if self._shown_tokens is None:
+            path = self.root / TOKENS_NAME
+            if not path.is_file():
+                return []
+            try:
+                tokens = clean_tokens(read_json(path, "token strings", MAX_TOKENS_BYTES, MAX_TOKEN_ENTRIES, "tokens"),
+                                      path)
+            except Exception:  # noqa: BLE001  (unusable: the reader shows <id N> too)
+                tokens = []
+            self._shown_tokens = rollout_store.shown_tokens(tokens)
+        return self._shown_tokens
 
     def encoded_metadata(self, metadata: dict[str, Any]) -> dict[str, str]:
         """``encode_metadata(metadata)``, reusing the hyperparameters' encoding made once (the header

@@ -15,7 +15,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -24,13 +24,14 @@ from tracer.format.counts import COUNTS_NAME, reserve_counts
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
 from tracer.format.metadata_codec import jsonable
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+from tracer.format.rollout_store import RolloutWriter
 from tracer.format.run_index import IndexWriter
 from tracer.format.schema import ALGORITHMS
 from tracer.record.backends import Backends, LocalBackend, PendingStep
 from tracer.record.modes import distributed_rank, stall_limit, writer_mode
 from tracer.record.capture import BufferPool, CapturedStep, SamplingPolicy, cut_rows
 from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manifest, token_strings,
-                                    tokenizer_identity)
+                                    tokenizer_identity, vocabulary_strings)
 from tracer.record.step_writer import StepWriter, step_header
 from tracer.record.thread import MAX_BATCH, BackgroundWriter
 from tracer.record.validation import RecordChecks, check_captured
@@ -56,6 +57,11 @@ class TraceWriter:
             refused (nothing the user had is overwritten).
         algorithm: one of ``ppo | grpo | cispo | rloo | dpo``.
         tokenizer: optional; its token strings are stored once in ``tokens.json``.
+        vocabulary: the token strings without an HF tokenizer (instead of ``tokenizer``): a list of
+            strings (id = index), or a dict ``{id: text}`` (int keys) or ``{text: id}`` (int values,
+            a tokenizer's ``get_vocab()``); stored in ``tokens.json`` as a tokenizer's would be (an id
+            the dict lacks shows as ``<id N>``). Checked by
+            :func:`tracer.record.manifest.vocabulary_strings` (SchemaError for a bad one).
         config: run configuration (JSON-able dict) kept in the manifest.
         hyperparameters: step metadata written into every step file (SPEC.md section 4 keys).
         strict: a failed write raises TraceError (from the next ``record``, ``flush`` or ``close``);
@@ -83,7 +89,9 @@ class TraceWriter:
     new writer in the child.
 
     Raises:
-        TraceError: unknown algorithm or writer, or ``out_dir`` already holds a trace.
+        TraceError: unknown algorithm or writer, or ``out_dir`` already holds a trace; both
+            ``tokenizer`` and ``vocabulary`` given.
+        SchemaError: ``vocabulary`` is not a list of strings or an id/text dict.
     """
 
     def __init__(
@@ -103,7 +111,11 @@ class TraceWriter:
         writer: str | None = None,
         fsync_steps: bool = False,
         writer_stall_s: float | None = None,
+        vocabulary: Sequence[str] | Mapping[Any, Any] | None = None,
     ) -> None:
+        if tokenizer is not None and vocabulary is not None:
+            raise TraceError("pass tokenizer= or vocabulary=, not both: both would write tokens.json")
+        vocabulary_tokens = vocabulary_strings(vocabulary) if vocabulary is not None else None
         if algorithm not in ALGORITHMS:
             raise TraceError(f"algorithm {algorithm!r} is not one of {list(ALGORITHMS)}")
         if sampling is not None and sampling.anomaly_ring and not async_write:
@@ -141,7 +153,11 @@ class TraceWriter:
             if tokenizer is not None:
                 manifest["tokenizer"] = tokenizer_identity(tokenizer)
                 if self.rank == 0:
-                    self._write_tokens(tokenizer)
+                    self._write_tokens(lambda: token_strings(tokenizer))
+            elif vocabulary_tokens is not None:
+                manifest["tokenizer"] = {"class": "vocabulary", "size": len(vocabulary_tokens)}
+                if self.rank == 0:
+                    self._write_tokens(lambda: vocabulary_tokens)
             if self.rank == 0:
                 self._reserve_counts()
             try:
@@ -156,6 +172,7 @@ class TraceWriter:
                 # the rank's summary index starts again now, as the writer thread's does: a child that dies
                 # before starting its own leaves this one to be resumed, not an older run's
                 IndexWriter(self.root, self.rank).close()
+                RolloutWriter(self.root, self.rank).close()
             self._backends = Backends(mode, self._local_backend, self._process_writer, self._book, strict,
                                       self.sampling.first_k_sequences)
         except BaseException:
@@ -386,11 +403,11 @@ class TraceWriter:
             log.warning("tracer: could not reserve %s in %s: %s; a disk that fills may hide the drop count",
                         COUNTS_NAME, self.root, err)
 
-    def _write_tokens(self, tokenizer: Any) -> None:
-        """``tokens.json``: the text of every token id (rank 0). A failure leaves the trace usable (ids
-        show as ``<id N>``); strict: TraceError."""
+    def _write_tokens(self, strings: Callable[[], list[str]]) -> None:
+        """``tokens.json``: the text of every token id (rank 0), ``strings()``. A failure leaves the
+        trace usable (ids show as ``<id N>``); strict: TraceError."""
         try:
-            write_json_atomic(self.root / TOKENS_NAME, {"tokens": token_strings(tokenizer)})
+            write_json_atomic(self.root / TOKENS_NAME, {"tokens": strings()})
         except OSError as err:
             if self.strict:
                 raise TraceError(f"could not write {self.root / TOKENS_NAME}: {err}") from err

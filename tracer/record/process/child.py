@@ -229,6 +229,7 @@ class Child:
                 self.channel.send({"k": "ack", "t": max(flushes)})
             if close or gone:
                 self.steps.index.close()
+                self.steps.rollouts.close()
                 if not close:  # the training process died: nobody else will write the counts
                     self.book.update(force=True)
                 self.channel.send({"k": "closed"})
