@@ -66,7 +66,8 @@ summary = summary_of(selection.trace_path)
 runs = {run_param(root, selection.trace_path): summary} | {labels[p]: summary_of(p) for p in overlay}
 algorithms = {run_param(root, selection.trace_path): trace.algorithm} | \
              {labels[p]: trace_cache.open_trace(str(p)).algorithm for p in overlay}
-options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)))
+options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)  # with a value somewhere
+                             if frame[c].notna().any()))
 asked = listed(Y_PARAM) if Y_PARAM in st.query_params else None
 chosen = right.multiselect(
     "Quantities", options, default=[c for c in asked if c in options] if asked is not None

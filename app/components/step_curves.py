@@ -135,15 +135,18 @@ def log_refusals(runs: dict[str, pd.DataFrame], columns: list[str]) -> dict[str,
     value is ≤ 0 (the count, the smallest value and where)."""
     out = {}
     for column in columns:
-        parts = [(label, f) for label, f in runs.items() if column in f]
-        values = pd.concat([f[column].astype(np.float64) for _, f in parts]) if parts else pd.Series(dtype=float)
+        parts = [(label, f) for label, f in runs.items() if column in f and f[column].notna().any()]
+        if not parts:
+            continue
+        values = pd.concat([f[column].astype(np.float64) for _, f in parts])
         values = values[np.isfinite(values)]
         bad = int((values <= 0).sum())
         if not bad:
             continue
         label, frame = min(parts, key=lambda p: np.nanmin(p[1][column].to_numpy(dtype=np.float64, na_value=np.nan)))
         at = frame.loc[frame[column].astype(np.float64).idxmin()]
-        where = f"step {int(at['step'])}" + (f" of {label}" if len(runs) > 1 else "")
+        where = f"step {int(at['step'])}" + (f", inner step {int(at['inner_step'])}" if "inner_step" in at else "") \
+            + (f" of {label}" if len(runs) > 1 else "")
         out[column] = (f"{title_of(column)}: log scale not applied: {bad} of {len(values)} values are ≤ 0 "
                        f"(smallest {float(at[column]):.4g} at {where}).")
     return out
@@ -162,13 +165,13 @@ def x_fallback(runs: dict[str, pd.DataFrame], x: str) -> str:
             "wall_time): the x-axis is the step.")
 
 
-def panel_title(column: str, runs: dict[str, pd.DataFrame]) -> str:
+def panel_title(column: str, runs: dict[str, pd.DataFrame], derived: dict[str, set[str]]) -> str:
     """The title of ``column``'s panel, marked ``(derived)`` when every run drawn in it computed the
-    column from a field the reader derived (:func:`derived_fields`), ``(derived for a, b)`` when
-    only some did: overlaid runs are compared by quantity, whichever way each got it."""
+    column from a field the reader derived (``derived``: :func:`derived_fields` per run), ``(derived
+    for a, b)`` when only some did: overlaid runs are compared by quantity, whichever way each got it."""
     field_name = source_field(column)
     drawn = [label for label, f in runs.items() if column in f and f[column].notna().any()]
-    marked = [label for label in drawn if field_name is not None and field_name in derived_fields(runs[label])]
+    marked = [label for label in drawn if field_name is not None and field_name in derived[label]]
     if not marked:
         return title_of(column)
     if len(marked) == len(drawn):
@@ -200,10 +203,11 @@ def step_curves_figure(runs: dict[str, pd.DataFrame], layout: Layout) -> tuple[g
     notes.x = x_fallback(runs, layout.x)
     x_kind = "step" if notes.x else layout.x
     unit_name, unit_s = _time_unit(runs) if x_kind == "relative_time" else ("", 1.0)
+    derived = {label: derived_fields(f) for label, f in runs.items()}
     ncols = 2 if len(shown) > 1 else 1
     nrows = (len(shown) + ncols - 1) // ncols
     fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=min(0.14, 100 / (300 * nrows)),
-                        subplot_titles=[panel_title(c, runs) for c in shown])
+                        subplot_titles=[panel_title(c, runs, derived) for c in shown])
     n = 0
     for r, (label, frame) in enumerate(runs.items()):
         origin = float(frame["wall_time"].min()) if x_kind == "relative_time" else 0.0

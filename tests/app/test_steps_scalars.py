@@ -145,7 +145,7 @@ def test_log_scale_is_refused_for_a_series_with_values_at_or_below_zero(monkeypa
     assert spec["layout"]["yaxis2"].get("type") in (None, "linear")
     notes = [i.value for i in at.info]
     assert f"mean ref KL (k3, nats): log scale not applied: 1 of {len(files)} values are ≤ 0 " \
-           "(smallest 0 at step 0)." in notes
+           "(smallest 0 at step 0, inner step 0)." in notes
     assert at.multiselect(key="step_log").value == ["mean_ratio", "mean_ref_kl_k3"]  # the choice stays
 
 
