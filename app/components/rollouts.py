@@ -201,8 +201,8 @@ def tokens_link(run_label: str, row: Mapping) -> str:
 
 def shown_columns(frame: pd.DataFrame) -> list[str]:
     """The columns the table shows, in display order: those of :data:`LEADING`, the reward
-    components, :data:`TRAILING`; a column no row records (every value NaN) is left out, and so
-    are ``micro_batch`` and ``rank`` when the run has only one of each."""
+    components, :data:`TRAILING`; a column no row records (every value NaN, every group -1) is left
+    out (not :data:`FINDINGS`: NaN there means not checked), and so are ``micro_batch`` and ``rank`` when the run has only one of each."""
     components = [c for c in frame.columns if c.startswith("reward/")]
     order = [*LEADING, *components, *TRAILING]
     out = []
@@ -212,7 +212,9 @@ def shown_columns(frame: pd.DataFrame) -> list[str]:
         column = frame[name]
         if name in ("micro_batch", "rank") and column.nunique() <= 1:
             continue
-        if pd.api.types.is_float_dtype(column) and column.isna().all():
+        if name == "group" and bool((column < 0).all()):  # no groups recorded (PPO): -1 everywhere
+            continue
+        if name != FINDINGS and pd.api.types.is_float_dtype(column) and column.isna().all():
             continue
         out.append(name)
     return out

@@ -161,3 +161,36 @@ def test_findings_column_counts_tracer_checks_errors_at_each_row(monkeypatch, tm
     at.toggle(key="ro_flagged").set_value(True).run()
     assert sorted(where(table(at))) == sorted(located)
     assert at.query_params["flagged"] == "1"
+
+
+def test_selecting_a_row_opens_its_tokens_in_the_same_tab(monkeypatch, root):
+    at = open_rollouts(monkeypatch, root, {"run": "run", "sort": "reward", "dir": "desc"})
+    second = table(at).iloc[1]  # step 8, inner 1: rewards 109, 108, 108.5, 108.25 -> row 2 is second
+    assert (second["step"], second["inner_step"], second["seq"]) == (8, 1, 2)
+    listing = next(d for d in at.dataframe if "tokens" in d.value.columns)
+    at.session_state[listing.key] = {"selection": {"rows": [1], "columns": []}}  # the row's selection box
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Tokens"
+    assert at.selectbox(key="step_file").value == "step 8 · inner 1 · mb 0 · rank 0"
+    assert at.selectbox(key="sequence").value == 2
+    assert {k: at.query_params[k] for k in ("step", "inner", "seq")} == {"step": "8", "inner": "1", "seq": "2"}
+
+
+def test_a_run_past_the_bound_is_not_checked_until_asked(monkeypatch, root):
+    import app.components.rollouts as rollouts
+
+    monkeypatch.setattr(rollouts, "MAX_AUTO_CHECK_FILES", 4)  # the run has 18 step files
+    at = open_rollouts(monkeypatch, root, {"run": "run"})
+    assert set(table(at)["findings"]) == {"not checked"}
+    assert at.toggle(key="ro_flagged").disabled
+    assert any("not checked (18 step files, more than 4" in c.value for c in at.caption)
+    at.button[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    located = {}
+    for f in run_checks(root / "run"):
+        if f.severity in ("error", "warning") and f.sequence is not None:
+            located[(f.step, f.inner_step, f.sequence)] = located.get((f.step, f.inner_step, f.sequence), 0) + 1
+    shown = table(at)
+    assert [str(located.get(w, 0)) for w in where(shown)] == shown["findings"].tolist()
+    assert not at.toggle(key="ro_flagged").disabled

@@ -125,6 +125,8 @@ def test_shown_columns_leave_out_what_no_row_records():
     assert table[TOKENS_LINK].tolist() == ["tokens?run=r&step=1&inner=0&mb=0&rank=0&seq=0",
                                            "tokens?run=r&step=1&inner=0&mb=0&rank=0&seq=1"]
     assert display_rows(frame.iloc[:1], shown_columns(frame), "r", checked=True)[FINDINGS].tolist() == ["0"]
+    ppo = frame.assign(group=-1, micro_batch=[0, 1, 0, 1, 0, 1])  # no groups, two micro-batches
+    assert shown_columns(ppo)[:4] == ["step", "inner_step", "micro_batch", "seq"] and "group" not in shown_columns(ppo)
 
 
 def test_store_keeps_the_most_recently_used_frames():
