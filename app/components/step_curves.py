@@ -218,8 +218,8 @@ def step_curves_figure(runs: dict[str, pd.DataFrame], layout: Layout) -> tuple[g
             colour = PALETTE[(r if len(runs) > 1 else n) % len(PALETTE)]
             if x_kind == "step":
                 x = agg["step"].to_numpy()
-            elif x_kind == "wall_time":
-                x = pd.to_datetime(agg["wall_time"], unit="s").to_numpy()
+            elif x_kind == "wall_time":  # milliseconds since the epoch on a date axis: a typed array, not strings
+                x = agg["wall_time"].to_numpy(dtype=np.float64) * 1000.0
             else:
                 x = (agg["wall_time"].to_numpy(dtype=np.float64) - origin) / unit_s
             line_style = _LineStyle(name, colour, inner_step, line, [inner_step, r])
@@ -275,6 +275,8 @@ def _lay_out_axes(fig: go.Figure, runs: dict[str, pd.DataFrame], shown: list[str
                   x_kind: str, unit_name: str) -> None:
     if x_kind == "step":
         integer_ticks(fig, [s for v in runs.values() for s in v["step"].tolist()], axis="x")
+    elif x_kind == "wall_time":
+        fig.update_xaxes(type="date")
     x_title = {"step": "step", "wall_time": "wall-clock time (UTC)",
                "relative_time": f"time since the run's first step ({unit_name})"}[x_kind]
     for c in range(1, ncols + 1):
