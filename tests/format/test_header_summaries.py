@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import time
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tracer.format.summary import SUMMARY_VERSION
 from tracer.read.trace_info import trace_info
 from tracer.read import Trace
 from tracer.record.writer import TraceWriter
@@ -68,8 +70,9 @@ def _expected(t: dict[str, torch.Tensor], eps=(EPS_LOW, EPS_HIGH)) -> dict[str, 
         for q, level in QS.items():
             out[f"{name}_{q}"] = np.nanquantile(kept, level)
         seen.append((v, mask))
-    for name, field in (("reward", "rewards"), ("advantage", "advantages")):
-        v = t[field].double().numpy()
+    lengths = {"length": torch.from_numpy(mask.sum(axis=1))}  # kept completion tokens per sequence
+    for name, field in (("reward", "rewards"), ("advantage", "advantages"), ("length", "length")):
+        v = (lengths if field == "length" else t)[field].double().numpy()
         out[f"mean_{name}"] = v.mean()
         for q, level in QS.items():
             out[f"{name}_{q}"] = np.nanquantile(v, level)
@@ -101,7 +104,7 @@ def test_header_summary_equals_an_independent_recomputation(tmp_path):
     assert summary["summary_source"].tolist() == ["header"] * 3
     for step, tensors in enumerate(steps):
         stored = trace.metadata(trace.step_key(step))["summary"]
-        assert stored["version"] == 1
+        assert stored["version"] == 2
         expected = _expected(tensors)
         assert np.isnan(expected["mean_ratio"])  # the kept NaN reaches the mean...
         assert np.isfinite(expected["ratio_p50"])  # ... not the quantiles
@@ -170,8 +173,9 @@ def _strip_summary(path, replacement=None) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-@pytest.mark.parametrize("replacement", [None, {"version": 1, "step": 99, "mean_ratio": 5.0},
-                                         {"version": 2, "mean_ratio": 5.0}, {"version": 1, "mean_ratio": "x"},
+@pytest.mark.parametrize("replacement", [None, {"version": SUMMARY_VERSION, "step": 99, "mean_ratio": 5.0},
+                                         {"version": SUMMARY_VERSION + 1, "mean_ratio": 5.0},
+                                         {"version": SUMMARY_VERSION, "mean_ratio": "x"},
                                          [1, 2]])
 def test_files_without_a_usable_summary_are_summarised_from_tensors(tmp_path, replacement):
     steps = [_grpo_step(seed) for seed in range(2)]
@@ -189,9 +193,11 @@ def test_a_step_without_completion_mask_has_only_what_its_fields_allow(tmp_path)
          "chosen_mask": torch.ones(2, 4, dtype=torch.bool), "rejected_mask": torch.ones(2, 4, dtype=torch.bool),
          "chosen_policy_logprobs": torch.randn(2, 4, generator=g),
          "rejected_policy_logprobs": torch.randn(2, 4, generator=g)}
+    before = time.time()
     trace = _write(tmp_path / "dpo", [t], algorithm="dpo")
-    assert trace.metadata(trace.step_key(0))["summary"] == {"version": 1, "nonfinite_values": 0,
-                                                            "nonfinite_kept": 0}
+    summary = trace.metadata(trace.step_key(0))["summary"]
+    assert before <= summary.pop("wall_time") <= time.time()  # recorded at record(), not computed
+    assert summary == {"version": 2, "nonfinite_values": 0, "nonfinite_kept": 0}
 
 
 def test_masked_quantiles_match_numpy_and_handle_empty_and_inf():

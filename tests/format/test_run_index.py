@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import save_file
 
 from tracer.format import run_index
+from tracer.format.summary import SUMMARY_VERSION
 from tracer.read.trace_info import trace_info
 from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
 from tracer.read import Trace
@@ -112,7 +113,7 @@ def test_hostile_lines_are_skipped_and_a_summary_this_reader_does_not_know_is_re
     out = write_run(tmp_path / "run", steps=4)
     lines = index_lines(out)
     entries = [json.loads(line) for line in lines[1:]]
-    entries[0]["summary"]["version"] = 2  # another summary version: read the header instead
+    entries[0]["summary"]["version"] = SUMMARY_VERSION + 1  # another summary version: read the header instead
     entries[1]["step"] = 7  # coordinates that disagree with the file name
     entries[2]["size"] = "big"  # a wrong type
     bad = [json.dumps(e) + "\n" for e in entries[:3]] + ["[1, 2]\n", "\xff\n"]
@@ -147,8 +148,8 @@ def test_lines_are_appended_at_flush_not_per_step(tmp_path, monkeypatch):
     writer = TraceWriter(tmp_path / "run", "grpo", hyperparameters=HYPER)
     writes = []
     real_write = os.write
-    def spy(fd, data):  # the index's appends only (step files are written with os.write too)
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".jsonl"):
+    def spy(fd, data):  # the index's appends only (step files and the rollout summaries are written with os.write too)
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("summary_index.rank_"):
             writes.append(data)
         return real_write(fd, data)
 

@@ -17,10 +17,24 @@ Keys of a summary (all optional; a step has those its fields allow):
                                          (formulas.zero_variance_groups), with group_ids_recorded 1
                                          when the groups came from a group_ids field (0: from
                                          num_generations); absent in older traces
+    mean_entropy, entropy_{...}          entropy over kept tokens (nats)
+    mean_length, length_{...}            kept completion tokens per sequence (completion_mask.sum(-1)), over B
+    loss                                 the recorded scalar loss field
+    mean_reward/<name>                   mean over B of each reward component (reward_components [B, F],
+                                         names from reward_component_names, else component_<f>)
     clip_fraction{,_low,_high}, clip_region
                                          formulas.clip_fractions, when clip_epsilon_low/high are known
     nonfinite_values, nonfinite_kept     NaN/Inf values in the fields above (all positions / the kept
                                          positions of [B, T] fields)
+    wall_time                            unix seconds (float) when record() was called for the step,
+                                         taken on the training thread
+    scalars/<name>                       the user's scalars of the step (record(..., scalars={name: value}))
+
+``wall_time`` and ``scalars/<name>`` are recorded values, not computed ones: the writer takes them
+from the header key :data:`RECORDED_KEY` (where ``TraceWriter.record`` puts them) into the summary,
+and a reader that recomputes a summary from the tensors (another version) carries them over from
+the stored summary of any version (:func:`recorded_values`). They live in the summary only (no
+other header key), so ``tracer diff`` never reports the wall clock as a difference.
 
 Quantiles leave NaN values out (:func:`tracer.formulas.masked_quantiles`); means do not (a NaN at a
 kept position makes the mean NaN, as the loss would be).
@@ -33,13 +47,19 @@ import math
 from typing import Any, Mapping
 
 SUMMARY_KEY = "summary"  # the step metadata key holding the summary
-SUMMARY_VERSION = 1  # bumped when a definition changes; other versions are recomputed from tensors
+SUMMARY_VERSION = 2  # bumped when a definition changes; other versions are recomputed from tensors
 QUANTILES = {"p10": 0.1, "p50": 0.5, "p90": 0.9, "max": 1.0}
 # Statistics over the kept tokens of [B, T] fields (mismatch = old_logprobs - sampler_logprobs).
-TOKEN_STATS = ("ratio", "ref_kl_k3", "approx_kl_k2", "mismatch")
+TOKEN_STATS = ("ratio", "ref_kl_k3", "approx_kl_k2", "mismatch", "entropy")
+# Statistics over the B sequences.
+SEQUENCE_STATS = ("reward", "advantage", "length")
 # The fields a summary reads (the reader loads only these for a file without a summary).
-FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "old_logprobs", "sampler_logprobs",
-          "rewards", "advantages", "group_ids")
+FIELDS = ("completion_mask", "ratio", "ref_kl_k3", "approx_kl_k2", "old_logprobs", "sampler_logprobs", "entropy",
+          "rewards", "advantages", "group_ids", "reward_components", "loss")
+RECORDED_KEY = "recorded_summary_values"  # header key of wall_time and scalars/<name> until the writer summarises
+COMPONENT_PREFIX = "mean_reward/"
+SCALAR_PREFIX = "scalars/"
+MAX_NAME_CHARS = 100  # a scalar's or a reward component's name in a summary key
 GROUP_KEYS = ("groups", "zero_variance_groups", "group_ids_recorded")
 COUNT_KEYS = ("kept_tokens", "nonfinite_values", "nonfinite_kept", *GROUP_KEYS)
 CLIP_KEYS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "clip_region")
@@ -51,10 +71,58 @@ def _stat_keys(name: str) -> list[str]:
 
 # Every key, in the order a summary holds them (counts, token statistics, per-sequence ones, clip, NaN counts).
 ORDER = ("kept_tokens", *(k for n in TOKEN_STATS for k in _stat_keys(n)),
-         *(k for n in ("reward", "advantage") for k in _stat_keys(n)), *GROUP_KEYS, *CLIP_KEYS, "nonfinite_values",
-         "nonfinite_kept")
-KEYS = frozenset(ORDER)
+         *(k for n in SEQUENCE_STATS for k in _stat_keys(n)), "loss", *GROUP_KEYS, *CLIP_KEYS, "nonfinite_values",
+         "nonfinite_kept", "wall_time")
+KEYS = frozenset(ORDER)  # the fixed keys; mean_reward/<name> and scalars/<name> are keys too (is_key)
 _FLOAT_KEYS = KEYS - frozenset(COUNT_KEYS)
+
+
+def named_key(key: object) -> bool:
+    """Whether ``key`` is a ``mean_reward/<name>`` or ``scalars/<name>`` key (a name of 1 to
+    :data:`MAX_NAME_CHARS` characters)."""
+    if type(key) is not str:
+        return False
+    for prefix in (COMPONENT_PREFIX, SCALAR_PREFIX):
+        if key.startswith(prefix):
+            return 0 < len(key) - len(prefix) <= MAX_NAME_CHARS
+    return False
+
+
+def is_key(key: object) -> bool:
+    """Whether ``key`` is a summary key (fixed or named)."""
+    return key in KEYS or named_key(key)
+
+
+def ordered_keys(keys) -> list[str]:
+    """``keys`` (summary keys, any iterable) in a summary's order: :data:`ORDER`, then the reward
+    components' means, then the scalars, each in the order first met."""
+    keys = list(dict.fromkeys(keys))
+    present = set(keys)
+    return ([k for k in ORDER if k in present] + [k for k in keys if k.startswith(COMPONENT_PREFIX)]
+            + [k for k in keys if k.startswith(SCALAR_PREFIX)])
+
+
+def _finite_or_nan(value: object) -> float | None:
+    if type(value) in (int, float):
+        value = float(value)
+        return value if not math.isinf(value) else None
+    return None
+
+
+def recorded_values(metadata: Mapping[str, Any]) -> dict[str, float]:
+    """``wall_time`` and ``scalars/<name>`` of a step's decoded header: from :data:`RECORDED_KEY`
+    (a header written before the writer summarised it) or from the stored summary of any version;
+    values that are not numbers (or infinite) are left out."""
+    out: dict[str, float] = {}
+    for source in (metadata.get(SUMMARY_KEY), metadata.get(RECORDED_KEY)):
+        if not isinstance(source, Mapping):
+            continue
+        for key, value in source.items():
+            if key == "wall_time" or (named_key(key) and key.startswith(SCALAR_PREFIX)):
+                number = _finite_or_nan(value) if value is not None else math.nan
+                if number is not None:
+                    out[key] = number
+    return out
 
 
 
@@ -79,12 +147,13 @@ def read_summary(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         kind = type(value)  # fast path (a run overview reads thousands): an exact float or count
-        if (kind is float and key in _FLOAT_KEYS) or (kind is int and key in COUNT_KEYS and value >= 0):
+        if (kind is float and (key in _FLOAT_KEYS or named_key(key))) or (kind is int and key in COUNT_KEYS
+                                                                           and value >= 0):
             out[key] = value
             continue
         if key == "version":
             continue
-        if key not in KEYS:
+        if not is_key(key):
             return None
         if key in COUNT_KEYS:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -14,7 +14,7 @@ to a temporary name and renamed. One safetensors file (raw tensors and JSON meta
     name          uint8 [N, W]   its file name, UTF-8, zero-padded to the longest (W bytes)
     content_sha256 uint8 [N, 32] its content checksum (zeros when the line held none)
     derived       int32 [N]      index into the metadata's ``derived`` list of texts ("ratio, ...")
-    values        float64 [N, K] each summary key (metadata ``keys``, in :data:`tracer.format.summary.ORDER`)
+    values        float64 [N, K] each summary key (metadata ``keys``, in :func:`tracer.format.summary.ordered_keys` order)
     present       bool [N, K]    whether the step's summary holds that key (a NaN value is present)
 
 and metadata ``format``, ``version``, ``rank``, ``writer`` (the index's writer token: columns of
@@ -47,7 +47,7 @@ from tracer.format.files import FILE_MODE as _FILE_MODE
 log = logging.getLogger(__name__)
 
 STORE_FORMAT = "tracer-summary-columns"
-STORE_VERSION = 1
+STORE_VERSION = 2  # the summary's version is not stored per row: bumped with summary.SUMMARY_VERSION
 MAX_STORE_BYTES = 1 << 31  # larger columns are ignored (the index is read instead)
 MAX_NAME_BYTES = 255
 EXACT_COUNT = 2**53  # a count at or beyond this is not exact in float64: its row is left out
@@ -93,7 +93,7 @@ def build_columns(entries: Iterable[Mapping[str, Any]]) -> SummaryColumns | None
     if not rows:
         return None
     kept = list(rows.values())
-    keys = [k for k in summary_format.ORDER if any(k in e["summary"] for e in kept)]
+    keys = summary_format.ordered_keys(k for e in kept for k in e["summary"])
     texts = list(dict.fromkeys(e["derived"] for e in kept))
     text_id = {t: i for i, t in enumerate(texts)}
     N, K = len(kept), len(keys)
@@ -113,7 +113,7 @@ def merged(old: SummaryColumns | None, new: SummaryColumns | None) -> SummaryCol
     """The rows of ``old`` then those of ``new``; a file in both keeps its row of ``new``."""
     if old is None or new is None:
         return new if old is None else old
-    keys = tuple(k for k in summary_format.ORDER if k in old.keys or k in new.keys)
+    keys = tuple(summary_format.ordered_keys([*old.keys, *new.keys]))
     texts = tuple(dict.fromkeys([*old.derived_texts, *new.derived_texts]))
     keep = ~np.isin(old.names, new.names)
     parts = [(old, keep), (new, np.ones(len(new), dtype=bool))]
@@ -189,7 +189,7 @@ def read_store(path: Path) -> SummaryColumns | None:
 
 def _checked(t: dict[str, np.ndarray], meta: Mapping[str, str]) -> SummaryColumns | None:
     keys, texts = json.loads(meta["keys"]), json.loads(meta["derived"])
-    if not (isinstance(keys, list) and all(k in summary_format.KEYS for k in keys) and len(set(keys)) == len(keys)
+    if not (isinstance(keys, list) and all(summary_format.is_key(k) for k in keys) and len(set(keys)) == len(keys)
             and isinstance(texts, list) and all(isinstance(x, str) for x in texts)):
         return None
     N, K = t["size"].shape[0], len(keys)

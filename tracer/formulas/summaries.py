@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from tracer.format.summary import QUANTILES, FIELDS, ORDER
+from tracer.format.summary import COMPONENT_PREFIX, QUANTILES, FIELDS, ordered_keys, recorded_values
 from tracer.formulas import advantages, losses, reductions
 
 # Steps are stacked only up to this many values per field: the stacked copies, sort and masks cost
@@ -109,8 +109,10 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
     for i, (tensors, metadata) in enumerate(steps):
         used = tuple((n, t.shape, t.dtype) for n in FIELDS
                      if (t := tensors.get(n)) is not None and isinstance(t, torch.Tensor))
+        names = metadata.get("reward_component_names")
         eps = (_number(metadata.get("clip_epsilon_low")), _number(metadata.get("clip_epsilon_high")),
-               _number(metadata.get("num_generations")))
+               _number(metadata.get("num_generations")),
+               tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None)
         groups.setdefault((used, eps), []).append(i)
     out: list[dict[str, Any]] = [{} for _ in steps]
     for (used, _eps), members in groups.items():
@@ -122,6 +124,8 @@ def compute_summaries(steps: list[tuple[Mapping[str, torch.Tensor], Mapping[str,
             with np.errstate(all="ignore"):  # NaN/inf are data here (counted), as in torch: no numpy warning
                 for i, summary in zip(chunk, _summarise_group(stacked, steps[chunk[0]][1], len(chunk))):
                     out[i] = summary
+    for summary, (_, metadata) in zip(out, steps):
+        summary.update(recorded_values(metadata))  # wall_time, scalars/<name>: recorded, not computed
     return out
 
 
@@ -140,9 +144,13 @@ def _summarise_group(tensors: dict[str, np.ndarray], metadata: Mapping[str, Any]
         per_seq["reward"] = rewards
     if _floating(adv) and adv.ndim == 2 and (not per_seq or adv.shape == rewards.shape):
         per_seq["advantage"] = adv  # [B] like the rewards (the schema check makes them agree)
+    if "entropy" in tensors:
+        token["entropy"] = tensors["entropy"]
     if mask is not None:
         cols["kept_tokens"] = mask.reshape(S, -1).sum(axis=1).tolist()
-        token = {n: v for n, v in token.items() if v.shape == mask.shape}
+        if mask.ndim == 3 and (not per_seq or next(iter(per_seq.values())).shape == mask.shape[:2]):
+            per_seq["length"] = mask.sum(axis=2, dtype=np.float32)  # (S, B) kept completion tokens per sequence
+        token = {n: v for n, v in token.items() if v.shape == mask.shape and _floating(v)}
         if _floating(adv) and adv.shape == mask.shape:
             token["advantage"] = adv  # PPO: per token
     else:
@@ -154,8 +162,27 @@ def _summarise_group(tensors: dict[str, np.ndarray], metadata: Mapping[str, Any]
     _clip(cols, tensors, mask, metadata)
     if "reward" in per_seq:
         _groups(cols, per_seq["reward"], tensors.get("group_ids"), metadata)
-    keys = [k for k in ORDER if k in cols]  # counts, token statistics, per-sequence ones, clip, NaN counts
+    loss = tensors.get("loss")
+    if _floating(loss) and loss.shape == (S,):
+        cols["loss"] = loss.astype(np.float64).tolist()
+    _components(cols, tensors.get("reward_components"), metadata)
+    keys = ordered_keys(cols)  # counts, token statistics, per-sequence ones, clip, NaN counts, component means
     return [dict(zip(keys, row)) for row in zip(*(cols[k] for k in keys))]
+
+
+def _components(cols: Columns, components: np.ndarray | None, metadata: Mapping[str, Any]) -> None:
+    """``mean_reward/<name>``: the mean over B of each reward component (``[S, B, F]``; names from
+    ``reward_component_names`` when it names F components, else ``component_<f>``; a NaN makes the mean NaN)."""
+    if not _floating(components) or components.ndim != 3:
+        return
+    F = components.shape[2]
+    names = metadata.get("reward_component_names")
+    if not (isinstance(names, list) and len(names) == F and all(isinstance(n, str) for n in names)
+            and len(set(names)) == F):
+        names = [f"component_{f}" for f in range(F)]
+    means = torch.from_numpy(components.astype(np.float32, copy=False)).mean(dim=1)  # (S, F)
+    for name, column in zip(names, means.T.tolist()):
+        cols[f"{COMPONENT_PREFIX}{name}"[:len(COMPONENT_PREFIX) + 100]] = column
 
 
 def _clip(cols: Columns, tensors: Mapping[str, np.ndarray], mask: np.ndarray | None,

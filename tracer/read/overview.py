@@ -36,13 +36,38 @@ TRAILING = ("summary_source", "derived", "problem")
 
 def ordered(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with its columns in the overview's order: coordinates, summary keys in
-    :data:`tracer.format.summary.ORDER`, any other column as it came, then ``summary_source``,
-    ``derived``, ``problem``."""
-    known = [c for c in (*COORDINATES, *summary_format.ORDER) if c in frame.columns]
+    :func:`tracer.format.summary.ordered_keys` order (``mean_reward/<name>``, ``scalars/<name>`` after the
+    fixed ones), any other column as it came, then ``summary_source``, ``derived``, ``problem``."""
+    known = [*(c for c in COORDINATES if c in frame.columns),
+             *summary_format.ordered_keys(c for c in frame.columns if summary_format.is_key(c))]
     tail = [c for c in TRAILING if c in frame.columns]
     middle = [c for c in frame.columns if c not in known and c not in tail]
     order = [*known, *middle, *tail]
     return frame if list(frame.columns) == order else frame[order]
+
+
+# The per-step columns a plot starts from, in this order (each when present); the rest follow.
+_FIRST = ("loss", "mean_reward", summary_format.COMPONENT_PREFIX, "mean_advantage", "mean_length", "mean_entropy",
+          "mean_ratio", "mean_ref_kl_k3", "mean_approx_kl_k2", "mean_mismatch", "clip_fraction", "clip_fraction_low",
+          "clip_fraction_high", "clip_region", summary_format.SCALAR_PREFIX, "kept_tokens", "groups",
+          "zero_variance_groups")
+_NOT_PLOTTED = frozenset({*COORDINATES, "wall_time", "group_ids_recorded"})
+
+
+def scalar_columns(frame: pd.DataFrame) -> list[str]:
+    """Every plottable per-step column of a :meth:`TraceOverview.step_summary` frame (or one a caller
+    added derived columns to): numeric (not bool), with at least one finite value, neither a
+    coordinate nor ``wall_time`` (an x-axis) nor ``group_ids_recorded`` (a flag). Order: the loss,
+    rewards and their components, advantages, lengths, entropy, ratio, KL estimators, mismatch, clip
+    fractions, the user's ``scalars/<name>`` (recorded, then TRL's logs), counts, then the
+    quantiles and any other column in frame order."""
+    plottable = [c for c in frame.columns if isinstance(c, str) and c not in _NOT_PLOTTED
+                 and pd.api.types.is_numeric_dtype(frame[c]) and not pd.api.types.is_bool_dtype(frame[c])
+                 and np.isfinite(frame[c].to_numpy(dtype=np.float64, na_value=np.nan)).any()]
+    first = []
+    for item in _FIRST:
+        first += [c for c in plottable if c.startswith(item)] if item.endswith("/") else [c for c in plottable if c == item]
+    return [*first, *(c for c in plottable if c not in first)]
 
 
 def rows_of(columns: SummaryColumns, names: np.ndarray) -> np.ndarray:

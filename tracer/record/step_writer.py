@@ -136,6 +136,7 @@ class StepWriter:
             batch = [({**it.tensors, **derive_fields(it.tensors, it.metadata)}, it.metadata) for it in items]
             for item, summary in zip(items, summaries.compute_summaries(batch)):  # ratio/KL derived from inputs
                 item.metadata[summary_format.SUMMARY_KEY] = summary_format.header_text(summary)  # encoded once, here
+                item.metadata.pop(summary_format.RECORDED_KEY, None)  # wall_time, scalars: now in the summary
         except Exception as err:  # noqa: BLE001  (a summary is an optimisation, never a reason to drop data)
             if len(items) > 1:  # find the step that fails; the others keep theirs
                 for item in items:

@@ -21,7 +21,36 @@ from tracer.format.integrity import MAX_METADATA_BYTES, MAX_METADATA_KEYS  # wha
 MAX_SIGNATURES = 256  # field signatures (names, shapes, dtypes, devices) whose schema check is cached
 # Step metadata keys the writer sets itself; a caller passing one would be silently overridden.
 WRITER_KEYS = frozenset({"schema_version", "algorithm", "step", "inner_step", "micro_batch", "rank", "world_size",
-                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summary_format.SUMMARY_KEY})
+                         "source_dtype", "content_sha256", "nonfinite_fields", "anomaly", summary_format.SUMMARY_KEY,
+                         summary_format.RECORDED_KEY})
+
+
+def check_scalars(scalars: Any) -> dict[str, float]:
+    """The user's per-step scalars (``record(..., scalars={"grad_norm": 0.3, ...})``) as
+    ``{"scalars/<name>": float}``, the summary keys they are stored under (:mod:`tracer.format.summary`).
+
+    A value is a real number (Python or numpy, or a one-element tensor: read with ``.item()``, which
+    waits for a CUDA tensor) that is finite or NaN. Raises SchemaError naming the scalar, what was
+    expected and what was given: a name that is not a string of 1 to 100 characters, a bool, an
+    infinite value, or anything else."""
+    if not isinstance(scalars, Mapping):
+        raise SchemaError(f"scalars: expected a dict {{name: number}}, got {type(scalars).__name__}")
+    out: dict[str, float] = {}
+    for name, value in scalars.items():
+        if not isinstance(name, str) or not 0 < len(name) <= summary_format.MAX_NAME_CHARS:
+            raise SchemaError(f"scalars: the name {name!r} is not a string of 1 to {summary_format.MAX_NAME_CHARS} "
+                              "characters")
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and (value.is_floating_point() or not value.is_complex()) \
+                and value.dtype != torch.bool:
+            value = value.item()
+        elif hasattr(value, "item") and getattr(value, "shape", None) == () and not isinstance(value, (bool, str)):
+            value = value.item()  # a numpy scalar
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (float("inf"), float("-inf")):
+            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise SchemaError(f"scalars[{name!r}]: expected a finite number or NaN (a float, an int or a one-element "
+                              f"tensor), got {shown}")
+        out[summary_format.SCALAR_PREFIX + name] = float(value)
+    return out
 
 
 def coordinate(name: str, value: Any) -> int:

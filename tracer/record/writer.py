@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -34,7 +35,8 @@ from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manif
                                     tokenizer_identity, vocabulary_strings)
 from tracer.record.step_writer import StepWriter, step_header
 from tracer.record.thread import MAX_BATCH, BackgroundWriter
-from tracer.record.validation import RecordChecks, check_captured
+from tracer.record.validation import RecordChecks, check_captured, check_scalars
+from tracer.format.summary import RECORDED_KEY
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +192,7 @@ class TraceWriter:
         inner_step: int = 0,
         micro_batch: int = 0,
         metadata: Mapping[str, Any] | None = None,
+        scalars: Mapping[str, Any] | None = None,
         **named_tensors: torch.Tensor,
     ) -> Path | None:
         """Validate and stage one step; returns the path its file will have, or None when the step
@@ -205,15 +208,21 @@ class TraceWriter:
             inner_step: PPO epoch / GRPO iteration, 0 on fresh rollouts.
             micro_batch: micro-batch index within the step.
             metadata: extra step metadata (JSON-able); overrides the writer's hyperparameters.
+            scalars: the step's own numbers by name (``{"grad_norm": 0.3, "learning_rate": 1e-6}``), each
+                finite or NaN; shown as ``scalars/<name>`` columns of ``Trace.step_summary()`` and on the
+                Steps page (stored in the step's summary: :mod:`tracer.format.summary`).
             **named_tensors: more tensors by keyword (merged with ``tensors``).
 
+        The step's wall-clock time (``time.time()`` now) is kept with it (``wall_time``).
+
         Raises:
-            SchemaError: a tensor disagrees with the schema, or metadata is not JSON (the caller's
-                mistake: raised whatever ``strict`` says).
+            SchemaError: a tensor disagrees with the schema, metadata is not JSON, or a scalar is not
+                a finite number or NaN (the caller's mistake: raised whatever ``strict`` says).
             TraceError: the writer is closed or was inherited through fork(); in strict mode, an
                 earlier write failed.
         """
-        return self._record(step, {**dict(tensors or {}), **named_tensors}, inner_step, micro_batch, metadata)
+        return self._record(step, {**dict(tensors or {}), **named_tensors}, inner_step, micro_batch, metadata,
+                            scalars=check_scalars(scalars) if scalars is not None else None)
 
     def record_captured(self, captured: CapturedStep) -> None:
         """Record a step that a watcher or an integration captured (:class:`tracer.record.capture.CapturedStep`):
@@ -231,7 +240,8 @@ class TraceWriter:
 
     def _record(self, step: int, tensors: dict[str, torch.Tensor], inner_step: int = 0, micro_batch: int = 0,
                 metadata: Mapping[str, Any] | None = None, owned: frozenset[str] | set[str] = frozenset(),
-                derive: tuple[str, ...] = (), signature: tuple | None = None, path_wanted: bool = True) -> Path | None:
+                derive: tuple[str, ...] = (), signature: tuple | None = None, path_wanted: bool = True,
+                scalars: dict[str, float] | None = None) -> Path | None:
         """:meth:`record` and :meth:`record_captured` (their arguments: :class:`tracer.record.capture.CapturedStep`);
         ``path_wanted=False``: the caller ignores the returned path, so a step handed to the writer
         process returns None without making it (a ``Path`` a step: about 15 us of the training thread's)."""
@@ -240,7 +250,8 @@ class TraceWriter:
             # here are written in place after the block, which an inference tensor refuses.
             with torch.inference_mode(False):
                 return self._record(step, tensors, inner_step, micro_batch, metadata, owned, derive,
-                                    signature, path_wanted)
+                                    signature, path_wanted, scalars)
+        wall_time = time.time()
         self._check_process()
         self._backends.poll(due_only=True)  # the writer process's results so far (a strict failure raises next)
         self._book.raise_pending()
@@ -255,6 +266,9 @@ class TraceWriter:
             self._book.skipped()
             return None
         json_metadata = self._checks.metadata(metadata)
+        # the wall clock and the user's scalars: moved into the summary by the writer (tracer.format.summary)
+        recorded = {"wall_time": wall_time, **scalars} if scalars else {"wall_time": wall_time}
+        json_metadata = {**(json_metadata or {}), RECORDED_KEY: recorded}  # a new dict: json_form's is cached
         if self.sampling.first_k_sequences is not None:  # the shapes kept depend on the signature alone
             tensors, rows = cut_rows(tensors, self.sampling.first_k_sequences, self.algorithm)
             group_key = group_key and (group_key, self.sampling.first_k_sequences)
