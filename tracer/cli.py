@@ -194,7 +194,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if (args.algo == "grpo-vllm" or args.rollout == "vllm") and importlib.util.find_spec("vllm") is None:
         what = "--algo grpo-vllm" if args.algo == "grpo-vllm" else "--rollout vllm"
         raise TraceError(f"{what} needs vLLM in this environment: `make .venv-vllm` builds one "
-                         "(torch 2.13.0 first, then pip install -e '.[vllm]'); see README, 'vLLM'")
+                         "(torch 2.13.0 first, then pip install -e '.[vllm]'); see docs/vllm.md")
     missing = [m for m in ("transformers", "tokenizers")
                + (("trl",) if args.algo.endswith(("-trl", "-vllm")) or args.algo == "agent" else ())
                if importlib.util.find_spec(m) is None]

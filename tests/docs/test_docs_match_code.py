@@ -1,6 +1,7 @@
 """The documentation agrees with the code: SPEC.md references resolve, docs/checks.md lists every
-registered check, the README's field table is what docs/fields_table.py prints from the schema, and
-the docs' relative links point to files that exist."""
+registered check, the field table of docs/format.md is what docs/fields_table.py prints from the
+schema, the docs' relative links point to files that exist, and the README stays a first read (under
+250 lines, the test command .ci/run calls on it)."""
 
 import contextlib
 import importlib.util
@@ -31,15 +32,15 @@ def test_docs_checks_lists_every_registered_check():
         "add a row (id | severity | rule) per registered check")
 
 
-def test_readme_field_table_is_generated_from_the_schema():
+def test_field_table_is_generated_from_the_schema():
     spec = importlib.util.spec_from_file_location("fields_table", REPO / "docs" / "fields_table.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         module.main()
-    assert out.getvalue().strip() in README, (
-        "README.md's field table differs from the schema: paste the output of `python docs/fields_table.py`")
+    assert out.getvalue().strip() in (REPO / "docs" / "format.md").read_text(encoding="utf-8"), (
+        "docs/format.md's field table differs from the schema: paste the output of `python docs/fields_table.py`")
 
 
 def test_relative_links_in_the_docs_exist():
@@ -50,3 +51,12 @@ def test_relative_links_in_the_docs_exist():
 
 def test_readme_keeps_the_ci_test_command():
     assert "make test   # install everything, run the test suite" in README
+    assert (REPO / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("\nmake test")
+
+
+def test_readme_is_a_first_read_under_250_lines_with_the_cost_of_make_test():
+    assert len(README.splitlines()) < 250
+    setup = README[README.index("## Set up"):README.index("## Attach")]
+    for venv in (".venv", ".venv-verl", ".venv-vllm"):  # each venv with its size, and the suite's time
+        assert re.search(rf"`{re.escape(venv)}`[^`]*\(([^)]*)?\d(\.\d)? GB", setup), venv
+    assert re.search(r"~\d+-\d+ min for\s+the main suite", setup)
