@@ -72,7 +72,7 @@ asked = listed(Y_PARAM) if Y_PARAM in st.query_params else None
 chosen = right.multiselect(
     "Quantities", options, default=[c for c in asked if c in options] if asked is not None
     else default_columns(summary, trace.algorithm),
-    format_func=lambda c: c if title_of(c) == c else f"{title_of(c)} · {c}", key="step_columns",
+    format_func=title_of, key="step_columns",
     help="per-step columns of the summary, one panel each: recorded or derived means and quantiles, "
          "reward components, the loss, and the scalars the trainer logged (scalars/…)")
 urls.set_page_param(Y_PARAM, ",".join(chosen))
