@@ -16,9 +16,11 @@ if str(_REPO) not in sys.path:  # `streamlit run` puts app/ on sys.path, not the
     sys.path.insert(0, str(_REPO))
 
 from app.components import trace_cache, urls  # noqa: E402
-from app.components.navigation import HOME_PAGE, PAGES, hidden_pages_note, not_offered_reason, pages_for  # noqa: E402
+from app.components.navigation import (  # noqa: E402
+    PAGES, RUN_FREE_PAGES, RUNS_PAGE, hidden_pages_note, not_offered_reason, pages_for)
 from app.components.not_offered import not_offered_page  # noqa: E402
-from app.components.sidebar import no_trace_message, render_sidebar, resolve_root, store_selection  # noqa: E402
+from app.components.sidebar import (  # noqa: E402
+    no_trace_message, render_sidebar, render_sidebar_header, resolve_root, store_selection)
 from tracer.errors import TraceError  # noqa: E402
 
 # A local icon: otherwise the browser tab shows the page's Material icon, fetched from fonts.gstatic.com
@@ -28,7 +30,9 @@ st.set_page_config(page_title="tracer", page_icon=str(_REPO / "app" / "assets" /
 trace_cache.freeze_startup_objects()  # once per process (cheaper full garbage collections on big runs)
 root = resolve_root(sys.argv[1:], os.environ)
 hidden_slot = st.sidebar.container()  # first in the sidebar: right under the page list
-selection = render_sidebar(root)
+traces = render_sidebar_header(root)
+choosers = st.sidebar.empty()  # the run choosers: emptied on a page where they have no effect
+selection = render_sidebar(root, traces, choosers)
 if selection is None:
     st.title("No trace to open")
     st.warning(no_trace_message(root))
@@ -46,7 +50,7 @@ table = trace.step_table()  # the first step file's key only, not one per step f
 first_and_selected = [k for k in ([table.key(0)] if len(table) else []) + [selection.key] if k is not None]
 algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
 offered = pages_for(algorithm, recorded)
-page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibility="hidden"),
+page = st.navigation([st.Page(RUNS_PAGE.path, title=RUNS_PAGE.title, icon=RUNS_PAGE.icon, default=True),
                       *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
                         for spec in offered],
                       # a link to a page this run is not offered (/groups of a PPO run) says why, and links on
@@ -54,6 +58,8 @@ page = st.navigation([st.Page(HOME_PAGE, title="tracer", default=True, visibilit
                                 title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
                         for spec in PAGES if spec not in offered]])
 urls.drop_other_pages_params(page.url_path)
+if page.url_path in RUN_FREE_PAGES:  # drawn (their state kept for the other pages), then taken away
+    choosers.empty()
 note = hidden_pages_note(algorithm, recorded)
 if note:  # once, collapsed, under the page list (not a note on every page)
     with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",

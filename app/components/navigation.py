@@ -42,10 +42,11 @@ PAGES: tuple[PageSpec, ...] = (
     PageSpec("app_pages/diff.py", "Diff", ":material/difference:", url_path="diff"),
     PageSpec("app_pages/overview.py", "Overview", ":material/info:", url_path="overview"),
 )
-DEFAULT_PAGE = PAGES[0].path
-# The app's root URL (``/``): a hidden page that opens DEFAULT_PAGE with the URL's parameters, so
-# that every visible page keeps its own path (``/tokens`` included).
-HOME_PAGE = "app_pages/home.py"
+DEFAULT_PAGE = PAGES[0].path  # a run's first page (Tokens, at /tokens)
+# The app's root URL (``/``): every run under the root, whatever run the sidebar shows.
+RUNS_PAGE = PageSpec("app_pages/runs.py", "Runs", ":material/folder_open:")
+# Pages on which the sidebar's run choosers have no effect (they are hidden there).
+RUN_FREE_PAGES = frozenset({"diff"})
 
 
 def _known(algorithm: str | None) -> bool:

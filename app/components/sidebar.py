@@ -18,8 +18,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
-from app.components import token_jump, trace_cache, urls
+from app.components import runs, token_jump, trace_cache, urls
 from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
@@ -142,16 +143,25 @@ def _step_labels(keys: list[StepKey]) -> list[str]:
     return StepTable.from_keys(keys).labels()
 
 
-def render_sidebar(root: Path) -> Selection | None:
-    """Draw the sidebar and return the choice; None when ``root`` holds no trace."""
+def render_sidebar_header(root: Path) -> list[Path]:
+    """Draw the sidebar's title, root and Reload button; return the traces under ``root`` it lists
+    (:func:`_listed_traces`, empty when none)."""
     sb = st.sidebar
     sb.title("tracer")
     sb.text(f"root: {root}")
     if sb.button("Reload", help="read the trace again: new steps, manifest status, token strings"):
         trace_cache.clear_caches()
-    traces = _listed_traces(root)
+    return _listed_traces(root)
+
+
+def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | None = None) -> Selection | None:
+    """Draw the run choosers (Run, Rank, Step file, Sequence), the run's status and auto-refresh
+    into ``choosers`` (a placeholder under :func:`render_sidebar_header`, emptied on a page where
+    they have no effect; the sidebar itself when None) and return the choice; None when ``traces``
+    is empty."""
     if not traces:
         return None
+    sb = (choosers if choosers is not None else st.sidebar).container()
     refused = not _apply_url_run(root, traces)
     jump = token_jump.pending()
     if jump is not None:
@@ -166,27 +176,31 @@ def render_sidebar(root: Path) -> Selection | None:
         sb.error("This run cannot be opened; pick another one.")
         return Selection(root, run, None, None, error=str(err))
     sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(table)} step files")
-    _render_status_notes(trace, problems)
-    _render_auto_refresh(str(run))
+    _render_status_notes(sb, trace, problems)
+    _render_auto_refresh(sb, str(run))
     if jump is not None:
         token_jump.select_step(jump, run, table.keys(), _step_labels)
     else:
-        _apply_url_selection(table)
-    chosen = _choose_step(root, run, table)
+        _apply_url_selection(str(run), table)
+    chosen = _choose_step(sb, root, run, table)
     # a refused ?run= stays in the URL (its message with it) until another run is chosen
     urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
                keep=("run",) if refused else ())
     return chosen
 
 
-def _apply_url_selection(table: StepTable) -> None:
+def _apply_url_selection(trace_path: str, table: StepTable) -> None:
     """Point the Rank, Step file and Sequence choosers at the URL's ``step, inner, mb, rank, seq``
-    (before they are drawn) when the URL names a selection the app did not write itself."""
+    (before they are drawn) when the URL names a selection the app did not write itself; a URL
+    naming ``run=`` without ``step=`` opens the run's most informative step
+    (:func:`app.components.runs.informative_index`)."""
     wanted = urls.pending()
     if wanted is None:
         return
     params = urls.parse(wanted)
     if "step" not in params:
+        if RUN_PARAM in wanted and len(table):
+            _open_informative_step(trace_path, table)
         return
     keys = table.keys()
     match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
@@ -207,6 +221,22 @@ def _apply_url_selection(table: StepTable) -> None:
         st.session_state.pop("sequence", None)
 
 
+def _open_informative_step(trace_path: str, table: StepTable) -> None:
+    """Point the Step file chooser at the run's first step file with an error (and the sequence
+    the error names), else at its last step (:mod:`app.components.runs`); every rank listed."""
+    status = runs.known_status(trace_path)
+    index = runs.informative_index(table.coordinates, status)
+    if len(np.unique(table.coordinates[:, 3])) > 1:
+        st.session_state["rank"] = None  # all ranks, so that the step file is listed
+    st.session_state["step_file"] = table.labels()[index]
+    sequence = status.first_error_sequence if status is not None and status.first_error is not None else None
+    if sequence is not None and tuple(table.coordinates[index].tolist()) == status.first_error:
+        st.session_state["sequence"] = sequence
+    else:
+        st.session_state.pop("sequence", None)
+    st.session_state.pop(_URL_NOTE, None)
+
+
 def _listed_traces(root: Path) -> list[Path]:
     """The traces under ``root`` (:func:`discover_traces`); a warning names those reached through
     a link that leaves the root (never listed, never opened)."""
@@ -218,10 +248,9 @@ def _listed_traces(root: Path) -> list[Path]:
     return [p for p in candidates if p not in refused]
 
 
-def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
+def _choose_step(sb: DeltaGenerator, root: Path, run: Path, table: StepTable) -> Selection:
     """The Rank (with several ranks), Step file and Sequence choosers of ``run`` (``table``: its
-    step files; only the chosen one's :class:`StepKey` is built)."""
-    sb = st.sidebar
+    step files; only the chosen one's :class:`StepKey` is built), drawn in ``sb``."""
     ranks = np.unique(table.coordinates[:, 3]).tolist()
     rank = None
     if len(ranks) > 1:
@@ -231,7 +260,7 @@ def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
             table = table.take(np.flatnonzero(table.coordinates[:, 3] == rank))
     if not len(table):
         return Selection(root, run, None, None, rank)
-    table, labels = _step_file_choices(table)
+    table, labels = _step_file_choices(sb, table)
     if st.session_state.get("step_file") not in labels:
         st.session_state.pop("step_file", None)
     if _URL_NOTE in st.session_state:
@@ -255,7 +284,7 @@ def _choose_step(root: Path, run: Path, table: StepTable) -> Selection:
     return Selection(root, run, key, sequence, rank)
 
 
-def _step_file_choices(table: StepTable) -> tuple[StepTable, list[str]]:
+def _step_file_choices(sb: DeltaGenerator, table: StepTable) -> tuple[StepTable, list[str]]:
     """The step files the Step file chooser offers and their labels: every file of ``table``, or,
     on a run of more than :data:`MAX_STEP_OPTIONS` files, those of the step picked in a Step number
     input drawn here (a 10,000-option list would cost the page, and the browser, for each
@@ -271,12 +300,12 @@ def _step_file_choices(table: StepTable) -> tuple[StepTable, list[str]]:
         labels = table.labels()  # every label once, only when something outside the choosers set one
         if wanted in labels:
             number = st.session_state[STEP_NUMBER] = int(steps[labels.index(wanted)])
-    number = st.sidebar.number_input(
+    number = sb.number_input(
         "Step", min_value=int(steps[0]), max_value=int(steps[-1]), step=1, key=STEP_NUMBER,
         on_change=_new_step_number, help=f"{len(table)} step files: pick a step, then one of its files")
     shown = int(steps[min(int(np.searchsorted(steps, number)), len(steps) - 1)])  # the next step with files
     if shown != number:
-        st.sidebar.caption(f"No step file at step {number}: showing step {shown}.")
+        sb.caption(f"No step file at step {number}: showing step {shown}.")
     positions = np.flatnonzero(steps == shown)
     return table.take(positions), _labels_at(table, positions)
 
@@ -305,8 +334,7 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _render_status_notes(trace: SafeTrace, problems: dict[Path, str]) -> None:
-    sb = st.sidebar
+def _render_status_notes(sb: DeltaGenerator, trace: SafeTrace, problems: dict[Path, str]) -> None:
     if trace.path.is_dir() and not (trace.path / MANIFEST_NAME).is_file():
         sb.warning(f"No {MANIFEST_NAME} in this run: its status and tokenizer (EOS and pad ids) are unknown, "
                    "so masked positions cannot say why; the step files are shown with what their headers say.")
@@ -333,12 +361,12 @@ def live_signature(trace_path: str) -> tuple:
     return trace_cache.manifest_mtime(trace_path), names
 
 
-def _render_auto_refresh(trace_path: str) -> None:
-    on = st.sidebar.toggle("Auto-refresh", key="auto_refresh",
+def _render_auto_refresh(sb: DeltaGenerator, trace_path: str) -> None:
+    on = sb.toggle("Auto-refresh", key="auto_refresh",
                            help=f"check every {REFRESH_SECONDS:g} s for new step files and a changed manifest "
                                 "(status), and rerun the app when there are")
     if on:
-        with st.sidebar:
+        with sb:
             _watch(trace_path, live_signature(trace_path))
 
 

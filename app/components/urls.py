@@ -20,10 +20,12 @@ SELECTION_PARAMS = ("run", "step", "inner", "mb", "rank", "seq")
 _INT_PARAMS = ("step", "inner", "mb", "rank", "seq")
 _SYNCED_STATE = "_tracer_url_synced"  # the selection parameters the app last wrote
 _PAGE_STATE = "_tracer_url_page"  # the URL path of the page the last run showed
-# Each page's own parameters, by URL path ("" is the root, which shows the Tokens page).
-PAGE_PARAMS: dict[str, tuple[str, ...]] = {"": ("colour", "token"), "tokens": ("colour", "token"), "step": ("q",),
+# Each page's own parameters, by URL path ("" is the root, the Runs page).
+PAGE_PARAMS: dict[str, tuple[str, ...]] = {"": (), "tokens": ("colour", "token"), "step": ("q",),
                                            "conversation": ("colour", "turns"),
-                                           "groups": ("group",), "steps": ("overlay",)}
+                                           "groups": ("group",), "steps": ("overlay",), "diff": ("a", "b")}
+# Page parameters that name a place in the selected sequence: dropped when the selection moves.
+_SEQUENCE_PARAMS = ("token",)
 
 
 def parse(params: Mapping[str, str]) -> dict[str, int]:
@@ -72,7 +74,15 @@ def pending() -> dict[str, str] | None:
 
 def write(params: Mapping[str, str], keep: tuple[str, ...] = ()) -> None:
     """Put the selection into the URL (other parameters, and those named in ``keep``, stay) and
-    remember it as written."""
+    remember it as written. When a selection parameter the URL names changes value (another run,
+    step file or sequence was chosen), the page parameters that point into the old sequence
+    (``token``) go: they name a place in a sequence no longer shown."""
+    moved = any(name in st.query_params and st.query_params[name] != params.get(name)
+                for name in SELECTION_PARAMS if name not in keep)
+    if moved:
+        for name in _SEQUENCE_PARAMS:
+            if name in st.query_params:
+                del st.query_params[name]
     for name in SELECTION_PARAMS:
         if name in keep:
             continue

@@ -72,14 +72,15 @@ def test_pages_follow_the_algorithm():
         return [p.title for p in pages_for(algorithm)]
 
     common = ["Steps", "Health", "Diff", "Overview"]
-    assert titles("ppo") == ["Tokens", "Conversation", "Step", "PPO: GAE and early stop", "Mismatch", *common]
+    assert titles("ppo") == ["Tokens", "Rollouts", "Conversation", "Step", "PPO: GAE and early stop", "Mismatch",
+                             *common]
     for algorithm in ("grpo", "cispo", "rloo"):
-        assert titles(algorithm) == ["Tokens", "Conversation", "Step", "Groups", "Mismatch", *common]
+        assert titles(algorithm) == ["Tokens", "Rollouts", "Conversation", "Step", "Groups", "Mismatch", *common]
     assert titles("dpo") == ["Tokens", "DPO pairs", *common]  # no completion tokens: no Step page
     assert len({p.url_path for p in PAGES}) == len(PAGES) and all(p.url_path for p in PAGES)
     assert titles(None) == [p.title for p in PAGES]  # unknown algorithm: every page, each explains itself
-    assert hidden_pages_note("dpo") == ("Hidden for a dpo run: Conversation, Step, PPO: GAE and early stop, Groups, "
-                                        "Mismatch.")
+    assert hidden_pages_note("dpo") == ("Hidden for a dpo run: Rollouts, Conversation, Step, PPO: GAE and early stop, "
+                                        "Groups, Mismatch.")
     assert hidden_pages_note(None) is None
 
 
@@ -164,9 +165,11 @@ def completions() -> pd.DataFrame:
 
 def test_group_rewards_figure_and_labels():
     fig = group_rewards_figure(completions())
-    assert [t.name for t in fig.data] == ["reward", "advantage"]
-    assert list(fig.data[0].x) == ["seq 4", "seq 5"] and list(fig.data[1].y) == [-1.0, 1.0]
-    assert fig.data[1].yaxis == "y2"
+    # the bars, the dash on top of each bar (one legend entry with the bars), the advantages
+    assert [t.name for t in fig.data] == ["reward", "reward", "advantage"]
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["reward", "advantage"]
+    assert list(fig.data[0].x) == ["seq 4", "seq 5"] and list(fig.data[2].y) == [-1.0, 1.0]
+    assert fig.data[2].yaxis == "y2"
     lines = [s for s in fig.layout.shapes if s.type == "line"]
     assert [s.y0 for s in lines] == [2.0]  # group mean
     assert [(s.y0, s.y1) for s in fig.layout.shapes if s.type == "rect"] == [(1.0, 3.0)]  # ± std

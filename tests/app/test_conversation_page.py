@@ -18,7 +18,7 @@ from tracer.read import Trace
 from tracer.views import conversation
 
 from tests.fixtures.agent_traces import TOOL, write_agent_trace
-from tests.fixtures.toy_traces import ToyTokenizer, start, write_trace
+from tests.fixtures.toy_traces import TOKENS_PAGE, ToyTokenizer, start, write_trace
 
 PAGE = "app_pages/conversation.py"
 
@@ -84,7 +84,7 @@ def test_placeholders_are_not_shown_as_numbers(monkeypatch, root):
         for name in ("ratio =", "approx_kl_k2 =", "old_logprobs =", "sampler_logprobs =", "abs_old_sampler ="):
             assert name not in hover, (position, hover)
     # the Tokens page's table: empty cells there, numbers on trained tokens
-    tokens = start(monkeypatch, root, query={"run": "agent", "step": "0", "seq": "0"})
+    tokens = start(monkeypatch, root, query={"run": "agent", "step": "0", "seq": "0"}, page=TOKENS_PAGE)
     table = next(df.value for df in tokens.dataframe if {"position", "ratio", "mask_reason"} <= set(df.value.columns))
     tool_rows = table[table["mask_reason"] == "tool_output"]
     assert len(tool_rows) == 3 and tool_rows[["ratio", "old_logprobs", "approx_kl_k2"]].isna().all().all()

@@ -22,7 +22,7 @@ from app.components.token_table import visible_token
 from tracer.cli import _parser
 from tracer.read.trace_info import trace_info
 
-from tests.fixtures.toy_traces import REPO, VOCAB, ToyTokenizer, start, write_trace
+from tests.fixtures.toy_traces import REPO, TOKENS_PAGE, VOCAB, ToyTokenizer, start, write_trace
 
 
 needs_symlinks = pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="needs POSIX symlinks")
@@ -142,7 +142,7 @@ def test_tokens_page_shows_whitespace_tokens_with_markers(monkeypatch, tmp_path)
     vocab = list(VOCAB)
     vocab[7], vocab[6], vocab[9] = " ", "\n", "\t"  # sequence 0 starts with id 7; sequence 1 has id 6 at 1
     write_trace(tmp_path / "run", tokenizer=ToyTokenizer(vocab), steps=1)
-    at = start(monkeypatch, tmp_path / "run")
+    at = start(monkeypatch, tmp_path / "run", page=TOKENS_PAGE)
     assert not at.exception
     table = next(df.value for df in at.dataframe if "token_text" in df.value.columns)
     completion = table[table["section"] == "completion"] if "section" in table else table

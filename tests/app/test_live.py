@@ -17,7 +17,7 @@ from tracer.format.names import step_file_name
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.toy_traces import (
-    HYPERPARAMETERS, ToyTokenizer, frame_with, healthy_step_tensors, largest_frame_with, start)
+    HYPERPARAMETERS, TOKENS_PAGE, ToyTokenizer, frame_with, healthy_step_tensors, largest_frame_with, start)
 
 
 RANKS, STEPS = (0, 1), 2
@@ -54,7 +54,7 @@ def ranked_root(tmp_path_factory) -> Path:
 
 
 def test_rank_filter_in_the_sidebar(monkeypatch, ranked_root):
-    at = start(monkeypatch, ranked_root)
+    at = start(monkeypatch, ranked_root, page=TOKENS_PAGE)
     assert not at.exception
     rank = at.selectbox(key="rank")
     assert rank.options == ["all ranks", "rank 0", "rank 1"] and rank.value is None

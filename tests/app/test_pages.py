@@ -17,7 +17,7 @@ from app.components.token_table import (
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.paths import REPO
-from tests.fixtures.toy_traces import (APP, EOS, PAD, SCRIPT, VOCAB, ToyTokenizer,  # noqa: F401
+from tests.fixtures.toy_traces import (APP, EOS, PAD, SCRIPT, TOKENS_PAGE, VOCAB, ToyTokenizer,  # noqa: F401
                                        grpo_step_tensors, markup_values, start)
 
 
@@ -85,9 +85,12 @@ def test_token_values_figure_one_line_per_value_and_shaded_mask():
     # masked positions 3 and 4 are gaps, not points (their -3.0 would stretch the axis)
     old = next(t for t in fig.data if t.name == "old_logprobs")
     assert list(old.y) == [-1.0, -2.0, -0.5, None, None]
-    # whole-number position ticks; the legend sits above the plot, clear of the axis title
-    assert (fig.layout.xaxis.dtick, fig.layout.xaxis.tickformat) == (1, "d")
-    assert fig.layout.legend.yanchor == "bottom" and fig.layout.legend.y > 1
+    # a tick per position naming its token (escaped: Plotly renders tick text as HTML); the legend sits in
+    # the figure's top margin (container coordinates), above the subplot titles and clear of the axis title
+    assert list(fig.layout.xaxis.tickvals) == [0, 1, 2, 3, 4]
+    assert list(fig.layout.xaxis.ticktext) == ["4<br>0", "&lt;script&gt;<br>1", "&lt;eos&gt;<br>2",
+                                               "&lt;pad&gt;<br>3", "&lt;pad&gt;<br>4"]
+    assert (fig.layout.legend.yref, fig.layout.legend.yanchor, fig.layout.legend.y) == ("container", "top", 1.0)
     # lines of one panel differ by dash, so one equal to another (old = policy) stays visible
     assert old.line.dash != next(t for t in fig.data if t.name == "policy_logprobs").line.dash
 
@@ -156,7 +159,7 @@ def test_resolve_root_prefers_argument_then_env_then_default():
 
 
 def test_tokens_page_shows_table_with_masked_marking(monkeypatch, root):
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     assert not at.exception
     at.selectbox(key="run").select(root / "a_grpo_tokens").run()
     assert not at.exception
@@ -182,7 +185,7 @@ def test_tokens_page_shows_table_with_masked_marking(monkeypatch, root):
 
 
 def test_choosing_another_sequence_changes_the_table(monkeypatch, root):
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     at.selectbox(key="run").select(root / "a_grpo_tokens").run()
     before = token_dataframe(at).value
     at.selectbox(key="sequence").select(1).run()
@@ -198,7 +201,7 @@ def test_choosing_another_sequence_changes_the_table(monkeypatch, root):
 
 
 def test_tokenizer_free_trace_shows_ids(monkeypatch, root):
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     at.selectbox(key="run").select(root / "b_grpo_no_tokenizer").run()
     assert not at.exception
     table = token_dataframe(at).value
@@ -247,7 +250,7 @@ def test_reload_picks_up_new_steps(monkeypatch, tmp_path):
 def test_trace_without_steps_yet_and_single_step_file(monkeypatch, tmp_path):
     run = tmp_path / "starting"
     writer = TraceWriter(run, "grpo")  # the trainer has not written a step yet
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     assert not at.exception
     assert "no step files yet" in at.info[0].value
     for page in ("steps", "overview"):
@@ -255,7 +258,7 @@ def test_trace_without_steps_yet_and_single_step_file(monkeypatch, tmp_path):
         assert not at.exception
     step_file = writer.record(0, grpo_step_tensors(0))
     writer.flush()  # record() returns the path the file will have; flush() waits for it
-    at = start(monkeypatch, step_file)  # one .safetensors file is a trace too
+    at = start(monkeypatch, step_file, page=TOKENS_PAGE)  # one .safetensors file is a trace too
     assert not at.exception
     assert token_dataframe(at).value["token_text"].iloc[0] == "<id 7>"  # the first completion token, listed first
 
@@ -278,7 +281,7 @@ SAMPLE = REPO / "sample_traces" / "grpo-trl-tiny"
 @pytest.mark.skipif(not SAMPLE.is_dir(), reason="sample_traces/grpo-trl-tiny is not in this checkout")
 def test_sample_trace_loads_from_the_default_root(monkeypatch):
     monkeypatch.delenv("TRACER_ROOT", raising=False)
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at = AppTest.from_file(str(APP), default_timeout=60).switch_page(TOKENS_PAGE).run()
     assert not at.exception
     at.selectbox(key="run").select(SAMPLE).run()
     assert not at.exception

@@ -19,7 +19,7 @@ from tracer.errors import TraceFormatError
 from tracer.format.names import MANIFEST_NAME, step_file_name
 
 from tests.fixtures.toy_traces import (
-    BOLD, SCRIPT, ToyTokenizer, assert_no_raw_markup, frame_with, largest_frame_with, start, write_trace)
+    BOLD, SCRIPT, TOKENS_PAGE, ToyTokenizer, assert_no_raw_markup, frame_with, largest_frame_with, start, write_trace)
 
 
 needs_symlinks = pytest.mark.skipif(not hasattr(os, "symlink") or os.name == "nt", reason="needs POSIX symlinks")
@@ -154,7 +154,7 @@ def corrupt_root(tmp_path_factory) -> Path:
 
 
 def test_corrupt_step_files_are_named_and_the_others_served(monkeypatch, corrupt_root):
-    at = start(monkeypatch, corrupt_root)
+    at = start(monkeypatch, corrupt_root, page=TOKENS_PAGE)
     at.selectbox(key="run").select(corrupt_root / "corrupt").run()
     assert not at.exception, [e.value for e in at.exception]
     assert "2 step file(s) set aside" in at.sidebar.warning[0].value
@@ -193,7 +193,7 @@ def test_diff_with_a_corrupt_trace_names_the_file(monkeypatch, corrupt_root):
 
 
 def test_malformed_and_missing_manifest_get_a_clear_message(monkeypatch, corrupt_root, tmp_path):
-    at = start(monkeypatch, corrupt_root)
+    at = start(monkeypatch, corrupt_root, page=TOKENS_PAGE)
     at.selectbox(key="run").select(corrupt_root / "bad_manifest").run()
     assert not at.exception
     # Depending on the reader, a manifest that is not JSON makes the run unopenable ("Cannot open this
@@ -209,7 +209,7 @@ def test_malformed_and_missing_manifest_get_a_clear_message(monkeypatch, corrupt
 
     run = write_trace(tmp_path / "no_manifest", tokenizer=ToyTokenizer(), steps=1)
     (run / MANIFEST_NAME).unlink()
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     assert not at.exception
     assert any(f"No {MANIFEST_NAME} in this run" in w.value for w in at.sidebar.warning)
     assert "unknown" in next(t.value for t in at.sidebar.text if "step files" in t.value)
@@ -221,7 +221,7 @@ def test_malformed_and_missing_manifest_get_a_clear_message(monkeypatch, corrupt
 def test_unreadable_single_step_file_is_named(monkeypatch, tmp_path):
     bad = tmp_path / "step.safetensors"
     bad.write_bytes(b"\x00" * 4)
-    at = start(monkeypatch, bad)
+    at = start(monkeypatch, bad, page=TOKENS_PAGE)
     assert not at.exception
     assert "1 step file(s) set aside" in at.sidebar.warning[0].value
     assert any(str(bad) in t.value for t in at.sidebar.text)
@@ -268,7 +268,7 @@ def test_step_file_with_unusable_data_is_named_on_the_page(monkeypatch, tmp_path
     tensors["completion_mask"] = torch.full(tensors["completion_mask"].shape, 0.5)
     metadata.pop("content_sha256", None)
     save_file(tensors, str(bad), metadata=metadata)
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     at.selectbox(key="step_file").select("step 1 · inner 0 · mb 0 · rank 0").run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.error[0].value.startswith("This view could not read a step file")

@@ -33,10 +33,11 @@ def root(tmp_path_factory):
 
 
 def test_the_step_number_offers_only_that_steps_files(monkeypatch, root):
-    at = start(monkeypatch, root, {"run": "run"})
+    at = start(monkeypatch, root, {"run": "run"})  # no step in the URL: a healthy run opens at its last step
     assert not at.exception
-    assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 0
-    assert at.sidebar.selectbox(key="step_file").options == [label(0, 0), label(0, 1)]
+    assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 3
+    assert at.sidebar.selectbox(key="step_file").options == [label(3, 0), label(3, 1)]
+    assert at.sidebar.selectbox(key="step_file").value == label(3, 1)  # its last inner step
     at.sidebar.number_input(key=sidebar.STEP_NUMBER).set_value(2).run()
     assert not at.exception
     assert at.sidebar.selectbox(key="step_file").options == [label(2, 0), label(2, 1)]
@@ -71,7 +72,7 @@ def test_the_steps_page_draws_every_step_with_the_number_input(monkeypatch, root
     at.switch_page("app_pages/steps.py").run()
     assert not at.exception
     assert len(at.get("plotly_chart")) == 1
-    assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 0
+    assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 3  # the run's last step (no step in the URL)
 
 
 def _with_a_copy_of_step_2(tmp_path, name: str):

@@ -15,14 +15,14 @@ import torch
 
 from app.components import urls
 from app.components.coloured_text import REASON_STYLE, colour_of, coloured_html
-from app.components.navigation import pages_for
+from app.components.navigation import RUN_FREE_PAGES, pages_for
 from app.components.step_view import FARTHEST, LARGEST, filter_sort, heatmap_matrix, histograms_figure
 from tracer import formulas
 from tracer.views.step import step_token_frame
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.toy_traces import (
-    BOLD, HYPERPARAMETERS, SAMPLES, SCRIPT, ToyTokenizer, assert_no_raw_markup, frame_with, healthy_step_tensors, start)
+    BOLD, HYPERPARAMETERS, SAMPLES, SCRIPT, TOKENS_PAGE, ToyTokenizer, assert_no_raw_markup, frame_with, healthy_step_tensors, start)
 
 
 B, T = 4, 6
@@ -148,7 +148,7 @@ def test_step_page_lists_the_worst_token_first_with_a_link(monkeypatch, root):
     assert heatmap["type"] == "heatmap" and heatmap["zmin"] == 0 < heatmap["zmax"]  # |policy − old| >= 0
     assert_no_raw_markup(at)
     # the link reopens that sequence with the token marked
-    at = start(monkeypatch, root, query={k: v[0] for k, v in _query(first["open"]).items()})
+    at = start(monkeypatch, root, query={k: v[0] for k, v in _query(first["open"]).items()}, page=TOKENS_PAGE)
     assert at.title[0].value == "Tokens"
     assert at.selectbox(key="step_file").value == "step 1 · inner 1 · mb 1 · rank 0"
     assert at.selectbox(key="sequence").value == 2
@@ -164,7 +164,8 @@ def _query(link: str) -> dict:
     return parse_qs(urlsplit(link).query)
 
 
-@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))])  # the pages it offers
+@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))  # the pages it offers
+                                  if p.url_path not in RUN_FREE_PAGES])  # (Diff: tests/app/test_url_state.py)
 def test_every_page_reopens_from_its_url(monkeypatch, root, page):
     """Open a page, choose step 1 · mb 1 · sequence 3: the URL says so; a new session started on
     that URL shows the same selection on the same page."""
@@ -268,7 +269,7 @@ def test_snippet_trace_gets_curves_and_derived_marks(monkeypatch, tmp_path):
     from tests.fixtures.snippet_traces import snippet_step, write_snippet_trace
 
     write_snippet_trace(tmp_path / "snippet", snippet_step())
-    at = start(monkeypatch, tmp_path, query={"run": "snippet", "step": "0", "inner": "1"})
+    at = start(monkeypatch, tmp_path, query={"run": "snippet", "step": "0", "inner": "1"}, page=TOKENS_PAGE)
     assert any("derived by the reader" in c.value for c in at.caption)
     assert "ratio (derived)" in at.selectbox(key="colour_by").format_func("ratio")
     at.switch_page("app_pages/steps.py").run()
@@ -313,7 +314,7 @@ def test_clicking_a_point_on_the_steps_curves_opens_that_step(monkeypatch, root)
 
 
 def test_a_page_keeps_only_its_own_parameters_in_the_url(monkeypatch, root):
-    at = start(monkeypatch, root, query={"run": "run", "step": "1", "inner": "1"})
+    at = start(monkeypatch, root, query={"run": "run", "step": "1", "inner": "1"}, page=TOKENS_PAGE)
     assert at.query_params["colour"]  # the Tokens page's colour choice
     at.switch_page("app_pages/step.py").run()
     assert "q" in at.query_params and "colour" not in at.query_params

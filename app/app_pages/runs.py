@@ -1,0 +1,72 @@
+"""Runs (the app's root URL, ``/``): every trace under the root with its algorithm, steps, rows per
+step, last mean reward and check status (``tracer check``'s findings, cached per run), a link to
+each; selecting a row opens the run at its most informative step (:mod:`app.components.runs`)."""
+
+import pandas as pd
+import streamlit as st
+
+from app.components import runs
+from app.components.sidebar import current_selection, discover_traces, run_param
+from tracer.errors import TraceError
+
+_OPEN_STATE = "_tracer_runs_open"  # (run label, page file) chosen in the table, opened on the next run
+_HANDLED_STATE = "_tracer_runs_handled"  # the table selection already acted on
+
+selection = current_selection()
+root = selection.root
+traces = discover_traces(root)
+pending = st.session_state.pop(_OPEN_STATE, None)
+if pending is not None and run_param(root, selection.trace_path) == pending[0]:
+    # the sidebar now shows the chosen run, so its pages are registered: open the page on it
+    st.switch_page(pending[1], query_params={"run": pending[0]})
+
+st.title("Runs")
+st.text(f"{len(traces)} run(s) under {root}")
+
+progress = st.progress(0.0, text="Reading the runs…")
+rows = []
+for i, path in enumerate(traces):
+    label = run_param(root, path)
+    try:
+        status = runs.known_status(str(path))
+    except (TraceError, UnicodeEncodeError):
+        status = None  # the row says why the run cannot be opened
+    rows.append(runs.run_row(str(path), label, status))
+    progress.progress((i + 1) / len(traces), text=f"Checked {i + 1} of {len(traces)} run(s): {label}")
+progress.empty()
+
+frame = pd.DataFrame(rows, columns=runs.COLUMNS)
+st.caption("Select a row to open the run at its most informative step: the first step file with an error, "
+           "else the last step. check: the findings of `tracer check` (errors and warnings; info findings "
+           f"are not problems); a run of more than {runs.MAX_CHECKED_FILES} step files is checked when asked.")
+event = st.dataframe(
+    frame, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="runs_table",
+    column_config={
+        "run": st.column_config.TextColumn("run", help="the trace's path under the root (the URL's run=)"),
+        "open": st.column_config.LinkColumn("open", display_text="open", help="a link to the run (opens a new tab)"),
+        "steps": st.column_config.NumberColumn("steps", help="distinct step numbers"),
+        "step files": st.column_config.NumberColumn("step files", help="one per step, inner step, micro-batch, rank"),
+        "rows": st.column_config.NumberColumn("rows", help="sequences (DPO: pairs) in the last step, from its "
+                                                        "step files' headers"),
+        "last mean reward": st.column_config.NumberColumn("last mean reward", format="%.4g",
+                                                          help="mean reward of the last step"),
+        "check": st.column_config.TextColumn("check", help="pass, or the counts of error and warning findings"),
+    })
+rows_chosen = list(event.selection.rows)
+if rows_chosen != st.session_state.get(_HANDLED_STATE):
+    st.session_state[_HANDLED_STATE] = rows_chosen
+    if rows_chosen and frame["algorithm"].iloc[rows_chosen[0]] is not None:  # None: the run cannot be opened
+        # first the sidebar moves to the run (its pages get registered), then the next run opens the page
+        label = frame["run"].iloc[rows_chosen[0]]
+        st.session_state[_OPEN_STATE] = (label, runs.open_page(frame["algorithm"].iloc[rows_chosen[0]]))
+        st.query_params.clear()  # run= alone: the sidebar opens the run at its most informative step
+        st.query_params["run"] = label
+        st.rerun()
+
+for path, check in zip(traces, frame["check"]):
+    if check != runs.NOT_CHECKED:
+        continue
+    label = run_param(root, path)
+    if st.button(f"Check {label}", key=f"check_{label}", help="run every check on every step file of this run"):
+        runs.request_check(str(path))
+        st.rerun()

@@ -1,0 +1,179 @@
+"""The Runs page's table (one row per trace under the root) and the rule that opens a run at its
+most informative step.
+
+Each row is read from what the writer stores for the overview: the run's summary
+(:meth:`tracer.read.Trace.step_summary`: headers or the summary columns, no tensor) and the header
+of the last step's files (their shapes give the rows per step). The check status is
+``tracer.checks.run_checks`` on every step file, the code ``tracer check`` runs, counted as the
+Health page counts it; it is cached per run and listing of step files (a new step file checks the
+run again). A run of more than :data:`MAX_CHECKED_FILES` step files is checked only when asked.
+
+Opening a run (a row of the Runs page, a URL naming ``run=`` without ``step=``) shows the step a
+user wants to see first: the first step file with an error finding (its sequence when the finding
+names one), else the last step, where the ratio and the KL have moved from their first values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import streamlit as st
+
+from app.components import trace_cache, urls
+from app.components.health import severity_counts
+from app.components.overview import status_text
+from tracer.checks import ERROR, WARNING
+from tracer.errors import TraceError
+
+# Above this many step files a run is checked only on request: run_checks costs about 40 ms per
+# step file of the bundled tiny runs (ppo-tiny: 17 files in 0.7 s), so 200 files is about 8 s.
+MAX_CHECKED_FILES = 200
+PASS = "pass"
+NOT_CHECKED = "not checked yet"
+_REQUESTED_STATE = "_tracer_runs_check_requested"  # trace paths the user asked to check
+# Fields whose first dim counts the rows of a step file (sequences; DPO: pairs).
+_ROW_FIELDS = ("completion_ids", "chosen_ids", "prompt_ids", "rewards", "advantages")
+# The page a run opens on, by algorithm: (page file, URL path).
+_OPEN_PAGES = {"dpo": ("app_pages/dpo.py", "dpo"), None: ("app_pages/tokens.py", "tokens")}
+COLUMNS = ("run", "open", "algorithm", "status", "steps", "step files", "rows", "last mean reward", "check")
+
+
+@dataclass(frozen=True)
+class CheckStatus:
+    """What the checks found in a run: counts of error and warning findings, and where the first
+    error lies (``first_error``: ``(step, inner_step, micro_batch, rank)`` of the earliest step
+    file with an error; ``first_error_sequence``: the row that error names, or None)."""
+
+    errors: int
+    warnings: int
+    first_error: tuple[int, int, int, int] | None = None
+    first_error_sequence: int | None = None
+
+    def text(self) -> str:
+        """``pass``, or ``2 errors, 1 warning`` (zero counts left out)."""
+        if not self.errors and not self.warnings:
+            return PASS
+        return ", ".join(f"{n} {name}{'s' if n != 1 else ''}"
+                         for n, name in ((self.errors, ERROR), (self.warnings, WARNING)) if n)
+
+
+def check_status(findings: pd.DataFrame) -> CheckStatus:
+    """The :class:`CheckStatus` of a findings frame (:func:`app.components.health.findings_frame`):
+    error and warning counts, and the earliest ``(step, inner_step, micro_batch, rank)`` among the
+    error findings located in a step file (trace-level errors count but locate nothing)."""
+    counts = severity_counts(findings)
+    if not counts[ERROR]:
+        return CheckStatus(counts[ERROR], counts[WARNING])
+    where = ["step", "inner_step", "micro_batch", "rank"]
+    errors = findings[(findings["severity"] == ERROR)].dropna(subset=where)
+    if errors.empty:
+        return CheckStatus(counts[ERROR], counts[WARNING])
+    first = errors.sort_values(where, kind="stable").iloc[0]
+    sequence = None if pd.isna(first["sequence"]) else int(first["sequence"])
+    return CheckStatus(counts[ERROR], counts[WARNING], tuple(int(first[c]) for c in where), sequence)
+
+
+def informative_index(coordinates: np.ndarray, status: CheckStatus | None) -> int:
+    """The row of a step table (``coordinates``: ``int64 [n, 4]`` step, inner_step, micro_batch,
+    rank, sorted, n >= 1) to open a run at: the step file of ``status.first_error`` when the run
+    has one, else the first file (lowest micro-batch and rank) of the last step's last inner step."""
+    if status is not None and status.first_error is not None:
+        hit = np.flatnonzero((coordinates == np.asarray(status.first_error)).all(axis=1))
+        if len(hit):
+            return int(hit[0])
+    last = coordinates[-1]
+    return int(np.flatnonzero((coordinates[:, 0] == last[0]) & (coordinates[:, 1] == last[1]))[0])
+
+
+def checked_automatically(n_files: int) -> bool:
+    """Whether a run of ``n_files`` step files is checked without being asked."""
+    return n_files <= MAX_CHECKED_FILES
+
+
+def request_check(trace_path: str) -> None:
+    """Remember (for this session) that the user asked to check ``trace_path`` whatever its size."""
+    st.session_state.setdefault(_REQUESTED_STATE, set()).add(trace_path)
+
+
+def known_status(trace_path: str) -> CheckStatus | None:
+    """The run's :class:`CheckStatus` when it may be computed now (a run of at most
+    :data:`MAX_CHECKED_FILES` step files, or one the user asked to check), else None."""
+    trace = trace_cache.open_trace(trace_path)
+    files = trace_cache.step_files(trace)
+    if not checked_automatically(len(files)) and trace_path not in st.session_state.get(_REQUESTED_STATE, ()):
+        return None
+    return run_status(trace_path, trace_cache.listing_token(trace))
+
+
+@st.cache_data(max_entries=256, show_spinner=False)
+def run_status(trace_path: str, listing: str) -> CheckStatus:
+    """:func:`check_status` of every step file of the run (``listing``: :func:`trace_cache.listing_token`,
+    the cache key that changes when a step file appears); the findings are those the Health page
+    shows for "every step file" (one cache)."""
+    trace = trace_cache.open_trace(trace_path)
+    return check_status(trace_cache.findings(trace_path, tuple(k.path.name for k in trace.steps())))
+
+
+def rows_per_step(trace_path: str, last_step_paths: list[Path]) -> int | None:
+    """Sequences in one step: the rows (first dim of :data:`_ROW_FIELDS`' first recorded field, read
+    from the step file's header) summed over the given files of one step and inner step (its
+    micro-batches and ranks); None when no header names such a field."""
+    total = None
+    for path in last_step_paths:
+        fields = trace_cache.step_fields(trace_path, str(path), trace_cache.file_id(path))
+        shape = next((fields[name][0] for name in _ROW_FIELDS if name in fields and fields[name][0]), None)
+        if shape is not None:
+            total = (total or 0) + int(shape[0])
+    return total
+
+
+def last_mean_reward(summary: pd.DataFrame) -> float:
+    """The mean reward of the last step: the mean of ``mean_reward`` over the files of its first
+    inner step (inner steps train on the same rollouts); NaN when not recorded."""
+    if summary.empty or "mean_reward" not in summary:
+        return float("nan")
+    last = summary[summary["step"] == summary["step"].max()]
+    first_inner = last[last["inner_step"] == last["inner_step"].min()]
+    return float(first_inner["mean_reward"].mean())
+
+
+def open_page(algorithm: str | None) -> str:
+    """The page file a run opens on: the DPO pairs page for a DPO run (no completions to list
+    token by token), else the Tokens page."""
+    return _OPEN_PAGES.get(algorithm, _OPEN_PAGES[None])[0]
+
+
+def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
+    """One row of the Runs table (:data:`COLUMNS`) for the trace at ``trace_path`` (``label``: its
+    ``run=`` value; ``status``: None when not checked): ``open`` is a link to :func:`open_page`
+    with ``?run=``. A run that cannot be opened gets its reason in ``check``."""
+    row = dict.fromkeys(COLUMNS)
+    row["run"] = label
+    try:
+        trace = trace_cache.open_trace(trace_path)
+        table = trace.step_table()
+        summary = trace_cache.step_summary(trace_path, trace_cache.listing_token(trace))
+    except TraceError as err:
+        row["check"] = f"cannot open: {err}"
+        return row
+    except UnicodeEncodeError:  # the app's caches key by text: a name that is not UTF-8 cannot be one
+        row["check"] = "cannot open: its path is not valid UTF-8 (rename the directory)"
+        return row
+    coordinates = table.coordinates
+    row["open"] = urls.link(_OPEN_PAGES.get(trace.algorithm, _OPEN_PAGES[None])[1], {"run": label})
+    row.update({"algorithm": trace.algorithm or "unknown", "status": status_text(trace.status),
+                "steps": int(len(np.unique(coordinates[:, 0]))) if len(table) else 0,
+                "step files": len(table)})
+    if len(table):
+        of_last = coordinates[:, 0] == coordinates[-1, 0]
+        at_last = np.flatnonzero(of_last & (coordinates[:, 1] == coordinates[of_last, 1].min()))
+        try:
+            row["rows"] = rows_per_step(trace_path, [table.key(i).path for i in at_last.tolist()])
+        except TraceError:
+            row["rows"] = None
+        row["last mean reward"] = last_mean_reward(summary)
+    row["check"] = status.text() if status is not None else NOT_CHECKED
+    return row
