@@ -11,8 +11,16 @@ import streamlit as st
 from app.components import figures, trace_cache, urls
 from app.components.sidebar import current_selection, discover_traces, run_param
 from app.components.step_curves import (
-    X_AXES, Layout, clicked_step, default_columns, derived_fields, scalar_columns, step_curves_figure, title_of,
-    with_step_columns)
+    X_AXES,
+    Layout,
+    clicked_step,
+    default_columns,
+    derived_fields,
+    scalar_columns,
+    step_curves_figure,
+    title_of,
+    with_step_columns,
+)
 
 OVERLAY_PARAM = "overlay"  # ?overlay=run_b,run_c
 Y_PARAM, SMOOTH_PARAM, LOG_PARAM, X_PARAM = "y", "smooth", "log", "x"  # ?y=mean_ratio,scalars/grad_norm&smooth=0.6…

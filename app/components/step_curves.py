@@ -16,7 +16,15 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.components.figures import DASHES, PALETTE, SYMBOLS, TOP_LEGEND, WEBGL_POINTS, empty_figure, integer_ticks
+from app.components.figures import (
+    DASHES,
+    PALETTE,
+    SYMBOLS,
+    TOP_LEGEND,
+    WEBGL_POINTS,
+    empty_figure,
+    integer_ticks,
+)
 
 # The panels a run opens with: what the Steps page always showed.
 DEFAULT_COLUMNS = ("mean_ratio", "mean_ref_kl_k3", "mean_reward", "clip_fraction")
@@ -309,8 +317,7 @@ def _lines(frame: pd.DataFrame, columns: list[str]):
     """``(inner_step, rank or None, per-step means)`` per line of one run's summary; ``files`` counts
     the step files of each point (a line with one file per step, the common case, is taken as it
     is, sorted by step)."""
-    frame = frame.assign(inner_step=frame["inner_step"] if "inner_step" in frame else 0,
-                         rank=frame["rank"] if "rank" in frame else 0)
+    frame = frame.assign(inner_step=frame.get("inner_step", 0), rank=frame.get("rank", 0))
     per_rank = frame["rank"].nunique() > 1
     present = [c for c in columns if c in frame]
     for (inner_step, rank), group in frame.groupby(["inner_step", "rank"] if per_rank

@@ -21,9 +21,8 @@ import pytest
 from safetensors.torch import load_file
 
 from app.components.step_curves import smooth
-from tracer.record.writer import TraceWriter
-
 from tests.fixtures.toy_traces import SAMPLES, start
+from tracer.record.writer import TraceWriter
 
 BASELINE = SAMPLES / "grpo-diff-baseline"
 DERIVABLE = ("ratio", "ref_kl_k3", "approx_kl_k2")  # what the README's loop leaves to the reader
