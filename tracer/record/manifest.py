@@ -287,9 +287,9 @@ def vocabulary_strings(vocabulary: Any) -> list[str]:
             or ids beyond :data:`tracer.format.integrity.MAX_TOKEN_ENTRIES` (the reader would refuse
             the file).
     """
-    def bad(what: str, got: Any) -> SchemaError:
-        return SchemaError(f"vocabulary: {what}, got {got!r}; pass a list of token strings (id = index), "
-                           "{id: text} or {text: id}")
+    def bad(what: str, *got: Any) -> SchemaError:
+        return SchemaError(f"vocabulary: {what}{f', got {got[0]!r}' if got else ''}; pass a list of token strings "
+                           "(id = index), {id: text} or {text: id}")
 
     if isinstance(vocabulary, (list, tuple)):
         for i, text in enumerate(vocabulary):
@@ -305,7 +305,7 @@ def vocabulary_strings(vocabulary: Any) -> list[str]:
         else:
             k, v = next((k, v) for k, v in items if not (_token_id(k) and isinstance(v, str)))
             raise bad("a dict must map every int id >= 0 to its text, or every text to its int id >= 0; "
-                      f"entry {k!r}: {v!r} is neither", type(vocabulary).__name__)
+                      f"entry {k!r}: {v!r} is neither")
     else:
         raise bad("expected a list or a dict", type(vocabulary).__name__)
     size = max((i for i, _ in pairs), default=-1) + 1
@@ -314,7 +314,7 @@ def vocabulary_strings(vocabulary: Any) -> list[str]:
     tokens: list[str | None] = [None] * size
     for i, text in pairs:
         if tokens[i] is not None and tokens[i] != text:
-            raise bad(f"id {i} has two texts ({tokens[i]!r} and {text!r})", vocabulary)
+            raise bad(f"id {i} has two texts ({tokens[i]!r} and {text!r})")
         tokens[i] = text
     return [f"<id {i}>" if t is None else t for i, t in enumerate(tokens)]
 
