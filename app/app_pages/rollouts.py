@@ -83,6 +83,12 @@ if not keys:
     st.stop()
 listing = trace_cache.listing_token(trace)
 frame = _frame(trace, trace_path, listing)
+unread = frame.attrs.get("problems") or {}
+if unread:  # file names and reasons: plain text, never Markdown
+    st.warning(f"{len(unread)} step file(s) could not be read: their rows are not listed; the others are.",
+               icon=":material/warning:")
+    with st.expander("Step files left out"):
+        st.text("\n\n".join(f"{name}\n{why}" for name, why in unread.items()))
 
 # -- findings of tracer check, per row ------------------------------------------------------------------
 files = tuple(k.path.name for k in keys)  # the Health page's key: both pages share one run of the checks

@@ -2,8 +2,9 @@
 (``tracer.read.rollouts.rollout_frame``), filtered, searched, sorted and cut into pages, with the
 count of ``tracer check`` findings at each row and the link that opens the row's tokens.
 
-The page's state lives in the URL (:class:`RolloutQuery`: ``sort, dir, q, page, step_min,
-step_max, reward_min, reward_max, group, flagged``), so that a copied link reopens the same table.
+The page's state lives in the URL (:class:`RolloutQuery`: ``sort, dir, search, page, step_min,
+step_max, reward_min, reward_max, group_id, flagged``; names no other page uses, so that a page's
+parameter left in the URL, such as the Step page's ``q``, is not read as a search), so that a copied link reopens the same table.
 No Streamlit and no RL maths here: the per-row numbers come from ``tracer.read``, the findings from
 ``tracer.checks`` (through the Health page's findings frame, :func:`app.components.health.findings_frame`).
 """
@@ -56,11 +57,11 @@ class RolloutQuery:
     Attributes:
         sort: column to sort by; None keeps file order (step, inner step, micro-batch, rank, row).
         descending: sort direction (``dir=desc``).
-        search: case-insensitive literal substring of ``text`` (``q``); "" matches every row.
+        search: case-insensitive literal substring of ``text``; "" matches every row.
         page: 1-based page number.
         step_min, step_max: inclusive step range; None = open.
         reward_min, reward_max: inclusive reward range; None = open (a bound drops NaN rewards).
-        group: only rows of this group id.
+        group: only rows of this group id (``group_id``).
         flagged: only rows with at least one finding (needs the findings counted).
     """
 
@@ -79,11 +80,11 @@ class RolloutQuery:
     def from_params(cls, params: Mapping[str, str]) -> RolloutQuery:
         """The query named by URL parameters; a malformed value is left at its default."""
         ints = {name: _number(params.get(param), int) for name, param in
-                (("page", "page"), ("step_min", "step_min"), ("step_max", "step_max"), ("group", "group"))}
+                (("page", "page"), ("step_min", "step_min"), ("step_max", "step_max"), ("group", "group_id"))}
         floats = {name: _number(params.get(name), float) for name in ("reward_min", "reward_max")}
         page = ints.pop("page")
         return cls(sort=params.get("sort") or None, descending=params.get("dir") == "desc",
-                   search=params.get("q") or "", page=page if page is not None and page >= 1 else 1,
+                   search=params.get("search") or "", page=page if page is not None and page >= 1 else 1,
                    flagged=params.get("flagged") == "1", **ints, **floats)
 
     def to_params(self) -> dict[str, str | None]:
@@ -111,8 +112,8 @@ class RolloutQuery:
         return replace(self, sort=None, descending=False, page=1)
 
 
-PARAM_OF = {"sort": "sort", "descending": "dir", "search": "q", "page": "page", "step_min": "step_min",
-            "step_max": "step_max", "reward_min": "reward_min", "reward_max": "reward_max", "group": "group",
+PARAM_OF = {"sort": "sort", "descending": "dir", "search": "search", "page": "page", "step_min": "step_min",
+            "step_max": "step_max", "reward_min": "reward_min", "reward_max": "reward_max", "group": "group_id",
             "flagged": "flagged"}
 PARAMS = tuple(PARAM_OF.values())  # the page's own URL parameters (urls.PAGE_PARAMS["rollouts"])
 

@@ -90,7 +90,7 @@ def test_search_finds_exactly_the_rows_whose_kept_text_contains_it(monkeypatch, 
                 if query.lower() in r["text"].lower()]
     assert 0 < len(expected) <= PAGE_SIZE
     assert where(table(at)) == expected
-    assert at.query_params["q"] == query
+    assert at.query_params["search"] == query
     assert at.text[0].value == f"rows 1-{len(expected)} of {len(expected)} shown (72 in the run) · page 1 of 1"
 
 
@@ -123,8 +123,8 @@ def test_a_row_link_opens_its_sequence_on_the_tokens_page(monkeypatch, root):
 
 
 def test_url_state_round_trips_into_the_widgets_and_back(monkeypatch, root):
-    query = {"run": "run", "sort": "length", "dir": "desc", "q": "yes", "step_min": "2", "step_max": "5",
-             "reward_min": "2.4", "group": "1"}
+    query = {"run": "run", "sort": "length", "dir": "desc", "search": "yes", "step_min": "2", "step_max": "5",
+             "reward_min": "2.4", "group_id": "1"}
     at = open_rollouts(monkeypatch, root, query)
     assert at.selectbox(key="ro_sort").value == "length" and at.toggle(key="ro_descending").value is True
     assert at.text_input(key="ro_search").value == "yes"
@@ -138,9 +138,16 @@ def test_url_state_round_trips_into_the_widgets_and_back(monkeypatch, root):
     expected = sorted(rows, key=lambda r: -lengths[r["seq"]])
     assert where(table(at)) == [(r["step"], r["inner_step"], r["seq"]) for r in expected]
     at.selectbox(key="ro_sort").select("advantage").run()
-    assert at.query_params["sort"] == "advantage" and at.query_params["q"] == "yes"
+    assert at.query_params["sort"] == "advantage" and at.query_params["search"] == "yes"
     again = open_rollouts(monkeypatch, root, dict(at.query_params))
     assert where(table(again)) == where(table(at))
+
+
+def test_other_pages_parameters_are_not_read_as_a_search_or_a_group(monkeypatch, root):
+    # the Step page's quantity (q) and the Groups page's group, left in the URL by those pages
+    at = open_rollouts(monkeypatch, root, {"run": "run", "q": "ratio", "group": "1"})
+    assert at.text_input(key="ro_search").value == "" and at.number_input(key="ro_group").value is None
+    assert at.text[0].value == "rows 1-50 of 72 shown (72 in the run) · page 1 of 2"
 
 
 def test_findings_column_counts_tracer_checks_errors_at_each_row(monkeypatch, tmp_path):

@@ -82,8 +82,8 @@ def test_query_round_trips_through_url_parameters():
     query = RolloutQuery(sort="reward", descending=True, search="x y", page=3, step_min=2, step_max=9,
                          reward_min=-0.5, reward_max=1.25, group=4, flagged=True)
     params = query.to_params()
-    assert params == {"sort": "reward", "dir": "desc", "q": "x y", "page": "3", "step_min": "2", "step_max": "9",
-                      "reward_min": "-0.5", "reward_max": "1.25", "group": "4", "flagged": "1"}
+    assert params == {"sort": "reward", "dir": "desc", "search": "x y", "page": "3", "step_min": "2", "step_max": "9",
+                      "reward_min": "-0.5", "reward_max": "1.25", "group_id": "4", "flagged": "1"}
     assert RolloutQuery.from_params(params) == query
     # the defaults write nothing (None removes the parameter)
     assert set(RolloutQuery().to_params().values()) == {None}
