@@ -7,7 +7,7 @@ import streamlit as st
 
 from app.components import trace_cache, urls
 from app.components.sidebar import current_selection, run_param
-from app.components.token_table import TOKEN_TEXT_HELP, visible_tokens
+from app.components.token_table import TOKEN_TEXT_HELP, table_height, visible_tokens
 from app.components.step_view import (
     ORDERS, filter_sort, heatmap_figure, histograms_figure, label, page_of, short_label)
 from tracer.views.common import hyperparameter
@@ -71,7 +71,8 @@ columns = ["open", "rank", "micro_batch", "sequence", "position", "token_text", 
            *[q for q in quantities if q != quantity and q in shown]]
 columns.insert(6, quantity)
 st.text(f"{len(rows)} tokens match; showing {len(shown)} ({order}, by {quantity})")
-st.dataframe(visible_tokens(shown[columns]), hide_index=True, width="stretch", height=420, key="step_table", column_config={
+st.dataframe(visible_tokens(shown[columns]), hide_index=True, width="stretch", height=table_height(len(shown), 11),
+             key="step_table", column_config={
     "open": st.column_config.LinkColumn("open", display_text="open", help="this token's sequence on the Tokens page"),
     "token_text": st.column_config.TextColumn("token text", help=TOKEN_TEXT_HELP),
     "micro_batch": st.column_config.NumberColumn("mb", width="small"),
@@ -86,9 +87,10 @@ st.caption("Sorted over the whole step; click a column header to sort this page.
 
 st.header(f"Sequence × position: {label(quantity, derived)}")
 st.plotly_chart(heatmap_figure(frame, quantity, derived), width="stretch", key="step_heatmap")
-st.caption(f"Blank: masked positions (not in the loss). Diverging scale centred on {neutral(quantity):g}; "
+st.caption(f"Grey: masked positions (not in the loss); blank: positions a row does not have. Diverging scale "
+           f"centred on {neutral(quantity):g} (white); "
            "long steps are binned, each bin showing its value farthest from the centre." +
-           (" T1, T2…: where each assistant turn of a row starts (hover: its positions and roles; the blank cells "
+           (" T1, T2…: where each assistant turn of a row starts (hover: its positions and roles; the grey cells "
             "inside a turn are its tool results and other masked tokens)."
             if "turn" in frame and len(frame) and frame["turn"].max() > 1 else ""))
 

@@ -11,7 +11,7 @@ from app.components.sidebar import current_selection
 from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
     VALUE_COLUMNS, highlighted_rows, legend_frame, reason_counts, section_text, style_token_table,
-    TOKEN_TEXT_HELP, WHITESPACE_NOTE, token_display_frame)
+    TOKEN_TEXT_HELP, WHITESPACE_NOTE, table_height, token_display_frame, value_column_config)
 from tracer.read.tables import TOKEN_VALUE_FIELDS
 
 KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
@@ -64,7 +64,8 @@ if "section" in table and (table["section"] == "completion").any():
 if "section" in table and (table["section"] == "prompt").any():
     with st.expander("Prompt"):
         st.code(section_text(table, "prompt"), language=None, wrap_lines=True)
-st.caption("⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
+st.caption("A thin line ends each token; tokens with no colour alternate white and blue-grey. "
+           "⟪N × reason⟫ stands for N filler tokens (prompt padding, padding, after EOS); "
            "the table below lists them one by one. Struck through: after EOS; dotted: padding; hatched: "
            f"masked for another reason. In the coloured text and the table, {WHITESPACE_NOTE}; hover a coloured "
            "token for its real string.")
@@ -94,7 +95,7 @@ config = {
     "section": st.column_config.TextColumn("section", width="small"),
     "position": st.column_config.NumberColumn("position", width="small"),
     "token_id": st.column_config.NumberColumn("token_id", width="small"),
-    **{c: st.column_config.NumberColumn(c + (" (derived)" if c in derived else ""), width="small") for c in values},
+    **value_column_config(values, derived),  # full labels, each column wide enough for its header
 }
 only_near = len(hits) and st.toggle("Only the marked token and its neighbours", value=True,
                                      help="off: every token of the sequence")
@@ -107,7 +108,7 @@ order = ["position", "token_text", "mask_reason", *[c for c in KEY_VALUES if c i
                                                                         "section", "token_id")],
          *[c for c in ("section", "token_id") if c in shown]]
 st.dataframe(style_token_table(shown, highlight=highlight), hide_index=True, width="stretch",
-             height="auto" if only_near else 480, key="token_table", column_config=config, column_order=order)
+             height=table_height(len(shown)), key="token_table", column_config=config, column_order=order)
 with st.expander("Legend: mask_reason (grey rows do not enter the loss)", expanded=False):
     st.dataframe(style_token_table(legend_frame()), hide_index=True, width="stretch")
 

@@ -36,6 +36,11 @@ REASON_STYLE: dict[str, str] = {
 # Reasons the legend shows always; the others only when the table has them.
 _ALWAYS_IN_LEGEND = (AFTER_EOS, PADDING, MASKED)
 _SPAN = "padding:1px 0;border-radius:2px;white-space:pre-wrap;"
+# Token boundaries: a hairline at the right edge of every token (an inset shadow: no width taken, no
+# character added, so a copied text is the tokens' text alone), and uncoloured tokens alternate two
+# backgrounds, so that ␣ 113 <|endoftext|> never reads as one word.
+BOUNDARY = "box-shadow:inset -1px 0 0 rgba(0,0,0,0.35);"
+PLAIN_BACKGROUNDS = ("#ffffff", "#e8eef7")
 _BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.95rem;line-height:1.9;"
         "padding:0.6rem;border:1px solid #ddd;border-radius:0.4rem;background:#fff;color:#111;")
 
@@ -64,8 +69,10 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
     Kept tokens get the colour of ``quantity`` (none when ``quantity`` is None or the value is NaN);
     masked ones the style of their reason (:data:`REASON_STYLE`); a run of filler positions
     (padding, after EOS) is one marker ``⟪N × reason⟫``; a whitespace-only token shows its marker
-    (``token_table.visible_token``: ``␣``, ``⏎``, ``⇥``). Hover (``title``) lists ``value_columns``
-    and the token's real string.
+    (``token_table.visible_token``: ``␣``, ``⏎``, ``⇥``). Every token ends in a hairline
+    (:data:`BOUNDARY`) and uncoloured kept tokens alternate :data:`PLAIN_BACKGROUNDS`: token boundaries
+    show without adding a character to the text. Hover (``title``) lists ``value_columns`` and the
+    token's real string.
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
     return f'<div style="{_BOX}">{coloured_tokens(rows, quantity, value_columns)}</div>'
@@ -99,7 +106,7 @@ def coloured_blocks(rows: pd.DataFrame, quantity: str | None, value_columns: lis
 
 def _block(records: list[dict], colours: list[str | None], value_columns: list[str]) -> str:
     out, run = [], []
-    for row, colour in zip(records, colours):
+    for i, (row, colour) in enumerate(zip(records, colours)):
         reason = row["mask_reason"]
         if reason in FILLER_REASONS and (not run or run[0]["mask_reason"] == reason):
             run.append(row)
@@ -107,7 +114,7 @@ def _block(records: list[dict], colours: list[str | None], value_columns: list[s
         out += _filler(run)
         run = [row] if reason in FILLER_REASONS else []
         if not run:
-            out.append(_token_span(row, colour, value_columns))
+            out.append(_token_span(row, colour, value_columns, i))
     out += _filler(run)
     return "".join(out)
 
@@ -123,10 +130,13 @@ def _colours(rows: pd.DataFrame, quantity: str | None, centre: float, span: floa
     return [next(sampled) if u else None for u in use.tolist()]
 
 
-def _token_span(row: dict, colour: str | None, value_columns: list[str]) -> str:
-    style = REASON_STYLE.get(row["mask_reason"], "")
+def _token_span(row: dict, colour: str | None, value_columns: list[str], index: int = 0) -> str:
+    """One token's span: the colour of its value, else its mask reason's style, else (a kept token with
+    no value) the ``index``-th of :data:`PLAIN_BACKGROUNDS`; always the :data:`BOUNDARY` hairline."""
+    style = REASON_STYLE.get(row["mask_reason"]) or f"background:{PLAIN_BACKGROUNDS[index % 2]};"
     if colour is not None:
         style = f"background:{colour};color:{_ink(colour)};"
+    style += BOUNDARY
     title = html.escape(_hover(row, value_columns), quote=True)
     text = html.escape(str(visible_token(row["token_text"])), quote=True)
     return f'<span title="{title}" style="{_SPAN}{style}">{text}</span>'

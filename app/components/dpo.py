@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 from plotly.subplots import make_subplots
 
-from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
+from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked, token_ticks, top_margin
 from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, hover_tokens, visible_tokens
 from tracer.read.tables import MASKED
 
@@ -53,7 +53,8 @@ def side_text(pair_tokens: pd.DataFrame, side: str) -> str:
 
 def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
     """Policy and reference logprobs of each side against position, one panel per side, each
-    side's masked positions shaded grey in its own panel.
+    side's masked positions shaded grey in its own panel, each panel's x ticks that side's tokens
+    (``figures.token_ticks``: the text over the position).
 
     Args:
         pair_tokens: ``views.dpo_pair_tokens`` of one pair.
@@ -77,9 +78,11 @@ def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
                 hovertemplate=f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata}}<extra></extra>"),
                 row=i, col=1)
         shade_masked(fig, positions, [_kept(k) for k in kept], row=i)
-    fig.update_xaxes(title_text="position", row=len(sides), col=1)
-    integer_ticks(fig, positions)
-    fig.update_layout(height=250 * len(sides) + 110, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
+        # each side its own tokens under its panel (the two sides share positions, not tokens)
+        by_text = token_ticks(fig, positions, pair_tokens.get(f"{side}_token_text", [""] * len(positions)), row=i,
+                              col=1)
+    fig.update_xaxes(title_text="token (position)" if by_text else "position", row=len(sides), col=1)
+    fig.update_layout(height=250 * len(sides) + 130, margin={"t": top_margin(fig), "b": 40}, legend=TOP_LEGEND)
     return fig
 
 
@@ -102,5 +105,7 @@ def dpo_curves_figure(summary: pd.DataFrame) -> go.Figure:
             if fmt:
                 fig.update_yaxes(tickformat=fmt, range=[-0.05, 1.05], row=1, col=i)
     integer_ticks(fig, summary["step"].tolist())
-    fig.update_layout(height=340, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
+    # the legend in the top margin, the subplot titles under it (a legend at a fraction of this short
+    # figure's height sat on the first title)
+    fig.update_layout(height=360, margin={"t": top_margin(fig), "b": 40}, legend=TOP_LEGEND)
     return fig

@@ -6,13 +6,14 @@ No Streamlit here and no RL maths: the values come from ``tracer.read.reader`` a
 
 from __future__ import annotations
 
+import html
 
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from app.components.token_table import hover_tokens
+from app.components.token_table import hover_tokens, visible_token
 
 # Panels of the per-token figure: (title, columns drawn in it).
 TOKEN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -64,7 +65,9 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     Returns:
         Subplots sharing x, one line per value column present. Positions that do not enter the
         loss are shaded grey (one rectangle per contiguous run, spanning every panel); past
-        :data:`MAX_SHADED_RUNS` runs they are marked by one ``masked`` marker trace instead.
+        :data:`MAX_SHADED_RUNS` runs they are marked by one ``masked`` marker trace instead. The
+        x ticks read each token's text over its position (:func:`token_ticks`; past
+        :data:`MAX_TOKEN_TICKS` tokens, positions, the text in the hover).
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
     panels = [(title, [c for c in cols if c in rows and rows[c].notna().any()]) for title, cols in TOKEN_PANELS]
@@ -92,14 +95,62 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
                                "<br>%{customdata[1]}<extra></extra>")), row=i, col=1)
     _shade_masked(fig, rows, positions, n_panels=len(panels))
-    fig.update_xaxes(title_text="completion position", row=len(panels), col=1)
-    integer_ticks(fig, positions, axis="x")
-    fig.update_layout(height=220 * len(panels) + 100, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
+    by_text = token_ticks(fig, positions, rows.get("token_text", pd.Series([""] * len(rows))).tolist())
+    fig.update_xaxes(title_text="completion token (position)" if by_text else "completion position",
+                     row=len(panels), col=1)
+    fig.update_layout(height=220 * len(panels) + 100, margin={"t": top_margin(fig), "b": 40}, legend=TOP_LEGEND)
     return fig
 
 
-# A horizontal legend above the plot: it never covers an axis title.
-TOP_LEGEND = {"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "left", "x": 0}
+# A horizontal legend at the top of the figure, in the top margin (container coordinates: pixels
+# from the figure's edge, not a fraction of the plot's height, which put it onto the subplot titles
+# of a short figure): it never covers an axis or subplot title when the margin is top_margin(fig).
+TOP_LEGEND = {"orientation": "h", "yref": "container", "yanchor": "top", "y": 1.0, "xanchor": "left", "x": 0}
+LEGEND_ROW_PX = 26  # one row of a horizontal legend
+SUBPLOT_TITLE_PX = 34  # a subplot title above its panel, with its gap
+LEGEND_WIDTH_PX = 620  # the narrowest plot a legend is laid out in (a half-width column)
+
+
+def top_margin(fig: go.Figure, titles: bool = True) -> int:
+    """Pixels of top margin that hold the :data:`TOP_LEGEND` of ``fig`` and, when ``titles``, the
+    subplot titles under it: the legend's rows (its entries, about 7 px a character plus 40 px for
+    the symbol, wrapped at :data:`LEGEND_WIDTH_PX`) times :data:`LEGEND_ROW_PX`, plus
+    :data:`SUBPLOT_TITLE_PX`."""
+    names = dict.fromkeys(t.legendgroup or t.name for t in fig.data if t.showlegend is not False and t.name)
+    width = sum(40 + 7 * len(str(n)) for n in names)
+    rows = max(1, -(-width // LEGEND_WIDTH_PX)) if names else 0
+    return 12 + rows * LEGEND_ROW_PX + (SUBPLOT_TITLE_PX if titles else 8)
+
+
+# Tick labels of a token axis: the token's text over its position, up to this many tokens (more:
+# whole-number position ticks, the text in the hover); a longer token is cut to TICK_CHARS characters.
+MAX_TOKEN_TICKS = 48
+TICK_CHARS = 10
+
+
+def token_tick_labels(texts, positions) -> list[str]:
+    """``token<br>position`` per token: the text as the token views draw it (``token_table.visible_token``:
+    ``␣`` for a space), cut to :data:`TICK_CHARS` characters with ``…``, HTML-escaped (Plotly renders
+    tick text as HTML: ``<|endoftext|>`` must arrive as ``&lt;|endoftext|&gt;``)."""
+    out = []
+    for text, position in zip(texts, positions):
+        shown = str(visible_token(text))
+        shown = shown if len(shown) <= TICK_CHARS else shown[:TICK_CHARS - 1] + "…"
+        out.append(f"{html.escape(shown)}<br>{int(position)}")
+    return out
+
+
+def token_ticks(fig: go.Figure, positions, texts, row: int | None = None, col: int | None = None) -> bool:
+    """Label the x axis (of subplot ``row``, every x axis when None) with each token's text over its
+    position (:func:`token_tick_labels`) when there are at most :data:`MAX_TOKEN_TICKS` tokens, and
+    return True; otherwise whole-number position ticks (:func:`integer_ticks`), and False."""
+    positions = list(positions)
+    if not positions or len(positions) > MAX_TOKEN_TICKS:
+        integer_ticks(fig, positions, axis="x")
+        return False
+    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=token_tick_labels(texts, positions),
+                     showticklabels=True, row=row, col=col)
+    return True
 
 
 def integer_ticks(fig: go.Figure, values, axis: str = "x") -> None:

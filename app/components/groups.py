@@ -8,10 +8,11 @@ import pandas as pd
 import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 
-from app.components.figures import DASHES, SYMBOLS, TOP_LEGEND, empty_figure, integer_ticks
+from app.components.figures import DASHES, SYMBOLS, TOP_LEGEND, empty_figure, integer_ticks, top_margin
 
 ZERO_VARIANCE_BACKGROUND = "#fff3cd"
 ZERO_VARIANCE_MARK = "zero variance"
+REWARD_COLOUR = "#1f77b4"
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 
 
@@ -32,9 +33,10 @@ def style_group_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
 
 
 def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
-    """The completions of one group side by side: reward bars with the group mean (dashed) and
-    ± one std band, and the recorded advantage of each completion as a marker on a second axis
-    (round ticks of its own, no grid).
+    """The completions of one group side by side: reward bars, each labelled with its value and
+    topped by a dash (a reward of 0 shows as a dash on the zero line, not as nothing), with the group
+    mean (dashed) and ± one std band, and the recorded advantage of each completion as a marker on a
+    second axis (round ticks of its own, no grid).
 
     Args:
         completions: ``views.group_completions`` (``sequence, reward, advantage, group_mean, group_std``).
@@ -42,9 +44,16 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     if completions.empty:
         return empty_figure("no completions in this group")
     x = [f"seq {s}" for s in completions["sequence"]]
+    rewards = completions["reward"].tolist()
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=x, y=completions["reward"].tolist(), name="reward", marker={"color": "#1f77b4"},
+    # each bar labelled with its value, and a dash at its top: a reward of 0 is a bar of no height,
+    # which would otherwise show nothing at all
+    fig.add_trace(go.Bar(x=x, y=rewards, name="reward", marker={"color": REWARD_COLOUR}, legendgroup="reward",
+                         text=[f"{r:.4g}" for r in rewards], textposition="outside", cliponaxis=False,
                          hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
+    fig.add_trace(go.Scatter(x=x, y=rewards, mode="markers", name="reward", legendgroup="reward", showlegend=False,
+                             marker={"symbol": "line-ew", "size": 40, "line": {"width": 3, "color": REWARD_COLOUR}},
+                             hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=completions["advantage"].tolist(), name="advantage", yaxis="y2",
                              mode="markers", marker={"size": 11, "symbol": "diamond", "color": "#d62728"},
                              hovertemplate="%{x}<br>advantage=%{y:.4g}<extra></extra>"))
@@ -54,7 +63,7 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
         fig.add_hrect(y0=mean - std, y1=mean + std, fillcolor="rgba(68, 68, 68, 0.1)", line_width=0)
     # The advantage axis picks its own round ticks (plotly.js would otherwise sync them to the reward
     # axis's grid: 0.904, 0.002, -0.9...) and draws no grid of its own (one grid: the reward's).
-    fig.update_layout(height=340, margin={"t": 60, "b": 40}, yaxis_title="reward",
+    fig.update_layout(height=360, margin={"t": top_margin(fig, titles=False) + 12, "b": 40}, yaxis_title="reward",
                       yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True,
                               "tickmode": "auto", "nticks": 8, "showgrid": False},
                       legend=TOP_LEGEND)
@@ -79,7 +88,7 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
             customdata=part[["zero_variance_groups", "groups"]].to_numpy(),  # an array: validated at once
             hovertemplate=("step %{x}: %{customdata[0]} of %{customdata[1]} groups"
                            f" (%{{y:.0%}}) · inner step {inner_step}<extra></extra>")))
-    fig.update_layout(height=320, margin={"t": 60, "b": 40}, xaxis_title="step", legend=TOP_LEGEND,
+    fig.update_layout(height=320, margin={"t": top_margin(fig, titles=False), "b": 40}, xaxis_title="step", legend=TOP_LEGEND,
                       yaxis={"title": "share of zero-variance groups", "range": [-0.05, 1.05], "tickformat": ".0%"})
     integer_ticks(fig, shares["step"].tolist())
     return fig

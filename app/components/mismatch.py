@@ -8,8 +8,9 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+from plotly.subplots import make_subplots
 
-from app.components.figures import empty_figure
+from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, top_margin
 from app.components.token_table import hover_tokens, visible_tokens
 from tracer.views import mismatch as views
 
@@ -81,22 +82,38 @@ def scatter_figure(frame: pd.DataFrame, x: str, x_title: str, title: str) -> go.
     fig.add_hline(y=0, line_dash="dash", line_color="grey")
     fig.update_layout(title=title, height=320, margin={"t": 40, "b": 40}, legend={"orientation": "h", "y": -0.25})
     fig.update_xaxes(title_text=x_title)
+    if x == "token":  # a position in the completion: whole numbers
+        integer_ticks(fig, rows[x].tolist())
     fig.update_yaxes(title_text="trainer − sampler (nats)")
     return fig
 
 
+# Panels of the over-steps figure: (title with its unit, y-axis title, [(summary column, line name)]).
+STEP_PANELS = (
+    ("log space: |trainer − sampler| (nats)", "nats",
+     (("mean_abs", "mean |trainer − sampler|"), ("max_abs", "max |trainer − sampler|"))),
+    ("probability space: |p_trainer − p_sampler| (probability)", "probability",
+     (("prob_diff_mean", "mean |p_trainer − p_sampler|"),)),
+)
+
+
 def steps_figure(summary: pd.DataFrame) -> go.Figure:
-    """Mean and max ``|trainer - sampler|`` (nats) per step file, against the optimizer step."""
+    """Over the optimizer steps, one panel per unit: mean and max ``|trainer − sampler|`` in nats
+    (log space) above, mean ``|p_trainer − p_sampler|`` (a probability) below; one point per step
+    file, the steps on whole-number ticks."""
     if summary.empty:
         return empty_figure("no step file with sampler logprobs")
-    fig = go.Figure()
-    for column, name in (("mean_abs", "mean |trainer − sampler|"), ("max_abs", "max |trainer − sampler|"),
-                         ("prob_diff_mean", "mean |p_trainer − p_sampler|")):
-        fig.add_trace(go.Scatter(x=summary["step"].tolist(), y=summary[column].tolist(), mode="lines+markers",
-                                 name=name))
-    fig.update_layout(height=320, margin={"t": 30, "b": 40}, legend={"orientation": "h", "y": -0.25})
-    fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text="nats (probability for |Δp|)", rangemode="tozero")
+    fig = make_subplots(rows=len(STEP_PANELS), cols=1, shared_xaxes=True, vertical_spacing=0.16,
+                        subplot_titles=[title for title, _, _ in STEP_PANELS])
+    for row, (_, unit, lines) in enumerate(STEP_PANELS, start=1):
+        for column, name in lines:
+            fig.add_trace(go.Scatter(x=summary["step"].tolist(), y=summary[column].tolist(), mode="lines+markers",
+                                     name=name, hovertemplate=f"{name}=%{{y:.4g}} {unit}<br>step %{{x}}<extra></extra>"),
+                          row=row, col=1)
+        fig.update_yaxes(title_text=unit, rangemode="tozero", row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(STEP_PANELS), col=1)
+    integer_ticks(fig, summary["step"].tolist())
+    fig.update_layout(height=480, margin={"t": top_margin(fig), "b": 40}, legend=TOP_LEGEND)
     return fig
 
 

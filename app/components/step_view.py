@@ -19,11 +19,14 @@ from plotly.subplots import make_subplots
 
 from app.components.colour_scale import plotly_colorscale, scale_ends
 from app.components.figures import empty_figure, integer_ticks
+from app.components.token_table import hover_tokens
 from tracer.views.step import QUANTITIES, neutral
 
 MAX_HEATMAP_COLUMNS = 512
 MAX_HEATMAP_ROWS = 512
 HISTOGRAM_BINS = 60
+# Masked cells of the heatmap: a mid grey, a colour the diverging scale (blue - white - red) never takes.
+MASKED_CELL_COLOUR = "#a6a6a6"
 MAX_TURN_LABELS = 2_000  # turn labels drawn on the heatmap at most (more: none, the hover still says)
 FARTHEST, LARGEST, SMALLEST = "farthest from neutral", "largest first", "smallest first"
 ORDERS = (FARTHEST, LARGEST, SMALLEST)
@@ -85,7 +88,7 @@ def heatmap_matrix(frame: pd.DataFrame, quantity: str, max_cols: int = MAX_HEATM
                    max_rows: int = MAX_HEATMAP_ROWS) -> tuple[np.ndarray, list[str], np.ndarray, int, int]:
     """``(z, row names, first position of each column, positions per column, rows per row)``.
 
-    ``z[r, c]`` is ``quantity`` at kept positions, NaN where masked (drawn blank). Past
+    ``z[r, c]`` is ``quantity`` at kept positions, NaN where masked (:func:`masked_cells`). Past
     ``max_cols`` positions (``max_rows`` rows) neighbours are binned; a bin shows its value
     farthest from neutral.
     """
@@ -102,6 +105,47 @@ def heatmap_matrix(frame: pd.DataFrame, quantity: str, max_cols: int = MAX_HEATM
     z = _bin(_bin(z, col_w, neutral(quantity)).T, row_w, neutral(quantity)).T
     names = [str(order[i]) + (f" … +{row_w - 1}" if row_w > 1 else "") for i in range(0, len(order), row_w)]
     return z, names, np.arange(0, T, col_w), col_w, row_w
+
+
+def masked_cells(frame: pd.DataFrame, max_cols: int = MAX_HEATMAP_COLUMNS,
+                 max_rows: int = MAX_HEATMAP_ROWS) -> np.ndarray:
+    """Boolean ``[rows, columns]`` on the grid of :func:`heatmap_matrix`: True where the cell holds
+    positions of the step that are all masked (not in the loss); False where one of them is kept, or
+    where the row has no such position at all (a row shorter than the step's longest)."""
+    labels = row_labels(frame)
+    order = pd.unique(labels)
+    row = pd.Categorical(labels, categories=order).codes
+    T = int(frame["position"].max()) + 1
+    present = np.zeros((len(order), T), dtype=bool)
+    kept = np.zeros((len(order), T), dtype=bool)
+    positions = frame["position"].to_numpy()
+    present[row, positions] = True
+    kept[row, positions] = frame["kept"].to_numpy(dtype=bool)
+    col_w = max(1, math.ceil(T / max_cols))
+    row_w = max(1, math.ceil(len(order) / max_rows))
+    return _any(_any(present, col_w).T, row_w).T & ~_any(_any(kept, col_w).T, row_w).T
+
+
+def cell_tokens(frame: pd.DataFrame) -> np.ndarray:
+    """``[rows, positions]`` object array of each cell's token text for the hover (unbinned grid of
+    :func:`heatmap_matrix`), HTML-escaped with whitespace markers (``token_table.hover_tokens``)."""
+    labels = row_labels(frame)
+    order = pd.unique(labels)
+    row = pd.Categorical(labels, categories=order).codes
+    cells = np.full((len(order), int(frame["position"].max()) + 1), "", dtype=object)
+    cells[row, frame["position"].to_numpy()] = hover_tokens(frame["token_text"])
+    return cells
+
+
+def _any(cells: np.ndarray, width: int) -> np.ndarray:
+    """Columns of boolean ``cells`` grouped by ``width``: True where any of the group is."""
+    if width == 1:
+        return cells
+    R, T = cells.shape
+    n = math.ceil(T / width)
+    padded = np.zeros((R, n * width), dtype=bool)
+    padded[:, :T] = cells
+    return padded.reshape(R, n, width).any(axis=2)
 
 
 def _bin(z: np.ndarray, width: int, centre: float) -> np.ndarray:
@@ -129,7 +173,9 @@ def scale_span(values: np.ndarray | pd.Series, centre: float) -> float:
 
 
 def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tuple = ()) -> go.Figure:
-    """Sequence x position heatmap of ``quantity``: masked cells blank, a diverging scale centred
+    """Sequence x position heatmap of ``quantity``: masked cells grey (:data:`MASKED_CELL_COLOUR`, a
+    trace of their own after the values, on cells that have none: never a colour of the scale), cells
+    a row does not have blank, hover naming each cell's token (unbinned), a diverging scale centred
     on the neutral value (1 for the ratio, 0 for KL and advantage), its colour axis cut to the values
     the quantity can take (from 0 for k3, k2, |differences|, entropy and the ratio;
     :func:`app.components.colour_scale.scale_ends`), symmetric for signed ones (advantage). A
@@ -142,9 +188,21 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
     hover = ("%{y} · position %{x}" + (f"–%{{x}}+{col_w - 1}" if col_w > 1 else "") +
              f"<br>{label(quantity, derived)} = %{{z:.4g}}<extra></extra>")
     low, high = scale_ends(quantity, centre, span)
-    fig = go.Figure(go.Heatmap(z=z, x=starts, y=names, colorscale=plotly_colorscale(low, high, centre, span),
-                               zmin=low, zmax=high, hovertemplate=hover, hoverongaps=False,
-                               colorbar={"title": {"text": quantity}}))
+    masked = masked_cells(frame)
+    fig = go.Figure()
+    texts = cell_tokens(frame) if col_w == 1 and row_w == 1 and "token_text" in frame else None
+    if texts is not None:  # each row's own tokens: the axis can only show positions
+        hover = hover.replace("<extra>", "<br>token %{customdata}<extra>")
+    fig.add_trace(go.Heatmap(z=z, x=starts, y=names, colorscale=plotly_colorscale(low, high, centre, span),
+                             zmin=low, zmax=high, hovertemplate=hover, hoverongaps=False, name=quantity,
+                             customdata=texts, colorbar={"title": {"text": quantity}}))
+    # masked cells are a grey layer of their own (blank, they looked like a value at the neutral colour,
+    # the scale's white: a k3 of 0 and a padding position read the same); the two layers never share a cell
+    fig.add_trace(go.Heatmap(z=np.where(masked, 1.0, np.nan), x=starts, y=names, name="masked", showscale=False,
+                             colorscale=[[0.0, MASKED_CELL_COLOUR], [1.0, MASKED_CELL_COLOUR]], zmin=0, zmax=1,
+                             hoverongaps=False, hovertemplate="%{y} · position %{x}" + (
+                                 f"–%{{x}}+{col_w - 1}" if col_w > 1 else "") + "<br>masked: not in the loss"
+                             "<extra></extra>"))
     fig.update_yaxes(autorange="reversed", title_text="sequence", type="category")
     fig.update_xaxes(title_text="completion position" + (f" (bins of {col_w})" if col_w > 1 else ""))
     integer_ticks(fig, list(starts), axis="x")
@@ -153,7 +211,7 @@ def heatmap_figure(frame: pd.DataFrame, quantity: str, derived: list[str] | tupl
         if labels is not None:
             fig.add_trace(labels)
     fig.update_layout(height=min(900, 160 + 16 * len(names)), margin={"t": 30, "b": 40},
-                      plot_bgcolor="#f4f4f4", showlegend=False)
+                      plot_bgcolor="#ffffff", showlegend=False)
     return fig
 
 

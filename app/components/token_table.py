@@ -167,6 +167,43 @@ def style_token_table(frame: pd.DataFrame, highlight: int | None = None) -> Styl
             .format("{:.4g}", subset=float_columns, na_rep=""))
 
 
+# Streamlit's data grid draws the header and every row 35 px high, inside a 1 px border (its
+# DEFAULT_ROW_HEIGHT); a table longer than MAX_TABLE_ROWS rows scrolls inside that height.
+GRID_ROW_PX = 35
+MAX_TABLE_ROWS = 13
+# Header text of the grid: about 8 px a character (14 px Source Sans), plus the cell padding and the
+# sort arrow / menu that the header keeps room for.
+HEADER_CHAR_PX = 8
+HEADER_PAD_PX = 40
+
+
+def table_height(n_rows: int, max_rows: int = MAX_TABLE_ROWS) -> int:
+    """Pixel height of an ``st.dataframe`` that shows ``n_rows`` rows with no empty grid row under
+    them: the header and each row, :data:`GRID_ROW_PX` each, plus the 2 px border; past
+    ``max_rows`` rows the table scrolls inside the height of ``max_rows`` rows."""
+    return (min(max(n_rows, 1), max_rows) + 1) * GRID_ROW_PX + 3
+
+
+def header_width(label: str) -> int:
+    """Pixel width of a grid column whose header ``label`` shows whole (not cut to ``per_token_``)."""
+    return HEADER_PAD_PX + HEADER_CHAR_PX * len(label)
+
+
+def value_column_config(columns, derived=(), helps: dict[str, str] | None = None) -> dict[str, dict]:
+    """``st.dataframe`` column configs (plain dicts, as ``st.column_config.NumberColumn`` builds them)
+    of the per-token value ``columns``: the full field name as the label (`` (derived)`` appended
+    when the reader derived it, ``derived``), a width that shows the whole label
+    (:func:`header_width`), and ``helps[column]`` as the header's help (the values' format is the
+    Styler's, :func:`style_token_table`)."""
+    helps = helps or {}
+    config = {}
+    for column in columns:
+        label = column + (" (derived)" if column in derived else "")
+        config[column] = {"label": label, "width": header_width(label), "help": helps.get(column),
+                          "type_config": {"type": "number"}}
+    return config
+
+
 def legend_frame(reasons: list[str] | None = None) -> pd.DataFrame:
     """``mask_reason | meaning`` rows for the legend (all reasons, or those in ``reasons``)."""
     keys = [r for r in MASK_LEGEND if reasons is None or r in reasons]
