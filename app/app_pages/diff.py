@@ -3,16 +3,18 @@ token-aligned, per-field tolerances): the verdict and the cause (the most upstre
 at the earliest step) with what follows from it, a per-field summary table, the fields and
 tolerances to compare (those ``tracer diff`` takes, with the equivalent command), and one sequence of
 a step both traces have side by side, differing tokens marked with both values and positions that
-are not compared greyed. Opens on a declared pair (a trace whose manifest names its
-``diff_baseline``, like the bundled ``grpo-diff-*`` pair), else on a pair that can be compared."""
+are not compared greyed. Opens on the pair the URL names (``?a=RUN&b=RUN``, runs as ``run=`` names
+them), else on a declared pair (a trace whose manifest names its ``diff_baseline``, like the bundled
+``grpo-diff-*`` pair), else on a pair that can be compared; the pair chosen is written back to the
+URL. The sidebar's run choosers are hidden here: the page names the two runs it compares."""
 
 import streamlit as st
 
-from app.components import trace_cache
+from app.components import trace_cache, urls
 from app.components.diff_view import (cli_command, common_steps, declared_baseline, default_pair,
                                       side_by_side_frame, split_tolerances, style_side_by_side)
 from app.components.safe_trace import OUTSIDE
-from app.components.sidebar import current_selection, discover_traces
+from app.components.sidebar import current_selection, discover_traces, run_param
 from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.diff import DiffInputError, parse_tolerances, step_label
 from tracer.diff.causes import headline
@@ -50,9 +52,22 @@ def _baselines() -> dict:
 baselines = _baselines()
 index_a, index_b = default_pair(traces, selection.trace_path, baselines,
                                 lambda x, y: trace_cache.comparable(str(x), str(y)))
+names = [run_param(root, path) for path in traces]  # as ?a= and ?b= name them
+for param, side in (("a", 0), ("b", 1)):
+    wanted = urls.page_param(param, names)
+    if wanted is not None:
+        index_a, index_b = (names.index(wanted), index_b) if side == 0 else (index_a, names.index(wanted))
+    elif param in st.query_params:  # shown until another trace is chosen (the choice rewrites the URL)
+        st.warning(f"The URL's {param}= names no trace under the root; showing another trace as {param} "
+                   "(named below the choosers).", icon=":material/warning:")
+        st.text(f"{param}={st.query_params[param]}")  # the URL's text: plain text, never Markdown
 left, right = st.columns(2)
 a = left.selectbox("a: reference (baseline, expected)", traces, index=index_a, format_func=_label, key="diff_a")
 b = right.selectbox("b: candidate (actual)", traces, index=index_b, format_func=_label, key="diff_b")
+urls.set_page_param("a", names[traces.index(a)])
+urls.set_page_param("b", names[traces.index(b)])
+st.text(f"Comparing a = {_label(a)} with b = {_label(b)}.")  # run names: plain text, never Markdown
+st.caption("The pair is in the URL (a=, b=); the sidebar's run, step file and sequence do not apply on this page.")
 if a == b:
     st.info("Pick two different traces.")
     st.stop()
@@ -139,11 +154,9 @@ st.caption("Every step file is verified against its recorded checksum first. Per
            "atol + rtol·|a|.")
 
 st.header("Tokens side by side")
-steps = common_steps(trace_a.steps(), trace_b.steps(), trace_a.path.is_file() and trace_b.path.is_file(),
-                     selection.rank)
+steps = common_steps(trace_a.steps(), trace_b.steps(), trace_a.path.is_file() and trace_b.path.is_file())
 if not steps:
-    st.info("The two traces share no step file" + (f" of rank {selection.rank}" if selection.rank is not None else "")
-            + ".")
+    st.info("The two traces share no step file.")
     st.stop()
 default = steps.index(first[1].step) if first is not None and first[1].step in steps else 0
 left, right = st.columns(2)

@@ -1,17 +1,18 @@
 """Health: the findings of ``tracer.checks`` for the chosen run, counted per check and per step
 file, filtered by severity and check (and the sidebar's rank); selecting a finding opens its
-sequence on the Tokens page with its token marked."""
+sequence on the Tokens page with its token marked, the token in the URL (``token=``) so that the
+link reopens it."""
 
 import hashlib
 
 import pandas as pd
 import streamlit as st
 
-from app.components import token_jump, trace_cache
+from app.components import token_jump, trace_cache, urls
 from app.components.health import (
     DISPLAY_ORDER, NO_PROBLEMS, filter_findings, opens_groups, per_check_counts, per_step_counts, severity_counts,
     style_findings, target_of, verdict)
-from app.components.sidebar import current_selection
+from app.components.sidebar import current_selection, run_param
 from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.checks import SEVERITIES, SKIPPED
 from tracer.views import GROUPED_ALGORITHMS
@@ -90,8 +91,12 @@ if rows != st.session_state.get(_HANDLED_STATE):
     target = target_of(shown, rows[0], trace_path) if rows else None
     if target is not None:
         token_jump.request(target)
-        grouped = trace.algorithm in GROUPED_ALGORITHMS
-        st.switch_page("app_pages/groups.py" if opens_groups(shown, rows[0], grouped) else "app_pages/tokens.py")
+        to_groups = opens_groups(shown, rows[0], trace.algorithm in GROUPED_ALGORITHMS)
+        key = next((k for k in keys if str(k.path) == target.step_path), None)  # None: the jump alone selects
+        params = urls.selection_params(run_param(selection.root, selection.trace_path), key, target.sequence)
+        if target.token is not None and key is not None and not to_groups:
+            params["token"] = str(target.token)
+        st.switch_page("app_pages/groups.py" if to_groups else "app_pages/tokens.py", query_params=params)
     elif rows:
         st.info("This finding is about a whole step file or the whole trace: it names no sequence to open.")
 
