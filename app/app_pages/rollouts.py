@@ -19,6 +19,7 @@ _FILTERS = "_tracer_rollouts_filters"  # the filters of the last run (a change g
 _CHECK_ASKED = "_tracer_rollouts_checks"  # the (run, listing) whose checks the user asked for
 _HANDLED = "_tracer_rollouts_handled"  # the table selection already acted on
 FILE_ORDER = "file order"
+ROW_PIXELS, VISIBLE_ROWS = 35, 20  # the table's height: up to 20 rows in view, the page's others scroll
 
 
 @st.cache_resource(show_spinner=False)
@@ -150,6 +151,7 @@ table = display_rows(rows, columns, run_label, checked)
 st.text(summary_text(len(shown), len(frame), page, pages))
 event = st.dataframe(
     table, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
+    height=ROW_PIXELS * (min(len(table), VISIBLE_ROWS) + 1) + 3,
     key=f"ro_table_{page}_{hash(query)}",
     column_config={
         **{name: st.column_config.Column(help=text) for name, text in COLUMN_HELP.items() if name in table},
@@ -158,7 +160,8 @@ event = st.dataframe(
         "text": st.column_config.TextColumn("text", width="large", help=COLUMN_HELP["text"]),
         TOKENS_LINK: st.column_config.LinkColumn("tokens", display_text="open", help="open this row on the Tokens page"),
     })
-st.number_input(f"Page (of {pages:,}, {PAGE_SIZE} rows each)", min_value=1, max_value=pages, step=1, key="ro_page")
+st.columns([1, 3])[0].number_input(f"Page (of {pages:,}, {PAGE_SIZE} rows each)", min_value=1, max_value=pages,
+                                   step=1, key="ro_page")
 st.caption("Select a row (the box at its left) to open its tokens here, or follow its link. Text: token strings "
            "of the kept completion tokens, possibly truncated; the search reads that text.")
 

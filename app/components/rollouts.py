@@ -223,8 +223,8 @@ def shown_columns(frame: pd.DataFrame) -> list[str]:
 
 def display_rows(rows: pd.DataFrame, columns: list[str], run_label: str, checked: bool) -> pd.DataFrame:
     """One page of rows as the table shows them: ``columns`` (:func:`shown_columns`), the findings
-    column as text (:data:`NOT_CHECKED` when the checks have not run) and a :data:`TOKENS_LINK`
-    column. A new frame; ``rows`` is not changed."""
+    column as text (:data:`NOT_CHECKED` when the checks have not run) and, first (in view before the
+    wide text), a :data:`TOKENS_LINK` column. A new frame; ``rows`` is not changed."""
     out = rows[[c for c in columns if c != FINDINGS and c in rows]].copy()
     if "text" in out and "text_truncated" in rows:
         out["text"] = [t + "…" if cut else t for t, cut in zip(out["text"], rows["text_truncated"].fillna(False))]
@@ -232,7 +232,7 @@ def display_rows(rows: pd.DataFrame, columns: list[str], run_label: str, checked
         at = columns.index(FINDINGS)
         values = rows[FINDINGS].astype("int64").astype(str) if checked and FINDINGS in rows else NOT_CHECKED
         out.insert(min(at, len(out.columns)), FINDINGS, values)
-    out[TOKENS_LINK] = [tokens_link(run_label, row) for row in rows[list(ROW_KEY)].to_dict("records")]
+    out.insert(0, TOKENS_LINK, [tokens_link(run_label, row) for row in rows[list(ROW_KEY)].to_dict("records")])
     return out.reset_index(drop=True)
 
 
