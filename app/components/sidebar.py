@@ -151,6 +151,7 @@ def render_sidebar_header(root: Path) -> list[Path]:
     sb.text(f"root: {root}")
     if sb.button("Reload", help="read the trace again: new steps, manifest status, token strings"):
         trace_cache.clear_caches()
+        runs.run_status.clear()
     return _listed_traces(root)
 
 
