@@ -26,7 +26,8 @@ TRL_NOISE = r"`is_gradient_checkpointing` is deprecated"
 def cpu_config(config_class: type, output_dir: str | os.PathLike, steps: int, seed: int, progress: bool,
                **fields: Any) -> Any:
     """``config_class(...)`` (a TRL config dataclass) for a short CPU run: ``max_steps = steps``, no
-    reports, no checkpoints, no logging strategy, no gradient checkpointing; ``fields`` on top.
+    reports, no checkpoints, a log every step (the tracer keeps its numbers: ``scalars/<name>``), no
+    gradient checkpointing; ``fields`` on top.
 
     ``output_dir`` is TRL's scratch directory: nothing is saved there.
     """
@@ -39,7 +40,8 @@ def cpu_config(config_class: type, output_dir: str | os.PathLike, steps: int, se
         gradient_accumulation_steps=1,
         bf16=False,
         save_strategy="no",
-        logging_strategy="no",
+        logging_strategy="steps",  # every step's log (loss, grad_norm, rewards...): kept as the trace's logged scalars
+        logging_steps=1,
         disable_tqdm=not progress,
         dataloader_num_workers=0,
     )

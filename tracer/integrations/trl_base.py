@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import warnings
 from typing import Any, Callable, Iterable, Mapping
@@ -75,10 +76,33 @@ class TrainerTraceHook:
         hook = self
 
         class _CloseTrace(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                hook.log_scalars(state, logs)
+
             def on_train_end(self, args, state, control, **kwargs):
                 hook.close()
 
         self.trainer.add_callback(_CloseTrace())
+
+    def log_scalars(self, state: Any, logs: Mapping[str, Any] | None) -> None:
+        """Keep the numbers of one of the trainer's logs (``on_log``: ``loss``, ``grad_norm``,
+        ``learning_rate``, ``entropy``, ``rewards/<func>/mean``, ``completions/mean_length``, ...) as
+        logged scalars of the optimizer step they close (:meth:`tracer.record.writer.TraceWriter.log_scalars`).
+
+        Transformers' ``Trainer`` logs after ``state.global_step`` was incremented, and a log with
+        ``logging_steps = k`` averages the k steps up to it: its values go to step ``global_step - 1``,
+        the step this integration recorded under that number. The end-of-training summary (the log
+        holding ``train_runtime``) is not a step's and is left out; so are values that are not
+        finite numbers or NaN. Never raises (a failure is logged)."""
+        step = int(getattr(state, "global_step", 0) or 0) - 1
+        if not logs or step < 0 or "train_runtime" in logs:
+            return
+        values = {k: float(v) for k, v in logs.items() if isinstance(k, str) and 0 < len(k) <= 100
+                  and isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isinf(v)}
+        try:
+            self.writer.log_scalars(step, values)
+        except TraceError as err:
+            log.warning("tracer: the trainer's log of step %d was not kept (%s)", step, err)
 
     def _wrap(self, name: str, after: Callable[[Any], None]) -> None:
         """Replace ``trainer.<name>`` by a wrapper that calls the original, then ``after(result)``

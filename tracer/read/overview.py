@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from tracer.format import run_index
+from tracer.format import run_index, scalar_log
 from tracer.read import tables
 from tracer.format import summary as summary_format
 from tracer.errors import TraceFormatError
@@ -180,6 +180,27 @@ def columns_frame(columns: SummaryColumns, rows: np.ndarray, coordinates: np.nda
     return pd.DataFrame(data)
 
 
+def with_logged_scalars(frame: pd.DataFrame, logged: dict[int, dict[str, float]]) -> pd.DataFrame:
+    """``frame`` with a ``scalars/<name>`` column per logged scalar (``{step: {name: value}}``), each
+    row taking its step's value; where the step recorded the same scalar itself, that value stays."""
+    if not logged or not len(frame) or "step" not in frame.columns:
+        return frame
+    names = list(dict.fromkeys(name for values in logged.values() for name in values))
+    steps = frame["step"].to_numpy()
+    added = {}
+    for name in names:
+        column = summary_format.SCALAR_PREFIX + name
+        if not summary_format.named_key(column):
+            continue
+        values = np.array([logged.get(int(s), {}).get(name, np.nan) for s in steps], dtype=np.float64)
+        if column in frame.columns:
+            held = frame[column].to_numpy(dtype=np.float64, na_value=np.nan)
+            values = np.where(np.isnan(held), values, held)
+        added[column] = values
+    frame = frame.drop(columns=[c for c in added if c in frame.columns]).assign(**added)
+    return ordered(frame)
+
+
 def combined(parts: list[tuple[np.ndarray, pd.DataFrame]], n: int) -> pd.DataFrame:
     """One frame of ``n`` rows from ``(positions, frame)`` parts (row i of a part is row
     ``positions[i]`` of the result)."""
@@ -256,9 +277,28 @@ class TraceOverview:
         parts = [(rest, pd.DataFrame.from_records(records))]
         if len(stored):
             parts.append((stored, columns_frame(columns, rows[stored], coordinates[stored])))
-        frame = combined(parts, len(table))
+        frame = with_logged_scalars(combined(parts, len(table)), self.logged_scalars())
         frame.attrs["from_index"] = from_index
         return frame
+
+    def logged_scalars(self) -> dict[int, dict[str, float]]:
+        """``{step: {name: value}}`` of the run's logged scalars (:mod:`tracer.format.scalar_log`: TRL's
+        logs, ``TraceWriter.log_scalars``), read again only when a file changed; {} for a single step file."""
+        trace = self.trace
+        if trace._single:
+            return {}
+        paths = sorted(trace.root.glob(scalar_log.SCALARS_GLOB))
+        signature = []
+        for path in paths:
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            signature.append((path.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        held = self.__dict__.get("_logged")
+        if held is None or held[0] != signature:
+            held = self._logged = (signature, scalar_log.read_scalars(paths))
+        return held[1]
 
     def summary_index(self) -> dict[str, dict[str, Any]]:
         """``{step file name: entry}`` of the trace's summary index files (:func:`tracer.format.run_index.read_index`)

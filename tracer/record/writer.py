@@ -35,8 +35,9 @@ from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manif
                                     tokenizer_identity, vocabulary_strings)
 from tracer.record.step_writer import StepWriter, step_header
 from tracer.record.thread import MAX_BATCH, BackgroundWriter
-from tracer.record.validation import RecordChecks, check_captured, check_scalars
-from tracer.format.summary import RECORDED_KEY
+from tracer.record.validation import RecordChecks, check_captured, check_scalars, coordinate
+from tracer.format.scalar_log import ScalarLog
+from tracer.format.summary import RECORDED_KEY, SCALAR_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ class TraceWriter:
         refuse_existing_trace(self.root, self.rank)
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
+        self._scalar_log = ScalarLog(self.root, self.rank)  # logged scalars (tracer.format.scalar_log)
         self._backends: Backends | None = None  # set last: a writer thread it starts may tick before
         try:  # from here on a failure must not keep the rank's lock (the next writer would be refused)
             manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
@@ -279,6 +281,22 @@ class TraceWriter:
         written = self._backends.submit(pending)
         return self._step_path(step_file_name(*coordinates, self.rank)) if written and path_wanted else None
 
+    def log_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Log numbers of ``step`` that arrive after its files were recorded (a trainer's logs: the
+        TRL integration calls this from ``on_log``), appended at once to ``scalars.rank_N.jsonl``
+        (:mod:`tracer.format.scalar_log`); ``Trace.step_summary()`` shows them as ``scalars/<name>``.
+        Values as ``record(..., scalars=...)``; a scalar recorded with the step wins over a logged one.
+
+        Raises:
+            SchemaError: a name or value :func:`tracer.record.validation.check_scalars` refuses.
+            TraceError: the writer is closed, or was inherited through fork().
+        """
+        self._check_process()
+        if self._closed:
+            raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
+        checked = check_scalars(scalars)
+        self._scalar_log.add(coordinate("step", step), {k[len(SCALAR_PREFIX):]: v for k, v in checked.items()})
+
     def flush(self) -> None:
         """Wait until every recorded step is on disk (or dropped). Raises TraceError in strict mode
         when a write failed, or when the writer was inherited through fork(). The manifest's live
@@ -298,6 +316,7 @@ class TraceWriter:
         if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
             return
         self._backends.close()
+        self._scalar_log.close()
         with self._book.lock:
             self._book.manifest["status"] = "finished"
         try:
