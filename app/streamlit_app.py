@@ -20,7 +20,7 @@ from app.components.navigation import (  # noqa: E402
     PAGES, RUN_FREE_PAGES, RUNS_PAGE, hidden_pages_note, not_offered_reason, pages_for)
 from app.components.not_offered import not_offered_page  # noqa: E402
 from app.components.sidebar import (  # noqa: E402
-    no_trace_message, render_sidebar, render_sidebar_header, resolve_root, store_selection)
+    keep_choices, no_trace_message, render_sidebar, render_sidebar_header, resolve_root, store_selection)
 from tracer.errors import TraceError  # noqa: E402
 
 # A local icon: otherwise the browser tab shows the page's Material icon, fetched from fonts.gstatic.com
@@ -58,8 +58,9 @@ page = st.navigation([st.Page(RUNS_PAGE.path, title=RUNS_PAGE.title, icon=RUNS_P
                                 title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
                         for spec in PAGES if spec not in offered]])
 urls.drop_other_pages_params(page.url_path)
-if page.url_path in RUN_FREE_PAGES:  # drawn (their state kept for the other pages), then taken away
+if page.url_path in RUN_FREE_PAGES:  # drawn, then taken away: the next page gets the choice back
     choosers.empty()
+    keep_choices()
 note = hidden_pages_note(algorithm, recorded)
 if note:  # once, collapsed, under the page list (not a note on every page)
     with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",

@@ -34,11 +34,13 @@ DEFAULT_ROOT = Path(__file__).resolve().parents[2] / "sample_traces"
 _SELECTION_STATE = "_tracer_selection"
 _URL_APPLIED = "_tracer_url_run"  # the ?run= value already applied to the Run selectbox
 _URL_NOTE = "_tracer_url_note"  # why the URL's step could not be shown
+_KEPT_STATE = "_tracer_kept_choices"  # the choosers' values while a page hides them
 RUN_PARAM = "run"
 REFRESH_SECONDS = 2.0
 MAX_STEP_OPTIONS = 2_000  # a run with more step files picks a step number, then one of its files
 STEP_NUMBER = "step_number"  # the session state of that Step number input
 JS_SAFE_INT = 2**53 - 1  # the largest step a Streamlit number input holds (a JavaScript number)
+_CHOOSER_KEYS = ("run", "rank", STEP_NUMBER, "step_file", "sequence", "auto_refresh")
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,19 @@ def render_sidebar_header(root: Path) -> list[Path]:
     return _listed_traces(root)
 
 
+def keep_choices() -> None:
+    """Keep the choosers' values for the next run: called when they are taken off the page (a
+    widget not shown loses its state), :func:`render_sidebar` puts them back."""
+    st.session_state[_KEPT_STATE] = {k: st.session_state[k] for k in _CHOOSER_KEYS if k in st.session_state}
+
+
+def _restore_choices() -> None:
+    """Give the choosers back the values :func:`keep_choices` kept, where their state is gone."""
+    for key, value in st.session_state.pop(_KEPT_STATE, {}).items():
+        if key not in st.session_state:
+            st.session_state[key] = value
+
+
 def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | None = None) -> Selection | None:
     """Draw the run choosers (Run, Rank, Step file, Sequence), the run's status and auto-refresh
     into ``choosers`` (a placeholder under :func:`render_sidebar_header`, emptied on a page where
@@ -163,6 +178,7 @@ def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | No
     if not traces:
         return None
     sb = (choosers if choosers is not None else st.sidebar).container()
+    _restore_choices()
     refused = not _apply_url_run(root, traces)
     jump = token_jump.pending()
     if jump is not None:
