@@ -21,9 +21,11 @@ _INT_PARAMS = ("step", "inner", "mb", "rank", "seq")
 _SYNCED_STATE = "_tracer_url_synced"  # the selection parameters the app last wrote
 _PAGE_STATE = "_tracer_url_page"  # the URL path of the page the last run showed
 # Each page's own parameters, by URL path ("" is the root, the Runs page).
-PAGE_PARAMS: dict[str, tuple[str, ...]] = {"": (), "tokens": ("colour", "token"), "step": ("q",),
-                                           "conversation": ("colour", "turns"),
-                                           "groups": ("group",), "steps": ("overlay",), "diff": ("a", "b")}
+PAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "": (), "tokens": ("colour", "token"), "step": ("q",), "conversation": ("colour", "turns"), "groups": ("group",),
+    "rollouts": ("sort", "dir", "search", "page", "step_min", "step_max", "reward_min", "reward_max", "group_id",
+                 "flagged"),
+    "steps": ("overlay", "y", "smooth", "log", "x"), "diff": ("a", "b")}
 # Page parameters that name a place in the selected sequence: dropped when the selection moves.
 _SEQUENCE_PARAMS = ("token",)
 
