@@ -171,15 +171,24 @@ def test_an_overlaid_run_of_another_algorithm_draws_what_it_shares_and_names_the
     at.switch_page("app_pages/steps.py").run()
     assert not at.exception, [e.value for e in at.exception]
     captions = [c.value for c in at.caption]
-    assert any(c.startswith("dpo (a dpo run) records none of the chosen quantities; its own: pairs, "
+    assert any(c.startswith("dpo (a dpo run) records none of the chosen quantities; its own: loss, pairs, "
                             "margin (chosen − rejected reward), preference accuracy, DPO loss") for c in captions), captions
     assert {t["name"] for t in chart(at)["data"]} == {"mine · inner step 0", "mine · inner step 1"}
-    at.multiselect(key="step_columns").set_value(["mean_ratio", "margin"]).run()
+    # the loss both record, the ratio of GRPO, the margin of DPO: one panel each, the runs that have it
+    at.multiselect(key="step_columns").set_value(["loss", "mean_ratio", "margin"]).run()
+    assert not at.exception, [e.value for e in at.exception]
     spec = chart(at)
-    assert [a["text"] for a in spec["layout"]["annotations"]][:2] == ["mean ratio (derived)", "margin (chosen − rejected reward)"]
-    assert {t["name"] for t in traces_of(spec, 1)} == {"dpo · inner step 0"}
-    assert any(c.startswith("Not in dpo (a dpo run): mean ratio.") for c in [c.value for c in at.caption])
-    assert any(c.startswith("Not in mine (a grpo run): margin") for c in [c.value for c in at.caption])
+    assert [a["text"] for a in spec["layout"]["annotations"]] == [
+        "loss", "mean ratio (derived)", "margin (chosen − rejected reward)"]
+    dpo_loss = [float(t["loss"]) for _, t in sorted(step_files(SAMPLES / "dpo-tiny").items())]
+    assert line(spec, 0, "dpo · inner step 0") == pytest.approx(dpo_loss, rel=1e-6)
+    mine_loss = [float(step_files(BASELINE)[s, 1]["loss"]) for s in range(3)]
+    assert line(spec, 0, "mine · inner step 1") == pytest.approx(mine_loss, rel=1e-6)
+    assert {t["name"] for t in traces_of(spec, 1)} == {"mine · inner step 0", "mine · inner step 1"}
+    assert {t["name"] for t in traces_of(spec, 2)} == {"dpo · inner step 0"}
+    captions = [c.value for c in at.caption]
+    assert "Not in dpo (a dpo run): mean ratio." in captions
+    assert "Not in mine (a grpo run): margin (chosen − rejected reward)." in captions
 
 
 def test_a_run_without_wall_clock_time_says_so_and_plots_against_steps(monkeypatch, root):
