@@ -56,7 +56,7 @@ def _apply_url(sortable: list[str]) -> None:
         ro_descending=query.descending, ro_step_min=query.step_min, ro_step_max=query.step_max,
         ro_reward_min=query.reward_min, ro_reward_max=query.reward_max, ro_group=query.group,
         ro_flagged=query.flagged, ro_page=query.page)
-    st.session_state[_FILTERS] = query.filters()
+    st.session_state[_FILTERS] = (str(current_selection().trace_path), query.filters())
 
 
 def _write_url(query: RolloutQuery) -> None:
@@ -102,6 +102,8 @@ else:
 
 sortable = [c for c in shown_columns(frame) if c != "text" and (c != FINDINGS or checked)]
 _apply_url(sortable)
+if st.session_state.get("ro_sort") not in (FILE_ORDER, *sortable):  # a column of the run shown before
+    st.session_state.ro_sort = FILE_ORDER
 
 # -- filters, search, sort -------------------------------------------------------------------------------
 st.text_input("Search the text", key="ro_search", placeholder="a word or phrase of the completions (any case)",
@@ -133,8 +135,8 @@ query = RolloutQuery(
     search=state.ro_search or "", step_min=_optional_int(state.ro_step_min),
     step_max=_optional_int(state.ro_step_max), reward_min=state.ro_reward_min, reward_max=state.ro_reward_max,
     group=_optional_int(state.ro_group), flagged=bool(state.ro_flagged) and checked, page=int(state.get("ro_page") or 1))
-if query.filters() != state.get(_FILTERS):  # other rows: back to the first page
-    state[_FILTERS] = query.filters()
+if (trace_path, query.filters()) != state.get(_FILTERS):  # other rows (or another run): back to page 1
+    state[_FILTERS] = (trace_path, query.filters())
     state.ro_page = 1
     query = RolloutQuery(**{**query.__dict__, "page": 1})
 shown = select_rollouts(frame, query)

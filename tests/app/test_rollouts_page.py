@@ -201,3 +201,21 @@ def test_a_run_past_the_bound_is_not_checked_until_asked(monkeypatch, root):
     shown = table(at)
     assert [str(located.get(w, 0)) for w in where(shown)] == shown["findings"].tolist()
     assert not at.toggle(key="ro_flagged").disabled
+
+
+def test_another_run_keeps_the_page_working_with_its_own_columns(monkeypatch, root, tmp_path):
+    # a run whose rows record sampler_logprobs sorted by |old - sampler|, then a run that does not
+    other = tmp_path / "runs"
+    write_trace(other / "a_with_sampler", tokenizer=ToyTokenizer(), steps=9)
+
+    def no_sampler(step, inner, tensors):
+        del tensors["sampler_logprobs"]
+
+    write_trace(other / "b_without", tokenizer=ToyTokenizer(), steps=2, edit=no_sampler)
+    at = open_rollouts(monkeypatch, other, {"run": "a_with_sampler", "sort": "mean_abs_mismatch", "page": "2"})
+    assert at.selectbox(key="ro_sort").value == "mean_abs_mismatch" and at.number_input(key="ro_page").value == 2
+    at.selectbox(key="run").select(other / "b_without").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "mean_abs_mismatch" not in table(at).columns
+    assert at.selectbox(key="ro_sort").value == "file order" and at.number_input(key="ro_page").value == 1
+    assert "sort" not in at.query_params and at.query_params["run"] == "b_without"
