@@ -11,24 +11,25 @@ the script's own exit code, or 3 when the script succeeded but nothing was trace
 from __future__ import annotations
 
 import argparse
-import re
+import collections.abc
 import errno
+import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
-from tracer.errors import TraceError
-from tracer.demo.runner import DEMO_ALGOS
 from tracer.demo.sampler_faults import VLLM_BUGS
-from tracer.read import Trace, find_traces
-from tracer.format.schema import ALGORITHMS
-from tracer.read.trace_info import info_problem, print_info, trace_info
+from tracer.errors import TraceError
 from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
+
+# Only the standard library and light modules above: `tracer --help` and a mistyped option answer
+# without importing torch, pandas or the reader (seconds of start-up); each command imports what it uses.
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -62,6 +63,41 @@ def _positive_int(text: str) -> int:
     return value
 
 
+class _LazyChoices(collections.abc.Sequence):
+    """argparse ``choices`` read from ``module.name`` when first asked (a value checked, an invalid one
+    listed, a subcommand's help): the modules that define the demo and algorithm names import torch."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self._where = (module, name)
+
+    def _values(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self._where[0]), self._where[1]))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._values()
+
+
+DEMO_CHOICES = _LazyChoices("tracer.demo.runner", "DEMO_ALGOS")
+ALGORITHM_CHOICES = _LazyChoices("tracer.format.schema", "ALGORITHMS")
+
+
+def __getattr__(name: str) -> Any:
+    """``trace_info`` and ``print_info``, once imported here, stay importable from ``tracer.cli``
+    (tests/scripts/fuzz_headers.py does), without importing the reader for every command."""
+    if name in ("trace_info", "print_info"):
+        return getattr(importlib.import_module("tracer.read.trace_info"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def version_text() -> str:
     """``tracer <version> (<package folder>)``: which copy of tracer runs (the installed distribution's
     version, which is pyproject's; the folder tells one checkout or install from another)."""
@@ -79,11 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a tiny real trainer on CPU with the tracer attached")
-    demo.add_argument("name", nargs="?", choices=DEMO_ALGOS, default=None, metavar="DEMO",
+    demo.add_argument("name", nargs="?", choices=DEMO_CHOICES, default=None, metavar="DEMO",
                       help="the demo to run, as --algo (e.g. `tracer demo agent --out D`)")
-    demo.add_argument("--algo", choices=DEMO_ALGOS, default=None,
-                      help="hand-written loop (ppo, grpo, cispo, dpo), TRL trainer (*-trl), or agent (TRL GRPO "
-                           "with a calculator tool: multi-turn episodes); default grpo")
+    demo.add_argument("--algo", choices=DEMO_CHOICES, default=None, metavar="ALGO",
+                      help="%(choices)s: hand-written loop (ppo, grpo, cispo, dpo), TRL trainer (*-trl), or agent "
+                           "(TRL GRPO with a calculator tool: multi-turn episodes); default grpo")
     demo.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     demo.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -165,7 +201,8 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
                          usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")
-    run.add_argument("--algo", choices=ALGORITHMS, required=True, help="the script's algorithm")
+    run.add_argument("--algo", choices=ALGORITHM_CHOICES, required=True, metavar="ALGO",
+                     help="the script's algorithm: %(choices)s")
     run.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
     run.add_argument("--map", help="name map: a .toml/.yaml file or a shipped map name (default minimind)")
     run.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
@@ -217,6 +254,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from tracer.read.trace_info import info_problem, print_info, trace_info
+
     _refuse_a_folder_of_traces(args.path, "info")
     info = trace_info(args.path, verify=args.verify)
     if args.json:
@@ -256,6 +295,8 @@ def _require_free_port(port: int) -> None:
 
 
 def _cmd_view(args: argparse.Namespace) -> int:
+    from tracer.read import Trace, find_traces
+
     _require_app_dependencies()
     root = Path(args.path)
     if not root.exists():
@@ -313,6 +354,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 def _refuse_a_folder_of_traces(path: str, command: str) -> None:
     """A folder that is not a trace but holds some (``runs/``): say which, rather than 'not a trace'
     (TraceError naming the first five and how to pass one to ``tracer <command>``)."""
+    from tracer.read import find_traces
+
     folder = Path(path)
     if not folder.is_dir() or (folder / "manifest.json").exists() or (folder / "steps").is_dir():
         return
@@ -337,17 +380,20 @@ def _select_and_path(args: argparse.Namespace) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    if not args.sampler_ratio_bound > 1:
+        raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
+    thresholds = _thresholds(args.threshold)
+    if args.path is None and not args.select:
+        raise TraceError("no trace given: tracer check PATH [--select ID ...]")
     from rich.console import Console
 
     from tracer.checks import ERROR, WARNING, CheckOptions, has_errors, run_checks
     from tracer.checks.coverage import NOT_CHECKED
     from tracer.checks.report import render_findings
 
-    if not args.sampler_ratio_bound > 1:
-        raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
     _select_and_path(args)
     _refuse_a_folder_of_traces(args.path, "check")
-    options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(_thresholds(args.threshold))
+    options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(thresholds)
     findings = run_checks(args.path, select=args.select, options=options)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))

@@ -1,0 +1,74 @@
+"""The command line answers ``--help``, ``--version`` and a mistyped argument without importing torch,
+pandas or numpy (seconds of start-up on a busy machine): tracer/cli.py imports only the standard
+library and light modules, and each command imports what it uses.
+
+``tracer/__init__.py`` still imports the writer, the reader and the diff (and with them torch) on
+``import tracer``, so ``python -m tracer --help`` as a whole is not yet torch-free; these tests hold
+tracer/cli.py to its part by importing it under an empty ``tracer`` package, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.fixtures.paths import REPO
+
+HEAVY = ("torch", "pandas", "numpy", "safetensors")
+PROBE = """
+import contextlib, io, json, sys, types
+package = types.ModuleType("tracer")
+package.__path__ = [{package!r}]  # tracer/cli.py and the modules it imports, without tracer/__init__.py's imports
+sys.modules["tracer"] = package
+from tracer.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        code = main({argv!r})
+    except SystemExit as stop:
+        code = stop.code
+print(json.dumps({{"code": code, "out": out.getvalue(), "err": err.getvalue(),
+                  "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
+"""
+
+
+def _run(argv):
+    code = PROBE.format(package=str(REPO / "tracer"), argv=argv, heavy=HEAVY)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["info", "--help"], ["check", "--help"],
+                                  ["diff", "--help"], ["view", "--help"]])
+def test_help_and_version_import_no_torch(argv):
+    result = _run(argv)
+    assert result["code"] == 0 and result["out"], result
+    assert result["heavy"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["info"], "the following arguments are required: path"),
+    (["info", "run", "--bogus"], "unrecognized arguments: --bogus"),
+    (["check", "run", "--max-per-check", "0"], "expected an integer >= 1, got 0"),
+    (["check"], "tracer check: error: no trace given: tracer check PATH [--select ID ...]"),
+    (["check", "run", "--threshold", "ref_kl"], "--threshold 'ref_kl': expected NAME=VALUE with a number"),
+    (["check", "run", "--sampler-ratio-bound", "0.5"], "--sampler-ratio-bound must be > 1, got 0.5"),
+    (["view", "--server.headless", "true"], "--server.headless is a Streamlit option, not one of tracer view's"),
+    (["diff", "a"], "the following arguments are required: b"),
+])
+def test_a_bad_argument_is_refused_with_exit_2_before_torch_is_imported(argv, message):
+    result = _run(argv)
+    assert result["code"] == 2 and message in result["err"], result
+    assert result["heavy"] == []
+
+
+def test_the_algorithm_choices_are_read_when_an_algorithm_is_checked():
+    """The names of the demos and algorithms live in modules that import torch: a bad --algo is
+    still refused with the full list (read then), as argparse's own choices would."""
+    result = _run(["run", "--algo", "sac", "--out", "o", "--", "s.py"])
+    assert result["code"] == 2
+    assert ("argument --algo: invalid choice: 'sac' (choose from 'ppo', 'grpo', 'cispo', 'rloo', 'dpo')"
+            in result["err"])
