@@ -232,8 +232,8 @@ def test_every_choice_round_trips_through_the_url(monkeypatch, root):
     at.switch_page("app_pages/steps.py").run()
     assert at.multiselect(key="step_columns").value == ["mean_ratio", "mean_ref_kl_k3", "mean_reward",
                                                         "clip_fraction"]  # the defaults
-    at.multiselect(key="overlay").set_value([root / "baseline"]).run()
     at.multiselect(key="step_columns").set_value(["scalars/grad_norm", "mean_ratio"]).run()
+    at.multiselect(key="overlay").set_value([root / "baseline"]).run()  # more options: the choice stays
     at.slider(key="step_smoothing").set_value(0.35).run()
     at.multiselect(key="step_log").set_value(["scalars/grad_norm"]).run()
     at.radio(key="step_x").set_value("relative_time").run()
@@ -251,3 +251,5 @@ def test_every_choice_round_trips_through_the_url(monkeypatch, root):
     assert again.multiselect(key="step_log").value == ["scalars/grad_norm"]
     assert again.radio(key="step_x").value == "relative_time"
     assert chart(again) == chart(at)
+    again.switch_page("app_pages/step.py").run()  # another page: the Steps page's parameters leave the URL
+    assert not {"overlay", "y", "smooth", "log", "x"} & set(again.query_params)
