@@ -42,7 +42,7 @@ def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_p
         browser, page = open_page(pw, dialogs)
         try:
             for run, (verdict, cause) in EXPECTED.items():
-                page.goto(f"{server}/?run={run}")
+                page.goto(f"{server}/tokens?run={run}")
                 expect(page.get_by_role("heading", name="Tokens")).to_be_visible()
                 page.get_by_role("link", name="Mismatch").click()
                 expect(page.get_by_role("heading", name="Sampler vs trainer")).to_be_visible()

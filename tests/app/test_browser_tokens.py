@@ -93,7 +93,7 @@ def test_tokens_page_in_chromium(sync_playwright, server, tmp_path):
     with sync_playwright() as pw:
         browser, page = open_page(pw, dialogs)
         try:
-            page.goto(f"{server}/?run=toy-run")
+            page.goto(f"{server}/tokens?run=toy-run")
             expect(page.get_by_role("heading", name="Tokens")).to_be_visible()
 
             main = page.locator("[data-testid=stMain]")
@@ -161,12 +161,12 @@ def test_hostile_root_in_chromium(sync_playwright, server, tmp_path):
         # tall enough that the sidebar's Step file chooser (below the set-aside notes) opens its list on screen
         browser, page = open_page(pw, dialogs, height=2000)
         try:
-            page.goto(f"{server}/?run=../outside")
+            page.goto(f"{server}/tokens?run=../outside")
             expect(page.locator("[data-testid=stMain]")).to_contain_text("refused to open '../outside'")
             assert "outside" not in page.get_by_role("combobox", name="Run").input_value()
             page.screenshot(path=str(shots / "refused_outside_root.png"), full_page=True)
 
-            page.goto(f"{server}/?run=mixed")
+            page.goto(f"{server}/tokens?run=mixed")
             expect(page.locator("[data-testid=stSidebar]")).to_contain_text("unfinished (the writer did not close: crashed or still running) · 7 step files")
             choose(page, "Step file", "step 30 · inner 0")  # a good step after 13 unreadable ones
             check_no_error(page)
