@@ -1,61 +1,36 @@
 """The Steps page plots any per-step scalar the user chooses: smoothed as TensorBoard smooths
 (checked against the plain loop), on a log axis only when every value is positive, against the step
 or the wall-clock time, with other runs overlaid quantity by quantity (a run whose ratio the reader
-derived overlays one that recorded it), every choice in the URL.
-
-The runs: ``baseline``, a copy of ``sample_traces/grpo-diff-baseline`` (MiniMind's GRPO loop, ratio
-and KL recorded); ``mine``, the same steps recorded again as the README's loop records them (policy,
-old and reference logprobs, no ratio or KL tensors, so the reader derives them), with a user scalar
-``grad_norm`` per step; ``dpo``, a copy of ``sample_traces/dpo-tiny``. Pages through ``AppTest``."""
+derived overlays one that recorded it), every choice in the URL. The runs: ``baseline`` and ``mine``,
+two hand-written GRPO runs (the second without ratio, with a user scalar), and ``dpo``
+(tests/fixtures/steps_runs.py). Pages through ``AppTest``."""
 
 from __future__ import annotations
 
 import base64
 import json
 import math
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.torch import load_file
 
 from app.components.step_curves import smooth
-from tests.fixtures.toy_traces import SAMPLES, start
-from tracer.record.writer import TraceWriter
+from tests.fixtures.steps_runs import (
+    BASELINE,
+    DPO,
+    grad_norm,
+    step_files,
+    write_steps_root,
+)
+from tests.fixtures.toy_traces import start
 
-BASELINE = SAMPLES / "grpo-diff-baseline"
-DERIVABLE = ("ratio", "ref_kl_k3", "approx_kl_k2")  # what the README's loop leaves to the reader
-
-pytestmark = pytest.mark.skipif(not BASELINE.is_dir() or not (SAMPLES / "dpo-tiny").is_dir(),
+pytestmark = pytest.mark.skipif(not BASELINE.is_dir() or not DPO.is_dir(),
                                 reason="sample_traces/grpo-diff-baseline, dpo-tiny are not in this checkout")
 
 
-def grad_norm(step: int, inner: int) -> float:
-    """The user scalar ``mine`` records: a different, known value per step file."""
-    return 0.5 + step + 0.25 * inner
-
-
-def step_files(run: Path) -> dict[tuple[int, int], dict]:
-    """``{(step, inner_step): tensors}`` of a run's step files, read with safetensors itself."""
-    out = {}
-    for path in sorted((run / "steps").glob("*.safetensors")):
-        step, inner = path.name.split(".")[:2]
-        out[int(step.removeprefix("step_")), int(inner.removeprefix("inner_"))] = load_file(path)
-    return out
-
-
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("steps_root")
-    shutil.copytree(BASELINE, root / "baseline")
-    shutil.copytree(SAMPLES / "dpo-tiny", root / "dpo")
-    hyper = json.loads((BASELINE / "manifest.json").read_text())["hyperparameters"]
-    with TraceWriter(root / "mine", "grpo", hyperparameters=hyper, async_write=False) as writer:
-        for (step, inner), tensors in step_files(BASELINE).items():
-            kept = {k: v for k, v in tensors.items() if k not in DERIVABLE}
-            writer.record(step, kept, inner_step=inner, scalars={"grad_norm": grad_norm(step, inner)})
-    return root
+def root(tmp_path_factory):
+    return write_steps_root(tmp_path_factory.mktemp("steps_root"))
 
 
 def decoded(values) -> np.ndarray:
@@ -180,7 +155,7 @@ def test_an_overlaid_run_of_another_algorithm_draws_what_it_shares_and_names_the
     spec = chart(at)
     assert [a["text"] for a in spec["layout"]["annotations"]] == [
         "loss", "mean ratio (derived)", "margin (chosen − rejected reward)"]
-    dpo_loss = [float(t["loss"]) for _, t in sorted(step_files(SAMPLES / "dpo-tiny").items())]
+    dpo_loss = [float(t["loss"]) for _, t in sorted(step_files(DPO).items())]
     assert line(spec, 0, "dpo · inner step 0") == pytest.approx(dpo_loss, rel=1e-6)
     mine_loss = [float(step_files(BASELINE)[s, 1]["loss"]) for s in range(3)]
     assert line(spec, 0, "mine · inner step 1") == pytest.approx(mine_loss, rel=1e-6)
