@@ -36,10 +36,10 @@ REASON_STYLE: dict[str, str] = {
 # Reasons the legend shows always; the others only when the table has them.
 _ALWAYS_IN_LEGEND = (AFTER_EOS, PADDING, MASKED)
 _SPAN = "padding:1px 0;border-radius:2px;white-space:pre-wrap;"
-# Token boundaries: a hairline at the right edge of every token (an inset shadow: no width taken, no
-# character added, so a copied text is the tokens' text alone), and uncoloured tokens alternate two
-# backgrounds, so that ␣ 113 <|endoftext|> never reads as one word.
-BOUNDARY = "box-shadow:inset -1px 0 0 rgba(0,0,0,0.35);"
+# Token boundaries: a hairline at the right edge of every token, 2 px clear of its last letter (an
+# inset shadow and padding: no character added, so a copied text is the tokens' text alone), and
+# uncoloured tokens alternate two backgrounds, so that ␣ 113 <|endoftext|> never reads as one word.
+BOUNDARY = "box-shadow:inset -1px 0 0 rgba(0,0,0,0.5);padding-right:2px;"
 PLAIN_BACKGROUNDS = ("#ffffff", "#e8eef7")
 _BOX = ("font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:0.95rem;line-height:1.9;"
         "padding:0.6rem;border:1px solid #ddd;border-radius:0.4rem;background:#fff;color:#111;")

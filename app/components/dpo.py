@@ -62,7 +62,7 @@ def pair_logprobs_figure(pair_tokens: pd.DataFrame) -> go.Figure:
     sides = [s for s in SIDES if f"{s}_policy_logprobs" in pair_tokens or f"{s}_ref_logprobs" in pair_tokens]
     if pair_tokens.empty or not sides:
         return empty_figure("no chosen / rejected logprobs in this pair")
-    fig = make_subplots(rows=len(sides), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+    fig = make_subplots(rows=len(sides), cols=1, shared_xaxes=True, vertical_spacing=0.2,  # room for tick labels
                         subplot_titles=[f"{s} (nats)" for s in sides])
     positions = pair_tokens["position"].tolist()
     for i, side in enumerate(sides, start=1):

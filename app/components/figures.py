@@ -130,13 +130,14 @@ TICK_CHARS = 10
 
 def token_tick_labels(texts, positions) -> list[str]:
     """``token<br>position`` per token: the text as the token views draw it (``token_table.visible_token``:
-    ``␣`` for a space), cut to :data:`TICK_CHARS` characters with ``…``, HTML-escaped (Plotly renders
-    tick text as HTML: ``<|endoftext|>`` must arrive as ``&lt;|endoftext|&gt;``)."""
+    ``␣`` for a space), cut to :data:`TICK_CHARS` characters with ``…``, ``<``, ``>`` and ``&``
+    HTML-escaped (Plotly renders tick text as HTML: ``<|endoftext|>`` must arrive as
+    ``&lt;|endoftext|&gt;``; a quote stays a quote, since Plotly shows ``&quot;`` literally)."""
     out = []
     for text, position in zip(texts, positions):
         shown = str(visible_token(text))
         shown = shown if len(shown) <= TICK_CHARS else shown[:TICK_CHARS - 1] + "…"
-        out.append(f"{html.escape(shown)}<br>{int(position)}")
+        out.append(f"{html.escape(shown, quote=False)}<br>{int(position)}")  # Plotly shows &quot; as it is
     return out
 
 
@@ -148,8 +149,11 @@ def token_ticks(fig: go.Figure, positions, texts, row: int | None = None, col: i
     if not positions or len(positions) > MAX_TOKEN_TICKS:
         integer_ticks(fig, positions, axis="x")
         return False
-    fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=token_tick_labels(texts, positions),
-                     showticklabels=True, row=row, col=col)
+    labels = token_tick_labels(texts, positions)
+    if row is None:  # every axis: shared x, only the bottom one shows its labels (as make_subplots set it)
+        fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=labels)
+    else:  # one panel's own tokens, shown under it
+        fig.update_xaxes(tickmode="array", tickvals=positions, ticktext=labels, showticklabels=True, row=row, col=col)
     return True
 
 

@@ -33,8 +33,8 @@ def style_group_table(frame: pd.DataFrame) -> Styler | pd.DataFrame:
 
 
 def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
-    """The completions of one group side by side: reward bars, each labelled with its value and
-    topped by a dash (a reward of 0 shows as a dash on the zero line, not as nothing), with the group
+    """The completions of one group side by side: reward bars, each topped by a dash and its value
+    under it on the x axis (a reward of 0 shows as a dash on the zero line, not as nothing), with the group
     mean (dashed) and ± one std band, and the recorded advantage of each completion as a marker on a
     second axis (round ticks of its own, no grid).
 
@@ -46,10 +46,9 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     x = [f"seq {s}" for s in completions["sequence"]]
     rewards = completions["reward"].tolist()
     fig = go.Figure()
-    # each bar labelled with its value, and a dash at its top: a reward of 0 is a bar of no height,
-    # which would otherwise show nothing at all
+    # a dash at each bar's top and its value under it on the axis: a reward of 0 is a bar of no height,
+    # which would otherwise show nothing at all (a label over the bar collides with the advantage diamonds)
     fig.add_trace(go.Bar(x=x, y=rewards, name="reward", marker={"color": REWARD_COLOUR}, legendgroup="reward",
-                         text=[f"{r:.4g}" for r in rewards], textposition="outside", cliponaxis=False,
                          hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=rewards, mode="markers", name="reward", legendgroup="reward", showlegend=False,
                              marker={"symbol": "line-ew", "size": 40, "line": {"width": 3, "color": REWARD_COLOUR}},
@@ -63,7 +62,8 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
         fig.add_hrect(y0=mean - std, y1=mean + std, fillcolor="rgba(68, 68, 68, 0.1)", line_width=0)
     # The advantage axis picks its own round ticks (plotly.js would otherwise sync them to the reward
     # axis's grid: 0.904, 0.002, -0.9...) and draws no grid of its own (one grid: the reward's).
-    fig.update_layout(height=360, margin={"t": top_margin(fig, titles=False) + 12, "b": 40}, yaxis_title="reward",
+    fig.update_xaxes(tickmode="array", tickvals=x, ticktext=[f"{name}<br>reward {r:.4g}" for name, r in zip(x, rewards)])
+    fig.update_layout(height=360, margin={"t": top_margin(fig, titles=False) + 12, "b": 50}, yaxis_title="reward",
                       yaxis2={"title": "advantage", "overlaying": "y", "side": "right", "zeroline": True,
                               "tickmode": "auto", "nticks": 8, "showgrid": False},
                       legend=TOP_LEGEND)

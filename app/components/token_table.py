@@ -98,9 +98,10 @@ def visible_tokens(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def hover_tokens(texts) -> list[str]:
-    """Token strings for a Plotly hover: :func:`visible_token`, then HTML-escaped (Plotly renders
-    hover text as HTML, so ``<b>`` must arrive as ``&lt;b&gt;``)."""
-    return [html.escape(str(visible_token(t))) for t in texts]
+    """Token strings for a Plotly hover: :func:`visible_token`, then ``<``, ``>`` and ``&``
+    HTML-escaped (Plotly renders hover text as HTML, so ``<b>`` must arrive as ``&lt;b&gt;``); quotes
+    stay as they are (Plotly decodes ``&lt;``, ``&gt;``, ``&amp;`` but shows ``&quot;`` literally)."""
+    return [html.escape(str(visible_token(t)), quote=False) for t in texts]
 
 
 def token_display_frame(table: pd.DataFrame, include_prompt: bool = True) -> pd.DataFrame:

@@ -11,6 +11,7 @@ from app.components.dpo import dpo_curves_figure, pair_logprobs_figure
 from app.components.figures import (LEGEND_ROW_PX, MAX_TOKEN_TICKS, SUBPLOT_TITLE_PX, TOP_LEGEND, token_tick_labels,
                                     token_values_figure, top_margin)
 from app.components.mismatch import scatter_figure, steps_figure
+from app.components.token_table import hover_tokens
 
 
 def sequence(texts: list[str]) -> pd.DataFrame:
@@ -108,3 +109,10 @@ def test_top_margin_grows_with_a_legend_that_wraps():
         "approx_kl_k2", "advantages")}})
     # 8 entries of 5 to 16 characters: 40 * 8 + 7 * 94 = 978 px, two rows at 620 px
     assert top_margin(token_values_figure(wide)) == 12 + 2 * 26 + 34
+
+
+def test_quotes_reach_plotly_as_quotes():
+    # Plotly decodes &lt; &gt; &amp; in tick and hover text but draws &quot; as those six characters
+    # (seen in Chromium on a tool call's '{"name": …' tokens)
+    assert token_tick_labels(['{"', "a&b"], [0, 1]) == ['{"<br>0', "a&amp;b<br>1"]
+    assert hover_tokens(['"', "<b>", "'"]) == ['"', "&lt;b&gt;", "'"]

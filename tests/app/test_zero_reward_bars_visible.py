@@ -1,5 +1,6 @@
 """The Groups page's reward chart shows a completion whose reward is 0: its bar has no height, so each
-bar carries its value as text and a dash at its top (at 0 on the zero line). Checked on the figure."""
+bar has a dash at its top (at 0 on the zero line) and its value under it on the x axis. Checked on the
+figure."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def test_a_zero_reward_shows_its_value_and_a_dash():
     fig = group_rewards_figure(completions([0.0, 0.0, 1.0, 1.0]))  # mean 0.5, std 0.5
     bars = next(t for t in fig.data if t.type == "bar")
     assert list(bars.y) == [0.0, 0.0, 1.0, 1.0]
-    assert list(bars.text) == ["0", "0", "1", "1"] and bars.textposition == "outside"
+    assert list(fig.layout.xaxis.tickvals) == ["seq 0", "seq 1", "seq 2", "seq 3"]
+    assert list(fig.layout.xaxis.ticktext) == ["seq 0<br>reward 0", "seq 1<br>reward 0", "seq 2<br>reward 1",
+                                               "seq 3<br>reward 1"]
     dashes = next(t for t in fig.data if t.type == "scatter" and t.marker.symbol == "line-ew")
     assert list(dashes.x) == ["seq 0", "seq 1", "seq 2", "seq 3"] and list(dashes.y) == [0.0, 0.0, 1.0, 1.0]
     assert dashes.marker.line.width >= 2 and dashes.marker.size >= 20 and dashes.marker.line.color == REWARD_COLOUR
@@ -34,4 +37,4 @@ def test_a_group_of_zero_rewards_is_still_drawn():
     fig = group_rewards_figure(completions([0.0, 0.0]))  # zero variance: no band, all bars empty
     dashes = next(t for t in fig.data if t.type == "scatter" and t.marker.symbol == "line-ew")
     assert list(dashes.y) == [0.0, 0.0]
-    assert list(next(t for t in fig.data if t.type == "bar").text) == ["0", "0"]
+    assert list(fig.layout.xaxis.ticktext) == ["seq 0<br>reward 0", "seq 1<br>reward 0"]
