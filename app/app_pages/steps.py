@@ -74,8 +74,7 @@ summary = summary_of(selection.trace_path)
 runs = {run_param(root, selection.trace_path): summary} | {labels[p]: summary_of(p) for p in overlay}
 algorithms = {run_param(root, selection.trace_path): trace.algorithm} | \
              {labels[p]: trace_cache.open_trace(str(p)).algorithm for p in overlay}
-options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)  # with a value somewhere
-                             if frame[c].notna().any()))
+options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)))
 asked = listed(Y_PARAM) if Y_PARAM in st.query_params else None
 chosen = right.multiselect(
     "Quantities", options, default=[c for c in asked if c in options] if asked is not None
@@ -109,7 +108,7 @@ for label, missing in notes.missing.items():
     elif len(missing) < len(chosen):
         st.caption(f"Not in {label} (a {algorithms[label]} run): {', '.join(map(title_of, missing))}.")
     else:
-        own = [title_of(c) for c in scalar_columns(runs[label]) if runs[label][c].notna().any()]
+        own = [title_of(c) for c in scalar_columns(runs[label])]
         st.caption(f"{label} (a {algorithms[label]} run) records none of the chosen quantities; its own: "
                    f"{', '.join(own) or 'none'}.")
 for label, frame in runs.items():

@@ -25,6 +25,7 @@ from app.components.figures import (
     empty_figure,
     integer_ticks,
 )
+from tracer.read.overview import scalar_columns
 
 # The panels a run opens with: what the Steps page always showed.
 DEFAULT_COLUMNS = ("mean_ratio", "mean_ref_kl_k3", "mean_reward", "clip_fraction")
@@ -34,14 +35,11 @@ TITLES = {
     "mean_ratio": "mean ratio", "mean_ref_kl_k3": "mean ref KL (k3, nats)", "mean_reward": "mean reward",
     "clip_fraction": "clip fraction", "mean_approx_kl_k2": "mean approx KL (k2, nats)",
     "mean_entropy": "mean entropy (nats)", "mean_length": "mean response length (tokens)",
-    "kept_tokens": "kept tokens", "mean_advantage": "mean advantage", "loss": "loss",
+    "kept_tokens": "kept tokens", "mean_mismatch": "mean old − sampler logprob (nats)", "mean_advantage": "mean advantage", "loss": "loss",
     "margin": "margin (chosen − rejected reward)", "preference_accuracy": "preference accuracy",
     "mean_dpo_loss": "DPO loss", "mean_chosen_logps": "chosen logp (policy, summed, nats)",
     "mean_rejected_logps": "rejected logp (policy, summed, nats)",
 }
-# Per-step columns that are coordinates, bookkeeping or text: never a curve.
-NOT_CURVES = frozenset({"step", "inner_step", "micro_batch", "rank", "wall_time", "group_ids_recorded",
-                        "summary_source", "derived", "problem"})
 # x-axis choices (the URL's ``x``): the step, the time of day, the time since the run's first step.
 X_AXES = {"step": "step", "wall_time": "wall-clock time", "relative_time": "time since the run's first step"}
 RAW_OPACITY = 0.25  # the unsmoothed line under a smoothed one (as TensorBoard draws it)
@@ -52,26 +50,12 @@ def title_of(column: str) -> str:
     return TITLES.get(column, column)
 
 
-def scalar_columns(frame: pd.DataFrame) -> list[str]:
-    """Every plottable numeric per-step column of ``frame`` (recorded or derived), in the reader's
-    order (:func:`tracer.read.overview.scalar_columns` where it exists), else the frame's order
-    without coordinates and bookkeeping (:data:`NOT_CURVES`)."""
-    try:
-        from tracer.read.overview import scalar_columns as reader_order
-    except ImportError:
-        reader_order = None
-    if reader_order is not None:
-        return [c for c in reader_order(frame) if c in frame]
-    return [c for c in frame.columns if c not in NOT_CURVES and pd.api.types.is_numeric_dtype(frame[c])
-            and not pd.api.types.is_bool_dtype(frame[c])]
-
-
 def default_columns(frame: pd.DataFrame, algorithm: str | None) -> list[str]:
     """The panels a run opens with (:data:`DEFAULT_COLUMNS`, :data:`DPO_DEFAULT_COLUMNS`) that
     ``frame`` holds values of; the first plottable column when it holds none of them."""
     wanted = DPO_DEFAULT_COLUMNS if algorithm == "dpo" else DEFAULT_COLUMNS
     present = [c for c in wanted if c in frame and frame[c].notna().any()]
-    return present or [c for c in scalar_columns(frame) if frame[c].notna().any()][:1]
+    return present or scalar_columns(frame)[:1]
 
 
 def smooth(values, weight: float) -> np.ndarray:
