@@ -32,7 +32,7 @@ for i, path in enumerate(traces):
     except (TraceError, UnicodeEncodeError):
         status = None  # the row says why the run cannot be opened
     rows.append(runs.run_row(str(path), label, status))
-    progress.progress((i + 1) / len(traces), text=f"Checked {i + 1} of {len(traces)} run(s): {label}")
+    progress.progress((i + 1) / len(traces), text=f"Checked {i + 1} of {len(traces)} run(s)")  # (names: not Markdown)
 progress.empty()
 
 frame = pd.DataFrame(rows, columns=runs.COLUMNS)

@@ -163,9 +163,9 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
         row["check"] = "cannot open: its path is not valid UTF-8 (rename the directory)"
         return row
     coordinates = table.coordinates
-    row["open"] = urls.link(_OPEN_PAGES.get(trace.algorithm, _OPEN_PAGES[None])[1], {"run": label})
+    row["open"] = urls.link(_OPEN_PAGES.get(trace.algorithm, _OPEN_PAGES[None])[1], {"run": label})  # URL path
     row.update({"algorithm": trace.algorithm or "unknown", "status": status_text(trace.status),
-                "steps": int(len(np.unique(coordinates[:, 0]))) if len(table) else 0,
+                "steps": len(np.unique(coordinates[:, 0])),
                 "step files": len(table)})
     if len(table):
         of_last = coordinates[:, 0] == coordinates[-1, 0]
