@@ -49,6 +49,25 @@ def test_relative_links_in_the_docs_exist():
             assert (path.parent / target).exists(), f"{path.relative_to(REPO)} links to {target}, which does not exist"
 
 
+def _heading_anchors(path):
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation dropped, spaces to
+    hyphens), code blocks left out (a ``# comment`` there is no heading)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.M | re.S)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_links_to_a_section_name_a_heading_there():
+    # sections moved between the README and docs/ must not leave links to an anchor that is gone
+    assert "a-checkout-in-a-folder-named-tracer" in _heading_anchors(REPO / "docs" / "install.md")
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for target, anchor in re.findall(r"\]\(([^)#:]*)#([^)]+)\)", path.read_text(encoding="utf-8")):
+            dest = path.parent / target if target else path
+            if dest.suffix == ".md":
+                assert anchor in _heading_anchors(dest), f"{path.relative_to(REPO)} links to {target}#{anchor}, " \
+                                                         "which names no heading there"
+
+
 def test_readme_keeps_the_ci_test_command():
     assert "make test   # install everything, run the test suite" in README
     assert (REPO / ".ci" / "run").read_text(encoding="utf-8").rstrip().endswith("\nmake test")
