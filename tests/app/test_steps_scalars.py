@@ -228,3 +228,27 @@ def test_every_choice_round_trips_through_the_url(monkeypatch, root):
     assert chart(again) == chart(at)
     again.switch_page("app_pages/step.py").run()  # another page: the Steps page's parameters leave the URL
     assert not {"overlay", "y", "smooth", "log", "x"} & set(again.query_params)
+
+
+def test_trls_logged_scalars_are_offered_and_plotted(monkeypatch, tmp_path_factory, model_dir):
+    """A real GRPOTrainer run (TRL's on_log captured by the integration): the learning rate it logged
+    is a quantity of the Steps page, plotted as TRL's linear schedule gives it, on a log axis (> 0)."""
+    pytest.importorskip("trl")
+    from tracer.demo import grpo_trl
+
+    root = tmp_path_factory.mktemp("trl_steps")
+    grpo_trl.run_grpo_demo(root / "trl", steps=2, seed=0, progress=False, model_dir=model_dir)
+    at = start(monkeypatch, root, query={"run": "trl", "y": "scalars/learning_rate,scalars/grad_norm",
+                                         "log": "scalars/learning_rate"})
+    at.switch_page("app_pages/steps.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    options = at.multiselect(key="step_columns").options
+    assert {"scalars/learning_rate", "scalars/grad_norm", "scalars/loss", "loss"} <= set(options)
+    spec = chart(at)
+    # step 1 is inner step 1 of step 0's rollout: one point per line; the linear decay from
+    # LEARNING_RATE to 0 over max_steps = 2, read after each step's update: lr * (1 - step / 2)
+    drawn = {t["name"]: (decoded(t["x"]).tolist(), decoded(t["y"]).tolist()) for t in traces_of(spec, 0)}
+    assert drawn == {"inner step 0": ([0], [pytest.approx(grpo_trl.LEARNING_RATE)]),
+                     "inner step 1": ([1], [pytest.approx(grpo_trl.LEARNING_RATE / 2)])}
+    assert spec["layout"]["yaxis"]["type"] == "log" and not at.info
+    assert decoded(traces_of(spec, 1)[0]["y"]).min() > 0  # grad norms
