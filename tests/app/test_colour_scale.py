@@ -16,7 +16,7 @@ from app.components.step_view import heatmap_figure
 from tracer import Trace
 from tracer.views.step import step_token_frame
 
-from tests.fixtures.toy_traces import SAMPLES, start
+from tests.fixtures.toy_traces import SAMPLES, TOKENS_PAGE, start
 
 
 RUN = SAMPLES / "grpo-tiny"
@@ -87,13 +87,13 @@ def test_tokens_page_legend_of_k3_shows_no_negative_value(monkeypatch, step_tens
     data, mask = step_tensors
     seq = int(torch.argmax(torch.where(mask, data["ref_kl_k3"], 0).amax(dim=1)))  # the row with the largest k3
     query = {"run": "grpo-tiny", "step": str(STEP), "inner": str(INNER), "seq": str(seq), "colour": "ref_kl_k3"}
-    at = start(monkeypatch, SAMPLES, query=query)
+    at = start(monkeypatch, SAMPLES, query=query, page=TOKENS_PAGE)
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="colour_by").value == "ref_kl_k3"
     top = float(data["ref_kl_k3"][seq][mask[seq]].max())  # the legend's half-width: max k3 of the sequence
     chips = legend_chips(at, "ref_kl_k3")
     assert chips == pytest.approx([0.0, top / 2, top], rel=1e-3)  # printed with 4 significant digits
     # a signed quantity keeps its symmetric legend: -max|A|, 0, +max|A|
-    at = start(monkeypatch, SAMPLES, query={**query, "colour": "advantages"})
+    at = start(monkeypatch, SAMPLES, query={**query, "colour": "advantages"}, page=TOKENS_PAGE)
     biggest = float(data["advantages"][seq].abs())
     assert legend_chips(at, "advantages") == pytest.approx([-biggest, 0.0, biggest], rel=1e-3)

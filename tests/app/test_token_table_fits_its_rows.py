@@ -14,7 +14,7 @@ import pytest
 
 from app.components.token_table import header_width, table_height
 from tests.app.test_pages import token_dataframe, write_trace
-from tests.fixtures.toy_traces import ToyTokenizer, start
+from tests.fixtures.toy_traces import TOKENS_PAGE, ToyTokenizer, start
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_header_width_grows_with_the_label():
 
 
 def test_value_columns_carry_full_labels_wide_enough_for_them(monkeypatch, root):
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     df = token_dataframe(at)
     config = json.loads(df.proto.columns)
     values = [c for c in ("old_logprobs", "policy_logprobs", "ratio", "ref_kl_k3", "approx_kl_k2", "advantages")
