@@ -16,6 +16,7 @@ import torch
 from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.modes import auto_writer
+from tracer.record import writer as writer_module
 
 from tests.fixtures.writer_process import grpo_step, process_alive, wait_gone
 
@@ -61,7 +62,8 @@ def test_nothing_is_started_before_the_first_step(tmp_path):
 
 
 @pytest.mark.skipif(auto_writer(True)[0] != "process", reason="auto picks the thread on this machine")
-def test_cpu_tensors_get_the_writer_process_and_the_same_files_as_the_thread(tmp_path):
+def test_cpu_tensors_get_the_writer_process_and_the_same_files_as_the_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_module, "wall_clock", lambda: 1.8e9)  # the same wall_time in both traces
     steps = {step: grpo_step(step) for step in range(12)}
     with TraceWriter(tmp_path / "thread", "grpo", writer="thread") as writer:
         for step, tensors in steps.items():

@@ -25,6 +25,7 @@ from tracer.errors import TraceError
 from tracer.format.integrity import verify_step_file
 from tracer.read import Trace
 from tracer.record.writer import TraceWriter
+from tracer.record import writer as writer_module
 
 from tests.fixtures.loops import tiny_loop
 from tests.fixtures.random_steps import as_stored, random_step
@@ -41,10 +42,11 @@ def _header(path: Path) -> dict[str, str]:
         return fh.metadata()
 
 
-def test_the_process_writes_what_the_thread_writes(tmp_path):
+def test_the_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
     """Same steps through both writers: the same step files (tensors, header values, checksum that
     verifies, summary equal to compute_summary of the file), the same summary index lines and
     manifest counts; the manifest names the writer."""
+    monkeypatch.setattr(writer_module, "wall_clock", lambda: 1.8e9)  # the same wall_time in both traces
     hyper = {"num_generations": 2, "clip_epsilon_low": 0.2, "clip_epsilon_high": 0.28, "beta": 0.04}
     for kind in WRITERS:
         with TraceWriter(tmp_path / kind, "grpo", hyperparameters=hyper, writer=kind) as writer:

@@ -16,6 +16,7 @@ from tracer.record.capture import SamplingPolicy
 from tracer.read import Trace
 from tracer.record.writer import TraceWriter
 from tracer.record.process.pipe import RingLayout
+from tracer.record import writer as writer_module
 
 from tests.fixtures.writer_process import grpo_step, lingering_child, read_manifest
 from tests.fixtures.writer_linger import assert_steps
@@ -127,6 +128,7 @@ def test_batched_process_files_are_byte_identical_to_the_threads(tmp_path, monke
     bytes as the writer thread's (the header's values are the same; their order is safetensors'
     hash order, which differs from one process to the next whichever writer), and the summary index
     and the counts are the same."""
+    monkeypatch.setattr(writer_module, "wall_clock", lambda: 1.8e9)  # the same wall_time in both traces
     import struct
 
     lingering_child(monkeypatch)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tracer import formulas
+from tracer.demo import rollout as ro
 from tracer.record.writer import Tracer
 
 
@@ -91,16 +92,16 @@ def train(model, ref_model, tokenizer, cfg: DPOConfig, tr: Tracer, progress=None
         seq_ref = formulas.sequence_logprobs(ref_logps, loss_mask)
         terms = formulas.dpo_terms(seq_policy[:B], seq_policy[B:], seq_ref[:B], seq_ref[B:], cfg.beta)
         loss = terms["dpo_loss"].mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
         tr.record(
-            step=step,
+            step=step, scalars=ro.step_scalars(optimizer, loss),
             chosen_ids=targets[:B], rejected_ids=targets[B:],
             chosen_mask=loss_mask[:B], rejected_mask=loss_mask[B:],
             chosen_policy_logprobs=policy_logps[:B].detach(), rejected_policy_logprobs=policy_logps[B:].detach(),
             chosen_ref_logprobs=ref_logps[:B], rejected_ref_logprobs=ref_logps[B:],
             **{k: v.detach() for k, v in terms.items()}, loss=loss.detach(),
         )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
         optimizer.step()
         if progress is not None:
             progress.update(1)

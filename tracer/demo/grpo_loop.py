@@ -58,10 +58,10 @@ class GRPOConfig:
 
 
 def _record(tr: Tracer, cfg: GRPOConfig, step: int, inner: int, batch: ro.Rollout, rewards, components,
-            advantages, ref_logprobs, policy_logprobs, per_token_loss, sampler_settings=None) -> None:
+            advantages, ref_logprobs, policy_logprobs, per_token_loss, sampler_settings=None, scalars=None) -> None:
     policy = policy_logprobs.detach()
     tr.record(
-        step=step, inner_step=inner, metadata=sampler_settings or None,
+        step=step, inner_step=inner, metadata=sampler_settings or None, scalars=scalars,
         prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
         completion_ids=batch.completion_ids, completion_mask=batch.completion_mask,
         policy_logprobs=policy, old_logprobs=batch.old_logprobs, ref_logprobs=ref_logprobs,
@@ -106,10 +106,11 @@ def train(model, ref_model, tokenizer, cfg: GRPOConfig, tr: Tracer, progress=Non
                     per_token_logps, batch.old_logprobs, advantages, cfg.clip_epsilon, cfg.clip_epsilon,
                     cfg.beta, ref_logprobs)
             loss = formulas.sequence_mean_loss(per_token_loss, batch.completion_mask)
-            _record(tr, cfg, step, inner, batch, rewards, components, advantages, ref_logprobs,
-                    per_token_logps, per_token_loss, None if sampler is None else sampler.settings)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            _record(tr, cfg, step, inner, batch, rewards, components, advantages, ref_logprobs,
+                    per_token_logps, per_token_loss, None if sampler is None else sampler.settings,
+                    ro.step_scalars(optimizer, loss))
             optimizer.step()
         if progress is not None:
             progress.update(1)

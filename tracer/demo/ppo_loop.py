@@ -115,8 +115,14 @@ def train(actor, critic, ref_model, tokenizer, cfg: PPOConfig, tr: Tracer, progr
                 policy_loss = formulas.token_mean_loss(per_token_loss, m)
                 values = critic(ids, att, L)
                 value_loss = formulas.masked_mean((values - returns[inds]) ** 2, m)
+                optimizer.zero_grad(set_to_none=True)
+                if not stop:  # the gradient norm of the update this minibatch makes
+                    (policy_loss + cfg.vf_coef * value_loss).backward()
+                scalars = ro.step_scalars(optimizer, policy_loss, value_loss=float(value_loss.detach()))
+                if stop:
+                    del scalars["grad_norm"]  # no update: no gradient
                 tr.record(
-                    step=step, inner_step=epoch, micro_batch=mb, metadata={"early_stop": stop},
+                    step=step, inner_step=epoch, micro_batch=mb, metadata={"early_stop": stop}, scalars=scalars,
                     row_ids=inds, prompt_ids=batch.prompt_ids[inds], prompt_mask=batch.prompt_mask[inds],
                     completion_ids=batch.completion_ids[inds], completion_mask=m,
                     policy_logprobs=mb_resp_logp.detach(), old_logprobs=batch.old_logprobs[inds],
@@ -128,8 +134,6 @@ def train(actor, critic, ref_model, tokenizer, cfg: PPOConfig, tr: Tracer, progr
                 )
                 if stop:  # the seed's early stop: this minibatch is not applied, the epochs end
                     break
-                optimizer.zero_grad(set_to_none=True)
-                (policy_loss + cfg.vf_coef * value_loss).backward()
                 optimizer.step()
             if stop:
                 break

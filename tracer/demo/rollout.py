@@ -107,3 +107,18 @@ def reward_components(prompts: list[str], completions: list[str], scorer_clip: f
         length = 0.5 if 1 <= len(completion.strip()) <= 4 else -0.5
         rows.append([accuracy, length, tiny_scorer(completion, scorer_clip)])
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def grad_norm(optimizer: torch.optim.Optimizer) -> float:
+    """The total L2 norm of the gradients of ``optimizer``'s parameters (what
+    ``torch.nn.utils.clip_grad_norm_`` returns), read without changing them; 0.0 when none has one."""
+    norms = [torch.linalg.vector_norm(p.grad.detach()) for g in optimizer.param_groups for p in g["params"]
+             if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+
+def step_scalars(optimizer: torch.optim.Optimizer, loss: torch.Tensor, **more: float) -> dict[str, float]:
+    """The user scalars the demo loops record with each step (``record(..., scalars=...)``): the
+    loss, the gradient norm (after ``backward``, before the update) and the learning rate."""
+    return {"loss": float(loss.detach()), "grad_norm": grad_norm(optimizer),
+            "learning_rate": float(optimizer.param_groups[0]["lr"]), **more}

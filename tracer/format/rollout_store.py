@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from tracer.format.text import MAX_TOKEN_TEXT, shown_token
 
@@ -171,38 +172,45 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 2**62
 
 
-def _numbers(values: Any, n: int) -> bool:
-    return isinstance(values, list) and len(values) == n and all(
-        type(v) in (int, float) or v is None for v in values)
+def _array(values: Any, dtype: Any, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``values`` (a JSON list) as an array of ``dtype`` and ``shape``, None when it is not one (a
+    string, a nested list of other lengths, a float where ints are expected); ``None`` items read as NaN."""
+    if not isinstance(values, list):
+        return None
+    try:
+        array = np.asarray(values, dtype=dtype) if dtype is not np.int64 else np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if array.shape != shape or (dtype is np.int64 and array.dtype.kind not in "iu" and array.size):
+        return None
+    return array.astype(dtype, copy=False)
 
 
 def _well_formed(entry: dict[str, Any]) -> bool:
-    """Whether a parsed line is an entry this reader can use (types and lengths checked; values
-    are numbers, None (NaN) or strings where the format says)."""
+    """Whether a parsed line is an entry this reader can use; its number lists become arrays
+    (``float64 [B]``, ``int64 [B]`` groups, ``float64 [B, F]`` components), its texts are checked."""
     rows, names = entry.get("rows"), entry.get("reward_component_names")
     if not (isinstance(entry.get("file"), str) and all(_count(entry.get(k)) for k in (*COORDINATES, "size"))
             and isinstance(rows, dict) and isinstance(rows.get("length"), list)):
         return False
     n = len(rows["length"])
-    if not all(_numbers(rows.get(k), n) for k in NUMBER_KEYS) or not (
-            isinstance(rows.get("group"), list) and len(rows["group"]) == n and all(type(g) is int for g in rows["group"])):
-        return False
+    arrays = {k: _array(rows.get(k), np.float64, (n,)) for k in NUMBER_KEYS}
+    arrays["group"] = _array(rows.get("group"), np.int64, (n,))
     text, cut = rows.get("text"), rows.get("text_truncated")
-    if not (isinstance(text, list) and len(text) == n and all(isinstance(t, str) and len(t) <= MAX_TEXT_CHARS
-                                                            for t in text)
+    if any(a is None for a in arrays.values()) or not (
+            isinstance(text, list) and len(text) == n
+            and all(type(t) is str and len(t) <= MAX_TEXT_CHARS for t in text)
             and isinstance(cut, list) and len(cut) == n and all(type(c) is bool for c in cut)):
         return False
     components = rows.get("reward_components")
     if components is not None:
-        if not (isinstance(components, list) and len(components) == n and n
-                and all(_numbers(c, len(components[0])) for c in components)):
-            return False
-        if names is not None and not (isinstance(names, list) and len(names) == len(components[0])
-                                      and all(isinstance(x, str) for x in names)):
+        width = len(components[0]) if isinstance(components, list) and components and isinstance(components[0], list) \
+            else -1
+        arrays["reward_components"] = _array(components, np.float64, (n, width))
+        if arrays["reward_components"] is None or (names is not None and not (
+                isinstance(names, list) and len(names) == width and all(isinstance(x, str) for x in names))):
             return False
     elif names is not None and not isinstance(names, list):
         return False
-    for k in NUMBER_KEYS:  # None (a JSON encoder without NaN) reads as NaN
-        if None in rows[k]:
-            rows[k] = [math.nan if v is None else v for v in rows[k]]
+    rows.update(arrays)
     return True

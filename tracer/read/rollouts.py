@@ -133,12 +133,11 @@ def _vouched(trace: Any, table: Any, store: dict[str, dict[str, Any]]) -> list[d
 
 def _summary_part(entry: dict[str, Any], coordinates: np.ndarray) -> dict[str, Any]:
     rows = entry["rows"]
-    part: dict[str, Any] = {k: np.asarray(rows[k], dtype=np.float64) for k in rollout_store.NUMBER_KEYS}
-    part["group"] = np.asarray(rows["group"], dtype=np.int64)
+    part: dict[str, Any] = {k: rows[k] for k in rollout_store.NUMBER_KEYS}  # arrays (rollout_store.read_store)
+    part["group"] = rows["group"]
     part["text"], part["text_truncated"] = rows["text"], np.asarray(rows["text_truncated"], dtype=bool)
-    components = rows.get("reward_components")
-    if components:
-        values = np.asarray(components, dtype=np.float64)  # (B, F)
+    values = rows.get("reward_components")  # (B, F) or None
+    if values is not None:
         for f, name in enumerate(component_names(entry.get("reward_component_names"), values.shape[1])):
             part[name] = values[:, f]
     part["_coordinates"], part["source"] = coordinates, "summary"
