@@ -17,6 +17,7 @@ from app.components.step_curves import (
     default_columns,
     derived_fields,
     scalar_columns,
+    split_names,
     step_curves_figure,
     title_of,
     with_step_columns,
@@ -48,11 +49,6 @@ def summary_of(path):
     return frame
 
 
-def listed(name: str) -> list[str]:
-    """The comma-separated names of the URL's parameter ``name``."""
-    return [v for v in (st.query_params.get(name) or "").split(",") if v]
-
-
 def url_smoothing() -> float:
     try:
         value = float(st.query_params.get(SMOOTH_PARAM) or 0.0)
@@ -64,7 +60,8 @@ def url_smoothing() -> float:
 root = selection.root
 others = [p for p in discover_traces(root) if p != selection.trace_path]
 labels = {p: run_param(root, p) for p in others}
-wanted = [p for p in others if labels[p] in listed(OVERLAY_PARAM)]
+by_label = {label: p for p, label in labels.items()}
+wanted = [by_label[label] for label in split_names(st.query_params.get(OVERLAY_PARAM), list(by_label))[0]]
 left, right = st.columns(2)
 overlay = left.multiselect("Overlay runs", others, default=wanted, format_func=labels.__getitem__, key="overlay",
                            help="draw other runs of the root on the same axes (one colour per run)")
@@ -75,10 +72,9 @@ runs = {run_param(root, selection.trace_path): summary} | {labels[p]: summary_of
 algorithms = {run_param(root, selection.trace_path): trace.algorithm} | \
              {labels[p]: trace_cache.open_trace(str(p)).algorithm for p in overlay}
 options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)))
-asked = listed(Y_PARAM) if Y_PARAM in st.query_params else None
+asked, unknown = split_names(st.query_params.get(Y_PARAM), options)
 chosen = right.multiselect(
-    "Quantities", options, default=[c for c in asked if c in options] if asked is not None
-    else default_columns(summary, trace.algorithm),
+    "Quantities", options, default=asked if Y_PARAM in st.query_params else default_columns(summary, trace.algorithm),
     format_func=title_of, key="step_columns",
     help="per-step columns of the summary, one panel each: recorded or derived means and quantiles, "
          "reward components, the loss, and the scalars the trainer logged (scalars/…)")
@@ -87,7 +83,7 @@ smooth_box, log_box, x_box = st.columns([1, 2, 2])
 smoothing = smooth_box.slider("Smoothing", 0.0, MAX_SMOOTHING, url_smoothing(), 0.01, key="step_smoothing",
                               help="exponential moving average, debiased as TensorBoard does (0 = raw values)")
 urls.set_page_param(SMOOTH_PARAM, f"{smoothing:g}" if smoothing else None)
-log_columns = log_box.multiselect("Log scale", chosen, default=[c for c in listed(LOG_PARAM) if c in chosen],
+log_columns = log_box.multiselect("Log scale", chosen, default=split_names(st.query_params.get(LOG_PARAM), chosen)[0],
                                   format_func=title_of, key="step_log", help="panels drawn on a log y-axis")
 urls.set_page_param(LOG_PARAM, ",".join(log_columns) or None)
 x_axis = x_box.radio("x-axis", list(X_AXES), index=list(X_AXES).index(urls.page_param(X_PARAM, list(X_AXES), "step")),
@@ -99,7 +95,6 @@ event = st.plotly_chart(figure, width="stretch", on_select="rerun", selection_mo
 for text in [notes.x, *notes.log.values()]:
     if text:
         st.info(text, icon=":material/info:")
-unknown = [c for c in asked or () if c not in options]
 if unknown:
     st.caption(f"Named in the link but not recorded by {' or '.join(runs)}: {', '.join(unknown)}.")
 for label, missing in notes.missing.items():

@@ -328,3 +328,22 @@ def with_step_columns(dpo_summary: pd.DataFrame, step_summary: pd.DataFrame) -> 
     how = {c: ("max" if c == "wall_time" else "mean") for c in extra}
     per_step = step_summary.groupby(keys)[extra].agg(how).reset_index()
     return dpo_summary.merge(per_step, on=keys, how="left")
+
+
+def split_names(text: str | None, options: list[str]) -> tuple[list[str], list[str]]:
+    """``(names, unknown)``: the comma-separated names of a URL parameter matched against
+    ``options``, a name that holds commas itself (a run folder or a scalar named ``a,b``) included
+    (the longest run of pieces that is an option wins), each once; ``unknown``: the pieces no option
+    matches."""
+    pieces = (text or "").split(",")
+    names, unknown, i = [], [], 0
+    while i < len(pieces):
+        j = next((j for j in range(len(pieces), i, -1) if ",".join(pieces[i:j]) in options), None)
+        if j is None:
+            if pieces[i]:
+                unknown.append(pieces[i])
+            i += 1
+        else:
+            names.append(",".join(pieces[i:j]))
+            i = j
+    return list(dict.fromkeys(names)), unknown

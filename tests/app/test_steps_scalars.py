@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from app.components.step_curves import smooth
+from app.components.step_curves import smooth, split_names
 from tests.fixtures.steps_runs import (
     BASELINE,
     DPO,
@@ -103,6 +103,14 @@ def test_smooth_skips_non_finite_values_and_keeps_constant_series():
     assert smooth([1.0, 2.0], 0.0).tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match=r"smoothing weight 1.0 is outside \[0, 1\)"):
         smooth([1.0], 1.0)
+
+
+def test_url_lists_match_names_that_hold_commas():
+    # a run folder or a scalar may be named "a,b": the longest run of comma-separated pieces that is a name wins
+    options = ["a,b", "a", "c"]
+    assert split_names("a,b,c,x", options) == (["a,b", "c"], ["x"])
+    assert split_names("a,c,c", options) == (["a", "c"], [])
+    assert split_names("", options) == ([], []) and split_names(None, options) == ([], [])
 
 
 def test_log_scale_is_refused_for_a_series_with_values_at_or_below_zero(monkeypatch, root):
