@@ -297,7 +297,7 @@ def measure_trace(sides: dict[str, Path], trace: Path, steps: int, pages: list[s
         for side in order:  # the first session of a fresh server: imports, tokens.json, empty caches
             context, page = _new_page(browser)
             t0 = time.time()
-            page.goto(f"{servers[side].url}/?run=.&step=0&seq=0")
+            page.goto(f"{servers[side].url}/tokens?run=.&step=0&seq=0")  # / is the Runs page
             out[side]["cold_first"] = wait_shown(page, servers[side], t0, f"{step_label(0)} · sequence 0")
             context.close()
         for name in pages:

@@ -330,9 +330,9 @@ def test_joined_trace_passes_tracer_check_and_opens_in_the_app(traced, monkeypat
                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert cli.returncode == 0, cli.stdout + cli.stderr
     # the app opens the joined trace and shows a sequence's tokens as the tokenizer decodes them
-    from tests.fixtures.toy_traces import start
+    from tests.fixtures.toy_traces import TOKENS_PAGE, start
 
-    at = start(monkeypatch, out)
+    at = start(monkeypatch, out, page=TOKENS_PAGE)
     assert not at.exception
     at.selectbox(key="run").select(out).run()
     assert not at.exception
