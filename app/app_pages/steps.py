@@ -73,9 +73,13 @@ algorithms = {run_param(root, selection.trace_path): trace.algorithm} | \
              {labels[p]: trace_cache.open_trace(str(p)).algorithm for p in overlay}
 options = list(dict.fromkeys(c for frame in runs.values() for c in scalar_columns(frame)))
 asked, unknown = split_names(st.query_params.get(Y_PARAM), options)
+main_label = run_param(root, selection.trace_path)
+switched = st.session_state.get("_steps_columns_for", main_label) != main_label  # another run in the sidebar
+if switched or "step_columns" not in st.session_state:  # the link's quantities, else the run's defaults
+    st.session_state["_steps_columns_for"] = main_label
+    st.session_state["step_columns"] = asked or default_columns(summary, trace.algorithm)
 chosen = right.multiselect(
-    "Quantities", options, default=asked if Y_PARAM in st.query_params else default_columns(summary, trace.algorithm),
-    format_func=title_of, key="step_columns",
+    "Quantities", options, format_func=title_of, key="step_columns",
     help="per-step columns of the summary, one panel each: recorded or derived means and quantiles, "
          "reward components, the loss, and the scalars the trainer logged (scalars/…)")
 urls.set_page_param(Y_PARAM, ",".join(chosen))
@@ -95,7 +99,7 @@ event = st.plotly_chart(figure, width="stretch", on_select="rerun", selection_mo
 for text in [notes.x, *notes.log.values()]:
     if text:
         st.info(text, icon=":material/info:")
-if unknown:
+if unknown and not switched:  # after a switch the URL still names the previous run's quantities
     st.caption(f"Named in the link but not recorded by {' or '.join(runs)}: {', '.join(unknown)}.")
 for label, missing in notes.missing.items():
     if len(runs) == 1:

@@ -260,3 +260,15 @@ def test_trls_logged_scalars_are_offered_and_plotted(monkeypatch, tmp_path_facto
                      "inner step 1": ([1], [pytest.approx(grpo_trl.LEARNING_RATE / 2)])}
     assert spec["layout"]["yaxis"]["type"] == "log" and not at.info
     assert decoded(traces_of(spec, 1)[0]["y"]).min() > 0  # grad norms
+
+
+def test_another_run_keeps_the_quantities_it_has_else_opens_on_its_defaults(monkeypatch, root):
+    at = start(monkeypatch, root, query={"run": "mine", "y": "scalars/grad_norm,mean_ratio"})
+    at.switch_page("app_pages/steps.py").run()
+    at.selectbox(key="run").select(root / "baseline").run()  # no grad_norm in the sample run
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.multiselect(key="step_columns").value == ["mean_ratio"] and at.query_params["y"] == "mean_ratio"
+    at.selectbox(key="run").select(root / "dpo").run()  # none of them: DPO's own curves
+    assert at.multiselect(key="step_columns").value == ["margin", "preference_accuracy", "mean_dpo_loss",
+                                                        "mean_chosen_logps", "mean_rejected_logps"]
+    assert not any(c.value.startswith("Named in the link") for c in at.caption)
