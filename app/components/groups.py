@@ -51,7 +51,7 @@ def group_rewards_figure(completions: pd.DataFrame) -> go.Figure:
     fig.add_trace(go.Bar(x=x, y=rewards, name="reward", marker={"color": REWARD_COLOUR}, legendgroup="reward",
                          hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=rewards, mode="markers", name="reward", legendgroup="reward", showlegend=False,
-                             marker={"symbol": "line-ew", "size": 40, "line": {"width": 3, "color": REWARD_COLOUR}},
+                             marker={"symbol": "line-ew", "size": 44, "line": {"width": 4, "color": REWARD_COLOUR}},
                              hovertemplate="%{x}<br>reward=%{y:.4g}<extra></extra>"))
     fig.add_trace(go.Scatter(x=x, y=completions["advantage"].tolist(), name="advantage", yaxis="y2",
                              mode="markers", marker={"size": 11, "symbol": "diamond", "color": "#d62728"},
