@@ -5,9 +5,10 @@ import streamlit as st
 
 from app.components import trace_cache
 from app.components.ppo import (
-    early_stop_figure, early_stop_grid, gae_figure, gae_token_frame, style_minibatch_table)
+    GAE_COLUMNS, early_stop_figure, early_stop_grid, gae_figure, gae_token_frame, style_minibatch_table)
 from app.components.sidebar import current_selection
-from app.components.token_table import TOKEN_TEXT_HELP, section_text, style_token_table
+from app.components.coloured_text import coloured_html
+from app.components.token_table import TOKEN_TEXT_HELP, style_token_table
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -39,7 +40,8 @@ else:
     table = trace_cache.token_table(trace_path, str(row.key.path), row.index, trace_cache.file_id(row.key.path))
     st.text(f"shown from {row.key.label} · {row.key.path.name}, row {row.index}")
     if "section" in table and (table["section"] == "completion").any():
-        st.code(section_text(table, "completion"), language=None, wrap_lines=True)
+        # token by token, each boundary drawn (as on the Tokens page); hover: the token's GAE values
+        st.html(coloured_html(table, None, [c for c in GAE_COLUMNS if c in table]))
     st.plotly_chart(gae_figure(table), width="stretch")
     st.caption("Bars: token_rewards (the sequence reward on the last kept token). Lines: values (critic), "
                "returns = advantages + values, advantages (GAE with the run's gamma and lam). "

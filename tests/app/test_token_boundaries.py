@@ -4,15 +4,19 @@ tokens ``␣``, ``113``, ``<|endoftext|>`` do not read as the one word ``␣113<
 text a reader copies is the tokens' text, nothing added between them.
 
 The HTML of :func:`app.components.coloured_text.coloured_html` is parsed with the standard library's
-``html.parser`` (what the browser receives through ``st.html``)."""
+``html.parser`` (what the browser receives through ``st.html``); the PPO page's completion goes through
+it too (``streamlit.testing.v1.AppTest`` on the bundled ppo-tiny trace)."""
 
 from __future__ import annotations
 
 from html.parser import HTMLParser
 
 import pandas as pd
+import pytest
 
 from app.components.coloured_text import BOUNDARY, PLAIN_BACKGROUNDS, coloured_html
+from tests.app.test_algorithm_pages import open_page
+from tests.fixtures.paths import SAMPLES
 
 
 class _Spans(HTMLParser):
@@ -87,3 +91,15 @@ def test_copied_text_is_the_tokens_text_with_nothing_between():
     texts = ["Hello", ",", " ", "world", "<|endoftext|>"]
     parsed = spans_of(coloured_html(completion(texts, ["kept"] * 5), None, []))
     assert "".join(parsed.text) == "Hello,␣world<|endoftext|>"  # a space token is drawn ␣, as before
+
+
+def test_ppo_page_draws_the_completion_token_by_token(monkeypatch):
+    """The PPO page's completion (it was one plain string: ``9<|endoftext|>`` hid a leading space token)."""
+    if not (SAMPLES / "ppo-tiny").is_dir():
+        pytest.skip("sample_traces/ is not in this checkout")
+    at = open_page(monkeypatch, SAMPLES, SAMPLES / "ppo-tiny", "ppo", step_label="step 1 · inner 0 · mb 1 · rank 0")
+    assert not at.exception
+    body = next(str(h.proto.body) for h in at.get("html") if "token_rewards =" in str(h.proto.body))
+    spans = spans_of(body).spans
+    token_spans = [(style, text) for style, text in spans if not text.startswith("⟪")]
+    assert len(token_spans) >= 2 and all(BOUNDARY in style for style, _ in token_spans)
