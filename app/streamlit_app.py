@@ -37,31 +37,41 @@ if selection is None:
     st.title("No trace to open")
     st.warning(no_trace_message(root))
     st.stop()
-if selection.error is not None:
-    st.title("Cannot open this run")
-    st.error("The chosen run is not a readable trace. Pick another run in the sidebar, or fix the file "
-             "named below and press Reload.", icon=":material/error:")
-    st.text(selection.error)
-    st.stop()
 store_selection(selection)
 
-trace = trace_cache.open_trace(str(selection.trace_path))
-table = trace.step_table()  # the first step file's key only, not one per step file
-first_and_selected = [k for k in ([table.key(0)] if len(table) else []) + [selection.key] if k is not None]
-algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
-offered = pages_for(algorithm, recorded)
-page = st.navigation([st.Page(RUNS_PAGE.path, title=RUNS_PAGE.title, icon=RUNS_PAGE.icon, default=True),
-                      *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
-                        for spec in offered],
-                      # a link to a page this run is not offered (/groups of a PPO run) says why, and links on
-                      *[st.Page(not_offered_page(spec, not_offered_reason(spec, algorithm, recorded), offered),
-                                title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
-                        for spec in PAGES if spec not in offered]])
+
+def cannot_open(error: str):
+    """A run's page when the sidebar's run is not a readable trace (the Runs page still lists every run)."""
+    def page() -> None:
+        st.title("Cannot open this run")
+        st.error("The chosen run is not a readable trace. Pick another run in the sidebar, or fix the file "
+                 "named below and press Reload.", icon=":material/error:")
+        st.text(error)
+    return page
+
+
+runs_page = st.Page(RUNS_PAGE.path, title=RUNS_PAGE.title, icon=RUNS_PAGE.icon, default=True)
+if selection.error is not None:
+    algorithm, recorded, offered = None, None, []
+    page = st.navigation([runs_page, *[st.Page(cannot_open(selection.error), title=spec.title, icon=spec.icon,
+                                               url_path=spec.url_path, visibility="hidden") for spec in PAGES]])
+else:
+    trace = trace_cache.open_trace(str(selection.trace_path))
+    table = trace.step_table()  # the first step file's key only, not one per step file
+    first_and_selected = [k for k in ([table.key(0)] if len(table) else []) + [selection.key] if k is not None]
+    algorithm, recorded = trace.algorithm, trace_cache.recorded_fields(str(selection.trace_path), first_and_selected)
+    offered = pages_for(algorithm, recorded)
+    page = st.navigation([runs_page, *[st.Page(spec.path, title=spec.title, icon=spec.icon, url_path=spec.url_path)
+                                       for spec in offered],
+                          # a link to a page this run is not offered (/groups of a PPO run) says why, and links on
+                          *[st.Page(not_offered_page(spec, not_offered_reason(spec, algorithm, recorded), offered),
+                                    title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
+                            for spec in PAGES if spec not in offered]])
 urls.drop_other_pages_params(page.url_path)
 if page.url_path in RUN_FREE_PAGES:  # drawn, then taken away: the next page gets the choice back
     choosers.empty()
     keep_choices()
-note = hidden_pages_note(algorithm, recorded)
+note = hidden_pages_note(algorithm, recorded) if selection.error is None else None
 if note:  # once, collapsed, under the page list (not a note on every page)
     with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",
                               icon=":material/visibility_off:"):

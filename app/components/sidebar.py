@@ -3,8 +3,10 @@ sequence choosers, the run's status and auto-refresh. Every page reads the choic
 :func:`current_selection`.
 
 Only traces that resolve inside the root are listed or opened; ``?run=`` in the URL selects a run
-and is refused when it leaves the root. A finding chosen on the Health page sets the choosers
-through :mod:`app.components.token_jump` before they are drawn.
+and is refused when it leaves the root; without ``step=`` the run opens at its most informative
+step (:mod:`app.components.runs`). A finding chosen on the Health page sets the choosers through
+:mod:`app.components.token_jump` before they are drawn. A page on which the choosers have no effect
+(Diff) takes them off the sidebar; :func:`keep_choices` keeps their values for the next page.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ def _apply_url_selection(trace_path: str, table: StepTable) -> None:
     match = [k for k in keys if k.step == params["step"] and all(  # an absent coordinate: the first file
         name not in params or getattr(k, attr) == params[name]
         for name, attr in (("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank")))]
-    if not match:  # shown until another step file is chosen (the redirect from / reruns the app)
+    if not match:  # shown until another step file is chosen
         named = ", ".join(f"{name} {params[name]}" for name in ("step", "inner", "mb", "rank") if name in params)
         st.session_state[_URL_NOTE] = f"The URL names {named}, which this run has no step file for; showing another step."
         return

@@ -191,3 +191,23 @@ def test_run_names_are_shown_literally(monkeypatch, tmp_path):
     assert not at.exception
     assert runs_table(at).value["run"].tolist() == [BOLD]
     assert_no_raw_markup(at)
+
+
+def test_a_run_that_cannot_be_opened_is_named_and_the_others_listed(monkeypatch, tmp_path):
+    """``a_bad`` (listed first, so the sidebar's run) has a manifest that links out of its directory:
+    it cannot be opened, yet ``/`` lists every run, saying why for that one, and opens the others."""
+    root = tmp_path / "root"
+    write_trace(root / "b_good", tokenizer=ToyTokenizer(), steps=1)
+    write_trace(root / "a_bad", tokenizer=ToyTokenizer(), steps=1)
+    outside = tmp_path / "elsewhere.json"
+    (root / "a_bad" / "manifest.json").rename(outside)
+    (root / "a_bad" / "manifest.json").symlink_to(outside)
+    at = start(monkeypatch, root)
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title[0].value == "Runs"
+    table = runs_table(at).value.set_index("run")
+    assert table.loc["a_bad", "check"].startswith("cannot open: ") and "outside the trace directory" in table.loc[
+        "a_bad", "check"]
+    assert table.loc["b_good", "check"] == "pass"
+    at = _choose(start(monkeypatch, root), "b_good")  # the other run opens from the table
+    assert at.title[0].value == "Tokens" and at.selectbox(key="run").value == root / "b_good"
