@@ -6,7 +6,7 @@ import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
 from app.components.coloured_text import coloured_html, legend_html
-from app.components.figures import token_values_figure
+from app.components.figures import MAX_TOKEN_TICKS, token_values_figure
 from app.components.sidebar import current_selection
 from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
@@ -114,4 +114,6 @@ with st.expander("Legend: mask_reason (grey rows do not enter the loss)", expand
 
 st.subheader("Per-token values")
 st.plotly_chart(token_values_figure(table), width="stretch")
-st.caption("Grey bands: completion positions that do not enter the loss (completion_mask = False).")
+st.caption("Grey bands: completion positions that do not enter the loss (completion_mask = False). Under the "
+           f"axis, each token's text over its position (up to {MAX_TOKEN_TICKS} tokens; past that, positions, and "
+           "the text in the hover).")
