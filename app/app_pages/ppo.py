@@ -4,10 +4,16 @@ and the epochs x minibatches of its step (which ran, which stopped early on appr
 import streamlit as st
 
 from app.components import trace_cache
-from app.components.ppo import (
-    GAE_COLUMNS, early_stop_figure, early_stop_grid, gae_figure, gae_token_frame, style_minibatch_table)
-from app.components.sidebar import current_selection
 from app.components.coloured_text import coloured_html
+from app.components.ppo import (
+    GAE_COLUMNS,
+    early_stop_figure,
+    early_stop_grid,
+    gae_figure,
+    gae_token_frame,
+    style_minibatch_table,
+)
+from app.components.sidebar import current_selection
 from app.components.token_table import TOKEN_TEXT_HELP, style_token_table
 
 selection = current_selection()

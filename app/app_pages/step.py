@@ -7,9 +7,16 @@ import streamlit as st
 
 from app.components import trace_cache, urls
 from app.components.sidebar import current_selection, run_param
-from app.components.token_table import TOKEN_TEXT_HELP, table_height, visible_tokens
 from app.components.step_view import (
-    ORDERS, filter_sort, heatmap_figure, histograms_figure, label, page_of, short_label)
+    ORDERS,
+    filter_sort,
+    heatmap_figure,
+    histograms_figure,
+    label,
+    page_of,
+    short_label,
+)
+from app.components.token_table import TOKEN_TEXT_HELP, table_height, visible_tokens
 from tracer.views.common import hyperparameter
 from tracer.views.step import neutral, present_quantities
 

@@ -8,11 +8,21 @@ from app.components import token_jump, trace_cache, urls
 from app.components.coloured_text import coloured_html, legend_html
 from app.components.figures import MAX_TOKEN_TICKS, token_values_figure
 from app.components.sidebar import current_selection
-from tracer.views.common import EMPTY_STEP, is_empty_step
 from app.components.token_table import (
-    VALUE_COLUMNS, highlighted_rows, legend_frame, reason_counts, section_text, style_token_table,
-    TOKEN_TEXT_HELP, WHITESPACE_NOTE, table_height, token_display_frame, value_column_config)
+    TOKEN_TEXT_HELP,
+    VALUE_COLUMNS,
+    WHITESPACE_NOTE,
+    highlighted_rows,
+    legend_frame,
+    reason_counts,
+    section_text,
+    style_token_table,
+    table_height,
+    token_display_frame,
+    value_column_config,
+)
 from tracer.read.tables import TOKEN_VALUE_FIELDS
+from tracer.views.common import EMPTY_STEP, is_empty_step
 
 KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "values", "returns", "token_rewards",
               "per_token_loss", "policy_logprobs", "old_logprobs", "ref_logprobs", "sampler_logprobs")

@@ -14,12 +14,28 @@ import html
 import math
 
 import pandas as pd
-from app.components.colour_scale import colour_of, legend_values, neutral_of, sample_colours, scale_ends
-from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
-from tracer.read.tables import (AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT,
-                                TRUNCATED)
 
-__all__ = ["REASON_STYLE", "coloured_blocks", "coloured_html", "coloured_tokens", "colour_of", "legend_html", "neutral_of", "span_of"]
+from app.components.colour_scale import (
+    colour_of,
+    legend_values,
+    neutral_of,
+    sample_colours,
+    scale_ends,
+)
+from app.components.token_table import FILLER_REASONS, filler_marker, visible_token
+from tracer.read.tables import (
+    AFTER_EOS,
+    ENVIRONMENT,
+    KEPT,
+    MASKED,
+    PADDING,
+    PROMPT,
+    PROMPT_PADDING,
+    TOOL_OUTPUT,
+    TRUNCATED,
+)
+
+__all__ = ["REASON_STYLE", "colour_of", "coloured_blocks", "coloured_html", "coloured_tokens", "legend_html", "neutral_of", "span_of"]
 # How a position that does not enter the loss looks, by reason (no colour of the scale).
 REASON_STYLE: dict[str, str] = {
     AFTER_EOS: "background:#d9d9d9;color:#555;text-decoration:line-through;",

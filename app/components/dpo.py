@@ -4,15 +4,26 @@ No Streamlit and no RL maths: the numbers come from ``tracer.views``."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 from plotly.subplots import make_subplots
 
-from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked, token_ticks, top_margin
-from app.components.token_table import MASK_BACKGROUND, MASKED_TEXT_COLOUR, hover_tokens, visible_tokens
+from app.components.figures import (
+    TOP_LEGEND,
+    empty_figure,
+    integer_ticks,
+    shade_masked,
+    token_ticks,
+    top_margin,
+)
+from app.components.token_table import (
+    MASK_BACKGROUND,
+    MASKED_TEXT_COLOUR,
+    hover_tokens,
+    visible_tokens,
+)
 from tracer.read.tables import MASKED
 
 SIDES = ("chosen", "rejected")

@@ -8,7 +8,14 @@ import pandas as pd
 import plotly.graph_objects as go
 from pandas.io.formats.style import Styler
 
-from app.components.figures import DASHES, SYMBOLS, TOP_LEGEND, empty_figure, integer_ticks, top_margin
+from app.components.figures import (
+    DASHES,
+    SYMBOLS,
+    TOP_LEGEND,
+    empty_figure,
+    integer_ticks,
+    top_margin,
+)
 
 ZERO_VARIANCE_BACKGROUND = "#fff3cd"
 ZERO_VARIANCE_MARK = "zero variance"

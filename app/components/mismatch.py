@@ -4,7 +4,6 @@ figure builders. No RL maths here: the values come from the views as recorded (o
 
 from __future__ import annotations
 
-
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st

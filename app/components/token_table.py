@@ -15,8 +15,18 @@ import html
 import pandas as pd
 from pandas.io.formats.style import Styler
 
-from tracer.read.tables import (AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING,
-                                TOKEN_VALUE_FIELDS, TOOL_OUTPUT, TRUNCATED)
+from tracer.read.tables import (
+    AFTER_EOS,
+    ENVIRONMENT,
+    KEPT,
+    MASKED,
+    PADDING,
+    PROMPT,
+    PROMPT_PADDING,
+    TOKEN_VALUE_FIELDS,
+    TOOL_OUTPUT,
+    TRUNCATED,
+)
 
 # Why a position is (not) in the loss -> what it means, for the legend.
 MASK_LEGEND: dict[str, str] = {

@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 
 from app.components.token_table import table_height
-from tests.fixtures.browser import SAMPLES, check_no_error, chromium_page, screenshot_dir, serve, wait_idle
+from tests.fixtures.browser import (
+    SAMPLES,
+    check_no_error,
+    chromium_page,
+    screenshot_dir,
+    serve,
+    wait_idle,
+)
 
 # Every legend and subplot title of every Plotly chart on the page, as [chart, kind, left, top, right, bottom].
 _BOXES = """() => [...document.querySelectorAll('.js-plotly-plot')].flatMap((plot, i) =>

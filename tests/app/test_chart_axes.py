@@ -8,8 +8,15 @@ from __future__ import annotations
 import pandas as pd
 
 from app.components.dpo import dpo_curves_figure, pair_logprobs_figure
-from app.components.figures import (LEGEND_ROW_PX, MAX_TOKEN_TICKS, SUBPLOT_TITLE_PX, TOP_LEGEND, token_tick_labels,
-                                    token_values_figure, top_margin)
+from app.components.figures import (
+    LEGEND_ROW_PX,
+    MAX_TOKEN_TICKS,
+    SUBPLOT_TITLE_PX,
+    TOP_LEGEND,
+    token_tick_labels,
+    token_values_figure,
+    top_margin,
+)
 from app.components.mismatch import scatter_figure, steps_figure
 from app.components.token_table import hover_tokens
 
