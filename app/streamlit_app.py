@@ -71,7 +71,9 @@ urls.drop_other_pages_params(page.url_path)
 if page.url_path in RUN_FREE_PAGES:  # drawn, then taken away: the next page gets the choice back
     choosers.empty()
     keep_choices()
-note = hidden_pages_note(algorithm, recorded) if selection.error is None else None
+# (not on a page without the run choosers: "this run" would name a run the sidebar no longer shows)
+note = hidden_pages_note(algorithm, recorded) if selection.error is None and page.url_path not in RUN_FREE_PAGES \
+    else None
 if note:  # once, collapsed, under the page list (not a note on every page)
     with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",
                               icon=":material/visibility_off:"):
