@@ -14,7 +14,11 @@ and page, one script run each; the wall time of ``AppTest.run``):
   sort          sort by reward, descending (every row of the run, then page 1 sent)
   search        full-text search of a word over every row's text
   page          page 5 of the search result
-and, without the app, ``rollout_frame`` from the summaries vs from the tensors (``source`` checked).
+The findings are left unchecked on both runs (``app.components.runs.MAX_CHECKED_FILES`` set to 0: the
+bound under which the Runs page, the sidebar and this page run ``tracer check`` on their own) so that
+the same work is timed; what ``tracer check`` adds to the first open of a run under the bound is timed
+apart (``run_checks`` on every step file of the small run), and so is, without
+the app, ``rollout_frame`` from the summaries vs from the tensors (``source`` checked).
 Ratios big / small are printed; the page is responsive when a sort, a search and a page change on
 the big run each stay within about a second on this machine.
 
@@ -24,6 +28,7 @@ the big run each stay within about a second on this machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -34,6 +39,8 @@ from unittest import mock
 from bench.common import machine, median
 from bench.viewer_traces import HYPER, WordTokenizer, step_tensors
 
+from app.components import runs as runs_component
+from tracer.checks import run_checks
 from tracer.format import rollout_store
 from tracer.read import Trace
 from tracer.read.rollouts import rollout_frame
@@ -120,15 +127,27 @@ def frame_sources(run: Path) -> dict[str, float]:
     return {"rows": len(frame), "summaries": summaries, "tensors": tensors}
 
 
+def checks_seconds(run: Path) -> tuple[float, int]:
+    """Seconds of ``run_checks`` on every step file of ``run`` and the bytes of those files."""
+    trace = Trace(run)
+    size = sum(key.path.stat().st_size for key in trace.steps())
+    t0 = time.perf_counter()
+    run_checks(trace)
+    return time.perf_counter() - t0, size
+
+
 def measure(steps: int, small: int, B: int, T: int, rounds: int) -> dict:
     big_run, small_run = ensure(steps, B, T), ensure(small, B, T)
     times: dict[str, dict[str, list[float]]] = {"big": {}, "small": {}}
-    for r in range(rounds):  # alternate the runs; every round starts cold
-        for name, run in (("big", big_run), ("small", small_run))[:: 1 if r % 2 == 0 else -1]:
-            clear_app_caches()
-            for op, seconds in page_operations(run).items():
-                times[name].setdefault(op, []).append(seconds)
-    return {"times": times, "sources": frame_sources(big_run), "small_sources": frame_sources(small_run)}
+    with contextlib.ExitStack() as unchecked:
+        unchecked.enter_context(mock.patch.object(runs_component, "MAX_CHECKED_FILES", 0))
+        for r in range(rounds):  # alternate the runs; every round starts cold
+            for name, run in (("big", big_run), ("small", small_run))[:: 1 if r % 2 == 0 else -1]:
+                clear_app_caches()
+                for op, seconds in page_operations(run).items():
+                    times[name].setdefault(op, []).append(seconds)
+    return {"times": times, "sources": frame_sources(big_run), "small_sources": frame_sources(small_run),
+            "checks": checks_seconds(small_run)}
 
 
 def main() -> None:
@@ -153,6 +172,10 @@ def main() -> None:
     for label, src in (("big", r["sources"]), ("small", r["small_sources"])):
         print(f"rollout_frame of the {label} run ({src['rows']:,} rows): from summaries {src['summaries']:.2f} s, "
               f"from tensors {src['tensors']:.2f} s -> {src['tensors'] / src['summaries']:.1f}x faster from summaries")
+    seconds, size = r["checks"]
+    print(f"tracer check (run_checks) on the small run's {args.small} step files ({size / 1e6:.1f} MB): {seconds:.2f} s "
+          f"({seconds / (size / 1e6):.2f} s per MB; a run of at most {runs_component.MAX_CHECKED_FILES} step files "
+          "pays it at its first open)")
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

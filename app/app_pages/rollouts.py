@@ -6,17 +6,16 @@ page at a time. A row opens its tokens. The page's state lives in the URL
 
 import streamlit as st
 
-from app.components import trace_cache, urls
+from app.components import runs, trace_cache, urls
 from app.components.rollouts import (
-    COLUMN_HELP, FINDINGS, MAX_AUTO_CHECK_FILES, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
-    display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, summary_text,
+    COLUMN_HELP, FINDINGS, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
+    display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
     tokens_params)
 from app.components.sidebar import current_selection, run_param
 from tracer.read.rollouts import rollout_frame
 
 _WRITTEN = "_tracer_rollouts_url"  # the page parameters this page last wrote into the URL
 _FILTERS = "_tracer_rollouts_filters"  # the filters of the last run (a change goes back to page 1)
-_CHECK_ASKED = "_tracer_rollouts_checks"  # the (run, listing) whose checks the user asked for
 _HANDLED = "_tracer_rollouts_handled"  # the table selection already acted on
 FILE_ORDER = "file order"
 ROW_PIXELS, VISIBLE_ROWS = 35, 20  # the table's height: up to 20 rows in view, the page's others scroll
@@ -39,9 +38,17 @@ def _frame(trace, trace_path: str, listing: str):
             bar.progress(done / max(total, 1), text=f"Reading the rollouts: step file {done:,} of {total:,}")
 
         frame = rollout_frame(trace, progress=progress)
+        frame.attrs["step_bytes"] = sum(_size(k.path) for k in trace.steps())  # set before it is shared
         _store().put(key, frame)
         bar.empty()
     return frame
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed since the listing: nothing to check there
+        return 0
 
 
 def _apply_url(sortable: list[str]) -> None:
@@ -92,8 +99,11 @@ if unread:  # file names and reasons: plain text, never Markdown
         st.text("\n\n".join(f"{name}\n{why}" for name, why in unread.items()))
 
 # -- findings of tracer check, per row ------------------------------------------------------------------
-files = tuple(k.path.name for k in keys)  # the Health page's key: both pages share one run of the checks
-checked = len(files) <= MAX_AUTO_CHECK_FILES or st.session_state.get(_CHECK_ASKED) == (trace_path, listing)
+# One rule and one cache with the Runs page, the sidebar and the Health page: a run of at most
+# runs.MAX_CHECKED_FILES step files is checked on its own, a larger one once the user asks.
+files = tuple(k.path.name for k in keys)
+step_bytes = int(frame.attrs.get("step_bytes", 0))
+checked = runs.known_status(trace_path) is not None
 if checked:
     findings = trace_cache.findings(trace_path, files)
     frame = frame.assign(**{FINDINGS: row_finding_counts(frame, findings)})
@@ -123,10 +133,10 @@ g1.number_input("Group", value=None, step=1, key="ro_group", disabled=not groups
 g2.toggle("Only rows with findings", key="ro_flagged", disabled=not checked,
           help="rows where tracer check names an error or a warning")
 if not checked:
-    g3.caption(f"Findings: not checked ({len(files):,} step files, more than {MAX_AUTO_CHECK_FILES} are not "
-               "checked on their own).")
+    g3.caption(f"Findings: not checked. tracer check reads every step file: this run has {len(files):,} "
+               f"({size_text(step_bytes)}), more than the {runs.MAX_CHECKED_FILES} checked without asking.")
     if g3.button(f"Run tracer check on {len(files):,} step files", icon=":material/health_and_safety:"):
-        st.session_state[_CHECK_ASKED] = (trace_path, listing)
+        runs.request_check(trace_path)
         st.rerun()
 
 state = st.session_state

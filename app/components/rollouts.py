@@ -21,9 +21,6 @@ from app.components.urls import link
 from tracer.checks import ERROR, WARNING
 
 PAGE_SIZE = 50  # rows sent to the browser per page
-# Up to this many step files the page runs ``tracer check`` on its own (as the Health page does);
-# a larger run shows NOT_CHECKED in the findings column until the user asks for the checks.
-MAX_AUTO_CHECK_FILES = 200
 NOT_CHECKED = "not checked"
 FINDINGS = "findings"  # the column of counts: errors and warnings of tracer check located at the row
 TOKENS_LINK = "tokens"  # the column of links to the row on the Tokens page
@@ -260,6 +257,11 @@ class RolloutStore:
 
     def clear(self) -> None:
         self._frames.clear()
+
+
+def size_text(size: int) -> str:
+    """``790 MB``, ``12.3 MB``, ``0.03 MB``: a size in megabytes (10**6 bytes) to 3 significant digits."""
+    return f"{size / 1e6:.3g} MB"
 
 
 def summary_text(shown: int, total: int, page: int, pages: int, size: int = PAGE_SIZE) -> str:
