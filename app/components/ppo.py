@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from pandas.io.formats.style import Styler
 
-from app.components.figures import TOP_LEGEND, empty_figure, integer_ticks, shade_masked
+from app.components.figures import TOP_LEGEND, empty_figure, shade_masked, token_ticks, top_margin
 from app.components.token_table import hover_tokens, visible_tokens
 from tracer.views import EARLY_STOP, NO_FILE, NOT_RUN, RAN
 
@@ -66,9 +66,9 @@ def gae_figure(table: pd.DataFrame) -> go.Figure:
                                customdata=texts, hovertemplate=hover, marker={"size": 5})
         fig.add_trace(trace, row=2 if col == "advantages" else 1, col=1)
     shade_masked(fig, positions, kept)
-    fig.update_xaxes(title_text="completion position", row=2, col=1)
-    integer_ticks(fig, positions)
-    fig.update_layout(height=580, margin={"t": 70, "b": 40}, legend=TOP_LEGEND)
+    fig.update_xaxes(title_text="completion token (position)", row=2, col=1)
+    token_ticks(fig, positions, rows.get("token_text", pd.Series([""] * len(rows))).tolist())
+    fig.update_layout(height=580, margin={"t": top_margin(fig), "b": 40}, legend=TOP_LEGEND)
     return fig
 
 

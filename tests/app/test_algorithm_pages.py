@@ -125,6 +125,14 @@ def test_gae_figure_bars_for_rewards_lines_for_the_rest_and_shaded_mask():
     assert not gae_figure(ppo_table()[["section", "position", "kept"]]).data
 
 
+def test_gae_figure_labels_its_axis_with_the_completion_tokens():
+    # the x axis names each token over its position (escaped: a token is text, never markup)
+    fig = gae_figure(ppo_table())
+    assert list(fig.layout.xaxis2.tickvals) == [0, 1, 2, 3]
+    assert [t.split("<br>") for t in fig.layout.xaxis2.ticktext] == [
+        ["a", "0"], ["&lt;script&gt;a…", "1"], ["&lt;eos&gt;", "2"], ["&lt;pad&gt;", "3"]]
+
+
 def minibatch_table() -> pd.DataFrame:
     """Two epochs x two minibatches; epoch 1 minibatch 0 stopped early, minibatch 1 never ran."""
     return pd.DataFrame({
