@@ -13,9 +13,9 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 pytest.importorskip("trl")
 
-from tracer import Trace  # noqa: E402
-from tracer.demo import grpo_trl  # noqa: E402
-from tracer.format.scalar_log import scalars_name  # noqa: E402
+from tracer import Trace
+from tracer.demo import grpo_trl
+from tracer.format.scalar_log import scalars_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 

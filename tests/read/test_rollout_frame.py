@@ -97,8 +97,8 @@ def test_a_step_file_changed_after_its_summary_is_read_from_its_tensors(grpo_tra
     key = trace.steps()[1]
     t = load_file(str(key.path))
     t["rewards"] = t["rewards"] + 10.0
-    from safetensors.torch import save_file
     from safetensors import safe_open
+    from safetensors.torch import save_file
     with safe_open(str(key.path), "pt") as fh:
         meta = fh.metadata()
     save_file(t, str(key.path), metadata={**meta, "padding": "x" * 7})  # another size: not vouched for

@@ -24,7 +24,8 @@ Computed in float32 from the stored tensors (float64 stays float64), ratio and r
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch

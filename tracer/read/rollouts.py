@@ -13,7 +13,8 @@ derived ratio or k3), and its rows computed by the same :func:`tracer.formulas.r
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -22,7 +23,6 @@ from tracer.errors import TraceError, TraceFormatError
 from tracer.format import rollout_store
 from tracer.format.text import clean_str
 from tracer.formulas import rows as row_formulas
-from tracer.read import overview
 
 # The frame's columns, in order (reward components, ``reward/<name>``, go after ``reward``).
 LEADING = ("step", "inner_step", "micro_batch", "rank", "seq", "group", "reward")
