@@ -18,14 +18,14 @@ from tests.fixtures.browser import SAMPLES, check_no_error, chromium_page, scree
 NOT_OFFERED = (
     ("/groups?run=ppo-tiny&step=1", "Groups: not offered for this run",
      "The Groups page is for grpo, cispo, rloo runs; this run's algorithm is ppo.",
-     ["Tokens", "Conversation", "Step", "PPO: GAE and early stop", "Steps", "Health", "Diff", "Overview"]),
+     ["Tokens", "Rollouts", "Conversation", "Step", "PPO: GAE and early stop", "Steps", "Health", "Diff", "Overview"]),
     ("/dpo?run=grpo-tiny", "DPO pairs: not offered for this run",
      "The DPO pairs page is for dpo runs; this run's algorithm is grpo.",
-     ["Tokens", "Conversation", "Step", "Groups", "Steps", "Health", "Diff", "Overview"]),
+     ["Tokens", "Rollouts", "Conversation", "Step", "Groups", "Steps", "Health", "Diff", "Overview"]),
     ("/mismatch?run=grpo-tiny", "Mismatch: not offered for this run",  # grpo-tiny records no sampler_logprobs
      "The Mismatch page shows sampler_logprobs, which this run does not record (no sampler_logprobs in the "
      "first or the selected step file).",
-     ["Tokens", "Conversation", "Step", "Groups", "Steps", "Health", "Diff", "Overview"]),
+     ["Tokens", "Rollouts", "Conversation", "Step", "Groups", "Steps", "Health", "Diff", "Overview"]),
 )
 
 
