@@ -272,3 +272,24 @@ def test_another_run_keeps_the_quantities_it_has_else_opens_on_its_defaults(monk
     assert at.multiselect(key="step_columns").value == ["margin", "preference_accuracy", "mean_dpo_loss",
                                                         "mean_chosen_logps", "mean_rejected_logps"]
     assert not any(c.value.startswith("Named in the link") for c in at.caption)
+
+
+@pytest.mark.parametrize("steps, kind", [(2000, "scatter"), (2001, "scattergl")])
+def test_long_runs_are_drawn_with_webgl_and_a_click_reads_the_step_of_its_point(steps, kind):
+    import pandas as pd
+
+    from app.components.step_curves import Layout, clicked_step, step_curves_figure
+
+    # steps 10, 20, 30...: the step of a point is not its index, nor its x on a time axis
+    summary = pd.DataFrame({"step": [10 * (s + 1) for s in range(steps)], "inner_step": 1,
+                            "wall_time": [1.7e9 + 3.0 * s for s in range(steps)],
+                            "mean_reward": [s / steps for s in range(steps)]})
+    fig, notes = step_curves_figure({"run": summary}, Layout(["mean_reward"], smoothing=0.5, x="relative_time"))
+    assert [t.type for t in fig.data] == [kind, kind] and not notes.x  # the raw line, then the smoothed one
+    sent = json.loads(fig.to_json())["data"]
+    assert [decoded(t["customdata"]).shape for t in sent] == [(steps, 2), (steps, 2)]  # [step, files], typed
+    # 3 s a step: about 100 minutes, shown in minutes since the first step
+    assert fig.layout.xaxis.title.text == "time since the run's first step (min)"
+    assert decoded(sent[1]["x"])[-1] == pytest.approx(3.0 * (steps - 1) / 60)
+    point = {"x": 3.0 * (steps - 2) / 60, "curve_number": 1, "point_index": steps - 2}
+    assert clicked_step(fig, point) == (10 * (steps - 1), 1, 0)  # [inner step, run] from the trace's meta
