@@ -62,21 +62,23 @@ test-verl: $(VERL_STAMP)
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs, and a TRL GRPO
 # run with tools=[add] (multi-turn tool-calling episodes) (tiny local models, CPU).
 SAMPLES = ppo grpo cispo dpo rloo-trl dpo-trl
+# the AVX2 kernels the tests pin (tests/conftest.py): the same float32 results on any x86 machine with AVX2
+PINNED_KERNELS = ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=AVX2
 sample-traces: $(STAMP)
 	for algo in $(SAMPLES); do \
 	  rm -rf sample_traces/$$algo-tiny; \
-	  HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo $$algo --out sample_traces/$$algo-tiny --steps 3 --seed 0 || exit 1; \
+	  HF_HUB_OFFLINE=1 $(PINNED_KERNELS) $(PY) -m tracer demo --algo $$algo --out sample_traces/$$algo-tiny --steps 3 --seed 0 || exit 1; \
 	done
 	rm -rf sample_traces/grpo-trl-tiny
-	HF_HUB_OFFLINE=1 $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
+	HF_HUB_OFFLINE=1 $(PINNED_KERNELS) $(PY) -m tracer demo --algo grpo-trl --out sample_traces/grpo-trl-tiny --steps 4 --seed 0
 	rm -rf sample_traces/agent-trl-tiny
-	HF_HUB_OFFLINE=1 $(PY) -m tracer demo agent --out sample_traces/agent-trl-tiny --steps 4 --seed 0
+	HF_HUB_OFFLINE=1 $(PINNED_KERNELS) $(PY) -m tracer demo agent --out sample_traces/agent-trl-tiny --steps 4 --seed 0
 
 # Regenerate the bundled diff pair: the GRPO loop and the same loop with one documented change (scorer clipped at
 # 2 instead of 3; tracer/demo/diff_pair.py). `tracer diff` and the app's Diff page open on it.
 sample-diff-pair: $(STAMP)
 	rm -rf sample_traces/grpo-diff-baseline sample_traces/grpo-diff-scorer-clip
-	HF_HUB_OFFLINE=1 $(PY) -m tracer.demo.diff_pair sample_traces
+	HF_HUB_OFFLINE=1 $(PINNED_KERNELS) $(PY) -m tracer.demo.diff_pair sample_traces
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) .pytest_cache tests/output

@@ -153,3 +153,4 @@ def test_a_dpo_trace_has_no_rollouts(tmp_path):
                  chosen_policy_logprobs=torch.zeros(1, 2), rejected_policy_logprobs=torch.zeros(1, 2))
     with pytest.raises(TraceError, match="DPO trace: its rows are preference pairs"):
         Trace(tmp_path / "dpo").rollouts()
+    assert not list((tmp_path / "dpo").glob(ROLLOUT_GLOB))  # the writer starts no rollout summaries for DPO

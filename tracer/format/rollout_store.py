@@ -90,9 +90,12 @@ class RolloutWriter:
     step files). ``resume``: append to the file a dead writer process left (a torn last line is
     ended first), instead of starting it again."""
 
-    def __init__(self, root: Path, rank: int, resume: bool = False) -> None:
+    def __init__(self, root: Path, rank: int, resume: bool = False, enabled: bool = True) -> None:
+        """``enabled=False``: no file (a DPO run has no completions to list); :meth:`add` does nothing."""
         self.path = Path(root) / rollout_store_name(rank)
         self._fd: int | None = None
+        if not enabled:
+            return
         try:
             if resume and self.path.is_file():
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)

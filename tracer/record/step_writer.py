@@ -62,7 +62,7 @@ class StepWriter:
         # the run's summary index (tracer.format.run_index); resume_index: go on with a dead writer process's
         self.index = IndexWriter(self.root, rank, resume=resume_index)
         # the run's per-row summaries (tracer.format.rollout_store), with the token strings of tokens.json
-        self.rollouts = rollout_store.RolloutWriter(self.root, rank, resume=resume_index)
+        self.rollouts = rollout_store.RolloutWriter(self.root, rank, resume=resume_index, enabled=algorithm != "dpo")
         self._shown_tokens: list[str] | None = None
         steps_dir = self.root / STEPS_DIR  # a step file's path: a child made without parsing (tracer.format.names)
         self._child = getattr(steps_dir, "_make_child_relpath", steps_dir.joinpath)

@@ -176,7 +176,7 @@ class TraceWriter:
                 # the rank's summary index starts again now, as the writer thread's does: a child that dies
                 # before starting its own leaves this one to be resumed, not an older run's
                 IndexWriter(self.root, self.rank).close()
-                RolloutWriter(self.root, self.rank).close()
+                RolloutWriter(self.root, self.rank, enabled=algorithm != "dpo").close()
             self._backends = Backends(mode, self._local_backend, self._process_writer, self._book, strict,
                                       self.sampling.first_k_sequences)
         except BaseException:
