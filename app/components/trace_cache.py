@@ -32,6 +32,7 @@ from tracer.diff import DiffReport, diff, token_diff_table
 from tracer.diff import comparable as comparable_traces
 from tracer.errors import TraceError
 from tracer.format.names import MANIFEST_NAME
+from tracer.format.scalar_log import SCALARS_GLOB
 from tracer.read import StepKey, Trace
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
@@ -160,10 +161,30 @@ def sequence_labels(trace_path: str, step_path: str, identity: FileId) -> list[s
     return labels
 
 
-@st.cache_data(max_entries=8, show_spinner=False)
 def step_summary(trace_path: str, listing: str) -> pd.DataFrame:
-    """``Trace.step_summary()``; ``listing`` (:func:`listing_token` of the names on disk) keys the
-    cache so that new steps are summarised when they appear."""
+    """``Trace.step_summary()``; ``listing`` (:func:`listing_token` of the names on disk) and the
+    sizes of the run's logged-scalar files (:func:`scalar_log_stamp`) key the cache, so that new
+    steps are summarised when they appear and a TRL log line written after its step's file (the
+    step it closes) shows without waiting for the next step file."""
+    return _step_summary(trace_path, listing, scalar_log_stamp(trace_path))
+
+
+def scalar_log_stamp(trace_path: str) -> tuple[tuple[str, int], ...]:
+    """(name, size) of each logged-scalar file (:data:`tracer.format.scalar_log.SCALARS_GLOB`) at
+    the trace root: a few ``stat`` calls, no read."""
+    root = Path(trace_path)
+    root = root if root.is_dir() else root.parent.parent  # a step file: its trace root is two up
+    out = []
+    for path in sorted(root.glob(SCALARS_GLOB)):
+        try:
+            out.append((path.name, path.stat().st_size))
+        except OSError:  # removed between the listing and the stat
+            continue
+    return tuple(out)
+
+
+@st.cache_data(max_entries=8, show_spinner=False)
+def _step_summary(trace_path: str, listing: str, scalars: tuple[tuple[str, int], ...]) -> pd.DataFrame:
     return open_trace(trace_path).step_summary()
 
 
@@ -300,7 +321,7 @@ def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
     return token_diff_table(a, b, step=step, sequence=sequence)
 
 
-_CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels, step_summary, rollout_rows,
+_CACHED = (_open_trace, token_table, step_fields, step_metadata, sequence_labels, _step_summary, rollout_rows,
            findings, diff_report, comparable, token_diff, ppo_minibatch_table, ppo_early_stops, group_frame, group_completions, prompt_text,
            zero_variance_shares, dpo_pair_tokens, dpo_pair_terms, dpo_step_summary, step_tokens)
 
