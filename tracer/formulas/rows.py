@@ -32,6 +32,7 @@ import torch
 
 from tracer.formulas import reductions
 from tracer.formulas.derived import derive_fields
+from tracer.formulas.summaries import consecutive_groups
 
 # The per-row number columns, in the order a rollout table shows them.
 ROW_STATS = ("length", "reward", "advantage", "mean_ratio", "mean_ref_kl_k3", "mean_abs_mismatch", "mean_entropy")
@@ -117,7 +118,7 @@ def _groups(data: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], B: in
         return group_ids.long().numpy().copy()
     G = metadata.get("num_generations")
     if type(G) is int and G >= 1 and B % G == 0:
-        return np.arange(B, dtype=np.int64) // G
+        return consecutive_groups(B, G).copy()
     return np.full(B, -1, dtype=np.int64)
 
 
@@ -129,7 +130,9 @@ def kept_ids(tensors: Mapping[str, torch.Tensor]) -> list[list[int]]:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         return [[] for _ in range(B)]
     mask = tensors.get("completion_mask")
-    rows = ids.tolist()
     if mask is None or mask.shape != ids.shape:
-        return rows
-    return [[i for i, k in zip(r, m) if k] for r, m in zip(rows, mask.bool().tolist())]
+        return ids.tolist()
+    mask = mask.bool()
+    flat = ids[mask].tolist()  # the kept ids of every row, in row order: one call, then sliced
+    ends = mask.sum(dim=1).cumsum(0).tolist()
+    return [flat[start:end] for start, end in zip([0, *ends[:-1]], ends)]

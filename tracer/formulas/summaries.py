@@ -215,13 +215,13 @@ def _groups(cols: Columns, rewards: np.ndarray, group_ids: np.ndarray | None, me
         G = _number(metadata.get("num_generations"))
         if not G or G != int(G) or G < 1 or B % int(G):
             return
-        ids, recorded = np.broadcast_to(_consecutive_groups(B, int(G)), (S, B)), 0
+        ids, recorded = np.broadcast_to(consecutive_groups(B, int(G)), (S, B)), 0
     cols["groups"], cols["zero_variance_groups"] = advantages.zero_variance_counts(rewards, ids)
     cols["group_ids_recorded"] = [recorded] * S
 
 
 @functools.lru_cache(maxsize=64)
-def _consecutive_groups(B: int, G: int) -> np.ndarray:
+def consecutive_groups(B: int, G: int) -> np.ndarray:
     """The group of each of B rows when groups are G consecutive rows (``[B]`` int64, read-only; a
     run has a few (B, G), made once each)."""
     ids = np.arange(B, dtype=np.int64) // G
