@@ -150,11 +150,12 @@ def test_a_run_with_derived_ratio_overlays_one_that_recorded_it(monkeypatch, roo
 
 
 def test_an_overlaid_run_of_another_algorithm_draws_what_it_shares_and_names_the_rest(monkeypatch, root):
-    at = start(monkeypatch, root, query={"run": "mine", "overlay": "dpo", "y": "mean_ratio,scalars/grad_norm"})
+    at = start(monkeypatch, root, query={"run": "mine", "overlay": "dpo", "y": "mean_ratio,clip_fraction"})
     at.switch_page("app_pages/steps.py").run()
     assert not at.exception, [e.value for e in at.exception]
     captions = [c.value for c in at.caption]
-    assert any(c.startswith("dpo (a dpo run) records none of the chosen quantities; its own: loss, pairs, "
+    assert any(c.startswith("dpo (a dpo run) records none of the chosen quantities; its own: loss, "
+                            "scalars/loss, scalars/grad_norm, scalars/learning_rate, pairs, "  # the DPO loop's scalars
                             "margin (chosen − rejected reward), preference accuracy, DPO loss") for c in captions), captions
     assert {t["name"] for t in chart(at)["data"]} == {"mine · inner step 0", "mine · inner step 1"}
     # the loss both record, the ratio of GRPO, the margin of DPO: one panel each, the runs that have it
@@ -175,10 +176,10 @@ def test_an_overlaid_run_of_another_algorithm_draws_what_it_shares_and_names_the
 
 
 def test_a_run_without_wall_clock_time_says_so_and_plots_against_steps(monkeypatch, root):
-    at = start(monkeypatch, root, query={"run": "baseline", "y": "mean_reward", "x": "wall_time"})
+    at = start(monkeypatch, root, query={"run": "legacy", "y": "mean_reward", "x": "wall_time"})
     at.switch_page("app_pages/steps.py").run()
     assert not at.exception, [e.value for e in at.exception]
-    assert "baseline recorded no wall-clock time per step (written before the trace stored wall_time): " \
+    assert "legacy recorded no wall-clock time per step (written before the trace stored wall_time): " \
            "the x-axis is the step." in [i.value for i in at.info]
     spec = chart(at)
     assert spec["layout"]["xaxis"]["title"]["text"] == "step"
@@ -265,7 +266,7 @@ def test_trls_logged_scalars_are_offered_and_plotted(monkeypatch, tmp_path_facto
 def test_another_run_keeps_the_quantities_it_has_else_opens_on_its_defaults(monkeypatch, root):
     at = start(monkeypatch, root, query={"run": "mine", "y": "scalars/grad_norm,mean_ratio"})
     at.switch_page("app_pages/steps.py").run()
-    at.selectbox(key="run").select(root / "baseline").run()  # no grad_norm in the sample run
+    at.selectbox(key="run").select(root / "legacy").run()  # an older trace: no user scalars
     assert not at.exception, [e.value for e in at.exception]
     assert at.multiselect(key="step_columns").value == ["mean_ratio"] and at.query_params["y"] == "mean_ratio"
     at.selectbox(key="run").select(root / "dpo").run()  # none of them: DPO's own curves
