@@ -1,6 +1,7 @@
 """The Rollouts page in a real browser (headless Chromium through Playwright, tests/fixtures/browser.py) on
 the bundled grpo-tiny trace: sorting by reward puts the highest rewards of the step files first, a
-full-text search keeps only rows whose text holds the query, and both land in the URL. The table is
+full-text search keeps only rows whose text holds the query, both land in the URL, and ticking a row's
+selection box opens that row on the Tokens page (the URL its link names). The table is
 read through the data grid's accessible DOM (glide-data-grid mirrors its visible cells into a
 ``role=grid`` table). Screenshots go to $TRACER_TEST_OUTPUT or tmp_path.
 
@@ -81,4 +82,20 @@ def test_rollouts_sort_and_search_in_chromium(sync_playwright, samples_server, t
         assert found and all(word.lower() in r["text"].lower() for r in found), (word, found)
         assert parse_qs(urlsplit(page.url).query)["search"] == [word]
         page.screenshot(path=str(shots / "rollouts_search.png"), full_page=True)
+
+        # the first row's "open" link resolves next to /rollouts: /tokens on that row (a new tab)
+        first = found[0]
+        # the grid draws on a canvas: tick the first row's selection box (the 33-px column at the left;
+        # header and rows 35 px high): the row opens on the Tokens page in this tab
+        first = found[0]
+        grid = page.locator("[data-testid=stDataFrame] canvas").first.bounding_box()
+        page.mouse.click(grid["x"] + 16, grid["y"] + 35 + 17)
+        expect(page.get_by_role("heading", name="Tokens", exact=True)).to_be_visible()
+        wait_idle(page)
+        check_no_error(page)
+        target = urlsplit(page.url)
+        assert target.path == "/tokens"
+        assert {k: v[0] for k, v in parse_qs(target.query).items() if k != "colour"} == {
+            k: v[0] for k, v in parse_qs(urlsplit(first["tokens"]).query).items()}
+        page.screenshot(path=str(shots / "rollouts_opened_row.png"), full_page=True)
     assert not dialogs

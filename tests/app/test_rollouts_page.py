@@ -221,3 +221,12 @@ def test_another_run_keeps_the_page_working_with_its_own_columns(monkeypatch, ro
     assert "mean_abs_mismatch" not in table(at).columns
     assert at.selectbox(key="ro_sort").value == "file order" and at.number_input(key="ro_page").value == 1
     assert "sort" not in at.query_params and at.query_params["run"] == "b_without"
+
+
+def test_leaving_the_page_takes_its_parameters_out_of_the_url(monkeypatch, root):
+    at = open_rollouts(monkeypatch, root, {"run": "run", "sort": "reward", "dir": "desc", "search": "yes",
+                                           "page": "1", "step_min": "1"})
+    at.switch_page("app_pages/tokens.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not {"sort", "dir", "search", "step_min"} & set(at.query_params)
+    assert at.query_params["run"] == "run"
