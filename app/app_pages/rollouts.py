@@ -4,6 +4,8 @@ group, reward and its components, length, advantage, mean ratio, k3, |old − sa
 page at a time. A row opens its tokens. The page's state lives in the URL
 (:class:`app.components.rollouts.RolloutQuery`)."""
 
+from dataclasses import replace
+
 import streamlit as st
 
 from app.components import runs, trace_cache, urls
@@ -148,13 +150,13 @@ query = RolloutQuery(
 if (trace_path, query.filters()) != state.get(_FILTERS):  # other rows (or another run): back to page 1
     state[_FILTERS] = (trace_path, query.filters())
     state.ro_page = 1
-    query = RolloutQuery(**{**query.__dict__, "page": 1})
+    query = replace(query, page=1)
 shown = select_rollouts(frame, query)
 pages = page_count(len(shown))
 rows, page = page_rows(shown, query.page)
 if page != query.page:
     state.ro_page = page
-query = RolloutQuery(**{**query.__dict__, "page": page})
+query = replace(query, page=page)
 _write_url(query)
 
 # -- the table -------------------------------------------------------------------------------------------
