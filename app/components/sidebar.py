@@ -435,6 +435,7 @@ def _remember_run(root: Path) -> None:
     """The run selectbox's on_change: put the chosen run in the URL (``?run=``) to share it."""
     label = run_param(root, st.session_state["run"])
     st.query_params[RUN_PARAM] = label
+    urls.drop_sequence_params()  # a token of the run shown before
     st.session_state[_URL_APPLIED] = label
 
 

@@ -79,12 +79,9 @@ def write(params: Mapping[str, str], keep: tuple[str, ...] = ()) -> None:
     remember it as written. When a selection parameter the URL names changes value (another run,
     step file or sequence was chosen), the page parameters that point into the old sequence
     (``token``) go: they name a place in a sequence no longer shown."""
-    moved = any(name in st.query_params and st.query_params[name] != params.get(name)
-                for name in SELECTION_PARAMS if name not in keep)
-    if moved:
-        for name in _SEQUENCE_PARAMS:
-            if name in st.query_params:
-                del st.query_params[name]
+    if any(name in st.query_params and st.query_params[name] != params.get(name)
+           for name in SELECTION_PARAMS if name not in keep):
+        drop_sequence_params()
     for name in SELECTION_PARAMS:
         if name in keep:
             continue
@@ -94,6 +91,14 @@ def write(params: Mapping[str, str], keep: tuple[str, ...] = ()) -> None:
         elif name in st.query_params:
             del st.query_params[name]
     st.session_state[_SYNCED_STATE] = current()
+
+
+def drop_sequence_params() -> None:
+    """Remove the page parameters that name a place in the shown sequence (``token``): another run,
+    step file or sequence is being chosen."""
+    for name in _SEQUENCE_PARAMS:
+        if name in st.query_params:
+            del st.query_params[name]
 
 
 def page_param(name: str, options: list, default=None):

@@ -116,3 +116,10 @@ def test_the_token_a_finding_marks_round_trips_through_the_url(monkeypatch, root
     again.selectbox(key="sequence").select(1).run()
     assert "token" not in again.query_params and again.query_params["seq"] == "1"
     assert _marked_rows(again) == set()
+
+    # another run: the token named a place in the other run's sequence
+    again = start(monkeypatch, root, url, page=TOKENS_PAGE)
+    again.selectbox(key="run").select(root / "a_base").run()
+    assert not again.exception, [e.value for e in again.exception]
+    assert "token" not in again.query_params and again.query_params["run"] == "a_base"
+    assert _marked_rows(again) == set()
