@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from tracer.diff import DiffReport, diff
-from tracer.errors import SchemaError, TraceError, TraceFormatError
+from tracer.errors import GuardStop, SchemaError, TraceError, TraceFormatError
+from tracer import guard as _guard  # noqa: F401  (registers the live guard with the writer: TraceWriter(guard=...))
 from tracer.read import StepKey, Trace
 from tracer.record import SamplingPolicy, Tracer, TraceWriter
 from tracer.zero_edit.watch import watch
 
 __version__ = "0.1.0"
 __all__ = ["Trace", "Tracer", "TraceWriter", "SamplingPolicy", "StepKey", "TraceError", "SchemaError",
-           "TraceFormatError", "attach", "diff", "DiffReport", "watch"]
+           "TraceFormatError", "GuardStop", "attach", "diff", "DiffReport", "watch"]
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:

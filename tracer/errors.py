@@ -58,3 +58,22 @@ class TraceFormatError(TraceError):
 class ChecksumError(TraceFormatError):
     """A step file's tensor bytes disagree with the ``content_sha256`` its own header records: the
     file was corrupted (a flipped bit, a bad copy) or its tensors were rewritten after writing."""
+
+
+class GuardStop(BaseException):
+    """The live guard stopped the run (``guard="stop"``): a check found an error in a step just written.
+
+    Raised by the first ``record`` after the error is found, once every step recorded before it is on
+    disk and the manifest's ``guard`` entry says why. A :class:`BaseException`, as ``KeyboardInterrupt``
+    is: a stop the user asked for, which the ``except Exception`` that keeps tracing from ever ending a
+    run (in tracer's integrations, in trainers' own error handling) must not swallow; catch it by name
+    (``except tracer.GuardStop``).
+
+    Attributes:
+        finding: the :class:`tracer.checks.finding.Finding` that stopped the run.
+        root: the trace directory (``tracer check ROOT`` shows it again).
+    """
+
+    def __init__(self, message: str, finding: object = None, root: object = None) -> None:
+        super().__init__(message)
+        self.finding, self.root = finding, root

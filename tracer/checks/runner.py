@@ -6,12 +6,14 @@ worst first (error, warning, info, skipped), then by check id and location.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
 from tracer.checks.coverage import NOT_CHECKED, not_checked
+from tracer.checks.guard_records import LAST_REUSE, GuardRecords
 from tracer.checks.finding import (
     ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
 )
@@ -103,11 +105,75 @@ def _file_notes(trace: Trace) -> list[Finding]:
 # TraceError is then that check's crash (a warning), not the end of the run (trace.unreadable names the file)
 
 
+@dataclass
+class StepResult:
+    """What the step checks found on one step file: ``findings`` (crashes and the unknown-algorithm
+    warning included), ``ran`` (check ids that ran), ``skipped`` (check id -> the reason it could not
+    run) and ``depends`` (check ids whose result read other step files of the trace: filled by a
+    caller that watches the trace, :mod:`tracer.guard`)."""
+
+    findings: list[Finding] = dataclass_field(default_factory=list)
+    ran: list[str] = dataclass_field(default_factory=list)
+    skipped: dict[str, str] = dataclass_field(default_factory=dict)
+    depends: list[str] = dataclass_field(default_factory=list)
+
+
+def check_step(ctx: StepContext, checks: Iterable[Check], before: Callable[[Check], None] | None = None,
+               after: Callable[[Check], None] | None = None) -> StepResult:
+    """Run the step checks of ``checks`` that apply to ``ctx``'s algorithm on it, as ``tracer check``
+    does for each step file (the live guard calls this too: the same code, the same findings).
+    ``before(check)`` / ``after(check)``: called around each check (the guard watches what it reads)."""
+    result = StepResult()
+    key = ctx.key
+    if ctx.algorithm not in ALL_ALGORITHMS:
+        result.findings.append(Finding(
+            "fields.required", WARNING,
+            f"unknown algorithm {ctx.algorithm!r} in this step's metadata (expected one of "
+            f"{sorted(a for a in ALL_ALGORITHMS if a)}): no algorithm-specific check ran on it",
+            step=key.step, inner_step=key.inner_step, micro_batch=key.micro_batch, rank=key.rank,
+            path=str(key.path)))
+    for check in checks:
+        if check.scope != "step" or ctx.algorithm not in check.algorithms:
+            continue
+        if before is not None:
+            before(check)
+        try:
+            result.findings.extend(_run_step_check(check, ctx))
+            result.ran.append(check.id)
+        except Skip as skip:
+            result.skipped[check.id] = str(skip)
+        except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError, TraceError) as err:
+            log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
+            result.findings.append(_crash(check, err, key))
+        finally:
+            if after is not None:
+                after(check)
+    return result
+
+
+def step_conditions(ctx: StepContext) -> set[str]:
+    """The conditions a step file meets that decide which bug classes apply to it
+    (:mod:`tracer.checks.coverage`): ``kl`` (a reference-KL coefficient that is not 0, or none
+    recorded) and ``engine`` (an inference engine sampled it)."""
+    met = set()
+    coef = ctx.hyper("kl_coef", None)
+    coef = coef if coef is not None else ctx.hyper("beta", None)
+    try:
+        if coef is None or float(coef) != 0.0:
+            met.add("kl")
+    except (TypeError, ValueError):
+        met.add("kl")
+    if "sampler_logprobs" in ctx.data or ctx.flag("use_vllm") or ctx.hyper("rollout_engine", None):
+        met.add("engine")
+    return met
+
+
 def run_checks(
     trace: Trace | str | Path,
     select: Iterable[str] | None = None,
     options: CheckOptions | None = None,
     steps: Iterable[StepKey] | None = None,
+    reuse_guard: bool = True,
 ) -> list[Finding]:
     """Run the checks on every step file of ``trace`` (a Trace, a trace directory or a step file).
 
@@ -116,6 +182,12 @@ def run_checks(
         select: check ids or family names; all checks when None.
         options: thresholds such as the sampler ratio bound C.
         steps: only these step files (``trace.steps()`` items), e.g. the one a UI page shows.
+        reuse_guard: take a step file's step-check results from the live guard's findings file
+            (``findings.rank_N.jsonl``, :mod:`tracer.checks.guard_records`) when the guard checked that
+            very file (same size and modification time) with the same options; the checks whose result
+            on it depended on other step files run again. False: check everything afresh. The trace
+            checks always run. What was reused is logged (``tracer.checks.guard_records``) and kept in
+            :data:`LAST_REUSE` for the command line to say.
     Returns:
         Findings: a ``trace.unfinished`` one first, then worst first. A check that cannot run for lack of a field or metadata key yields one
         ``skipped`` finding per reason (``details["steps"]`` lists the step files). A step file that
@@ -142,33 +214,39 @@ def run_checks(
     skips: dict[tuple[str, str], list] = {}
     readable = []
     seen = _Coverage()
+    reuse = GuardRecords(trace, options) if reuse_guard else None
     for key in keys:
-        try:
-            ctx = StepContext(trace, key, options)
-        except TraceFormatError as err:
-            findings.append(_unreadable(key, err))
-            continue
-        readable.append(key)
-        seen.step(ctx)
-        if ctx.algorithm not in ALL_ALGORITHMS:
-            findings.append(Finding(
-                "fields.required", WARNING,
-                f"unknown algorithm {ctx.algorithm!r} in this step's metadata (expected one of "
-                f"{sorted(a for a in ALL_ALGORITHMS if a)}): no algorithm-specific check ran on it",
-                step=key.step, inner_step=key.inner_step, micro_batch=key.micro_batch, rank=key.rank,
-                path=str(key.path)))
-        for check in checks:
-            if check.scope != "step" or ctx.algorithm not in check.algorithms:
-                continue
+        kept = reuse.step(key, checks) if reuse is not None else None
+        if kept is not None:  # the live guard checked this very file with these checks and options
+            found, ran, skipped, depends, fields, algorithm, conditions = kept
+            result = StepResult(found, ran, skipped)
+            if depends:  # their result read other step files, which may have changed since
+                try:
+                    again = check_step(StepContext(trace, key, options), [c for c in checks if c.id in depends])
+                except TraceFormatError as err:
+                    findings.append(_unreadable(key, err))
+                    continue
+                result.findings += again.findings
+                result.ran += again.ran
+                result.skipped.update(again.skipped)
+        else:
             try:
-                findings.extend(_run_step_check(check, ctx))
-                seen.ran.setdefault(check.id, set()).add(key)
-            except Skip as skip:
-                skips.setdefault((check.id, str(skip)), []).append(key)
-                seen.skipped.setdefault(check.id, {})[key] = str(skip)
-            except (ValueError, RuntimeError, IndexError, KeyError, TypeError, ZeroDivisionError, TraceError) as err:
-                log.debug("check %s crashed on %s", check.id, key.label, exc_info=True)
-                findings.append(_crash(check, err, key))
+                ctx = StepContext(trace, key, options)
+            except TraceFormatError as err:
+                findings.append(_unreadable(key, err))
+                continue
+            result = check_step(ctx, checks)
+            fields, algorithm, conditions = set(ctx.data) - ctx.derived, ctx.algorithm, step_conditions(ctx)
+        readable.append(key)
+        seen.step(key, fields, algorithm, conditions)
+        findings.extend(result.findings)
+        for check_id in result.ran:
+            seen.ran.setdefault(check_id, set()).add(key)
+        for check_id, reason in result.skipped.items():
+            skips.setdefault((check_id, reason), []).append(key)
+            seen.skipped.setdefault(check_id, {})[key] = reason
+    if reuse is not None:
+        reuse.report()
     if not readable:
         raise TraceFormatError(f"{trace.path}: none of its {len(keys)} step file(s) can be read: "
                                + "; ".join(f.message for f in findings if f.check == "trace.unreadable")[:2000])
@@ -207,21 +285,10 @@ class _Coverage:
         self.algorithm: dict = {}
         self.conditions: dict = {}
 
-    def step(self, ctx: StepContext) -> None:
-        key = ctx.key
-        self.fields[key] = set(ctx.data) - ctx.derived
-        self.algorithm[key] = ctx.algorithm
-        met = set()
-        coef = ctx.hyper("kl_coef", None)
-        coef = coef if coef is not None else ctx.hyper("beta", None)
-        try:
-            if coef is None or float(coef) != 0.0:
-                met.add("kl")
-        except (TypeError, ValueError):
-            met.add("kl")
-        if "sampler_logprobs" in ctx.data or ctx.flag("use_vllm") or ctx.hyper("rollout_engine", None):
-            met.add("engine")
-        self.conditions[key] = met
+    def step(self, key: StepKey, fields: set[str], algorithm: str, conditions: set[str]) -> None:
+        self.fields[key] = set(fields)
+        self.algorithm[key] = algorithm
+        self.conditions[key] = set(conditions)
 
     def not_checked(self, selected: set[str], readable: list) -> list[Finding]:
         if any("engine" in met for met in self.conditions.values()):  # an engine sampled some step: all of them

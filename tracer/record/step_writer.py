@@ -48,12 +48,16 @@ class StepWriter:
             looked up at call time (tests replace it to simulate a full disk).
         fsync_steps: flush each step file to the device before its rename
             (:func:`tracer.format.files.save_atomic`).
+        observer: told of each step file once it is in place (:class:`tracer.record.observer.StepObserver`:
+            the live guard), or None.
     """
 
     def __init__(self, root: Path, rank: int, algorithm: str, keep_source_dtype: bool,
                  hyperparameters: Mapping[str, Any], book: ManifestBook,
-                 save: Callable[..., None], fsync_steps: bool = False, resume_index: bool = False) -> None:
+                 save: Callable[..., None], fsync_steps: bool = False, resume_index: bool = False,
+                 observer: Any = None) -> None:
         self.fsync_steps = fsync_steps
+        self.observer = observer
         self.root, self.rank, self.algorithm, self.keep_source_dtype = Path(root), rank, algorithm, keep_source_dtype
         self.hyperparameters = dict(hyperparameters)
         self._hyperparameters_encoded = encode_metadata(self.hyperparameters)  # once, not per step
@@ -112,6 +116,11 @@ class StepWriter:
         rows, item.rows = item.rows, None
         if rows is not None:
             self._add_rollouts(path, item, rows, size)
+        if self.observer is not None:
+            try:
+                self.observer.step_written(path)
+            except Exception as err:  # noqa: BLE001  (the guard is a report: never a reason to lose a step)
+                log.warning("tracer: the guard was not told of %s: %s: %s", name, type(err).__name__, err)
 
     def _add_rollouts(self, path: Path, item: StagedStep, rows: tuple, size: Any) -> None:
         """Append the rollout line of a step file just written (never raises)."""

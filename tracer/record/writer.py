@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from tracer.errors import TraceError, user_stacklevel
+from tracer.errors import GuardStop, TraceError, user_stacklevel
 from tracer.format.counts import COUNTS_NAME, reserve_counts
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
 from tracer.format.metadata_codec import jsonable
@@ -30,6 +30,7 @@ from tracer.format.run_index import IndexWriter
 from tracer.format.schema import ALGORITHMS
 from tracer.record.backends import Backends, LocalBackend, PendingStep
 from tracer.record.modes import distributed_rank, stall_limit, writer_mode
+from tracer.record.observer import StepObserver, make_observer
 from tracer.record.capture import BufferPool, CapturedStep, SamplingPolicy, cut_rows
 from tracer.record.manifest import (MANIFEST_INTERVAL_S, ManifestBook, new_manifest, token_strings,
                                     tokenizer_identity, vocabulary_strings)
@@ -85,6 +86,14 @@ class TraceWriter:
         fsync_steps: flush each step file to the device before its rename (survives a power loss);
             default False (a crash or kill of the process loses nothing written). The manifest is
             always fsync'd.
+        guard: the live guard (:mod:`tracer.guard`): ``tracer check``'s step checks run on each step file
+            once written, off the training thread (the writer thread's process, or the writer process),
+            into ``findings.rank_N.jsonl``. ``"warn"`` prints the first error or warning of each check;
+            ``"stop"`` also ends the run at the first error: the next ``record`` flushes, writes the
+            manifest's ``guard`` entry and raises :class:`tracer.errors.GuardStop`; a callable gets each
+            error and warning Finding; ``"off"``: none; an object with the protocol of
+            :class:`tracer.record.observer.StepObserver` is used as it is. None: ``TRACER_GUARD``, else
+            ``"warn"``. The manifest's ``guard.mode`` says which ran.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
     at most every :data:`tracer.record.manifest.MANIFEST_INTERVAL_S` seconds, at ``flush()`` and at
@@ -115,6 +124,7 @@ class TraceWriter:
         fsync_steps: bool = False,
         writer_stall_s: float | None = None,
         vocabulary: Sequence[str] | Mapping[Any, Any] | None = None,
+        guard: Any = None,
     ) -> None:
         if tokenizer is not None and vocabulary is not None:
             raise TraceError("pass tokenizer= or vocabulary=, not both: both would write tokens.json")
@@ -137,6 +147,9 @@ class TraceWriter:
         self.hyperparameters = dict(hyperparameters or {})
         self.sampling = sampling or SamplingPolicy()
         self.rank, self.world_size = distributed_rank()
+        self._observer: StepObserver | None = make_observer(guard, self.root, self.rank)
+        self.guard_raises = True  # record() raises GuardStop; an integration that stops its trainer itself sets False
+        self._guard_said = False  # the manifest's guard entry names the stop
         self._closed = False
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         self._checks = RecordChecks(algorithm, self.hyperparameters)  # a non-JSON hyperparameter raises now
@@ -153,6 +166,7 @@ class TraceWriter:
                                     {"async_write": async_write, "max_queue_steps": max_queue_steps,
                                      "max_queue_bytes": max_queue_bytes, "when_full": when_full, "writer": mode,
                                      "fsync_steps": fsync_steps})
+            manifest["guard"] = {"mode": self._observer.mode if self._observer is not None else "off"}
             self._book = ManifestBook(self.root, self.rank, manifest, strict, lambda path, data: write_json_atomic(path, data))
             if tokenizer is not None:
                 manifest["tokenizer"] = tokenizer_identity(tokenizer)
@@ -256,6 +270,9 @@ class TraceWriter:
         wall_time = wall_clock()
         self._check_process()
         self._backends.poll(due_only=True)  # the writer process's results so far (a strict failure raises next)
+        if self._observer is not None and not self._guard_said and self.guard_raises:
+            if self._observer.stop_finding() is not None:
+                self._stop_for_guard((step, inner_step, micro_batch))
         self._book.raise_pending()
         if self._closed:
             raise TraceError(f"trace writer for {self.root} is closed; open a new TraceWriter")
@@ -316,6 +333,13 @@ class TraceWriter:
         if os.getpid() != self._pid:  # inherited through fork: the parent owns the files and the lock
             return
         self._backends.close()
+        if self._observer is not None:
+            try:
+                self._observer.close()  # its last checks, then the findings file closed
+            except Exception as err:  # noqa: BLE001  (a guard never breaks the trace's close)
+                log.warning("tracer: closing the guard of %s failed: %s", self.root, err)
+            if not self._guard_said and self._observer.stop_finding() is not None:
+                self._say_guard_stop(None)  # found after the last record: the run ended by itself
         self._scalar_log.close()
         with self._book.lock:
             self._book.manifest["status"] = "finished"
@@ -340,6 +364,30 @@ class TraceWriter:
         if key in _MANIFEST_OWN_KEYS:
             raise TraceError(f"manifest key {key!r} is written by the trace writer itself; choose another key")
         self._book.annotate(key, value)
+
+    @property
+    def guard_stop(self) -> Any:
+        """The finding (:class:`tracer.checks.finding.Finding`) the live guard stops the run for
+        (``guard="stop"``), else None; integrations that stop their trainer themselves poll it."""
+        return self._observer.stop_finding() if self._observer is not None else None
+
+    def _stop_for_guard(self, coordinates: tuple[int, int, int]) -> None:
+        """The guard found an error: every step recorded so far on disk, the manifest saying why, then
+        GuardStop (once; the record of ``coordinates`` is not taken)."""
+        self.flush()
+        self._say_guard_stop(coordinates)
+        self._update_manifest(force=True)
+        finding = self._observer.stop_finding()
+        raise GuardStop(self._observer.stop_text() or f"tracer guard stopped the run: {finding}", finding, self.root)
+
+    def _say_guard_stop(self, coordinates: tuple[int, int, int] | None) -> None:
+        """The manifest's ``guard`` entry: mode, the step whose record was refused (None: none came after
+        the finding), the finding."""
+        self._guard_said = True
+        finding = self._observer.stop_finding()
+        stopped_at = None if coordinates is None else dict(zip(("step", "inner_step", "micro_batch"), coordinates))
+        self._book.annotate("guard", {"mode": self._observer.mode, "stopped_at": stopped_at,
+                                      "finding": finding.to_dict() if hasattr(finding, "to_dict") else str(finding)})
 
     steps_written = property(lambda self: self._book.steps_written, doc="Step files written so far.")
     skipped_steps = property(lambda self: self._book.skipped_steps, doc="Steps the sampling policy left out.")
@@ -383,7 +431,7 @@ class TraceWriter:
         append to the summary index a dead writer process left)."""
         steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
                            self._book, lambda *args: _save_atomic(*args),  # looked up at call time
-                           fsync_steps=self.fsync_steps, resume_index=resume_index)
+                           fsync_steps=self.fsync_steps, resume_index=resume_index, observer=self._observer)
         thread = None
         if background:
             max_queue_steps, max_queue_bytes, when_full = self._queue
@@ -405,8 +453,11 @@ class TraceWriter:
         from tracer.record.process.parent import ProcessWriter  # imported only by those who use it
 
         max_queue_steps, max_queue_bytes, when_full = self._queue
-        return ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes, when_full,
-                             self._lock_fd, self._stall_s)
+        process = ProcessWriter(self._child_config(), self._book, max_queue_steps, max_queue_bytes, when_full,
+                                self._lock_fd, self._stall_s)
+        if self._observer is not None:
+            process.on_guard = self._observer.receive  # what the writer process's checks report
+        return process
 
     def _child_config(self) -> dict[str, Any]:
         """What the writer process needs to write this trace's steps (JSON)."""
@@ -415,7 +466,8 @@ class TraceWriter:
                 "fsync_steps": self.fsync_steps,
                 "hyperparameters": jsonable(self.hyperparameters), "manifest": self._book.manifest,
                 "anomaly_ring": self.sampling.anomaly_ring, "kl_spike": self.sampling.kl_spike,
-                "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1]}
+                "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1],
+                "observer": self._observer.child_spec() if self._observer is not None else None}
 
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds

@@ -49,6 +49,7 @@ from tracer.format.names import MANIFEST_NAME
 from tracer.format.files import save_atomic, write_json_atomic
 from tracer.record.manifest import MANIFEST_INTERVAL_S, ManifestBook
 from tracer.record.step_writer import StepWriter, step_header
+from tracer.record.observer import LockedSend, build_in_child
 from tracer.record.process.pipe import FRAME, frame, parse_body
 
 log = logging.getLogger("tracer.record.process.child")
@@ -185,8 +186,16 @@ class Child:
         tmp_name = f".{MANIFEST_NAME}.writer-{os.getpid()}.partial"  # never the parent's temporary name
         self.book = _ChildBook(self.root, self.rank, config["manifest"], False,
                                lambda path, data: write_json_atomic(path, data, tmp_name))
+        self.observer = None  # the live guard's checks, in this process (tracer.record.observer)
+        if config.get("observer"):
+            channel.send = LockedSend(channel.send)  # its thread reports beside this loop's results
+            try:
+                self.observer = build_in_child(config["observer"], self.root, self.rank, channel.send)
+            except Exception as err:  # noqa: BLE001  (no guard is no reason to stop writing)
+                log.warning("the guard could not start here: %s: %s", type(err).__name__, err)
         self.steps = StepWriter(self.root, self.rank, self.algorithm, config["keep_source_dtype"],
-                                self.hyperparameters, self.book, save_atomic, config.get("fsync_steps", False))
+                                self.hyperparameters, self.book, save_atomic, config.get("fsync_steps", False),
+                                observer=self.observer)
         self.handler = BatchHandler(self.steps.write, self.steps.normalise, self.steps.on_normalise_error,
                                     lambda item: None, config["anomaly_ring"], config["kl_spike"],
                                     self.steps.summarise, hold=_own_copy)
@@ -228,6 +237,11 @@ class Child:
                 self.steps.index.flush()
                 self.channel.send({"k": "ack", "t": max(flushes)})
             if close or gone:
+                if self.observer is not None:
+                    try:
+                        self.observer.close()  # its last checks and reports, before "closed"
+                    except Exception as err:  # noqa: BLE001
+                        log.warning("closing the guard failed: %s: %s", type(err).__name__, err)
                 self.steps.index.close()
                 self.steps.rollouts.close()
                 if not close:  # the training process died: nobody else will write the counts

@@ -90,6 +90,8 @@ class ProcessWriter(ChildLifecycle):
         TraceError: the ring or the child could not be made (no memfd, no memory, no interpreter).
     """
 
+    on_guard = None  # called with each "guard" message of the child's observer (TraceWriter sets it)
+
     def __init__(self, config: dict[str, Any], book: ManifestBook, max_steps: int, max_bytes: int,
                  when_full: str, lock_fd: int | None = None, stall_s: float | None = None) -> None:
         if when_full not in ("block", "drop"):
@@ -382,3 +384,5 @@ class ProcessWriter(ChildLifecycle):
             self._acked = max(self._acked, message["t"])
         elif kind == "closed":
             self._closed_ack = True
+        elif kind == "guard" and self.on_guard is not None:  # the live guard's report (tracer.record.observer)
+            self.on_guard(message)

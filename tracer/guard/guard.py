@@ -1,0 +1,151 @@
+"""The live guard as the training process sees it (``TraceWriter(guard=...)``, ``tracer.attach(...,
+guard=...)``, ``tracer.watch(..., guard=...)``): what to do with what the checks find while the run
+goes on.
+
+* ``"warn"`` (the default): the first error or warning of each check prints one line (through the
+  ``tracer.guard`` logger: stderr unless the program configured logging), with the check id, where
+  (step, inner step, micro-batch, rank, sequence, token), the cause, and the ``tracer view`` link that
+  opens the token; training goes on.
+* ``"stop"``: as ``"warn"``, and the first error ends the run: the next ``record`` flushes every step
+  recorded so far, writes the manifest's ``guard`` entry (``mode``, ``stopped_at``, ``finding``) and
+  raises :class:`tracer.errors.GuardStop` (integrations that stop their trainer another way poll
+  :attr:`tracer.record.writer.TraceWriter.guard_stop` instead).
+* a callable: called with each error or warning :class:`tracer.checks.finding.Finding` (to page a team,
+  log to a tracker); on the guard's thread, or, under the writer process, on the training thread at the
+  ``record`` that collects it. Its exceptions are logged, never raised.
+
+The checks themselves run where the steps are written (:mod:`tracer.guard.checker`), never on the
+training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import quote, urlencode
+
+from tracer.checks.guard_records import finding_of
+from tracer.checks.finding import ERROR, Finding
+from tracer.guard.checker import StepChecker
+from tracer.record.observer import GUARD_MODES
+
+log = logging.getLogger("tracer.guard")
+VIEW_URL = "http://localhost:8501"  # where `tracer view` serves (Streamlit's default port)
+
+
+class Guard:
+    """A :class:`tracer.record.observer.StepObserver` (module docstring).
+
+    Args:
+        guard: ``"warn" | "stop"`` or a callable taking a Finding (its mode is then ``"callable"``).
+        root, rank: the trace and rank the writer writes.
+        share: the checker's time share (:func:`tracer.guard.checker.guard_share` when None).
+    Raises:
+        ValueError: ``guard`` is none of these.
+    """
+
+    def __init__(self, guard: str | Callable[[Finding], Any], root: Path, rank: int = 0,
+                 share: float | None = None) -> None:
+        if isinstance(guard, str):
+            if guard not in GUARD_MODES or guard == "off":
+                raise ValueError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
+            self.mode, self.callback = guard, None
+        elif callable(guard):
+            self.mode, self.callback = "callable", guard
+        else:
+            raise ValueError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
+        self.root, self.rank, self.share = Path(root), rank, share
+        self._lock = threading.Lock()
+        self._checker: StepChecker | None = None
+        self._said: set[str] = set()  # checks whose first finding was printed
+        self._stop: Finding | None = None
+        self._stop_line = ""
+        self.findings: list[dict[str, Any]] = []  # every error and warning reported, in order (JSON form)
+        self.notes: list[str] = []
+
+    # -- StepObserver ---------------------------------------------------------------------------
+
+    def step_written(self, path: Path) -> None:
+        """Hand ``path`` to the checker of this process (started at the first file)."""
+        if self._checker is None:
+            with self._lock:
+                if self._checker is None:
+                    self._checker = StepChecker(self.root, self.rank, self.mode, self._on_report, self.share)
+        self._checker.step_written(path)
+
+    def stop_finding(self) -> Finding | None:
+        """The error that stops the run under ``"stop"``, else None."""
+        return self._stop
+
+    def stop_text(self) -> str:
+        """The stopping finding's line (:func:`warn_line`), for :class:`tracer.errors.GuardStop`'s message."""
+        return self._stop_line
+
+    def child_spec(self) -> dict[str, Any]:
+        """The writer process checks with :func:`tracer.guard.checker.in_writer_process`."""
+        return {"factory": "tracer.guard.checker:in_writer_process",
+                "config": {"mode": self.mode, "share": self.share}}
+
+    def receive(self, message: dict[str, Any]) -> None:
+        """An error, warning or note the writer process's checker sent."""
+        self._on_report({"note": message["note"]} if "note" in message else message.get("finding") or {})
+
+    def close(self) -> None:
+        """Check what is queued, run the trace checks a last time, close the findings file."""
+        if self._checker is not None:
+            self._checker.close()
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def _on_report(self, item: dict[str, Any]) -> None:
+        if "note" in item:
+            self.notes.append(item["note"])
+            log.warning("tracer guard: %s", item["note"])
+            return
+        if "check" not in item:
+            return
+        with self._lock:
+            self.findings.append(item)
+            first = item["check"] not in self._said
+            self._said.add(item["check"])
+            stops = self.mode == "stop" and item.get("severity") == ERROR and self._stop is None
+        line = warn_line(item, self.root, stops)
+        if stops:
+            self._stop_line, self._stop = line, finding_of(item)  # the line first: read once the finding is set
+        if (first or stops) and self.mode != "callable":
+            log.warning("%s", line)
+        if self.callback is not None:
+            try:
+                self.callback(finding_of(item))
+            except Exception as err:  # noqa: BLE001  (the user's callable must not end the guard)
+                log.warning("tracer guard: the guard callable raised %s: %s", type(err).__name__, err)
+
+
+def view_link(item: dict[str, Any], root: Path) -> str:
+    """The ``tracer view`` command and the app's URL that opens the finding's step, sequence and token."""
+    params = {"run": f"{root.name} (the root)", "step": item.get("step"), "inner": item.get("inner_step"),
+              "mb": item.get("micro_batch"), "rank": item.get("rank"), "seq": item.get("sequence"),
+              "token": item.get("token")}
+    page = "tokens" if item.get("sequence") is not None else "step"
+    query = urlencode({k: str(v) for k, v in params.items() if v is not None}, quote_via=quote)
+    return f"tracer view {root} → {VIEW_URL}/{page}?{query}"
+
+
+def warn_line(item: dict[str, Any], root: Path, stops: bool = False) -> str:
+    """One line: severity, check id, where, the cause (the finding's message on one line), the link."""
+    where = " · ".join(f"{label} {item[key]}" for label, key in (
+        ("step", "step"), ("inner", "inner_step"), ("mb", "micro_batch"), ("rank", "rank"), ("seq", "sequence"),
+        ("token", "token")) if item.get(key) is not None)
+    cause = " ".join(str(item.get("message", "")).split())
+    head = "tracer guard: stopping at" if stops else "tracer guard:"
+    return (f"{head} {str(item.get('severity', '')).upper()} {item.get('check')}"
+            f"{' at ' + where if where else ''}: {cause} | open: {view_link(item, root)}")
+
+
+def make_guard(guard: Any, root: Path, rank: int) -> Guard | None:
+    """The factory :mod:`tracer.record.observer` calls for ``guard="warn" | "stop"`` or a callable."""
+    if isinstance(guard, str) and guard == "off":
+        return None
+    return Guard(guard, root, rank)
