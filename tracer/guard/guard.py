@@ -33,6 +33,10 @@ from tracer.record.observer import GUARD_MODES
 
 log = logging.getLogger("tracer.guard")
 VIEW_URL = "http://localhost:8501"  # where `tracer view` serves (Streamlit's default port)
+# The writer batches the steps that arrive within its linger (0.25 s: tracer.record.thread.LINGER_S) to save
+# interpreter time per file (about 1 ms of a small step's); a guard shortens it, or a fast loop would
+# run several steps past a bad one before its file exists to be checked.
+GUARD_LINGER_S = 0.05
 
 
 class Guard:
@@ -57,6 +61,7 @@ class Guard:
         else:
             raise ValueError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
         self.root, self.rank, self.share = Path(root), rank, share
+        self.linger_s = GUARD_LINGER_S  # read by the writer (tracer.record.observer)
         self._lock = threading.Lock()
         self._checker: StepChecker | None = None
         self._said: set[str] = set()  # checks whose first finding was printed

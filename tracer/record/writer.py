@@ -438,7 +438,8 @@ class TraceWriter:
             thread = BackgroundWriter(
                 steps.write, steps.normalise, steps.on_normalise_error, self._book.queue_full,
                 max_queue_steps, max_queue_bytes, when_full, self.sampling.anomaly_ring, self.sampling.kl_spike,
-                self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=steps.summarise)
+                self._pool, tick=self._update_manifest, tick_interval=MANIFEST_INTERVAL_S, prepare=steps.summarise,
+                linger_s=getattr(self._observer, "linger_s", None))  # a guard wants each file soon
             self._book.on_writer_thread = thread.on_writer_thread
         return LocalBackend(steps, self._book, self._pool, self._steps_dir, self.rank, self._header,
                             lambda force: self._update_manifest(force), thread)
@@ -467,7 +468,8 @@ class TraceWriter:
                 "hyperparameters": jsonable(self.hyperparameters), "manifest": self._book.manifest,
                 "anomaly_ring": self.sampling.anomaly_ring, "kl_spike": self.sampling.kl_spike,
                 "max_queue_steps": self._queue[0], "max_queue_bytes": self._queue[1],
-                "observer": self._observer.child_spec() if self._observer is not None else None}
+                "observer": self._observer.child_spec() if self._observer is not None else None,
+                **({"linger_s": self._observer.linger_s} if getattr(self._observer, "linger_s", None) is not None else {})}
 
     def _update_manifest(self, force: bool = False) -> None:
         """Rewrite the manifest when its counts changed, at most every MANIFEST_INTERVAL_S seconds
