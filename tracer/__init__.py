@@ -11,7 +11,6 @@ from typing import Any
 
 from tracer.diff import DiffReport, diff
 from tracer.errors import GuardStop, SchemaError, TraceError, TraceFormatError
-from tracer import guard as _guard  # noqa: F401  (registers the live guard with the writer: TraceWriter(guard=...))
 from tracer.read import StepKey, Trace
 from tracer.record import SamplingPolicy, Tracer, TraceWriter
 from tracer.zero_edit.watch import watch
