@@ -61,7 +61,9 @@ def attach(trainer: Any, out_dir: str | os.PathLike, strict: bool = False, keep_
         config: extra run facts for the manifest's ``config`` (e.g. how the model was built).
         **writer_options: passed to :class:`~tracer.record.writer.TraceWriter`: ``sampling`` (e.g.
             ``SamplingPolicy(every_n_steps=10)``), ``max_queue_steps``, ``max_queue_bytes``,
-            ``when_full``, ``writer``, ``writer_stall_s``, ``fsync_steps``.
+            ``when_full``, ``writer``, ``writer_stall_s``, ``fsync_steps``, ``guard`` (the live guard:
+            with ``"stop"``, the first error a check finds ends training through the trainer's
+            ``control.should_training_stop`` after the step under way; ``hook.guard_stop`` is its finding).
 
     Returns:
         The hook (:class:`GRPOTraceHook`, :class:`RLOOTraceHook` or :class:`DPOTraceHook`); the trace is

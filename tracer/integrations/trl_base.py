@@ -4,7 +4,13 @@ stops training.
 
 An exception while capturing is caught, counted in the manifest's ``dropped_steps`` /
 ``drop_reasons`` and reported with ``warnings.warn``; ``strict=True`` raises
-:class:`tracer.errors.TraceError` instead. The trainer-specific hooks live in ``trl_grpo.py``
+:class:`tracer.errors.TraceError` instead. The one exception is the live guard's stop
+(``tracer.attach(..., guard="stop")``): when the writer reports that a check found an error, the
+hook's callback sets ``control.should_training_stop`` (Transformers' own way to end training: the
+loop breaks after the current micro-batch, ``on_train_end`` closes the trace), so ``trainer.train()``
+returns normally. The writer is told not to raise :class:`~tracer.errors.GuardStop` from ``record``
+(``writer.guard_raises = False``): every micro-batch the trainer trains on is recorded, up to the
+last. The trainer-specific hooks live in ``trl_grpo.py``
 (GRPO, and RLOO through ``trl_rloo.py``) and ``trl_dpo.py``; :func:`tracer.integrations.trl.attach`
 picks one.
 """
@@ -52,10 +58,17 @@ class TrainerTraceHook:
         self.writer = TraceWriter(out_dir, algorithm, tokenizer=tokenizer, config=run_config,
                                   hyperparameters=hyperparameters, strict=strict, keep_source_dtype=keep_source_dtype,
                                   **writer_options)
+        self.writer.guard_raises = False  # the guard stops the trainer through its control (_stop_if_guarded)
         self._originals: dict[str, Callable] = {}
         self._loss_calls = 0
 
     # -- public verbs -------------------------------------------------------------------------
+
+    @property
+    def guard_stop(self) -> Any:
+        """The finding that made the live guard stop training (a :class:`~tracer.checks.finding.Finding`),
+        or None while it has not (or runs without ``guard="stop"``)."""
+        return self.writer.guard_stop
 
     def close(self) -> None:
         """Finish the trace (manifest status ``finished``); idempotent. Called at train end."""
@@ -78,6 +91,12 @@ class TrainerTraceHook:
         class _CloseTrace(TrainerCallback):
             def on_log(self, args, state, control, logs=None, **kwargs):
                 hook.log_scalars(state, logs)
+
+            def on_step_end(self, args, state, control, **kwargs):
+                hook._stop_if_guarded(control)
+
+            def on_substep_end(self, args, state, control, **kwargs):
+                hook._stop_if_guarded(control)
 
             def on_train_end(self, args, state, control, **kwargs):
                 hook.close()
@@ -103,6 +122,12 @@ class TrainerTraceHook:
             self.writer.log_scalars(step, values)
         except TraceError as err:
             log.warning("tracer: the trainer's log of step %d was not kept (%s)", step, err)
+
+    def _stop_if_guarded(self, control: Any) -> None:
+        """Ask the trainer to stop (``control.should_training_stop``) once the guard has stopped: the
+        loop checks it after every micro-batch, so the step under way completes and no other starts."""
+        if self.writer.guard_stop is not None:
+            control.should_training_stop = True
 
     def _wrap(self, name: str, after: Callable[[Any], None]) -> None:
         """Replace ``trainer.<name>`` by a wrapper that calls the original, then ``after(result)``
