@@ -4,7 +4,8 @@ Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad argument
 which can be read, a step file whose bytes disagree with its recorded checksum in ``diff`` and
 ``info --verify``); ``diff`` exits 1
 when the traces differ beyond tolerance, ``check`` when any finding is an error; ``run`` exits with
-the script's own exit code, or 3 when the script succeeded but nothing was traced; ``view`` exits
+the script's own exit code, 3 when the script succeeded but nothing was traced, 4 when the live
+guard stopped it (``--guard stop``: a check found an error in a step written); ``view`` exits
 1 when its Streamlit server exits or does not answer during start-up (``--start-timeout``).
 """
 
@@ -200,7 +201,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="differing positions shown per field with --verbose")
 
     run = sub.add_parser("run", help="run an unmodified training script, tracing each backward (zero-edit)",
-                         usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] -- SCRIPT [ARGS...]")
+                         usage="tracer run --algo ALGO --out DIR [--map FILE] [--meta KEY=VALUE] [--guard MODE] "
+                               "-- SCRIPT [ARGS...]")
     run.add_argument("--algo", choices=ALGORITHM_CHOICES, required=True, metavar="ALGO",
                      help="the script's algorithm: %(choices)s")
     run.add_argument("--out", required=True, help="trace directory to write (must not hold a trace)")
@@ -208,6 +210,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
                      help="step metadata for every step (JSON value, else a string), e.g. loss_reduction=token_mean")
     run.add_argument("--strict", action="store_true", help="a failed capture raises in the script instead of a warning")
+    run.add_argument("--guard", choices=("off", "warn", "stop"), default=None,
+                     help="the live guard: run the step checks of `tracer check` on each step as it is written; "
+                          "warn prints each check's first finding, stop also stops the script at its next traced "
+                          "backward after the first error (exit 4); default: $TRACER_GUARD, else warn")
     run.add_argument("script", help="the training script, run as `python SCRIPT ARGS...`")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
@@ -435,7 +441,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         except ValueError:
             meta[key] = value
     watcher = Watcher(args.algo, args.out, args.map, strict=args.strict, hyperparameters=meta, nothing_traced="ignore",
-                      config={"script": args.script, "script_args": args.script_args})
+                      config={"script": args.script, "script_args": args.script_args}, guard=args.guard)
     summary_logger(always=True)  # the end-of-run summary reaches stderr whatever the script does with warnings
     code = run_script(args.script, args.script_args, watcher)
     if code == 0 and watcher.steps_recorded == 0:

@@ -1,6 +1,7 @@
 """Running a training script as ``python SCRIPT ARGS`` would, with a zero-edit :class:`tracer.zero_edit.watch.Watcher`
 active (``python -m tracer run ... -- SCRIPT ARGS``): same ``__main__``, ``sys.argv`` and ``sys.path[0]``,
-its exit code and traceback kept."""
+its exit code and traceback kept; a script stopped by the live guard (``--guard stop``) exits
+:data:`GUARD_STOPPED_EXIT` with the finding printed instead of a traceback."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tracer.errors import TraceError
+from tracer.errors import GuardStop, TraceError
 
 if TYPE_CHECKING:
     from tracer.zero_edit.watch import Watcher
+
+GUARD_STOPPED_EXIT = 4  # `tracer run --guard stop`: a check found an error and the script was stopped
 
 
 def _exit_code(code: Any) -> int:
@@ -40,7 +43,10 @@ def run_script(script: str | os.PathLike, argv: list[str], watcher: Watcher) -> 
 
     ``sys.argv`` is ``[SCRIPT, *argv]``, ``sys.path[0]`` the script's directory, ``__name__`` is
     ``"__main__"`` (all restored after). A script that raises has its traceback printed and exits 1
-    (130 on KeyboardInterrupt); the steps traced before the error are flushed to disk.
+    (130 on KeyboardInterrupt); the steps traced before the error are flushed to disk. A
+    :class:`~tracer.errors.GuardStop` (the live guard with ``guard="stop"`` found an error) that
+    leaves the script prints one line, ``tracer run: the guard stopped the script: <the finding>``,
+    and exits :data:`GUARD_STOPPED_EXIT` (4).
 
     Raises:
         TraceError: the script does not exist, or the trace directory already holds a trace.
@@ -62,6 +68,9 @@ def run_script(script: str | os.PathLike, argv: list[str], watcher: Watcher) -> 
                 runpy.run_path(str(path), run_name="__main__")
             except SystemExit as exit_:
                 code = _exit_code(exit_.code)
+            except GuardStop as err:  # before Exception: the stop asked for, not the script's failure
+                sys.stderr.write(f"tracer run: the guard stopped the script: {err}\n")
+                code = GUARD_STOPPED_EXIT
             except KeyboardInterrupt as err:
                 _print_script_traceback(err, path)
                 code = 130

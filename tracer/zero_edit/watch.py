@@ -17,7 +17,10 @@ writer is created at the first traced backward, so a script that never traces le
 trace behind, and ``torch.distributed`` ranks (initialised by the script) are known by then.
 
 Tracing never stops the script: a failed capture is warned about and counted (``strict=True``
-raises instead).
+raises instead). The one exception is the live guard with ``guard="stop"``: once a check has found an
+error in a recorded step, the next traced ``backward()`` raises :class:`tracer.errors.GuardStop` into
+the script (before the backward runs, so no further update is applied), with every step recorded so
+far written and the manifest saying why.
 """
 
 from __future__ import annotations
@@ -290,7 +293,7 @@ class Watcher:
         local = None
         try:
             local = self._capture(frame)
-        except Exception as err:  # never break the user's training because tracing failed
+        except Exception as err:  # never break training because tracing failed (GuardStop is no Exception)
             self.failures += 1
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
             reason = f"backward at {where}: {type(err).__name__}: {err}"
