@@ -1,7 +1,7 @@
 """Health: the findings of ``tracer.checks`` for the chosen run, counted per check and per step
 file, filtered by severity and check (and the sidebar's rank); selecting a finding opens its
 sequence on the Tokens page with its token marked, the token in the URL (``token=``) so that the
-link reopens it."""
+link reopens it. A run checked by the live guard while it went on says so (and what stopped it)."""
 
 import hashlib
 
@@ -9,6 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
+from app.components.guard import report_of
 from app.components.health import (
     DISPLAY_ORDER, NO_PROBLEMS, filter_findings, opens_groups, per_check_counts, per_step_counts, severity_counts,
     style_findings, target_of, verdict)
@@ -28,6 +29,19 @@ trace = trace_cache.open_trace(trace_path)
 keys = trace.steps()
 st.title("Health")
 st.text(f"{trace_path} · {trace.algorithm or 'unknown algorithm'} · {len(keys)} step files")
+guard = report_of(trace_path)
+if guard is not None and guard.stop is not None:
+    where = " · ".join(f"{k} {guard.stop[k]}" for k in ("step", "inner_step", "sequence", "token")
+                       if guard.stop.get(k) is not None)
+    st.error(f"The live guard stopped this run at the first error: {guard.stop.get('check')} at {where}.",
+             icon=":material/front_hand:")
+    st.text(str(guard.stop.get("message", "")))  # plain text: a message may quote token text
+if guard is not None:
+    st.caption(f"Live guard ({guard.mode}): {guard.checked} step file(s) checked while the run went on, "
+               f"{guard.errors} error and {guard.warnings} warning finding(s) in its findings file; the "
+               "findings below reuse its results for the files it checked and check the others.")
+    for note in guard.notes[-3:]:
+        st.text(f"guard: {note}")
 problems = trace.problems()
 if problems:
     st.error(f"{len(problems)} step file(s) could not be read and are not checked; the others are.",

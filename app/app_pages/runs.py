@@ -51,6 +51,9 @@ event = st.dataframe(
         "last mean reward": st.column_config.NumberColumn("last mean reward", format="%.4g",
                                                           help="mean reward of the last step"),
         "check": st.column_config.TextColumn("check", help="pass, or the counts of error and warning findings"),
+        "guard": st.column_config.TextColumn("guard", help="the live guard (guard=warn|stop): what it found in the "
+                                                          "step files it checked while the run went on, or where "
+                                                          "it stopped the run; empty: no guard ran"),
     })
 rows_chosen = list(event.selection.rows)
 if rows_chosen != st.session_state.get(_HANDLED_STATE):

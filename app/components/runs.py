@@ -23,6 +23,7 @@ import pandas as pd
 import streamlit as st
 
 from app.components import trace_cache, urls
+from app.components.guard import report_of
 from app.components.health import severity_counts
 from app.components.overview import status_text
 from tracer.checks import ERROR, WARNING
@@ -39,7 +40,8 @@ _REQUESTED_STATE = "_tracer_runs_check_requested"  # trace paths the user asked 
 _ROW_FIELDS = ("completion_ids", "chosen_ids", "prompt_ids", "rewards", "advantages")
 # The page a run opens on, by algorithm: (page file, URL path).
 _OPEN_PAGES = {"dpo": ("app_pages/dpo.py", "dpo"), None: ("app_pages/tokens.py", "tokens")}
-COLUMNS = ("run", "open", "algorithm", "status", "steps", "step files", "rows", "last mean reward", "check")
+COLUMNS = ("run", "open", "algorithm", "status", "steps", "step files", "rows", "last mean reward", "check",
+           "guard")
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,9 @@ def open_page(algorithm: str | None) -> str:
 def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
     """One row of the Runs table (:data:`COLUMNS`) for the trace at ``trace_path`` (``label``: its
     ``run=`` value; ``status``: None when not checked): ``open`` is a link to :func:`open_page`
-    with ``?run=``. A run that cannot be opened gets its reason in ``check``."""
+    with ``?run=``; ``guard`` what the live guard found while the run went on
+    (:meth:`app.components.guard.GuardReport.text`; None: no guard ran). A run that cannot be opened
+    gets its reason in ``check``."""
     row = dict.fromkeys(COLUMNS)
     row["run"] = label
     try:
@@ -177,4 +181,6 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
             row["rows"] = None
         row["last mean reward"] = last_mean_reward(summary)
     row["check"] = status.text() if status is not None else NOT_CHECKED
+    guard = report_of(trace_path)
+    row["guard"] = guard.text() if guard is not None else None
     return row
