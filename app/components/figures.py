@@ -22,13 +22,6 @@ TOKEN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("KL estimators (nats)", ("ref_kl_k3", "approx_kl_k2")),
     ("advantage", ("advantages",)),
 )
-# Panels of the per-step figure: (summary column, title).
-STEP_PANELS: tuple[tuple[str, str], ...] = (
-    ("mean_ratio", "mean ratio"),
-    ("mean_ref_kl_k3", "mean ref KL (k3, nats)"),
-    ("mean_reward", "mean reward"),
-    ("clip_fraction", "clip fraction"),
-)
 MASK_FILL = "rgba(120, 120, 120, 0.22)"
 # Beyond this many masked runs the shading becomes one marker trace (shapes get slow).
 MAX_SHADED_RUNS = 64
@@ -189,98 +182,9 @@ def shade_masked(fig: go.Figure, positions: list[int], kept: list[bool], row: in
                       row=row, col=1)
 
 
-DPO_STEP_PANELS: tuple[tuple[str, str], ...] = (
-    ("margin", "margin (chosen − rejected reward)"),
-    ("preference_accuracy", "preference accuracy"),
-    ("mean_dpo_loss", "DPO loss"),
-    ("mean_chosen_logps", "chosen logp (policy, summed, nats)"),
-    ("mean_rejected_logps", "rejected logp (policy, summed, nats)"),
-)
 WEBGL_POINTS = 2000  # step curves longer than this are drawn with WebGL (Scattergl): SVG markers are slow
 STEP_TABLE_ROWS = 2000  # the Steps page sends a longer per-step table to the browser only when asked
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "diamond", "square", "triangle-up", "x", "star")
 
-
-def step_curves_figure(summary: pd.DataFrame | dict[str, pd.DataFrame],
-                       panels: tuple[tuple[str, str], ...] = STEP_PANELS) -> go.Figure:
-    """Per-step curves from ``Trace.step_summary()`` (or ``views.dpo_step_summary`` with
-    :data:`DPO_STEP_PANELS`) against step: one line per inner step (and rank, when the summary
-    holds several), one colour per line, or one colour per run when ``summary`` maps run labels to
-    summaries (overlay); inner steps differ by dash and marker so that a line under another stays
-    visible. Step files of the same line and step (micro-batches) are shown as the plain mean of
-    their values (the hover says how many). Panels whose column is absent or all NaN are left out.
-    Each point's ``customdata`` is its number of files; each trace's ``meta`` is ``[inner_step,
-    run index]`` (:func:`clicked_step` turns a click into the step to open). Every point is drawn
-    (no decimation). Lines of more than :data:`WEBGL_POINTS` steps are ``Scattergl`` traces (drawn
-    by WebGL).
-    """
-    runs = summary if isinstance(summary, dict) else {"": summary}
-    runs = {k: v for k, v in runs.items() if not v.empty and "step" in v}
-    if not runs:
-        return empty_figure("no steps in this trace yet")
-    shown = [(col, title) for col, title in panels if any(col in v and v[col].notna().any() for v in runs.values())]
-    if not shown:
-        return empty_figure("the steps record none of " + ", ".join(col for col, _ in panels))
-    ncols = 2 if len(shown) > 1 else 1
-    nrows = (len(shown) + ncols - 1) // ncols
-    fig = make_subplots(rows=nrows, cols=ncols, shared_xaxes=True, vertical_spacing=0.14,
-                        subplot_titles=[title for _, title in shown])
-    n = 0
-    for r, (run, frame) in enumerate(runs.items()):
-        for line, (inner_step, rank, agg) in enumerate(_lines(frame, [c for c, _ in shown])):
-            name = (f"{run} · " if run else "") + f"inner step {inner_step}" + (f" · rank {rank}" if rank is not None else "")
-            colour = PALETTE[(r if len(runs) > 1 else n) % len(PALETTE)]
-            style = {"color": colour, "dash": DASHES[inner_step % len(DASHES)], "width": 2}
-            marker = {"symbol": SYMBOLS[inner_step % len(SYMBOLS)], "size": 9 - 2 * min(line, 2), "color": colour}
-            # the files per point as an int array (sent as a typed array, not a list per point: at
-            # 10,000 steps a [files, inner, run] object array cost ~100 ms to copy and encode); what a
-            # click needs is the trace's meta, [inner step, run index], found by the point's curve number
-            files = agg["files"].to_numpy(dtype=np.int64)
-            scatter = go.Scattergl if len(agg) > WEBGL_POINTS else go.Scatter
-            x = agg["step"].to_numpy()
-            for i, (col, title) in enumerate(shown):
-                if col not in agg:
-                    continue
-                fig.add_trace(scatter(
-                    x=x, y=agg[col].to_numpy(dtype=np.float64, na_value=np.nan), mode="lines+markers", name=name,
-                    legendgroup=name, showlegend=i == 0 or not any(c in agg for c, _ in shown[:i]), line=style,
-                    marker=marker, opacity=0.9, customdata=files, meta=[inner_step, r],
-                    hovertemplate=(f"{title}=%{{y:.4g}}<br>step %{{x}} · {name}"
-                                   "<br>%{customdata} file(s) · click to open this step<extra></extra>")),
-                    row=i // ncols + 1, col=i % ncols + 1)
-            n += 1
-    steps = [s for v in runs.values() for s in v["step"].tolist()]
-    integer_ticks(fig, steps, axis="x")
-    for c in range(1, ncols + 1):
-        fig.update_xaxes(title_text="step", row=nrows, col=c, showticklabels=True)
-    fig.update_layout(height=300 * nrows + 120, margin={"t": 90, "b": 40}, legend=TOP_LEGEND,
-                      clickmode="event+select")
-    return fig
-
-
-def clicked_step(fig: go.Figure, point: dict) -> tuple[int, int, int]:
-    """``(step, inner_step, run index)`` of a point the browser reports clicked on a
-    :func:`step_curves_figure` (its ``x`` and ``curve_number``)."""
-    inner_step, run = fig.data[int(point.get("curve_number") or 0)].meta or (0, 0)
-    return int(point["x"]), int(inner_step), int(run)
-
-
-def _lines(frame: pd.DataFrame, columns: list[str]):
-    """``(inner_step, rank or None, per-step means)`` per line of one run's summary (a line with one
-    file per step, the common case, is taken as it is, sorted by step)."""
-    frame = frame.assign(inner_step=frame["inner_step"] if "inner_step" in frame else 0,
-                         rank=frame["rank"] if "rank" in frame else 0)
-    per_rank = frame["rank"].nunique() > 1
-    present = [c for c in columns if c in frame]
-    for (inner_step, rank), group in frame.groupby(["inner_step", "rank"] if per_rank
-                                                   else ["inner_step", lambda _: 0]):
-        if group["step"].is_unique:
-            agg = group[["step", *present]].sort_values("step", kind="stable").reset_index(drop=True)
-            agg[present] = agg[present].astype(np.float64)
-            agg["files"] = 1
-        else:
-            agg = group.groupby("step").agg(**{c: (c, "mean") for c in present},
-                                            files=("step", "size")).reset_index()
-        yield int(inner_step), (int(rank) if per_rank else None), agg

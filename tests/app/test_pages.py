@@ -9,16 +9,31 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app.components.figures import masked_runs, step_curves_figure, token_values_figure
+from app.components.figures import masked_runs, token_values_figure
 from app.components.overview import fields_table, manifest_facts
 from app.components.sidebar import DEFAULT_ROOT, resolve_root
+from app.components.step_curves import DEFAULT_COLUMNS, Layout, step_curves_figure
 from app.components.token_table import (
-    MASK_BACKGROUND, filler_marker, section_text, style_token_table, token_display_frame)
-from tracer.record.writer import TraceWriter
-
+    MASK_BACKGROUND,
+    filler_marker,
+    section_text,
+    style_token_table,
+    token_display_frame,
+)
 from tests.fixtures.paths import REPO
-from tests.fixtures.toy_traces import (APP, EOS, PAD, SCRIPT, TOKENS_PAGE, VOCAB, ToyTokenizer,  # noqa: F401
-                                       grpo_step_tensors, markup_values, start)
+from tests.fixtures.toy_traces import (  # noqa: F401
+    APP,
+    EOS,
+    PAD,
+    SCRIPT,
+    TOKENS_PAGE,
+    VOCAB,
+    ToyTokenizer,
+    grpo_step_tensors,
+    markup_values,
+    start,
+)
+from tracer.record.writer import TraceWriter
 
 
 def write_trace(out: Path, tokenizer=None, steps: int = 3) -> Path:
@@ -108,7 +123,7 @@ def test_step_curves_figure_one_line_per_inner_step_and_panel():
         "rank": 0, "mean_ratio": [1.0, 1.01, 1.0, 0.99, 1.03], "mean_ref_kl_k3": [0.0, 0.01, 0.02, 0.03, 0.05],
         "mean_reward": [0.1, 0.1, 0.3, 0.3, 0.3], "clip_fraction": [0.0, 0.1, 0.0, 0.2, 0.0],
     })
-    fig = step_curves_figure(summary)
+    fig, _ = step_curves_figure({"run": summary}, Layout(list(DEFAULT_COLUMNS)))
     assert len(fig.data) == 2 * 4  # 2 inner steps x 4 panels
     inner1_ratio = [t for t in fig.data if t.name == "inner step 1"][0]
     # step 1 inner 1 has two micro-batches: plain mean of the file values (0.99 + 1.03) / 2
@@ -117,9 +132,10 @@ def test_step_curves_figure_one_line_per_inner_step_and_panel():
 
 
 def test_step_curves_figure_skips_missing_columns_and_empty_summary():
-    fig = step_curves_figure(pd.DataFrame({"step": [0, 1], "inner_step": 0, "mean_reward": [0.0, 1.0]}))
+    fig, _ = step_curves_figure({"run": pd.DataFrame({"step": [0, 1], "inner_step": 0, "mean_reward": [0.0, 1.0]})},
+                                    Layout(list(DEFAULT_COLUMNS)))
     assert [t.name for t in fig.data] == ["inner step 0"]
-    assert not step_curves_figure(pd.DataFrame()).data
+    assert not step_curves_figure({"run": pd.DataFrame()}, Layout(list(DEFAULT_COLUMNS)))[0].data
 
 
 def test_style_token_table_greys_masked_rows_only():

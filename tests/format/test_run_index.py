@@ -11,20 +11,24 @@ import os
 from unittest import mock
 
 import pandas as pd
-import pytest
 from safetensors.torch import save_file
 
-from tracer.format import run_index
-from tracer.format.summary import SUMMARY_VERSION
-from tracer.read.trace_info import trace_info
-from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
-from tracer.read import Trace
-from tracer.format.metadata_codec import decode_metadata
-from tracer.record.writer import TraceWriter
-
 from tests.fixtures.paths import REPO
-from tests.fixtures.run_index import (HYPER, assert_same_summary, index_lines, indexed_step, summary_from_headers,
-                                      write_run)
+from tests.fixtures.run_index import (
+    HYPER,
+    assert_same_summary,
+    index_lines,
+    indexed_step,
+    summary_from_headers,
+    write_run,
+)
+from tracer.format import run_index
+from tracer.format.metadata_codec import decode_metadata
+from tracer.format.names import STEPS_DIR, step_file_name, summary_index_name
+from tracer.format.summary import SUMMARY_VERSION
+from tracer.read import Trace
+from tracer.read.trace_info import trace_info
+from tracer.record.writer import TraceWriter
 
 
 def test_one_line_per_step_file_with_its_name_size_checksum_and_header_summary(tmp_path):
@@ -210,21 +214,6 @@ def test_a_single_step_file_has_no_index(tmp_path):
     out = write_run(tmp_path / "run", steps=1)
     trace = Trace(out / STEPS_DIR / step_file_name(0))
     assert trace.summary_index() == {} and trace.step_summary().attrs["from_index"] == 0
-
-
-@pytest.mark.parametrize("steps, kind", [(2000, "scatter"), (2001, "scattergl")])
-def test_long_step_curves_are_drawn_with_webgl_and_keep_their_click_data(steps, kind):
-    from app.components.figures import clicked_step, step_curves_figure
-    from bench.overview_index import _points
-
-    summary = pd.DataFrame({"step": range(steps), "inner_step": 1, "mean_reward": [s / steps for s in range(steps)]})
-    fig = step_curves_figure(summary)
-    assert [t.type for t in fig.data] == [kind]
-    assert fig.data[0].customdata.tolist() == [1] * steps and fig.data[0].meta == (1, 0)  # files; [inner step, run]
-    assert clicked_step(fig, {"x": steps - 1, "curve_number": 0}) == (steps - 1, 1, 0)  # what a click opens
-    sent = json.loads(fig.to_json())["data"][0]  # typed arrays to the browser, every point
-    assert _points(sent["x"]) == _points(sent["y"]) == _points(sent["customdata"]) == steps
-    assert list(fig.data[0].y[-2:]) == [(steps - 2) / steps, (steps - 1) / steps]
 
 
 def test_decoded_header_summary_is_what_the_index_holds(tmp_path):
