@@ -3,13 +3,17 @@ the trace's findings files (:mod:`tracer.format.findings_log`) while the run wen
 
 A step file's record is reused only when it is complete (its ``checked`` line, written after its
 finding lines, counts as many finding lines as there are), the file is the one the guard checked (same
-size and modification time) and the guard ran with the same check options. The checks whose result on
+size and modification time), what the checks read of the trace's own files is the same (the manifest's
+algorithm, hyperparameters, config and tokenizer, and ``tokens.json``: :func:`context_digest`) and the
+guard ran with the same check options. The checks whose result on
 that file read other step files (``depends``: a neighbour micro-batch, the run's latest files) are run
 again, because those files may have changed since. Trace checks are never reused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import asdict, replace
@@ -19,6 +23,7 @@ from typing import Any, Iterable
 from tracer.checks.context import CheckOptions
 from tracer.checks.finding import ALL_ALGORITHMS, Check, Finding
 from tracer.format.findings_log import findings_paths, read_lines
+from tracer.format.names import TOKENS_NAME
 from tracer.read import StepKey, Trace
 
 log = logging.getLogger(__name__)
@@ -30,6 +35,21 @@ def finding_of(line: dict[str, Any]) -> Finding:
     """A :class:`Finding` from its JSON line (the extra keys ``family``, ``kind``, ``scope``, ``file``
     dropped). Raises TypeError when a required key is missing."""
     return Finding(**{k: v for k, v in line.items() if k in _FINDING_FIELDS})
+
+
+def context_digest(trace: Trace) -> str:
+    """A digest of what step checks read of a trace besides the step file: the manifest's ``algorithm``,
+    ``hyperparameters``, ``config`` and ``tokenizer`` (not its live counts or status, which the writer
+    rewrites while the run goes on), and ``tokens.json``'s size and modification time."""
+    manifest = trace.manifest
+    try:
+        stat = os.stat(trace.root / TOKENS_NAME)
+        tokens = [stat.st_size, stat.st_mtime_ns]
+    except OSError:
+        tokens = None
+    seen = {k: manifest.get(k) for k in ("algorithm", "hyperparameters", "config", "tokenizer")}
+    text = json.dumps([seen, tokens], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def options_key(options: CheckOptions) -> dict[str, Any]:
@@ -47,6 +67,7 @@ class GuardRecords:
         self.reused = self.rerun = 0
         self.files = 0
         wanted = options_key(options)
+        self._context = context_digest(trace) if self.paths else None
         for path in self.paths:
             same_options, pending = False, {}
             for line in read_lines(path):
@@ -83,6 +104,8 @@ class GuardRecords:
             return None
         if line.get("size") != stat.st_size or line.get("mtime_ns") != stat.st_mtime_ns:
             return None
+        if line.get("context") != self._context:
+            return None  # the manifest or the token strings changed since (or an older findings file)
         ids = {c.id for c in checks}
         step_ids = {c.id for c in checks if c.scope == "step"}
         if not step_ids <= set(line.get("ran", [])) | set(line.get("skipped", {})) | _not_applicable(line, checks):

@@ -12,7 +12,8 @@ Lines, by their ``kind``:
 * ``"checked"``: a step file the step checks have all run on, written after its finding lines: ``file``,
   ``size`` and ``mtime_ns`` of the file then, ``findings`` (how many finding lines it has), ``ran``,
   ``skipped`` (check id -> reason), ``depends`` (the checks whose result read other step files),
-  ``fields``, ``algorithm``, ``conditions`` (what ``tracer check``'s coverage needs).
+  ``fields``, ``algorithm``, ``conditions`` (what ``tracer check``'s coverage needs), ``context`` (a
+  digest of the manifest and token strings the checks read: :func:`tracer.checks.guard_records.context_digest`).
 * ``"note"``: what the guard did not do and why (``message``): steps it left out when it fell behind,
   trace checks that ran on a schedule.
 * ``"stop"``: the finding that stopped the run (``finding``), under ``guard="stop"``.
@@ -44,6 +45,16 @@ def findings_paths(root: str | os.PathLike) -> list[Path]:
     except OSError:
         return []
     return sorted((Path(root) / n for n in names), key=lambda p: int(FINDINGS_PATTERN.fullmatch(p.name).group(1)))
+
+
+def start_findings(root: str | os.PathLike, rank: int) -> None:
+    """Remove the rank's findings file an earlier run into the same directory left (a run that wrote no
+    step file, so the directory could be written again): this run's guard starts a new one. Called by
+    the writer once it holds the rank's lock; a failure is left for the guard's first write to meet."""
+    try:
+        os.unlink(Path(root) / findings_name(rank))
+    except OSError:
+        pass
 
 
 class FindingsAppender:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
 from tracer.checks.finding import CHECKS, ERROR, WARNING, Finding, Skip
-from tracer.checks.guard_records import options_key
+from tracer.checks.guard_records import context_digest, options_key
 from tracer.checks.runner import check_step, step_conditions
 from tracer.errors import TraceError
 from tracer.format.findings_log import FindingsAppender
@@ -232,7 +232,7 @@ class StepChecker:
         lines.append({"kind": "checked", "file": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                       "findings": len(result.findings), "ran": result.ran, "skipped": result.skipped,
                       "depends": depends, "fields": sorted(set(ctx.data) - ctx.derived), "algorithm": ctx.algorithm,
-                      "conditions": sorted(step_conditions(ctx))})
+                      "conditions": sorted(step_conditions(ctx)), "context": context_digest(trace)})
         self.out.add(lines)
         self.checked += 1
         self._report(result.findings)

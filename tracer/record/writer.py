@@ -22,6 +22,7 @@ import torch
 
 from tracer.errors import GuardStop, TraceError, user_stacklevel
 from tracer.format.counts import COUNTS_NAME, reserve_counts
+from tracer.format.findings_log import start_findings
 from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as _save_atomic, unlock_rank, write_json_atomic
 from tracer.format.metadata_codec import jsonable
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
@@ -160,6 +161,7 @@ class TraceWriter:
         self._steps_dir.mkdir(parents=True, exist_ok=True)
         self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
         self._scalar_log = ScalarLog(self.root, self.rank)  # logged scalars (tracer.format.scalar_log)
+        start_findings(self.root, self.rank)  # the live guard's findings of this run only (tracer.format.findings_log)
         self._backends: Backends | None = None  # set last: a writer thread it starts may tick before
         try:  # from here on a failure must not keep the rank's lock (the next writer would be refused)
             manifest = new_manifest(algorithm, self.world_size, self.hyperparameters, config, self.sampling,
