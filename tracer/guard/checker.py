@@ -116,6 +116,7 @@ class StepChecker:
         self._cost = 0.0  # seconds the last step file's checks took
         self._next_trace_run = 2  # checked files after which the trace checks run next
         self._trace_cost = 0.0
+        self._trace_runs = 0
         self._seen: set[tuple] = set()  # places of trace-check findings written
         self.out.add([{"kind": "guard", "mode": mode, "options": options_key(self.options),
                        "checks": [c.id for c in self.checks], "pid": os.getpid(), "share": self.share}])
@@ -259,7 +260,13 @@ class StepChecker:
                 if place not in self._seen:
                     self._seen.add(place)
                     new.append(f)
-        self.out.add([_line(f, "trace", None) for f in new])
+        lines = [_line(f, "trace", None) for f in new]
+        if not self._trace_runs:
+            lines.insert(0, {"kind": "note", "message": "the checks over several step files (trends, drifts) run "
+                             "after 2, 4, 8, ... checked files and at the end of the run: a finding of theirs may "
+                             "come up to twice as many steps after the step that shows it"})
+        self._trace_runs += 1
+        self.out.add(lines)
         self._trace_cost = time.monotonic() - started
         self._report(new)
 
