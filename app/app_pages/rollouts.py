@@ -40,17 +40,9 @@ def _frame(trace, trace_path: str, listing: str):
             bar.progress(done / max(total, 1), text=f"Reading the rollouts: step file {done:,} of {total:,}")
 
         frame = rollout_frame(trace, progress=progress)
-        frame.attrs["step_bytes"] = sum(_size(k.path) for k in trace.steps())  # set before it is shared
         _store().put(key, frame)
         bar.empty()
     return frame
-
-
-def _size(path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:  # removed since the listing: nothing to check there
-        return 0
 
 
 def _apply_url(sortable: list[str]) -> None:
@@ -102,9 +94,9 @@ if unread:  # file names and reasons: plain text, never Markdown
 
 # -- findings of tracer check, per row ------------------------------------------------------------------
 # One rule and one cache with the Runs page, the sidebar and the Health page: a run of at most
-# runs.MAX_CHECKED_FILES step files is checked on its own, a larger one once the user asks.
+# step files within runs.MAX_CHECKED_BYTES is checked on its own, a larger one once the user asks.
 files = tuple(k.path.name for k in keys)
-step_bytes = int(frame.attrs.get("step_bytes", 0))
+cost = runs.check_cost(trace_path)
 checked = runs.known_status(trace_path) is not None
 if checked:
     findings = trace_cache.findings(trace_path, files)
@@ -135,8 +127,8 @@ g1.number_input("Group", value=None, step=1, key="ro_group", disabled=not groups
 g2.toggle("Only rows with findings", key="ro_flagged", disabled=not checked,
           help="rows where tracer check names an error or a warning")
 if not checked:
-    g3.caption(f"Findings: not checked. tracer check reads every step file: this run has {len(files):,} "
-               f"({size_text(step_bytes)}), more than the {runs.MAX_CHECKED_FILES} checked without asking.")
+    g3.caption(f"Findings: not checked. tracer check reads every step file: this run has {cost.files:,} "
+               f"({size_text(cost.bytes)}); {runs.budget_text()}.")
     if g3.button(f"Run tracer check on {len(files):,} step files", icon=":material/health_and_safety:"):
         runs.request_check(trace_path)
         st.rerun()

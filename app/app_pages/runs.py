@@ -38,7 +38,7 @@ progress.empty()
 frame = pd.DataFrame(rows, columns=runs.COLUMNS)
 st.caption("Select a row to open the run at its most informative step: the first step file with an error, "
            "else the last step. check: the findings of `tracer check` (errors and warnings; info findings "
-           f"are not problems); a run of more than {runs.MAX_CHECKED_FILES} step files is checked when asked.")
+           f"are not problems); {runs.budget_text()}, a larger run when asked.")
 event = st.dataframe(
     frame, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="runs_table",
     column_config={

@@ -6,7 +6,8 @@ Each row is read from what the writer stores for the overview: the run's summary
 of the last step's files (their shapes give the rows per step). The check status is
 ``tracer.checks.run_checks`` on every step file, the code ``tracer check`` runs, counted as the
 Health page counts it; it is cached per run and listing of step files (a new step file checks the
-run again). A run of more than :data:`MAX_CHECKED_FILES` step files is checked only when asked.
+run again). A run whose step files weigh more than the budget :data:`MAX_CHECKED_BYTES`
+(:func:`check_cost`, from the files' sizes, no tensor read) is checked only when asked.
 
 Opening a run (a row of the Runs page, a URL naming ``run=`` without ``step=``) shows the step a
 user wants to see first: the first step file with an error finding (its sequence when the finding
@@ -29,10 +30,14 @@ from app.components.overview import status_text
 from tracer.checks import ERROR, WARNING
 from tracer.errors import TraceError
 
-# Above this many step files a run is checked only on request: run_checks costs 16 to 40 ms per
-# step file of a tiny run here (a 2,000-step run of B = 4: 32 s; ppo-tiny, 17 files: 0.7 s), so
-# the page waits at most a few seconds per run.
-MAX_CHECKED_FILES = 200
+# The automatic check's budget, so that opening a run waits at most ~5 s for tracer check. Measured
+# on the 2 shared CPU cores of the development machine, run_checks(reuse_guard=False) on GRPO traces
+# of bench.viewer_traces (B x T, bytes per step file, time per step file): 8 x 16, 14 kB, 17 ms;
+# 16 x 64, 59 kB, 23 ms; 64 x 128, 410 kB, 118 ms; 64 x 256, 780 kB, 212 ms: ~10 ms per file plus
+# ~0.28 s per MB. A run is charged its step files' bytes plus FILE_OVERHEAD_BYTES per file (the
+# fixed cost at that rate), so 16 MB buys ~290 tiny files (~5 s) or ~35 files of 64 x 128 (~4 s).
+MAX_CHECKED_BYTES = 16_000_000
+FILE_OVERHEAD_BYTES = 40_000
 PASS = "pass"
 NOT_CHECKED = "not checked yet"
 _REQUESTED_STATE = "_tracer_runs_check_requested"  # trace paths the user asked to check
@@ -91,9 +96,49 @@ def informative_index(coordinates: np.ndarray, status: CheckStatus | None) -> in
     return int(np.flatnonzero((coordinates[:, 0] == last[0]) & (coordinates[:, 1] == last[1]))[0])
 
 
-def checked_automatically(n_files: int) -> bool:
-    """Whether a run of ``n_files`` step files is checked without being asked."""
-    return n_files <= MAX_CHECKED_FILES
+@dataclass(frozen=True)
+class CheckCost:
+    """What ``tracer check`` reads in a run: ``files`` step files of ``bytes`` bytes together."""
+
+    files: int
+    bytes: int
+
+    @property
+    def charged(self) -> int:
+        """The bytes counted against :data:`MAX_CHECKED_BYTES`: the files' sizes plus
+        :data:`FILE_OVERHEAD_BYTES` per file (run_checks' fixed cost per file)."""
+        return self.bytes + self.files * FILE_OVERHEAD_BYTES
+
+    @property
+    def automatic(self) -> bool:
+        """Whether the run is checked without being asked (charged at most :data:`MAX_CHECKED_BYTES`)."""
+        return self.charged <= MAX_CHECKED_BYTES
+
+
+def check_cost(trace_path: str) -> CheckCost:
+    """The :class:`CheckCost` of the run at ``trace_path``: its step files and their summed size
+    (``os.stat`` of each listed file; one removed since the listing counts 0), cached per listing."""
+    trace = trace_cache.open_trace(trace_path)
+    return _check_cost(trace_path, trace_cache.listing_token(trace))
+
+
+@st.cache_data(max_entries=256, show_spinner=False)
+def _check_cost(trace_path: str, listing: str) -> CheckCost:
+    keys = trace_cache.open_trace(trace_path).steps()
+    return CheckCost(len(keys), sum(_size(k.path) for k in keys))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed since the listing: nothing to check there
+        return 0
+
+
+def budget_text() -> str:
+    """The rule in words, for the pages' notes."""
+    return (f"runs of up to {MAX_CHECKED_BYTES / 1e6:g} MB of step files (each file counted "
+            f"{FILE_OVERHEAD_BYTES / 1e3:g} kB more) are checked without asking")
 
 
 def request_check(trace_path: str) -> None:
@@ -102,11 +147,10 @@ def request_check(trace_path: str) -> None:
 
 
 def known_status(trace_path: str) -> CheckStatus | None:
-    """The run's :class:`CheckStatus` when it may be computed now (a run of at most
-    :data:`MAX_CHECKED_FILES` step files, or one the user asked to check), else None."""
+    """The run's :class:`CheckStatus` when it may be computed now (a run within the budget,
+    :attr:`CheckCost.automatic`, or one the user asked to check), else None."""
     trace = trace_cache.open_trace(trace_path)
-    files = trace_cache.step_files(trace)
-    if not checked_automatically(len(files)) and trace_path not in st.session_state.get(_REQUESTED_STATE, ()):
+    if not check_cost(trace_path).automatic and trace_path not in st.session_state.get(_REQUESTED_STATE, ()):
         return None
     return run_status(trace_path, trace_cache.listing_token(trace))
 

@@ -187,13 +187,15 @@ def test_selecting_a_row_opens_its_tokens_in_the_same_tab(monkeypatch, root):
 def test_a_run_past_the_bound_is_not_checked_until_asked(monkeypatch, root):
     from app.components import runs
 
-    monkeypatch.setattr(runs, "MAX_CHECKED_FILES", 4)  # the run has 18 step files
-    size = sum(p.stat().st_size for p in (root / "run" / "steps").glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in (root / "run" / "steps").glob("*.safetensors"))  # 18 step files
+    monkeypatch.setattr(runs, "MAX_CHECKED_BYTES", size + 18 * runs.FILE_OVERHEAD_BYTES - 1)  # one byte short
     at = open_rollouts(monkeypatch, root, {"run": "run"})
     assert set(table(at)["findings"]) == {"not checked"}
     assert at.toggle(key="ro_flagged").disabled
-    assert (f"Findings: not checked. tracer check reads every step file: this run has 18 ({size / 1e6:.3g} MB), "
-            "more than the 4 checked without asking.") in [c.value for c in at.caption]
+    budget = (size + 18 * runs.FILE_OVERHEAD_BYTES - 1) / 1e6
+    assert (f"Findings: not checked. tracer check reads every step file: this run has 18 ({size / 1e6:.3g} MB); "
+            f"runs of up to {budget:g} MB of step files (each file counted {runs.FILE_OVERHEAD_BYTES / 1e3:g} kB "
+            "more) are checked without asking.") in [c.value for c in at.caption]
     at.button[0].click().run()
     assert not at.exception, [e.value for e in at.exception]
     located = {}

@@ -146,8 +146,17 @@ def test_a_url_naming_only_the_run_opens_its_most_informative_step(monkeypatch, 
     assert at.selectbox(key="step_file").value == "step 0 · inner 1 · mb 0 · rank 0"
 
 
+def charged_bytes(run: Path) -> int:
+    """The bytes a run is charged against the automatic check's budget, from its files on disk:
+    each step file's size plus the fixed per-file charge."""
+    files = list((run / "steps").glob("*.safetensors"))
+    return sum(p.stat().st_size for p in files) + len(files) * runs.FILE_OVERHEAD_BYTES
+
+
 def test_a_run_beyond_the_bound_is_checked_when_asked(monkeypatch, root):
-    monkeypatch.setattr(runs, "MAX_CHECKED_FILES", 6)  # buggy: 6 step files; healthy: 8
+    # buggy: 6 step files; healthy: 8 of the same shapes, so it weighs more: the budget takes buggy only
+    assert charged_bytes(root / "buggy") < charged_bytes(root / "healthy")
+    monkeypatch.setattr(runs, "MAX_CHECKED_BYTES", charged_bytes(root / "buggy"))
     at = start(monkeypatch, root)
     table = runs_table(at).value.set_index("run")
     assert table.loc["healthy", "check"] == runs.NOT_CHECKED and table.loc["buggy", "check"].startswith("1 error")
@@ -159,6 +168,27 @@ def test_a_run_beyond_the_bound_is_checked_when_asked(monkeypatch, root):
     at.button(key="check_healthy").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert runs_table(at).value.set_index("run").loc["healthy", "check"] == "pass"
+
+
+def test_the_automatic_check_is_a_budget_on_the_step_files_bytes(monkeypatch, root):
+    # a run of few but big step files (64 x 128 tokens weigh ~400 kB each, ~0.1 s of checks each)
+    # waits as long as hundreds of tiny ones: the bound counts bytes, not files
+    paths = sorted((root / "healthy" / "steps").glob("*.safetensors"))
+    cost = runs.check_cost(str(root / "healthy"))
+    assert (cost.files, cost.bytes) == (8, sum(p.stat().st_size for p in paths))
+    assert cost.charged == cost.bytes + 8 * runs.FILE_OVERHEAD_BYTES
+    monkeypatch.setattr(runs, "MAX_CHECKED_BYTES", cost.charged)
+    assert runs.check_cost(str(root / "healthy")).automatic
+    monkeypatch.setattr(runs, "MAX_CHECKED_BYTES", cost.charged - 1)
+    assert not runs.check_cost(str(root / "healthy")).automatic
+    table = runs_table(start(monkeypatch, root)).value.set_index("run")
+    assert table.loc["healthy", "check"] == runs.NOT_CHECKED
+    assert table.loc["buggy", "check"].startswith("1 error")  # 6 files: under the budget
+    # the real budget keeps the automatic check near 5 s on the files measured in the module's notes:
+    # 290 step files of 14 kB and 35 of 410 kB fit (~5 s, ~4 s), 37 of 410 kB do not
+    monkeypatch.undo()
+    assert runs.CheckCost(290, 290 * 14_000).automatic and runs.CheckCost(35, 35 * 410_000).automatic
+    assert not runs.CheckCost(37, 37 * 410_000).automatic
 
 
 def test_check_results_are_cached_per_run_and_listing(monkeypatch, tmp_path):
