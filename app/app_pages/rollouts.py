@@ -13,7 +13,7 @@ from app.components.rollouts import (
     COLUMN_HELP, FINDINGS, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
     display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
     tokens_params)
-from app.components.sidebar import current_selection, run_param
+from app.components.sidebar import current_selection, hide_step_choosers, run_param
 from tracer.read.rollouts import rollout_frame
 
 _WRITTEN = "_tracer_rollouts_url"  # the page parameters this page last wrote into the URL
@@ -70,6 +70,7 @@ def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
 
+hide_step_choosers()  # the page lists every step file and row: the Step file and Sequence choosers do nothing
 selection = current_selection()
 trace_path = str(selection.trace_path)
 trace = trace_cache.open_trace(trace_path)

@@ -6,7 +6,9 @@ Only traces that resolve inside the root are listed or opened; ``?run=`` in the 
 and is refused when it leaves the root; without ``step=`` the run opens at its most informative
 step (:mod:`app.components.runs`). A finding chosen on the Health page sets the choosers through
 :mod:`app.components.token_jump` before they are drawn. A page on which the choosers have no effect
-(Diff) takes them off the sidebar; :func:`keep_choices` keeps their values for the next page.
+(Diff) takes them off the sidebar; :func:`keep_choices` keeps their values for the next page. A
+page that covers the whole run (Rollouts) takes off only the Rank, Step and Sequence choosers
+(:func:`hide_step_choosers`), keeping the Run chooser.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ MAX_STEP_OPTIONS = 2_000  # a run with more step files picks a step number, then
 STEP_NUMBER = "step_number"  # the session state of that Step number input
 JS_SAFE_INT = 2**53 - 1  # the largest step a Streamlit number input holds (a JavaScript number)
 _CHOOSER_KEYS = ("run", "rank", STEP_NUMBER, "step_file", "sequence", "auto_refresh")
+_STEP_CHOOSER_KEYS = ("rank", STEP_NUMBER, "step_file", "sequence")
+_STEP_SLOT = "_tracer_step_choosers"  # this run's placeholder of the Rank, Step and Sequence choosers
 
 
 @dataclass(frozen=True)
@@ -159,10 +163,22 @@ def render_sidebar_header(root: Path) -> list[Path]:
     return _listed_traces(root)
 
 
-def keep_choices() -> None:
-    """Keep the choosers' values for the next run: called when they are taken off the page (a
-    widget not shown loses its state), :func:`render_sidebar` puts them back."""
-    st.session_state[_KEPT_STATE] = {k: st.session_state[k] for k in _CHOOSER_KEYS if k in st.session_state}
+def keep_choices(keys: tuple[str, ...] = _CHOOSER_KEYS) -> None:
+    """Keep the choosers' values (of ``keys``, every chooser by default) for the next run: called
+    when they are taken off the page (a widget not shown loses its state), :func:`render_sidebar`
+    puts them back."""
+    st.session_state[_KEPT_STATE] = {k: st.session_state[k] for k in keys if k in st.session_state}
+
+
+def hide_step_choosers() -> None:
+    """Take the Rank, Step, Step file and Sequence choosers off the sidebar for this run of a page
+    on which they have no effect (Rollouts lists every step file), keeping their values for the
+    next page (:func:`keep_choices`); the Run chooser stays. Called by the page, after the sidebar
+    is drawn; nothing to do when the sidebar drew no step choosers (a run without step files)."""
+    slot = st.session_state.pop(_STEP_SLOT, None)
+    if slot is not None:
+        slot.empty()
+        keep_choices(_STEP_CHOOSER_KEYS)
 
 
 def _restore_choices() -> None:
@@ -180,6 +196,7 @@ def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | No
     if not traces:
         return None
     sb = (choosers if choosers is not None else st.sidebar).container()
+    st.session_state.pop(_STEP_SLOT, None)  # a placeholder of an earlier run of the app
     _restore_choices()
     refused = not _apply_url_run(root, traces)
     jump = token_jump.pending()
@@ -201,7 +218,8 @@ def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | No
         token_jump.select_step(jump, run, table.keys(), _step_labels)
     else:
         _apply_url_selection(str(run), table)
-    chosen = _choose_step(sb, root, run, table)
+    step_slot = st.session_state[_STEP_SLOT] = sb.empty()
+    chosen = _choose_step(step_slot.container(), root, run, table)
     # a refused ?run= stays in the URL (its message with it) until another run is chosen
     urls.write(urls.selection_params(run_param(root, run), chosen.key, chosen.sequence),
                keep=("run",) if refused else ())
