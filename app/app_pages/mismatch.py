@@ -9,9 +9,9 @@ import hashlib
 
 import streamlit as st
 
-from app.components import mismatch, token_jump, trace_cache
+from app.components import mismatch, token_jump, trace_cache, urls
 from app.components.health import FindingTarget
-from app.components.sidebar import current_selection
+from app.components.sidebar import current_selection, run_param
 from app.components.token_table import TOKEN_TEXT_HELP
 from tracer.views.mismatch import correction_settings
 
@@ -87,7 +87,9 @@ if rows != st.session_state.get(_HANDLED_STATE):
         picked = worst.iloc[rows[0]]
         token_jump.request(FindingTarget(trace_path, step_path, int(picked["sequence"]), int(picked["token"]),
                                          "sampler.mismatch"))
-        st.switch_page("app_pages/tokens.py")
+        # the token in the URL as Health puts it there: a reload or a copied link marks it again
+        params = urls.selection_params(run_param(selection.root, selection.trace_path), key, int(picked["sequence"]))
+        st.switch_page("app_pages/tokens.py", query_params={**params, "token": str(int(picked["token"]))})
 
 left, right = st.columns(2)
 left.plotly_chart(mismatch.scatter_figure(frame, "token", "position in the completion", "against position"),

@@ -87,11 +87,15 @@ st.subheader("Token table")
 counts = reason_counts(table)
 st.text(" · ".join(f"{reason}: {n}" for reason, n in counts.items()))
 target = token_jump.highlight_for(selection.trace_path, key, selection.sequence)
-if target is not None:
+# the token a link marks (token=, kept in the URL by Health and Mismatch): a reload marks it again
+linked = urls.page_param("token", list(table["position"].unique()) if "position" in table else [])
+if target is not None or linked is not None:
     left, right = st.columns([4, 1])
-    left.caption(target.caption())  # a check id and a number: no token text in Markdown
+    # a check id and a number: no token text in Markdown
+    left.caption(target.caption() if target is not None else f"marked by the link: token {linked}")
     if right.button("Clear highlight", key="clear_highlight"):
         token_jump.clear_highlight()
+        urls.set_page_param("token", None)  # else a reload, or the copied link, marks it again
         st.rerun()
 include_prompt = st.toggle("Show prompt rows", value=False, key="show_prompt", help="listed after the completion rows")
 frame = token_display_frame(table, include_prompt=include_prompt)
