@@ -170,7 +170,8 @@ event = st.dataframe(
 st.columns([1, 3])[0].number_input(f"Page (of {pages:,}, {PAGE_SIZE} rows each)", min_value=1, max_value=pages,
                                    step=1, key="ro_page")
 st.caption("Select a row (the box at its left) to open its tokens here, or follow its link. Text: token strings "
-           "of the kept completion tokens, possibly truncated; the search reads that text.")
+           "of the kept completion tokens joined without a mark between them, possibly truncated; the search "
+           "reads that text. Where one token ends: the row's tokens on the Tokens page.")
 
 picked = list(event.selection.rows)
 if picked != state.get(_HANDLED):

@@ -42,7 +42,9 @@ COLUMN_HELP = {
     "mean_abs_mismatch": "mean |old_logprobs - sampler_logprobs| over kept tokens (nats)",
     "mean_entropy": "mean entropy of the policy over kept tokens (nats)",
     FINDINGS: "errors and warnings of tracer check located at this row (step file and sequence)",
-    "text": "token strings of the kept completion tokens; a long text ends in … (cut where the trace stores it)",
+    "text": ("token strings of the kept completion tokens joined as the model reads them (no mark between "
+             "tokens, so the search finds the text as written); a long text ends in … (cut where the trace "
+             "stores it); the row's link opens its tokens one by one"),
 }
 
 
