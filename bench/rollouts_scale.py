@@ -14,8 +14,8 @@ and page, one script run each; the wall time of ``AppTest.run``):
   sort          sort by reward, descending (every row of the run, then page 1 sent)
   search        full-text search of a word over every row's text
   page          page 5 of the search result
-The findings are left unchecked on both runs (``app.components.runs.MAX_CHECKED_FILES`` set to 0: the
-bound under which the Runs page, the sidebar and this page run ``tracer check`` on their own) so that
+The findings are left unchecked on both runs (``app.components.runs.MAX_CHECKED_BYTES`` set to -1: the
+budget under which the Runs page, the sidebar and this page run ``tracer check`` on their own) so that
 the same work is timed; what ``tracer check`` adds to the first open of a run under the bound is timed
 apart (``run_checks`` on every step file of the small run), and so is, without
 the app, ``rollout_frame`` from the summaries vs from the tensors (``source`` checked).
@@ -140,7 +140,7 @@ def measure(steps: int, small: int, B: int, T: int, rounds: int) -> dict:
     big_run, small_run = ensure(steps, B, T), ensure(small, B, T)
     times: dict[str, dict[str, list[float]]] = {"big": {}, "small": {}}
     with contextlib.ExitStack() as unchecked:
-        unchecked.enter_context(mock.patch.object(runs_component, "MAX_CHECKED_FILES", 0))
+        unchecked.enter_context(mock.patch.object(runs_component, "MAX_CHECKED_BYTES", -1))
         for r in range(rounds):  # alternate the runs; every round starts cold
             for name, run in (("big", big_run), ("small", small_run))[:: 1 if r % 2 == 0 else -1]:
                 clear_app_caches()
@@ -174,8 +174,7 @@ def main() -> None:
               f"from tensors {src['tensors']:.2f} s -> {src['tensors'] / src['summaries']:.1f}x faster from summaries")
     seconds, size = r["checks"]
     print(f"tracer check (run_checks) on the small run's {args.small} step files ({size / 1e6:.1f} MB): {seconds:.2f} s "
-          f"({seconds / (size / 1e6):.2f} s per MB; a run of at most {runs_component.MAX_CHECKED_FILES} step files "
-          "pays it at its first open)")
+          f"({seconds / (size / 1e6):.2f} s per MB; {runs_component.budget_text()}, and pay it at their first open)")
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 
