@@ -27,6 +27,7 @@ from tracer.diff import DiffReport, diff
 from tracer.errors import ChecksumError, TraceError
 from tracer.read import Trace
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
+from tracer.format.scalar_log import SCALARS_GLOB
 
 REGEN_FLAG = "--tracer-regen"
 
@@ -88,8 +89,8 @@ def assert_traces_match(
 
 
 def _copy_trace(src: Path, dst: Path) -> None:
-    """Replace ``dst`` with a copy of trace ``src`` (manifest, token strings, step files) through a
-    temporary name and a rename."""
+    """Replace ``dst`` with a copy of trace ``src`` (manifest, token strings, step files, and the
+    scalars logged after their steps: data no step file holds) through a temporary name and a rename."""
     if dst.exists() and dst.is_dir() and any(dst.iterdir()) and not (
             (dst / MANIFEST_NAME).is_file() or (dst / STEPS_DIR).is_dir()):
         raise TraceError(f"refusing to replace {dst}: it exists and is not a trace; move it away or "
@@ -104,7 +105,7 @@ def _copy_trace(src: Path, dst: Path) -> None:
         shutil.copyfile(src, tmp)
     else:  # the trace files only: a run directory may hold more (a model, logs)
         (tmp / STEPS_DIR).mkdir(parents=True)
-        for path in [src / MANIFEST_NAME, src / TOKENS_NAME, *src.glob("*.safetensors"),
+        for path in [src / MANIFEST_NAME, src / TOKENS_NAME, *src.glob("*.safetensors"), *src.glob(SCALARS_GLOB),
                      *(src / STEPS_DIR).glob("*.safetensors")]:
             if path.is_file():
                 shutil.copyfile(path, tmp / path.relative_to(src))

@@ -8,6 +8,9 @@ named by its coordinates, and listing a folder's step files.
     summary_index.rank_0.jsonl   one JSON line per step file written by rank 0: its name, size,
                            coordinates and summary (an accelerator for run overviews; tracer.format.run_index)
     summary_index.rank_0.columns  the same, compacted into columns at close (safetensors format; tracer.format.summary_store)
+    rollouts.rank_0.jsonl  one JSON line per step file: its rows' statistics and text (the Rollouts table without
+                           opening step files; tracer.format.rollout_store)
+    scalars.rank_0.jsonl   numbers logged after their step's file was written (TRL's logs; tracer.format.scalar_log)
     capture_report.rank_0.json   zero-edit tracing only: what rank 0's watcher captured (tracer.format.capture_report)
 """
 
