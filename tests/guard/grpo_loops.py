@@ -20,13 +20,14 @@ BETA = GRPOConfig().beta  # the reference-KL coefficient the loop says it runs w
 
 
 def run_loop(out: Path, model_dir: Path, guard: Any, bug: str | None = None, steps: int = 3,
-             writer: str = "thread", progress: list[int] | None = None) -> Path:
+             writer: str = "thread", progress: list[int] | None = None, **config: Any) -> Path:
     """Train ``steps`` GRPO steps of the tiny model into the trace ``out`` with ``guard``; ``progress``
     gets each step number as it starts (a test learns where the run stopped; after the last step, the
-    number of steps)."""
+    number of steps). ``config``: GRPOConfig fields to change (a larger step: ``num_prompts``,
+    ``max_new_tokens``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cfg = GRPOConfig(steps=steps, seed=0)
+    cfg = GRPOConfig(steps=steps, seed=0, **config)
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -29,7 +29,9 @@ def stopped(model_dir, tmp_path_factory):
     logging.getLogger("tracer.guard").addHandler(handler)
     try:
         with pytest.raises(tracer.GuardStop) as raised:
-            run_loop(out, model_dir, "stop", bug="flip_kl", steps=6, progress=progress)
+            # a step of 32 completions of up to 32 tokens (0.2-0.3 s here; a real one takes seconds)
+            run_loop(out, model_dir, "stop", bug="flip_kl", steps=6, progress=progress, num_prompts=8,
+                     max_new_tokens=32)
     finally:
         logging.getLogger("tracer.guard").removeHandler(handler)
     return out, raised.value, progress, handler.lines

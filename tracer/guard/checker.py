@@ -118,8 +118,6 @@ class StepChecker:
         self._trace_cost = 0.0
         self._trace_runs = 0
         self._seen: set[tuple] = set()  # places of trace-check findings written
-        self.out.add([{"kind": "guard", "mode": mode, "options": options_key(self.options),
-                       "checks": [c.id for c in self.checks], "pid": os.getpid(), "share": self.share}])
         self._thread = threading.Thread(target=self._run, name="tracer-guard", daemon=True)
         self._thread.start()
 
@@ -130,6 +128,9 @@ class StepChecker:
         file queued after the first :data:`FIRST_FILES` goes); never waits."""
         with self._cond:
             self.arrived += 1
+            if self.arrived == 1:  # the file starts with the line that says who checks (this process)
+                self.out.add([{"kind": "guard", "mode": self.mode, "options": options_key(self.options),
+                               "checks": [c.id for c in self.checks], "pid": os.getpid(), "share": self.share}])
             first = self.arrived <= FIRST_FILES
             if not first and (self._busy or time.monotonic() < self._rest_until):
                 self._leave_out(path)

@@ -34,9 +34,10 @@ from tracer.record.observer import GUARD_MODES
 log = logging.getLogger("tracer.guard")
 VIEW_URL = "http://localhost:8501"  # where `tracer view` serves (Streamlit's default port)
 # The writer batches the steps that arrive within its linger (0.25 s: tracer.record.thread.LINGER_S) to save
-# interpreter time per file (about 1 ms of a small step's); a guard shortens it, or a fast loop would
-# run several steps past a bad one before its file exists to be checked.
-GUARD_LINGER_S = 0.05
+# interpreter time per file (about 1 ms of a small step's); guard="stop" writes each step at once, or a
+# fast loop (the tiny GRPO loop: 0.05 s a record) runs several steps past a bad one before its file exists
+# to be checked (a warning printed 0.2 s later costs nothing: "warn" and a callable keep the batching).
+GUARD_LINGER_S = 0.0
 
 
 class Guard:
@@ -61,7 +62,7 @@ class Guard:
         else:
             raise ValueError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
         self.root, self.rank, self.share = Path(root), rank, share
-        self.linger_s = GUARD_LINGER_S  # read by the writer (tracer.record.observer)
+        self.linger_s = GUARD_LINGER_S if self.mode == "stop" else None  # read by the writer (tracer.record.observer)
         self._lock = threading.Lock()
         self._checker: StepChecker | None = None
         self._said: set[str] = set()  # checks whose first finding was printed
@@ -69,6 +70,11 @@ class Guard:
         self._stop_line = ""
         self.findings: list[dict[str, Any]] = []  # every error and warning reported, in order (JSON form)
         self.notes: list[str] = []
+        if self.mode == "stop":
+            # its thread made now, by the training thread: one made by the writer thread would inherit that
+            # thread's lower priority (tracer.record.thread.WRITER_NICENESS) and, on a busy machine, let the
+            # loop run steps past the error; the share bound keeps it cheap all the same
+            self._checker = StepChecker(self.root, self.rank, self.mode, self._on_report, self.share)
 
     # -- StepObserver ---------------------------------------------------------------------------
 
