@@ -148,7 +148,12 @@ class StepChecker:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join()  # it ran the last trace checks (_last_trace_checks)
+        self.out.close()
+
+    def _last_trace_checks(self) -> None:
+        """At close, on the checker's thread: the trace checks over every file, unless their last run took
+        over :data:`CLOSE_TRACE_CHECKS_S` (then a note says to run ``tracer check``)."""
         try:
             if self.checked and self._trace_cost <= CLOSE_TRACE_CHECKS_S:
                 self._trace_checks()
@@ -157,7 +162,6 @@ class StepChecker:
                            f"(over {CLOSE_TRACE_CHECKS_S:.0f} s); run `tracer check {self.root}` for them")
         except Exception as err:  # noqa: BLE001  (a guard never breaks the writer's close)
             log.warning("tracer guard: the trace checks failed at close: %s: %s", type(err).__name__, err)
-        self.out.close()
 
     # -- the checker's thread -----------------------------------------------------------------
 
@@ -186,7 +190,7 @@ class StepChecker:
                 while not self._pending and not self._closing:
                     self._cond.wait()
                 if not self._pending:
-                    return
+                    break
                 _, path = self._pending.popleft()
                 self._busy = True
             started = time.monotonic()
@@ -204,6 +208,7 @@ class StepChecker:
                     self._cost = spent
                     if self.arrived >= FIRST_FILES:
                         self._rest_until = time.monotonic() + spent * (1 / self.share - 1)
+        self._last_trace_checks()
 
     def _check_file(self, path: Path) -> None:
         """The step checks on one step file; its finding lines, then its ``checked`` line."""
