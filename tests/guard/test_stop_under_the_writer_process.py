@@ -19,17 +19,16 @@ from tracer.read import Trace
 def test_a_nan_logprob_stops_the_loop_through_the_writer_process(tmp_path):
     g = torch.Generator().manual_seed(0)
     recorded = []
-    with pytest.raises(tracer.GuardStop) as raised:
-        with tracer.Tracer(tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}, guard="stop",
-                           writer="process") as writer:
-            for step in range(400):
-                policy = -torch.rand(4, 3, generator=g) - 0.1
-                if step == 0:
-                    policy[1, 2] = math.nan  # a kept token's logprob: an error at step 0, seq 1, token 2
-                writer.record(step, {"policy_logprobs": policy, "old_logprobs": policy.clone(),
-                                     "completion_mask": torch.ones(4, 3, dtype=torch.bool)})
-                recorded.append(step)
-                writer.flush()  # the step is in the writer process's hands before the next one
+    with pytest.raises(tracer.GuardStop) as raised, tracer.Tracer(
+            tmp_path / "run", "grpo", hyperparameters={"num_generations": 2}, guard="stop", writer="process") as writer:
+        for step in range(400):
+            policy = -torch.rand(4, 3, generator=g) - 0.1
+            if step == 0:
+                policy[1, 2] = math.nan  # a kept token's logprob: an error at step 0, seq 1, token 2
+            writer.record(step, {"policy_logprobs": policy, "old_logprobs": policy.clone(),
+                                 "completion_mask": torch.ones(4, 3, dtype=torch.bool)})
+            recorded.append(step)
+            writer.flush()  # the step is in the writer process's hands before the next one
     f = raised.value.finding
     assert (f.severity, f.step, f.sequence, f.token) == ("error", 0, 1, 2)
     assert writer.writer == "process"

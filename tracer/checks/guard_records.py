@@ -16,9 +16,10 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from dataclasses import fields as dataclass_fields
-from typing import Any, Iterable
+from typing import Any
 
 from tracer.checks.context import CheckOptions
 from tracer.checks.finding import ALL_ALGORITHMS, Check, Finding

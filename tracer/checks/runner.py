@@ -6,17 +6,26 @@ worst first (error, warning, info, skipped), then by check id and location.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Callable, Iterable
 
 from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
 from tracer.checks.coverage import NOT_CHECKED, not_checked
-from tracer.checks.guard_records import LAST_REUSE, GuardRecords
 from tracer.checks.finding import (
-    ALL_ALGORITHMS, CHECKS, ERROR, INFO, SEVERITY_RANK, SKIPPED, WARNING, Check, Finding, Skip,
+    ALL_ALGORITHMS,
+    CHECKS,
+    ERROR,
+    INFO,
+    SEVERITY_RANK,
+    SKIPPED,
+    WARNING,
+    Check,
+    Finding,
+    Skip,
 )
+from tracer.checks.guard_records import GuardRecords
 from tracer.errors import TraceError, TraceFormatError
 from tracer.read import StepKey, Trace
 
@@ -187,7 +196,7 @@ def run_checks(
             very file (same size and modification time) with the same options; the checks whose result
             on it depended on other step files run again. False: check everything afresh. The trace
             checks always run. What was reused is logged (``tracer.checks.guard_records``) and kept in
-            :data:`LAST_REUSE` for the command line to say.
+            :data:`tracer.checks.guard_records.LAST_REUSE` for the command line to say.
     Returns:
         Findings: a ``trace.unfinished`` one first, then worst first. A check that cannot run for lack of a field or metadata key yields one
         ``skipped`` finding per reason (``details["steps"]`` lists the step files). A step file that

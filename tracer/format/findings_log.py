@@ -26,8 +26,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 FINDINGS_PATTERN = re.compile(r"findings\.rank_(\d+)\.jsonl")
 MAX_FINDINGS_BYTES = 256 * 2**20  # a findings file past this is not read (a hostile or runaway file)
@@ -73,7 +74,7 @@ class FindingsAppender:
             return
         try:
             if self._fh is None:
-                self._fh = open(self.path, "a", encoding="utf-8")
+                self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (open for the run, closed by close())
             self._fh.write("".join(json.dumps(line, allow_nan=False, default=str) + "\n" for line in lines))
             self._fh.flush()
         except (OSError, ValueError, TypeError) as err:

@@ -30,8 +30,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
 from tracer.checks.finding import CHECKS, ERROR, WARNING, Finding, Skip
@@ -293,7 +294,7 @@ def _line(f: Finding, scope: str, file: str | None) -> dict[str, Any]:
 
 
 def in_writer_process(root: Path, rank: int, send: Callable[[dict[str, Any]], None], mode: str = "warn",
-                      share: float | None = None) -> "ChildGuard":
+                      share: float | None = None) -> ChildGuard:
     """The observer the writer process builds from :meth:`tracer.guard.guard.Guard.child_spec`: it
     checks there and sends each error, warning and note to the training process (``{"k": "guard", ...}``)."""
     return ChildGuard(root, rank, send, mode, share)

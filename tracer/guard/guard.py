@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import quote, urlencode
 
-from tracer.checks.guard_records import finding_of
 from tracer.checks.finding import ERROR, Finding
+from tracer.checks.guard_records import finding_of
 from tracer.guard.checker import StepChecker
 from tracer.record.observer import GUARD_MODES
 
@@ -48,7 +49,7 @@ class Guard:
         root, rank: the trace and rank the writer writes.
         share: the checker's time share (:func:`tracer.guard.checker.guard_share` when None).
     Raises:
-        ValueError: ``guard`` is none of these.
+        ValueError: a word other than ``"warn"`` or ``"stop"``. TypeError: neither a word nor a callable.
     """
 
     def __init__(self, guard: str | Callable[[Finding], Any], root: Path, rank: int = 0,
@@ -60,7 +61,7 @@ class Guard:
         elif callable(guard):
             self.mode, self.callback = "callable", guard
         else:
-            raise ValueError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
+            raise TypeError(f"guard={guard!r}: expected 'warn', 'stop' or a callable taking a Finding")
         self.root, self.rank, self.share = Path(root), rank, share
         self.linger_s = GUARD_LINGER_S if self.mode == "stop" else None  # read by the writer (tracer.record.observer)
         self._lock = threading.Lock()

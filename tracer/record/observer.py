@@ -22,8 +22,9 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from tracer.errors import TraceError
 
