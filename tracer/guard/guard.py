@@ -123,9 +123,9 @@ class Guard:
             first = item["check"] not in self._said
             self._said.add(item["check"])
             stops = self.mode == "stop" and item.get("severity") == ERROR and self._stop is None
-        line = warn_line(item, self.root, stops)
-        if stops:
-            self._stop_line, self._stop = line, finding_of(item)  # the line first: read once the finding is set
+            line = warn_line(item, self.root, stops)
+            if stops:
+                self._stop_line, self._stop = line, finding_of(item)  # the line first: read once the finding is set
         if (first or stops) and self.mode != "callable":
             log.warning("%s", line)
         if self.callback is not None:

@@ -157,9 +157,13 @@ class TraceWriter:
         self._steps_dir = self.root / STEPS_DIR
         # a step file's path: a child made without parsing (as tracer.record.step_writer makes it)
         self._step_path = getattr(self._steps_dir, "_make_child_relpath", self._steps_dir.joinpath)
-        refuse_existing_trace(self.root, self.rank)
-        self._steps_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
+        try:
+            refuse_existing_trace(self.root, self.rank)
+            self._steps_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = lock_rank(self.root, self.rank)  # one writer per (trace, rank), across processes
+        except BaseException:
+            self._close_observer()  # a guard's thread of a writer that never was
+            raise
         self._scalar_log = ScalarLog(self.root, self.rank)  # logged scalars (tracer.format.scalar_log)
         start_findings(self.root, self.rank)  # the live guard's findings of this run only (tracer.format.findings_log)
         self._backends: Backends | None = None  # set last: a writer thread it starts may tick before
@@ -198,6 +202,7 @@ class TraceWriter:
         except BaseException:
             unlock_rank(self._lock_fd, self.root, self.rank)
             self._lock_fd = None
+            self._close_observer()
             raise
         _OPEN_WRITERS.add(self)
 
@@ -336,10 +341,7 @@ class TraceWriter:
             return
         self._backends.close()
         if self._observer is not None:
-            try:
-                self._observer.close()  # its last checks, then the findings file closed
-            except Exception as err:  # noqa: BLE001  (a guard never breaks the trace's close)
-                log.warning("tracer: closing the guard of %s failed: %s", self.root, err)
+            self._close_observer()  # its last checks, then the findings file closed
             if not self._guard_said and self._observer.stop_finding() is not None:
                 self._say_guard_stop(None)  # found after the last record: the run ended by itself
         self._scalar_log.close()
@@ -366,6 +368,14 @@ class TraceWriter:
         if key in _MANIFEST_OWN_KEYS:
             raise TraceError(f"manifest key {key!r} is written by the trace writer itself; choose another key")
         self._book.annotate(key, value)
+
+    def _close_observer(self) -> None:
+        """Close the guard (its last checks); a failure is logged, never raised."""
+        if self._observer is not None:
+            try:
+                self._observer.close()
+            except Exception as err:  # noqa: BLE001  (a guard never breaks the trace's close)
+                log.warning("tracer: closing the guard of %s failed: %s", self.root, err)
 
     @property
     def guard_stop(self) -> Any:
