@@ -16,6 +16,19 @@ def test_an_unknown_guard_is_refused_before_the_trace_exists(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_no_guard_runs_unless_asked(tmp_path, monkeypatch):
+    # off by default until the guard meets its cost budget (observer.DEFAULT_GUARD; BENCHMARKS.md)
+    monkeypatch.delenv("TRACER_GUARD", raising=False)
+    with tracer.Tracer(tmp_path / "plain", "grpo") as writer:
+        assert writer.guard_stop is None
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["guard"] == {"mode": "off"}
+    assert not list((tmp_path / "plain").glob("findings.rank_*.jsonl"))
+    monkeypatch.setenv("TRACER_GUARD", "warn")
+    with tracer.Tracer(tmp_path / "asked", "grpo"):
+        pass
+    assert json.loads((tmp_path / "asked" / "manifest.json").read_text())["guard"]["mode"] == "warn"
+
+
 def test_the_environment_gives_the_default_guard(tmp_path, monkeypatch):
     monkeypatch.setenv("TRACER_GUARD", "off")
     with tracer.Tracer(tmp_path / "off", "grpo") as writer:

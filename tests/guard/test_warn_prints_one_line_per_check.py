@@ -1,4 +1,4 @@
-"""guard="warn" (the default) on the flipped-KL loop: the run goes on to its end; the first error or
+"""guard="warn" on the flipped-KL loop: the run goes on to its end; the first error or
 warning of each check prints one line (the same bug found again at later steps prints nothing more),
 while the findings file keeps every finding."""
 
@@ -15,7 +15,7 @@ def test_each_check_prints_its_first_finding_once_and_the_run_ends(model_dir, tm
     out = tmp_path / "warn"
     progress: list[int] = []
     with caplog.at_level(logging.WARNING, logger="tracer.guard"):
-        run_loop(out, model_dir, None, bug="flip_kl", steps=3, progress=progress)  # None: the default, "warn"
+        run_loop(out, model_dir, "warn", bug="flip_kl", steps=3, progress=progress)
     assert progress == [0, 1, 2, 3]
     printed = [r.getMessage() for r in caplog.records if r.name == "tracer.guard"
                and r.getMessage().startswith(("tracer guard: ERROR", "tracer guard: WARNING"))]

@@ -2,7 +2,7 @@
 guard=...)``, ``tracer.watch(..., guard=...)``): what to do with what the checks find while the run
 goes on.
 
-* ``"warn"`` (the default): the first error or warning of each check prints one line (through the
+* ``"warn"``: the first error or warning of each check prints one line (through the
   ``tracer.guard`` logger: stderr unless the program configured logging), with the check id, where
   (step, inner step, micro-batch, rank, sequence, token), the cause, and the ``tracer view`` link that
   opens the token; training goes on.

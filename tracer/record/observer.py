@@ -28,7 +28,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from tracer.errors import TraceError
 
-GUARD_ENV = "TRACER_GUARD"  # the guard of a writer given none (``off | warn | stop``); default "warn"
+GUARD_ENV = "TRACER_GUARD"  # the guard of a writer given none (``off | warn | stop``)
+# The guard of a writer given none and no TRACER_GUARD: "off" until the guard meets its cost budget
+# (<= 1% of a realistic CPU step; bench/guard_cost.py measured 6% for "warn" on 2026-12-07, BENCHMARKS.md).
+DEFAULT_GUARD = "off"
 GUARD_MODES = ("off", "warn", "stop")
 
 
@@ -74,14 +77,14 @@ def register_factory(factory: Callable[..., StepObserver | None]) -> None:
 def make_observer(guard: Any, root: Path, rank: int) -> StepObserver | None:
     """The observer for ``TraceWriter(guard=...)``: None for ``"off"``; an object with
     ``step_written`` as it is; ``"warn" | "stop"`` or a callable through the registered factory. None
-    (not given): the ``TRACER_GUARD`` environment variable, else ``"warn"``.
+    (not given): the ``TRACER_GUARD`` environment variable, else :data:`DEFAULT_GUARD` (``"off"``).
 
     Raises:
         TraceError: ``guard`` is none of these, or no factory is registered (``tracer.guard`` could
             not be imported).
     """
     if guard is None:
-        guard = os.environ.get(GUARD_ENV, "warn").strip().lower() or "warn"
+        guard = os.environ.get(GUARD_ENV, DEFAULT_GUARD).strip().lower() or DEFAULT_GUARD
     if isinstance(guard, str) and guard == "off":
         return None
     if isinstance(guard, StepObserver):

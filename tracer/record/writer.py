@@ -94,7 +94,7 @@ class TraceWriter:
             manifest's ``guard`` entry and raises :class:`tracer.errors.GuardStop`; a callable gets each
             error and warning Finding; ``"off"``: none; an object with the protocol of
             :class:`tracer.record.observer.StepObserver` is used as it is. None: ``TRACER_GUARD``, else
-            ``"warn"``. The manifest's ``guard.mode`` says which ran.
+            ``"off"`` (:data:`tracer.record.observer.DEFAULT_GUARD`). The manifest's ``guard.mode`` says which ran.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
     at most every :data:`tracer.record.manifest.MANIFEST_INTERVAL_S` seconds, at ``flush()`` and at
