@@ -90,7 +90,8 @@ def test_metadata_with_too_many_keys_is_refused_naming_the_file(tmp_path, capsys
     assert trace.scan()[path] == message
     assert main(["check", str(run)]) == 2
     assert message in capsys.readouterr().err
-    assert main(["info", str(run)]) == 0
+    assert main(["info", str(run)]) == 2  # no step file can be read: nothing to summarise (as check)
+    assert message in capsys.readouterr().err
 
 
 def test_metadata_over_the_size_limit_is_refused_naming_the_file(tmp_path):

@@ -91,7 +91,8 @@ def test_when_nothing_fits_the_old_manifest_is_kept_intact(runs):
     assert_intact(out / "nothing_fits", range(FULL_AT))
     info = trace_info(out / "nothing_fits")
     assert info["status_text"].startswith("unfinished") and info["unreadable"] == {}
-    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["manifest.counts", "manifest.json", "steps",
+    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["manifest.counts", "manifest.json",
+                                                                         "rollouts.rank_0.jsonl", "steps",
                                                                          "summary_index.rank_0.jsonl"]
     # RLIMIT_FSIZE 0 refuses even the in-place write of the counts reserved at the start: info says
     # the count stops at the manifest's last update, never that nothing was dropped
