@@ -177,6 +177,9 @@ def _parser() -> argparse.ArgumentParser:
                             "(share of groups with zero reward std, default 1); see docs/checks.md")
     check.add_argument("--fail-on", choices=("error", "warning"), default="error",
                        help="exit 1 on an error finding (default), or on an error or warning finding")
+    check.add_argument("--fresh", action="store_true",
+                       help="run every check afresh instead of reusing the live guard's step-check results "
+                            "(findings.rank_N.jsonl) for the step files it checked unchanged")
     check.add_argument("--strict-coverage", action="store_true",
                        help="exit 1 when a common bug class could not be checked for want of a field (the report's "
                             "'not checked: <class> - record <fields>' lines)")
@@ -400,7 +403,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     _select_and_path(args)
     _refuse_a_folder_of_traces(args.path, "check")
     options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(thresholds)
-    findings = run_checks(args.path, select=args.select, options=options)
+    from tracer.checks.guard_records import LAST_REUSE
+
+    LAST_REUSE.clear()  # what this run reuses, not an earlier one's (--fresh reuses nothing)
+    findings = run_checks(args.path, select=args.select, options=options, reuse_guard=not args.fresh)
+    _say_what_was_reused()
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))
     else:
@@ -411,6 +418,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
     failing = (ERROR, WARNING) if args.fail_on == "warning" else (ERROR,)
     unchecked = args.strict_coverage and any(f.check == NOT_CHECKED for f in findings)
     return 1 if has_errors(findings) or any(f.severity in failing for f in findings) or unchecked else 0
+
+
+def _say_what_was_reused() -> None:
+    """One line on stderr when ``run_checks`` took step-check results from the live guard's findings
+    file (:data:`tracer.checks.guard_records.LAST_REUSE`), so a user knows what was not recomputed."""
+    from tracer.checks.guard_records import LAST_REUSE
+
+    if LAST_REUSE.get("reused"):
+        rerun = LAST_REUSE.get("rerun")
+        print(f"tracer check: reused the live guard's step-check results for {LAST_REUSE['reused']} of "
+              f"{LAST_REUSE['files']} step files (findings.rank_N.jsonl; --fresh recomputes them)"
+              + (f"; checks that read other step files ran again on {rerun}" if rerun else ""), file=sys.stderr)
 
 
 def _thresholds(items: list[str]) -> dict[str, float]:

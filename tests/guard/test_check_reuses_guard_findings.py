@@ -51,3 +51,18 @@ def test_the_record_is_what_is_reused_until_its_file_changes(guarded):
     again = [f.to_dict() for f in run_checks(guarded)]
     assert LAST_REUSE["reused"] == 3
     assert again == [f.to_dict() for f in run_checks(guarded, reuse_guard=False)]
+
+
+def test_the_command_line_says_what_it_reused_and_fresh_recomputes(guarded, capsys):
+    from tracer.cli import main
+
+    assert main(["check", str(guarded), "--json"]) == 1
+    reused = capsys.readouterr()
+    # 4 step files; the earlier tests of this module may have touched one (then not reused)
+    assert LAST_REUSE["files"] == 4 and LAST_REUSE["reused"] >= 3
+    assert (f"reused the live guard's step-check results for {LAST_REUSE['reused']} of 4 step files"
+            in reused.err)
+    assert main(["check", str(guarded), "--json", "--fresh"]) == 1
+    fresh = capsys.readouterr()
+    assert "reused" not in fresh.err and LAST_REUSE.get("reused", 0) == 0
+    assert json.loads(fresh.out) == json.loads(reused.out)  # the same findings either way
