@@ -1,4 +1,4 @@
-"""Print the README's table of canonical fields per algorithm, from the schema itself.
+"""Print the table of canonical fields (docs/format.md) per algorithm, from the schema itself.
 
     python docs/fields_table.py                 # Markdown table on stdout
 

@@ -61,6 +61,6 @@ def check_required(ctx: StepContext):
     message = (
         f"this {ctx.algorithm} step lacks required fields {missing}. Why it matters: the checks that need them "
         "are skipped, so a clean report says little about this step. Likely fix: record them (see the field "
-        "table in README.md and tracer/format/schema.py)."
+        "table in docs/format.md and tracer/format/schema.py)."
     )
     return [ctx.finding("fields.required", WARNING, message, None, missing=missing), *notes]

@@ -131,7 +131,7 @@ def run_grpo_vllm_demo(out_dir: str | os.PathLike, steps: int = 4, seed: int = 0
 
     Raises:
         ValueError: unknown ``bug``.
-        ImportError: vLLM is not installed (``pip install -e '.[vllm]'``, see README "vLLM").
+        ImportError: vLLM is not installed (``pip install -e '.[vllm]'``, see docs/vllm.md).
     """
     from tracer.demo.tiny_model import VLLM_SHAPE, build_tiny_model
     from tracer.demo.vllm_cpu import engine_environment, keep_cpu_linear_weights
