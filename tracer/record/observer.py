@@ -65,12 +65,12 @@ class StepObserver(Protocol):
     def close(self) -> None: ...
 
 
-_factory: list[Callable[..., StepObserver | None]] = []  # set by tracer.guard when imported
+_factory: list[Callable[..., StepObserver | None]] = []  # set by tracer/__init__.py (tracer.guard.make_guard, imported when asked)
 
 
 def register_factory(factory: Callable[..., StepObserver | None]) -> None:
     """Make ``factory(guard, root, rank) -> StepObserver | None`` the maker of observers from a guard
-    word or callable (:mod:`tracer.guard` registers its own at import)."""
+    word or callable (``tracer/__init__.py`` registers :func:`tracer.guard.make_guard`, imported when a writer asks)."""
     _factory[:] = [factory]
 
 
@@ -94,8 +94,9 @@ def make_observer(guard: Any, root: Path, rank: int) -> StepObserver | None:
                          f"(from TraceWriter(guard=...) or the {GUARD_ENV} environment variable)")
     if not isinstance(guard, str) and not callable(guard):
         raise TraceError(f"guard={guard!r} is not one of {list(GUARD_MODES)} or a callable that takes a Finding")
-    if not _factory:
-        importlib.import_module("tracer.guard")  # registers its factory (a plugin: record never imports checks)
+    if not _factory:  # tracer/__init__.py registers it; only a partial import of the package lacks it
+        raise TraceError(f"guard={guard!r}: no guard factory is registered (tracer/__init__.py registers "
+                         "tracer.guard's; was the package imported whole?)")
     return _factory[0](guard, Path(root), rank)
 
 
