@@ -221,7 +221,22 @@ def step_curves_figure(runs: dict[str, pd.DataFrame], layout: Layout) -> tuple[g
     for i, column in enumerate(shown):
         if column in layout.log_columns and column not in notes.log:
             fig.update_yaxes(type="log", row=i // ncols + 1, col=i % ncols + 1)
+        elif (span := constant_range(runs, column)) is not None:
+            fig.update_yaxes(range=span, row=i // ncols + 1, col=i % ncols + 1)
     return fig, notes
+
+
+def constant_range(runs: dict[str, pd.DataFrame], column: str) -> list[float] | None:
+    """``[low, high]`` around the one finite value ``column`` takes in every run (a constant learning
+    rate of 1e-3), so that the line is drawn at its value: Plotly's own range for a constant series is
+    the value ± 1, which puts 0.001 on the 0 gridline. None when the values vary (or there are none)."""
+    values = np.concatenate([f[column].to_numpy(dtype=np.float64) for f in runs.values() if column in f])
+    values = values[np.isfinite(values)]
+    if not len(values) or values.min() != values.max():
+        return None
+    value = float(values[0])
+    half = abs(value) * 0.5 if value else 1.0
+    return [value - half, value + half]
 
 
 @dataclass

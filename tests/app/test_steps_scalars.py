@@ -294,3 +294,15 @@ def test_long_runs_are_drawn_with_webgl_and_a_click_reads_the_step_of_its_point(
     assert decoded(sent[1]["x"])[-1] == pytest.approx(3.0 * (steps - 1) / 60)
     point = {"x": 3.0 * (steps - 2) / 60, "curve_number": 1, "point_index": steps - 2}
     assert clicked_step(fig, point) == (10 * (steps - 1), 1, 0)  # [inner step, run] from the trace's meta
+
+
+def test_a_constant_scalar_is_drawn_at_its_value_not_on_the_zero_line():
+    import pandas as pd
+
+    from app.components.step_curves import Layout, step_curves_figure
+
+    summary = pd.DataFrame({"step": [0, 1, 2], "inner_step": 0, "scalars/learning_rate": [1e-3] * 3,
+                            "mean_reward": [0.1, 0.5, 0.2]})
+    fig, _ = step_curves_figure({"run": summary}, Layout(["scalars/learning_rate", "mean_reward"]))
+    assert list(fig.layout.yaxis.range) == [pytest.approx(5e-4), pytest.approx(1.5e-3)]  # around 0.001
+    assert fig.layout.yaxis2.range is None  # a varying series keeps Plotly's own range
