@@ -164,8 +164,10 @@ def _query(link: str) -> dict:
     return parse_qs(urlsplit(link).query)
 
 
-@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))  # the pages it offers
-                                  if p.url_path not in RUN_FREE_PAGES])  # (Diff: tests/app/test_url_state.py)
+# the pages it offers that have step choosers (Diff: tests/app/test_url_state.py; Rollouts, which lists
+# every step and hides them: test_rollouts_step_choosers_hidden.py and test_rollouts_page.py)
+@pytest.mark.parametrize("page", [p.path for p in pages_for("grpo", step_tensors(0, 0))
+                                  if p.url_path not in RUN_FREE_PAGES and p.url_path != "rollouts"])
 def test_every_page_reopens_from_its_url(monkeypatch, root, page):
     """Open a page, choose step 1 · mb 1 · sequence 3: the URL says so; a new session started on
     that URL shows the same selection on the same page."""
