@@ -16,7 +16,7 @@ names one), else the last step, where the ratio and the KL have moved from their
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from app.components import trace_cache, urls
 from app.components.guard import report_of
 from app.components.health import severity_counts
 from app.components.overview import status_text
+from app.components.safe_trace import UNREADABLE
 from tracer.checks import ERROR, WARNING
 from tracer.errors import TraceError
 
@@ -59,9 +60,14 @@ class CheckStatus:
     warnings: int
     first_error: tuple[int, int, int, int] | None = None
     first_error_sequence: int | None = None
+    unreadable: int = 0  # step files whose data cannot be read (each one a trace.unreadable error)
+    files: int = 0  # step files on disk, the unreadable ones included
 
     def text(self) -> str:
-        """``pass``, or ``2 errors, 1 warning`` (zero counts left out)."""
+        """``pass``, ``2 errors, 1 warning`` (zero counts left out), or ``cannot read any of its 6
+        step files`` when no step file can be read (``tracer check`` exits 2 there)."""
+        if self.unreadable and self.unreadable >= self.files:
+            return f"cannot read any of its {self.files} step file{'s' if self.files != 1 else ''}"
         if not self.errors and not self.warnings:
             return PASS
         return ", ".join(f"{n} {name}{'s' if n != 1 else ''}"
@@ -152,16 +158,31 @@ def known_status(trace_path: str) -> CheckStatus | None:
     trace = trace_cache.open_trace(trace_path)
     if not check_cost(trace_path).automatic and trace_path not in st.session_state.get(_REQUESTED_STATE, ()):
         return None
-    return run_status(trace_path, trace_cache.listing_token(trace))
+    return run_status(trace_path, trace_cache.listing_token(trace), unreadable_files(trace_path))
+
+
+def unreadable_files(trace_path: str) -> tuple[str, ...]:
+    """The names of the run's step files whose data cannot be read (``SafeTrace.problems``,
+    ``unreadable: ...``), which ``steps()`` leaves out and ``tracer check`` reports as
+    ``trace.unreadable`` errors."""
+    problems = trace_cache.open_trace(trace_path).problems()
+    return tuple(sorted(p.name for p, why in problems.items() if why.startswith(UNREADABLE)))
 
 
 @st.cache_data(max_entries=256, show_spinner=False)
-def run_status(trace_path: str, listing: str) -> CheckStatus:
+def run_status(trace_path: str, listing: str, unreadable: tuple[str, ...] = ()) -> CheckStatus:
     """:func:`check_status` of every step file of the run (``listing``: :func:`trace_cache.listing_token`,
     the cache key that changes when a step file appears); the findings are those the Health page
-    shows for "every step file" (one cache)."""
+    shows for "every step file" (one cache). Each of the ``unreadable`` step files (names,
+    :func:`unreadable_files`) counts one error more, the ``trace.unreadable`` finding ``tracer
+    check`` gives it; when no step file can be read the status says so."""
     trace = trace_cache.open_trace(trace_path)
-    return check_status(trace_cache.findings(trace_path, tuple(k.path.name for k in trace.steps())))
+    names = tuple(k.path.name for k in trace.steps())
+    files = len(names) + len(unreadable)
+    if not names:
+        return CheckStatus(len(unreadable), 0, unreadable=len(unreadable), files=files)
+    status = check_status(trace_cache.findings(trace_path, names))
+    return replace(status, errors=status.errors + len(unreadable), unreadable=len(unreadable), files=files)
 
 
 def rows_per_step(trace_path: str, last_step_paths: list[Path]) -> int | None:
@@ -215,7 +236,7 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
     row["open"] = urls.link(_OPEN_PAGES.get(trace.algorithm, _OPEN_PAGES[None])[1], {"run": label})  # URL path
     row.update({"algorithm": trace.algorithm or "unknown", "status": status_text(trace.status),
                 "steps": len(np.unique(coordinates[:, 0])),
-                "step files": len(table)})
+                "step files": len(table) + len(unreadable_files(trace_path))})
     if len(table):
         of_last = coordinates[:, 0] == coordinates[-1, 0]
         at_last = np.flatnonzero(of_last & (coordinates[:, 1] == coordinates[of_last, 1].min()))
