@@ -13,7 +13,7 @@ from app.components.rollouts import (
     COLUMN_HELP, FINDINGS, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
     display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
     tokens_params)
-from app.components.sidebar import current_selection, hide_step_choosers, run_param
+from app.components.sidebar import current_selection, hide_step_choosers, run_param, stop_without_step_files
 from tracer.read.rollouts import rollout_frame
 
 _WRITTEN = "_tracer_rollouts_url"  # the page parameters this page last wrote into the URL
@@ -82,11 +82,11 @@ if trace.algorithm == "dpo":
     st.stop()
 keys = trace.steps()
 if not keys:
-    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
-    st.stop()
+    stop_without_step_files(trace)
 listing = trace_cache.listing_token(trace)
 frame = _frame(trace, trace_path, listing)
-unread = frame.attrs.get("problems") or {}
+# the files the listing set aside (header unreadable) and those the reader could not read meanwhile
+unread = {**{path.name: why for path, why in trace.problems().items()}, **(frame.attrs.get("problems") or {})}
 if unread:  # file names and reasons: plain text, never Markdown
     st.warning(f"{len(unread)} step file(s) could not be read: their rows are not listed; the others are.",
                icon=":material/warning:")

@@ -9,7 +9,7 @@ DPO pairs page for a DPO run)."""
 import streamlit as st
 
 from app.components import figures, trace_cache, urls
-from app.components.sidebar import current_selection, discover_traces, run_param
+from app.components.sidebar import current_selection, discover_traces, run_param, stop_without_step_files
 from app.components.step_curves import (
     X_AXES,
     Layout,
@@ -33,8 +33,7 @@ count = trace.step_count()  # from the listing's arrays: no key per step file
 st.title("Steps")
 st.text(f"{selection.trace_path} · {trace.algorithm or 'unknown algorithm'} · {count} step files")
 if not count:
-    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
-    st.stop()
+    stop_without_step_files(trace)
 
 
 def summary_of(path):

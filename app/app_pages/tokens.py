@@ -7,7 +7,7 @@ import streamlit as st
 from app.components import token_jump, trace_cache, urls
 from app.components.coloured_text import coloured_html, legend_html
 from app.components.figures import MAX_TOKEN_TICKS, token_values_figure
-from app.components.sidebar import current_selection
+from app.components.sidebar import current_selection, stop_without_step_files
 from app.components.token_table import (
     TOKEN_TEXT_HELP,
     VALUE_COLUMNS,
@@ -30,8 +30,7 @@ KEY_VALUES = ("ratio", "advantages", "ref_kl_k3", "approx_kl_k2", "entropy", "va
 selection = current_selection()
 st.title("Tokens")
 if selection.key is None:
-    st.info("This trace has no step files yet. Press Reload in the sidebar when the trainer has written one.")
-    st.stop()
+    stop_without_step_files(trace_cache.open_trace(str(selection.trace_path)))
 if selection.sequence is None:
     fields = trace_cache.step_fields(str(selection.trace_path), str(selection.key.path),
                                      trace_cache.file_id(selection.key.path))

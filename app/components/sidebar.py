@@ -389,6 +389,24 @@ def _render_status_notes(sb: DeltaGenerator, trace: SafeTrace, problems: dict[Pa
             st.text(printable("\n\n".join(f"{path.name}\n{reason}" for path, reason in problems.items())))
 
 
+NO_STEP_FILES_YET = "This trace has no step files yet. Press Reload in the sidebar when the trainer has written one."
+
+
+def stop_without_step_files(trace: SafeTrace) -> None:
+    """End the page's run with what stands for its step files when ``trace`` lists none: the step
+    files it set aside and why (``SafeTrace.problems``: unreadable, or leaving the trace directory),
+    or, when there are none on disk either, that the trainer has written none yet. File names and
+    reasons are plain text, never Markdown."""
+    problems = trace.problems()
+    if not problems:
+        st.info(NO_STEP_FILES_YET)
+        st.stop()
+    st.error(f"None of the {len(problems)} step file{'s' if len(problems) != 1 else ''} of this run can be read: "
+             "nothing to show. Each file and why:", icon=":material/error:")
+    st.text(printable("\n\n".join(f"{path.name}\n{reason}" for path, reason in problems.items())))
+    st.stop()
+
+
 def live_signature(trace_path: str) -> tuple:
     """What auto-refresh watches: the manifest's modification time and the step file names."""
     try:
