@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -101,8 +100,7 @@ def read_scalars(paths: Iterable[Path]) -> dict[int, dict[str, float]]:
             if type(step) is not int or step < 0 or not isinstance(values, dict):
                 continue
             kept = {k: float(v) for k, v in values.items()
-                    if isinstance(k, str) and 0 < len(k) <= MAX_NAME_CHARS and type(v) in (int, float)
-                    and not math.isinf(v)}
+                    if isinstance(k, str) and 0 < len(k) <= MAX_NAME_CHARS and type(v) in (int, float)}
             out.setdefault(step, {}).update(kept)
     return out
 

@@ -102,24 +102,25 @@ def ordered_keys(keys) -> list[str]:
             + [k for k in keys if k.startswith(SCALAR_PREFIX)])
 
 
-def _finite_or_nan(value: object) -> float | None:
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is a JSON number (NaN and infinities included: a recorded value, such
+    as an infinite gradient norm, is kept as it was), else None."""
     if type(value) in (int, float):
-        value = float(value)
-        return value if not math.isinf(value) else None
+        return float(value)
     return None
 
 
 def recorded_values(metadata: Mapping[str, Any]) -> dict[str, float]:
     """``wall_time`` and ``scalars/<name>`` of a step's decoded header: from :data:`RECORDED_KEY`
     (a header written before the writer summarised it) or from the stored summary of any version;
-    values that are not numbers (or infinite) are left out."""
+    values that are not numbers are left out."""
     out: dict[str, float] = {}
     for source in (metadata.get(SUMMARY_KEY), metadata.get(RECORDED_KEY)):
         if not isinstance(source, Mapping):
             continue
         for key, value in source.items():
             if key == "wall_time" or (named_key(key) and key.startswith(SCALAR_PREFIX)):
-                number = _finite_or_nan(value) if value is not None else math.nan
+                number = _number(value) if value is not None else math.nan
                 if number is not None:
                     out[key] = number
     return out

@@ -30,9 +30,10 @@ def check_scalars(scalars: Any) -> dict[str, float]:
     ``{"scalars/<name>": float}``, the summary keys they are stored under (:mod:`tracer.format.summary`).
 
     A value is a real number (Python or numpy, or a one-element tensor: read with ``.item()``, which
-    waits for a CUDA tensor) that is finite or NaN. Raises SchemaError naming the scalar, what was
-    expected and what was given: a name that is not a string of 1 to 100 characters, a bool, an
-    infinite value, or anything else."""
+    waits for a CUDA tensor), NaN and infinities included: an infinite gradient norm
+    (``clip_grad_norm_`` of an overflowing step) is the value a debugger most wants kept. Raises
+    SchemaError naming the scalar, what was expected and what was given: a name that is not a string
+    of 1 to 100 characters, a bool, or anything else."""
     if not isinstance(scalars, Mapping):
         raise SchemaError(f"scalars: expected a dict {{name: number}}, got {type(scalars).__name__}")
     out: dict[str, float] = {}
@@ -45,10 +46,10 @@ def check_scalars(scalars: Any) -> dict[str, float]:
             value = value.item()
         elif hasattr(value, "item") and getattr(value, "shape", None) == () and not isinstance(value, (bool, str)):
             value = value.item()  # a numpy scalar
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value in (float("inf"), float("-inf")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise SchemaError(f"scalars[{name!r}]: expected a finite number or NaN (a float, an int or a one-element "
-                              f"tensor), got {shown}")
+            raise SchemaError(f"scalars[{name!r}]: expected a number (a float, an int or a one-element tensor; "
+                              f"NaN and infinities are kept), got {shown}")
         out[summary_format.SCALAR_PREFIX + name] = float(value)
     return out
 

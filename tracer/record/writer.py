@@ -232,7 +232,7 @@ class TraceWriter:
             micro_batch: micro-batch index within the step.
             metadata: extra step metadata (JSON-able); overrides the writer's hyperparameters.
             scalars: the step's own numbers by name (``{"grad_norm": 0.3, "learning_rate": 1e-6}``), each
-                finite or NaN; shown as ``scalars/<name>`` columns of ``Trace.step_summary()`` and on the
+                a number (NaN and infinities kept); shown as ``scalars/<name>`` columns of ``Trace.step_summary()`` and on the
                 Steps page (stored in the step's summary: :mod:`tracer.format.summary`).
             **named_tensors: more tensors by keyword (merged with ``tensors``).
 
@@ -240,7 +240,7 @@ class TraceWriter:
 
         Raises:
             SchemaError: a tensor disagrees with the schema, metadata is not JSON, or a scalar is not
-                a finite number or NaN (the caller's mistake: raised whatever ``strict`` says).
+                a number (the caller's mistake: raised whatever ``strict`` says).
             TraceError: the writer is closed or was inherited through fork(); in strict mode, an
                 earlier write failed.
         """
