@@ -11,6 +11,7 @@ from tracer.errors import TraceError
 
 _OPEN_STATE = "_tracer_runs_open"  # (run label, page file) chosen in the table, opened on the next run
 _HANDLED_STATE = "_tracer_runs_handled"  # the table selection already acted on
+NOT_RECORDED = "—"  # a cell of a value the run does not record
 
 selection = current_selection()
 root = selection.root
@@ -39,8 +40,10 @@ frame = pd.DataFrame(rows, columns=runs.COLUMNS)
 st.caption("Select a row to open the run at its most informative step: the first step file with an error, "
            "else the last step. check: the findings of `tracer check` (errors and warnings; info findings "
            f"are not problems); {runs.budget_text()}, a larger run when asked.")
+# a run without a recorded reward (DPO) or that cannot be opened: "—", not the grid's "None"
+shown = frame.style.format("{:.4g}", subset=["last mean reward"], na_rep=NOT_RECORDED)
 event = st.dataframe(
-    frame, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="runs_table",
+    shown, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="runs_table",
     column_config={
         "run": st.column_config.TextColumn("run", help="the trace's path under the root (the URL's run=)"),
         "open": st.column_config.LinkColumn("open", display_text="open", help="a link to the run (opens a new tab)"),
@@ -48,8 +51,9 @@ event = st.dataframe(
         "step files": st.column_config.NumberColumn("step files", help="one per step, inner step, micro-batch, rank"),
         "rows": st.column_config.NumberColumn("rows", help="sequences (DPO: pairs) in the last step, from its "
                                                         "step files' headers"),
-        "last mean reward": st.column_config.NumberColumn("last mean reward", format="%.4g",
-                                                          help="mean reward of the last step"),
+        "last mean reward": st.column_config.NumberColumn("last mean reward",
+                                                          help="mean reward of the last step; —: not recorded "
+                                                               "(DPO)"),
         "check": st.column_config.TextColumn("check", help="pass, or the counts of error and warning findings"),
         "guard": st.column_config.TextColumn("guard", help="the live guard (guard=warn|stop): what it found in the "
                                                           "step files it checked while the run went on, or where "

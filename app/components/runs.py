@@ -218,7 +218,7 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
     """One row of the Runs table (:data:`COLUMNS`) for the trace at ``trace_path`` (``label``: its
     ``run=`` value; ``status``: None when not checked): ``open`` is a link to :func:`open_page`
     with ``?run=``; ``guard`` what the live guard found while the run went on
-    (:meth:`app.components.guard.GuardReport.text`; None: no guard ran). A run that cannot be opened
+    (:meth:`app.components.guard.GuardReport.text`; empty when no guard ran). A run that cannot be opened
     gets its reason in ``check``."""
     row = dict.fromkeys(COLUMNS)
     row["run"] = label
@@ -247,5 +247,5 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
         row["last mean reward"] = last_mean_reward(summary)
     row["check"] = status.text() if status is not None else NOT_CHECKED
     guard = report_of(trace_path)
-    row["guard"] = guard.text() if guard is not None else None
+    row["guard"] = guard.text() if guard is not None else ""  # empty, not "None", when no guard ran
     return row
