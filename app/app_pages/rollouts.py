@@ -5,6 +5,7 @@ page at a time. A row opens its tokens. The page's state lives in the URL
 (:class:`app.components.rollouts.RolloutQuery`)."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import streamlit as st
 
@@ -14,6 +15,8 @@ from app.components.rollouts import (
     display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
     tokens_params)
 from app.components.sidebar import current_selection, hide_step_choosers, run_param, stop_without_step_files
+from app.components.safe_trace import resolve_request
+from tracer.errors import TraceError
 from tracer.read.rollouts import rollout_frame
 
 _WRITTEN = "_tracer_rollouts_url"  # the page parameters this page last wrote into the URL
@@ -66,6 +69,18 @@ def _write_url(query: RolloutQuery) -> None:
     st.session_state[_WRITTEN] = {name: st.query_params.get(name) for name in PARAMS}
 
 
+def _url_names_the_run(root, trace_path) -> bool:
+    """Whether the URL's ``run=`` (when there is one) names the run the sidebar shows: False when
+    the sidebar refused it (not a trace under the root, outside the root) and fell back on another run."""
+    requested = st.query_params.get("run")
+    if requested is None:
+        return True
+    try:
+        return resolve_request(root, requested) == Path(trace_path).resolve()
+    except TraceError:
+        return False
+
+
 def _optional_int(value) -> int | None:
     return None if value is None else int(value)
 
@@ -76,6 +91,13 @@ trace_path = str(selection.trace_path)
 trace = trace_cache.open_trace(trace_path)
 run_label = run_param(selection.root, selection.trace_path)
 st.title("Rollouts")
+if not _url_names_the_run(selection.root, selection.trace_path):
+    # the sidebar said why it refused the URL's run=; another run's rows under that URL would mislead
+    st.info("Pick a run in the sidebar, or list the one it shows now.")
+    if st.button(f"List the rollouts of {run_label}", key="ro_open_shown_run"):  # the label: plain text
+        st.query_params["run"] = run_label
+        st.rerun()
+    st.stop()
 if trace.algorithm == "dpo":
     st.info("This page lists completions (PPO, GRPO, CISPO, RLOO); a DPO run has chosen / rejected pairs: "
             "see the DPO pairs page.")
