@@ -14,8 +14,8 @@ from app.components.rollouts import (
     COLUMN_HELP, FINDINGS, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
     display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
     tokens_params)
-from app.components.sidebar import current_selection, hide_step_choosers, run_param, stop_without_step_files
 from app.components.safe_trace import resolve_request
+from app.components.sidebar import current_selection, hide_step_choosers, run_param, stop_without_step_files
 from tracer.errors import TraceError
 from tracer.read.rollouts import rollout_frame
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from app.components import runs, trace_cache
-
 from tests.fixtures.toy_traces import REPO, SAMPLES, frame_with, start
 from tests.fixtures.unreadable_runs import unreadable_runs
 

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from app.components import runs, trace_cache
-
 from tests.fixtures.toy_traces import SAMPLES, frame_with, start
 
 pytestmark = pytest.mark.skipif(not (SAMPLES / "dpo-tiny").is_dir(), reason="sample_traces/ is not in this checkout")
@@ -35,7 +33,7 @@ def fresh_caches():
     runs.run_status.clear()
 
 
-def display_values(element) -> "pd.DataFrame":  # noqa: F821
+def display_values(element):
     """The texts the browser draws in each cell (the pandas Styler's display values sent with the table)."""
     data = element.proto.arrow_data.styler.display_values
     return pa.ipc.open_stream(io.BytesIO(data)).read_pandas()
@@ -52,6 +50,6 @@ def test_no_none_in_the_runs_table(monkeypatch, root):
     shown.index = list(element.value["run"])
     column = list(element.value.columns).index("last mean reward")
     assert shown.loc["dpo-tiny"].iloc[column] == "—"
-    last = sorted((SAMPLES / "grpo-tiny" / "steps").glob("step_*.inner_0.*.safetensors"))[-1]
+    last = max((SAMPLES / "grpo-tiny" / "steps").glob("step_*.inner_0.*.safetensors"))
     reward = load_file(str(last))["rewards"].double().mean().item()
     assert shown.loc["grpo-tiny"].iloc[column] == f"{reward:.4g}"
