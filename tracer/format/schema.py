@@ -76,6 +76,9 @@ FIELDS: dict[str, FieldSpec] = {
         _spec("returns", "BT", FLOAT, "reward", "GAE returns = advantages + values", {"ppo"}),
         _spec("token_rewards", "BT", FLOAT, "reward", "per-token reward (PPO: sequence reward on last kept token)"),
         _spec("per_token_loss", "BT", FLOAT, "", "loss per token before reduction"),
+        # Importance-sampling correction for the sampler/trainer gap (tracer/formulas/importance.py)
+        _spec("is_weights", "BT", FLOAT, "", "importance-sampling weight per token the loss was multiplied by, after "
+              "its cap or mask (TRL token modes, verl rollout_is=token); metadata is_mode, is_clip_min, is_clip_max"),
         # Multi-turn / agentic rows (tracer/format/turns.py)
         _spec("turn_ids", "BT", INT64, "", "0 = prompt, k >= 1 = assistant turn k with the tool results and "
               "environment messages answering it, -1 = padding"),
@@ -90,6 +93,10 @@ FIELDS: dict[str, FieldSpec] = {
         _spec("episode_ids", "B", INT64, "", "per-turn rows: rows of one episode share an id (turn_ids says "
               "which turn a row holds)"),
         _spec("row_ids", "B", INT64, "", "index of each row in the rollout batch (maps minibatch rows back)"),
+        _spec("sequence_is_weights", "B", FLOAT, "", "importance-sampling weight per sequence the loss was multiplied "
+              "by, after its cap or mask (TRL sequence modes, verl rollout_is=sequence)"),
+        _spec("policy_version", "B", INT64, "", "policy version (optimizer updates applied) that sampled each row; "
+              "policy_lag = metadata trainer_version - policy_version"),
         _spec("reward_components", "BF", FLOAT, "reward", "per reward function, names in metadata"),
         # Scalar []
         _spec("loss", "", FLOAT, "", "the scalar loss the trainer backpropagated, after its reduction"),
@@ -116,14 +123,15 @@ FIELDS: dict[str, FieldSpec] = {
 # stages (and from earlier steps, through the weights), never from later ones. ``tracer diff`` names
 # the most upstream diverging field at the earliest step as the cause and groups the others under it.
 DATA_FLOW: tuple[tuple[str, ...], ...] = (
-    ("prompt_ids", "prompt_mask", "group_ids", "row_ids", "episode_ids"),
+    ("prompt_ids", "prompt_mask", "group_ids", "row_ids", "episode_ids", "policy_version"),
     ("completion_ids", "turn_ids", "token_roles", "mask_reasons", "completion_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask"),
     ("rewards", "reward_components"),
     ("token_rewards", "values"),
     ("advantages", "returns"),
     ("sampler_logprobs", "old_logprobs", "ref_logprobs", "chosen_ref_logprobs", "rejected_ref_logprobs"),
     ("policy_logprobs", "chosen_policy_logprobs", "rejected_policy_logprobs"),
-    ("ratio", "ref_kl_k3", "approx_kl_k2", "entropy", "dpo_logits", "chosen_rewards", "rejected_rewards"),
+    ("ratio", "ref_kl_k3", "approx_kl_k2", "entropy", "dpo_logits", "chosen_rewards", "rejected_rewards",
+     "is_weights", "sequence_is_weights"),
     ("per_token_loss", "dpo_loss"),
     ("loss",),
 )
@@ -171,6 +179,20 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
                                 "truncated, tool_output, environment; a trainer may add its own)"),
     "advantage_assignment": (str, "multi-turn: 'episode' (one outcome advantage broadcast over every turn) | "
                                   "'turn' (each turn its own advantage)"),
+    "is_correction": (bool, "an importance-sampling correction for the sampler/trainer gap multiplies the loss "
+                            "(TRL vllm_importance_sampling_correction, verl rollout_is set)"),
+    "is_mode": (str, "token_truncate | token_mask | sequence_truncate | sequence_mask (TRL's names; verl's "
+                     "rollout_is token/sequence with truncate or mask, IcePop = token_mask with both caps)"),
+    "is_clip_min": (float, "lower cap of the importance-sampling weight (mask modes zero the weight below it)"),
+    "is_clip_max": (float, "upper cap of the importance-sampling weight (truncate clamps to it, mask zeroes above)"),
+    "is_sequence_aggregation": (str, "sequence modes: 'sum' (product of token ratios, TRL, verl) | 'mean' "
+                                     "(geometric mean, GSPO-style)"),
+    "is_weights_source": (str, "'recorded' (the trainer's own weights) | 'derived' (recomputed by tracer from "
+                               "old and sampler logprobs and the recorded mode and caps)"),
+    "trainer_version": (int, "the trainer's policy version at this update (optimizer updates applied so far); "
+                             "policy_lag = trainer_version - policy_version per row"),
+    "max_policy_lag": (int, "the largest policy lag the run declares acceptable (asynchronous / off-policy "
+                            "loops); rows beyond it are reported by staleness.policy_lag"),
     "micro_batch_counted": (bool, "tracer.watch numbered this micro-batch by counting backwards (the frame named "
                                   "no micro-batch or inner step): it may be a later pass over the rollout"),
 }
