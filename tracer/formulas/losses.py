@@ -1,10 +1,12 @@
 """Losses: the loss reductions (sequence mean, token mean, constant divisor) and each token's
 share of the reduced loss, the PPO clip fractions, the per-token policy losses (GRPO's clipped
-surrogate, CISPO, PPO with its KL penalty) and the DPO terms. Torch (numpy for the host-side clip
+surrogate, token or sequence level (GSPO), with dual clip; CISPO; PPO with its KL penalty), the
+entropy bonus and the DPO terms. Torch (numpy for the host-side clip
 fractions), no I/O. Every mask is True = keep; logprobs are nats.
 
 Sources: MiniMind ``train_ppo.py``, ``train_grpo.py``, ``train_dpo.py`` (the seed lesson); TRL 1.16
-``grpo_trainer.py``; Rafailov et al. (2023) for DPO.
+``grpo_trainer.py``; Rafailov et al. (2023) for DPO; Zheng et al. (2025, arXiv 2507.18071) for GSPO; Ye
+et al. (2020, arXiv 1912.09729) for dual-clip PPO.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tracer.formulas.logprobs import ratio, ref_kl
+from tracer.formulas.logprobs import ratio, ref_kl, sequence_log_ratio
 from tracer.formulas.reductions import masked_mean, masked_sum
 
 
@@ -147,6 +149,8 @@ def grpo_per_token_loss(
     sampler_weights: torch.Tensor | None = None,
     delta: float | None = None,
     kl_estimator: str = "k3",
+    clip_ratio_c: float | None = None,
+    sequence_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clipped surrogate per token ``-(min(r*A, clip(r, 1-εl, 1+εh)*A) - β*k3)``, ``[B, T]``.
 
@@ -159,14 +163,64 @@ def grpo_per_token_loss(
     term and the KL's importance weight keep ``r``.
     ``kl_estimator``: the KL term's estimator of KL(policy || ref), k3 by default (MiniMind, TRL);
     ``k1`` or ``k2`` (verl's ``kl`` / ``mse``) where a loop uses those (:func:`tracer.formulas.ref_kl`).
-    Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``.
+    ``clip_ratio_c`` (dual-clip PPO, verl's ``clip_ratio_c``, > 1): where ``A < 0`` the surrogate is
+    floored at ``c * A`` (:func:`dual_clip`), so that a huge ratio on a bad token cannot make the loss
+    unbounded. ``sequence_mask`` ``[B, T]`` (GSPO; TRL ``importance_sampling_level="sequence"``): the ratio
+    is then the sequence's, ``exp`` of the masked mean log-ratio (:func:`sequence_ratio`), broadcast
+    over T and clipped once per sequence; GSPO-token (``s_i * π / sg(π)``) has the same value.
+    Source: MiniMind ``train_grpo.py:132-143``; TRL 1.16 ``grpo_trainer.py:_compute_loss``; verl 0.9.1
+    ``core_algos.compute_policy_loss_vanilla`` (dual clip).
     """
-    r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    if sequence_mask is None:
+        r = ratio(policy_logprobs, old_logprobs)  # (B, T)
+    else:
+        r = sequence_ratio(policy_logprobs, old_logprobs, sequence_mask).unsqueeze(1).expand_as(policy_logprobs)
     adv = _over_tokens(advantages)  # (B, 1) or (B, T)
     unclipped = r if delta is None else torch.clamp(r, max=delta)
     surrogate = torch.min(unclipped * adv, torch.clamp(r, 1 - clip_epsilon_low, 1 + clip_epsilon_high) * adv)
+    if clip_ratio_c is not None:
+        surrogate = dual_clip(surrogate, adv, clip_ratio_c)
     return _policy_loss(surrogate, r, policy_logprobs, beta, ref_logprobs, kl_importance_weighted, sampler_weights,
                         kl_estimator)
+
+
+def sequence_ratio(policy_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence importance ratio ``[B]``: ``exp`` of the mean of ``policy - old`` over the kept
+    tokens of each row, ``(π(y|x) / π_old(y|x)) ^ (1 / |y|)`` (1 for a row that keeps no token).
+    Source: Zheng et al. (2025) "Group Sequence Policy Optimization" eq. 7; TRL 1.16 ``_compute_loss``
+    (``importance_sampling_level == "sequence"``); verl 0.9.1 ``compute_policy_loss_gspo`` (which
+    also clamps the log-ratio at 10: :func:`tracer.formulas.verl_losses.verl_gspo_per_token_loss`)."""
+    return torch.exp(sequence_log_ratio(policy_logprobs - old_logprobs, mask, "mean"))  # (B,)
+
+
+def dual_clip(surrogate: torch.Tensor, advantages: torch.Tensor, clip_ratio_c: float) -> torch.Tensor:
+    """Dual-clip PPO: ``max(surrogate, c * A)`` where ``A < 0``, ``surrogate`` elsewhere, ``[B, T]``.
+    ``surrogate`` is the clipped objective ``min(r*A, clip(r)*A)`` (to maximise), ``advantages`` broadcast
+    against it; ``c = clip_ratio_c`` > 1. Raises ValueError for ``c <= 1`` (verl asserts the same).
+    Source: Ye et al. (2020) "Mastering Complex Control in MOBA Games with Deep RL" eq. 5; verl 0.9.1
+    ``core_algos.compute_policy_loss_vanilla`` (``pg_losses3 = -advantages * clip_ratio_c``)."""
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"dual-clip PPO needs clip_ratio_c > 1, got {clip_ratio_c}")
+    return torch.where(advantages < 0, torch.maximum(surrogate, clip_ratio_c * advantages), surrogate)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, entropy_coef: float,
+                  reduction: str = "token_mean") -> torch.Tensor:
+    """The entropy bonus a loss subtracts, a scalar: ``entropy_coef * reduce(entropy)``, so that
+    ``loss = policy_loss - entropy_bonus(...)`` (a positive coefficient pays the policy for entropy).
+
+    ``entropy`` ``[B, T]`` nats per token, ``mask`` ``[B, T]`` True = keep. ``reduction``:
+    ``token_mean`` (masked mean over the batch's kept tokens: TRL 1.16 ``entropy_loss``, verl's
+    ``token-mean``) or ``sequence_mean`` (per-row masked mean, then the mean over rows); verl's other
+    ``loss_agg_mode`` values: :func:`tracer.formulas.verl_losses.verl_agg_loss`. Raises ValueError for
+    another reduction. Source: TRL 1.16 ``grpo_trainer.py:_compute_loss`` (``loss - apply_coef *
+    entropy_loss``); verl 0.9.1 ``workers/utils/losses.py:ppo_loss`` (``policy_loss -= entropy_coeff *
+    entropy_loss``)."""
+    if reduction == "token_mean":
+        return entropy_coef * masked_mean(entropy, mask)
+    if reduction == "sequence_mean":
+        return entropy_coef * masked_mean(entropy, mask, dim=1).mean()
+    raise ValueError(f"entropy_bonus: no rule for reduction {reduction!r} (token_mean, sequence_mean)")
 
 
 def cispo_per_token_loss(
@@ -222,6 +276,7 @@ def ppo_per_token_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_estimator: str = "k3",
+    clip_ratio_c: float | None = None,
 ) -> torch.Tensor:
     """PPO's policy loss per token with the reference-KL penalty folded in, ``[B, T]``:
     ``-min(r*A, clip(r, 1-εl, 1+εh)*A) + kl_coef * ref_kl_k3`` (``kl_estimator``: as in
@@ -230,11 +285,11 @@ def ppo_per_token_loss(
 
     ``advantages`` is ``[B, T]`` (GAE). Reduced by the token mean over the kept tokens this equals
     MiniMind's ``masked_ppo_loss + kl_coef * kl_ref_penalty`` (both are masked means over the same
-    tokens). It is :func:`grpo_per_token_loss` with β = ``kl_coef``.
+    tokens). It is :func:`grpo_per_token_loss` with β = ``kl_coef``; ``clip_ratio_c``: dual clip (:func:`dual_clip`).
     Source: MiniMind ``trainer/train_ppo.py`` (``policy_loss``); SPEC.md section 3.
     """
     return grpo_per_token_loss(policy_logprobs, old_logprobs, advantages, clip_epsilon_low, clip_epsilon_high,
-                               kl_coef, ref_logprobs, kl_estimator=kl_estimator)
+                               kl_coef, ref_logprobs, kl_estimator=kl_estimator, clip_ratio_c=clip_ratio_c)
 
 
 def dpo_terms(
