@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tracer.formulas.reductions import masked_sum
+from tracer.formulas.importance import IS_MODES, is_weights, sequence_log_ratio  # noqa: F401  (re-exported)
 
 
 def token_logprobs(
@@ -162,7 +163,7 @@ def sequence_logprobs(token_logprobs_: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 # -- sampler (inference engine) vs trainer ---------------------------------------------------------
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
+# The importance-sampling corrections live in tracer.formulas.importance (re-exported here).
 
 
 def sampler_log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor) -> torch.Tensor:
@@ -177,36 +178,6 @@ def sampler_prob_diff(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Te
     """``|exp(trainer) - exp(sampler)|`` per token, ``[B, T]`` (probabilities, unitless): the
     probability-space convention. Source: verl ``rollout_probs_diff`` (mean/max over the response mask)."""
     return (trainer_logprobs.exp() - sampler_logprobs.exp()).abs()
-
-
-def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, aggregation: str = "sum") -> torch.Tensor:
-    """Per-sequence log importance ratio ``[B]`` from token log ratios ``[B, T]`` over kept tokens
-    (NaN -> 0, as TRL does).
-
-    ``aggregation``: ``"sum"`` (the product of the token ratios; TRL 1.16 ``sequence_*`` modes) or
-    ``"mean"`` (the geometric mean, length-invariant; GSPO, the fix proposed in trl#5814).
-    Raises ValueError for another aggregation.
-    """
-    if aggregation not in ("sum", "mean"):
-        raise ValueError(f"aggregation must be 'sum' or 'mean', got {aggregation!r}")
-    total = torch.nan_to_num(masked_sum(log_ratio, mask, dim=-1), nan=0.0)
-    return total if aggregation == "sum" else total / mask.bool().sum(dim=-1).clamp(min=1)
-
-
-def is_weights(log_ratio: torch.Tensor, mode: str, clip_min: float | None = None,
-               clip_max: float | None = 3.0) -> torch.Tensor:
-    """TRL's importance-sampling correction applied to log ratios (``[B, T]`` for token modes,
-    ``[B]`` per sequence for sequence modes): ``exp(log_ratio)``, then ``*_truncate`` clamps it to
-    ``[clip_min, clip_max]`` and ``*_mask`` sets it to 0 outside. Source: TRL 1.16
-    ``grpo_trainer.py`` (``vllm_importance_sampling_mode``). Raises ValueError for an unknown mode."""
-    if mode not in IS_MODES:
-        raise ValueError(f"unknown importance-sampling mode {mode!r}; expected one of {list(IS_MODES)}")
-    weights = torch.exp(torch.nan_to_num(log_ratio, nan=0.0))
-    if mode.endswith("truncate"):
-        return weights if clip_min is None and clip_max is None else torch.clamp(weights, min=clip_min, max=clip_max)
-    low = -float("inf") if clip_min is None else clip_min
-    high = float("inf") if clip_max is None else clip_max
-    return weights.masked_fill((weights < low) | (weights > high), 0.0)
 
 
 def probability_gap(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
