@@ -92,21 +92,28 @@ def _free_port() -> int:
 
 class Server:
     """``streamlit run`` of the app under ``app_repo`` on ``root`` (headless, 127.0.0.1), its
-    script runs logged to ``log``; a context manager that stops it (process group) on exit."""
+    script runs logged to ``log``; a context manager that stops it (process group) on exit.
+    ``script`` runs another Streamlit script instead (no ``--root``: a bare page for comparison).
+    ``launched`` and ``ready`` are the ``time.time()`` of the launch and of the first answer of
+    ``/_stcore/health`` (polled every 20 ms)."""
 
-    def __init__(self, app_repo: Path, root: Path, log: Path) -> None:
-        self.app_repo, self.root, self.log = app_repo, root, log
+    def __init__(self, app_repo: Path, root: Path | None, log: Path, script: Path | None = None) -> None:
+        self.app_repo, self.root, self.log, self.script = app_repo, root, log, script
 
     def __enter__(self) -> "Server":
         self.log.unlink(missing_ok=True)
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": str(self.app_repo), "HF_HUB_OFFLINE": "1",
                "TRACER_BENCH_TIMING": str(self.log)}
+        script = self.script or self.app_repo / "app" / "streamlit_app.py"
         cmd = [sys.executable, str(REPO / "bench" / "streamlit_timed.py"), "run",
-               str(self.app_repo / "app" / "streamlit_app.py"), "--server.address", "127.0.0.1",
+               str(script), "--server.address", "127.0.0.1",
                "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-               "--server.fileWatcherType", "none", "--", "--root", str(self.root)]
+               "--server.fileWatcherType", "none"]
+        if self.root is not None:
+            cmd += ["--", "--root", str(self.root)]
         self.out = open(self.log.with_suffix(".out"), "w")
+        self.launched = time.time()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.out, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
@@ -114,10 +121,11 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"streamlit exited: {self.log.with_suffix('.out').read_text()}")
             with contextlib.suppress(OSError), urllib.request.urlopen(f"{self.url}/_stcore/health", timeout=2):
+                self.ready = time.time()
                 return self
             if time.monotonic() > deadline:
                 raise RuntimeError("streamlit did not answer in 90 s")
-            time.sleep(0.2)
+            time.sleep(0.02)
 
     def __exit__(self, *exc) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)

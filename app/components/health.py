@@ -8,11 +8,11 @@ recomputed here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 import pandas as pd
 
+from app.components.finding_target import FindingTarget
 from app.components.token_table import visible_tokens
 from tracer.checks import ERROR, SEVERITIES, WARNING, Finding, description
 
@@ -28,23 +28,6 @@ DISPLAY_ORDER = ("severity", "check", "step", "inner_step", "rank", "sequence", 
 GROUP_CHECKS = frozenset({"advantages.group_size", "advantages.group_sum", "advantages.zero_variance",
                           "advantages.z_bound", "recompute.advantages"})
 MAX_STYLED_ROWS = 5_000
-
-
-@dataclass(frozen=True)
-class FindingTarget:
-    """Where a finding points: a step file of a trace, a sequence (row) and, when the finding is
-    about one token, its position in the completion."""
-
-    trace_path: str
-    step_path: str
-    sequence: int
-    token: int | None
-    check: str
-
-    def caption(self) -> str:
-        """``finding: masks.after_eos at token 4`` (``in sequence 2`` without a token)."""
-        where = f"at token {self.token}" if self.token is not None else f"in sequence {self.sequence}"
-        return f"finding: {self.check} {where}"
 
 
 def findings_frame(findings: Iterable[Finding]) -> pd.DataFrame:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -24,7 +25,7 @@ import numpy as np
 import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
-from app.components import runs, token_jump, trace_cache, urls
+from app.components import token_jump, trace_cache, urls
 from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
@@ -159,7 +160,8 @@ def render_sidebar_header(root: Path) -> list[Path]:
     sb.text(f"root: {root}")
     if sb.button("Reload", help="read the trace again: new steps, manifest status, token strings"):
         trace_cache.clear_caches()
-        runs.run_status.clear()
+        if "app.components.runs" in sys.modules:  # (imported by the Runs page or by opening a run)
+            sys.modules["app.components.runs"].run_status.clear()
     return _listed_traces(root)
 
 
@@ -260,7 +262,11 @@ def _apply_url_selection(trace_path: str, table: StepTable) -> None:
 
 def _open_informative_step(trace_path: str, table: StepTable) -> None:
     """Point the Step file chooser at the run's first step file with an error (and the sequence
-    the error names), else at its last step (:mod:`app.components.runs`); every rank listed."""
+    the error names), else at its last step (:mod:`app.components.runs`); every rank listed.
+    :mod:`app.components.runs` is imported here, not at the top: it imports the checks (and torch),
+    which a URL naming its step never needs."""
+    from app.components import runs
+
     status = runs.known_status(trace_path)
     index = runs.informative_index(table.coordinates, status)
     if len(np.unique(table.coordinates[:, 3])) > 1:

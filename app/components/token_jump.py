@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import streamlit as st
 
-from app.components.health import FindingTarget
+from app.components.finding_target import FindingTarget
 from tracer.read import StepKey
 
 _JUMP_STATE = "_tracer_jump"  # a FindingTarget waiting for the sidebar

@@ -17,23 +17,29 @@ from __future__ import annotations
 import gc
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import streamlit as st
 
-from app.components.health import findings_frame
 from app.components.safe_trace import SafeTrace
 from app.components.step_handles import FileId, StepHandles
 from app.components.step_handles import file_id as _file_id
-from tracer import views
-from tracer.views import step as step_view
-from tracer.checks import run_checks
-from tracer.diff import DiffReport, diff, token_diff_table
-from tracer.diff import comparable as comparable_traces
+from tracer import (
+    views,  # lazy (PEP 562): each view's module is imported on its first call
+)
 from tracer.errors import TraceError
 from tracer.format.names import MANIFEST_NAME
 from tracer.format.scalar_log import SCALARS_GLOB
 from tracer.read import StepKey, Trace
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from tracer.diff import DiffReport
+
+# What a page imports is what it draws: the checks (Health, Runs), the diff engine (Diff) and the
+# step view (Step) are imported inside the functions below that use them, so that the Tokens page
+# of a cold server does not pay for them (nor for torch, which they import).
 
 # Fields whose first dim is B, tried in this order to count the sequences of a step.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages")
@@ -275,6 +281,8 @@ def step_tokens(trace_path: str, step: int, inner_step: int, rank: int | None,
     """``views.step.step_token_frame``: every completion position of one step (all micro-batches,
     all ranks or one), shared between reruns: never mutate it. ``identities``
     (:func:`step_file_ids`) key it. Raises TraceFormatError."""
+    from tracer.views import step as step_view
+
     return step_view.step_token_frame(open_trace(trace_path), step, inner_step, rank=rank)
 
 
@@ -282,10 +290,20 @@ def step_file_ids(trace: Trace, step: int, inner_step: int, rank: int | None) ->
     """:func:`file_id` of every step file of one step and inner step (every micro-batch; every rank
     or one): the cache key of :func:`step_tokens`, so that a step file rewritten under its name is
     read again, and a new step elsewhere in the run does not invalidate it."""
+    from tracer.views import step as step_view
+
     return tuple(file_id(k.path) for k in step_view.step_files(trace, step, inner_step, None, rank))
 
 
 # -- health (tracer.checks) and diff (tracer.diff) ------------------------------------------------------
+
+
+def run_checks(trace: Trace, **kwargs):
+    """:func:`tracer.checks.run_checks` (same arguments and result), imported on first call: the
+    checks and torch are loaded by the first page that shows findings, not by every page."""
+    from tracer.checks import run_checks as _run_checks
+
+    return _run_checks(trace, **kwargs)
 
 
 @st.cache_data(max_entries=8, show_spinner="Running the checks…")
@@ -293,6 +311,8 @@ def findings(trace_path: str, files: tuple[str, ...]) -> pd.DataFrame:
     """``run_checks`` on the step files named ``files`` (names on disk) as a findings frame
     (:func:`app.components.health.findings_frame`). A step file whose data cannot be read is a
     ``trace.unreadable`` error finding naming the file; the others are checked."""
+    from app.components.health import findings_frame
+
     trace = open_trace(trace_path)
     keys = [k for k in trace.steps() if k.path.name in set(files)]
     return findings_frame(run_checks(trace, steps=keys) if keys else [])
@@ -304,12 +324,16 @@ def diff_report(a: str, b: str, files_a: tuple[str, ...], files_b: tuple[str, ..
                 rtol: tuple[tuple[str, float], ...] = ()) -> DiffReport:
     """``tracer.diff(a, b, fields=, atol=, rtol=)`` (tolerances as ``(field or "*", value)`` pairs);
     the step file names of both sides key the cache. Raises TraceError."""
+    from tracer.diff import diff
+
     return diff(a, b, fields=fields, atol=dict(atol) or None, rtol=dict(rtol) or None, progress=False)
 
 
 @st.cache_data(max_entries=64, show_spinner=False)
 def comparable(a: str, b: str) -> bool:
     """``tracer.diff.comparable``: whether the two traces can be diffed (headers only)."""
+    from tracer.diff import comparable as comparable_traces
+
     return comparable_traces(a, b) is None
 
 
@@ -318,6 +342,8 @@ def token_diff(a: str, b: str, step: tuple[int, int, int, int], sequence: int,
                identities: tuple[FileId, FileId]) -> pd.DataFrame:
     """``tracer.diff.token_diff_table`` of one step pair and sequence; ``identities`` are the two step
     files' identities (:func:`file_id`). Raises TraceError."""
+    from tracer.diff import token_diff_table
+
     return token_diff_table(a, b, step=step, sequence=sequence)
 
 

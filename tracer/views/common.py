@@ -7,6 +7,8 @@ from typing import Any
 
 from tracer.read import StepKey, Trace
 
+# The algorithms whose rows come in groups of completions of one prompt (the Groups page's runs).
+GROUPED_ALGORITHMS = ("grpo", "cispo", "rloo")
 # Fields whose first dim is B, tried in this order to count the rows of a step file.
 _B_FIELDS = ("completion_ids", "prompt_ids", "chosen_ids", "rewards", "advantages", "row_ids")
 

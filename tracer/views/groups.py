@@ -11,9 +11,7 @@ import torch
 from tracer.errors import TraceFormatError
 from tracer.read import StepKey, Trace
 from tracer.read.tables import AFTER_EOS, PADDING, mask_reasons
-
-GROUPED_ALGORITHMS = ("grpo", "cispo", "rloo")
-
+from tracer.views.common import GROUPED_ALGORITHMS  # noqa: F401  (re-exported; its home is common)
 
 # -- GRPO / CISPO / RLOO groups ---------------------------------------------------------------------
 

@@ -1,0 +1,197 @@
+"""The cold paths, measured side by side in one run on this machine: the command line (``tracer
+--help``, ``tracer info`` on a 200-step run) against a bare interpreter start, and the viewer's
+cold start to the first token view (a real browser) against a bare Streamlit page's cold start,
+then the viewer's warm step change and its server's RSS.
+
+    python -m bench.cold_path [--steps 200] [--B 64] [--T 256] [--rounds 3] [--changes 5] [--json FILE]
+
+The trace: :mod:`bench.viewer_traces` (GRPO, every canonical field, 200 steps x 64 rows x 256
+tokens by default, written once and cached under /tmp). About 1 minute on 2 cores.
+
+- Command line: each command is a fresh process (``python -m tracer ...``); wall time from the
+  launch to its exit and its peak RSS (``ru_maxrss`` of that child, ``os.wait4``), medians of
+  ``--rounds``; the bare start is ``python -c "import json, argparse"``. When ``bench/cli_cold.py``
+  is there (its ``measure_cli(run_dir, rounds)``), its figures are printed as well.
+- Viewer: a fresh ``streamlit run`` server per round (headless, 127.0.0.1, through
+  ``bench/streamlit_timed.py``, which logs every script run), the app's and a one-line app's
+  (``st.write``) in turn, the order alternating; one headless Chromium (/usr/bin/chromium through
+  Playwright, ``--headless --no-sandbox --disable-gpu --disable-background-networking``) started
+  before either. ``cold start`` = from the launch of ``streamlit run`` until the page's content
+  is visible in a new browser context and the app is idle (no status widget, nothing stale, no
+  script run still going): for the app, ``/tokens?run=.&step=0&seq=0`` showing
+  ``step 0 · inner 0 · mb 0 · rank 0 · sequence 0``; for the bare page, its one line. Split into
+  ``server up`` (launch to the first answer of ``/_stcore/health``) and ``first view`` (browser
+  navigation to visible). ``server CPU``: user + system seconds of the server process up to then.
+- Warm step change (the app's server after its cold start, same session): from the Enter in the
+  sidebar's Step file box to the next step's token view shown and idle, median of ``--changes``
+  distinct steps. Server RSS (``VmRSS``) after the first view and after the step changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import viewer_traces
+from bench.common import machine, median
+from bench.viewer_browser import CHROMIUM, CHROMIUM_ARGS, REPO, Server, choose, step_label, wait_shown
+
+BARE_TEXT = "bare streamlit page"
+BARE_APP = f'import streamlit as st\nst.write("{BARE_TEXT}")\n'
+
+
+def run_process(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds from launch to exit and peak RSS (MiB) of one fresh process; raises when it
+    fails. The peak comes from ``/usr/bin/time -f %M`` (a small parent): a child forked straight
+    from this process would inherit its high-water mark (Linux keeps ``maxrss`` across exec), and
+    this process holds torch. The wall time includes ``time``'s own fork (~1 ms)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        t0 = time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-o", rss.name, "-f", "%M", *cmd], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
+        return wall, int(rss.read().split()[-1]) / 1024
+
+
+def measure_cli(run_dir: Path, rounds: int) -> dict[str, tuple[float, float]]:
+    """(median wall s, median peak RSS MiB) of a bare interpreter start, ``tracer --help`` and
+    ``tracer info RUN``, each ``rounds`` times, interleaved."""
+    commands = {"bare python -c 'import json, argparse'": [sys.executable, "-c", "import json, argparse"],
+                "tracer --help": [sys.executable, "-m", "tracer", "--help"],
+                "tracer info (200-step run)": [sys.executable, "-m", "tracer", "info", str(run_dir)]}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, cmd in commands.items():
+            samples[name].append(run_process(cmd))
+    return {name: (median([s[0] for s in xs]), median([s[1] for s in xs])) for name, xs in samples.items()}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cold_view(browser, server: Server, path: str, text: str) -> tuple[dict[str, float], object, object]:
+    """Open ``path`` in a new browser context on a just-started ``server`` and wait until ``text``
+    is shown and the app idle. Returns the cold start split and the server's CPU and RSS then,
+    and the browser context and page (still open)."""
+    context = browser.new_context(viewport={"width": 1600, "height": 1200})
+    page = context.new_page()
+    t0 = time.time()
+    page.goto(f"{server.url}/{path}")
+    first_view, script_s, _ = wait_shown(page, server, t0, text)
+    shown = t0 + first_view
+    return {"cold_s": shown - server.launched, "server_up_s": server.ready - server.launched,
+            "first_view_s": first_view, "script_s": script_s, "server_cpu_s": cpu_s(server.proc.pid),
+            "rss_mb": server.rss_mb()}, context, page
+
+
+def measure_viewer(trace: Path, rounds: int, changes: int, steps: int, logs: Path) -> dict[str, dict[str, float]]:
+    """Cold starts of the app and of the bare page (``rounds`` each, alternating), then warm step
+    changes and RSS on the app's server of the last round. Medians."""
+    from playwright.sync_api import sync_playwright
+
+    bare_script = logs / "bare_app.py"
+    bare_script.write_text(BARE_APP)
+    samples: dict[str, list[dict[str, float]]] = {"bare": [], "tracer": []}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for r in range(rounds):
+                for side in (("bare", "tracer") if r % 2 == 0 else ("tracer", "bare")):
+                    if side == "bare":
+                        with Server(REPO, None, logs / "bare.jsonl", script=bare_script) as server:
+                            out, context, _ = cold_view(browser, server, "", BARE_TEXT)
+                            context.close()
+                    else:
+                        with Server(REPO, trace, logs / "tracer.jsonl") as server:
+                            out, context, page = cold_view(browser, server, "tokens?run=.&step=0&seq=0",
+                                                           f"{step_label(0)} · sequence 0")
+                            if r == rounds - 1:
+                                out.update(warm_changes(page, server, changes, steps))
+                            context.close()
+                    samples[side].append(out)
+        finally:
+            browser.close()
+    return {side: {k: median([s[k] for s in xs if k in s]) for k in xs[-1]} for side, xs in samples.items()}
+
+
+def warm_changes(page, server: Server, changes: int, steps: int) -> dict[str, float]:
+    """``changes`` step changes on the Tokens page (distinct steps, never visited): median seconds
+    from the Enter to the new step shown and idle; the server's RSS after them."""
+    times = []
+    for k in range(1, changes + 1):
+        step = (k * 37) % steps
+        t0 = choose(page, "Step file", step_label(step))
+        times.append(wait_shown(page, server, t0, f"{step_label(step)} · sequence 0")[0])
+    return {"warm_step_change_s": median(times), "warm_step_change_max_s": max(times),
+            "rss_after_changes_mb": server.rss_mb()}
+
+
+def report(cli: dict, cli_a: dict | None, viewer: dict, args) -> list[str]:
+    """The printed table, as lines."""
+    lines = [f"Machine: {machine()}", f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
+    bare_wall, bare_rss = next(iter(cli.values()))
+    lines += [f"Command line (fresh process each, median of {args.rounds}):",
+              f"  {'command':40s} {'wall s':>7s} {'+ vs bare':>9s} {'peak RSS MiB':>12s}"]
+    for name, (wall, rss) in cli.items():
+        lines.append(f"  {name:40s} {wall:7.3f} {wall - bare_wall:+9.3f} {rss:12.1f}")
+    if cli_a:
+        lines.append("  (bench/cli_cold.py: " + json.dumps(cli_a) + ")")
+    b, t = viewer["bare"], viewer["tracer"]
+    lines += ["", f"Viewer, {args.steps} steps x {args.B} x {args.T}, cold start to first view in Chromium "
+              f"(median of {args.rounds} fresh servers each):",
+              f"  {'':34s} {'bare st.write':>13s} {'tracer Tokens':>13s} {'ratio':>6s}"]
+    for key, label in (("cold_s", "cold start (launch to shown), s"), ("server_up_s", "  server up, s"),
+                       ("first_view_s", "  first view (goto to shown), s"), ("script_s", "  script runs, s"),
+                       ("server_cpu_s", "server CPU until shown, s"), ("rss_mb", "server RSS when shown, MiB")):
+        lines.append(f"  {label:34s} {b[key]:13.2f} {t[key]:13.2f} {t[key] / max(b[key], 1e-3):5.2f}x")
+    lines += [f"  warm step change (Tokens, median of {args.changes}; max): {t['warm_step_change_s']:.2f} s; "
+              f"{t['warm_step_change_max_s']:.2f} s",
+              f"  server RSS after the step changes: {t['rss_after_changes_mb']:.0f} MiB",
+              "", "Goals (issue 49): CLI <= bare + 0.4 s and < 100 MB; viewer cold start <= 2x the bare page's, "
+              "RSS <= 300 MiB, warm step change <= 0.5 s."]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--B", type=int, default=64)
+    parser.add_argument("--T", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes / servers per side (medians)")
+    parser.add_argument("--changes", type=int, default=5, help="warm step changes on the app (median)")
+    parser.add_argument("--skip-cli", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    args = parser.parse_args()
+    trace = viewer_traces.ensure(args.steps, args.B, args.T, log=print)
+    cli, cli_a = {}, None
+    if not args.skip_cli:
+        cli = measure_cli(trace, args.rounds)
+        if importlib.util.find_spec("bench.cli_cold") is not None:
+            from bench import cli_cold
+
+            with contextlib.suppress(Exception):
+                cli_a = cli_cold.measure_cli(trace, args.rounds)
+    logs = Path(tempfile.mkdtemp(prefix="cold_path_"))
+    viewer = measure_viewer(trace, args.rounds, args.changes, args.steps, logs)
+    lines = report(cli or {"(skipped)": (0.0, 0.0)}, cli_a, viewer, args)
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"cli": cli, "cli_cold": cli_a, "viewer": viewer}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
