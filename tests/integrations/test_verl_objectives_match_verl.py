@@ -5,13 +5,15 @@ itself (a loss verl registers that tracer does not list fails this test), the KL
 and the tracer GRPO formula with dual clip (``clip_ratio_c``) and at the sequence level (GSPO) against
 verl's vanilla and gspo losses.
 
-Runs in the verl venv (``make test-verl``); the main venv does not collect it (tests/conftest.py).
+Runs in the verl venv (``make test-verl``); in the main venv verl is not installed and it is skipped.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+pytest.importorskip("verl")
 
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402

@@ -6,15 +6,29 @@ PASS never hides a class that was never looked at.
 
 Each class lists the checks that can catch it (any one of them running on a step file covers the
 class there) and the fields they read, in the words of SPEC.md section 4.
+
+Objectives and settings: a check that meets an objective or a setting it does not model (TRL's
+``sapo`` loss, verl's ``clip_cov`` policy loss, an entropy bonus whose entropy is not recorded, TRL's
+``off_policy_mask_threshold``) raises :func:`not_modelled`; the report then opens with
+``not checked: <objective or setting> — <why, and what to record>`` whatever other checks ran, since a
+loss the checks cannot recompute is a loss nobody checked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.checks.finding import RL_ALGORITHMS, SKIPPED, Finding
+from tracer.checks.finding import RL_ALGORITHMS, SKIPPED, Finding, Skip
 
 NOT_CHECKED = "trace.not_checked"  # finding id of a bug class none of whose checks could run
+NOT_MODELLED = "not modelled: "  # how a skip's reason starts when an objective or setting is not modelled
+
+
+def not_modelled(what: str, why: str) -> Skip:
+    """The Skip a check raises for an objective or setting it does not model: its reason is
+    ``not modelled: <what> — <why>`` (``why`` says what to record, or which field would let it check),
+    and :func:`not_checked` turns it into a ``not checked: <what> — <why>`` finding."""
+    return Skip(f"{NOT_MODELLED}{what} — {why}")
 
 
 @dataclass(frozen=True)
@@ -79,15 +93,16 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
         algorithm_of: step key -> its algorithm.
         conditions: step key -> the :attr:`BugClass.condition` values it meets.
     """
-    out = []
+    out = _objectives_not_checked(skipped, keys)
     for bug in BUG_CLASSES:
         checks = [c for c in bug.checks if c in selected]
         if not checks:
             continue
         missed = [k for k in keys if applies(bug, algorithm_of[k], conditions[k])
                   and any(k in skipped.get(c, {}) for c in checks) and not any(k in ran.get(c, set()) for c in checks)]
-        if not missed:
-            continue
+        if not missed or all(skipped[c][k].startswith(NOT_MODELLED) for c in checks for k in missed
+                             if k in skipped.get(c, {})):
+            continue  # an objective not modelled is named by its own finding
         absent = [f for f in bug.fields if any(f not in fields[k] for k in missed)]
         reasons = sorted({skipped[c][k] for c in checks for k in missed if k in skipped.get(c, {})})
         first = missed[0]
@@ -99,4 +114,27 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
                            micro_batch=first.micro_batch, rank=first.rank, path=str(first.path),
                            details={"class": bug.name, "fields": absent, "checks": checks,
                                     "steps": [k.label for k in missed[:50]], "reasons": reasons[:5]}))
+    return out
+
+
+def _objectives_not_checked(skipped: dict[str, dict], keys: list) -> list[Finding]:
+    """One ``trace.not_checked`` finding per objective or setting a check did not model
+    (:func:`not_modelled`), with the checks that skipped for it and the step files."""
+    where: dict[str, dict] = {}
+    for check_id, reasons in skipped.items():
+        for key, reason in reasons.items():
+            if reason.startswith(NOT_MODELLED):
+                seen = where.setdefault(reason.removeprefix(NOT_MODELLED), {"checks": set(), "keys": set()})
+                seen["checks"].add(check_id)
+                seen["keys"].add(key)
+    out = []
+    for text, seen in where.items():
+        missed = [k for k in keys if k in seen["keys"]]
+        first = missed[0]
+        what = text.split(" — ", 1)[0]
+        out.append(Finding(NOT_CHECKED, SKIPPED, f"not checked: {text} (on {len(missed)} of {len(keys)} step files; "
+                           f"{', '.join(sorted(seen['checks']))} skipped)", step=first.step,
+                           inner_step=first.inner_step, micro_batch=first.micro_batch, rank=first.rank,
+                           path=str(first.path), details={"objective": what, "checks": sorted(seen["checks"]),
+                                                          "steps": [k.label for k in missed[:50]]}))
     return out

@@ -10,6 +10,11 @@ ask the recorded tensors which setting actually ran:
   loss the policy loss aggregated (``verl_pg_losses``; else, for the ``vanilla`` loss, recomputed
   with :func:`~tracer.formulas.verl_losses.verl_vanilla_per_token_loss`), with the global mini-batch
   counts the call used (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
+- ``recompute.verl_pg_losses``: the per-token loss verl's policy loss aggregated (``verl_pg_losses``)
+  against the registered loss recomputed from the recorded logprobs, advantages and clip ratios
+  (``vanilla`` with its dual clip ``clip_ratio_c``, ``gspo``, ``cispo``, ``gpg``:
+  :data:`tracer.formulas.verl_losses.VERL_POLICY_LOSSES`); a loss tracer does not model is named in
+  the report's ``not checked:`` lines.
 - ``recompute.advantage_std``: verl GRPO's recorded advantages against the rule with and without the
   std normalisation (``norm_adv_by_std_in_grpo``), recomputed from ``rewards`` per group.
 - ``recompute.declared_settings``: any other recorded setting whose value at the call differs from
@@ -29,9 +34,15 @@ from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups
 from tracer.checks.context import StepContext
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
+from tracer.checks.comparison import compare
+from tracer.checks.coverage import not_modelled
 from tracer.formulas.verl_losses import (
     VERL_LOSS_AGG_MODES,
+    VERL_POLICY_LOSSES,
     verl_agg_loss,
+    verl_cispo_per_token_loss,
+    verl_gpg_per_token_loss,
+    verl_gspo_per_token_loss,
     verl_vanilla_per_token_loss,
 )
 
@@ -62,6 +73,58 @@ def _per_token_pg_loss(ctx: StepContext) -> tuple[torch.Tensor, str]:
     losses = verl_vanilla_per_token_loss(policy.double(), old.double(), advantages.double(), float(low), float(high),
                                          float(ctx.hyper("clip_ratio_c", 3.0)), weights)
     return losses, "the vanilla loss recomputed per token (tracer.formulas.verl_vanilla_per_token_loss)"
+
+
+def verl_per_token_loss(ctx: StepContext, loss_mode: str, dual_clip: bool = True) -> torch.Tensor:
+    """verl's registered policy loss ``loss_mode`` per token ``[B, T]`` (float64) from the recorded
+    ``policy_logprobs``, ``old_logprobs``, advantages (``token_advantages`` or per-row ``advantages``),
+    clip ratios, ``clip_ratio_c`` (the call's, else the config's, else verl's 3.0) and ``rollout_is_weights``;
+    ``dual_clip=False``: the vanilla loss without its dual clip (to name a loss that lacks it). A
+    :func:`not_modelled` skip for a loss tracer does not model."""
+    if not VERL_POLICY_LOSSES.get(loss_mode):
+        modelled = ", ".join(k for k, v in VERL_POLICY_LOSSES.items() if v)
+        raise not_modelled(f"verl policy loss {loss_mode!r}", f"tracer recomputes {modelled}; the per-token loss "
+                           "of this one is not checked (its aggregation is: recompute.loss_agg_mode)")
+    policy, old, keep = ctx.require("policy_logprobs", "old_logprobs", "completion_mask")
+    advantages = ctx.tensor("token_advantages") if ctx.has("token_advantages") else ctx.require("advantages")[0]
+    policy, old, advantages = policy.double(), old.double(), advantages.double()
+    weights = ctx.tensor("rollout_is_weights").double() if ctx.has("rollout_is_weights") else None
+    if loss_mode == "gpg":
+        return verl_gpg_per_token_loss(policy, advantages, weights)
+    low, high = float(ctx.hyper("clip_epsilon_low")), float(ctx.hyper("clip_epsilon_high"))
+    if loss_mode == "gspo":
+        return verl_gspo_per_token_loss(policy, old, advantages, keep.bool(), low, high, weights)
+    if loss_mode == "cispo":
+        return verl_cispo_per_token_loss(policy, old, advantages, low, high, weights)
+    c = float(ctx.hyper("clip_ratio_c", None) or ctx.hyper("declared_clip_ratio_c", None) or 3.0)
+    return verl_vanilla_per_token_loss(policy, old, advantages, low, high, c if dual_clip else float("inf"), weights)
+
+
+@register("recompute.verl_pg_losses", "verl: the per-token loss the policy loss aggregated (verl_pg_losses) is the "
+          "registered loss (vanilla with dual clip, gspo, cispo, gpg) recomputed from the recorded inputs",
+          RL_ALGORITHMS)
+def check_verl_pg_losses(ctx: StepContext):
+    if "verl_pg_losses" not in ctx.data:
+        return []  # not a verl worker file: not applicable
+    loss_mode = str(ctx.hyper("loss_mode", "vanilla"))
+    recorded = ctx.tensor("verl_pg_losses")
+    expected = verl_per_token_loss(ctx, loss_mode)
+    formula = f"verl's {loss_mode!r} policy loss ({VERL_POLICY_LOSSES[loss_mode]})"
+    findings = compare(ctx, "recompute.verl_pg_losses", "verl_pg_losses", recorded, expected, ctx.mask(), formula)
+    if findings and loss_mode == "vanilla" and not compare(ctx, "recompute.verl_pg_losses", "verl_pg_losses",
+                                                           recorded, verl_per_token_loss(ctx, loss_mode, False),
+                                                           ctx.mask(), ""):
+        c = float(ctx.hyper("clip_ratio_c", None) or ctx.hyper("declared_clip_ratio_c", None) or 3.0)
+        r = torch.exp(ctx.tensor("policy_logprobs").double() - ctx.tensor("old_logprobs").double())
+        adv = ctx.tensor("token_advantages") if ctx.has("token_advantages") else ctx.tensor("advantages")
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        binds = ctx.mask() & (adv < 0) & (r > c)
+        findings[0].message = (f"dual clip missing: the recorded pg_losses are the clipped surrogate without the dual "
+                               f"clip, while clip_ratio_c = {c:g} is the config's: on {int(binds.sum())} kept tokens "
+                               f"with A < 0 and ratio > {c:g} the loss is not capped at -{c:g}·A (verl "
+                               "compute_policy_loss_vanilla). " + findings[0].message)
+        findings[0].details.update(cause="dual_clip_missing", clip_ratio_c=c)
+    return findings
 
 
 def agg_candidates(ctx: StepContext, per_token_loss: torch.Tensor) -> dict[str, float]:

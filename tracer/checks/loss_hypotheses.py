@@ -176,6 +176,8 @@ def _clip_hypotheses(ctx: StepContext, reduce, words: str, reduction: str, loss:
     clip binds on no token of that side, or the epsilon has at most 2 significant digits (a typed value)."""
     if ctx.algorithm not in ("ppo", "grpo", "") or trl_loss_type(ctx) == "cispo" or ctx.hyper("delta", None):
         return []
+    if ctx.hyper("importance_sampling_level", "token") != "token":
+        return []  # the bounds below read token ratios; GSPO clips one ratio per sequence
     try:
         eps_high = float(ctx.hyper("clip_epsilon_high"))
         eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))

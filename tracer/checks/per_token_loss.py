@@ -1,15 +1,21 @@
 """The per-token loss recomputed from the recorded inputs, and the ``recompute.per_token_loss`` check.
 
 Rules (:mod:`tracer.formulas`, SPEC.md section 3): GRPO's clipped surrogate (TRL's ``grpo``,
-``bnpo``, ``dr_grpo``, ``dapo`` losses, with two-sided clipping ``delta``, the bias-corrected KL and
-vLLM importance-sampling weights when the metadata says so), CISPO's clipped-weight REINFORCE and
+``bnpo``, ``dr_grpo``, ``dapo``, ``luspo`` losses, with two-sided clipping ``delta``, the bias-corrected
+KL and vLLM importance-sampling weights when the metadata says so; per token, or per sequence (GSPO,
+``importance_sampling_level = "sequence"``); dual clip when ``clip_ratio_c`` is recorded), CISPO's
+clipped-weight REINFORCE and
 PPO's clipped surrogate on per-token GAE advantages, each plus ``coef * KL(policy || ref)`` (``beta``,
 PPO ``kl_coef``; estimator k3 by default) unless the KL penalty is in the rewards
 (:mod:`tracer.checks.kl_placement`).
 
 When the recorded per-token loss disagrees, the check names the likely cause by recomputing the
 variants: no KL term, the KL term's sign flipped, the KL counted in both rewards and loss, another
-KL estimator (k1, k2, or k3 with swapped arguments), or other clip epsilons than the recorded ones.
+KL estimator (k1, k2, or k3 with swapped arguments), the dual clip missing or applied when not
+recorded, the token ratio where the sequence ratio was declared (or the reverse), or other clip
+epsilons than the recorded ones. An objective or setting not modelled here (TRL's ``sapo`` / ``vespo``
+losses, ``off_policy_mask_threshold``, ``top_entropy_quantile``) is a
+:func:`tracer.checks.coverage.not_modelled` skip: the report opens with ``not checked: <it>``.
 The scalar loss built from it is :mod:`tracer.checks.reduction`.
 """
 
@@ -23,10 +29,17 @@ import torch
 from tracer import formulas
 from tracer.checks.comparison import compare
 from tracer.checks.context import StepContext
+from tracer.checks.coverage import not_modelled
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.checks.kl_placement import kl_in_reward
 
-GRPO_STYLE_TRL_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo"}  # TRL loss_types with the GRPO per-token rule
+GRPO_STYLE_TRL_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo", "luspo"}  # TRL loss_types with the GRPO per-token rule
+#: TRL 1.16 loss_types whose per-token loss tracer does not recompute, and why (grpo_trainer.py _compute_loss)
+UNMODELLED_TRL_LOSSES = {
+    "sapo": "its soft gate sigmoid(τ(r - 1)) · 4/τ replaces the clip (sapo_temperature_pos / _neg)",
+    "vespo": "its per-sequence gamma weights (get_gamma_weights, vespo_k_* / vespo_lambda_*) are not modelled",
+}
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # TRL 1.16 importance_sampling_level values
 
 
 def trl_loss_type(ctx: StepContext) -> str | None:
@@ -36,7 +49,8 @@ def trl_loss_type(ctx: StepContext) -> str | None:
 
 def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
                               clip: tuple[float, float] | None = None, estimator: str | None = None,
-                              kl_coef: float | None = None) -> torch.Tensor:
+                              kl_coef: float | None = None, dual_clip: float | None = None,
+                              sequence_level: bool | None = None) -> torch.Tensor:
     """The per-token loss ``[B, T]`` from the recorded inputs (GRPO, CISPO or PPO rule); Skip otherwise.
 
     PPO: ``-min(r*A, clip(r)*A) + kl_coef * ref_kl_k3`` with per-token GAE advantages
@@ -44,18 +58,29 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     flipped sign when the recorded loss disagrees); ``clip`` = ``(eps_low, eps_high)`` replaces the
     recorded clip epsilons (GRPO and PPO; used to name the epsilons a loss clips with); ``estimator``
     the KL term's estimator (used to name the one a loss uses); ``kl_coef`` the KL term's coefficient
-    (used to name a KL penalty the rewards already carry)."""
+    (used to name a KL penalty the rewards already carry); ``dual_clip`` the dual-clip bound (0: none;
+    None: metadata ``clip_ratio_c``) and ``sequence_level`` the ratio's level (None: metadata
+    ``importance_sampling_level``), used to name a dual clip or a ratio level the loop did not apply.
+    An objective not modelled is a :func:`tracer.checks.coverage.not_modelled` skip."""
     trl_loss = trl_loss_type(ctx)
-    if ctx.hyper("importance_sampling_level", "token") != "token":
-        raise Skip("importance_sampling_level is not 'token' (sequence-level ratio)")
-    for key, off in (("off_policy_mask_threshold", None), ("top_entropy_quantile", 1.0)):
+    level = importance_sampling_level(ctx)
+    for key, off, what in (("off_policy_mask_threshold", None, "TRL's off-policy sequence mask (OPSM)"),
+                           ("top_entropy_quantile", 1.0, "TRL's high-entropy token mask")):
         if ctx.hyper(key, off) not in (off,):
-            raise Skip(f"metadata {key} = {ctx.hyper(key)!r} changes the per-token loss; not recomputed")
+            raise not_modelled(f"{key} = {ctx.hyper(key)!r}", f"{what} zeroes tokens of the per-token loss by a rule "
+                               "tracer does not recompute; record per_token_loss as the loop computes it to have the "
+                               "reduction checked")
+    if trl_loss in UNMODELLED_TRL_LOSSES:
+        raise not_modelled(f"TRL loss_type {trl_loss!r}", f"{UNMODELLED_TRL_LOSSES[trl_loss]}; the per-token loss is "
+                           "not recomputed (record per_token_loss to have its reduction checked)")
     cispo = ctx.algorithm == "cispo" or trl_loss == "cispo"
     ppo = ctx.algorithm == "ppo"
     if not (cispo or ppo) and (ctx.algorithm not in ("grpo", "") or (trl_loss and trl_loss not in GRPO_STYLE_TRL_LOSSES)):
-        raise Skip(f"no per-token loss rule for algorithm {ctx.algorithm!r} (loss_type {trl_loss!r}); "
-                   "record per_token_loss")
+        raise not_modelled(f"the {ctx.algorithm!r} objective (loss_type {trl_loss!r})",
+                           "no per-token loss rule in tracer.formulas; record per_token_loss")
+    if level == "sequence" and (cispo or ppo):
+        raise not_modelled(f"importance_sampling_level 'sequence' with {'CISPO' if cispo else 'PPO'}",
+                           "the sequence ratio is modelled for the clipped GRPO surrogate (GSPO) only")
     policy, advantages = ctx.require("policy_logprobs", "advantages")
     old = ctx.old_logprobs()
     beta = loss_kl_coef(ctx) if kl_coef is None else kl_coef
@@ -77,13 +102,41 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     else:
         eps_high = float(ctx.hyper("clip_epsilon_high"))
         eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
+    c = dual_clip_c(ctx) if dual_clip is None else (dual_clip or None)
     if ppo:
         if advantages.dim() != 2:
             raise Skip("PPO advantages are per sequence here; the PPO loss rule needs per-token GAE advantages")
-        return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, estimator)
+        return formulas.ppo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, estimator, c)
     delta = ctx.hyper("delta", None)  # TRL's two-sided clipping (its grpo-style losses only; not CISPO's)
+    level = level if sequence_level is None else ("sequence" if sequence_level else "token")
     return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
-                                        sampler_weights, None if delta is None else float(delta), estimator)
+                                        sampler_weights, None if delta is None else float(delta), estimator, c,
+                                        ctx.mask() if level == "sequence" else None)
+
+
+def importance_sampling_level(ctx: StepContext) -> str:
+    """Metadata ``importance_sampling_level`` (TRL's GRPOConfig; ``token`` when not recorded): ``token``
+    or ``sequence`` (GSPO); a :func:`not_modelled` skip for another value."""
+    level = str(ctx.hyper("importance_sampling_level", "token") or "token")
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise not_modelled(f"importance_sampling_level {level!r}", "tracer models 'token' and 'sequence' (GSPO); the "
+                           "ratio, clip fractions and per-token loss are not recomputed")
+    return level
+
+
+def dual_clip_c(ctx: StepContext) -> float | None:
+    """Dual-clip PPO's bound: metadata ``clip_ratio_c`` (verl's name; > 1), None when not recorded.
+    Raises Skip for a recorded value that is no bound above 1 (verl asserts ``clip_ratio_c > 1``)."""
+    value = ctx.hyper("clip_ratio_c", None)
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        c = float(value)
+    except (TypeError, ValueError):
+        raise Skip(f"metadata clip_ratio_c = {value!r} is not a number") from None
+    if not c > 1.0:
+        raise Skip(f"metadata clip_ratio_c = {c:g}: dual-clip PPO needs a bound > 1")
+    return c
 
 
 def loss_kl_coef(ctx: StepContext) -> float:
@@ -243,7 +296,11 @@ def check_per_token_loss(ctx: StepContext):
                        ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
     if not findings:
         return findings
-    if _matches_without_kl(ctx, recorded):  # before the flipped sign: a tiny KL term fits either way
+    objective = _objective_explanation(ctx, recorded)
+    if objective is not None:
+        findings[0].message = objective[0] + findings[0].message
+        findings[0].details.update(objective[1])
+    elif _matches_without_kl(ctx, recorded):  # before the flipped sign: a tiny KL term fits either way
         findings[0].message = (
             f"The recorded per_token_loss matches the loss without its KL term ({kl_term_name(ctx)}): the "
             "loop adds no reference-KL penalty to the loss. If it puts the penalty in the rewards (InstructGPT, "
@@ -275,6 +332,45 @@ def check_per_token_loss(ctx: StepContext):
         if findings[0].severity == ERROR:
             findings[0] = _clip_explanation(ctx, findings[0], recorded)
     return findings
+
+
+def _matches(ctx: StepContext, recorded: torch.Tensor, **variant) -> bool:
+    """The recorded per-token loss equals the one recomputed with ``variant`` (keywords of
+    :func:`recomputed_per_token_loss`) under the dtype tolerance; False when it cannot be recomputed."""
+    try:
+        other = recomputed_per_token_loss(ctx, **variant)
+    except Skip:
+        return False
+    return not compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, other, ctx.mask(), "")
+
+
+def _objective_explanation(ctx: StepContext, recorded: torch.Tensor) -> tuple[str, dict] | None:
+    """The objective's term at fault, when the recorded per-token loss is another objective than the
+    recorded settings say: the dual clip (``clip_ratio_c``) missing, or the ratio's level (token vs
+    sequence, GSPO). Returns ``(the message's opening, details)`` or None."""
+    if ctx.algorithm == "cispo" or trl_loss_type(ctx) == "cispo":
+        return None
+    c = dual_clip_c(ctx)
+    if c is not None and _matches(ctx, recorded, dual_clip=0.0):
+        r = formulas.ratio(ctx.tensor("policy_logprobs"), ctx.old_logprobs())
+        adv = ctx.tensor("advantages")
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        binds = ctx.mask() & (adv < 0) & (r > c)  # (B, T) where the dual clip caps the loss
+        return (f"dual clip missing: the recorded per_token_loss is the clipped surrogate without the dual clip, "
+                f"while clip_ratio_c = {c:g} is recorded: on {int(binds.sum())} kept tokens with A < 0 and ratio > "
+                f"{c:g} (largest ratio there {float(r[binds].max()) if bool(binds.any()) else float('nan'):.4g}) the "
+                f"loss should be capped at -{c:g}·A (dual-clip PPO, tracer.formulas.dual_clip). ",
+                {"cause": "dual_clip_missing", "clip_ratio_c": c, "tokens_beyond_c": int(binds.sum())})
+    level = importance_sampling_level(ctx)
+    if not _matches(ctx, recorded, sequence_level=level != "sequence"):
+        return None
+    if level == "sequence":
+        return ("ratio level: the recorded per_token_loss follows the per-token ratio exp(policy − old), while "
+                "importance_sampling_level = 'sequence' (GSPO) is recorded: the loop does not clip one ratio per "
+                "sequence, exp(masked mean of policy − old). ", {"cause": "token_ratio_under_sequence_level"})
+    return ("ratio level: the recorded per_token_loss follows GSPO's sequence ratio exp(masked mean of policy − old), "
+            "while importance_sampling_level is 'token' (or not recorded): record importance_sampling_level = "
+            "'sequence' if GSPO is meant. ", {"cause": "sequence_ratio_under_token_level"})
 
 
 KL_TERM_FLOOR = 1e-4  # a token's KL term (coefficient 1) below this gives no reliable coefficient in float32

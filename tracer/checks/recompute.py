@@ -18,18 +18,22 @@ from tracer.checks.comparison import Variant, compare, compare_with_variants
 from tracer.checks.context import StepContext, check_memo, loss_scales
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.checks.kl_placement import kl_in_reward, reward_kl
+from tracer.checks.per_token_loss import importance_sampling_level
 from tracer.formulas.logprobs import approx_kl_k2_variants, ratio_variants, ref_kl_k3_variants
+from tracer.formulas.losses import sequence_ratio
 
 CLIP_FRACTION_ATOL = 1e-3  # recorded vs recomputed clip fraction (a share of kept tokens)
 
 
-@register("recompute.ratio", "recorded ratio == exp(policy - old); names the variant (inverted, exp not applied "
+@register("recompute.ratio", "recorded ratio == exp(policy - old) (GSPO: exp of the masked mean per sequence); names the variant (inverted, exp not applied "
           "or applied twice, logprobs divided) that reproduces a wrong one", RL_ALGORITHMS)
 def check_ratio(ctx: StepContext):
-    if ctx.hyper("importance_sampling_level", "token") != "token":
-        raise Skip("importance_sampling_level is not 'token': the recorded ratio is per sequence")
+    level = importance_sampling_level(ctx)
     ratio, policy = ctx.require_recorded("ratio", "policy_logprobs")
     old = ctx.old_logprobs()
+    if level == "sequence" and (ratio.dim() == 1 or ratio.shape[-1] == 1 or compare(
+            ctx, "recompute.ratio", "ratio", ratio, formulas.ratio(policy, old), ctx.mask(), "")):
+        return _check_sequence_ratio(ctx, ratio, policy, old)
     wrong = ratio_variants(policy, old)
     return compare_with_variants(ctx, "recompute.ratio", "ratio", ratio, formulas.ratio(policy, old), ctx.mask(),
                                  "exp(policy − old)", [
@@ -39,6 +43,19 @@ def check_ratio(ctx: StepContext):
                                      Variant("exp applied twice", "exp(exp(policy − old))", wrong["exp_twice"]),
                                      Variant("logprobs divided as if they were probabilities", "policy / old",
                                              wrong["logprob_quotient"])])
+
+
+def _check_sequence_ratio(ctx: StepContext, ratio: torch.Tensor, policy: torch.Tensor, old: torch.Tensor):
+    """GSPO (``importance_sampling_level = "sequence"``): a recorded ratio of one value per row (``[B]``,
+    ``[B, 1]``, or ``[B, T]`` repeated over the row's tokens) against ``exp`` of the masked mean log-ratio."""
+    keep = ctx.mask()
+    expected = sequence_ratio(policy, old, keep)  # (B,)
+    formula = "exp(masked mean of policy − old) per sequence (GSPO, tracer.formulas.losses.sequence_ratio)"
+    if ratio.dim() == 2 and ratio.shape[-1] != 1:
+        return compare(ctx, "recompute.ratio", "ratio", ratio, expected.unsqueeze(1).expand_as(ratio), keep, formula)
+    rows = keep.any(dim=1)  # (B,) a row that keeps no token has no ratio to compare
+    return compare(ctx, "recompute.ratio", "ratio", ratio.reshape(-1, 1), expected.unsqueeze(1), rows.unsqueeze(1),
+                   formula)
 
 
 @register("recompute.ref_kl_k3", "recorded ref_kl_k3 == exp(ref - policy) - (ref - policy) - 1; names the variant "
@@ -112,18 +129,24 @@ def check_token_rewards(ctx: StepContext):
     return findings
 
 
-@register("recompute.clip_fractions", "clip fractions (low / high / region, sign-aware) recomputed and "
-          "compared with metadata clip_fraction_* when recorded", {"ppo", "grpo", ""})
+@register("recompute.clip_fractions", "clip fractions (low / high / region, sign-aware; per sequence under "
+          "GSPO) recomputed and compared with metadata clip_fraction_* when recorded", {"ppo", "grpo", ""})
 def check_clip_fractions(ctx: StepContext):
-    if ctx.hyper("importance_sampling_level", "token") != "token":
-        raise Skip("importance_sampling_level is not 'token': the trainer clips one ratio per sequence")
+    level = importance_sampling_level(ctx)
     (policy,) = ctx.require("policy_logprobs")
     (advantages,) = ctx.require("advantages")
     eps_high = float(ctx.hyper("clip_epsilon_high"))
     eps_low = float(ctx.hyper("clip_epsilon_low", eps_high))
     keep = ctx.mask()
-    fractions = {k: float(v) for k, v in formulas.clip_fractions(
-        formulas.ratio(policy, ctx.old_logprobs()), advantages, keep, eps_low, eps_high).items()}
+    if level == "sequence":  # GSPO clips one ratio per sequence: shares of all the rows (TRL 1.16 global_masked_mean)
+        if advantages.dim() != 1:
+            raise Skip("importance_sampling_level 'sequence' with per-token advantages: GSPO's advantage is one "
+                       "per sequence")
+        r = sequence_ratio(policy, ctx.old_logprobs(), keep).unsqueeze(1)  # (B, 1)
+        keep = torch.ones_like(r, dtype=torch.bool)
+    else:
+        r = formulas.ratio(policy, ctx.old_logprobs())
+    fractions = {k: float(v) for k, v in formulas.clip_fractions(r, advantages, keep, eps_low, eps_high).items()}
     recorded = {k: float(ctx.metadata[f"clip_fraction_{k}"]) for k in fractions if f"clip_fraction_{k}" in ctx.metadata}
     bad = {k: (v, fractions[k]) for k, v in recorded.items() if abs(v - fractions[k]) > CLIP_FRACTION_ATOL}
     text = ", ".join(f"{k} {v:.4f}" for k, v in fractions.items())

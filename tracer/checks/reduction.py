@@ -20,6 +20,14 @@ records the ``loss / accumulation_steps`` it backpropagates). Without a recorded
 reduction's ``B * T`` is the padded width: when that width changes between step files it is no
 constant, and a loss that matches it is named a loss over padding (padding counted in the divisor).
 
+An entropy bonus (metadata ``entropy_coef``, TRL's name, or ``entropy_coeff``, verl's, not 0) is part of
+the recorded loss: ``loss = reduce(per-token loss) - coef * reduce(entropy)`` (TRL 1.16, verl 0.9.1
+``ppo_loss``), the entropy reduced with metadata ``entropy_reduction``, else verl's ``loss_agg_mode``,
+else the token mean, times the loss's scale. The bonus is added back before the reductions are
+compared; a recorded loss that matches the policy loss *plus* the bonus is named ``entropy bonus sign
+flipped``, one that matches the policy loss alone ``entropy bonus missing``. Without a recorded
+``entropy`` the loss is not checked (:func:`tracer.checks.coverage.not_modelled`: the report says so).
+
 When the declared reduction does not reproduce the loss to float noise, the explanations of
 :mod:`tracer.checks.loss_hypotheses` (the unmasked mean over padding, the KL sign flipped or the KL
 term missing, another clip range) are ranked by residual, and the error names the one that
@@ -45,10 +53,14 @@ from tracer.checks.loss_hypotheses import (
     reduction_hypotheses,
     variant_hypotheses,
 )
+from tracer.checks.coverage import not_modelled
 from tracer.checks.per_token_loss import recomputed_per_token_loss, trl_loss_type
+from tracer.formulas.losses import entropy_bonus
+from tracer.formulas.verl_losses import VERL_LOSS_AGG_MODES, verl_agg_loss
 
 TRL_LOSS_REDUCTION = {"grpo": "sequence_mean", "sapo": "sequence_mean", "bnpo": "token_mean",
-                      "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant"}
+                      "dapo": "token_mean", "cispo": "token_mean", "vespo": "token_mean", "dr_grpo": "constant",
+                      "luspo": "constant"}
 GENERATION_BATCH_TOKEN_MEAN = {"dapo", "cispo", "vespo"}  # TRL divides by num_items_in_batch
 
 
@@ -61,7 +73,44 @@ def recorded_loss(ctx: StepContext) -> float:
         return float(loss.reshape(()))
     if isinstance(ctx.metadata.get("loss"), (int, float)):
         return float(ctx.metadata["loss"])
+    if ctx.metadata.get("loss_not_recorded"):  # the capture knew the loss holds a term it could not record
+        raise not_modelled("the scalar loss", f"{ctx.metadata['loss_not_recorded']}, so the capture did not record "
+                           "it; record loss (and entropy with entropy_coef for an entropy bonus) to check its reduction")
     raise Skip("needs the recorded scalar loss: tensor field 'loss' ([] or [1]) or metadata key 'loss'")
+
+
+def entropy_coef(ctx: StepContext) -> float:
+    """The entropy bonus's coefficient: metadata ``entropy_coef`` (TRL) or ``entropy_coeff`` (verl); 0 when
+    neither is recorded. Skip for a value that is not a number."""
+    value = ctx.hyper("entropy_coef", None)
+    value = ctx.hyper("entropy_coeff", None) if value is None else value
+    if value is None or isinstance(value, bool):
+        return 0.0
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise Skip(f"metadata entropy_coef = {value!r} is not a number") from None
+
+
+def entropy_term(ctx: StepContext, keep: torch.Tensor) -> tuple[float, float, str] | None:
+    """``(coef, reduced entropy, how it is reduced)`` of the loss's entropy bonus, None without one; a
+    :func:`not_modelled` skip when the coefficient is recorded and the entropy is not."""
+    coef = entropy_coef(ctx)
+    if not coef:
+        return None
+    if not ctx.has("entropy"):
+        raise not_modelled(f"entropy bonus (entropy_coef {coef:g})", "the loss subtracts entropy_coef × the mean "
+                           "token entropy, and entropy is not recorded; record entropy [B, T] (nats)")
+    entropy = ctx.tensor("entropy").double()
+    how = ctx.hyper("entropy_reduction", None) or ctx.hyper("loss_agg_mode", None) or "token_mean"
+    if how in VERL_LOSS_AGG_MODES:
+        counts = {k: ctx.hyper(k, None) for k in ("batch_num_tokens", "global_batch_size", "loss_scale_factor")}
+        value = float(verl_agg_loss(entropy, keep, how, int(ctx.hyper("dp_size", 1) or 1), **counts))
+        return coef, value, f"verl agg_loss {how!r}"
+    try:
+        return coef, float(entropy_bonus(entropy, keep, 1.0, how)), how.replace("_", "-")
+    except ValueError as err:
+        raise not_modelled(f"entropy_reduction {how!r}", str(err)) from None
 
 
 def _declared(ctx: StepContext) -> str | None:
@@ -116,12 +165,23 @@ def check_loss(ctx: StepContext):
     declared = _declared(ctx)
     padded = _constant_is_padded(ctx, keep)
     noise = float_noise(ctx, per_token_loss, keep, loss)
+    bonus = entropy_term(ctx, keep)
+    if bonus is not None:  # the noise of a loss that holds the bonus besides the policy loss
+        noise = float_noise(ctx, per_token_loss, keep, abs(loss) + abs(bonus[0] * bonus[1]))
+    recorded = loss
     scale, values, divisor, hypotheses = None, {}, 0.0, []
     for scale in loss_scales(ctx):  # the recorded loss_scale; else 1, then 1 / gradient_accumulation_steps
         values, divisor = candidate_losses(ctx, per_token_loss, keep, scale)
+        if bonus is not None:
+            wrong = _entropy_fault(ctx, recorded, values, declared, bonus, scale, noise)
+            if wrong is not None:
+                return [wrong]
+            loss = recorded + scale * bonus[0] * bonus[1]  # the policy loss: the bonus added back
         hypotheses = reduction_hypotheses(ctx, values, per_token_loss, keep, divisor, declared, source, scale, padded)
         if min((h.residual(loss) for h in hypotheses if h.legitimate), default=math.inf) <= noise:
             break
+    if bonus is not None:
+        source += f" (the entropy bonus {scale * bonus[0] * bonus[1]:.6g} added back to the recorded loss {recorded:.6g})"
     if scale != 1.0 and ctx.hyper("loss_scale", None) is None:  # the loop divides by its accumulation steps
         source += f" times 1 / gradient_accumulation_steps ({scale:g})"
     loose = [h.key for h in hypotheses
@@ -151,6 +211,36 @@ def check_loss(ctx: StepContext):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
     return [_error(ctx, loss, named, fits, healthy, matches, declared, values, divisor, source, noise)]
+
+
+def _entropy_fault(ctx: StepContext, recorded: float, values: dict, declared: str | None,
+                   bonus: tuple[float, float, str], scale: float, noise: float):
+    """The error naming the entropy bonus as the term at fault: the recorded loss is a legitimate reduction
+    of the per-token loss *plus* ``coef * H`` (sign flipped) or the reduction alone (bonus missing), while
+    ``loss - coef * H`` is not; None otherwise."""
+    coef, entropy, how = bonus
+    term = scale * coef * entropy
+    legit = {k: v for k, v in values.items() if declared in (None, k)}
+    if not legit or abs(term) <= CLEAR * noise:
+        return None  # a bonus within float noise: its sign cannot be told
+    right = min(abs(recorded - (v - term)) for v in legit.values())
+    if right <= noise:
+        return None
+    for key, cause, value in (("entropy_sign_flipped", "entropy bonus sign flipped", lambda v: v + term),
+                              ("entropy_missing", "entropy bonus missing", lambda v: v)):
+        name, gap = min(((k, abs(recorded - value(v))) for k, v in legit.items()), key=lambda x: x[1])
+        if gap <= noise and right > CLEAR * max(gap, noise / CLEAR):
+            policy = legit[name]
+            said = ("+ entropy_coef × H: the loss pays the policy for lowering its entropy" if key == "entropy_sign_flipped"
+                    else "with no entropy term: the declared bonus is not in the loss")
+            message = (f"{cause}: recorded loss {recorded:.6g} equals the {name.replace('_', '-')} policy loss "
+                       f"{policy:.6g} {said} (entropy_coef {coef:g}, H = {entropy:.6g} nats, the {how} of the recorded "
+                       f"entropy{f', times the loss scale {scale:g}' if scale != 1.0 else ''}; to {gap:.1g}). The "
+                       f"bonus is subtracted: policy loss − entropy_coef × H = {policy - term:.6g}, off by {right:.2g} "
+                       f"(float noise here {noise:.1g}). Source: TRL 1.16 GRPOTrainer._compute_loss, verl 0.9.1 ppo_loss.")
+            return ctx.finding("recompute.loss", ERROR, message, field="loss", cause=key, recorded=recorded,
+                               policy_loss=policy, entropy_coef=coef, entropy=entropy, reduction=name)
+    return None
 
 
 def _constant_is_padded(ctx: StepContext, keep: torch.Tensor) -> str | None:
