@@ -3,22 +3,73 @@
 Attach to a trainer, write per-step safetensors traces of everything that decides an RL update
 (old/policy/ref/sampler logprobs, masks, rewards, advantages, ratios, KL terms), then browse,
 check and diff them. See README.md and SPEC.md.
+
+The public names are imported on first use (PEP 562 ``__getattr__``): ``import tracer``,
+``python -m tracer --help``, ``tracer info`` and the read and format stages do not import torch
+(seconds of start-up); ``tracer.Tracer`` imports the writer, ``tracer.diff(a, b)`` the diff engine.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from tracer.diff import DiffReport, diff
 from tracer.errors import GuardStop, SchemaError, TraceError, TraceFormatError
-from tracer.read import StepKey, Trace
-from tracer.record import SamplingPolicy, Tracer, TraceWriter
 from tracer.record.observer import register_factory
-from tracer.zero_edit.watch import watch
+
+if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
+    from tracer.diff import DiffReport
+    from tracer.read import StepKey, Trace
+    from tracer.record import SamplingPolicy, Tracer, TraceWriter
+    from tracer.zero_edit.watch import watch
 
 __version__ = "0.1.0"
 __all__ = ["Trace", "Tracer", "TraceWriter", "SamplingPolicy", "StepKey", "TraceError", "SchemaError",
            "TraceFormatError", "GuardStop", "attach", "diff", "DiffReport", "watch"]
+
+# public name -> the module that defines it, imported when the name is first looked up
+_LAZY = {"Trace": "tracer.read", "StepKey": "tracer.read", "Tracer": "tracer.record",
+         "TraceWriter": "tracer.record", "SamplingPolicy": "tracer.record", "DiffReport": "tracer.diff",
+         "watch": "tracer.zero_edit.watch"}
+
+
+def __getattr__(name: str) -> Any:
+    """The public name ``name``, imported from its module on first use and kept (PEP 562)."""
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def diff(a: Any, b: Any, **kwargs: Any) -> Any:
+    """Compare two traces: :func:`tracer.diff.diff` (same arguments, returns its
+    :class:`~tracer.diff.DiffReport`), imported on first call so that ``import tracer`` does not
+    import the diff engine and torch."""
+    from tracer.diff import diff as _diff
+
+    return _diff(a, b, **kwargs)
+
+
+class _Package(types.ModuleType):
+    """The ``tracer`` module's type: importing the subpackage :mod:`tracer.diff` makes Python set the
+    attribute ``tracer.diff`` to that module, which would hide the public function of the same name;
+    this keeps the function there (as ``from tracer.diff import diff`` in this file once did)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "diff" and isinstance(value, types.ModuleType):
+            value = globals()["_function_diff"]
+        super().__setattr__(name, value)
+
+
+_function_diff = diff
 
 
 def _make_guard(guard: Any, root: Any, rank: int) -> Any:
@@ -31,6 +82,7 @@ def _make_guard(guard: Any, root: Any, rank: int) -> Any:
 
 
 register_factory(_make_guard)  # any import of a tracer module runs this package first
+sys.modules[__name__].__class__ = _Package
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:
@@ -39,3 +91,4 @@ def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:
     from tracer.integrations.trl import attach as _attach
 
     return _attach(trainer, out_dir, **kwargs)
+

@@ -8,11 +8,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import serialize, serialize_file
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    import torch
 
 try:  # safetensors >= 0.7: serialise from raw pointers
     from safetensors import TensorSpec
@@ -188,6 +189,8 @@ def save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str
             os.replace(tmp, path)
             return len(image)
         if specs is None:
+            from safetensors.torch import save_file  # the writer's path: torch is imported already
+
             save_file(tensors, tmp, metadata=metadata)
         else:
             serialize_file(specs, tmp, metadata=metadata)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 def digest_head(name: str, torch_dtype: str, shape: list[int]) -> bytes:
     """What :func:`content_sha256` hashes before a tensor's bytes: its name, dtype and shape."""
@@ -51,13 +53,14 @@ def tensor_bytes(tensor: torch.Tensor) -> Any:
     return (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
 
 
-# safetensors dtype names -> str(torch dtype), as content_sha256 hashes them.
-_TORCH_DTYPE_NAMES = {name: str(getattr(torch, attr)) for name, attr in {
+# safetensors dtype names -> str(torch dtype), as content_sha256 hashes them (``torch.float32``...;
+# written out: verifying a file's bytes does not import torch).
+_TORCH_DTYPE_NAMES = {name: f"torch.{attr}" for name, attr in {
     "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
     "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
-}.items() if hasattr(torch, attr)}
+}.items()}
 HASH_CHUNK_BYTES = 4 * 2**20  # bytes read at a time when hashing a stored tensor (bounded memory)
 
 

@@ -23,12 +23,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from tracer.errors import ChecksumError, SchemaError, TraceFormatError
 from tracer.format.hashing import stored_content_sha256
 from tracer.format.text import clean_text, may_hold_surrogates
+from tracer.format.arrays import HeaderTensor, is_bool
 from tracer.format.schema import ALGORITHMS, BOOL, FIELDS, FLOAT, INT64, check_tensors
 
 MAX_HEADER_BYTES = 16 * 2**20  # a step file's JSON header (tensor table + metadata); real ones are a few KB
@@ -41,10 +41,10 @@ EMPTY_ELEMENT_BUDGET = 2**20
 MAX_TOKEN_ENTRIES = 2**21  # 8 x the largest vocabularies in use (256k)
 MAX_JSON_VALUES = 2**20  # values (and keys) a manifest may hold; real ones hold a few hundred
 
-# safetensors dtype names -> torch dtypes that canonical fields of each kind may have on disk.
-_INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}
-_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-_ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES, BOOL: {"BOOL": torch.bool, **_INT_DTYPES, **_FLOAT_DTYPES}}
+# safetensors dtype names that canonical fields of each kind may have on disk.
+_INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+_ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES, BOOL: frozenset({"BOOL"}) | _INT_DTYPES | _FLOAT_DTYPES}
 
 # Manifest keys tracer reads -> the JSON type they must have (tracer/read, checks, diff, views, app).
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
@@ -147,9 +147,13 @@ def check_metadata_bounds(path: Path, raw: Any) -> int:
     return size
 
 
-def open_step_file(path: Path):
+def open_step_file(path: Path, framework: str = "pt"):
     """``safe_open`` a step file after :func:`check_step_file_bounds`, then
     :func:`check_element_budget` and :func:`check_metadata_bounds` (use as a context manager).
+
+    ``framework``: what ``get_tensor`` and ``get_slice`` return, ``"pt"`` (torch tensors: importing
+    torch, done by safetensors at the open) or ``"np"`` (numpy arrays: the reader's, which imports
+    no torch; numpy has no bfloat16 or float8, which the reader reads through torch).
 
     Raises:
         TraceFormatError: the bounds check, the element budget or the metadata bounds fail, or
@@ -157,7 +161,7 @@ def open_step_file(path: Path):
     """
     size = check_step_file_bounds(path)
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        handle = safe_open(str(path), framework=framework, device="cpu")
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise TraceFormatError(f"{path}: not a readable safetensors step file ({err})") from err
     try:
@@ -190,33 +194,34 @@ def check_step_header(path: Path, handle: Any, algorithm: str | None) -> None:
             if dtype_name not in allowed:
                 raise TraceFormatError(f"{path}: field {name!r} is stored as {dtype_name}; {spec.kind} fields "
                                        f"are stored as one of {sorted(allowed)}")
-            meta_tensors[name] = torch.empty(shape, dtype=allowed[dtype_name], device="meta")
+            meta_tensors[name] = HeaderTensor(tuple(shape), dtype_name)
         _check_schema(meta_tensors, algorithm)
     except SchemaError as err:
         raise TraceFormatError(f"{path}: {err}") from err
     except TraceFormatError:
         raise
-    except Exception as err:  # a header safetensors accepted but torch cannot describe
+    except Exception as err:  # a header safetensors accepted but the schema check cannot describe
         raise TraceFormatError(f"{path}: unusable tensor table ({type(err).__name__}: {err})") from err
 
 
-def check_mask_values(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """A mask stored as integers or floats must hold only 0 and 1 (reads the loaded data).
+def check_mask_values(path: Path, tensors: dict[str, Any]) -> None:
+    """A mask stored as integers or floats must hold only 0 and 1 (reads the loaded data: numpy
+    arrays or torch tensors).
 
     Raises:
         TraceFormatError: naming the file, the field and a few offending values.
     """
     for name, tensor in tensors.items():
         spec = FIELDS.get(name)
-        if spec is None or spec.kind != BOOL or tensor.dtype == torch.bool:
+        if spec is None or spec.kind != BOOL or is_bool(tensor):
             continue
         bad = tensor[(tensor != 0) & (tensor != 1)]
-        if bad.numel():
+        if len(bad):
             raise TraceFormatError(f"{path}: field {name!r} is a mask but holds {bad[:3].tolist()} "
                                    "(a mask holds only 0 and 1, True = keep)")
 
 
-def _check_schema(meta_tensors: dict[str, torch.Tensor], algorithm: str | None) -> None:
+def _check_schema(meta_tensors: dict[str, HeaderTensor], algorithm: str | None) -> None:
     """check_tensors; with no known algorithm, any algorithm whose dims fit (PPO's [B, T] advantages)."""
     if algorithm in ALGORITHMS:
         check_tensors(meta_tensors, algorithm)

@@ -13,8 +13,6 @@ import os
 import sys
 from typing import Any, Mapping
 
-import torch
-
 from tracer.errors import SchemaError
 from tracer.format.schema import METADATA_KEYS
 from tracer.format.text import clean_text, may_hold_surrogates
@@ -37,7 +35,8 @@ def jsonable(value: Any) -> Any:
         return os.fspath(value)
     if isinstance(value, enum.Enum):
         return jsonable(value.value)
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    torch = sys.modules.get("torch")  # a tensor exists only if torch was imported: never import it here
+    if torch is not None and isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():  # numpy scalar
         return value.item()

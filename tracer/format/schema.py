@@ -10,11 +10,13 @@ the caller asks to keep the source dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
-
-import torch
+from typing import TYPE_CHECKING, Mapping
 
 from tracer.errors import SchemaError
+from tracer.format.arrays import HeaderTensor, is_bool, is_torch
+
+if TYPE_CHECKING:  # tensors come from the caller: validating a header or a file never imports torch
+    import torch
 
 SCHEMA_VERSION = "1"
 ALGORITHMS = ("ppo", "grpo", "cispo", "rloo", "dpo")
@@ -218,7 +220,7 @@ def required_fields(algorithm: str) -> list[str]:
 
 def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
     """Dtype kind rules (no data read)."""
-    if spec.kind == INT64 and (tensor.is_floating_point() or tensor.dtype == torch.bool or tensor.is_complex()):
+    if spec.kind == INT64 and (tensor.is_floating_point() or is_bool(tensor) or tensor.is_complex()):
         raise SchemaError(
             f"field {name!r}: expected an integer tensor (stored as int64), got dtype {tensor.dtype}; "
             "pass the token ids / group ids as an integer tensor"
@@ -233,7 +235,7 @@ def _check_kind(name: str, spec: FieldSpec, tensor: torch.Tensor) -> None:
 def check_mask_field(name: str, tensor: torch.Tensor) -> None:
     """A float or integer mask must hold only 0 and 1 (reads the data: call on CPU tensors).
     Raises SchemaError naming the field and the first bad values."""
-    if tensor.dtype != torch.bool and not bool(((tensor == 0) | (tensor == 1)).all()):
+    if not is_bool(tensor) and not bool(((tensor == 0) | (tensor == 1)).all()):
         bad = tensor[(tensor != 0) & (tensor != 1)][:3].tolist()
         raise SchemaError(
             f"field {name!r}: a mask must hold only 0 and 1 (True = keep), got values {bad}; "
@@ -242,6 +244,8 @@ def check_mask_field(name: str, tensor: torch.Tensor) -> None:
 
 
 def _normalise(name: str, spec: FieldSpec | None, tensor: torch.Tensor, keep_source_dtype: bool):
+    import torch  # the writer's path: imported already
+
     # Each conversion only when needed: a tensor already as stored costs no call into torch that
     # releases the interpreter lock (the writer thread shares it with the training loop).
     if tensor.requires_grad:
@@ -296,7 +300,7 @@ def check_tensors(
             raise SchemaError(
                 f"field name {name!r} is not allowed: '__metadata__' is reserved by safetensors for the "
                 "header and names must be non-empty strings; rename the field")
-        if not isinstance(tensor, torch.Tensor):
+        if not (isinstance(tensor, HeaderTensor) or is_torch(tensor)):  # a header's field, or a tensor
             raise SchemaError(f"field {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
         spec = FIELDS.get(name)
         if spec is None:
@@ -317,7 +321,7 @@ def check_tensors(
                 )
             sizes.setdefault(dim, (int(size), name))
         _check_kind(name, spec, tensor)
-        if spec.kind == BOOL and tensor.device.type == "cpu":
+        if spec.kind == BOOL and not isinstance(tensor, HeaderTensor) and tensor.device.type == "cpu":
             check_mask_field(name, tensor)
     if algorithm == "dpo":
         _check_dpo_sides(tensors)

@@ -25,9 +25,14 @@ are those runs (:func:`infer_turn_ids`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-import torch
+import numpy as np
+
+from tracer.format.arrays import as_bool, as_int64, is_torch, like
+
+if TYPE_CHECKING:
+    import torch
 
 ROLE_NAMES = ("system", "user", "assistant", "tool")
 ASSISTANT, TOOL, SYSTEM, USER, ENVIRONMENT_ROLE = "assistant", "tool", "system", "user", "environment"
@@ -100,9 +105,10 @@ def infer_turn_ids(ids: torch.Tensor, keep: torch.Tensor, pad_token_id: int | No
     separate turns); the masked tokens after a turn's kept run belong to that turn; the trailing pad
     run is -1. A single-turn row comes out as 0 … 0, 1 … 1, -1 … -1.
 
-    ``ids``, ``keep``: ``[B, T]`` (int64, bool)."""
+    ``ids``, ``keep``: ``[B, T]`` (int64, bool), numpy arrays or torch tensors: the result is of
+    ``ids``' kind."""
     B, T = keep.shape
-    rows_ids, rows_keep = ids.tolist(), keep.bool().tolist()
+    rows_ids, rows_keep = ids.tolist(), as_bool(keep).tolist()
     out = []
     for row_ids, row_keep in zip(rows_ids, rows_keep):
         trailing = T
@@ -122,14 +128,19 @@ def infer_turn_ids(ids: torch.Tensor, keep: torch.Tensor, pad_token_id: int | No
                 gap += 1
             turns.append(turn)
         out.append(turns)
-    return torch.tensor(out, dtype=torch.long).reshape(B, T)
+    return like(out, ids).reshape(B, T)
 
 
 def turn_count(turn_ids: torch.Tensor) -> torch.Tensor:
-    """Assistant turns per row, ``[B]`` int64 (the largest turn id; 0 for a row without one)."""
-    if turn_ids.numel() == 0:
-        return torch.zeros(turn_ids.shape[0], dtype=torch.long)
-    return turn_ids.clamp(min=0).max(dim=1).values
+    """Assistant turns per row, ``[B]`` int64 (the largest turn id; 0 for a row without one), of
+    ``turn_ids``' kind (numpy array or torch tensor)."""
+    if is_torch(turn_ids):
+        if turn_ids.numel() == 0:
+            return turn_ids.new_zeros(turn_ids.shape[0]).long()
+        return turn_ids.clamp(min=0).max(dim=1).values
+    if turn_ids.size == 0:
+        return np.zeros(turn_ids.shape[0], dtype=np.int64)
+    return np.clip(turn_ids, 0, None).max(axis=1)
 
 
 def row_spans(turns: Sequence[int], roles: Sequence[int] | None, keep: Sequence[bool],
@@ -176,8 +187,8 @@ def infer_mask_reasons(ids: Sequence[int], keep: Sequence[bool], eos_token_id: i
     ``prompt`` and the gaps between kept runs ``environment``."""
     T = len(ids)
     if turns is None:
-        inferred = infer_turn_ids(torch.tensor([list(ids)], dtype=torch.long).reshape(1, T),
-                                  torch.tensor([list(keep)], dtype=torch.bool).reshape(1, T), pad_token_id,
+        inferred = infer_turn_ids(np.asarray([list(ids)], dtype=np.int64).reshape(1, T),
+                                  np.asarray([list(keep)], dtype=bool).reshape(1, T), pad_token_id,
                                   eos_token_id)[0].tolist()
         multi = max(inferred, default=0) > 1
     else:
@@ -253,13 +264,13 @@ def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[
     Returns ``(roles [B, T] int64, turn_ids [B, T] int64, role names)``, the names extended by any
     other role found; None when the tokenizer has no ``<|im_start|>`` token or no row holds one."""
     start_ids = [i for i, s in enumerate(token_strings) if s == IM_START]
-    if not start_ids or not bool(torch.isin(ids, torch.tensor(start_ids)).any()):
+    if not start_ids or not bool(np.isin(np.asarray(ids.tolist(), dtype=np.int64), start_ids).any()):
         return None
     start = start_ids[0]
     names = list(names)
     B, T = ids.shape
-    roles_out = torch.full((B, T), -1, dtype=torch.long)
-    turns_out = torch.full((B, T), PAD_TURN, dtype=torch.long)
+    roles_out = np.full((B, T), -1, dtype=np.int64)
+    turns_out = np.full((B, T), PAD_TURN, dtype=np.int64)
 
     def text(i: int) -> str:
         return token_strings[i] if 0 <= i < len(token_strings) else ""
@@ -282,7 +293,7 @@ def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[
         return names.index(role)
 
     assistant = code(ASSISTANT)
-    for b, (row, row_keep) in enumerate(zip(ids.tolist(), keep.bool().tolist())):
+    for b, (row, row_keep) in enumerate(zip(ids.tolist(), as_bool(keep).tolist())):
         end = T
         while end > 0 and not row_keep[end - 1] and pad_token_id is not None and row[end - 1] == pad_token_id:
             end -= 1
@@ -307,9 +318,9 @@ def chatml_roles(ids: torch.Tensor, keep: torch.Tensor, token_strings: Sequence[
                     turn += 1
             roles.append(current)
             turns.append(turn)
-        roles_out[b, first:end] = torch.tensor(roles, dtype=torch.long)
-        turns_out[b, first:end] = torch.tensor(turns, dtype=torch.long)
-    return roles_out, turns_out, tuple(names)
+        roles_out[b, first:end] = roles
+        turns_out[b, first:end] = turns
+    return like(roles_out, ids), like(turns_out, ids), tuple(names)
 
 
 def turns_from_roles(roles: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
@@ -317,11 +328,12 @@ def turns_from_roles(roles: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
     token of another role, or the row's start) opens the next turn; tokens before the first one are
     the prompt (0); padding (-1) stays -1. ``roles``: ``[B, T]`` int64 codes into ``names``."""
     assistant = list(names).index(ASSISTANT) if ASSISTANT in names else -2
-    is_a = roles == assistant
-    opens = is_a.clone()
+    codes = np.asarray(roles.tolist(), dtype=np.int64).reshape(roles.shape)
+    is_a = codes == assistant
+    opens = is_a.copy()
     opens[:, 1:] &= ~is_a[:, :-1]
-    turns = opens.long().cumsum(dim=1)
-    return torch.where(roles < 0, torch.full_like(turns, PAD_TURN), turns)
+    turns = opens.astype(np.int64).cumsum(axis=1)
+    return like(np.where(codes < 0, PAD_TURN, turns), roles)
 
 
 @dataclass(frozen=True)
@@ -357,7 +369,7 @@ class Layout:
             table = list(self.role_names)
             return [[table[c] if 0 <= c < len(table) else "" for c in row] for row in self.roles.tolist()]
         return [[ASSISTANT if k else (ENVIRONMENT_ROLE if turn > 0 else "") for turn, k in zip(turns, keeps)]
-                for turns, keeps in zip(self.turn_ids.tolist(), keep.bool().tolist())]
+                for turns, keeps in zip(self.turn_ids.tolist(), as_bool(keep).tolist())]
 
 
 def read_layout(ids: torch.Tensor, keep: torch.Tensor, fields: Mapping[str, torch.Tensor],
@@ -375,8 +387,8 @@ def read_layout(ids: torch.Tensor, keep: torch.Tensor, fields: Mapping[str, torc
     when ``[B, T]``)."""
     shape = tuple(ids.shape)
     turn_ids, roles = fields.get("turn_ids"), fields.get("token_roles")
-    turn_ids = turn_ids.long() if turn_ids is not None and tuple(turn_ids.shape) == shape else None
-    roles = roles.long() if roles is not None and tuple(roles.shape) == shape else None
+    turn_ids = as_int64(turn_ids) if turn_ids is not None and tuple(turn_ids.shape) == shape else None
+    roles = as_int64(roles) if roles is not None and tuple(roles.shape) == shape else None
     names = role_names(metadata)
     if turn_ids is not None or roles is not None:
         if turn_ids is None:

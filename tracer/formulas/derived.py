@@ -1,71 +1,57 @@
 """Derived fields: when a step file records the inputs of ``ratio``, ``ref_kl_k3`` or
 ``approx_kl_k2`` but not the field itself (the README's hand-written loop records only policy and
-old logprobs), the reader adds it, computed by :mod:`tracer.formulas`. Pages, views and summaries
-mark such fields as derived (:meth:`tracer.read.reader.Trace.derived_fields`); the recompute checks,
+old logprobs), the reader adds it, computed by :mod:`tracer.formulas`. Which fields are derived
+and from what is the registry :data:`DERIVED_FIELDS` (:mod:`tracer.format.derived_fields`,
+torch-free: register a field there and its formula here); torch is imported when a field is
+computed. Pages, views and summaries mark such fields as derived (:meth:`tracer.read.reader.Trace.derived_fields`); the recompute checks,
 which compare a recorded tensor with its formula, skip a derived one (nothing was recorded).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
+from tracer.format.arrays import is_floating, is_torch, to_torch
+from tracer.format.derived_fields import (  # noqa: F401  (the registry's home; re-exported here)
+    DERIVED_FIELDS,
+    derivable,
+    derivation_inputs,
+    derivation_sources,
+)
 
-from tracer.formulas import logprobs
+if TYPE_CHECKING:
+    import torch
 
-# Fields the reader derives when a step file records their inputs but not them: name -> (inputs, formula).
-DERIVED_FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
-    "ratio": (("policy_logprobs", "old_logprobs"), "tracer.formulas.ratio"),
-    "ref_kl_k3": (("policy_logprobs", "ref_logprobs"), "tracer.formulas.ref_kl_k3"),
-    "approx_kl_k2": (("policy_logprobs", "old_logprobs"), "tracer.formulas.approx_kl_k2"),
-}
-
-
-def _inputs(name: str, meta: dict[str, Any]) -> tuple[str, ...]:
-    """The recorded fields ``name`` is derived from; old = policy when the metadata says old is
-    the detached policy (``old_logprobs_source = policy_detached``)."""
-    inputs = DERIVED_FIELDS[name][0]
-    if "old_logprobs" in inputs and meta.get("old_logprobs_source") == "policy_detached":
-        inputs = tuple(dict.fromkeys("policy_logprobs" if f == "old_logprobs" else f for f in inputs))
-    return inputs
+_inputs = derivation_sources
 
 
-def derivable(present: Iterable[str], meta: dict[str, Any]) -> list[str]:
-    """The names of :data:`DERIVED_FIELDS` absent from ``present`` whose inputs are all present. The
-    ratio is per token only: none when ``importance_sampling_level`` is not ``token``."""
-    present = set(present)
-    out = []
-    for name in DERIVED_FIELDS:
-        if name == "ratio" and meta.get("importance_sampling_level", "token") != "token":
-            continue
-        if name not in present and all(f in present for f in _inputs(name, meta)):
-            out.append(name)
-    return out
-
-
-def derivation_inputs(present: Iterable[str], meta: dict[str, Any], wanted: Iterable[str]) -> list[str]:
-    """The recorded fields needed to derive those of ``wanted`` that can be derived."""
-    names = [n for n in derivable(present, meta) if n in set(wanted)]
-    return list(dict.fromkeys(f for n in names for f in _inputs(n, meta)))
-
-
-def derive_fields(data: dict[str, torch.Tensor], meta: dict[str, Any],
-                  wanted: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def derive_fields(data: dict[str, Any], meta: dict[str, Any],
+                  wanted: Iterable[str] | None = None) -> dict[str, Any]:
     """The derived tensors ``data`` lacks but can give, computed by :mod:`tracer.formulas` in float32
     (float64 inputs stay float64), same shape as the inputs (``[B, T]``, or ``[T]`` for one row):
     ``ratio = exp(policy - old)``, ``ref_kl_k3 = exp(ref - policy) - (ref - policy) - 1``,
     ``approx_kl_k2 = 0.5 (policy - old)^2`` (SPEC.md section 4). Inputs of different shapes are
-    left alone (the schema check reports them). ``wanted``: derive only these names (None = all)."""
-    out: dict[str, torch.Tensor] = {}
+    left alone (the schema check reports them). ``wanted``: derive only these names (None = all).
+
+    ``data``: torch tensors, or numpy arrays (the reader's numpy reads): the results are of the
+    inputs' kind; torch is imported only when there is a field to compute (the formulas are torch's)."""
+    out: dict[str, Any] = {}
     names = derivable(data, meta)
     for name in names if wanted is None else [n for n in names if n in set(wanted)]:
         inputs = [data[f] for f in _inputs(name, meta)]
-        if any(t.shape != inputs[0].shape or not t.is_floating_point() for t in inputs):
+        if any(t.shape != inputs[0].shape or not is_floating(t) for t in inputs):
             continue
+        import torch
+
+        from tracer.formulas import logprobs
+
+        numpy_in = not is_torch(inputs[0])
+        inputs = [to_torch(t) for t in inputs]
         a = inputs[0] if inputs[0].dtype == torch.float64 else inputs[0].float()
         b = inputs[-1] if len(inputs) > 1 else a
         b = b if b.dtype == torch.float64 else b.float()
-        out[name] = getattr(logprobs, name)(a.detach(), b.detach())  # looked up at call time (patchable)
+        value = getattr(logprobs, name)(a.detach(), b.detach())  # looked up at call time (patchable)
+        out[name] = value.numpy() if numpy_in else value
     return out
 
 
@@ -75,6 +61,10 @@ def derive_recorded(data: dict[str, torch.Tensor], names: Iterable[str]) -> dict
     their inputs, as the capture would have on the training thread: by :mod:`tracer.formulas`, in
     the inputs' own dtype (float8 ones in float32: torch promotes no float8 dtype with another), same
     shape (``[B, T]``). A name whose inputs are absent is skipped."""
+    import torch
+
+    from tracer.formulas import logprobs
+
     out: dict[str, torch.Tensor] = {}
     for name in names:
         inputs = DERIVED_FIELDS[name][0]

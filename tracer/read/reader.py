@@ -1,6 +1,13 @@
 """Read traces lazily: list steps from file names, open step files with ``safe_open``, read one
 sequence with ``get_slice``, and give pandas long tables (one row per token) for the app.
 
+Files are read with safetensors' numpy API (``safe_open(..., framework="np")``): opening a trace,
+listing it, reading headers and metadata, ``tracer info`` and the token tables import neither torch
+nor pandas. :meth:`Trace.load_step` and :meth:`Trace.load_sequence` give torch tensors (made from
+the numpy arrays without a copy, ``torch.from_numpy``; torch imported then) for the checks and the
+formulas, or numpy arrays with ``as_numpy=True``. Fields numpy cannot hold (bfloat16, float8) are
+read through torch.
+
 A trace is a directory written by :class:`tracer.record.writer.TraceWriter`, or a single ``.safetensors``
 step file with canonical field names (metadata optional).
 """
@@ -12,11 +19,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable
 
-import pandas as pd
-import torch
-from tracer.read import overview, tables
-from tracer.formulas.derived import derivable, derivation_inputs, derive_fields
+from typing import TYPE_CHECKING
+
+from safetensors import safe_open
+
 from tracer.errors import TraceFormatError
+from tracer.format.arrays import NUMPY_DTYPES, to_numpy, to_torch
+from tracer.format.derived_fields import derivable, derivation_inputs
 from tracer.format.integrity import (
     MAX_MANIFEST_BYTES,
     MAX_TOKEN_ENTRIES,
@@ -34,6 +43,12 @@ from tracer.read.metadata_cache import MetadataCache
 from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files
 from tracer.format.counts import COUNT_KEYS, COUNTS_NAME, newer_counts
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
+
+if TYPE_CHECKING:  # imported where used: reading a trace imports neither torch nor pandas
+    import pandas as pd
+    import torch
+
+    from tracer.read import overview
 
 
 class Trace:
@@ -253,7 +268,7 @@ class Trace:
     # -- one step -----------------------------------------------------------------------------
 
     def _open(self, path: Path):
-        return open_step_file(path)
+        return open_step_file(path, framework="np")
 
     def _checked(self, key: StepKey, fh) -> None:
         """Schema check of an open step file's header (TraceFormatError naming the field)."""
@@ -287,10 +302,14 @@ class Trace:
         return out
 
     def load_step(self, key: StepKey, fields: Iterable[str] | None = None,
-                  derive: bool = True) -> dict[str, torch.Tensor]:
+                  derive: bool = True, as_numpy: bool = False) -> dict[str, torch.Tensor]:
         """Tensors of one step file (all fields, or only ``fields`` that are present). With
         ``derive`` (the default) the derived fields the file lacks but whose inputs it records are
-        added (:func:`derive_fields`; :meth:`derived_fields` names them)."""
+        added (:func:`tracer.formulas.derived.derive_fields`; :meth:`derived_fields` names them).
+
+        Torch tensors (importing torch), or with ``as_numpy`` numpy arrays (a bfloat16 or float8
+        field as float32: numpy has neither; no torch imported unless such a field is read or a
+        field is derived)."""
         with self._open(key.path) as fh:
             self._checked(key, fh)
             meta = self._metadata_of(key.path, fh)
@@ -298,13 +317,10 @@ class Trace:
             wanted = present if fields is None else [f for f in fields if f in present]
             missing = [] if fields is None else [f for f in fields if f not in present]
             extra = derivation_inputs(present, meta, missing) if derive else []
-            try:
-                tensors = {name: fh.get_tensor(name) for name in dict.fromkeys([*wanted, *extra])}
-            except Exception as err:
-                raise TraceFormatError(f"{key.path}: could not read tensor data ({err})") from err
+            tensors = _read_fields(key.path, fh, list(dict.fromkeys([*wanted, *extra])), as_numpy)
         check_mask_values(key.path, tensors)
         if derive:
-            derived = derive_fields(tensors, meta)
+            derived = _derive(tensors, meta)
             tensors.update({k: v for k, v in derived.items() if fields is None or k in missing})
             for name in extra:
                 if name not in wanted:
@@ -317,11 +333,13 @@ class Trace:
         with self._open(key.path) as fh:
             return derivable(list(fh.keys()), self._metadata_of(key.path, fh))
 
-    def load_sequence(self, key: StepKey, sequence: int, derive: bool = True) -> dict[str, torch.Tensor]:
+    def load_sequence(self, key: StepKey, sequence: int, derive: bool = True,
+                      as_numpy: bool = False) -> dict[str, torch.Tensor]:
         """Row ``sequence`` of every field whose first dim is B, read with ``get_slice`` (only that
         row's bytes), plus the derived fields as :meth:`load_step`. Fields without a B dim are
         skipped (a field outside the schema counts as having one when its first dim equals the
-        canonical fields' B). Raises IndexError for a row out of range."""
+        canonical fields' B). Torch tensors, or numpy arrays with ``as_numpy`` (as
+        :meth:`load_step`). Raises IndexError for a row out of range."""
         out = {}
         with self._open(key.path) as fh:
             self._checked(key, fh)
@@ -329,16 +347,18 @@ class Trace:
             shapes = {name: fh.get_slice(name).get_shape() for name in fh.keys()}
             canonical_b = [shape[0] for name, shape in shapes.items()
                            if name in FIELDS and FIELDS[name].dims_for(algorithm)[:1] == ("B",) and shape]
+            names = []
             for name, shape in shapes.items():
                 if not shape or (canonical_b and name not in FIELDS and shape[0] != canonical_b[0]):
                     continue
                 if not 0 <= sequence < shape[0]:
                     raise IndexError(f"{key.path}: sequence {sequence} out of range for {name!r} with B = {shape[0]}")
-                out[name] = fh.get_slice(name)[sequence : sequence + 1][0]
+                names.append(name)
+            out = _read_fields(key.path, fh, names, as_numpy, row=sequence)
             meta = self._metadata_of(key.path, fh)
         check_mask_values(key.path, out)
         if derive:
-            out.update(derive_fields(out, meta))
+            out.update(_derive(out, meta))
         return out
 
     # -- tables for the app -------------------------------------------------------------------
@@ -354,8 +374,12 @@ class Trace:
         them empty: :func:`tracer.read.tables.without_placeholders`);
         with ``derive``, the derived fields too, named in ``attrs["derived"]``.
         """
-        data = self.load_step(key, derive=derive) if sequence is None else {
-            k: v.unsqueeze(0) for k, v in self.load_sequence(key, sequence, derive=derive).items()}
+        import pandas as pd
+
+        from tracer.read import tables
+
+        data = self.load_step(key, derive=derive, as_numpy=True) if sequence is None else {
+            k: v[None] for k, v in self.load_sequence(key, sequence, derive=derive, as_numpy=True).items()}
         ids = data.get("completion_ids", data.get("prompt_ids"))
         if ids is None:
             return pd.DataFrame()
@@ -378,6 +402,8 @@ class Trace:
     def merged_token_table(self, step: int, inner_step: int = 0, micro_batch: int | None = None) -> pd.DataFrame:
         """Token tables of every rank (and micro-batch, unless one is given) of one step, stacked;
         the ``rank`` column tells them apart (``sequence`` is the row within its own file)."""
+        import pandas as pd
+
         keys = [k for k in self.steps() if k.step == step and k.inner_step == inner_step
                 and (micro_batch is None or k.micro_batch == micro_batch)]
         frames = [self.token_table(k).assign(micro_batch=k.micro_batch) for k in keys]
@@ -389,6 +415,8 @@ class Trace:
     def overview(self) -> overview.TraceOverview:
         """The run overview: per-step summaries from the summary index, columns or headers (made once
         per Trace; a copy of this Trace makes its own)."""
+        from tracer.read import overview  # pandas: imported when the overview is asked for
+
         made = self.__dict__.get("_overview")
         if made is None or made.trace is not self:
             made = self._overview = overview.TraceOverview(self)
@@ -430,6 +458,8 @@ class Trace:
 
     def _current_sizes(self, folder: str, names: list[str]) -> list[int]:
         """The size in bytes of each of the files ``names`` of ``folder`` now (-1 for one that is gone)."""
+        from tracer.read import overview
+
         return overview.current_sizes(folder, names)
 
     _steps_folder = property(lambda self: self.overview.steps_folder)
@@ -437,6 +467,40 @@ class Trace:
     def ranks(self) -> list[int]:
         """Ranks that wrote step files."""
         return sorted({k.rank for k in self.steps()})
+
+
+def _read_fields(path: Path, fh: Any, names: list[str], as_numpy: bool, row: int | None = None) -> dict[str, Any]:
+    """``names`` of the open step file ``fh`` (row ``row`` of each, read with ``get_slice``, or the
+    whole tensors), as numpy arrays (``as_numpy``) or torch tensors. ``fh`` may be opened for numpy
+    (the reader's) or torch (the app's handles): a field numpy cannot hold (bfloat16, float8) is read
+    through a torch handle of the same file. Raises TraceFormatError when the data cannot be read."""
+    out: dict[str, Any] = {}
+    through_torch = []
+    try:
+        for name in names:
+            sl = fh.get_slice(name)
+            if sl.get_dtype() not in NUMPY_DTYPES:
+                through_torch.append(name)
+                continue
+            out[name] = fh.get_tensor(name) if row is None else sl[row : row + 1][0]
+        if through_torch:
+            with safe_open(str(path), framework="pt", device="cpu") as pt:
+                for name in through_torch:
+                    out[name] = pt.get_tensor(name) if row is None else pt.get_slice(name)[row : row + 1][0]
+    except Exception as err:
+        raise TraceFormatError(f"{path}: could not read tensor data ({err})") from err
+    convert = to_numpy if as_numpy else to_torch
+    return {name: convert(out[name]) for name in names}
+
+
+def _derive(data: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+    """:func:`tracer.formulas.derived.derive_fields` of ``data``, imported (with torch) only when
+    ``data`` records what a derived field needs and lacks that field."""
+    if not derivable(data, meta):
+        return {}
+    from tracer.formulas.derived import derive_fields
+
+    return derive_fields(data, meta)
 
 
 def find_traces(root: str | Path, max_depth: int = 2) -> list[Path]:

@@ -7,21 +7,28 @@ Placeholders: at a position the loss does not use, a trainer often leaves a logp
 padding). That is no logprob, and a ratio or KL computed from it is no value either: the tables
 show it, and every field computed from it, as empty (NaN), never as a number
 (:func:`without_placeholders`).
+
+The functions take numpy arrays (the reader's token tables: no torch imported) or torch tensors
+(the views' and checks' data) alike (:mod:`tracer.format.arrays`); pandas is imported when a frame
+is built.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import pandas as pd
-import torch
+import numpy as np
 
-from tracer.formulas import summaries
-from tracer.formulas.derived import DERIVED_FIELDS
+from tracer.format.arrays import as_bool, float32_numpy, is_floating, keep_mask, nan_where, to_numpy
+from tracer.format.derived_fields import DERIVED_FIELDS
 from tracer.format import summary as summary_format
 from tracer.format import turns as turn_format
 from tracer.format.turns import (  # noqa: F401  (the reasons' one home; re-exported for the app)
     AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT, TRUNCATED)
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import torch
 
 # Per-token float fields shown in token tables, in display order.
 TOKEN_VALUE_FIELDS = (
@@ -40,7 +47,7 @@ def layout_of(data: Mapping[str, torch.Tensor], metadata: Mapping[str, Any] | No
               pad_token_id: int | None) -> turn_format.Layout:
     """The turns and roles of a step's completion rows (:func:`tracer.format.turns.read_layout`)."""
     ids = data["completion_ids"]
-    keep = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    keep = keep_mask(data, "completion_mask", ids)
     return turn_format.read_layout(ids, keep, data, metadata, token_strings, eos_token_id, pad_token_id)
 
 
@@ -61,7 +68,7 @@ def mask_reasons(
         names = turn_format.reason_names(metadata)
         return [turn_format.recorded_mask_reasons(row, names) for row in recorded.tolist()]
     ids = completion_ids.tolist()
-    keep = completion_mask.bool().tolist()
+    keep = as_bool(completion_mask).tolist()
     turns = roles = None
     names = turn_format.role_names(metadata)
     if layout is not None and (layout.source != "mask" or layout.multi_turn):
@@ -83,26 +90,28 @@ def without_placeholders(data: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     ids = data.get("completion_ids")
     if ids is None:
         return dict(data)
-    dropped = ~data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    dropped = ~keep_mask(data, "completion_mask", ids)
     out = dict(data)
     for name in PLACEHOLDER_FIELDS:
         value = data.get(name)
-        if value is None or value.shape != ids.shape or not value.is_floating_point():
+        if value is None or value.shape != ids.shape or not is_floating(value):
             continue
         filler = dropped & (value == PLACEHOLDER)
         if not bool(filler.any()):
             continue
         for target in (name, *[d for d, (inputs, _) in DERIVED_FIELDS.items() if name in inputs]):
-            if target in out and out[target].shape == ids.shape and out[target].is_floating_point():
-                out[target] = torch.where(filler, torch.full_like(out[target], float("nan")), out[target])
+            if target in out and out[target].shape == ids.shape and is_floating(out[target]):
+                out[target] = nan_where(filler, out[target])
     return out
 
 
 def prompt_frame(data: dict[str, torch.Tensor], rows: list[int], token_text: Callable[[list[int]], list[str]]) -> pd.DataFrame:
     """Prompt rows of a token table: ``mask_reason`` is prompt or prompt_padding."""
+    import pandas as pd
+
     ids = data["prompt_ids"]
     B, L = ids.shape
-    prompt_mask = data.get("prompt_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    prompt_mask = keep_mask(data, "prompt_mask", ids)
     flat = ids.reshape(-1).tolist()
     return pd.DataFrame({
         "sequence": [r for r in rows for _ in range(L)],
@@ -128,9 +137,11 @@ def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text:
     (:func:`layout_of`), then the value fields, placeholders empty (:func:`without_placeholders`).
     ``metadata``: the step's (``role_names``, ``mask_reason_names``); ``token_strings``: the trace's
     (a chat template's role markers name the roles of a trace that records none)."""
+    import pandas as pd
+
     ids = data["completion_ids"]
     B, T = ids.shape
-    completion_mask = data.get("completion_mask", torch.ones_like(ids, dtype=torch.bool)).bool()
+    completion_mask = keep_mask(data, "completion_mask", ids)
     flat = ids.reshape(-1).tolist()
     layout = layout_of(data, metadata, token_strings, eos_token_id, pad_token_id)
     reasons = mask_reasons(ids, completion_mask, eos_token_id, pad_token_id, layout=layout,
@@ -144,21 +155,24 @@ def completion_frame(data: dict[str, torch.Tensor], rows: list[int], token_text:
         "token_text": token_text(flat),
         "kept": completion_mask.reshape(-1).tolist(),
         "mask_reason": [r for row in reasons for r in row],
-        "turn": turn_ids.reshape(-1).numpy(),
+        "turn": to_numpy(turn_ids).reshape(-1),
         "role": [r for row in roles for r in row],
     })
     data = without_placeholders(data)
     for name in TOKEN_VALUE_FIELDS:
         if name not in data:
             continue
-        value = data[name].float()
-        if value.dim() == 1:  # [B] -> broadcast over T
-            value = value.unsqueeze(1).expand(B, T)
-        frame[name] = value.reshape(-1).numpy()
+        value = float32_numpy(data[name])
+        if value.ndim == 1:  # [B] -> broadcast over T
+            value = np.broadcast_to(value[:, None], (B, T))
+        frame[name] = value.reshape(-1)
     return frame
 
 
 def summary_values(meta: dict[str, Any], data: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The per-step summary of one step computed from its tensors (``SUMMARY_FIELDS`` of it), for
-    files whose header holds none: :func:`tracer.formulas.summaries.compute_summary`."""
+    files whose header holds none: :func:`tracer.formulas.summaries.compute_summary` (torch tensors;
+    imported here: the formulas import torch)."""
+    from tracer.formulas import summaries
+
     return summaries.compute_summary(data, meta)

@@ -10,11 +10,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tracer.errors import TraceError
+from tracer.errors import TraceError, TraceFormatError
 from tracer.format import turns
+from tracer.format.arrays import as_bool
 from tracer.format.capture_report import describe_capture_reports, read_capture_reports
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
-from tracer.format.summary import SUMMARY_KEY
+from tracer.format.summary import SUMMARY_KEY, read_summary
 from tracer.read.reader import StepKey, Trace
 
 STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or still running)",
@@ -85,7 +86,7 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "first_step_metadata": metadata,
         **({"integrity": verify_trace(trace, keys)} if verify else {}),
         "turns": turn_facts(trace, keys[0]) if keys else None,
-        "overview": _overview(trace),
+        "overview": _overview(trace, keys),
     }
 
 
@@ -143,9 +144,9 @@ def turn_facts(trace: Trace, key: StepKey) -> dict[str, Any] | None:
     if "completion_ids" not in present or "completion_mask" not in present:
         return None
     wanted = ["completion_ids", "completion_mask"] + [f for f in turns.TURN_FIELDS if f in present]
-    data = trace.load_step(key, wanted, derive=False)
-    ids, keep = data["completion_ids"], data["completion_mask"].bool()
-    if ids.dim() != 2 or ids.shape != keep.shape:
+    data = trace.load_step(key, wanted, derive=False, as_numpy=True)  # numpy: tracer info imports no torch
+    ids, keep = data["completion_ids"], as_bool(data["completion_mask"])
+    if ids.ndim != 2 or ids.shape != keep.shape:
         return None
     metadata = trace.metadata(key)
     recorded = [f for f in turns.TURN_FIELDS if f in data and data[f].shape == ids.shape]
@@ -173,7 +174,8 @@ def turn_facts(trace: Trace, key: StepKey) -> dict[str, Any] | None:
             if reason != turns.KEPT:
                 reasons[reason] = reasons.get(reason, 0) + 1
     return {"step_file": key.label, "recorded": recorded, "source": layout.source, "episodes": int(ids.shape[0]),
-            "turns": {"min": int(counts.min()), "mean": float(counts.float().mean()), "max": int(counts.max())},
+            "turns": {"min": int(counts.min()), "mean": float(counts.astype("float32").mean()),
+                      "max": int(counts.max())},
             "roles": by_role, "not_trained": reasons}
 
 
@@ -211,27 +213,32 @@ OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", 
                     "mean_reward", "mean_advantage", "clip_fraction", "nonfinite_kept")
 
 
-def _overview(trace: Trace) -> dict[str, Any]:
-    """First, last, min and max of the non-NaN values of a few per-step summary columns
-    (``Trace.step_summary``: headers only when the writer stored summaries), over the step files
-    that could be summarised; a column with no such value is left out."""
-    summary = trace.step_summary()
-    if "problem" in summary:
-        summary = summary[summary["problem"].isna()]
-    if summary.empty:
-        return {"from_headers": 0, "from_tensors": 0, "columns": {}}
-    source = summary.get("summary_source")
-    counts = source.value_counts().to_dict() if source is not None else {}
+def _overview(trace: Trace, keys: list[StepKey]) -> dict[str, Any]:
+    """First, last, min and max of the non-NaN values of a few per-step summary columns over the
+    readable step files ``keys`` (in step order): each file's summary from its header (decoded once
+    by ``Trace.scan``; no pandas, no torch), else computed from its tensors
+    (:meth:`tracer.read.overview.TraceOverview.step_summary`'s way, imports torch: traces written
+    before summaries were stored); a file that cannot be summarised is left out, and so is a column
+    with no value."""
+    rows: list[dict[str, Any]] = []
+    counts = {"header": 0, "tensors": 0}
+    for key in sorted(keys, key=lambda k: (k.step, k.inner_step, k.micro_batch, k.rank)):
+        try:
+            summary = read_summary(trace.metadata(key))
+            source = "header"
+            if summary is None:
+                summary, source = trace.overview._step_summary_of(key), "tensors"
+        except TraceFormatError:
+            continue
+        counts[source] += 1
+        rows.append(summary)
     columns: dict[str, dict[str, Any]] = {}
     for col in OVERVIEW_COLUMNS:
-        if col not in summary or not summary[col].notna().any():
-            continue
-        values = summary.sort_values(["step", "inner_step", "micro_batch", "rank"])[col]
-        finite = values.dropna()
-        columns[col] = {name: _json_number(v) for name, v in (("first", finite.iloc[0]), ("last", finite.iloc[-1]),
-                                                                  ("min", finite.min()), ("max", finite.max()))}
-    return {"from_headers": int(counts.get("header", 0)), "from_tensors": int(counts.get("tensors", 0)),
-            "columns": columns}
+        values = [row[col] for row in rows if row.get(col) is not None and row[col] == row[col]]  # not NaN
+        if values:
+            columns[col] = {"first": _json_number(values[0]), "last": _json_number(values[-1]),
+                            "min": _json_number(min(values)), "max": _json_number(max(values))}
+    return {"from_headers": counts["header"], "from_tensors": counts["tensors"], "columns": columns}
 
 
 def _json_number(value: Any) -> float | int | None:
