@@ -194,7 +194,7 @@ METADATA_KEYS: dict[str, tuple[type, str]] = {
     "trainer_version": (int, "the trainer's policy version at this update (optimizer updates applied so far); "
                              "policy_lag = trainer_version - policy_version per row"),
     "max_policy_lag": (int, "the largest policy lag the run declares acceptable (asynchronous / off-policy "
-                            "loops); rows beyond it are reported by staleness.policy_lag"),
+                            "loops); rows beyond it are reported by sampler.policy_lag"),
     "micro_batch_counted": (bool, "tracer.watch numbered this micro-batch by counting backwards (the frame named "
                                   "no micro-batch or inner step): it may be a later pass over the rollout"),
 }
