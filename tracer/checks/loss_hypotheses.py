@@ -9,8 +9,9 @@ A hypothesis is one way the trainer may have built its scalar loss:
   :func:`tracer.formulas.losses.unmasked_mean_loss`);
 * when the per-token loss is recomputed from the recorded inputs (the trainer recorded no
   ``per_token_loss``; MiniMind's ``train_ppo.py`` has no such variable): the KL penalty's sign flipped,
-  the KL penalty left out, and another clip range than the recorded one (solved for: the loss is
-  monotone in each epsilon).
+  the KL penalty left out, the dual clip left out (``clip_ratio_c`` recorded), the ratio at the other
+  level (token vs GSPO's sequence ratio), and another clip range than the recorded one (solved for:
+  the loss is monotone in each epsilon).
 
 Why residuals and not a pass/fail tolerance: a small term (``kl_coef`` 0.02 times the k3 of a policy
 that has barely moved) changes the loss by less than a loose relative tolerance, yet by far more than
@@ -32,6 +33,8 @@ from tracer import formulas
 from tracer.checks.context import StepContext
 from tracer.checks.finding import Skip
 from tracer.checks.per_token_loss import (
+    dual_clip_c,
+    importance_sampling_level,
     kl_term_name,
     loss_kl_coef,
     recomputed_per_token_loss,
@@ -163,8 +166,35 @@ def variant_hypotheses(ctx: StepContext, keep: torch.Tensor, reductions: list[st
                 out.append(Hypothesis(key, cause, f"the {words} of the per-token loss {how} "
                                       f"(coefficient {coef:g})", value, details={"reduction": name},
                                       priority=2 if sign else 3))
+        out.extend(_objective_hypotheses(ctx, reduce, words, name))
     reduce = reducer(ctx, keep, clip_reduction, divisor, scale)
     out.extend(_clip_hypotheses(ctx, reduce, REDUCTION_WORDS[clip_reduction], clip_reduction, loss, noise))
+    return out
+
+
+def _objective_hypotheses(ctx: StepContext, reduce, words: str, reduction: str) -> list[Hypothesis]:
+    """The per-token loss of another objective than the recorded settings say, under one reduction: the
+    dual clip left out (``clip_ratio_c`` recorded), and the ratio at the other level (token ratio where
+    ``importance_sampling_level = 'sequence'`` (GSPO) is recorded, GSPO's sequence ratio where it is not)."""
+    out = []
+    try:
+        c = dual_clip_c(ctx)
+        if c is not None:
+            out.append(Hypothesis("dual_clip_missing", "dual clip missing", f"the {words} of the per-token loss "
+                                  f"without its dual clip (clip_ratio_c = {c:g} is recorded: where A < 0 the loss "
+                                  f"is not capped at -{c:g}·A)", reduce(recomputed_per_token_loss(ctx, dual_clip=0.0)),
+                                  details={"reduction": reduction, "clip_ratio_c": c}, priority=2))
+        sequence = importance_sampling_level(ctx) == "sequence"
+        text = ("with the per-token ratio exp(policy − old), while importance_sampling_level = 'sequence' (GSPO) "
+                "is recorded: the loop does not clip one ratio per sequence" if sequence else
+                "with GSPO's sequence ratio exp(masked mean of policy − old), while importance_sampling_level is "
+                "'token' (or not recorded)")
+        value = reduce(recomputed_per_token_loss(ctx, sequence_level=not sequence))
+        out.append(Hypothesis("ratio_level", "ratio level", f"the {words} of the per-token loss {text}", value,
+                              details={"reduction": reduction, "recorded_level": "sequence" if sequence else "token"},
+                              priority=2))
+    except Skip:
+        pass
     return out
 
 
