@@ -40,7 +40,7 @@ from tracer.errors import GuardStop
 from tracer.guard.guard import GUARD_LINGER_S
 from tracer.record.writer import TraceWriter
 
-MODES = ("off", "linger", "warn", "stop")
+MODES = ("off", "warn", "stop")
 SHAPES = {"toy": {"hidden": 32, "layers": 1, "B": 8, "T": 16, "L": 8, "steps": 150, "target": 1.03},
           "realistic": {"hidden": 64, "layers": 2, "B": 16, "T": 64, "L": 16, "steps": 20, "target": 1.01}}
 G = 8  # completions per prompt
@@ -77,35 +77,24 @@ def grpo_steps(model, optimizer, steps: int, B: int, T: int, L: int, writer: Tra
             step_ends.append(time.perf_counter())
 
 
-class LingerOnly:
-    """A StepObserver that checks nothing but asks for the guard's shorter linger (the writer writes each
-    batch after GUARD_LINGER_S, not 0.25 s): what the guard costs before any check runs."""
-
-    mode = "linger"
-    linger_s = GUARD_LINGER_S
-
-    def step_written(self, path) -> None:
-        pass
-
-    def stop_finding(self) -> None:
-        return None
-
-    def stop_text(self) -> str:
-        return ""
-
-    def child_spec(self) -> None:
-        return None
-
-    def receive(self, message) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _writer(root: str, guard, writer: str) -> TraceWriter:
     return TraceWriter(root, "grpo", hyperparameters={"num_generations": G},
-                       guard=LingerOnly() if guard == "linger" else guard, writer=writer)
+                       guard=guard, writer=writer)
+
+
+def checker_cpu(writer: TraceWriter) -> float:
+    """CPU seconds the guard's forked checker process has used so far (0 without one): its
+    ``/proc/<pid>/stat`` user + system time."""
+    import os
+
+    pid = getattr(getattr(getattr(writer, "_observer", None), "_checker", None), "pid", None)
+    if pid is None:
+        return 0.0
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cost(shape: str, rounds: int, tmp: str, writer: str) -> dict:
@@ -119,14 +108,16 @@ def cost(shape: str, rounds: int, tmp: str, writer: str) -> dict:
     writers = {m: _writer(f"{tmp}/{shape}-{m}", m, writer) for m in MODES}
     wall = {m: [] for m in MODES}
     cpu = {m: [] for m in MODES}
+    child = {m: [] for m in MODES}
     n = s["steps"]
     for r in range(rounds + 1):
         order = MODES[r % len(MODES):] + MODES[:r % len(MODES)]
         for mode in order:
-            c0, t0 = time.process_time(), time.perf_counter()
+            k0, c0, t0 = checker_cpu(writers[mode]), time.process_time(), time.perf_counter()
             grpo_steps(model, optimizer, n, s["B"], s["T"], s["L"], writers[mode], step0=r * n)
             wall[mode].append(time.perf_counter() - t0)
             cpu[mode].append(time.process_time() - c0)
+            child[mode].append(checker_cpu(writers[mode]) - k0)
     close = {}
     for mode, w in writers.items():
         t0 = time.perf_counter()
@@ -136,6 +127,8 @@ def cost(shape: str, rounds: int, tmp: str, writer: str) -> dict:
     for mode in MODES:
         steady, steady_cpu = wall[mode][1:], cpu[mode][1:]
         out[mode] = {"step_ms": 1e3 * median(steady) / n, "cpu_ms": 1e3 * median(steady_cpu) / n,
+                     "checker_cpu_ms": 1e3 * sum(child[mode][1:]) / (n * max(1, len(child[mode]) - 1)),
+                     "where": getattr(getattr(writers[mode], "_observer", None), "where", "-"),
                      "first_block_ms": 1e3 * wall[mode][0] / n, "close_ms": 1e3 * close[mode],
                      "checked": _checked_files(writers[mode])}
         if mode != "off":
@@ -207,6 +200,7 @@ def main() -> None:
             for mode in MODES:
                 m = res[mode]
                 line = (f"  guard {mode:<4}: {m['step_ms']:7.2f} ms/step, CPU {m['cpu_ms']:7.2f} ms/step "
+                        f"+ checker process {m['checker_cpu_ms']:.2f} ms/step (checks in: {m['where']}) "
                         f"(first block {m['first_block_ms']:.2f} ms/step, close {m['close_ms']:.0f} ms; {m['checked']})")
                 if mode != "off":
                     gm, lo, hi = m["paired"]

@@ -1,6 +1,6 @@
 """guard=callable: the callable gets each error and warning as a Finding, in the order the findings
-file holds them, from the writer thread's process or (writer="process") from the writer process,
-whose checks ran there (the findings file's guard line names that process)."""
+file holds them, from the checker process forked beside the writer thread or (writer="process") from
+the writer process, whose checks ran there (the findings file's guard line names that process)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ def test_the_callable_gets_every_reported_finding(model_dir, tmp_path, monkeypat
     lines = list(read_lines(path))
     guards = [line for line in lines if line["kind"] == "guard"]
     assert len(guards) == 1 and guards[0]["mode"] == "callable"
-    assert (guards[0]["pid"] == os.getpid()) == (writer == "thread")  # the checks ran in the writer's process
+    # the checks ran off the training process: in the checker process forked beside the writer thread, or in
+    # the writer process
+    assert guards[0]["pid"] != os.getpid()
+    assert guards[0]["where"] == {"thread": "checker process", "process": "writer process"}[writer]
     reported = [line for line in lines if line["kind"] == "finding" and line["severity"] in ("error", "warning")]
     assert all(type(f) is Finding for f in got)
     assert [f.to_dict() for f in got] == [{k: v for k, v in line.items() if k not in ("kind", "scope", "file")}

@@ -5,7 +5,8 @@ reuses what it covers), ``tracer view`` and :func:`tracer.read.findings.guard_fi
 Lines, by their ``kind``:
 
 * ``"guard"``: a guard started checking (``mode``, ``options``: the check options' values, ``checks``:
-  the check ids it runs, ``pid``).
+  the check ids it runs, ``pid`` and ``where`` of the process that checks: ``"checker process"``, ``"writer
+  process"`` or ``"thread"`` of the training process).
 * ``"finding"``: one finding, :meth:`tracer.checks.finding.Finding.to_dict` plus ``kind``, ``scope``
   (``"step"`` from a step check, ``"trace"`` from a check over the run's step files so far) and ``file``
   (the step file's name, for a step finding).

@@ -25,6 +25,7 @@ once per place (check, severity, location).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import os
@@ -48,17 +49,22 @@ FIRST_FILES = 4  # step files always checked, whatever they cost
 MAX_PENDING = 4  # step files waiting to be checked at most (older ones are left out first)
 SHARE = 0.05  # the checker's time at most this share of the run's wall time, past the first files
 SHARE_ENV = "TRACER_GUARD_SHARE"
+LISTING_REFRESH_S = 5.0  # a check that lists the run's step files sees a listing at most this old (plus its own file)
 CLOSE_TRACE_CHECKS_S = 5.0  # at close, the trace checks run again unless their last run took longer
 REPORTED = (ERROR, WARNING)  # severities handed to ``report`` (info and skipped stay in the file)
 
 
-def guard_share() -> float:
-    """:data:`SHARE`, or the ``TRACER_GUARD_SHARE`` environment variable (a number in (0, 1])."""
+def guard_share(default: float = SHARE) -> float:
+    """The ``TRACER_GUARD_SHARE`` environment variable (a number in (0, 1]), else ``default``."""
     try:
-        share = float(os.environ.get(SHARE_ENV, SHARE))
+        share = float(os.environ.get(SHARE_ENV, default))
     except ValueError:
-        return SHARE
-    return min(1.0, share) if share > 0 else SHARE
+        return default
+    return min(1.0, share) if share > 0 else default
+
+
+def _place(key: StepKey) -> tuple[int, int, int, int]:
+    return (key.step, key.inner_step, key.micro_batch, key.rank)
 
 
 class _WatchedTrace(Trace):
@@ -66,10 +72,24 @@ class _WatchedTrace(Trace):
 
     own: StepKey | None = None
     beyond = False
+    headers: dict[tuple, Any] | None = None  # the checker's fields() of each step file, shared across files
+    listing: dict[str, Any] | None = None  # the checker's steps() listing, listed again every LISTING_REFRESH_S
 
     def steps(self):
         self.beyond = True
-        return super().steps()
+        memo = self.listing
+        if memo is None:
+            return super().steps()
+        now = time.monotonic()
+        if "keys" not in memo or now - memo["at"] > LISTING_REFRESH_S:
+            memo["keys"], memo["at"] = super().steps(), now
+        keys, own = memo["keys"], self.own
+        if own is not None:  # the file being checked is listed even between two listings
+            place = _place(own)
+            at = bisect.bisect_left(keys, place, key=_place)
+            if at == len(keys) or _place(keys[at]) != place:
+                keys.insert(at, own)
+        return list(keys)
 
     def load_step(self, key, *args, **kwargs):
         self._touch(key)
@@ -81,7 +101,13 @@ class _WatchedTrace(Trace):
 
     def fields(self, key, *args, **kwargs):
         self._touch(key)
-        return super().fields(key, *args, **kwargs)
+        if args or kwargs or self.headers is None:
+            return super().fields(key, *args, **kwargs)
+        place = (key.step, key.inner_step, key.micro_batch, key.rank)
+        got = self.headers.get(place)
+        if got is None:  # a step file never changes once renamed into place: its header is read once a run
+            got = self.headers[place] = super().fields(key)
+        return got
 
     def _touch(self, key) -> None:
         own = self.own
@@ -99,11 +125,13 @@ class StepChecker:
         report: ``report(finding_dict)`` for each error or warning (its JSON form), and
             ``report({"note": text})`` for what it leaves out; called on the checker's thread.
         share: the time share past the first files (:func:`guard_share` when None).
+        where: where it runs, for the findings file's ``guard`` line: ``"thread"`` (a thread of the
+            training process), ``"checker process"`` (:mod:`tracer.guard.process`), ``"writer process"``.
     """
 
     def __init__(self, root: Path, rank: int, mode: str, report: Callable[[dict[str, Any]], None],
-                 share: float | None = None) -> None:
-        self.root, self.rank, self.mode, self.report = Path(root), rank, mode, report
+                 share: float | None = None, where: str = "thread") -> None:
+        self.root, self.rank, self.mode, self.report, self.where = Path(root), rank, mode, report, where
         self.share = guard_share() if share is None else share
         self.options = CheckOptions()
         self.checks = list(CHECKS.values())
@@ -119,6 +147,8 @@ class StepChecker:
         self._trace_cost = 0.0
         self._trace_runs = 0
         self._seen: set[tuple] = set()  # places of trace-check findings written
+        self._headers: dict[tuple, Any] = {}  # fields() of the step files read so far (_WatchedTrace.headers)
+        self._listing: dict[str, Any] = {}  # the step files listed (_WatchedTrace.listing)
         self._thread = threading.Thread(target=self._run, name="tracer-guard", daemon=True)
         self._thread.start()
 
@@ -131,7 +161,8 @@ class StepChecker:
             self.arrived += 1
             if self.arrived == 1:  # the file starts with the line that says who checks (this process)
                 self.out.add([{"kind": "guard", "mode": self.mode, "options": options_key(self.options),
-                               "checks": [c.id for c in self.checks], "pid": os.getpid(), "share": self.share}])
+                               "checks": [c.id for c in self.checks], "pid": os.getpid(), "where": self.where,
+                               "share": self.share}])
             first = self.arrived <= FIRST_FILES
             if not first and (self._busy or time.monotonic() < self._rest_until):
                 self._leave_out(path)
@@ -214,6 +245,7 @@ class StepChecker:
     def _check_file(self, path: Path) -> None:
         """The step checks on one step file; its finding lines, then its ``checked`` line."""
         trace = _WatchedTrace(self.root)
+        trace.headers, trace.listing = self._headers, self._listing
         try:
             stat = os.stat(path)
             match = STEP_FILE_RE.match(path.name)
@@ -317,7 +349,7 @@ class ChildGuard:
     def step_written(self, path: Path) -> None:
         if self._checker is None:
             root, rank, mode, share = self._args
-            self._checker = StepChecker(root, rank, mode, self._forward, share)
+            self._checker = StepChecker(root, rank, mode, self._forward, share, where="writer process")
         self._checker.step_written(path)
 
     def stop_finding(self) -> None:

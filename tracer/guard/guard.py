@@ -29,7 +29,8 @@ from urllib.parse import quote, urlencode
 
 from tracer.checks.finding import ERROR, Finding
 from tracer.checks.guard_records import finding_of
-from tracer.guard.checker import StepChecker
+from tracer.guard.checker import StepChecker, guard_share
+from tracer.guard.process import CheckerProcess, process_wanted
 from tracer.record.observer import GUARD_MODES
 
 log = logging.getLogger("tracer.guard")
@@ -39,6 +40,8 @@ VIEW_URL = "http://localhost:8501"  # where `tracer view` serves (Streamlit's de
 # fast loop (the tiny GRPO loop: 0.05 s a record) runs several steps past a bad one before its file exists
 # to be checked (a warning printed 0.2 s later costs nothing: "warn" and a callable keep the batching).
 GUARD_LINGER_S = 0.0
+PROCESS_SHARE = 1.0  # the forked checker process checks every file it keeps up with (its own core)
+WRITER_PROCESS_SHARE = 0.5  # in the writer process, the checks leave the writing half its time at least
 
 
 class Guard:
@@ -47,7 +50,9 @@ class Guard:
     Args:
         guard: ``"warn" | "stop"`` or a callable taking a Finding (its mode is then ``"callable"``).
         root, rank: the trace and rank the writer writes.
-        share: the checker's time share (:func:`tracer.guard.checker.guard_share` when None).
+        share: the checker's time share; None: ``TRACER_GUARD_SHARE`` if set, else every file it keeps up
+            with in a forked checker process (:data:`PROCESS_SHARE`), :data:`WRITER_PROCESS_SHARE` in the
+            writer process, :data:`tracer.guard.checker.SHARE` on a thread of the training process.
     Raises:
         ValueError: a word other than ``"warn"`` or ``"stop"``. TypeError: neither a word nor a callable.
     """
@@ -65,26 +70,43 @@ class Guard:
         self.root, self.rank, self.share = Path(root), rank, share
         self.linger_s = GUARD_LINGER_S if self.mode == "stop" else None  # read by the writer (tracer.record.observer)
         self._lock = threading.Lock()
-        self._checker: StepChecker | None = None
+        self._checker: StepChecker | CheckerProcess | None = None
         self._said: set[str] = set()  # checks whose first finding was printed
         self._stop: Finding | None = None
         self._stop_line = ""
         self.findings: list[dict[str, Any]] = []  # every error and warning reported, in order (JSON form)
         self.notes: list[str] = []
-        if self.mode == "stop":
-            # its thread made now, by the training thread: one made by the writer thread would inherit that
-            # thread's lower priority (tracer.record.thread.WRITER_NICENESS) and, on a busy machine, let the
-            # loop run steps past the error; the share bound keeps it cheap all the same
-            self._checker = StepChecker(self.root, self.rank, self.mode, self._on_report, self.share)
+        self.where = "none"  # where the checks run: "process" (forked), "thread", "writer process"
 
     # -- StepObserver ---------------------------------------------------------------------------
 
+    def start_local(self) -> None:
+        """The writer writes in this process: start the checks now, on the training thread (the writer
+        calls this before its writer thread starts). A forked checker process
+        (:class:`tracer.guard.process.CheckerProcess`, every file it keeps up with) where the platform can
+        fork, else a thread of this process (:class:`StepChecker`, :data:`tracer.guard.checker.SHARE` of
+        the run's time)."""
+        with self._lock:
+            if self._checker is not None:
+                return
+            if process_wanted():
+                try:
+                    share = guard_share(PROCESS_SHARE) if self.share is None else self.share
+                    self._checker = CheckerProcess(self.root, self.rank, self.mode, self._on_report, share)
+                    self.where = "process"
+                    return
+                except OSError as err:
+                    log.warning("tracer guard: could not fork the checker process (%s); checking on a thread", err)
+            self._checker = StepChecker(self.root, self.rank, self.mode, self._on_report, self.share)
+            self.where = "thread"
+
     def step_written(self, path: Path) -> None:
-        """Hand ``path`` to the checker of this process (started at the first file)."""
+        """Hand ``path`` to the checker (a thread of this process when :meth:`start_local` was not called)."""
         if self._checker is None:
             with self._lock:
                 if self._checker is None:
                     self._checker = StepChecker(self.root, self.rank, self.mode, self._on_report, self.share)
+                    self.where = "thread"
         self._checker.step_written(path)
 
     def stop_finding(self) -> Finding | None:
@@ -97,8 +119,9 @@ class Guard:
 
     def child_spec(self) -> dict[str, Any]:
         """The writer process checks with :func:`tracer.guard.checker.in_writer_process`."""
+        self.where = "writer process"
         return {"factory": "tracer.guard.checker:in_writer_process",
-                "config": {"mode": self.mode, "share": self.share}}
+                "config": {"mode": self.mode, "share": guard_share(WRITER_PROCESS_SHARE) if self.share is None else self.share}}
 
     def receive(self, message: dict[str, Any]) -> None:
         """An error, warning or note the writer process's checker sent."""

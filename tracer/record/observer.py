@@ -46,6 +46,8 @@ class StepObserver(Protocol):
     that builds this observer's counterpart inside the writer process, or None to observe in this
     process only. ``receive(message)``: a message the counterpart sent (training process side).
     ``close()``: finish the work queued (bounded), then stop; the writer calls it at its close.
+    An optional ``start_local()`` is called on the training thread when the writer starts writing in
+    this process, before its writer thread starts (the guard forks its checker process then).
     An optional ``linger_s`` attribute caps how long the writer waits for more steps before writing a
     batch (:data:`tracer.record.thread.LINGER_S`): an observer that acts on each file wants it soon.
     """

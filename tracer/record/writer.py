@@ -444,6 +444,9 @@ class TraceWriter:
         steps = StepWriter(self.root, self.rank, self.algorithm, self.keep_source_dtype, self.hyperparameters,
                            self._book, lambda *args: _save_atomic(*args),  # looked up at call time
                            fsync_steps=self.fsync_steps, resume_index=resume_index, observer=self._observer)
+        start = getattr(self._observer, "start_local", None)
+        if start is not None:  # the guard's checks start now, before the writer thread (a fork sees one thread)
+            start()
         thread = None
         if background:
             max_queue_steps, max_queue_bytes, when_full = self._queue
