@@ -100,9 +100,9 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
             continue
         missed = [k for k in keys if applies(bug, algorithm_of[k], conditions[k])
                   and any(k in skipped.get(c, {}) for c in checks) and not any(k in ran.get(c, set()) for c in checks)]
-        if not missed or all(skipped[c][k].startswith(NOT_MODELLED) for c in checks for k in missed
+        if not missed or any(skipped[c][k].startswith(NOT_MODELLED) for c in checks for k in missed
                              if k in skipped.get(c, {})):
-            continue  # an objective not modelled is named by its own finding
+            continue  # an objective not modelled is named by its own finding, with what to record
         absent = [f for f in bug.fields if any(f not in fields[k] for k in missed)]
         reasons = sorted({skipped[c][k] for c in checks for k in missed if k in skipped.get(c, {})})
         first = missed[0]

@@ -210,7 +210,9 @@ def check_loss(ctx: StepContext):
             and not ctx.hyper("num_items_in_batch", None):
         raise Skip("TRL's dapo/cispo/vespo loss divides by the token count of the whole generation batch; "
                    "record metadata num_items_in_batch to compare")
-    return [_error(ctx, loss, named, fits, healthy, matches, declared, values, divisor, source, noise)]
+    said_loss = None if bonus is None else (f"the policy loss {loss:.6g} (recorded loss {recorded:.6g} + the entropy "
+                                            f"bonus {loss - recorded:.6g})")
+    return [_error(ctx, loss, named, fits, healthy, matches, declared, values, divisor, source, noise, said_loss)]
 
 
 def _entropy_fault(ctx: StepContext, recorded: float, values: dict, declared: str | None,
@@ -282,9 +284,12 @@ def _listing(values: dict, divisor: float) -> str:
 
 
 def _error(ctx: StepContext, loss: float, named, fits: list, healthy: list, matches: list[str], declared: str | None,
-           values: dict, divisor: float, source: str, noise: float):
+           values: dict, divisor: float, source: str, noise: float, said_loss: str | None = None):
     """The one finding: the cause that reproduces the loss first, then the evidence (its residual, the
-    healthy hypothesis' value and gap, the float noise), then the reductions for reference."""
+    healthy hypothesis' value and gap, the float noise), then the reductions for reference. ``said_loss``:
+    how the loss compared is named (default ``recorded loss <value>``; with an entropy bonus, the policy
+    loss the recorded one gives once the bonus is added back)."""
+    what = said_loss or f"recorded loss {loss:.6g}"
     said = f"metadata says {declared!r}" if declared else "no reduction is declared (metadata loss_reduction)"
     closest = min(healthy, key=lambda h: h.residual(loss)) if healthy else None
     gap = "" if closest is None else (
@@ -293,19 +298,19 @@ def _error(ctx: StepContext, loss: float, named, fits: list, healthy: list, matc
     evidence = f"; {gap}" if gap else ""
     listing = f"Reductions of the {source}: {_listing(values, divisor)}."
     if named is not None and named.key in values:  # another legitimate reduction
-        message = (f"loss reduction: recorded loss {loss:.6g}: it matches {named.key}, but {said} "
+        message = (f"loss reduction: {what}: it matches {named.key}, but {said} "
                    f"(to {named.residual(loss):.1g}{evidence}). {listing}")
     elif named is not None:
         said_in_text = ("clip_range", named.key, "constant" if named.key == "unmasked_mean" else named.key)
         also = [h for h in fits[1:] if h.key not in said_in_text and h.residual(loss) <= noise / CLEAR]
-        message = (f"{named.cause}: recorded loss {loss:.6g} equals {named.text} to {named.residual(loss):.1g}"
+        message = (f"{named.cause}: {what} equals {named.text} to {named.residual(loss):.1g}"
                    f"{evidence} (float noise here {noise:.1g}). "
                    + (f"Equally close: {also[0].text}. " if also else "") + listing)
     elif matches:
-        message = f"loss reduction: recorded loss {loss:.6g}: it matches {' = '.join(matches)}, but {said}. {listing}"
+        message = f"loss reduction: {what}: it matches {' = '.join(matches)}, but {said}. {listing}"
     else:
         tried = ", nor with the KL sign, the KL term or the clip range varied" if "recomputed" in source else ""
-        message = (f"unexplained loss: recorded loss {loss:.6g}: it matches none of the three reductions, nor the "
+        message = (f"unexplained loss: {what}: it matches none of the three reductions, nor the "
                    f"unmasked mean over all positions{tried}; {said}{evidence}. {listing}")
     details = {"recorded": loss, "declared": declared, "matches": matches, "divisor": divisor, "noise": noise,
                "cause": named.key if named is not None else None,
