@@ -24,41 +24,58 @@ if pending is not None and run_param(root, selection.trace_path) == pending[0]:
 st.title("Runs")
 st.text(f"{len(traces)} run(s) under {root}")
 
-progress = st.progress(0.0, text="Reading the runs…")
-rows = []
-for i, path in enumerate(traces):
-    label = run_param(root, path)
-    try:
-        status = runs.known_status(str(path))
-    except (TraceError, UnicodeEncodeError):
-        status = None  # the row says why the run cannot be opened
-    rows.append(runs.run_row(str(path), label, status))
-    progress.progress((i + 1) / len(traces), text=f"Checked {i + 1} of {len(traces)} run(s)")  # (names: not Markdown)
-progress.empty()
+# First the table from what is on disk without running anything (each run's summaries, the header of
+# its last step, the guard's findings), then tracer check on the runs small enough to check without
+# asking, each row's check cell filled in as its run is checked.
+labels = [run_param(root, path) for path in traces]
+rows, to_check = [], []
+for path, label in zip(traces, labels):
+    row = runs.run_row(str(path), label, None)
+    if row["algorithm"] is not None and runs.checked_now(str(path)):  # None: the row says why it cannot open
+        row["check"] = runs.CHECKING
+        to_check.append(len(rows))
+    rows.append(row)
+COLUMN_CONFIG = {
+    "run": st.column_config.TextColumn("run", help="the trace's path under the root (the URL's run=)"),
+    "open": st.column_config.LinkColumn("open", display_text="open", help="a link to the run (opens a new tab)"),
+    "steps": st.column_config.NumberColumn("steps", help="distinct step numbers"),
+    "step files": st.column_config.NumberColumn("step files", help="one per step, inner step, micro-batch, rank"),
+    "rows": st.column_config.NumberColumn("rows", help="sequences (DPO: pairs) in the last step, from its "
+                                                    "step files' headers"),
+    "last mean reward": st.column_config.NumberColumn("last mean reward",
+                                                      help="mean reward of the last step; —: not recorded (DPO)"),
+    "check": st.column_config.TextColumn("check", help="pass, or the counts of error and warning findings"),
+    "guard": st.column_config.TextColumn("guard", help="the live guard (guard=warn|stop): what it found in the "
+                                                      "step files it checked while the run went on, or where "
+                                                      "it stopped the run; empty: no guard ran"),
+}
 
-frame = pd.DataFrame(rows, columns=runs.COLUMNS)
+
+def styled(table: pd.DataFrame):
+    """The table as shown: a run without a recorded reward (DPO) or that cannot be opened: "—", not
+    the grid's "None"."""
+    return table.style.format("{:.4g}", subset=["last mean reward"], na_rep=NOT_RECORDED)
+
+
 st.caption("Select a row to open the run at its most informative step: the first step file with an error, "
            "else the last step. check: the findings of `tracer check` (errors and warnings; info findings "
            f"are not problems); {runs.budget_text()}, a larger run when asked.")
-# a run without a recorded reward (DPO) or that cannot be opened: "—", not the grid's "None"
-shown = frame.style.format("{:.4g}", subset=["last mean reward"], na_rep=NOT_RECORDED)
-event = st.dataframe(
-    shown, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row", key="runs_table",
-    column_config={
-        "run": st.column_config.TextColumn("run", help="the trace's path under the root (the URL's run=)"),
-        "open": st.column_config.LinkColumn("open", display_text="open", help="a link to the run (opens a new tab)"),
-        "steps": st.column_config.NumberColumn("steps", help="distinct step numbers"),
-        "step files": st.column_config.NumberColumn("step files", help="one per step, inner step, micro-batch, rank"),
-        "rows": st.column_config.NumberColumn("rows", help="sequences (DPO: pairs) in the last step, from its "
-                                                        "step files' headers"),
-        "last mean reward": st.column_config.NumberColumn("last mean reward",
-                                                          help="mean reward of the last step; —: not recorded "
-                                                               "(DPO)"),
-        "check": st.column_config.TextColumn("check", help="pass, or the counts of error and warning findings"),
-        "guard": st.column_config.TextColumn("guard", help="the live guard (guard=warn|stop): what it found in the "
-                                                          "step files it checked while the run went on, or where "
-                                                          "it stopped the run; empty: no guard ran"),
-    })
+slot = st.empty()
+if to_check:  # shown while the checks run (not selectable yet)
+    slot.dataframe(styled(pd.DataFrame(rows, columns=runs.COLUMNS)), hide_index=True, width="stretch",
+                   column_config=COLUMN_CONFIG)
+    progress = st.progress(0.0, text="Checking the runs…")
+    for done, i in enumerate(to_check, start=1):
+        try:
+            status = runs.known_status(str(traces[i]))
+        except (TraceError, UnicodeEncodeError):
+            status = None
+        rows[i]["check"] = status.text() if status is not None else runs.NOT_CHECKED
+        progress.progress(done / len(to_check), text=f"Checked {done} of {len(to_check)} run(s)")  # (not Markdown)
+    progress.empty()
+frame = pd.DataFrame(rows, columns=runs.COLUMNS)
+event = slot.dataframe(styled(frame), hide_index=True, width="stretch", on_select="rerun",
+                       selection_mode="single-row", key="runs_table", column_config=COLUMN_CONFIG)
 rows_chosen = list(event.selection.rows)
 if rows_chosen != st.session_state.get(_HANDLED_STATE):
     st.session_state[_HANDLED_STATE] = rows_chosen

@@ -23,6 +23,11 @@ TOKEN_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("advantage", ("advantages",)),
 )
 MASK_FILL = "rgba(120, 120, 120, 0.22)"
+# Up to this many positions each line also has a marker per point (its own symbol); past it the
+# markers, a few pixels apart, merge into a band, and the browser draws one SVG path per marker
+# (7 lines of 256 tokens: ~1,800, most of the chart's drawing time on a step change): lines only,
+# told apart by their dashes.
+MAX_MARKED_POSITIONS = 64
 # Beyond this many masked runs the shading becomes one marker trace (shapes get slow).
 MAX_SHADED_RUNS = 64
 
@@ -56,7 +61,8 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
             ``position``, ``kept`` and some of the value columns of :data:`TOKEN_PANELS`.
 
     Returns:
-        Subplots sharing x, one line per value column present. Positions that do not enter the
+        Subplots sharing x, one line per value column present (dashed differently; with markers
+        up to :data:`MAX_MARKED_POSITIONS` positions). Positions that do not enter the
         loss are shaded grey (one rectangle per contiguous run, spanning every panel); past
         :data:`MAX_SHADED_RUNS` runs they are marked by one ``masked`` marker trace instead. The
         x ticks read each token's text over its position (:func:`token_ticks`; past
@@ -78,12 +84,13 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     x = np.asarray(positions)
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(rows)
     keep = np.asarray(kept, dtype=bool)
+    mode = "lines+markers" if len(rows) <= MAX_MARKED_POSITIONS else "lines"
     for i, (_, cols) in enumerate(panels, start=1):
         for j, col in enumerate(cols):  # masked positions are gaps: their values enter neither loss nor axis range
             y = rows[col].to_numpy(dtype=object, na_value=None)
             fig.add_trace(go.Scatter(  # a dash and marker per line: one equal to another stays visible
                 x=x, y=np.where(keep, y, None),
-                mode="lines+markers", name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
+                mode=mode, name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
                 marker={"size": 7 - j, "symbol": SYMBOLS[j % len(SYMBOLS)]}, customdata=custom,
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
                                "<br>%{customdata[1]}<extra></extra>")), row=i, col=1)

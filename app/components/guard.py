@@ -18,7 +18,6 @@ from typing import Any
 
 import streamlit as st
 
-from tracer.checks import ERROR, WARNING
 from tracer.format.findings_log import findings_paths, read_lines
 from tracer.format.names import MANIFEST_NAME
 
@@ -47,6 +46,9 @@ class GuardReport:
     def text(self) -> str:
         """One cell: ``stopped at step 0 (recompute.advantages)``, else ``warn: 1 error, 2 warnings in 12
         step files`` (``no findings`` when it found none)."""
+        # imported here, not at the top: the Runs page imports this module for every run
+        from tracer.checks import ERROR, WARNING
+
         if self.stop is not None:
             return f"{self.mode}: stopped at step {self.stop.get('step')} ({self.stop.get('check')})"
         found = ", ".join(f"{n} {name}{'s' if n != 1 else ''}"
@@ -86,6 +88,9 @@ def guard_report(trace_path: str, token: tuple) -> GuardReport | None:
     paths = findings_paths(root)
     if not paths and manifest.get("mode") in (None, "off"):
         return None
+    # a guard ran: its findings are counted by severity (the checks imported only then)
+    from tracer.checks import ERROR, WARNING
+
     mode, checked, counts, notes, stop = manifest.get("mode"), 0, {ERROR: 0, WARNING: 0}, [], None
     for path in paths:
         for line in read_lines(path):

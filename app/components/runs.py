@@ -16,6 +16,8 @@ names one), else the last step, where the ratio and the KL have moved from their
 
 from __future__ import annotations
 
+# tracer.checks (and torch, which it imports) is imported inside the functions that count findings:
+# the Runs page lists runs too large to check automatically from their summaries and headers alone.
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,10 +27,8 @@ import streamlit as st
 
 from app.components import trace_cache, urls
 from app.components.guard import report_of
-from app.components.health import severity_counts
 from app.components.overview import status_text
 from app.components.safe_trace import UNREADABLE
-from tracer.checks import ERROR, WARNING
 from tracer.errors import TraceError
 
 # The automatic check's budget, so that opening a run waits at most ~5 s for tracer check. Measured
@@ -41,6 +41,7 @@ MAX_CHECKED_BYTES = 16_000_000
 FILE_OVERHEAD_BYTES = 40_000
 PASS = "pass"
 NOT_CHECKED = "not checked yet"
+CHECKING = "checking…"  # the check cell while the Runs page runs tracer check on the run
 _REQUESTED_STATE = "_tracer_runs_check_requested"  # trace paths the user asked to check
 # Fields whose first dim counts the rows of a step file (sequences; DPO: pairs).
 _ROW_FIELDS = ("completion_ids", "chosen_ids", "prompt_ids", "rewards", "advantages")
@@ -66,6 +67,8 @@ class CheckStatus:
     def text(self) -> str:
         """``pass``, ``2 errors, 1 warning`` (zero counts left out), or ``cannot read any of its 6
         step files`` when no step file can be read (``tracer check`` exits 2 there)."""
+        from tracer.checks import ERROR, WARNING
+
         if self.unreadable and self.unreadable >= self.files:
             return f"cannot read any of its {self.files} step file{'s' if self.files != 1 else ''}"
         if not self.errors and not self.warnings:
@@ -78,6 +81,9 @@ def check_status(findings: pd.DataFrame) -> CheckStatus:
     """The :class:`CheckStatus` of a findings frame (:func:`app.components.health.findings_frame`):
     error and warning counts, and the earliest ``(step, inner_step, micro_batch, rank)`` among the
     error findings located in a step file (trace-level errors count but locate nothing)."""
+    from app.components.health import severity_counts
+    from tracer.checks import ERROR, WARNING
+
     counts = severity_counts(findings)
     if not counts[ERROR]:
         return CheckStatus(counts[ERROR], counts[WARNING])
@@ -156,9 +162,15 @@ def known_status(trace_path: str) -> CheckStatus | None:
     """The run's :class:`CheckStatus` when it may be computed now (a run within the budget,
     :attr:`CheckCost.automatic`, or one the user asked to check), else None."""
     trace = trace_cache.open_trace(trace_path)
-    if not check_cost(trace_path).automatic and trace_path not in st.session_state.get(_REQUESTED_STATE, ()):
+    if not checked_now(trace_path):
         return None
     return run_status(trace_path, trace_cache.listing_token(trace), unreadable_files(trace_path))
+
+
+def checked_now(trace_path: str) -> bool:
+    """Whether :func:`known_status` checks the run now: within the budget (:attr:`CheckCost.automatic`,
+    from the files' sizes) or asked for in this session. Raises TraceError when it cannot be opened."""
+    return check_cost(trace_path).automatic or trace_path in st.session_state.get(_REQUESTED_STATE, ())
 
 
 def unreadable_files(trace_path: str) -> tuple[str, ...]:

@@ -89,7 +89,7 @@ def header_problem(path: Path, algorithm: str | None = None) -> str | None:
     length fits in it; a FIFO or a truncated file fails here) and schema check (shapes and dtype
     kinds of the canonical fields of the step's algorithm, else ``algorithm``)."""
     try:
-        with open_step_file(path) as fh:
+        with open_step_file(path, framework="np") as fh:  # the header only: no torch
             meta = decode_metadata(fh.metadata())
             named = meta.get("algorithm")
             check_step_header(path, fh, named if isinstance(named, str) else algorithm)

@@ -34,6 +34,13 @@ def file_id(path: str | os.PathLike) -> FileId:
     return str(path), st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def open_numpy(path: Path) -> Any:
+    """:func:`tracer.format.integrity.open_step_file` for numpy (``framework="np"``): the handle
+    :meth:`tracer.read.Trace.load_step` reads numpy arrays from (torch tensors made from them
+    without a copy when a caller asks for tensors; bfloat16 and float8 fields read through torch)."""
+    return open_step_file(path, framework="np")
+
+
 @dataclass
 class _Entry:
     handle: Any
@@ -52,20 +59,21 @@ class StepHandles:
         max_bytes: the bound on the summed size of the open files (the most recent one is kept
             even when it alone is larger).
         opener: opens one file and returns a handle with ``__exit__`` (default
-            :func:`tracer.format.integrity.open_step_file`: bounds, element budget, then ``safe_open``).
+            :func:`open_numpy`: bounds, element budget, then ``safe_open`` for numpy, as the reader
+            opens its files: a handle for torch would import torch at its first open).
 
     Raises:
         ValueError: ``max_handles`` < 1.
     """
 
     def __init__(self, max_handles: int = 64, max_bytes: int = 2**30,
-                 opener: Callable[[Path], Any] = open_step_file) -> None:
+                 opener: Callable[[Path], Any] | None = None) -> None:
         if max_handles < 1:
             raise ValueError(f"max_handles must be >= 1, got {max_handles}")
         self.max_handles = max_handles
         self.max_bytes = max_bytes
         self.open_bytes = 0  # summed size of the files open here
-        self._opener = opener
+        self._opener = opener or open_numpy
         self._lock = threading.Lock()
         self._entries: OrderedDict[FileId, _Entry] = OrderedDict()
         self._by_handle: dict[int, _Entry] = {}  # id(handle) -> entry, for the handles open here

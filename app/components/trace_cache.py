@@ -152,8 +152,8 @@ def sequence_labels(trace_path: str, step_path: str, identity: FileId) -> list[s
     sizes = [fields[name][0][0] for name in _B_FIELDS if name in fields and fields[name][0]]
     if not sizes:
         return []
-    per_seq = {name: t.tolist() for name, t in trace.load_step(key, ["group_ids", "rewards"]).items()
-               if t.dim() == 1 and t.shape[0] == sizes[0]}
+    per_seq = {name: t.tolist() for name, t in trace.load_step(key, ["group_ids", "rewards"], as_numpy=True).items()
+               if t.ndim == 1 and t.shape[0] == sizes[0]}  # numpy arrays: no torch for a label
     group_ids, rewards = per_seq.get("group_ids"), per_seq.get("rewards")
     noun = "pair" if "chosen_ids" in fields else "seq"  # a DPO row is a chosen / rejected pair
     labels = []

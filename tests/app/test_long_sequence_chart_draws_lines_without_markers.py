@@ -1,0 +1,30 @@
+"""The Tokens page's per-token chart of a long completion draws lines without a marker per point
+(a 256-token sequence of 7 values was ~1,800 SVG markers, most of the browser's drawing time on a
+step change); a short one keeps a marker per point, each line its own symbol; at any length the
+lines of one panel differ by dash, so a line equal to another (old = policy) stays visible."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from app.components.figures import MAX_MARKED_POSITIONS, token_values_figure
+
+
+def sequence(n: int) -> pd.DataFrame:
+    """A completion of ``n`` positions, the last one after EOS, old = policy logprobs (ratio 1)."""
+    return pd.DataFrame({"section": "completion", "position": range(n), "token_text": ["a"] * n,
+                         "kept": [True] * (n - 1) + [False], "mask_reason": ["kept"] * (n - 1) + ["after_eos"],
+                         "old_logprobs": [-0.5] * n, "policy_logprobs": [-0.5] * n, "ratio": [1.0] * n})
+
+
+def test_long_sequence_lines_only_short_sequence_marked():
+    long = token_values_figure(sequence(MAX_MARKED_POSITIONS + 1))
+    short = token_values_figure(sequence(MAX_MARKED_POSITIONS))
+    assert {t.name: t.mode for t in long.data} == dict.fromkeys(["old_logprobs", "policy_logprobs", "ratio"], "lines")
+    assert {t.mode for t in short.data} == {"lines+markers"}
+    old, policy = (next(t for t in short.data if t.name == name) for name in ("old_logprobs", "policy_logprobs"))
+    assert old.marker.symbol != policy.marker.symbol
+    for fig in (long, short):
+        old, policy = (next(t for t in fig.data if t.name == name) for name in ("old_logprobs", "policy_logprobs"))
+        assert old.line.dash != policy.line.dash
+        assert len(old.x) == len(fig.data[0].x) and old.y[-1] is None  # every point drawn; the masked one a gap
