@@ -237,6 +237,25 @@ REFERENCE: dict[str, dict[str, str]] = {
         "assumes": "verl's probability-space convention; warning at mean |Δp| > 0.05 or a Pearson correlation "
                    "< 0.9 over ≥ 100 tokens; never an error (the cause is `sampler.mismatch`'s).",
     },
+    "sampler.is_weights": {
+        "needs": "a declared correction (`is_correction` / TRL's `vllm_importance_sampling_correction` with `is_mode`, "
+                 "`is_clip_min`, `is_clip_max`, `is_sequence_aggregation`; or verl's `rollout_is`, "
+                 "`rollout_is_threshold`, `rollout_is_batch_normalize`) or recorded `is_weights` / "
+                 "`sequence_is_weights` / `rollout_is_weights`; `old_logprobs`, `sampler_logprobs`, "
+                 "`completion_mask`. Without recorded weights they are derived. A correction without a mode, or "
+                 "an unknown mode, is reported as not checked.",
+        "assumes": "TRL's rule (exp of old − sampler per token, or of its masked sum per sequence; truncate clamps, "
+                   "mask zeroes outside the caps) and verl's (log ratio clamped to ±20, TIS upper cap, IcePop "
+                   "`lower_upper`), both from tracer.formulas.importance, matched to 1e-3 relative; the weights act on "
+                   "the clipped policy-gradient term (tested when `per_token_loss` of a GRPO-style loss is recorded).",
+    },
+    "sampler.policy_lag": {
+        "needs": "`policy_version` [B] and metadata `trainer_version`; `max_policy_lag` for the bound (skipped "
+                 "when a bound is declared without `policy_version`); a synchronous loop records neither.",
+        "assumes": "lag = trainer_version − policy_version in optimizer updates; error beyond `max_policy_lag` or "
+                   "for a negative lag; a warning when lagged rows are trained as on-policy (old recomputed with "
+                   "the trainer's weights, a gap to the sampler, no weights recorded).",
+    },
     "integrity.checksum": {
         "needs": "the header's `content_sha256` (written by `TraceWriter`); skipped on files without it.",
         "assumes": "the hash over every tensor's name, dtype, shape and bytes "

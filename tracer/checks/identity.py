@@ -19,6 +19,7 @@ from tracer.checks.alignment import SHIFT_RATIO, shifted_mae
 from tracer.checks.context import TOLERANCES, StepContext, StepHeader, check_memo, loosest_dtype
 from tracer.checks import turns
 from tracer.checks import sampler_patterns
+from tracer.checks import staleness
 from tracer.checks.text import count
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 
@@ -248,6 +249,9 @@ def check_first_step(ctx: StepContext):
     explained = turns.explained_positions(ctx) if ctx.has("completion_ids") else torch.zeros_like(keep)
     n_explained = int(explained.sum())
     keep = keep & ~explained  # tool output, placeholders or shifted turns: the turns checks name them
+    # rows sampled by a policy some updates old (asynchronous loops): old may be the behaviour policy's, so their
+    # first-pass ratio is the lag, not a mismatch; sampler.policy_lag reports them
+    keep, n_lagged = staleness.lagged_mask(ctx, keep)
     n_kept = int(keep.sum())
     if n_kept == 0:
         return []
@@ -273,6 +277,8 @@ def check_first_step(ctx: StepContext):
         clip_text = (f"; {n_out} of {n_kept} kept tokens have a ratio outside [{low:g}, {high:g}] "
                      f"(clip fraction {n_out / n_kept:.3f}, expected 0)")
     left_out = f"over the other tokens, leaving out {n_explained} that the turns checks name " if n_explained else ""
+    if n_lagged:
+        left_out += f"(rows sampled by an older policy left out: {n_lagged} tokens, sampler.policy_lag) "
     message = (
         f"inner step {ctx.key.inner_step} on fresh rollouts: policy_logprobs must equal old_logprobs "
         f"(same weights, same tokens), but {int(beyond.sum())} of {n_kept} kept tokens differ by more than "

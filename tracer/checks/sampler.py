@@ -37,6 +37,7 @@ from tracer.checks import sampler_patterns as patterns
 from tracer.checks.context import StepContext, check_memo, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
+from tracer.checks import importance, staleness  # noqa: F401  (register sampler.is_weights, sampler.policy_lag)
 from tracer.errors import TraceError
 
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)
@@ -216,6 +217,8 @@ def check_sampler_mismatch(ctx: StepContext):
         return []  # old and sampler logprobs of a rollout are the same at every inner step: report once
     trainer, sampler = ctx.require(name, "sampler_logprobs")
     keep = ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler)
+    # rows a policy some updates old sampled differ from the trainer by the lag: sampler.policy_lag reports them
+    keep, lagged_tokens = staleness.lagged_mask(ctx, keep)
     if int(keep.sum()) == 0:
         return []
     delta_full = formulas.sampler_log_ratio(trainer, sampler)  # (B, T)
@@ -230,7 +233,8 @@ def check_sampler_mismatch(ctx: StepContext):
         systematic = [f"{cause}: {config[0]}"]  # the configuration is the cause the data shows: one finding
     else:
         systematic = ([cause] if cause is not None else []) + config
-    correction, soft = _correction(ctx, delta_full, keep)
+    # with lagged rows left out the weights of the others cannot be compared row by row: sampler.is_weights does
+    correction, soft = _correction(ctx, delta_full, keep) if not lagged_tokens else (None, [])
     severity = _severity(stats, systematic, soft)
     worst = worst_positions(delta_full.abs(), keep, ctx.options.worst_tokens)
     b, t = worst[0]
@@ -242,6 +246,9 @@ def check_sampler_mismatch(ctx: StepContext):
         f"{stats['prob_diff_max']:.4f}; {stats['outside']} tokens ({stats['share_outside']:.2%}) have exp(old - "
         f"sampler) outside [1/{C:g}, {C:g}]; worst at seq {b}, token {t}: {float(delta_full[b, t]):+.4f} nats."
     )
+    if lagged_tokens:
+        message += (f" Left out: {lagged_tokens} kept tokens of rows sampled by an older policy (sampler.policy_lag "
+                    "reports them).")
     if correction is not None:
         message += _correction_text(correction)
     if soft:
