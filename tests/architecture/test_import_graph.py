@@ -122,3 +122,75 @@ def test_the_format_imports_nothing_of_tracer_but_errors():
 def test_tracer_has_at_most_ten_top_level_modules():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+# Modules that import without torch (issue 49: `tracer --help`, `tracer info` and reading a trace answer
+# in a fraction of a second): the package's face, the command line, the format and read stages. torch
+# is imported inside the functions that do maths (checks, formulas, capture, the writer).
+TORCH_FREE = ("tracer", "tracer.__main__", "tracer.cli", "tracer.errors", "tracer.view_server",
+              "tracer.record", "tracer.record.observer", "tracer.format", "tracer.read", "tracer.read.reader",
+              "tracer.read.step_table", "tracer.read.metadata_cache", "tracer.read.overview", "tracer.read.tables",
+              "tracer.read.trace_info")
+
+
+def _runs_on_import(tree: ast.Module) -> list[ast.stmt]:
+    """The statements executed when a module is imported: its body and the bodies of its classes,
+    ``if``/``try``/``with`` blocks, not function bodies nor ``if TYPE_CHECKING:`` blocks."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            todo.extend(getattr(node, field, None) or [])
+    return out
+
+
+def _import_time_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> what importing it imports at once: tracer modules (with the packages above each,
+    whose ``__init__`` runs first) and outside modules by full dotted name."""
+    def with_parents(name: str) -> set[str]:
+        parts = name.split(".")
+        return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(modules) | (
+            {name} if name.split(".")[0] != "tracer" else set())
+
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in _runs_on_import(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in names:
+                targets |= with_parents(target)
+        edges[name] = targets - {name}
+    return edges
+
+
+def test_the_format_and_read_stages_and_the_command_line_import_no_torch():
+    modules = _modules()
+    edges = _import_time_edges(modules)
+    roots = [m for m in modules if m in TORCH_FREE or m.startswith("tracer.format.")]
+    wrong = []
+    for root in roots:
+        seen, path_to = {root}, {root: [root]}
+        todo = [root]
+        while todo:
+            current = todo.pop()
+            for target in edges.get(current, ()):
+                if target in seen:
+                    continue
+                seen.add(target)
+                path_to[target] = path_to[current] + [target]
+                if "torch" in target.split("."):
+                    wrong.append(" -> ".join(path_to[target]))
+                elif target in modules:
+                    todo.append(target)
+    assert sorted(set(wrong)) == []

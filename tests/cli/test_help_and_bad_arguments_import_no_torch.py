@@ -2,9 +2,9 @@
 pandas or numpy (seconds of start-up on a busy machine): tracer/cli.py imports only the standard
 library and light modules, and each command imports what it uses.
 
-``tracer/__init__.py`` still imports the writer, the reader and the diff (and with them torch) on
-``import tracer``, so ``python -m tracer --help`` as a whole is not yet torch-free; these tests hold
-tracer/cli.py to its part by importing it under an empty ``tracer`` package, in a fresh process."""
+These tests hold tracer/cli.py to its part by importing it under an empty ``tracer`` package (no
+numpy or safetensors either), in a fresh process; tests/read/test_reading_a_trace_imports_no_torch.py
+runs ``python -m tracer`` as a whole (``tracer/__init__.py`` imports its public names lazily)."""
 
 from __future__ import annotations
 
