@@ -15,7 +15,6 @@ import argparse
 import collections.abc
 import errno
 import importlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -27,10 +26,10 @@ from typing import Any, Iterator, Sequence
 
 from tracer.demo.sampler_faults import VLLM_BUGS
 from tracer.errors import TraceError
-from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT, serve
 
 # Only the standard library and light modules above: `tracer --help` and a mistyped option answer
-# without importing torch, pandas or the reader (seconds of start-up); each command imports what it uses.
+# without importing torch, pandas or the reader (seconds of start-up); each command imports what it uses
+# (even importlib.metadata, for --version, and the view server's urllib: ~40 ms of a 0.1 s start).
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -93,15 +92,20 @@ ALGORITHM_CHOICES = _LazyChoices("tracer.format.schema", "ALGORITHMS")
 
 def __getattr__(name: str) -> Any:
     """``trace_info`` and ``print_info``, once imported here, stay importable from ``tracer.cli``
-    (tests/scripts/fuzz_headers.py does), without importing the reader for every command."""
+    (tests/scripts/fuzz_headers.py does), without importing the reader for every command; so does
+    ``serve`` (:func:`tracer.view_server.serve`, urllib's import paid by ``tracer view`` only)."""
     if name in ("trace_info", "print_info"):
         return getattr(importlib.import_module("tracer.read.trace_info"), name)
+    if name == "serve":
+        return importlib.import_module("tracer.view_server").serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def version_text() -> str:
     """``tracer <version> (<package folder>)``: which copy of tracer runs (the installed distribution's
     version, which is pyproject's; the folder tells one checkout or install from another)."""
+    import importlib.metadata
+
     try:
         version = importlib.metadata.version("tracer")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
@@ -109,9 +113,21 @@ def version_text() -> str:
     return f"tracer {version} ({Path(__file__).resolve().parent})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: prints :func:`version_text` and exits 0, reading the installed version only
+    when asked (argparse's own ``version`` action wants the text when the parser is built)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser._print_message(version_text() + "\n", sys.stdout)
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tracer", description="Trace, browse, check and diff RL training tensors.")
-    parser.add_argument("--version", action="version", version=version_text(),
+    parser.add_argument("--version", action=_VersionAction,
                         help="print the version and the folder of the tracer package that runs, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -339,6 +355,9 @@ def _serve(cmd: list[str], port: int, announcement: str, start_timeout_s: float 
     """Run the Streamlit server ``cmd`` (:func:`tracer.view_server.serve`): print ``announcement``
     (the URL) once it answers, then its output; report on stderr, exit code 1, a server that exits
     during start-up or does not answer within ``start_timeout_s`` seconds, with what it printed."""
+    from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT
+
+    serve = globals().get("serve") or __getattr__("serve")  # a test may have put its own here
     run = serve(cmd, port, lambda: print(announcement, flush=True), _echo, start_timeout_s=start_timeout_s)
     if run.state in (EXITED, TIMED_OUT):
         what = (f"exited with code {run.code} before it answered" if run.state == EXITED else

@@ -47,6 +47,18 @@ class MetadataCache:
             self._put(path, stamp, sum(len(k) + len(v) for k, v in raw.items()), decoded)
         return decoded
 
+    def peek(self, path: Path) -> dict[str, Any] | None:
+        """The decoded metadata of ``path`` when cached for the file's current version (one ``stat``,
+        no open), else None. Shared, as :meth:`get`'s."""
+        entry = self._entries.get(path)
+        if entry is None:
+            return None
+        stamp = _stamp(path)
+        if stamp is None or entry[0] != stamp:
+            return None
+        self._entries.move_to_end(path)
+        return entry[2]
+
     def _put(self, path: Path, stamp: tuple, chars: int, decoded: dict[str, Any]) -> None:
         old = self._entries.pop(path, None)
         if old is not None:

@@ -283,6 +283,10 @@ class Trace:
         return cache.get(path, fh)
 
     def _header(self, path: Path) -> dict[str, Any]:
+        cache = self.__dict__.get("_metadata_cache")
+        cached = cache.peek(path) if cache is not None else None
+        if cached is not None:  # decoded for this version of the file already: no open
+            return dict(cached)
         with self._open(path) as fh:
             return dict(self._metadata_of(path, fh))
 
