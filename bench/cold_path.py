@@ -8,13 +8,15 @@ then the viewer's warm step change and its server's RSS.
 The trace: :mod:`bench.viewer_traces` (GRPO, every canonical field, 200 steps x 64 rows x 256
 tokens by default, written once and cached under /tmp). About 1 minute on 2 cores.
 
-- Command line: each command is a fresh process (``python -m tracer ...``); wall time from the
-  launch to its exit and its peak RSS (``ru_maxrss`` of that child, ``os.wait4``), medians of
-  ``--rounds``; the bare start is ``python -c "import json, argparse"``. When ``bench/cli_cold.py``
-  is there (its ``measure_cli(run_dir, rounds)``), its figures are printed as well.
+- Command line: ``bench.cli_cold.measure_cli`` (a bare ``python -c pass``, ``tracer --help``,
+  ``tracer diff --help``, a bad argument, ``tracer info`` on the trace), or where that module is
+  absent :func:`measure_cli` here: each command a fresh process (``python -m tracer ...``), wall
+  time from the launch to its exit and its peak RSS (GNU time's ``%M``), medians of ``--rounds``.
 - Viewer: a fresh ``streamlit run`` server per round (headless, 127.0.0.1, through
-  ``bench/streamlit_timed.py``, which logs every script run), the app's and a one-line app's
-  (``st.write``) in turn, the order alternating; one headless Chromium (/usr/bin/chromium through
+  ``bench/streamlit_timed.py``, which logs every script run), a one-line app's (``st.write``) and
+  the app's in turn, the order rotating: the app as ``streamlit run app/streamlit_app.py`` and as
+  ``streamlit run app/server.py`` (the same script served by ``st.App``, whose start-up imports the
+  first page's modules while the browser loads, :mod:`app.server`); one headless Chromium (/usr/bin/chromium through
   Playwright, ``--headless --no-sandbox --disable-gpu --disable-background-networking``) started
   before either. ``cold start`` = from the launch of ``streamlit run`` until the page's content
   is visible in a new browser context and the app is idle (no status widget, nothing stale, no
@@ -30,7 +32,6 @@ tokens by default, written once and cached under /tmp). About 1 minute on 2 core
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -42,7 +43,15 @@ from pathlib import Path
 
 from bench import viewer_traces
 from bench.common import machine, median
-from bench.viewer_browser import CHROMIUM, CHROMIUM_ARGS, REPO, Server, choose, step_label, wait_shown
+from bench.viewer_browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    REPO,
+    Server,
+    choose,
+    step_label,
+    wait_shown,
+)
 
 BARE_TEXT = "bare streamlit page"
 BARE_APP = f'import streamlit as st\nst.write("{BARE_TEXT}")\n'
@@ -57,7 +66,7 @@ def run_process(cmd: list[str]) -> tuple[float, float]:
     with tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
         t0 = time.perf_counter()
         proc = subprocess.run(["/usr/bin/time", "-o", rss.name, "-f", "%M", *cmd], env=env, cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr[-2000:]}")
@@ -98,25 +107,32 @@ def cold_view(browser, server: Server, path: str, text: str) -> tuple[dict[str, 
             "rss_mb": server.rss_mb()}, context, page
 
 
+# The viewer's two entries: the script itself, and app/server.py (st.App whose start-up imports the
+# first page's modules while the browser loads; tracer view's entry once it runs it).
+ENTRIES = {"tracer streamlit_app.py": "app/streamlit_app.py", "tracer server.py": "app/server.py"}
+
+
 def measure_viewer(trace: Path, rounds: int, changes: int, steps: int, logs: Path) -> dict[str, dict[str, float]]:
-    """Cold starts of the app and of the bare page (``rounds`` each, alternating), then warm step
-    changes and RSS on the app's server of the last round. Medians."""
+    """Cold starts of the bare page and of each of the app's :data:`ENTRIES` (``rounds`` fresh
+    servers each, the order rotating), warm step changes and RSS on each app server of the last
+    round. Medians."""
     from playwright.sync_api import sync_playwright
 
     bare_script = logs / "bare_app.py"
     bare_script.write_text(BARE_APP)
-    samples: dict[str, list[dict[str, float]]] = {"bare": [], "tracer": []}
+    sides = ["bare", *ENTRIES]
+    samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for r in range(rounds):
-                for side in (("bare", "tracer") if r % 2 == 0 else ("tracer", "bare")):
+                for side in sides[r % len(sides):] + sides[:r % len(sides)]:
                     if side == "bare":
                         with Server(REPO, None, logs / "bare.jsonl", script=bare_script) as server:
                             out, context, _ = cold_view(browser, server, "", BARE_TEXT)
                             context.close()
                     else:
-                        with Server(REPO, trace, logs / "tracer.jsonl") as server:
+                        with Server(REPO, trace, logs / f"{side.split()[-1]}.jsonl", script=REPO / ENTRIES[side]) as server:
                             out, context, page = cold_view(browser, server, "tokens?run=.&step=0&seq=0",
                                                            f"{step_label(0)} · sequence 0")
                             if r == rounds - 1:
@@ -140,29 +156,31 @@ def warm_changes(page, server: Server, changes: int, steps: int) -> dict[str, fl
             "rss_after_changes_mb": server.rss_mb()}
 
 
-def report(cli: dict, cli_a: dict | None, viewer: dict, args) -> list[str]:
+def report(cli: dict, viewer: dict, args) -> list[str]:
     """The printed table, as lines."""
     lines = [f"Machine: {machine()}", f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
-    bare_wall, bare_rss = next(iter(cli.values()))
+    bare_wall = next(iter(cli.values()))[0]
     lines += [f"Command line (fresh process each, median of {args.rounds}):",
               f"  {'command':40s} {'wall s':>7s} {'+ vs bare':>9s} {'peak RSS MiB':>12s}"]
     for name, (wall, rss) in cli.items():
         lines.append(f"  {name:40s} {wall:7.3f} {wall - bare_wall:+9.3f} {rss:12.1f}")
-    if cli_a:
-        lines.append("  (bench/cli_cold.py: " + json.dumps(cli_a) + ")")
-    b, t = viewer["bare"], viewer["tracer"]
-    lines += ["", f"Viewer, {args.steps} steps x {args.B} x {args.T}, cold start to first view in Chromium "
-              f"(median of {args.rounds} fresh servers each):",
-              f"  {'':34s} {'bare st.write':>13s} {'tracer Tokens':>13s} {'ratio':>6s}"]
+    b = viewer["bare"]
+    apps = [side for side in viewer if side != "bare"]
+    lines += ["", (f"Viewer, {args.steps} steps x {args.B} x {args.T}, cold start to first token view in Chromium "
+                   f"(median of {args.rounds} fresh servers each; ratio: to the bare page):"),
+              f"  {'':34s} {'bare st.write':>14s}" + "".join(f" {side:>24s} {'ratio':>6s}" for side in apps)]
     for key, label in (("cold_s", "cold start (launch to shown), s"), ("server_up_s", "  server up, s"),
                        ("first_view_s", "  first view (goto to shown), s"), ("script_s", "  script runs, s"),
                        ("server_cpu_s", "server CPU until shown, s"), ("rss_mb", "server RSS when shown, MiB")):
-        lines.append(f"  {label:34s} {b[key]:13.2f} {t[key]:13.2f} {t[key] / max(b[key], 1e-3):5.2f}x")
-    lines += [f"  warm step change (Tokens, median of {args.changes}; max): {t['warm_step_change_s']:.2f} s; "
-              f"{t['warm_step_change_max_s']:.2f} s",
-              f"  server RSS after the step changes: {t['rss_after_changes_mb']:.0f} MiB",
-              "", "Goals (issue 49): CLI <= bare + 0.4 s and < 100 MB; viewer cold start <= 2x the bare page's, "
-              "RSS <= 300 MiB, warm step change <= 0.5 s."]
+        lines.append(f"  {label:34s} {b[key]:14.2f}" + "".join(
+            f" {viewer[side][key]:24.2f} {viewer[side][key] / max(b[key], 1e-3):5.2f}x" for side in apps))
+    for side in apps:
+        t = viewer[side]
+        lines.append(f"  {side}: warm step change (Tokens, median of {args.changes}; max) "
+                     f"{t['warm_step_change_s']:.2f} s; {t['warm_step_change_max_s']:.2f} s; server RSS after the "
+                     f"step changes {t['rss_after_changes_mb']:.0f} MiB")
+    lines += ["", ("Goals (issue 49): CLI <= bare + 0.4 s and < 100 MB; viewer cold start <= 2x the bare page's, "
+                   "RSS <= 300 MiB, warm step change <= 0.5 s.")]
     return lines
 
 
@@ -177,20 +195,20 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     trace = viewer_traces.ensure(args.steps, args.B, args.T, log=print)
-    cli, cli_a = {}, None
-    if not args.skip_cli:
-        cli = measure_cli(trace, args.rounds)
+    cli = {}
+    if not args.skip_cli:  # helper module of the CLI's own benchmark when there, else the commands above
         if importlib.util.find_spec("bench.cli_cold") is not None:
             from bench import cli_cold
 
-            with contextlib.suppress(Exception):
-                cli_a = cli_cold.measure_cli(trace, args.rounds)
+            cli = cli_cold.measure_cli(trace, args.rounds)
+        else:
+            cli = measure_cli(trace, args.rounds)
     logs = Path(tempfile.mkdtemp(prefix="cold_path_"))
     viewer = measure_viewer(trace, args.rounds, args.changes, args.steps, logs)
-    lines = report(cli or {"(skipped)": (0.0, 0.0)}, cli_a, viewer, args)
+    lines = report(cli or {"(skipped)": (0.0, 0.0)}, viewer, args)
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"cli": cli, "cli_cold": cli_a, "viewer": viewer}, indent=1))
+        args.json.write_text(json.dumps({"cli": cli, "viewer": viewer}, indent=1))
 
 
 if __name__ == "__main__":

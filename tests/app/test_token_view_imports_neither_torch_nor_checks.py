@@ -30,7 +30,8 @@ print(json.dumps({{"errors": [str(e.value) for e in at.exception], "texts": text
 
 def probe(root, page: str) -> dict:
     code = PROBE.format(repo=str(REPO), root=str(root), app=str(APP), page=page, heavy=HEAVY)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
