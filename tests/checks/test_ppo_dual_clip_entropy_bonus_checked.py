@@ -35,7 +35,8 @@ LOSS_CHECKS = ("recompute.loss", "recompute.ratio")
 def run_loop(out, model_dir, *argv: str):
     env = {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, str(SCRIPTS / "ppo_dual_clip_entropy.py"), "--model_dir", str(model_dir),
-                           "--out", str(out), *argv], env=env, capture_output=True, text=True, timeout=600)
+                           "--out", str(out), *argv], env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -45,7 +46,8 @@ def runs(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_objectives")
     return {name: run_loop(root / name, model_dir, *argv) for name, argv in (
         ("healthy", ()), ("entropy_sign", ("--bug", "entropy_sign")), ("no_dual_clip", ("--bug", "no_dual_clip")),
-        ("no_entropy", ("--leave_out", "entropy")))}
+        ("no_entropy", ("--leave_out", "entropy", "per_token_loss")),
+        ("no_dual_clip_per_token", ("--bug", "no_dual_clip", "--leave_out")))}
 
 
 def by_hand(d: dict, dual_clip: bool = True, entropy_sign: float = -1.0) -> float:
@@ -119,6 +121,19 @@ def test_loss_without_its_dual_clip_is_named_where_the_clip_binds(runs, capsys):
         assert "clip_ratio_c = 1.2 is recorded" in f.message and f.details["cause"] == "dual_clip_missing"
     capsys.readouterr()
     assert main(["check", str(runs["no_dual_clip"])]) == 1
+
+
+def test_recorded_per_token_loss_without_the_dual_clip_is_named_on_the_tokens_it_caps(runs):
+    trace = Trace(runs["no_dual_clip_per_token"])
+    expected = {(k.step, k.inner_step, k.micro_batch) for k in trace.steps() if binds(trace.load_step(k))}
+    assert expected
+    errors = [f for f in run_checks(runs["no_dual_clip_per_token"]) if f.check == "recompute.per_token_loss"
+              and f.severity == ERROR]
+    assert {(f.step, f.inner_step, f.micro_batch) for f in errors} == expected
+    for f in errors:
+        d = trace.load_step(trace.step_key(f.step, f.inner_step, f.micro_batch, f.rank))
+        assert f.message.startswith(f"dual clip missing: the recorded per_token_loss is the clipped surrogate without "
+                                    f"the dual clip, while clip_ratio_c = 1.2 is recorded: on {binds(d)} kept tokens")
 
 
 def test_an_entropy_bonus_whose_entropy_is_not_recorded_is_said_not_checked(runs, capsys):

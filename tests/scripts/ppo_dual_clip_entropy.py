@@ -89,7 +89,7 @@ def train(args):
                           "policy_logprobs": policy, "old_logprobs": old[rows], "ref_logprobs": ref[rows],
                           "advantages": adv, "values": values[rows], "returns": returns[rows],
                           "token_rewards": token_rewards[rows], "rewards": rewards[rows],
-                          "ratio": ratio, "entropy": entropy, "loss": loss}
+                          "ratio": ratio, "entropy": entropy, "loss": loss, "per_token_loss": per_token}
                 writer.record(step, {k: v for k, v in fields.items() if k not in args.leave_out},
                               inner_step=epoch, micro_batch=mb)
                 optimizer.zero_grad(set_to_none=True)
@@ -117,5 +117,6 @@ if __name__ == "__main__":
     parser.add_argument("--learning_rate", type=float, default=8e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bug", choices=["entropy_sign", "no_dual_clip"], default=None)
-    parser.add_argument("--leave_out", nargs="*", default=[], help="fields not to record (a loop that does not)")
+    parser.add_argument("--leave_out", nargs="*", default=["per_token_loss"],
+                        help="fields not to record (a loop that does not); per_token_loss by default")
     train(parser.parse_args())

@@ -91,13 +91,24 @@ def verl_per_token_loss(ctx: StepContext, loss_mode: str, dual_clip: bool = True
     weights = ctx.tensor("rollout_is_weights").double() if ctx.has("rollout_is_weights") else None
     if loss_mode == "gpg":
         return verl_gpg_per_token_loss(policy, advantages, weights)
-    low, high = float(ctx.hyper("clip_epsilon_low")), float(ctx.hyper("clip_epsilon_high"))
+    low, high = (float(_first_hyper(ctx, f"clip_epsilon_{side}", f"clip_ratio_{side}", "clip_ratio"))
+                 for side in ("low", "high"))
     if loss_mode == "gspo":
         return verl_gspo_per_token_loss(policy, old, advantages, keep.bool(), low, high, weights)
     if loss_mode == "cispo":
         return verl_cispo_per_token_loss(policy, old, advantages, low, high, weights)
     c = float(ctx.hyper("clip_ratio_c", None) or ctx.hyper("declared_clip_ratio_c", None) or 3.0)
     return verl_vanilla_per_token_loss(policy, old, advantages, low, high, c if dual_clip else float("inf"), weights)
+
+
+def _first_hyper(ctx: StepContext, *names: str):
+    """The first of ``names`` the step records (:meth:`StepContext.hyper`); Skip naming them all when none is
+    (verl's integration records CISPO's clip ratios as ``clip_ratio_low`` / ``_high``, not as epsilons)."""
+    for name in names:
+        value = ctx.hyper(name, None)
+        if value is not None:
+            return value
+    raise Skip(f"needs one of the metadata keys {', '.join(names)}, which this step does not record")
 
 
 @register("recompute.verl_pg_losses", "verl: the per-token loss the policy loss aggregated (verl_pg_losses) is the "

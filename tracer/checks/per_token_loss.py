@@ -356,21 +356,24 @@ def _objective_explanation(ctx: StepContext, recorded: torch.Tensor) -> tuple[st
         adv = ctx.tensor("advantages")
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         binds = ctx.mask() & (adv < 0) & (r > c)  # (B, T) where the dual clip caps the loss
-        return (f"dual clip missing: the recorded per_token_loss is the clipped surrogate without the dual clip, "
+        largest = float(r[binds].max()) if bool(binds.any()) else float("nan")
+        text = (f"dual clip missing: the recorded per_token_loss is the clipped surrogate without the dual clip, "
                 f"while clip_ratio_c = {c:g} is recorded: on {int(binds.sum())} kept tokens with A < 0 and ratio > "
-                f"{c:g} (largest ratio there {float(r[binds].max()) if bool(binds.any()) else float('nan'):.4g}) the "
-                f"loss should be capped at -{c:g}·A (dual-clip PPO, tracer.formulas.dual_clip). ",
-                {"cause": "dual_clip_missing", "clip_ratio_c": c, "tokens_beyond_c": int(binds.sum())})
+                f"{c:g} (largest ratio there {largest:.4g}) the loss should be capped at -{c:g}·A (dual-clip PPO, "
+                "tracer.formulas.dual_clip). ")
+        return text, {"cause": "dual_clip_missing", "clip_ratio_c": c, "tokens_beyond_c": int(binds.sum())}
     level = importance_sampling_level(ctx)
     if not _matches(ctx, recorded, sequence_level=level != "sequence"):
         return None
     if level == "sequence":
-        return ("ratio level: the recorded per_token_loss follows the per-token ratio exp(policy − old), while "
+        text = ("ratio level: the recorded per_token_loss follows the per-token ratio exp(policy − old), while "
                 "importance_sampling_level = 'sequence' (GSPO) is recorded: the loop does not clip one ratio per "
-                "sequence, exp(masked mean of policy − old). ", {"cause": "token_ratio_under_sequence_level"})
-    return ("ratio level: the recorded per_token_loss follows GSPO's sequence ratio exp(masked mean of policy − old), "
+                "sequence, exp(masked mean of policy − old). ")
+        return text, {"cause": "token_ratio_under_sequence_level"}
+    text = ("ratio level: the recorded per_token_loss follows GSPO's sequence ratio exp(masked mean of policy − old), "
             "while importance_sampling_level is 'token' (or not recorded): record importance_sampling_level = "
-            "'sequence' if GSPO is meant. ", {"cause": "sequence_ratio_under_token_level"})
+            "'sequence' if GSPO is meant. ")
+    return text, {"cause": "sequence_ratio_under_token_level"}
 
 
 KL_TERM_FLOOR = 1e-4  # a token's KL term (coefficient 1) below this gives no reliable coefficient in float32

@@ -153,7 +153,7 @@ def verl_kl_penalty(policy_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, k
     (straight-through: k2's gradient, the named estimator's value) gives the same value. Raises
     ValueError for another name (verl raises NotImplementedError; ``full`` needs logits).
     Source: verl 0.9.1 ``core_algos.kl_penalty`` / ``kl_penalty_forward``."""
-    base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+    base = kl_penalty.removesuffix("+")
     diff = policy_logprobs - ref_logprobs
     if base in ("kl", "k1"):
         return diff
