@@ -1,6 +1,6 @@
 """verl's registered policy losses on verl 0.9.1's own worker path (CPU, tiny model; tests/integrations/
 test_verl_configs.py's loop): each loss tracer models (vanilla with dual clip, gspo, cispo, gpg) is checked
-per token on every worker step file (``recompute.verl_pg_losses`` runs, nothing skipped, no finding); a loss
+per token on every worker step file (``recompute.per_token_loss`` runs on ``verl_pg_losses``, no finding); a loss
 tracer does not model opens the report with "not checked: verl policy loss '<name>'" and
 ``--strict-coverage`` exits 1 on it; verl's vanilla loss run without its dual clip while ``clip_ratio_c`` is
 the config's is an error naming the dual clip first.
@@ -29,7 +29,7 @@ from tracer.read.reader import Trace  # noqa: E402
 
 from tests.integrations.test_verl_configs import Case, run_case  # noqa: E402
 
-CHECK = "recompute.verl_pg_losses"
+CHECK = "recompute.per_token_loss"
 MODELLED = {
     "vanilla": Case(actor={"clip_ratio_c": 1.05}),  # the dual clip binds at lr 0.5 (below)
     "gspo": Case(loss_mode="gspo", actor={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,

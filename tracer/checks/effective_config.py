@@ -10,11 +10,11 @@ ask the recorded tensors which setting actually ran:
   loss the policy loss aggregated (``verl_pg_losses``; else, for the ``vanilla`` loss, recomputed
   with :func:`~tracer.formulas.verl_losses.verl_vanilla_per_token_loss`), with the global mini-batch
   counts the call used (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``).
-- ``recompute.verl_pg_losses``: the per-token loss verl's policy loss aggregated (``verl_pg_losses``)
-  against the registered loss recomputed from the recorded logprobs, advantages and clip ratios
-  (``vanilla`` with its dual clip ``clip_ratio_c``, ``gspo``, ``cispo``, ``gpg``:
-  :data:`tracer.formulas.verl_losses.VERL_POLICY_LOSSES`); a loss tracer does not model is named in
-  the report's ``not checked:`` lines.
+- ``recompute.per_token_loss`` on a verl worker file (:func:`verl_pg_losses_findings`): the per-token loss
+  verl's policy loss aggregated (``verl_pg_losses``) against the registered loss recomputed from the
+  recorded logprobs, advantages and clip ratios (``vanilla`` with its dual clip ``clip_ratio_c``, ``gspo``,
+  ``cispo``, ``gpg``: :data:`tracer.formulas.verl_losses.VERL_POLICY_LOSSES`); a loss tracer does not model
+  is named in the report's ``not checked:`` lines.
 - ``recompute.advantage_std``: verl GRPO's recorded advantages against the rule with and without the
   std normalisation (``norm_adv_by_std_in_grpo``), recomputed from ``rewards`` per group.
 - ``recompute.declared_settings``: any other recorded setting whose value at the call differs from
@@ -111,20 +111,17 @@ def _first_hyper(ctx: StepContext, *names: str):
     raise Skip(f"needs one of the metadata keys {', '.join(names)}, which this step does not record")
 
 
-@register("recompute.verl_pg_losses", "verl: the per-token loss the policy loss aggregated (verl_pg_losses) is the "
-          "registered loss (vanilla with dual clip, gspo, cispo, gpg) recomputed from the recorded inputs",
-          RL_ALGORITHMS)
-def check_verl_pg_losses(ctx: StepContext):
-    if "verl_pg_losses" not in ctx.data:
-        return []  # not a verl worker file: not applicable
+def verl_pg_losses_findings(ctx: StepContext, check: str = "recompute.per_token_loss"):
+    """``recompute.per_token_loss`` on a verl worker file (:mod:`tracer.checks.per_token_loss` calls it when the
+    file holds ``verl_pg_losses`` and no ``per_token_loss``): the recorded per-token policy loss against the
+    registered loss recomputed; the dual clip named first when the recorded losses lack it."""
     loss_mode = str(ctx.hyper("loss_mode", "vanilla"))
     recorded = ctx.tensor("verl_pg_losses")
     expected = verl_per_token_loss(ctx, loss_mode)
     formula = f"verl's {loss_mode!r} policy loss ({VERL_POLICY_LOSSES[loss_mode]})"
-    findings = compare(ctx, "recompute.verl_pg_losses", "verl_pg_losses", recorded, expected, ctx.mask(), formula)
-    if findings and loss_mode == "vanilla" and not compare(ctx, "recompute.verl_pg_losses", "verl_pg_losses",
-                                                           recorded, verl_per_token_loss(ctx, loss_mode, False),
-                                                           ctx.mask(), ""):
+    findings = compare(ctx, check, "verl_pg_losses", recorded, expected, ctx.mask(), formula)
+    if findings and loss_mode == "vanilla" and not compare(ctx, check, "verl_pg_losses", recorded,
+                                                           verl_per_token_loss(ctx, loss_mode, False), ctx.mask(), ""):
         c = float(ctx.hyper("clip_ratio_c", None) or ctx.hyper("declared_clip_ratio_c", None) or 3.0)
         r = torch.exp(ctx.tensor("policy_logprobs").double() - ctx.tensor("old_logprobs").double())
         adv = ctx.tensor("token_advantages") if ctx.has("token_advantages") else ctx.tensor("advantages")

@@ -289,8 +289,14 @@ FLIPPED_KL = ("The recorded values match the loss with the KL term's sign flippe
 
 
 @register("recompute.per_token_loss", "recorded per_token_loss == the GRPO/CISPO/PPO per-token loss from the "
-          "recorded inputs", RL_ALGORITHMS)
+          "recorded inputs (GSPO's sequence ratio, dual clip; verl: verl_pg_losses == the registered policy loss)",
+          RL_ALGORITHMS)
 def check_per_token_loss(ctx: StepContext):
+    if "per_token_loss" not in ctx.data and "verl_pg_losses" in ctx.data:  # a verl worker file: its policy loss
+        # imported here: effective_config's checks register after this module's (the order checks run in)
+        from tracer.checks.effective_config import verl_pg_losses_findings
+
+        return verl_pg_losses_findings(ctx)
     (recorded,) = ctx.require("per_token_loss")
     findings = compare(ctx, "recompute.per_token_loss", "per_token_loss", recorded, recomputed_per_token_loss(ctx),
                        ctx.mask(), f"the {ctx.algorithm or 'grpo'} per-token loss (tracer.formulas)")
