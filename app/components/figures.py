@@ -184,9 +184,14 @@ def shade_masked(fig: go.Figure, positions: list[int], kept: list[bool], row: in
                                  marker={"symbol": "x", "color": "grey", "size": 5}),
                       row=1 if row == "all" else row, col=1)
         return
-    for first, last in runs:
-        fig.add_vrect(x0=first - 0.5, x1=last + 0.5, fillcolor=MASK_FILL, line_width=0, layer="below",
-                      row=row, col=1)
+    # one rect per run and panel, added in one layout update (add_vrect(row="all") works out each
+    # subplot's axes again for every run: ~40% of this figure's build time on a 256-token sequence)
+    panels = fig.select_xaxes() if row == "all" else [fig.get_subplot(row, 1).xaxis]
+    refs = [("x" + axis.plotly_name[len("xaxis"):], f"{axis.anchor} domain") for axis in panels]
+    fig.update_layout(shapes=[*fig.layout.shapes, *(
+        {"type": "rect", "xref": xref, "yref": yref, "x0": first - 0.5, "x1": last + 0.5, "y0": 0, "y1": 1,
+         "fillcolor": MASK_FILL, "line": {"width": 0}, "layer": "below"}
+        for first, last in runs for xref, yref in refs)])
 
 
 WEBGL_POINTS = 2000  # step curves longer than this are drawn with WebGL (Scattergl): SVG markers are slow
