@@ -149,13 +149,15 @@ def loss_kl_coef(ctx: StepContext) -> float:
 
 def loss_kl_estimator(ctx: StepContext, default: str = "k3") -> str:
     """Metadata ``kl_estimator`` (k1 / k2 / k3, or verl's ``kl`` / ``mse`` / ``low_var_kl``; else
-    verl's ``kl_loss_type`` as its integration records it), ``default`` when neither is recorded;
-    Skip for an estimator tracer.formulas does not have."""
-    name = ctx.hyper("kl_estimator", None) or ctx.hyper("kl_loss_type", None) or default
+    verl's ``kl_loss_type`` as its integration records it), ``default`` when neither is recorded. verl's
+    straight-through names (``k3+``, ``low_var_kl+``, ...) have the value of the estimator they name (only
+    the gradient is k2's: verl 0.9.1 ``core_algos.kl_penalty``), so they are read as it. A
+    :func:`not_modelled` skip for an estimator tracer.formulas does not have (verl's ``abs``, ``full``)."""
+    name = str(ctx.hyper("kl_estimator", None) or ctx.hyper("kl_loss_type", None) or default)
     try:
-        return formulas.kl_estimator_name(name)
+        return formulas.kl_estimator_name(name.removesuffix("+"))
     except ValueError as err:
-        raise Skip(f"metadata kl_estimator / kl_loss_type: {err}") from None
+        raise not_modelled(f"KL estimator {name!r}", f"{err}; the loss's KL term is not recomputed") from None
 
 
 def kl_term_name(ctx: StepContext) -> str:
