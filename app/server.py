@@ -19,6 +19,7 @@ in it is ignored (the page imports the module itself and shows the error as it w
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import sys
 import threading
@@ -49,6 +50,10 @@ def import_first_page_modules() -> None:
                          "kept": [True, True, False], "mask_reason": ["kept", "kept", "after_eos"],
                          "old_logprobs": [-1.0, -0.5, 0.0], "ratio": [1.0, 1.0, 1.0]})
     plotly.io.to_json(token_values_figure(tiny), validate=False)
+    # Streamlit's first element of a process calls inspect.stack() (streamlit.env_util.is_repl, for
+    # its "use streamlit run" warning), whose first call resolves the file of every module loaded:
+    # ~0.2 s once pandas and Plotly are; the call here fills inspect's cache of module files first
+    inspect.stack()
     # what app.components.trace_cache.freeze_startup_objects does on the first script run (collect,
     # then move the objects alive out of the collector's generations), done here first: that run's
     # own collection then walks the few objects made since (~0.1 s less)
