@@ -1,6 +1,6 @@
 """Reading a trace needs neither torch nor pandas (issue 49, item 2): ``import tracer``, the read and
 format stages, opening a trace, its headers, metadata, numpy loads, token tables and ``tracer info``
-(the function and the command, with ``--json`` and ``--verify``), ``--help`` and every bad argument
+(the function and the command, with ``--json`` and ``--verify``), the rollouts from their stored summaries, ``--help`` and every bad argument
 leave ``torch`` out of ``sys.modules`` in a fresh interpreter (seconds of start-up and ~200 MB each).
 The numpy reads hold the values the torch reads hold, a bfloat16 field included (read through torch,
 given as float32)."""
@@ -23,7 +23,7 @@ from tests.fixtures.toy_traces import ToyTokenizer, write_trace
 
 READ_MODULES = ["tracer", "tracer.errors", "tracer.read", "tracer.read.reader", "tracer.read.step_table",
                 "tracer.read.metadata_cache", "tracer.read.overview", "tracer.read.tables",
-                "tracer.read.trace_info"]  # + every module of tracer.format, listed in the probe
+                "tracer.read.trace_info", "tracer.read.rollouts"]  # + every module of tracer.format, listed in the probe
 
 PROBE = """
 import json, pkgutil, sys, importlib
@@ -40,12 +40,14 @@ data = trace.load_step(key, as_numpy=True)
 row = trace.load_sequence(key, 1, as_numpy=True)
 table = trace.token_table(key)
 info = trace_info({path!r}, verify=True)
+rollouts = trace.rollouts()  # from the rollout summaries the writer stored
 print(json.dumps({{"after_import": after_import, "modules": len(modules),
                   "torch": "torch" in sys.modules, "steps": len(trace.steps()),
                   "policy": data["policy_logprobs"].tolist(), "mask": data["completion_mask"].tolist(),
                   "row_ids": row["completion_ids"].tolist(), "types": sorted({{type(v).__name__ for v in data.values()}}),
                   "table_rows": len(table), "table_kept": int(table["kept"].sum()),
-                  "verified": info["integrity"]["verified"], "kept_first": info["overview"]["columns"]["kept_tokens"]["first"]}}))
+                  "verified": info["integrity"]["verified"], "kept_first": info["overview"]["columns"]["kept_tokens"]["first"],
+                  "rollout_rows": len(rollouts), "rollout_sources": sorted(set(rollouts["source"]))}}))
 """
 
 CLI = """
@@ -87,6 +89,7 @@ def test_import_read_and_info_leave_torch_out_and_read_the_values_torch_reads(tr
     assert out["table_kept"] == int(tensors["completion_mask"].sum())
     assert out["verified"] == 4  # every step file's bytes match its checksum
     assert out["kept_first"] == int(tensors["completion_mask"].sum())
+    assert out["rollout_rows"] == 4 * ids.shape[0] and out["rollout_sources"] == ["summary"]
 
 
 @pytest.mark.parametrize("argv, code", [

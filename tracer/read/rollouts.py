@@ -22,7 +22,6 @@ import pandas as pd
 from tracer.errors import TraceError, TraceFormatError
 from tracer.format import rollout_store
 from tracer.format.text import clean_str
-from tracer.formulas import rows as row_formulas
 
 # The frame's columns, in order (reward components, ``reward/<name>``, go after ``reward``).
 LEADING = ("step", "inner_step", "micro_batch", "rank", "seq", "group", "reward")
@@ -145,7 +144,10 @@ def _summary_part(entry: dict[str, Any], coordinates: np.ndarray) -> dict[str, A
 
 
 def _tensor_part(trace: Any, key: Any) -> dict[str, Any]:
-    """The rows of one step file computed from its tensors."""
+    """The rows of one step file computed from its tensors (:mod:`tracer.formulas.rows`, imported
+    here with torch: a run whose rollout summaries are on disk is listed without it)."""
+    from tracer.formulas import rows as row_formulas
+
     meta = trace.metadata(key)
     data = trace.load_step(key, row_formulas.ROW_FIELDS)
     stats = row_formulas.row_statistics(data, meta)
