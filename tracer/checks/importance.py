@@ -24,7 +24,6 @@ this module does not model, is reported as ``not checked`` (:func:`tracer.checks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,62 +41,18 @@ LOSS_RTOL, LOSS_ATOL = 1e-4, 1e-5
 GRPO_STYLE = (None, "grpo", "bnpo", "dr_grpo", "dapo")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The correction a step declares: ``mode`` (:data:`tracer.formulas.importance.IS_MODES`), caps,
-    the sequence aggregation, and verl's form when declared that way (``verl`` = ``(rollout_is,
-    rollout_is_threshold, batch_normalize)``)."""
-
-    mode: str
-    clip_min: float | None
-    clip_max: float | None
-    aggregation: str
-    verl: tuple[str, Any, bool] | None = None
-
-    def text(self) -> str:
-        agg = f", sequence ratio by {self.aggregation}" if self.mode.startswith("sequence") else ""
-        if self.verl is not None:
-            return f"rollout_is = {self.verl[0]}, rollout_is_threshold = {self.verl[1]!r} (is_mode {self.mode}{agg})"
-        return f"is_mode = {self.mode}, caps [{self.clip_min}, {self.clip_max}]{agg}"
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
+Settings = importance.Correction
 
 
 def settings(ctx: StepContext) -> Settings | None:
-    """The declared correction, or None when the step declares none. Raises the ``not modelled`` Skip
-    for a declared correction whose mode is absent or unknown."""
-    rollout_is = ctx.hyper("rollout_is", None)
-    if rollout_is is not None:
-        threshold = ctx.hyper("rollout_is_threshold", 2.0)
-        try:
-            mode, low, high = importance.verl_is_settings(str(rollout_is), threshold)
-        except (TypeError, ValueError) as err:
-            raise not_modelled(f"verl rollout_is = {rollout_is!r}", f"{err}") from None
-        return Settings(mode, low, high, "sum", (str(rollout_is), threshold,
-                                                  bool(ctx.hyper("rollout_is_batch_normalize", False))))
-    declared = ctx.hyper("is_correction", None)
-    if declared is None:
-        declared = ctx.hyper("vllm_importance_sampling_correction", None)
-    recorded = any(ctx.has(f) for f in WEIGHT_FIELDS)
-    if not declared and not recorded:
-        return None
-    if declared is False and not recorded:
-        return None
-    mode = ctx.hyper("is_mode", None) or ctx.hyper("vllm_importance_sampling_mode", None)
-    if mode is None:
-        raise not_modelled("importance-sampling correction of unrecorded mode",
-                           "record metadata is_mode (token_truncate | token_mask | sequence_truncate | sequence_mask) "
-                           "with is_clip_min / is_clip_max, or verl's rollout_is and rollout_is_threshold")
-    if mode not in importance.IS_MODES:
-        raise not_modelled(f"is_mode {mode!r}", f"the modelled modes are {', '.join(importance.IS_MODES)}")
-    low = ctx.hyper("is_clip_min", ctx.hyper("vllm_importance_sampling_clip_min", None))
-    high = ctx.hyper("is_clip_max", ctx.hyper("vllm_importance_sampling_clip_max", None))
-    aggregation = str(ctx.hyper("is_sequence_aggregation", "sum"))
-    if aggregation not in importance.SEQUENCE_AGGREGATIONS:
-        raise not_modelled(f"is_sequence_aggregation {aggregation!r}", "the modelled aggregations are sum and mean")
-    return Settings(mode, _float(low), _float(high), aggregation)
+    """The declared correction (:func:`tracer.formulas.importance.declared_correction` on the step's
+    metadata and the run's hyperparameters), or None; the ``not modelled`` Skip for a correction
+    declared without a mode or with one this module does not model."""
+    try:
+        return importance.declared_correction(lambda key: ctx.hyper(key, None),
+                                              any(ctx.has(f) for f in WEIGHT_FIELDS))
+    except (TypeError, ValueError) as err:
+        raise not_modelled("importance-sampling correction", str(err)) from None
 
 
 def _rule(old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, s: Settings, **override: Any) -> torch.Tensor:

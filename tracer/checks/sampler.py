@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from tracer import formulas
+from tracer.checks import importance, staleness  # noqa: F401  (register sampler.is_weights, sampler.policy_lag)
 from tracer.checks import sampler_patterns as patterns
 from tracer.checks.context import StepContext, check_memo, worst_positions
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
-from tracer.checks import importance, staleness  # noqa: F401  (register sampler.is_weights, sampler.policy_lag)
 from tracer.errors import TraceError
 
 QUANTILES = (0.01, 0.05, 0.5, 0.95, 0.99)

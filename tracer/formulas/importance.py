@@ -20,6 +20,9 @@ TIS: Yao et al., "Your efficient RL framework secretly brings you off-policy RL 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,7 +135,7 @@ def verl_is_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tens
     ``batch_normalize`` divided by its mean over kept tokens (token) or sequences (sequence) when that
     mean exceeds 1e-8 (single process). Source: verl 0.9.1 ``rollout_corr_helper.py``
     ``compute_rollout_correction_and_rejection_mask`` / ``compute_rollout_correction_weights``."""
-    mode, lower, upper = verl_is_settings(rollout_is, rollout_is_threshold)
+    _, lower, upper = verl_is_settings(rollout_is, rollout_is_threshold)
     mask_f = mask.to(trainer_logprobs.dtype)
     log_ratio = trainer_logprobs - sampler_logprobs
     if rollout_is == "token":
@@ -196,6 +199,74 @@ def verl_rejection_mask(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.
         passed = (stat <= high) if low is None else (stat >= low) & (stat <= high)
         combined &= passed if option.startswith("token") else passed.unsqueeze(-1).expand_as(keep_bool)
     return (mask * combined.to(mask.dtype)).to(mask.dtype)
+
+
+# -- the correction a run declares -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Correction:
+    """An importance-sampling correction as a run declares it: ``mode`` (:data:`IS_MODES`), the caps,
+    the sequence aggregation, and verl's own form when declared that way (``verl`` =
+    ``(rollout_is, rollout_is_threshold, batch_normalize)``, whose weights :func:`verl_is_weights` gives)."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+    aggregation: str = "sum"
+    verl: tuple[str, Any, bool] | None = None
+
+    @property
+    def sequence(self) -> bool:
+        return self.mode.startswith("sequence")
+
+    def text(self) -> str:
+        """The settings in the run's own words, for messages."""
+        agg = f", sequence ratio by {self.aggregation}" if self.sequence else ""
+        if self.verl is not None:
+            return f"rollout_is = {self.verl[0]}, rollout_is_threshold = {self.verl[1]!r} (is_mode {self.mode}{agg})"
+        return f"is_mode = {self.mode}, caps [{self.clip_min}, {self.clip_max}]{agg}"
+
+    def weights(self, trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """The declared weights: ``[B, T]`` (token modes; verl's form, a sequence weight broadcast) or ``[B]``."""
+        if self.verl is not None:
+            return verl_is_weights(trainer_logprobs, sampler_logprobs, mask, *self.verl)
+        return correction_weights(trainer_logprobs, sampler_logprobs, mask, self.mode, self.clip_min, self.clip_max,
+                                  self.aggregation)
+
+
+def declared_correction(lookup: Callable[[str], Any], recorded_weights: bool = False) -> Correction | None:
+    """The correction a step declares, from ``lookup(key)`` (step metadata, then the run's
+    hyperparameters; None when absent): verl's ``rollout_is`` / ``rollout_is_threshold`` /
+    ``rollout_is_batch_normalize``, else ``is_mode`` / ``is_clip_min`` / ``is_clip_max`` /
+    ``is_sequence_aggregation`` (TRL's ``vllm_importance_sampling_*`` names too) when ``is_correction``
+    (or TRL's ``vllm_importance_sampling_correction``) is true or weights are recorded. None when the
+    step declares none. Raises ValueError naming what is missing or unknown (a correction declared
+    without a mode, an unknown mode, aggregation or threshold)."""
+    rollout_is = lookup("rollout_is")
+    if rollout_is is not None:
+        threshold = lookup("rollout_is_threshold")
+        threshold = 2.0 if threshold is None else threshold
+        mode, low, high = verl_is_settings(str(rollout_is), threshold)
+        return Correction(mode, low, high, "sum", (str(rollout_is), threshold, bool(lookup("rollout_is_batch_normalize"))))
+    declared = lookup("is_correction")
+    declared = lookup("vllm_importance_sampling_correction") if declared is None else declared
+    if not declared and not recorded_weights:
+        return None
+    mode = lookup("is_mode") or lookup("vllm_importance_sampling_mode")
+    if mode is None:
+        raise ValueError("an importance-sampling correction of unrecorded mode: record metadata is_mode (token_truncate "
+                         "| token_mask | sequence_truncate | sequence_mask) with is_clip_min / is_clip_max, or verl's "
+                         "rollout_is and rollout_is_threshold")
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode {mode!r} is not modelled: the modelled modes are {', '.join(IS_MODES)}")
+    low = lookup("is_clip_min")
+    low = lookup("vllm_importance_sampling_clip_min") if low is None else low
+    high = lookup("is_clip_max")
+    high = lookup("vllm_importance_sampling_clip_max") if high is None else high
+    aggregation = str(lookup("is_sequence_aggregation") or "sum")
+    if aggregation not in SEQUENCE_AGGREGATIONS:
+        raise ValueError(f"is_sequence_aggregation {aggregation!r} is not modelled: the modelled ones are sum and mean")
+    return Correction(str(mode), None if low is None else float(low), None if high is None else float(high), aggregation)
 
 
 # -- policy lag ------------------------------------------------------------------------------------
