@@ -127,7 +127,7 @@ def check_policy_lag(ctx: StepContext):
     if bool(beyond.any()):
         b = int(beyond.nonzero()[0])
         message = (f"policy_lag beyond max_policy_lag = {int(max_lag)}: {count(int(beyond.sum()), 'row')} of {B} "
-                   f"({float(beyond.double().mean()):.0%}) were sampled up to {int(lag.max())} updates ago "
+                   f"({float(beyond.double().mean()):.0%}) were sampled up to {count(int(lag.max()), 'update')} ago "
                    f"(policy_version {int(ctx.data['policy_version'].reshape(-1)[b])} at seq {b}, trainer_version "
                    f"{trainer_version}; {histogram}): the loop trains on rollouts staler than it declares acceptable, "
                    "so its buffer neither drops nor bounds them.")
@@ -135,7 +135,7 @@ def check_policy_lag(ctx: StepContext):
             message += f" The lagged rows are {handling}."
         return [ctx.finding("sampler.policy_lag", ERROR, message, b, field="policy_version", **details)]
     bound = f" (max_policy_lag {int(max_lag)}: none beyond)" if max_lag is not None else ""
-    message = (f"policy lag per row: mean {details['mean_lag']:.2f}, max {details['max_lag']} updates{bound}; "
+    message = (f"policy lag per row: mean {details['mean_lag']:.2f}, max {count(details['max_lag'], 'update')}{bound}; "
                f"{histogram} (trainer_version {trainer_version}).")
     if handling:
         message += f" Lagged rows: {handling}."
