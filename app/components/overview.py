@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
-from tracer.read.trace_info import STATUS_TEXT
 from tracer.format.schema import FIELDS, METADATA_KEYS
+from tracer.read.trace_info import STATUS_TEXT
+
+if TYPE_CHECKING:  # pandas is imported by the functions that build frames: the sidebar imports
+    import pandas as pd  # status_text from here before its first element (see app.server)
 
 
 def _text(value: Any) -> str:
@@ -24,6 +26,8 @@ def status_text(status: Any) -> str:
 def key_value_frame(mapping: Mapping[str, Any] | None, describe: bool = False) -> pd.DataFrame:
     """``key | value`` rows (values as text); with ``describe``, a ``meaning`` column from the
     schema's metadata keys (empty for keys the schema does not know: they are kept and shown)."""
+    import pandas as pd
+
     mapping = mapping or {}
     frame = pd.DataFrame({"key": list(mapping), "value": [_text(v) for v in mapping.values()]})
     if describe:
@@ -65,4 +69,6 @@ def fields_table(fields: Mapping[str, tuple[list[int], str]], algorithm: str | N
             "unit": spec.unit if spec else "",
             "description": spec.description if spec else "(not in the schema)",
         })
+    import pandas as pd
+
     return pd.DataFrame(rows, columns=["field", "shape", "dtype", "dims", "unit", "description"])

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from tracer.read import overview
 from tracer.errors import TraceError
 from tracer.format.integrity import check_step_header, open_step_file
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
@@ -286,6 +285,8 @@ class SafeTrace(Trace):
         sizes = np.fromiter((st.st_size for st in stats), dtype=np.int64, count=n)
         index = self.summary_index()  # before the columns: it refreshes them
         columns = self.summary_columns()
+        from tracer.read import overview  # (pandas with it: imported after the sidebar's first element)
+
         vouched = overview.vouched_files(columns, index, folder, table.names, sizes, self._steps_folder,
                                          None if columns is None else overview.table_rows(columns, table))
         self._sizes_seen = (time.monotonic(), folder, dict(zip(table.names, sizes.tolist())))
