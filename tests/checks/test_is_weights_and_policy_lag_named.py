@@ -96,3 +96,17 @@ def test_lagged_rows_trained_as_on_policy_are_a_warning(tmp_path):
 def test_policy_version_without_trainer_version_is_skipped_with_the_fix(tmp_path):
     (f,) = _lag(tmp_path, [4, 3], {})
     assert f.severity == SKIPPED and "trainer_version" in f.message
+
+
+@pytest.mark.parametrize("old_is_behaviour, fires", [(True, False), (False, True)])
+def test_first_step_leaves_out_lagged_rows_only_when_old_is_the_behaviour_policy(tmp_path, old_is_behaviour, fires):
+    """Rows lagged by 2 updates, policy 0.3 nats above old on every token. When old equals the sampler
+    (the behaviour policy's logprobs) the ratio is the lag; when old was recomputed (0.5 nats from the
+    sampler) it must equal the policy, so identity.first_step reports the gap."""
+    old = torch.full((2, 4), -1.5)
+    sampler = old if old_is_behaviour else old - 0.5
+    step = {"completion_ids": torch.full((2, 4), 5), "completion_mask": MASK, "policy_logprobs": old + 0.3,
+            "old_logprobs": old, "sampler_logprobs": sampler, "policy_version": torch.tensor([3, 3])}
+    root = write_trace(tmp_path / "r", "grpo", [(0, 0, step, {"trainer_version": 5})])
+    errors = [f for f in run_checks(root, select=["identity.first_step"]) if f.severity == ERROR]
+    assert bool(errors) == fires

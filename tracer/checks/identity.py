@@ -251,7 +251,7 @@ def check_first_step(ctx: StepContext):
     keep = keep & ~explained  # tool output, placeholders or shifted turns: the turns checks name them
     # rows sampled by a policy some updates old (asynchronous loops): old may be the behaviour policy's, so their
     # first-pass ratio is the lag, not a mismatch; sampler.policy_lag reports them
-    keep, n_lagged = staleness.lagged_mask(ctx, keep)
+    keep, n_lagged = staleness.lagged_mask(ctx, keep, behaviour_old_only=True)
     n_kept = int(keep.sum())
     if n_kept == 0:
         return []

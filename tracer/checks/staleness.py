@@ -48,12 +48,22 @@ def lagged_rows(ctx: StepContext) -> torch.Tensor | None:
     return None if lag is None else lag > 0
 
 
-def lagged_mask(ctx: StepContext, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+def lagged_mask(ctx: StepContext, keep: torch.Tensor, behaviour_old_only: bool = False) -> tuple[torch.Tensor, int]:
     """``keep`` ``[B, T]`` without the rows of positive lag, and how many kept tokens that left out (0 when
-    the step records no lag or its shapes disagree)."""
+    the step records no lag or its shapes disagree). ``behaviour_old_only``: leave out only lagged rows
+    whose ``old_logprobs`` may be the behaviour policy's (within :data:`IDENTITY_NOISE` of
+    ``sampler_logprobs`` on average, or no sampler logprobs to tell): a lagged row whose old logprobs
+    were recomputed with the trainer's weights must still equal the policy on the first pass."""
     lagged = lagged_rows(ctx)
     if lagged is None or lagged.shape[0] != keep.shape[0] or not bool(lagged.any()):
         return keep, 0
+    if behaviour_old_only and ctx.has("old_logprobs", "sampler_logprobs"):
+        old, sampler = ctx.tensor("old_logprobs").double(), ctx.tensor("sampler_logprobs").double()
+        if old.shape == keep.shape == sampler.shape:
+            finite = keep & torch.isfinite(old) & torch.isfinite(sampler)
+            gap = torch.where(finite, (old - sampler).abs(), torch.zeros_like(old)).sum(dim=1)  # (B,)
+            behaviour = gap <= IDENTITY_NOISE * finite.sum(dim=1).clamp(min=1)
+            lagged = lagged & behaviour
     out = keep & ~lagged.unsqueeze(1)
     return out, int(keep.sum()) - int(out.sum())
 
