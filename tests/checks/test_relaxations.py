@@ -391,9 +391,16 @@ def test_metadata_wins_over_trainer_args(tmp_path):
     assert loss_findings(tmp_path, WITHOUT_DELTA, {**LOSS_HYPER, "delta": 2.0}, {"trainer_args": {"delta": 1.5}}) == []
 
 
-def test_sequence_level_ratio_from_trainer_args_skips_the_token_rule(tmp_path):
-    (f,) = loss_findings(tmp_path, WITH_DELTA, LOSS_HYPER, {"trainer_args": {"importance_sampling_level": "sequence"}})
-    assert f.severity == SKIPPED and "importance_sampling_level" in f.message
+# GSPO read from trainer_args: one sequence ratio s = exp(mean(policy - old)) = exp(0.6 / 4) = 1.16183, inside the
+# clip range [0.8, 1.2]; with A = -1 every token's loss is -min(-s, -s) = s, so the sequence mean is s itself.
+SEQUENCE_LEVEL = math.exp(0.6 / 4)
+
+
+def test_sequence_level_ratio_from_trainer_args_is_the_rule_the_loss_is_checked_with(tmp_path):
+    gspo = {"trainer_args": {"importance_sampling_level": "sequence"}}
+    assert loss_findings(tmp_path / "healthy", SEQUENCE_LEVEL, LOSS_HYPER, gspo) == []
+    (f,) = loss_findings(tmp_path / "token", WITH_DELTA, LOSS_HYPER, gspo)  # a loss of neither level: not skipped
+    assert f.severity == ERROR and f"gives {SEQUENCE_LEVEL:.6g}" in f.message
 
 
 @pytest.mark.parametrize("masked, severity", [(True, INFO), (False, ERROR)])
