@@ -35,12 +35,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 LOSS_CHECKS = ("recompute.ratio", "recompute.clip_fractions", "recompute.loss")
 
 
-def train(tmp_path, model_dir, name: str, token_ratio_in_loss: bool = False):
+def train(tmp_path, model_dir, name: str, token_ratio_in_loss: bool = False, loss_type: str = "grpo"):
     """Two GSPO steps (2 inner steps each); ``token_ratio_in_loss``: TRL's own _compute_loss run with
     importance_sampling_level switched to 'token' for the loss only (the config still says 'sequence')."""
     with torch_threads(1):
         trainer = grpo_trl.make_trainer(model_dir, tmp_path / f"{name}-scratch", steps=2, seed=0, progress=False,
-                                        importance_sampling_level="sequence", epsilon=0.05)
+                                        importance_sampling_level="sequence", epsilon=0.05, loss_type=loss_type)
         if token_ratio_in_loss:
             compute = trainer._compute_loss
 
@@ -111,3 +111,14 @@ def test_gspo_config_with_a_token_ratio_loss_fails_naming_the_ratio_level_first(
     block = next(i for i, line in enumerate(lines) if line.startswith("ERROR"))  # the first error block
     assert lines[block].startswith("ERROR   recompute.loss")
     assert lines[block + 2].strip().startswith("ratio level: recorded loss")  # under the step's location line
+
+
+@pytest.mark.parametrize("loss_type", ["luspo", "dapo"])
+def test_gspo_with_trls_other_reductions_is_checked_and_passes(tmp_path, model_dir, loss_type):
+    """luspo (masked sum / B, TRL's recommended GSPO setup) and dapo (sum / the generation batch's tokens)."""
+    trace = Trace(train(tmp_path, model_dir, loss_type, loss_type=loss_type))
+    for key in trace.steps():
+        result = check_step(StepContext(trace, key, CheckOptions()), list(CHECKS.values()))
+        assert set(LOSS_CHECKS) <= set(result.ran), result.skipped
+    findings = run_checks(trace.root)
+    assert [f.message for f in findings if f.severity in (ERROR, WARNING)] == []
