@@ -144,6 +144,24 @@ def test_trls_loss_with_the_importance_sampling_correction_is_recomputed(run, re
         assert "loss" in data and "per_token_loss" in data
 
 
+@pytest.mark.parametrize("run, unit", [("token_run", "tokens"), ("sequence_run", "sequences")])
+def test_is_weights_check_runs_on_trls_weights_and_finds_them_on_the_clipped_term(run, unit, request):
+    """sampler.is_weights on TRL's own weights (vLLM CPU engine): they match TRL's rule under the recorded
+    mode and cap, the cut count equals the kept tokens (or sequences) whose raw ratio exceeds clip_max 3,
+    and TRL's per_token_loss shows them applied to the clipped policy-gradient term."""
+    trace_dir = request.getfixturevalue(run) / "trace"
+    trace = Trace(trace_dir)
+    findings = {f.step: f for f in run_checks(trace_dir, select=["sampler.is_weights"])}
+    for key, data in _steps(trace):
+        f = findings[key.step]
+        assert f.severity == INFO and f.details["unit"] == unit, f.message
+        keep = data["completion_mask"].bool()
+        delta = torch.where(keep, data["old_logprobs"].double() - data["sampler_logprobs"].double(), 0.0)
+        raw = torch.exp(delta.sum(-1))[keep.any(-1)] if unit == "sequences" else torch.exp(delta)[keep]
+        assert f.details["cut"] == int((raw > 3.0).sum())
+        assert f.details["applied"] == "applied to the policy-gradient term after the clip (per_token_loss matches)"
+
+
 def test_sequence_mode_weights_are_the_exp_of_the_summed_log_ratio(sequence_run):
     trace = Trace(sequence_run / "trace")
     for key, data in _steps(trace):
