@@ -32,6 +32,7 @@ from tracer.checks.context import StepContext
 from tracer.checks.coverage import not_modelled
 from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
 from tracer.checks.kl_placement import kl_in_reward
+from tracer.formulas import importance
 
 GRPO_STYLE_TRL_LOSSES = {"grpo", "bnpo", "dr_grpo", "dapo", "luspo"}  # TRL loss_types with the GRPO per-token rule
 #: TRL 1.16 loss_types whose per-token loss tracer does not recompute, and why (grpo_trainer.py _compute_loss)
@@ -91,9 +92,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     weighted = bool(ctx.hyper("use_bias_correction_kl", False))  # TRL: k3 times the ratio
     sampler_weights = None
     if ctx.hyper("vllm_importance_sampling_correction", False):  # TRL: the pg term times the capped IS weights
-        if not (ctx.has("is_weights") or ctx.has("sequence_is_weights")):
-            raise Skip("vllm_importance_sampling_correction is on but no is_weights / sequence_is_weights are recorded")
-        sampler_weights = ctx.tensor("is_weights" if ctx.has("is_weights") else "sequence_is_weights")
+        sampler_weights = applied_is_weights(ctx, old)
     if cispo:
         return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref,
                                              weighted, sampler_weights, estimator)
@@ -112,6 +111,26 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
                                         sampler_weights, None if delta is None else float(delta), estimator, c,
                                         ctx.mask() if level == "sequence" else None)
+
+
+def applied_is_weights(ctx: StepContext, old: torch.Tensor) -> torch.Tensor:
+    """The importance-sampling weights the loss multiplies its policy-gradient term by (TRL's
+    ``vllm_importance_sampling_correction``): the recorded ``is_weights`` ``[B, T]`` / ``sequence_is_weights``
+    ``[B]``; else derived from ``old`` and the recorded ``sampler_logprobs`` under the declared mode and caps
+    (:func:`tracer.formulas.importance.declared_correction`). A :func:`not_modelled` skip when neither can be had."""
+    if ctx.has("is_weights") or ctx.has("sequence_is_weights"):
+        return ctx.tensor("is_weights" if ctx.has("is_weights") else "sequence_is_weights")
+    what = "vLLM importance-sampling correction (vllm_importance_sampling_correction)"
+    try:
+        correction = importance.declared_correction(lambda key: ctx.hyper(key, None))
+    except ValueError as err:
+        raise not_modelled(what, f"{err}; the IS weights the loss applies are not recorded either, so the loss is "
+                           "not recomputed") from None
+    if correction is None or not ctx.has("sampler_logprobs"):
+        raise not_modelled(what, "the IS weights the loss applies are not recorded, nor sampler_logprobs to derive "
+                           "them from; record is_weights [B, T] (or sequence_is_weights [B]), or sampler_logprobs "
+                           "with the mode and caps")
+    return correction.weights(old, ctx.tensor("sampler_logprobs"), ctx.mask().to(old.dtype))
 
 
 def importance_sampling_level(ctx: StepContext) -> str:
