@@ -3,10 +3,11 @@
 cold start to the first token view (a real browser) against a bare Streamlit page's cold start,
 then the viewer's warm step change and its server's RSS.
 
-    python -m bench.cold_path [--steps 200] [--B 64] [--T 256] [--rounds 3] [--changes 5] [--json FILE]
+    python -m bench.cold_path [--steps 200] [--B 64] [--T 256] [--rounds 3] [--changes 5]
+                              [--before 370a30e | --before none] [--skip-cli] [--json FILE]
 
 The trace: :mod:`bench.viewer_traces` (GRPO, every canonical field, 200 steps x 64 rows x 256
-tokens by default, written once and cached under /tmp). About 1 minute on 2 cores.
+tokens by default, written once and cached under /tmp). About 2 minutes on 2 cores.
 
 - Command line: ``bench.cli_cold.measure_cli`` (a bare ``python -c pass``, ``tracer --help``,
   ``tracer diff --help``, a bad argument, ``tracer info`` on the trace), or where that module is
@@ -24,6 +25,8 @@ tokens by default, written once and cached under /tmp). About 1 minute on 2 core
   ``step 0 · inner 0 · mb 0 · rank 0 · sequence 0``; for the bare page, its one line. Split into
   ``server up`` (launch to the first answer of ``/_stcore/health``) and ``first view`` (browser
   navigation to visible). ``server CPU``: user + system seconds of the server process up to then.
+- ``--before REF``: the app of commit REF as well (``app/`` and ``tracer/`` through ``git archive``,
+  the repository untouched), the same measurements side by side.
 - Warm step change (the app's server after its cold start, same session): from the Enter in the
   sidebar's Step file box to the next step's token view shown and idle, median of ``--changes``
   distinct steps. Server RSS (``VmRSS``) after the first view and after the step changes.
@@ -49,6 +52,7 @@ from bench.viewer_browser import (
     REPO,
     Server,
     choose,
+    extract_app,
     step_label,
     wait_shown,
 )
@@ -112,15 +116,21 @@ def cold_view(browser, server: Server, path: str, text: str) -> tuple[dict[str, 
 ENTRIES = {"tracer streamlit_app.py": "app/streamlit_app.py", "tracer server.py": "app/server.py"}
 
 
-def measure_viewer(trace: Path, rounds: int, changes: int, steps: int, logs: Path) -> dict[str, dict[str, float]]:
+def measure_viewer(trace: Path, rounds: int, changes: int, steps: int, logs: Path,
+                   before: Path | None = None) -> dict[str, dict[str, float]]:
     """Cold starts of the bare page and of each of the app's :data:`ENTRIES` (``rounds`` fresh
     servers each, the order rotating), warm step changes and RSS on each app server of the last
-    round. Medians."""
+    round. Medians. ``before``: also the app of an earlier commit (``app/`` and ``tracer/``
+    extracted there, :func:`bench.viewer_browser.extract_app`), as ``streamlit run
+    app/streamlit_app.py``."""
     from playwright.sync_api import sync_playwright
 
     bare_script = logs / "bare_app.py"
     bare_script.write_text(BARE_APP)
-    sides = ["bare", *ENTRIES]
+    apps = {side: (REPO, REPO / entry) for side, entry in ENTRIES.items()}
+    if before is not None:
+        apps["before: streamlit_app.py"] = (before, before / "app" / "streamlit_app.py")
+    sides = ["bare", *apps]
     samples: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -132,7 +142,8 @@ def measure_viewer(trace: Path, rounds: int, changes: int, steps: int, logs: Pat
                             out, context, _ = cold_view(browser, server, "", BARE_TEXT)
                             context.close()
                     else:
-                        with Server(REPO, trace, logs / f"{side.split()[-1]}.jsonl", script=REPO / ENTRIES[side]) as server:
+                        repo, script = apps[side]
+                        with Server(repo, trace, logs / f"app{list(apps).index(side)}.jsonl", script=script) as server:
                             out, context, page = cold_view(browser, server, "tokens?run=.&step=0&seq=0",
                                                            f"{step_label(0)} · sequence 0")
                             if r == rounds - 1:
@@ -192,6 +203,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes / servers per side (medians)")
     parser.add_argument("--changes", type=int, default=5, help="warm step changes on the app (median)")
     parser.add_argument("--skip-cli", action="store_true")
+    parser.add_argument("--before", default="370a30e", help="git ref of the app to compare with (issue 49's "
+                        "starting point), or 'none'")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     trace = viewer_traces.ensure(args.steps, args.B, args.T, log=print)
@@ -204,7 +217,8 @@ def main() -> None:
         else:
             cli = measure_cli(trace, args.rounds)
     logs = Path(tempfile.mkdtemp(prefix="cold_path_"))
-    viewer = measure_viewer(trace, args.rounds, args.changes, args.steps, logs)
+    before = None if args.before == "none" else extract_app(args.before)
+    viewer = measure_viewer(trace, args.rounds, args.changes, args.steps, logs, before)
     lines = report(cli or {"(skipped)": (0.0, 0.0)}, viewer, args)
     print("\n".join(lines))
     if args.json:
