@@ -1,6 +1,7 @@
 """The Mismatch page in a real browser (headless Chromium through Playwright, as in tests/fixtures/browser.py):
 ``python -m tracer view`` on real vLLM-sampled runs, the healthy sample and the two broken runs of
-tests/data/vllm_bugs/. Each run's page shows the ``sampler.mismatch`` verdict and its cause, and
+tests/data/vllm_bugs/. Each run's page shows the ``sampler.mismatch`` verdict and its cause, the
+``sampler.is_weights`` verdict on TRL's recorded weights with the raw-ratio-against-weight chart, and
 draws its charts. Screenshots go to $TRACER_TEST_OUTPUT (tests/output/ under .ci/run) or tmp_path.
 
 Skipped without Chromium or playwright, except under CI, where it fails (as in tests/fixtures/browser.py)."""
@@ -50,6 +51,10 @@ def test_mismatch_page_shows_each_run_in_chromium(sync_playwright, server, tmp_p
                 expect(main).to_contain_text(verdict)
                 expect(main).to_contain_text(cause)
                 expect(main).to_contain_text("sampler_engine = vllm")
+                # the importance-sampling correction TRL applied: its verdict, raw ratio against the weight applied
+                expect(main).to_contain_text("sampler.is_weights: info")
+                expect(main).to_contain_text("Weights as the trainer recorded them")
+                expect(main).to_contain_text("importance weight applied against the raw ratio")
                 expect(main.locator(".js-plotly-plot").first).to_be_visible()
                 expect(page.locator("[data-stale=true]")).to_have_count(0)
                 # 2 histograms, 2 scatters, weights, steps: drawn one after another, so waited for
