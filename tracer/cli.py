@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--guard", choices=("off", "warn", "stop"), default=None,
                      help="the live guard: run the step checks of `tracer check` on each step as it is written; "
                           "warn prints each check's first finding, stop also stops the script at its next traced "
-                          "backward after the first error (exit 4); default: $TRACER_GUARD, else off")
+                          "backward after the first error (exit 4); default: $TRACER_GUARD, else warn")
     run.add_argument("script", help="the training script, run as `python SCRIPT ARGS...`")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser

@@ -16,17 +16,15 @@ def test_an_unknown_guard_is_refused_before_the_trace_exists(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_no_guard_runs_unless_asked(tmp_path, monkeypatch):
-    # off by default until the guard meets its cost budget (observer.DEFAULT_GUARD; BENCHMARKS.md)
+def test_warn_is_the_default_guard(tmp_path, monkeypatch):
     monkeypatch.delenv("TRACER_GUARD", raising=False)
     with tracer.Tracer(tmp_path / "plain", "grpo") as writer:
         assert writer.guard_stop is None
-    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["guard"] == {"mode": "off"}
-    assert not list((tmp_path / "plain").glob("findings.rank_*.jsonl"))
-    monkeypatch.setenv("TRACER_GUARD", "warn")
-    with tracer.Tracer(tmp_path / "asked", "grpo"):
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["guard"] == {"mode": "warn"}
+    with tracer.Tracer(tmp_path / "off", "grpo", guard="off"):
         pass
-    assert json.loads((tmp_path / "asked" / "manifest.json").read_text())["guard"]["mode"] == "warn"
+    assert json.loads((tmp_path / "off" / "manifest.json").read_text())["guard"] == {"mode": "off"}
+    assert not list((tmp_path / "off").glob("findings.rank_*.jsonl"))
 
 
 def test_the_environment_gives_the_default_guard(tmp_path, monkeypatch):

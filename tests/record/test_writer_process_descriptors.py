@@ -43,7 +43,9 @@ def test_a_start_that_fails_at_the_wake_pipe_leaves_no_descriptor_open(tmp_path,
         calls.clear()
         monkeypatch.setattr(writer_lifecycle.os, "pipe", pipe)
         with pytest.warns(RuntimeWarning, match="could not start the writer process"):
-            writer = TraceWriter(tmp_path / f"r{attempt}", "grpo", writer="process")
+            # guard off: the live guard's checker process makes its own two pipes when the writer falls back
+            # to a thread (tests/guard/test_checker_process_leaves_no_descriptor_or_child.py)
+            writer = TraceWriter(tmp_path / f"r{attempt}", "grpo", writer="process", guard="off")
         monkeypatch.setattr(writer_lifecycle.os, "pipe", real_pipe)
         writer.record(0, grpo_step(0))
         writer.close()

@@ -91,9 +91,10 @@ def test_when_nothing_fits_the_old_manifest_is_kept_intact(runs):
     assert_intact(out / "nothing_fits", range(FULL_AT))
     info = trace_info(out / "nothing_fits")
     assert info["status_text"].startswith("unfinished") and info["unreadable"] == {}
-    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["manifest.counts", "manifest.json",
-                                                                         "rollouts.rank_0.jsonl", "steps",
-                                                                         "summary_index.rank_0.jsonl"]
+    # findings.rank_0.jsonl: the live guard's (on by default), whose checker writes apart from the writer
+    assert sorted(p.name for p in (out / "nothing_fits").iterdir()) == ["findings.rank_0.jsonl", "manifest.counts",
+                                                                         "manifest.json", "rollouts.rank_0.jsonl",
+                                                                         "steps", "summary_index.rank_0.jsonl"]
     # RLIMIT_FSIZE 0 refuses even the in-place write of the counts reserved at the start: info says
     # the count stops at the manifest's last update, never that nothing was dropped
     assert info["drops_note"].startswith("counted until the manifest's last update: the writer did not close")

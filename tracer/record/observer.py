@@ -29,9 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 from tracer.errors import TraceError
 
 GUARD_ENV = "TRACER_GUARD"  # the guard of a writer given none (``off | warn | stop``)
-# The guard of a writer given none and no TRACER_GUARD: "off" until the guard meets its cost budget
-# (<= 1% of a realistic CPU step; bench/guard_cost.py measured 6% for "warn" on 2026-12-07, BENCHMARKS.md).
-DEFAULT_GUARD = "off"
+# The guard of a writer given none and no TRACER_GUARD: "warn" (its checks run in a forked checker process or
+# the writer process, off the training process's interpreter lock: bench/guard_cost.py, BENCHMARKS.md).
+DEFAULT_GUARD = "warn"
 GUARD_MODES = ("off", "warn", "stop")
 
 
@@ -79,7 +79,7 @@ def register_factory(factory: Callable[..., StepObserver | None]) -> None:
 def make_observer(guard: Any, root: Path, rank: int) -> StepObserver | None:
     """The observer for ``TraceWriter(guard=...)``: None for ``"off"``; an object with
     ``step_written`` as it is; ``"warn" | "stop"`` or a callable through the registered factory. None
-    (not given): the ``TRACER_GUARD`` environment variable, else :data:`DEFAULT_GUARD` (``"off"``).
+    (not given): the ``TRACER_GUARD`` environment variable, else :data:`DEFAULT_GUARD` (``"warn"``).
 
     Raises:
         TraceError: ``guard`` is none of these, or no factory is registered (``tracer.guard`` could

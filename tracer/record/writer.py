@@ -88,13 +88,13 @@ class TraceWriter:
             default False (a crash or kill of the process loses nothing written). The manifest is
             always fsync'd.
         guard: the live guard (:mod:`tracer.guard`): ``tracer check``'s step checks run on each step file
-            once written, off the training thread (the writer thread's process, or the writer process),
-            into ``findings.rank_N.jsonl``. ``"warn"`` prints the first error or warning of each check;
+            once written, off the training thread (a checker process forked beside the writer thread,
+            :mod:`tracer.guard.process`, or the writer process), into ``findings.rank_N.jsonl``. ``"warn"`` prints the first error or warning of each check;
             ``"stop"`` also ends the run at the first error: the next ``record`` flushes, writes the
             manifest's ``guard`` entry and raises :class:`tracer.errors.GuardStop`; a callable gets each
             error and warning Finding; ``"off"``: none; an object with the protocol of
             :class:`tracer.record.observer.StepObserver` is used as it is. None: ``TRACER_GUARD``, else
-            ``"off"`` (:data:`tracer.record.observer.DEFAULT_GUARD`). The manifest's ``guard.mode`` says which ran.
+            ``"warn"`` (:data:`tracer.record.observer.DEFAULT_GUARD`). The manifest's ``guard.mode`` says which ran.
 
     The manifest's live fields (``steps_written``, ``dropped_steps``, ``drop_reasons``) are rewritten
     at most every :data:`tracer.record.manifest.MANIFEST_INTERVAL_S` seconds, at ``flush()`` and at
