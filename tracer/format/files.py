@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - older safetensors
 from tracer.errors import TraceError
 from tracer.format.names import STEPS_DIR
 
+
 def write_json_atomic(path: Path, payload: Any, tmp_name: str | None = None) -> None:
     """Write JSON to ``path`` through a temporary file (``tmp_name``, default ``<name>.partial``, in
     the same directory) and a rename (never a half-written file)."""

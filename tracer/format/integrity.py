@@ -26,10 +26,10 @@ from typing import Any
 from safetensors import safe_open
 
 from tracer.errors import ChecksumError, SchemaError, TraceFormatError
-from tracer.format.hashing import stored_content_sha256
-from tracer.format.text import clean_text, may_hold_surrogates
 from tracer.format.arrays import HeaderTensor, is_bool
+from tracer.format.hashing import stored_content_sha256
 from tracer.format.schema import ALGORITHMS, BOOL, FIELDS, FLOAT, INT64, check_tensors
+from tracer.format.text import clean_text, may_hold_surrogates
 
 MAX_HEADER_BYTES = 16 * 2**20  # a step file's JSON header (tensor table + metadata); real ones are a few KB
 MAX_MANIFEST_BYTES = 16 * 2**20

@@ -17,14 +17,13 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterable
 
 from safetensors import safe_open
 
 from tracer.errors import TraceFormatError
 from tracer.format.arrays import NUMPY_DTYPES, to_numpy, to_torch
+from tracer.format.counts import COUNT_KEYS, COUNTS_NAME, newer_counts
 from tracer.format.derived_fields import derivable, derivation_inputs
 from tracer.format.integrity import (
     MAX_MANIFEST_BYTES,
@@ -37,12 +36,11 @@ from tracer.format.integrity import (
     open_step_file,
     read_json,
 )
+from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.format.schema import FIELDS
 from tracer.format.text import MAX_TOKEN_TEXT, shown_token
 from tracer.read.metadata_cache import MetadataCache
 from tracer.read.step_table import StepKey, StepTable, keys_of, list_step_files
-from tracer.format.counts import COUNT_KEYS, COUNTS_NAME, newer_counts
-from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 
 if TYPE_CHECKING:  # imported where used: reading a trace imports neither torch nor pandas
     import pandas as pd
@@ -419,7 +417,9 @@ class Trace:
     def overview(self) -> overview.TraceOverview:
         """The run overview: per-step summaries from the summary index, columns or headers (made once
         per Trace; a copy of this Trace makes its own)."""
-        from tracer.read import overview  # pandas: imported when the overview is asked for
+        from tracer.read import (
+            overview,  # pandas: imported when the overview is asked for
+        )
 
         made = self.__dict__.get("_overview")
         if made is None or made.trace is not self:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tracer.format.arrays import as_bool, float32_numpy, is_floating, keep_mask, nan_where, to_numpy
-from tracer.format.derived_fields import DERIVED_FIELDS
 from tracer.format import summary as summary_format
 from tracer.format import turns as turn_format
+from tracer.format.arrays import as_bool, float32_numpy, is_floating, keep_mask, nan_where, to_numpy
+from tracer.format.derived_fields import DERIVED_FIELDS
 from tracer.format.turns import (  # noqa: F401  (the reasons' one home; re-exported for the app)
     AFTER_EOS, ENVIRONMENT, KEPT, MASKED, PADDING, PROMPT, PROMPT_PADDING, TOOL_OUTPUT, TRUNCATED)
 
