@@ -10,7 +10,8 @@ over the kept tokens (or groups) of all the update's micro-batches and ranks:
   update on a rollout (on fresh rollouts the ratio is 1: ``identity.first_step`` judges those). Not the
   share outside the region whatever the sign: a tight clip (ε 0.05) leaves most tokens outside it in a
   healthy run (tests/checks/test_minimind_configs.py, 0.7-0.8) while it removes the gradient of 0.1-0.2.
-- ``health.sampler_gap``: mean |old - sampler| over kept tokens (TRL's ``sampling_logp_difference``).
+- ``health.sampler_gap``: mean |old - sampler| over kept tokens (TRL's ``sampling_logp_difference``),
+  rows sampled by an older policy left out (their gap is the policy lag: ``sampler.policy_lag``).
 - ``health.entropy_collapse``: mean token entropy fallen below a floor, or by a large share of its
   first value.
 - ``health.reward_flat``: the share of groups whose G rewards are all equal and whose advantages are
@@ -34,6 +35,7 @@ from tracer.checks.context import HEALTH_THRESHOLDS, TIGHT_CLIP, CheckOptions, S
 from tracer.checks.text import steps_text
 from tracer.checks.finding import RL_ALGORITHMS, WARNING, Finding, Skip, register
 from tracer.checks.identity import _clip_region, is_fresh
+from tracer.checks.staleness import lagged_mask
 from tracer.read import StepKey, Trace
 
 GROUPED = frozenset({"grpo", "cispo", "rloo", ""})
@@ -90,7 +92,7 @@ def _reward_flat(ctx: StepContext) -> Total | None:
 def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, Total | None]:
     """The health quantities of one step file as ``(sum, count)``, so that the micro-batches and ranks
     of one update add up to its mean: ``ref_kl`` (k3 over kept tokens, nats), ``clip_fraction``
-    (clipped kept tokens), ``sampler_gap`` (|old - sampler| over kept tokens, nats), ``entropy``
+    (clipped kept tokens), ``sampler_gap`` (|old - sampler| over kept tokens of rows not lagged, nats), ``entropy``
     (over kept tokens, nats), ``reward_flat`` (flat groups over groups); each None when the file
     lacks its inputs."""
     ctx = StepContext(trace, key, options)
@@ -104,7 +106,8 @@ def step_health(trace: Trace, key: StepKey, options: CheckOptions) -> dict[str, 
         except Skip:
             old = None
         if old is not None and "sampler_logprobs" in ctx.data:
-            out["sampler_gap"] = _mean((old - ctx.tensor("sampler_logprobs")).abs(), keep)
+            # rows sampled by an older policy: their gap is the lag (sampler.policy_lag), not engine drift
+            out["sampler_gap"] = _mean((old - ctx.tensor("sampler_logprobs")).abs(), lagged_mask(ctx, keep)[0])
         out["entropy"] = _mean(ctx.tensor("entropy"), keep) if "entropy" in ctx.data else None
     try:
         out["reward_flat"] = _reward_flat(ctx)

@@ -13,6 +13,10 @@ kept tokens, the correlation falls below 0.9 (bf16 engines against an FSDP train
 mean of a few 1e-3 and a correlation above 0.99). Reported once per rollout (inner step 0), like
 ``sampler.mismatch``; never an error (``sampler.mismatch`` judges the log-space gap and names the
 cause, :func:`tracer.checks.sampler_patterns.diagnose`: this check gives the numbers only).
+
+Rows sampled by an older policy than the trainer's (``policy_version`` below ``trainer_version``, an
+asynchronous loop) are left out (:func:`tracer.checks.staleness.lagged_mask`): their gap is the policy
+lag, which ``sampler.policy_lag`` and ``sampler.is_weights`` judge, not engine/trainer drift.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from tracer import formulas
 from tracer.checks.context import StepContext, worst_positions
 from tracer.checks.finding import INFO, RL_ALGORITHMS, WARNING, register
 from tracer.checks.identity import is_fresh
+from tracer.checks.staleness import lagged_mask
 
 WARN_MEAN_GAP = 0.05
 WARN_PEARSON, PEARSON_MIN_TOKENS = 0.9, 100
@@ -39,7 +44,7 @@ def check_probs_diff(ctx: StepContext):
     if ctx.key.inner_step != 0:
         return []
     trainer, sampler = ctx.require(name, "sampler_logprobs")
-    keep = ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler)
+    keep, lagged = lagged_mask(ctx, ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler))
     n = int(keep.sum())
     if n == 0:
         return []
@@ -52,6 +57,8 @@ def check_probs_diff(ctx: StepContext):
         f"max {gap['max']:.4g}, mean {gap['mean']:.4g}, std {gap['std']:.4g}; Pearson correlation "
         f"{gap['pearson']:.4f}; worst at seq {b}, token {t}: p_trainer {math.exp(float(trainer[b, t])):.4g}, "
         f"p_sampler {math.exp(float(sampler[b, t])):.4g}."
+        + (f" {lagged} kept tokens of rows sampled by an older policy left out (their gap is the policy lag: "
+           "sampler.policy_lag)." if lagged else "")
     )
     if severity == WARNING:
         message += (f" Rule: mean gap <= {WARN_MEAN_GAP} and correlation >= {WARN_PEARSON} (over >= "
@@ -59,4 +66,5 @@ def check_probs_diff(ctx: StepContext):
                     "trainer does not reproduce, so the update is off-policy. The cause that explains it (or that "
                     "none of the known ones does) is in this step's sampler.mismatch finding.")
     return [ctx.finding("sampler.probs_diff", severity, message, b, t, field="sampler_logprobs", kept_tokens=n,
+                        lagged_tokens_left_out=lagged,
                         **{f"probs_diff_{k}" if k != "pearson" else "pearson": v for k, v in gap.items()})]
