@@ -104,3 +104,45 @@ def test_broken_form_exits_1_naming_the_term(runs, name, first):
               and f.check in ("sampler.is_weights", "sampler.policy_lag")]
     assert errors and all(f.message.startswith(first) for f in errors), [f.message[:120] for f in errors]
     assert first in " ".join(done.stdout.split())
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_lagged_rows_raise_no_sampler_drift_warning(runs, name):
+    """Rows sampled by an older policy differ from the trainer's old logprobs by the lag, not by engine
+    drift: sampler.probs_diff and health.sampler_gap leave them out, so a healthy asynchronous run gets no
+    warning from them, although over all kept tokens (worked out here) the recomputed form's gap is far
+    above health.sampler_gap's 0.1 nats."""
+    trace = Trace(runs[name])
+    findings = run_checks(trace, select=["sampler.probs_diff", "health.sampler_gap"])
+    assert not [f for f in findings if f.severity != "info"], [f.message[:160] for f in findings]
+    gaps = []
+    for key in trace.steps():
+        data = trace.load_step(key)
+        keep = data["completion_mask"].bool()
+        gaps.append(float((data["old_logprobs"].double() - data["sampler_logprobs"].double()).abs()[keep].mean()))
+    if name == "behaviour_old":  # old is the sampler's own logprobs: no gap at all
+        assert max(gaps) == 0.0
+    else:
+        assert max(gaps) > 0.1, gaps  # the lagged steps would warn if their rows were counted
+        assert gaps[0] < 1e-3, gaps  # step 0 is on-policy: its rows are the ones these checks still see
+    step0 = [f for f in findings if f.check == "sampler.probs_diff"]
+    assert [f.step for f in step0] == [0] and step0[0].details["lagged_tokens_left_out"] == 0
+
+
+def test_weights_not_applied_names_the_weights_in_the_loss_check_first(runs):
+    """The per-token loss check names the missing IS weights rather than a generic mismatch, and its count
+    of weights ≠ 1 is the one worked out from the recorded is_weights."""
+    trace = Trace(runs["weights_not_applied"])
+    findings = [f for f in run_checks(trace, select=["recompute.per_token_loss"]) if f.severity == ERROR]
+    assert {f.step for f in findings} == {1, 2, 3}
+    for f in findings:
+        data = trace.load_step(next(k for k in trace.steps() if k.step == f.step))
+        keep = data["completion_mask"].bool()
+        w = data["is_weights"].double()
+        differ = int((((w - 1).abs() > 1e-6 + 1e-3) & keep).sum())
+        assert f.message.startswith(f"IS weights not applied: the recorded per_token_loss is the clipped surrogate "
+                                    f"without the importance-sampling weights (is_weights; {differ} of "
+                                    f"{int(keep.sum())} kept tokens ≠ 1")
+    done = _cli(runs["weights_not_applied"], "--fresh")
+    first_message = next(line for line in done.stdout.splitlines() if line.startswith("    "))
+    assert first_message.strip().startswith(("IS weights not applied", "is_weights not applied")), done.stdout[:2000]

@@ -51,7 +51,7 @@ def trl_loss_type(ctx: StepContext) -> str | None:
 def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
                               clip: tuple[float, float] | None = None, estimator: str | None = None,
                               kl_coef: float | None = None, dual_clip: float | None = None,
-                              sequence_level: bool | None = None) -> torch.Tensor:
+                              sequence_level: bool | None = None, is_weights: bool = True) -> torch.Tensor:
     """The per-token loss ``[B, T]`` from the recorded inputs (GRPO, CISPO or PPO rule); Skip otherwise.
 
     PPO: ``-min(r*A, clip(r)*A) + kl_coef * ref_kl_k3`` with per-token GAE advantages
@@ -61,7 +61,9 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     the KL term's estimator (used to name the one a loss uses); ``kl_coef`` the KL term's coefficient
     (used to name a KL penalty the rewards already carry); ``dual_clip`` the dual-clip bound (0: none;
     None: metadata ``clip_ratio_c``) and ``sequence_level`` the ratio's level (None: metadata
-    ``importance_sampling_level``), used to name a dual clip or a ratio level the loop did not apply.
+    ``importance_sampling_level``), used to name a dual clip or a ratio level the loop did not apply;
+    ``is_weights = False`` leaves out the declared importance-sampling correction (used to name weights
+    the loop did not apply).
     An objective not modelled is a :func:`tracer.checks.coverage.not_modelled` skip."""
     trl_loss = trl_loss_type(ctx)
     level = importance_sampling_level(ctx)
@@ -91,7 +93,7 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
         raise Skip(f"{'kl_coef' if ppo else 'beta'} > 0 but no ref_logprobs recorded")
     weighted = bool(ctx.hyper("use_bias_correction_kl", False))  # TRL: k3 times the ratio
     sampler_weights = None
-    if ctx.hyper("vllm_importance_sampling_correction", False):  # TRL: the pg term times the capped IS weights
+    if is_weights and corrects_pg_term(ctx):  # TRL and the explicit API: the pg term times the capped IS weights
         sampler_weights = applied_is_weights(ctx, old)
     if cispo:
         return formulas.cispo_per_token_loss(policy, old, advantages, ctx.cispo_ratio_max(), kl_sign * beta, ref,
@@ -111,6 +113,17 @@ def recomputed_per_token_loss(ctx: StepContext, kl_sign: float = 1.0,
     return formulas.grpo_per_token_loss(policy, old, advantages, eps_low, eps_high, kl_sign * beta, ref, weighted,
                                         sampler_weights, None if delta is None else float(delta), estimator, c,
                                         ctx.mask() if level == "sequence" else None)
+
+
+def corrects_pg_term(ctx: StepContext) -> bool:
+    """True when the step declares an importance-sampling correction that multiplies the clipped
+    policy-gradient term (TRL's placement, ``grpo_trainer.py``): metadata ``is_correction`` (the explicit
+    API's name), else TRL's ``vllm_importance_sampling_correction`` (the order
+    :func:`tracer.formulas.importance.declared_correction` reads them in). verl's ``rollout_is`` acts
+    on its registered policy losses (``recompute.verl_policy_loss``), not here."""
+    declared = ctx.hyper("is_correction", None)
+    declared = ctx.hyper("vllm_importance_sampling_correction", False) if declared is None else declared
+    return bool(declared)
 
 
 def applied_is_weights(ctx: StepContext, old: torch.Tensor) -> torch.Tensor:
@@ -218,7 +231,7 @@ def _implied_clip(ctx: StepContext, recorded: torch.Tensor) -> tuple[float, floa
         r = formulas.ratio(ctx.tensor("policy_logprobs"), ctx.old_logprobs()).double()
     except Skip:
         return None
-    if ctx.hyper("vllm_importance_sampling_correction", False):
+    if corrects_pg_term(ctx):
         return None
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     keep, value = ctx.mask(), recorded.double()
@@ -373,8 +386,20 @@ def _matches(ctx: StepContext, recorded: torch.Tensor, **variant) -> bool:
 
 def _objective_explanation(ctx: StepContext, recorded: torch.Tensor) -> tuple[str, dict] | None:
     """The objective's term at fault, when the recorded per-token loss is another objective than the
-    recorded settings say: the dual clip (``clip_ratio_c``) missing, or the ratio's level (token vs
-    sequence, GSPO). Returns ``(the message's opening, details)`` or None."""
+    recorded settings say: the declared importance-sampling weights not applied, the dual clip
+    (``clip_ratio_c``) missing, or the ratio's level (token vs sequence, GSPO). Returns ``(the message's opening, details)`` or None."""
+    if corrects_pg_term(ctx) and _matches(ctx, recorded, is_weights=False):
+        weights = applied_is_weights(ctx, ctx.old_logprobs()).double()
+        name = "is_weights" if ctx.has("is_weights") else "sequence_is_weights" if ctx.has("sequence_is_weights") \
+            else "derived IS weights"
+        keep = ctx.mask() if weights.dim() == 2 else ctx.mask().any(dim=1)
+        off = keep & ~torch.isclose(weights, torch.ones_like(weights), rtol=1e-3, atol=1e-6)  # sampler.is_weights' rule
+        text = (f"IS weights not applied: the recorded per_token_loss is the clipped surrogate without the "
+                f"importance-sampling weights ({name}; {int(off.sum())} of {int(keep.sum())} kept "
+                f"{'tokens' if weights.dim() == 2 else 'rows'} ≠ 1, mean {float(weights[keep].mean()):.4f}), while "
+                "the step declares the correction (is_correction / vllm_importance_sampling_correction): the loss "
+                "ignores the sampler/trainer correction. ")
+        return text, {"cause": "is_weights_not_applied", "weights_not_one": int(off.sum())}
     if ctx.algorithm == "cispo" or trl_loss_type(ctx) == "cispo":
         return None
     c = dual_clip_c(ctx)

@@ -86,10 +86,7 @@ def hyperparameters(cfg: AsyncGRPOConfig) -> dict:
         "loss_reduction": "sequence_mean", "advantage_rule": "group_zscore",
         "reward_component_names": ro.REWARD_COMPONENT_NAMES, "max_policy_lag": cfg.max_policy_lag,
         "old_logprobs_source": "trainer_forward" if corrected else "behaviour_policy",
-        "is_correction": corrected,
-        # TRL's name for the same correction and placement (the pg term after the clip times the weights), which
-        # recompute.per_token_loss reads
-        "vllm_importance_sampling_correction": corrected,
+        "is_correction": corrected,  # the pg term after the clip times the weights (TRL's placement)
         **({"is_mode": cfg.is_mode, "is_clip_min": cfg.is_clip_min, "is_clip_max": cfg.is_clip_max,
             "is_sequence_aggregation": declared_aggregation} if corrected else {}),
     }
