@@ -5,7 +5,11 @@ on a step file is *not checked* there, and ``tracer check`` opens its report wit
 PASS never hides a class that was never looked at.
 
 Each class lists the checks that can catch it (any one of them running on a step file covers the
-class there) and the fields they read, in the words of SPEC.md section 4.
+class there) and the fields they read, in the words of SPEC.md section 4. The importance-sampling
+correction class (``sampler.is_weights``) applies where a step declares a correction or records
+``is_weights`` / ``sequence_is_weights``, the policy-lag class (``sampler.policy_lag``) where it declares
+``trainer_version`` or ``max_policy_lag``: their checks judge that themselves, returning nothing on a
+step that declares neither and skipping on one that declares it without the fields to check it.
 
 Objectives and settings: a check that meets an objective or a setting it does not model (TRL's
 ``sapo`` loss, verl's ``clip_cov`` policy loss, an entropy bonus whose entropy is not recorded, TRL's
@@ -70,6 +74,11 @@ BUG_CLASSES: tuple[BugClass, ...] = (
              ("chosen_ref_logprobs", "rejected_ref_logprobs"), frozenset({"dpo"})),
     BugClass("DPO loss", ("recompute.dpo",), ("chosen_policy_logprobs", "rejected_policy_logprobs", "loss"),
              frozenset({"dpo"})),
+    # the two below apply where a step declares them: their checks return nothing on a step that declares no
+    # correction (no is_correction / vllm_importance_sampling_correction / rollout_is, no is_weights /
+    # sequence_is_weights recorded) or no lag (no policy_version, no max_policy_lag), and skip where it does
+    BugClass("importance-sampling correction", ("sampler.is_weights",), ("sampler_logprobs", "old_logprobs")),
+    BugClass("policy lag", ("sampler.policy_lag",), ("policy_version",)),
 )
 
 
