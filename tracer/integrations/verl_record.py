@@ -169,12 +169,36 @@ class DriverRecorder(_Recorder):
         rejection = getattr(correction, "rollout_rs", None)
         if rejection:  # rows verl rejected have an empty response_mask on purpose (rollout_corr_helper)
             meta["rollout_rs"] = str(rejection)
+        meta.update(_rollout_correction(correction))
         if estimator in ("grpo", "grpo_vectorized"):
             meta["advantage_rule"] = "verl_grpo" if norm else "group_mean"  # mean-centred only (Dr. GRPO)
             meta["advantage_std"] = "unbiased"
         elif estimator not in _ALGORITHM:  # REINFORCE++, ReMax, OPO, GPG, pass@k...: verl's own rule, named
             meta["advantage_rule"] = f"{formulas.VERL_RULE_PREFIX}{estimator}"  # so no check takes it for a GRPO z-score
         return meta
+
+
+def _rollout_correction(correction: Any) -> dict[str, Any]:
+    """verl's rollout correction as ``fit`` ran it (``algorithm.rollout_correction``, a
+    ``RolloutCorrectionConfig``; verl 0.9.1 ``trainer/config/algorithm.py``): ``rollout_is`` (``token`` |
+    ``sequence``; absent when verl computes no IS weights), ``rollout_is_threshold`` (a float upper cap,
+    or verl's ``"lower_upper"`` string: IcePop), ``rollout_is_batch_normalize`` (bool) and
+    ``rollout_rs_threshold`` (rejection sampling's threshold, float or string), which
+    ``sampler.is_weights`` reads through :func:`tracer.formulas.importance.declared_correction`. Empty
+    when the run has no rollout correction (``algorithm.rollout_correction`` None)."""
+    if correction is None:
+        return {}
+    meta: dict[str, Any] = {}
+    rollout_is = getattr(correction, "rollout_is", None)
+    if rollout_is:
+        threshold = getattr(correction, "rollout_is_threshold", 2.0)
+        meta["rollout_is"] = str(rollout_is)
+        meta["rollout_is_threshold"] = threshold if isinstance(threshold, str) else float(threshold)
+        meta["rollout_is_batch_normalize"] = bool(getattr(correction, "rollout_is_batch_normalize", False))
+    rs_threshold = getattr(correction, "rollout_rs_threshold", None)
+    if getattr(correction, "rollout_rs", None) and rs_threshold is not None:
+        meta["rollout_rs_threshold"] = rs_threshold if isinstance(rs_threshold, str) else float(rs_threshold)
+    return meta
 
 
 def _declared_algorithm(config: Any) -> dict[str, Any]:
