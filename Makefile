@@ -57,7 +57,10 @@ test-main: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --ignore=tests/vllm_engine
 
 test-verl: $(VERL_STAMP)
-	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py tests/integrations/test_verl_effective_config.py
+	HF_HUB_OFFLINE=1 $(VERL_PY) -m pytest -q -rs -p no:cacheprovider tests/integrations/test_verl.py tests/checks/test_verl_rules.py tests/integrations/test_verl_configs.py tests/integrations/test_verl_effective_config.py \
+		tests/integrations/test_importance_matches_verl.py tests/integrations/test_verl_objectives_match_verl.py \
+		tests/integrations/test_verl_policy_losses_checked.py \
+		tests/integrations/test_verl_rollout_correction_recorded_and_checked.py
 
 # Regenerate the committed sample traces: hand-written loops and real TRL GRPO, RLOO and DPO runs, and a TRL GRPO
 # run with tools=[add] (multi-turn tool-calling episodes) (tiny local models, CPU).
