@@ -263,9 +263,10 @@ REFERENCE: dict[str, dict[str, str]] = {
     },
     "recompute.ratio": {
         "needs": "a recorded `ratio`, `policy_logprobs`, `old_logprobs` (or `old_logprobs_source = "
-                 "\"policy_detached\"`); skipped when `importance_sampling_level` is not `token`.",
-        "assumes": "ratio = exp(policy − old) per token; |Δ| ≤ atol + rtol·|recomputed| of the dtype (float32: "
-                   "1e-5 + 1e-4), kept finite positions only.",
+                 "\"policy_detached\"`); `importance_sampling_level` (`token` when not recorded).",
+        "assumes": "ratio = exp(policy − old) per token; under `importance_sampling_level = sequence` (GSPO) the "
+                   "per-token ratio or one per row, exp(masked mean of policy − old); |Δ| ≤ atol + "
+                   "rtol·|recomputed| of the dtype (float32: 1e-5 + 1e-4), kept finite positions only.",
     },
     "recompute.ref_kl_k3": {
         "needs": "a recorded `ref_kl_k3`, `policy_logprobs`, `ref_logprobs`.",
@@ -292,7 +293,7 @@ REFERENCE: dict[str, dict[str, str]] = {
     "recompute.clip_fractions": {
         "needs": "`policy_logprobs`, `old_logprobs`, `advantages`, `clip_epsilon_high` (`clip_epsilon_low` "
                  "defaults to it); metadata `clip_fraction_low` / `_high` / `_region` to compare with.",
-        "assumes": "token-level ratios (skipped for a sequence-level `importance_sampling_level`); TRL's "
+        "assumes": "token-level ratios, or one per sequence under GSPO (shares of the rows, as TRL's); TRL's "
                    "sign-aware definitions (`tracer.formulas.clip_fractions`); recorded vs recomputed within "
                    "1e-3; with none recorded, an info giving the recomputed ones when a ratio leaves the region.",
     },
@@ -304,19 +305,27 @@ REFERENCE: dict[str, dict[str, str]] = {
     },
     "recompute.per_token_loss": {
         "needs": "a recorded `per_token_loss`, `policy_logprobs`, `old_logprobs`, `advantages` (PPO: per "
-                 "token), the clip epsilons, `ref_logprobs` when `beta` / `kl_coef` > 0; skipped for a "
-                 "sequence-level ratio, `off_policy_mask_threshold`, `top_entropy_quantile` < 1.",
-        "assumes": "GRPO's clipped surrogate (TRL's grpo, bnpo, dr_grpo, dapo; `delta` applied), CISPO's or "
-                   "PPO's rule plus coef × KL (`kl_estimator`, default k3; none when `kl_in_reward`); kept "
-                   "tokens only, the dtype's recompute tolerance.",
+                 "token), the clip epsilons, `ref_logprobs` when `beta` / `kl_coef` > 0; verl worker files: "
+                 "`verl_pg_losses` and `loss_mode`. Not modelled (said `not checked:` first): TRL's sapo / vespo, "
+                 "`off_policy_mask_threshold`, `top_entropy_quantile` < 1, verl losses other than vanilla / gspo "
+                 "/ cispo / gpg.",
+        "assumes": "GRPO's clipped surrogate (TRL's grpo, bnpo, dr_grpo, dapo, luspo; `delta` applied; per "
+                   "token or GSPO's sequence ratio by `importance_sampling_level`; dual clip when `clip_ratio_c` "
+                   "is recorded), CISPO's or PPO's rule plus coef × KL (`kl_estimator`, default k3, verl's `+` "
+                   "forms read as their estimator; none when `kl_in_reward`); verl's registered loss per token; "
+                   "kept tokens only, the dtype's recompute tolerance.",
     },
     "recompute.loss": {
         "needs": "the scalar `loss` (tensor [] / [1], or metadata `loss`), `completion_mask`, and "
                  "`per_token_loss` or its inputs; `loss_reduction` (else implied by TRL's `loss_type`), "
-                 "`loss_divisor`, `max_completion_length`, `loss_scale`, `num_items_in_batch`.",
+                 "`loss_divisor`, `max_completion_length`, `loss_scale`, `num_items_in_batch`; with an entropy "
+                 "bonus (`entropy_coef` / `entropy_coeff` ≠ 0) `entropy` [B, T] (else `not checked: entropy "
+                 "bonus`).",
         "assumes": "the declared reduction reproduces the loss to float noise (32 ulps × mean |per-token "
-                   "loss|); other explanations (another reduction, the unmasked mean over padding, the KL sign, "
-                   "the KL term missing, another clip range) are ranked by residual; within `loss_rtol` of the "
+                   "loss|), after adding back the entropy bonus (coef × the `entropy_reduction` / verl "
+                   "`loss_agg_mode` / token mean of `entropy`; its flipped sign or absence named first); other "
+                   "explanations (another reduction, the unmasked mean over padding, the KL sign, the KL term "
+                   "missing, the dual clip missing, the other ratio level, another clip range) are ranked by residual; within `loss_rtol` of the "
                    "declared one and nothing clearly better: no finding.",
     },
     "recompute.loss_agg_mode": {
