@@ -278,14 +278,28 @@ class GRPOTraceHook(TrainerTraceHook):
         TRL divides the ``grpo``/``sapo``/``bnpo``/``dr_grpo``/``luspo`` loss by
         ``current_gradient_accumulation_steps`` (``loss_scale`` = its inverse); ``dapo``/``cispo``/
         ``vespo`` divide by the generation batch's token count (metadata ``num_items_in_batch``). An
-        entropy bonus or router aux loss changes the returned value: then ``loss`` is not recorded and
-        metadata ``loss_not_recorded`` says why."""
+        static entropy bonus (``entropy_coef``, not adaptive) is recorded with the loss: TRL subtracts
+        ``entropy_coef`` × the masked mean entropy divided by the accumulation steps (metadata
+        ``entropy_loss_scale``), which the loss check adds back with the loss's own scale, so the loss is
+        recorded where the two scales agree (the accumulation-divided loss types, or no accumulation). An
+        adaptive bonus (its coefficient gated per step), a bonus under another scale, or a router aux loss
+        changes the returned value in a way not recorded: then ``loss`` is not recorded and metadata
+        ``loss_not_recorded`` says why."""
         trainer = self.trainer
         out: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {}
         loss_type = getattr(trainer, "loss_type", None)
-        extra = [name for name, on in (("entropy bonus", getattr(trainer, "_entropy_bonus_enabled", False)),
-                                       ("router aux loss", getattr(trainer, "aux_loss_enabled", False))) if on]
+        accumulation = float(getattr(trainer, "current_gradient_accumulation_steps", 1) or 1)
+        bonus = bool(getattr(trainer, "_entropy_bonus_enabled", False))
+        extra = [name for name, on in (
+            ("adaptive entropy bonus", bonus and getattr(trainer, "use_adaptive_entropy", False)),
+            # the bonus is divided by the accumulation steps whatever the loss type, the dapo / cispo / vespo policy
+            # loss by the generation batch's tokens: one loss_scale holds both only without accumulation
+            ("entropy bonus (scaled by 1 / gradient accumulation steps, the policy loss by num_items_in_batch)",
+             bonus and loss_type not in _LOSS_DIVIDED_BY_ACCUMULATION and accumulation != 1.0),
+            ("router aux loss", getattr(trainer, "aux_loss_enabled", False))) if on]
+        if bonus:
+            meta["entropy_loss_scale"] = 1.0 / accumulation  # TRL 1.16: the bonus's mean entropy / accumulation steps
         if extra:
             meta["loss_not_recorded"] = f"TRL adds the {' and '.join(extra)} to the loss it returns"
         elif self._loss is not None and self._loss.numel() == 1:
