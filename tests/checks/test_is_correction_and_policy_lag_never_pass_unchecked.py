@@ -42,10 +42,10 @@ def _run(out, model_dir, drop: tuple[str, ...]):
 
 
 @pytest.mark.parametrize("drop,opening", [
-    (("sampler_logprobs",), "not checked: importance-sampling correction — record sampler_logprobs (on 3 of 3 step "
-                            "files none of sampler.is_weights could run: an importance-sampling correction"),
-    (("policy_version",), "not checked: policy lag — record policy_version (on 3 of 3 step files none of "
-                          "sampler.policy_lag could run: metadata max_policy_lag is declared"),
+    (("sampler_logprobs",), ("not checked: importance-sampling correction — record sampler_logprobs (on 3 of 3 "
+                             "step files none of sampler.is_weights could run: an importance-sampling correction")),
+    (("policy_version",), ("not checked: policy lag — record policy_version (on 3 of 3 step files none of "
+                           "sampler.policy_lag could run: metadata max_policy_lag is declared")),
 ])
 def test_declared_but_unrecorded_opens_with_not_checked(tmp_path, model_dir, capsys, drop, opening):
     trace = _run(tmp_path / "run", model_dir, drop)

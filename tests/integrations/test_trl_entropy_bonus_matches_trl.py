@@ -19,12 +19,16 @@ import tracer  # noqa: E402
 from tracer import Trace  # noqa: E402
 from tracer.checks import CheckOptions, run_checks  # noqa: E402
 from tracer.checks.context import StepContext  # noqa: E402
+from tracer.checks.coverage import NOT_CHECKED  # noqa: E402
 from tracer.checks.finding import CHECKS  # noqa: E402
 from tracer.checks.runner import check_step  # noqa: E402
-from tracer.checks.coverage import NOT_CHECKED  # noqa: E402
 from tracer.demo import grpo_trl  # noqa: E402
 from tracer.demo.tiny_model import torch_threads  # noqa: E402
-from tracer.formulas.losses import entropy_bonus, grpo_per_token_loss, sequence_mean_loss  # noqa: E402
+from tracer.formulas.losses import (  # noqa: E402
+    entropy_bonus,
+    grpo_per_token_loss,
+    sequence_mean_loss,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 COEF = 0.05

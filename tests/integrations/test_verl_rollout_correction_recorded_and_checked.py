@@ -11,10 +11,9 @@ import pytest
 
 pytest.importorskip("verl")
 
+from tests.integrations.test_verl_configs import Case, run_case  # noqa: E402
 from tracer.checks.coverage import NOT_CHECKED  # noqa: E402
 from tracer.read.reader import Trace  # noqa: E402
-
-from tests.integrations.test_verl_configs import Case, run_case  # noqa: E402
 
 # rollout_is_batch_normalize = True is recorded too (_rollout_correction), but left out here: verl divides by the
 # mean weight of the whole batch, and sampler.is_weights recomputes it over a worker's micro-batch (a known gap)
