@@ -15,7 +15,10 @@ Cost bound: the first :data:`FIRST_FILES` step files are always checked (a bug t
 first update is caught there); after them the checker keeps its own time under ``share`` of the run's
 wall time, taking the newest file when it is free and leaving out those that arrive while it is busy or
 resting: it drops to one file in n, says so (a ``note`` line, a log line), and never makes ``record``
-wait (a bounded queue of :data:`MAX_PENDING` files, older ones left out first).
+wait (a bounded queue of :data:`MAX_PENDING` files, older ones left out first). With ``share`` 1 (the
+forked checker process, a core of its own: :mod:`tracer.guard.process`) nothing is left out for being
+busy: files wait in that queue, so a burst (the writer's batch) is checked whole when the checker keeps
+up on average, and the oldest go first when it does not.
 
 Checks over several step files (``scope="trace"``: trends, drifts) run over the files on disk after 2, 4,
 8, ... checked files and once more at the end: their total cost stays about twice one run over the
@@ -164,7 +167,9 @@ class StepChecker:
                                "checks": [c.id for c in self.checks], "pid": os.getpid(), "where": self.where,
                                "share": self.share}])
             first = self.arrived <= FIRST_FILES
-            if not first and (self._busy or time.monotonic() < self._rest_until):
+            # under a share below 1 a file that finds the checker busy or resting is left out; at 1 (a core of
+            # its own) it waits in the queue, so a burst of files (the writer's batch) is checked whole
+            if not first and self.share < 1.0 and (self._busy or time.monotonic() < self._rest_until):
                 self._leave_out(path)
                 return
             later = [item for item in self._pending if not item[0]]
