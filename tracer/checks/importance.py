@@ -24,6 +24,8 @@ this module does not model, is reported as ``not checked`` (:func:`tracer.checks
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -206,6 +208,16 @@ def check_is_weights(ctx: StepContext):
             return [ctx.finding("sampler.is_weights", ERROR, (
                 f"{name}: one weight per sequence [B] recorded where {s.text()} declares one per token; the loss "
                 "weighs every token of a row alike, so the token-level correction did not run."), field=name, **details)]
+        if s.verl is not None and s.verl[2]:
+            # verl's batch normalisation divides by the mean weight of the whole batch, and a worker file holds a
+            # micro-batch of it: the recorded weights are the declared un-normalised ones times one scale per file
+            base = importance.verl_is_weights(old, sampler, keep, s.verl[0], s.verl[1], False)
+            on = keep & (_per_token(base, keep) > 0)
+            if bool(on.any()):
+                scale = float((_per_token(weights, keep)[on] / _per_token(base, keep)[on]).median())
+                if math.isfinite(scale) and scale > 0:
+                    rule = base * scale
+                    details["batch_normalize_scale"] = scale
         ok, delta, n_bad, first = _compare(weights, rule, keep)  # [B, T] sequence weights: verl's broadcast layout
         if not ok:
             wrong = _diagnose(name, weights, old, sampler, keep, s) if s.verl is None else None
