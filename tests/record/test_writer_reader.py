@@ -43,6 +43,8 @@ ALL_METADATA = {
     "micro_batch_counted": True, "rows_before_cut": 16,
     "role_names": ["system", "user", "assistant", "tool"], "advantage_assignment": "episode",
     "mask_reason_names": ["kept", "prompt", "padding", "after_eos", "truncated", "tool_output", "environment"],
+    "is_correction": True, "is_mode": "token_mask", "is_clip_min": 0.8, "is_clip_max": 1.25,
+    "is_sequence_aggregation": "sum", "is_weights_source": "recorded", "trainer_version": 12, "max_policy_lag": 2,
 }
 
 
