@@ -11,12 +11,10 @@ The public names are imported on first use (PEP 562 ``__getattr__``): ``import t
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from tracer.errors import GuardStop, SchemaError, TraceError, TraceFormatError
+from tracer.record.lazy_exports import lazy_exports
 from tracer.record.observer import register_factory
 
 if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
@@ -35,20 +33,6 @@ _LAZY = {"Trace": "tracer.read", "StepKey": "tracer.read", "Tracer": "tracer.rec
          "watch": "tracer.zero_edit.watch"}
 
 
-def __getattr__(name: str) -> Any:
-    """The public name ``name``, imported from its module on first use and kept (PEP 562)."""
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups find it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
 def diff(a: Any, b: Any, **kwargs: Any) -> Any:
     """Compare two traces: :func:`tracer.diff.diff` (same arguments, returns its
     :class:`~tracer.diff.DiffReport`), imported on first call so that ``import tracer`` does not
@@ -56,20 +40,6 @@ def diff(a: Any, b: Any, **kwargs: Any) -> Any:
     from tracer.diff import diff as _diff
 
     return _diff(a, b, **kwargs)
-
-
-class _Package(types.ModuleType):
-    """The ``tracer`` module's type: importing the subpackage :mod:`tracer.diff` makes Python set the
-    attribute ``tracer.diff`` to that module, which would hide the public function of the same name;
-    this keeps the function there (as ``from tracer.diff import diff`` in this file once did)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "diff" and isinstance(value, types.ModuleType):
-            value = globals()["_function_diff"]
-        super().__setattr__(name, value)
-
-
-_function_diff = diff
 
 
 def _make_guard(guard: Any, root: Any, rank: int) -> Any:
@@ -82,7 +52,8 @@ def _make_guard(guard: Any, root: Any, rank: int) -> Any:
 
 
 register_factory(_make_guard)  # any import of a tracer module runs this package first
-sys.modules[__name__].__class__ = _Package
+# the lazy names; importing the subpackage tracer.diff keeps the function diff defined above
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
 
 
 def attach(trainer: Any, out_dir: str, **kwargs: Any) -> Any:

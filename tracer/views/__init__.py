@@ -19,11 +19,9 @@ what it needs: headers for the early-stop overview, ``[B]`` fields for the group
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tracer.record.lazy_exports import lazy_exports
 from tracer.views.common import GROUPED_ALGORITHMS
 
 if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
@@ -90,30 +88,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """The public name ``name``, imported from its module on first use and kept (PEP 562)."""
-    home = _LAZY.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups find it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The ``tracer.views`` module's type: importing the submodule :mod:`tracer.views.conversation`
-    makes Python set the attribute ``tracer.views.conversation`` to that module, which would hide the
-    public function of the same name; this binds the function there instead (as the eager
-    ``from tracer.views.conversation import conversation`` in this file once did)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+# the lazy names; importing the submodule tracer.views.conversation binds the function conversation there
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)
