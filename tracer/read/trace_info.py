@@ -15,11 +15,10 @@ from tracer.format import turns
 from tracer.format.arrays import as_bool
 from tracer.format.capture_report import describe_capture_reports, read_capture_reports
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
+from tracer.format.run_end import read_ended
 from tracer.format.summary import SUMMARY_KEY, read_summary
 from tracer.read.reader import StepKey, Trace
-
-STATUS_TEXT = {"running": "unfinished (the writer did not close: crashed or still running)",
-               "finished": "finished", "unknown": "unknown (no readable manifest)"}
+from tracer.read.run_status import STATUS_TEXT, status_text  # noqa: F401  (STATUS_TEXT: the app's)
 
 
 def verify_trace(trace: Trace, keys: list) -> dict[str, Any]:
@@ -66,7 +65,8 @@ def trace_info(path: str | Path, verify: bool = False) -> dict[str, Any]:
         "algorithm": trace.algorithm,
         "manifest_of": str(home.root) if home is not None else None,
         "status": status,
-        "status_text": STATUS_TEXT.get(status, status),
+        "status_text": status_text(status, manifest),
+        "ended": read_ended(manifest),  # how the writer closed (tracer.format.run_end), None before it did
         "schema_version": manifest.get("schema_version", metadata.get("schema_version")),
         "num_step_files": len(keys),
         "steps": sorted({k.step for k in keys}),

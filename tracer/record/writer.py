@@ -10,8 +10,11 @@ partial file. When a writer process dies or stalls, a thread takes over with the
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
+import sys
+import threading
 import time
 import warnings
 import weakref
@@ -27,8 +30,10 @@ from tracer.format.files import lock_rank, refuse_existing_trace, save_atomic as
 from tracer.format.metadata_codec import jsonable
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR, TOKENS_NAME, step_file_name
 from tracer.format.rollout_store import RolloutWriter
+from tracer.format.run_end import ENDED_KEY, ended_entry
 from tracer.format.run_index import IndexWriter
 from tracer.format.schema import ALGORITHMS
+from tracer.record import exit_hooks
 from tracer.record.backends import Backends, LocalBackend, PendingStep
 from tracer.record.modes import distributed_rank, stall_limit, writer_mode
 from tracer.record.observer import StepObserver, make_observer
@@ -44,7 +49,7 @@ from tracer.format.summary import RECORDED_KEY, SCALAR_PREFIX
 log = logging.getLogger(__name__)
 
 _MANIFEST_OWN_KEYS = frozenset({"schema_version", "algorithm", "status", "steps_written", "dropped_steps",
-                                "skipped_steps", "drop_reasons", "tokenizer", "producer", "revision"})
+                                "skipped_steps", "drop_reasons", "tokenizer", "producer", "revision", ENDED_KEY})
 
 
 class TraceWriter:
@@ -54,8 +59,12 @@ class TraceWriter:
     backend normalises, summarises (the header's ``summary``: :mod:`tracer.format.summary`), serialises
     and writes them, and appends each file's line to the run's summary index
     (:mod:`tracer.format.run_index`). ``flush()`` waits for the queue to drain; ``close()`` (or leaving
-    a ``with`` block, or normal interpreter exit) flushes and marks the trace finished. The options in
-    full, with their costs: docs/capture.md.
+    a ``with`` block, or interpreter exit) flushes and records how the run ended in the manifest's ``status``
+    and ``ended`` entry (:mod:`tracer.format.run_end`): ``finished``, or ``crashed`` / ``interrupted`` with
+    the exception and the last step recorded when an uncaught exception ended the thread that recorded
+    (heard through ``sys.excepthook`` / ``threading.excepthook``, :mod:`tracer.record.exit_hooks`, which
+    still call the hooks they wrap) or left the ``with`` block. The options in full, with their costs:
+    docs/capture.md.
 
     Args:
         out_dir: the trace directory; created when missing. One that already holds step files is
@@ -152,6 +161,10 @@ class TraceWriter:
         self.guard_raises = True  # record() raises GuardStop; an integration that stops its trainer itself sets False
         self._guard_said = False  # the manifest's guard entry names the stop
         self._closed = False
+        self._last_step: int | None = None  # the highest step recorded (the manifest's ended.last_step)
+        self._recorder: int | None = None  # the thread that recorded last (threading.get_ident())
+        # (exception, thread name) that ended the recording thread, heard by the exit hooks; a later record clears it
+        self._uncaught: tuple[BaseException, str] | None = None
         self._pid = os.getpid()  # a forked child must not close (or unlock) its parent's trace
         self._checks = RecordChecks(algorithm, self.hyperparameters)  # a non-JSON hyperparameter raises now
         self._steps_dir = self.root / STEPS_DIR
@@ -205,6 +218,7 @@ class TraceWriter:
             self._close_observer()
             raise
         _OPEN_WRITERS.add(self)
+        exit_hooks.install(_hear_uncaught)
 
     # -- public verbs -------------------------------------------------------------------------
 
@@ -286,6 +300,9 @@ class TraceWriter:
         if not tensors:
             raise TraceError(f"record(step={step}) got no tensors; pass canonical fields such as policy_logprobs=...")
         coordinates, source_dtype = self._checks.step(step, inner_step, micro_batch, tensors, metadata, signature)
+        self._recorder, self._uncaught = threading.get_ident(), None  # the run goes on in this thread
+        if self._last_step is None or coordinates[0] > self._last_step:
+            self._last_step = coordinates[0]
         group_key = self._checks.signatures.group_key  # the staging buffers: all on the CPU, or on one CUDA device
         sampled = self.sampling.sampled(coordinates[0])
         if not sampled and not self.sampling.anomaly_ring:
@@ -331,8 +348,16 @@ class TraceWriter:
         self._book.raise_pending()
 
     def close(self) -> None:
-        """Flush, stop the writer thread (or process) and mark the trace finished in the manifest
-        (idempotent)."""
+        """Flush, stop the writer thread (or process) and record how the run ended in the manifest
+        (idempotent): ``finished``, or ``crashed`` / ``interrupted`` when an uncaught exception has ended
+        the thread that recorded last (:mod:`tracer.format.run_end`)."""
+        self._close("close", *(self._uncaught or (None, None)))
+
+    def _close(self, closed_by: str, exc: BaseException | None, thread: str | None) -> None:
+        """:meth:`close`, recording ``closed_by`` and the exception ``exc`` that ended the run in the thread
+        named ``thread`` (None: none did). Closed while an exception is being handled (a ``finally:
+        close()``), the writer is kept in :data:`_CLOSED_IN_FLIGHT`: if that exception turns out to be
+        uncaught, :func:`_hear_uncaught` rewrites the status."""
         if self._closed:
             return
         self._closed = True
@@ -345,15 +370,24 @@ class TraceWriter:
             if not self._guard_said and self._observer.stop_finding() is not None:
                 self._say_guard_stop(None)  # found after the last record: the run ended by itself
         self._scalar_log.close()
+        self._say_end(closed_by, exc, thread)
+        if exc is None and (in_flight := sys.exc_info()[1]) is not None:
+            _CLOSED_IN_FLIGHT.append((self, in_flight))
+        unlock_rank(self._lock_fd, self.root, self.rank)
+        self._lock_fd = None
+        self._book.raise_pending()
+
+    def _say_end(self, closed_by: str, exc: BaseException | None, thread: str | None) -> None:
+        """Write the manifest's ``status`` and ``ended`` entry (:func:`tracer.format.run_end.ended_entry`);
+        a failed write is counted as any manifest write's (strict: raised by :meth:`close`)."""
+        status, ended = ended_entry(closed_by, self._last_step, exc, thread)
         with self._book.lock:
-            self._book.manifest["status"] = "finished"
+            self._book.manifest["status"] = status
+            self._book.manifest[ENDED_KEY] = ended
         try:
             self._book.write()
         except OSError as err:
             self._book.manifest_failed(err)
-        unlock_rank(self._lock_fd, self.root, self.rank)
-        self._lock_fd = None
-        self._book.raise_pending()
 
     def count_drop(self, reason: str) -> None:
         """Count a step lost outside the writer (e.g. an integration failed to capture it). Raises
@@ -433,8 +467,12 @@ class TraceWriter:
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
+        """Close; an exception leaving the block is the run's end (``crashed`` / ``interrupted``)."""
+        if exc is None:
+            self._close("with", *(self._uncaught or (None, None)))
+        else:
+            self._close("with", exc, threading.current_thread().name)
 
     # -- private: choosing, starting and replacing the backend -------------------------------
 
@@ -531,13 +569,38 @@ Tracer = TraceWriter
 wall_clock = time.time  # the clock of a step's wall_time (looked up at call time: tests fix it)
 
 _OPEN_WRITERS: "weakref.WeakSet[TraceWriter]" = weakref.WeakSet()  # the open TraceWriters, closed at exit
+# (writer, exception being handled) of the last writers closed inside an except or finally block
+_CLOSED_IN_FLIGHT: "collections.deque[tuple[TraceWriter, BaseException]]" = collections.deque(maxlen=8)
+
+
+def _hear_uncaught(exc: BaseException, thread: threading.Thread) -> None:
+    """The exit hooks' listener (:mod:`tracer.record.exit_hooks`): ``exc`` ended ``thread``. The open writers
+    it ends (every one for the main thread, whose end ends the program; else those that ``thread`` recorded
+    last) will record it when closed; a writer already closed while ``exc`` (or the exception it arose
+    from) was being handled has its manifest rewritten now."""
+    main = thread is threading.main_thread()
+    for writer in list(_OPEN_WRITERS):
+        if main or writer._recorder == thread.ident:
+            writer._uncaught = (exc, thread.name)
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 16:  # the exceptions exc was raised from, or while handling
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for writer, in_flight in list(_CLOSED_IN_FLIGHT):
+        if any(in_flight is link for link in chain) and os.getpid() == writer._pid:
+            _CLOSED_IN_FLIGHT.remove((writer, in_flight))
+            writer._say_end(writer._book.manifest.get(ENDED_KEY, {}).get("closed_by", "close"), exc, thread.name)
 
 
 @atexit.register
 def _close_open_writers() -> None:
-    """On normal interpreter exit, flush and close writers the program left open."""
+    """At interpreter exit, flush and close writers the program left open, recording the exception that
+    ended the program, if one did (heard by the hooks, else ``sys.last_value``: a hook installed later that
+    did not chain ours)."""
+    fallback = exit_hooks.uncaught_at_exit(_hear_uncaught)
     for writer in list(_OPEN_WRITERS):
+        exc, thread = writer._uncaught or (fallback, threading.main_thread().name)
         try:
-            writer.close()
+            writer._close("exit", exc, thread if exc is not None else None)
         except Exception as err:  # never turn a clean exit into a crash
             log.warning("tracer: closing %s at exit failed: %s", writer.root, err)
