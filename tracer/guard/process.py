@@ -78,6 +78,7 @@ class CheckerProcess:
         self.pid = pid
         os.close(paths_r)
         os.close(reports_w)
+        os.set_blocking(self._paths_w, False)  # step_written never waits; close() sets it back for its last line
         self._reports_r = reports_r
         self._closed = threading.Event()  # the child said it is done (or its pipe ended)
         self._broken = False
@@ -92,8 +93,7 @@ class CheckerProcess:
             if self._broken:
                 return
             try:
-                os.set_blocking(self._paths_w, False)
-                os.write(self._paths_w, data)
+                os.write(self._paths_w, data)  # non-blocking since __init__
             except BlockingIOError:
                 log.debug("tracer guard: the checker's pipe is full; %s left out", path)
             except OSError as err:  # the child is gone: the listener says so
@@ -106,7 +106,7 @@ class CheckerProcess:
         with self._lock:
             if not self._broken:
                 try:
-                    os.set_blocking(self._paths_w, True)
+                    os.set_blocking(self._paths_w, True)  # the close line must get through: wait for room
                     os.write(self._paths_w, CLOSE_LINE)
                 except OSError:
                     pass
