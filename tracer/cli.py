@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import argparse
 import collections.abc
-import errno
 import importlib
 import importlib.util
-import json
 import os
 import re
-import socket
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tracer.demo.sampler_faults import VLLM_BUGS
 from tracer.errors import TraceError
 
 # Only the standard library and light modules above: `tracer --help` and a mistyped option answer
-# without importing torch, pandas or the reader (seconds of start-up); each command imports what it uses
-# (even importlib.metadata, for --version, and the view server's urllib: ~40 ms of a 0.1 s start).
+# without importing torch, pandas or the reader (seconds of start-up); each subcommand lives in its own
+# module of tracer.commands, imported when it runs, and imports what it uses (even importlib.metadata,
+# for --version, and the view server's urllib: ~40 ms of a 0.1 s start).
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
@@ -92,12 +90,9 @@ ALGORITHM_CHOICES = _LazyChoices("tracer.format.schema", "ALGORITHMS")
 
 def __getattr__(name: str) -> Any:
     """``trace_info`` and ``print_info``, once imported here, stay importable from ``tracer.cli``
-    (tests/scripts/fuzz_headers.py does), without importing the reader for every command; so does
-    ``serve`` (:func:`tracer.view_server.serve`, urllib's import paid by ``tracer view`` only)."""
+    (tests/scripts/fuzz_headers.py does), without importing the reader for every command."""
     if name in ("trace_info", "print_info"):
         return getattr(importlib.import_module("tracer.read.trace_info"), name)
-    if name == "serve":
-        return importlib.import_module("tracer.view_server").serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -238,258 +233,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from tracer.demo.runner import run_demo
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The ``main(args) -> exit code`` of subcommand ``name`` (:mod:`tracer.commands`), its module
+    imported now: a command pays only for its own imports."""
+    if name == "demo":
+        from tracer.commands.demo import main
+    elif name == "info":
+        from tracer.commands.info import main
+    elif name == "view":
+        from tracer.commands.view import main as view
 
-    if args.name is not None and args.algo is not None and args.name != args.algo:
-        raise TraceError(f"demo {args.name} --algo {args.algo}: name one demo, either as `tracer demo {args.name}` "
-                         f"or with --algo {args.name}")
-    args.algo = args.name or args.algo or "grpo"
-    if args.steps < 1:
-        raise TraceError(f"--steps must be >= 1, got {args.steps}")
-    if args.leak_tool_output and args.algo != "agent":
-        raise TraceError(f"--leak-tool-output applies to the agent demo only, not {args.algo}")
-    if args.bug is not None and args.algo != "grpo-vllm":
-        raise TraceError(f"--bug applies to --algo grpo-vllm only, not {args.algo}")
-    if args.rollout != "hf" and args.algo not in ("grpo", "cispo"):
-        raise TraceError(f"--rollout {args.rollout} applies to --algo grpo and cispo only, not {args.algo}")
-    if (args.algo == "grpo-vllm" or args.rollout == "vllm") and importlib.util.find_spec("vllm") is None:
-        what = "--algo grpo-vllm" if args.algo == "grpo-vllm" else "--rollout vllm"
-        raise TraceError(f"{what} needs vLLM in this environment: `make .venv-vllm` builds one "
-                         "(torch 2.13.0 first, then pip install -e '.[vllm]'); see docs/vllm.md")
-    missing = [m for m in ("transformers", "tokenizers")
-               + (("trl",) if args.algo.endswith(("-trl", "-vllm")) or args.algo == "agent" else ())
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        raise TraceError(f"--algo {args.algo} needs {', '.join(missing)} (its tiny model is a transformers model"
-                         f"{', trained by TRL' if 'trl' in missing else ''}): install the trl extra, "
-                         "pip install 'tracer[trl]' (from a checkout: pip install -e '.[trl]')")
-    out_path = Path(args.out)
-    blocker = next((p for p in (out_path, *out_path.parents) if (p.exists() or p.is_symlink()) and not p.is_dir()),
-                   None)
-    if blocker is not None:
-        what = "a link to nothing" if blocker.is_symlink() and not blocker.exists() else "a file"
-        raise TraceError(f"--out {args.out}: {blocker} is {what}, not a folder; pass a folder for the demo's "
-                         "trace (and its tiny model)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out = run_demo(args.algo, args.out, steps=args.steps, seed=args.seed, progress=True, bug=args.bug,
-                   rollout=args.rollout, leak_tool_output=args.leak_tool_output)
-    print(f"wrote trace to {out}; browse it with: python -m tracer view {out}")
-    return 0
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    from tracer.read.trace_info import info_problem, print_info, trace_info
-
-    _refuse_a_folder_of_traces(args.path, "info")
-    info = trace_info(args.path, verify=args.verify)
-    if args.json:
-        print(json.dumps(info, indent=2, default=str))
+        return lambda args: view(args, APP_ENTRY, STREAMLIT_OPTIONS)
+    elif name == "diff":
+        from tracer.commands.diff import main
+    elif name == "check":
+        from tracer.commands.check import main
     else:
-        print_info(info)
-    problem = info_problem(info)
-    if problem is not None:
-        print(f"tracer info: error: {problem}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _require_app_dependencies() -> None:
-    missing = [name for name in ("streamlit", "plotly") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise TraceError(f"the web UI needs {' and '.join(missing)}, which this environment lacks; "
-                         "install the app extra from your checkout of tracer (the web UI lives in its app/ folder): "
-                         "pip install -e '.[app]' (the 'tracer' package on PyPI is another project)")
-    if not APP_ENTRY.is_file():
-        raise TraceError(f"the web UI's files are not installed ({APP_ENTRY} is missing): the app lives in the "
-                         "repository's app/ folder; install tracer from a checkout in editable mode: "
-                         "pip install -e '/path/to/tracer[app]'")
-
-
-def _require_free_port(port: int) -> None:
-    """Fail before starting Streamlit when 127.0.0.1:``port`` is taken (Streamlit would otherwise
-    print a traceback, or silently move to another port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Streamlit's server does
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise TraceError(f"port {port} is in use; pass --port, e.g. --port {port + 1}") from None
-            raise TraceError(f"cannot listen on 127.0.0.1:{port} ({err.strerror}); pass another --port") from None
-
-
-def _cmd_view(args: argparse.Namespace) -> int:
-    from tracer.read import Trace, find_traces
-
-    _require_app_dependencies()
-    root = Path(args.path)
-    if not root.exists():
-        raise TraceError(f"{root} does not exist: expected a trace directory, a directory of traces or a step file")
-    if root.is_dir() and not find_traces(root):
-        raise TraceError(
-            f"{root} holds no trace: expected a directory with manifest.json and steps/*.safetensors "
-            "(written by tracer), or a directory of such directories")
-    if root.is_file():
-        Trace(root)  # validates a single step file
-    _require_free_port(args.port)
-    # -P (Python 3.11+): the current directory is not put on sys.path, so a click.py there cannot shadow Streamlit's
-    isolate = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *isolate, "-m", "streamlit", "run", str(APP_ENTRY), *STREAMLIT_OPTIONS,
-           "--server.address", "127.0.0.1", "--server.port", str(args.port),
-           "--", "--root", str(root.resolve())]
-    return _serve(cmd, args.port, f"tracer: serving {root.resolve()} at http://127.0.0.1:{args.port} (Ctrl+C to stop)",
-                  start_timeout_s=args.start_timeout)
-
-
-def _echo(line: str) -> None:
-    """Pass one line of the server's output on to tracer view's stdout (quietly, if that is gone)."""
-    try:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-
-
-def _serve(cmd: list[str], port: int, announcement: str, start_timeout_s: float = 60.0) -> int:
-    """Run the Streamlit server ``cmd`` (:func:`tracer.view_server.serve`): print ``announcement``
-    (the URL) once it answers, then its output; report on stderr, exit code 1, a server that exits
-    during start-up or does not answer within ``start_timeout_s`` seconds, with what it printed."""
-    from tracer.view_server import EXITED, HEALTH_PATH, STOPPED, TIMED_OUT
-
-    serve = globals().get("serve") or __getattr__("serve")  # a test may have put its own here
-    run = serve(cmd, port, lambda: print(announcement, flush=True), _echo, start_timeout_s=start_timeout_s)
-    if run.state in (EXITED, TIMED_OUT):
-        what = (f"exited with code {run.code} before it answered" if run.state == EXITED else
-                f"did not answer within {start_timeout_s:g} s (stopped it; a slow machine may need "
-                f"--start-timeout {max(2 * start_timeout_s, 120):g})")
-        print(f"tracer view: error: the Streamlit server {what} on http://127.0.0.1:{port}{HEALTH_PATH}; "
-              f"it printed:\n{run.printed.rstrip() or '(nothing)'}", file=sys.stderr)
-        return 1
-    return 0 if run.state == STOPPED else run.code
-
-
-def _cmd_diff(args: argparse.Namespace) -> int:
-    from tracer.diff import diff, parse_tolerances
-
-    fields = [f for group in args.fields for f in group.split(",") if f] or None
-    report = diff(args.a, args.b, atol=parse_tolerances(args.atol, "--atol"),
-                  rtol=parse_tolerances(args.rtol, "--rtol"), fields=fields, ignore_metadata=args.ignore_metadata)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format(args.max_locations, args.verbose))
-    return 0 if report.equal else 1
-
-
-def _refuse_a_folder_of_traces(path: str, command: str) -> None:
-    """A folder that is not a trace but holds some (``runs/``): say which, rather than 'not a trace'
-    (TraceError naming the first five and how to pass one to ``tracer <command>``)."""
-    from tracer.read import find_traces
-
-    folder = Path(path)
-    if not folder.is_dir() or (folder / "manifest.json").exists() or (folder / "steps").is_dir():
-        return
-    inside = [t for t in find_traces(folder) if t != folder]
-    if inside:
-        shown = ", ".join(str(t) for t in inside[:5]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
-        raise TraceError(f"{folder} is a folder of {len(inside)} trace(s), not a trace: pass one of them, "
-                         f"e.g. tracer {command} {inside[0]} ({shown})")
-
-
-def _select_and_path(args: argparse.Namespace) -> None:
-    """``--select`` ids split at commas; a path written after them (``tracer check --select masks RUN``,
-    which argparse hands to --select) taken back as the path when it names no check."""
-    from tracer.checks import CHECKS, FAMILIES
-
-    names = [part for item in (args.select or []) for part in item.split(",") if part]
-    if args.path is None and names and names[-1] not in CHECKS and names[-1] not in FAMILIES:
-        args.path = names.pop()
-    if args.path is None:
-        raise TraceError("no trace given: tracer check PATH [--select ID ...]")
-    args.select = names or None
-
-
-def _cmd_check(args: argparse.Namespace) -> int:
-    if not args.sampler_ratio_bound > 1:
-        raise TraceError(f"--sampler-ratio-bound must be > 1, got {args.sampler_ratio_bound}")
-    thresholds = _thresholds(args.threshold)
-    if args.path is None and not args.select:
-        raise TraceError("no trace given: tracer check PATH [--select ID ...]")
-    from rich.console import Console
-
-    from tracer.checks import ERROR, WARNING, CheckOptions, has_errors, run_checks
-    from tracer.checks.coverage import NOT_CHECKED
-    from tracer.checks.report import render_findings
-
-    _select_and_path(args)
-    _refuse_a_folder_of_traces(args.path, "check")
-    options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(thresholds)
-    from tracer.checks.guard_records import LAST_REUSE
-
-    LAST_REUSE.clear()  # what this run reuses, not an earlier one's (--fresh reuses nothing)
-    findings = run_checks(args.path, select=args.select, options=options, reuse_guard=not args.fresh)
-    _say_what_was_reused()
-    if args.json:
-        print(json.dumps([f.to_dict() for f in findings], indent=2, default=str))
-    else:
-        # into a pipe or file, one finding's message stays on its line (grep finds it whole); on a
-        # terminal it wraps to the window
-        Console().print(render_findings(findings, title=str(args.path), max_per_check=args.max_per_check),
-                        soft_wrap=not sys.stdout.isatty())
-    failing = (ERROR, WARNING) if args.fail_on == "warning" else (ERROR,)
-    unchecked = args.strict_coverage and any(f.check == NOT_CHECKED for f in findings)
-    return 1 if has_errors(findings) or any(f.severity in failing for f in findings) or unchecked else 0
-
-
-def _say_what_was_reused() -> None:
-    """One line on stderr when ``run_checks`` took step-check results from the live guard's findings
-    file (:data:`tracer.checks.guard_records.LAST_REUSE`), so a user knows what was not recomputed."""
-    from tracer.checks.guard_records import LAST_REUSE
-
-    if LAST_REUSE.get("reused"):
-        rerun = LAST_REUSE.get("rerun")
-        print(f"tracer check: reused the live guard's step-check results for {LAST_REUSE['reused']} of "
-              f"{LAST_REUSE['files']} step files (findings.rank_N.jsonl; --fresh recomputes them)"
-              + (f"; checks that read other step files ran again on {rerun}" if rerun else ""), file=sys.stderr)
-
-
-def _thresholds(items: list[str]) -> dict[str, float]:
-    """``--threshold NAME=VALUE`` items as ``{name: value}``; TraceError for one without ``=`` or a number."""
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise TraceError(f"--threshold {item!r}: expected NAME=VALUE with a number, e.g. --threshold ref_kl=2.0")
-    return out
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    from tracer.zero_edit.script_runner import run_script
-    from tracer.zero_edit.watch import Watcher, summary_logger
-
-    meta = {}
-    for text in args.meta:
-        key, sep, value = text.partition("=")
-        if not sep or not key:
-            raise TraceError(f"--meta {text!r}: expected KEY=VALUE, e.g. --meta loss_reduction=token_mean")
-        try:
-            meta[key] = json.loads(value)
-        except ValueError:
-            meta[key] = value
-    watcher = Watcher(args.algo, args.out, args.map, strict=args.strict, hyperparameters=meta, nothing_traced="ignore",
-                      config={"script": args.script, "script_args": args.script_args}, guard=args.guard)
-    summary_logger(always=True)  # the end-of-run summary reaches stderr whatever the script does with warnings
-    code = run_script(args.script, args.script_args, watcher)
-    if code == 0 and watcher.steps_recorded == 0:
-        print(watcher.nothing_traced_message(), file=sys.stderr)
-        return 3
-    return code
-
-
-COMMANDS = {"demo": _cmd_demo, "info": _cmd_info, "view": _cmd_view, "diff": _cmd_diff, "check": _cmd_check,
-            "run": _cmd_run}
+        from tracer.commands.run import main
+    return main
 
 
 STREAMLIT_OPTION = re.compile(r"^--(server|browser|theme|client|runner|logger|global)\.([A-Za-z]+)")
@@ -521,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (AttributeError, ValueError, OSError):
             pass
     try:
-        return COMMANDS[args.command](args)
+        return _command(args.command)(args)
     except TraceError as err:
         print(f"tracer {args.command}: error: {err}", file=sys.stderr)
         return 2

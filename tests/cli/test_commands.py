@@ -62,7 +62,7 @@ def test_info_and_view_on_a_missing_or_non_trace_directory(tmp_path, capsys):
 
 def test_view_on_a_busy_port_says_so_before_starting_streamlit(tmp_path, capsys, monkeypatch):
     root = write_trace(tmp_path / "run")
-    monkeypatch.setattr("tracer.cli.serve", lambda *a, **k: pytest.fail("streamlit was started"))
+    monkeypatch.setattr("tracer.view_server.serve", lambda *a, **k: pytest.fail("streamlit was started"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -74,7 +74,7 @@ def test_view_on_a_busy_port_says_so_before_starting_streamlit(tmp_path, capsys,
 def test_view_without_streamlit_names_the_extra(tmp_path, capsys, monkeypatch):
     root = write_trace(tmp_path / "run")
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr("tracer.cli.importlib.util.find_spec",
+    monkeypatch.setattr("importlib.util.find_spec",
                         lambda name, *a: None if name == "streamlit" else real_find_spec(name, *a))
     assert main(["view", str(root)]) == 2
     err = capsys.readouterr().err
@@ -84,7 +84,7 @@ def test_view_without_streamlit_names_the_extra(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("algo, missing", [("grpo-trl", "trl"), ("grpo", "transformers")])
 def test_demo_without_its_extra_names_it(tmp_path, capsys, monkeypatch, algo, missing):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr("tracer.cli.importlib.util.find_spec",
+    monkeypatch.setattr("importlib.util.find_spec",
                         lambda name, *a: None if name == missing else real_find_spec(name, *a))
     assert main(["demo", "--algo", algo, "--out", str(tmp_path / "d")]) == 2
     err = capsys.readouterr().err
