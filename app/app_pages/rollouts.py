@@ -12,8 +12,8 @@ import streamlit as st
 from app.components import runs, trace_cache, urls
 from app.components.rollouts import (
     COLUMN_HELP, FINDINGS, PAGE_SIZE, PARAMS, TOKENS_LINK, RolloutQuery, RolloutStore,
-    display_rows, page_count, page_rows, row_finding_counts, select_rollouts, shown_columns, size_text, summary_text,
-    tokens_params)
+    display_rows, page_count, page_rows, pass_count, row_finding_counts, select_rollouts, shown_columns,
+    size_text, summary_text, tokens_params)
 from app.components.safe_trace import resolve_request
 from app.components.sidebar import current_selection, hide_step_choosers, run_param, stop_without_step_files
 from tracer.errors import TraceError
@@ -59,7 +59,7 @@ def _apply_url(sortable: list[str]) -> None:
         ro_search=query.search, ro_sort=query.sort if query.sort in sortable else FILE_ORDER,
         ro_descending=query.descending, ro_step_min=query.step_min, ro_step_max=query.step_max,
         ro_reward_min=query.reward_min, ro_reward_max=query.reward_max, ro_group=query.group,
-        ro_flagged=query.flagged, ro_page=query.page)
+        ro_flagged=query.flagged, ro_first_pass=query.first_pass, ro_page=query.page)
     st.session_state[_FILTERS] = (str(current_selection().trace_path), query.filters())
 
 
@@ -143,12 +143,17 @@ c3.number_input("Step from", value=None, step=1, key="ro_step_min")
 c4.number_input("Step to", value=None, step=1, key="ro_step_max")
 c5.number_input("Reward from", value=None, format="%g", key="ro_reward_min")
 c6.number_input("Reward to", value=None, format="%g", key="ro_reward_max")
-g1, g2, g3 = st.columns([1, 2, 3])
+g1, g2, g4, g3 = st.columns([1, 2, 2, 3])
 groups_recorded = "group" in frame and bool((frame["group"] >= 0).any())
 g1.number_input("Group", value=None, step=1, key="ro_group", disabled=not groups_recorded,
                 help="only the completions of this group id")
 g2.toggle("Only rows with findings", key="ro_flagged", disabled=not checked,
           help="rows where tracer check names an error or a warning")
+passes = pass_count(frame)
+g4.toggle("First pass only", key="ro_first_pass", disabled=passes <= 1,
+          help=(f"rows of the first inner step only: this run trains on each batch of rollouts {passes} times "
+                "(PPO epochs / GRPO iterations) and records its completions at every inner step" if passes > 1 else
+                "this run records one inner step: each completion is listed once already"))
 if not checked:
     g3.caption(f"Findings: not checked. tracer check reads every step file: this run has {cost.files:,} "
                f"({size_text(cost.bytes)}); {runs.budget_text()}.")
@@ -161,7 +166,8 @@ query = RolloutQuery(
     sort=None if state.ro_sort == FILE_ORDER else state.ro_sort, descending=bool(state.ro_descending),
     search=state.ro_search or "", step_min=_optional_int(state.ro_step_min),
     step_max=_optional_int(state.ro_step_max), reward_min=state.ro_reward_min, reward_max=state.ro_reward_max,
-    group=_optional_int(state.ro_group), flagged=bool(state.ro_flagged) and checked, page=int(state.get("ro_page") or 1))
+    group=_optional_int(state.ro_group), flagged=bool(state.ro_flagged) and checked,
+    first_pass=bool(state.get("ro_first_pass")) and passes > 1, page=int(state.get("ro_page") or 1))
 if (trace_path, query.filters()) != state.get(_FILTERS):  # other rows (or another run): back to page 1
     state[_FILTERS] = (trace_path, query.filters())
     state.ro_page = 1
@@ -178,6 +184,9 @@ _write_url(query)
 columns = shown_columns(frame)
 table = display_rows(rows, columns, run_label, checked)
 st.text(summary_text(len(shown), len(frame), page, pages))
+if passes > 1 and not query.first_pass:
+    st.caption(f"Each completion is listed once per inner step ({passes} inner steps): "
+               "“First pass only” lists each once.")
 event = st.dataframe(
     table, hide_index=True, width="stretch", on_select="rerun", selection_mode="single-row",
     height=ROW_PIXELS * (min(len(table), VISIBLE_ROWS) + 1) + 3,

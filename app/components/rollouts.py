@@ -3,7 +3,7 @@
 count of ``tracer check`` findings at each row and the link that opens the row's tokens.
 
 The page's state lives in the URL (:class:`RolloutQuery`: ``sort, dir, search, page, step_min,
-step_max, reward_min, reward_max, group_id, flagged``; names no other page uses, so that a page's
+step_max, reward_min, reward_max, group_id, flagged, first_pass``; names no other page uses, so that a page's
 parameter left in the URL, such as the Step page's ``q``, is not read as a search), so that a copied link reopens the same table.
 No Streamlit and no RL maths here: the per-row numbers come from ``tracer.read``, the findings from
 ``tracer.checks`` (through the Health page's findings frame, :func:`app.components.health.findings_frame`).
@@ -62,6 +62,9 @@ class RolloutQuery:
         reward_min, reward_max: inclusive reward range; None = open (a bound drops NaN rewards).
         group: only rows of this group id (``group_id``).
         flagged: only rows with at least one finding (needs the findings counted).
+        first_pass: only the rows of the first inner step (:func:`first_pass_rows`): a run that
+            trains on its rollouts for several PPO epochs / GRPO iterations records each completion
+            once per inner step; this lists each once.
     """
 
     sort: str | None = None
@@ -74,6 +77,7 @@ class RolloutQuery:
     reward_max: float | None = None
     group: int | None = None
     flagged: bool = False
+    first_pass: bool = False
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> RolloutQuery:
@@ -84,7 +88,8 @@ class RolloutQuery:
         page = ints.pop("page")
         return cls(sort=params.get("sort") or None, descending=params.get("dir") == "desc",
                    search=params.get("search") or "", page=page if page is not None and page >= 1 else 1,
-                   flagged=params.get("flagged") == "1", **ints, **floats)
+                   flagged=params.get("flagged") == "1", first_pass=params.get("first_pass") == "1",
+                   **ints, **floats)
 
     def to_params(self) -> dict[str, str | None]:
         """Every URL parameter of the query: its text, or None where the default applies (to remove)."""
@@ -97,7 +102,7 @@ class RolloutQuery:
                 out[param] = None
             elif field.name == "descending":
                 out[param] = "desc"
-            elif field.name == "flagged":
+            elif field.name in ("flagged", "first_pass"):
                 out[param] = "1"
             elif isinstance(value, float):
                 out[param] = f"{value:g}"
@@ -113,7 +118,7 @@ class RolloutQuery:
 
 PARAM_OF = {"sort": "sort", "descending": "dir", "search": "search", "page": "page", "step_min": "step_min",
             "step_max": "step_max", "reward_min": "reward_min", "reward_max": "reward_max", "group": "group_id",
-            "flagged": "flagged"}
+            "flagged": "flagged", "first_pass": "first_pass"}
 PARAMS = tuple(PARAM_OF.values())  # the page's own URL parameters (urls.PAGE_PARAMS["rollouts"])
 
 
@@ -146,6 +151,8 @@ def select_rollouts(frame: pd.DataFrame, query: RolloutQuery) -> pd.DataFrame:
         keep &= frame["reward"] <= query.reward_max
     if query.group is not None:
         keep &= frame["group"] == query.group
+    if query.first_pass:
+        keep &= first_pass_rows(frame)
     if query.flagged and FINDINGS in frame and frame[FINDINGS].notna().all():  # counted (not NaN: not checked)
         keep &= frame[FINDINGS] > 0
     if query.search:
@@ -156,6 +163,25 @@ def select_rollouts(frame: pd.DataFrame, query: RolloutQuery) -> pd.DataFrame:
     if query.sort not in frame:
         raise KeyError(f"no column {query.sort!r} to sort by; columns: {list(frame.columns)}")
     return shown.sort_values(query.sort, ascending=not query.descending, kind="stable", na_position="last")
+
+
+def first_pass_rows(frame: pd.DataFrame) -> pd.Series:
+    """Boolean per row of ``frame`` (``rollout_frame``): whether it lies in the first inner step (the
+    lowest ``inner_step`` the run recorded: 0 when the first pass was traced). A run that trains
+    several epochs / iterations on one batch of rollouts records the same completions at every inner
+    step: a hand-written PPO loop under one step number (inner steps 0, 1, 2 of step 7), TRL's
+    GRPOTrainer with ``num_iterations=2`` under consecutive step numbers (step 0 inner 0, step 1
+    inner 1: its step counts optimizer steps). Either way these rows are each completion once."""
+    if frame.empty or "inner_step" not in frame:
+        return pd.Series(True, index=frame.index)
+    return frame["inner_step"] == frame["inner_step"].min()
+
+
+def pass_count(frame: pd.DataFrame) -> int:
+    """How many distinct inner steps ``frame`` records (1 when no completion is trained on twice)."""
+    if frame.empty or "inner_step" not in frame:
+        return 1
+    return int(frame["inner_step"].nunique())
 
 
 def page_count(rows: int, size: int = PAGE_SIZE) -> int:

@@ -24,7 +24,7 @@ _PAGE_STATE = "_tracer_url_page"  # the URL path of the page the last run showed
 PAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "": (), "tokens": ("colour", "token"), "step": ("q",), "conversation": ("colour", "turns"), "groups": ("group",),
     "rollouts": ("sort", "dir", "search", "page", "step_min", "step_max", "reward_min", "reward_max", "group_id",
-                 "flagged"),
+                 "flagged", "first_pass"),
     "steps": ("overlay", "y", "smooth", "log", "x"), "diff": ("a", "b")}
 # Page parameters that name a place in the selected sequence: dropped when the selection moves.
 _SEQUENCE_PARAMS = ("token",)

@@ -80,17 +80,17 @@ def test_pages_cut_the_rows_and_clamp_the_page_number():
 
 def test_query_round_trips_through_url_parameters():
     query = RolloutQuery(sort="reward", descending=True, search="x y", page=3, step_min=2, step_max=9,
-                         reward_min=-0.5, reward_max=1.25, group=4, flagged=True)
+                         reward_min=-0.5, reward_max=1.25, group=4, flagged=True, first_pass=True)
     params = query.to_params()
     assert params == {"sort": "reward", "dir": "desc", "search": "x y", "page": "3", "step_min": "2", "step_max": "9",
-                      "reward_min": "-0.5", "reward_max": "1.25", "group_id": "4", "flagged": "1"}
+                      "reward_min": "-0.5", "reward_max": "1.25", "group_id": "4", "flagged": "1", "first_pass": "1"}
     assert RolloutQuery.from_params(params) == query
     # the defaults write nothing (None removes the parameter)
     assert set(RolloutQuery().to_params().values()) == {None}
     # malformed values are left at their defaults
     assert RolloutQuery.from_params({"page": "0", "step_min": "x", "reward_max": "nan", "dir": "up"}) == RolloutQuery()
     assert query.filters() == RolloutQuery(search="x y", step_min=2, step_max=9, reward_min=-0.5, reward_max=1.25,
-                                           group=4, flagged=True)
+                                           group=4, flagged=True, first_pass=True)
 
 
 def test_findings_are_counted_at_their_row_errors_and_warnings_only():
