@@ -190,8 +190,64 @@ def _shifted_by_one(rows: list[int], leak: torch.Tensor, keep: torch.Tensor, tai
     return True
 
 
-@register("masks.padding", "completion_mask must be 0 on trailing padding tokens")
+# Names of the generation length limit (new tokens per completion), as trainers and engines spell it:
+# TRL's GRPOConfig / RLOOConfig (recorded in step metadata by tracer.integrations), transformers'
+# ``generate(max_new_tokens=...)`` (a hand-written loop's argument, kept in the manifest's config by
+# ``tracer run``), verl's ``data.max_response_length``.
+LENGTH_LIMIT_KEYS = ("max_completion_length", "max_new_tokens", "max_response_length")
+
+
+def length_limit(ctx: StepContext) -> tuple[int, str] | None:
+    """``(limit, key)``: the generation length limit the run sampled with (tokens per completion), read
+    from the first of :data:`LENGTH_LIMIT_KEYS` in the step metadata, the manifest's ``hyperparameters``,
+    its ``config`` (a script's arguments under ``tracer run``) or ``config.trainer_args``; None when none
+    is recorded as a positive integer."""
+    config = ctx.trace.manifest.get("config")
+    config = config if isinstance(config, dict) else {}
+    trainer_args = config.get("trainer_args") if isinstance(config.get("trainer_args"), dict) else {}
+    for key in LENGTH_LIMIT_KEYS:
+        for value in (ctx.hyper(key, None), config.get(key), trainer_args.get(key)):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == int(value) and value > 0:
+                return int(value), key
+    return None
+
+
+def _padding_cause(b: int, has_eos: torch.Tensor, first_eos: torch.Tensor, eos: int | None, limit, T: int) -> tuple[str, str]:
+    """``(where, note)`` for the message about row ``b``'s kept trailing pad ids: what makes them padding
+    (after the row's EOS; past the recorded length limit; a row without EOS that stopped before the limit),
+    or, with no limit recorded, a note that says what would tell them from sampled tokens."""
+    if bool(has_eos[b]):
+        return f" after its EOS (id {eos}) at token {int(first_eos[b])}", ""
+    if limit is not None and T >= limit[0]:
+        return (f" past the generation length limit ({limit[1]} = {limit[0]}: the row has no EOS, so it ran to "
+                f"the limit and was padded from token {limit[0]} to the width T = {T})"), ""
+    if limit is not None:
+        return (f" (the row has no EOS yet stops at T = {T}, before the generation length limit {limit[1]} = "
+                f"{limit[0]}: it did not run to the limit, so the pad ids after its last other token are "
+                "padding)"), ""
+    if eos is None:
+        return "", ""
+    return "", (f" Seq {b} has no EOS (id {eos}) and no generation length limit is recorded "
+                f"({' / '.join(LENGTH_LIMIT_KEYS)}): had it run to the limit, these pad ids were sampled and "
+                "rightly kept; record the limit so that the check can tell.")
+
+
+@register("masks.padding", "completion_mask must be 0 on trailing padding tokens (pad ids a completion sampled "
+          "before the length limit are tokens, not padding)")
 def check_padding(ctx: StepContext):
+    """Kept padding: the trailing run of pad ids of a row that the mask keeps.
+
+    A sampler may emit the pad id as an ordinary token (an untrained or collapsing policy; a pad id
+    that is a real vocabulary entry), so a trailing pad id is padding only where the row had already
+    ended: after its EOS, or, in a completion without EOS, at or past the generation length limit
+    (:func:`length_limit`). A completion without EOS whose width T reaches the recorded limit ran to
+    it, so every pad id before the limit was sampled and the mask rightly keeps it (TRL's and
+    MiniMind's masks keep a row without EOS whole): no finding. One without EOS that stops before the
+    limit was cut short and padded: an error, except a single trailing pad id (the row's last token
+    may be a stop token equal to the pad id): an info. With no limit recorded the old rule stands:
+    one pad id ending a completion without EOS is an info, two or more an error, and the message
+    says which metadata key would settle it. DPO sides come from a dataset: every kept trailing pad
+    id is padding."""
     if ctx.has("completion_ids", "completion_mask") and any(ctx.has(f) for f in TURN_FIELDS):
         return _recorded_padding(ctx)
     pad, eos = ctx.pad_token_id, ctx.eos_token_id
@@ -199,6 +255,7 @@ def check_padding(ctx: StepContext):
         raise Skip("needs the pad token id: manifest tokenizer.pad_token_id or metadata pad_token_id")
     if pad == eos:
         return []  # padding after EOS is masks.after_eos's business
+    limit = length_limit(ctx)
     findings = []
     for ids_name, mask_name in _sides(ctx):
         ids, keep = ctx.data[ids_name], ctx.mask(mask_name)
@@ -208,38 +265,52 @@ def check_padding(ctx: StepContext):
         leak = trailing & keep
         if not bool(leak.any()):
             continue
-        # One pad id ending a row without EOS is most likely sampled: such a row ran to the length limit,
-        # where a small or untrained model can sample the pad id (an info). It is padding only if the row
-        # was cut one token short at a stop string; rows cut shorter keep two or more: an error, as is a
-        # kept run after an EOS.
-        # (sampled rows only: DPO's chosen/rejected ids come from a dataset, prompt included)
-        lone = ((trailing.sum(dim=1) == 1) & ~(ids == eos).any(dim=1) if eos is not None and ids_name == "completion_ids"
-                else torch.zeros(B, dtype=torch.bool))
-        for severity, rows_leak in ((ERROR, leak & ~lone.unsqueeze(1)), (INFO, leak & lone.unsqueeze(1))):
+        sampled_side = ids_name == "completion_ids" and eos is not None  # DPO sides come from a dataset
+        is_eos = ids == eos if eos is not None else torch.zeros_like(is_pad)
+        has_eos = is_eos.any(dim=1)  # (B,)
+        no_eos = ~has_eos if sampled_side else torch.zeros(B, dtype=torch.bool)  # (B,)
+        pos = torch.arange(T).expand(B, T)
+        settled = limit is not None and T >= limit[0]  # the limit tells sampled pad ids from padding
+        # a completion without EOS that ran to the limit: every position before it was sampled
+        sampled = no_eos.unsqueeze(1) & (pos < limit[0]) if settled else torch.zeros_like(leak)  # (B, T)
+        lone = no_eos & (trailing.sum(dim=1) == 1) & (not settled)  # (B,) one pad id the data cannot place
+        for severity, rows_leak in ((ERROR, leak & ~sampled & ~lone.unsqueeze(1)), (INFO, leak & lone.unsqueeze(1))):
             if not bool(rows_leak.any()):
                 continue
             rows = rows_leak.any(dim=1).nonzero().flatten().tolist()
             b = rows[0]
             t = int(first_index(rows_leak[b : b + 1])[0])
             if severity == ERROR:
+                where, note = _padding_cause(b, has_eos, first_index(is_eos), eos, limit, T)
                 message = (
-                    f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding, "
-                    f"yet {mask_name} keeps it; {len(rows)} of {count(B, 'row')} "
+                    f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding"
+                    f"{where}, yet {mask_name} keeps it; {len(rows)} of {count(B, 'row')} "
                     f"keep {count(int(rows_leak.sum()), 'pad token')}. Why "
                     "it matters: padding is trained as if the model had produced it and dilutes every masked mean. "
-                    "Likely fix: build the mask from the real lengths (or ids != pad), not all ones."
+                    "Likely fix: build the mask from the real lengths (or ids != pad), not all ones." + note
                 )
             else:
-                message = (
-                    f"seq {b} ends with the pad token (id {pad}) at token {t}, kept by {mask_name}, and has no EOS "
-                    f"(id {eos}); {len(rows)} of {B} rows end so. A row without EOS ran to the length limit, so this "
-                    "is most likely a sampled token (small or untrained models sample the pad id); it is padding "
-                    "only if the row was cut short without EOS (a stop string) and padded: then build the mask "
-                    "from the real lengths."
-                )
+                message = _lone_pad_message(b, t, pad, eos, mask_name, len(rows), B, T, limit)
             findings.append(ctx.finding("masks.padding", severity, message, b, t, field=mask_name, ids_field=ids_name,
-                                        rows=rows[:50], tokens=int(rows_leak.sum())))
+                                        rows=rows[:50], tokens=int(rows_leak.sum()),
+                                        length_limit=None if limit is None else limit[0]))
     return findings
+
+
+def _lone_pad_message(b: int, t: int, pad: int, eos: int, mask_name: str, n: int, B: int, T: int, limit) -> str:
+    """The info for completions without EOS that end with one kept pad id the data cannot place."""
+    head = f"seq {b} ends with the pad token (id {pad}) at token {t}, kept by {mask_name}, and has no EOS (id {eos}); "
+    if limit is None:
+        return head + (
+            f"{n} of {B} rows end so. No generation length limit is recorded ({' / '.join(LENGTH_LIMIT_KEYS)}): "
+            "a row without EOS most likely ran to it, so this is most likely a sampled token (small or untrained "
+            "models sample the pad id); it is padding only if the row was cut short without EOS (a stop string) "
+            "and padded: then build the mask from the real lengths. Record the limit so that the check can tell.")
+    return head + (
+        f"{n} of {B} rows end so, at T = {T}, before the generation length limit ({limit[1]} = {limit[0]}): the "
+        "sampler stopped the row by something else than EOS or the limit. The pad id is the row's stop token "
+        "(sampled, rightly kept) if the sampler stops on it; it is padding if the row was cut one token short at "
+        "a stop string: then build the mask from the real lengths.")
 
 
 def _recorded_padding(ctx: StepContext):
