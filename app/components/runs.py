@@ -27,9 +27,9 @@ import streamlit as st
 
 from app.components import trace_cache, urls
 from app.components.guard import report_of
-from app.components.overview import status_text
 from app.components.safe_trace import UNREADABLE
 from tracer.errors import TraceError
+from tracer.read.run_status import status_text
 
 # The automatic check's budget, so that opening a run waits at most ~5 s for tracer check. Measured
 # on the 2 shared CPU cores of the development machine, run_checks(reuse_guard=False) on GRPO traces
@@ -246,7 +246,7 @@ def run_row(trace_path: str, label: str, status: CheckStatus | None) -> dict:
         return row
     coordinates = table.coordinates
     row["open"] = urls.link(_OPEN_PAGES.get(trace.algorithm, _OPEN_PAGES[None])[1], {"run": label})  # URL path
-    row.update({"algorithm": trace.algorithm or "unknown", "status": status_text(trace.status),
+    row.update({"algorithm": trace.algorithm or "unknown", "status": status_text(trace.status, trace.manifest),
                 "steps": len(np.unique(coordinates[:, 0])),
                 "step files": len(table) + len(unreadable_files(trace_path))})
     if len(table):

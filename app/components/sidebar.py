@@ -6,7 +6,7 @@ Only traces that resolve inside the root are listed or opened; ``?run=`` in the 
 and is refused when it leaves the root; without ``step=`` the run opens at its most informative
 step (:mod:`app.components.runs`). A finding chosen on the Health page sets the choosers through
 :mod:`app.components.token_jump` before they are drawn. A page on which the choosers have no effect
-(Diff) takes them off the sidebar; :func:`keep_choices` keeps their values for the next page. A
+(Runs, which lists every run; Diff, which picks its own two) has them taken off the sidebar; :func:`keep_choices` keeps their values for the next page. A
 page that covers the whole run (Rollouts) takes off only the Rank, Step and Sequence choosers
 (:func:`hide_step_choosers`), keeping the Run chooser.
 """
@@ -26,11 +26,11 @@ import streamlit as st
 from streamlit.delta_generator import DeltaGenerator
 
 from app.components import token_jump, trace_cache, urls
-from app.components.overview import status_text
 from app.components.safe_trace import OutsideRootError, SafeTrace, inside, resolve_request
 from tracer.errors import TraceError
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
 from tracer.read import StepKey, find_traces
+from tracer.read.run_status import status_text
 from tracer.read.step_table import StepTable
 from tracer.format.text import clean_str
 
@@ -213,7 +213,7 @@ def render_sidebar(root: Path, traces: list[Path], choosers: DeltaGenerator | No
     except TraceError as err:
         sb.error("This run cannot be opened; pick another one.")
         return Selection(root, run, None, None, error=str(err))
-    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status)} · {len(table)} step files")
+    sb.text(f"{trace.algorithm or 'unknown algorithm'} · {status_text(trace.status, trace.manifest)} · {len(table)} step files")
     _render_status_notes(sb, trace, problems)
     _render_auto_refresh(sb, str(run))
     if jump is not None:
