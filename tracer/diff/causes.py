@@ -20,6 +20,7 @@ import math
 from tracer.diff.locations import EXACT, FLOAT, MASK
 from tracer.diff.result import DiffResult, FieldDiff, UpdateCause
 from tracer.format.schema import DATA_FLOW, flow_rank
+from tracer.format.summary import SCALAR_PREFIX
 
 # A name per stage of DATA_FLOW, for the cause line.
 STAGES = ("prompt", "completion", "reward", "value", "advantage", "rollout/reference logprob", "policy logprob",
@@ -94,6 +95,10 @@ def update_evidence(update: UpdateCause) -> str:
                  "optimizer step differ (learning rate, gradient clipping, optimizer state)")
     else:
         text += ", and the loss is not recorded"
+    if update.scalars:
+        text += "; the scalars recorded with it differ: " + "; ".join(
+            f"{name} by |Δ|={d.max_abs_diff:.2g} at {d.first.where()} ({d.first.values()})"
+            for name, d in update.scalars.items())
     if update.metadata:
         text += "; step metadata the runs were given differs: " + ", ".join(
             f"{k} a={a!r} b={b!r}" for k, (a, b) in update.metadata.items())
@@ -114,7 +119,9 @@ def _cause_line(report: DiffResult, cause: FieldDiff) -> str:
     same = [f.name for f in report.downstream if flow_rank(f.name)[0] == stage and f.first is not None
             and cause.first is not None and f.first.step == cause.first.step]
     also = f"; same stage, same step: {', '.join(same)}" if same else ""
-    return f"cause: {cause.name} ({_stage(cause.name)} stage of the data flow): {n}{also}"
+    where = ("a per-step scalar the run recorded or logged, beside the data flow" if cause.name.startswith(SCALAR_PREFIX)
+             else f"{_stage(cause.name)} stage of the data flow")
+    return f"cause: {cause.name} ({where}): {n}{also}"
 
 
 def _table(fields: list[FieldDiff]) -> list[str]:

@@ -17,6 +17,7 @@ from tracer.diff.inputs import (check_batch, check_compatible, check_names, chec
 from tracer.diff.locations import EXACT, FLOAT, MASK, StepId, step_label
 from tracer.diff.report import DiffReport
 from tracer.diff.result import UPDATE_GROUPS_KEPT, FieldDiff, StepDifference
+from tracer.diff.scalars import ScalarPairs, compare_scalars
 from tracer.diff.stats import FieldStats, coarseness, field_tolerance
 from tracer.diff.tokens import ID_FIELDS, TokenAlignment, account, prompt_rows_same, same_context
 from tracer.errors import ChecksumError, TraceFormatError
@@ -75,8 +76,9 @@ def diff(
                         compared_steps=[step_id(key_a) for key_a, _ in pairs], fields_selected=fields is not None)
     atols, rtols = per_field(atol, "atol"), per_field(rtol, "rtol")
     wanted = None if fields is None else list(fields)
+    scalars = ScalarPairs(trace_a, trace_b, pairs)
     if pairs:
-        check_names(pairs, wanted, atols, rtols)
+        check_names(pairs, wanted, atols, rtols, scalars.names())
     show = progress if progress is not None else (len(pairs) >= PROGRESS_MIN_PAIRS and sys.stderr.isatty())
     checksums = _verify(pairs, report, show)
     engine = _Engine(report, trace_a, trace_b, atols, rtols, wanted,
@@ -86,6 +88,7 @@ def diff(
             engine.diff_step(key_a, key_b)
         except TraceFormatError as err:  # a corrupt step file: say which and why, diff the others
             report.unreadable[step_label(step_id(key_a))] = str(err)
+    engine.diff_scalars(scalars)
     report.fields = {name: acc.finish() for name, acc in engine.accs.items()}
     return report
 
@@ -196,6 +199,17 @@ class _Engine:
                 self._token_text(acc, step, fa, fb)
                 if difference is not None:
                     self._keep_difference(step, name, difference)
+
+    def diff_scalars(self, scalars: ScalarPairs) -> None:
+        """Compare the traces' per-step scalars as ``scalars/<name>`` fields (:mod:`tracer.diff.scalars`),
+        after every step pair's tensors (their fields come after the tensors' in ``report.fields``)."""
+        stats, missing, not_compared, differences = compare_scalars(scalars, self.atols, self.rtols, self.wanted,
+                                                                    self.drift)
+        self.accs.update(stats)
+        self.report.missing_fields.update(missing)
+        self.report.scalars_not_compared = not_compared
+        for step, name, difference in differences:
+            self._keep_difference(step, name, difference)
 
     def _contexts(self, step: StepId, fa, fb, heads, masks) -> dict[str, torch.Tensor]:
         """``{mask name: [B, T] same-context positions}`` per ids field both sides record, and the

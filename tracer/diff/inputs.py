@@ -130,8 +130,9 @@ def open_checked(path: Path, trace: Trace | None = None):
         yield fh
 
 
-def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> None:
-    """Raise DiffInputError when ``fields`` or a tolerance names a field neither trace has."""
+def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols, scalars: Iterable[str] = ()) -> None:
+    """Raise DiffInputError when ``fields`` or a tolerance names a field neither trace has (the
+    fields of the first step pair whose files open, and the ``scalars/<name>`` of ``scalars``)."""
     names: set[str] = set()
     for pair in pairs:  # the first pair whose files open
         try:
@@ -142,12 +143,14 @@ def check_names(pairs: list[tuple[StepKey, StepKey]], wanted, atols, rtols) -> N
             names = set()
             continue
         break
+    scalars = set(scalars)
     for what, asked in (("fields", wanted or []), ("atol", atols), ("rtol", rtols)):
-        unknown = sorted(set(asked) - names - {"*"})
+        unknown = sorted(set(asked) - names - scalars - {"*"})
         if unknown:
+            logged = f"; scalars: {sorted(scalars)}" if scalars else ""
             raise DiffInputError(
                 f"{what} names {unknown}, which neither trace has (fields of the first step: "
-                f"{sorted(names)}); check the spelling")
+                f"{sorted(names)}{logged}); check the spelling")
 
 
 def sampling_of(trace: Trace) -> dict:

@@ -91,7 +91,7 @@ class DiffReport(DiffResult):
             "downstream": [f.name for f in self.downstream],
             "token_alignment": {k: asdict(v) for k, v in self.token_alignment.items()},
             "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
-            "fields": fields,
+            "fields": fields, "scalars_not_compared": self.scalars_not_compared,
         }
         return _json_safe(out)
 

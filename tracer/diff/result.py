@@ -16,6 +16,7 @@ from typing import Any
 from tracer.diff.locations import EXACT, FLOAT, MASK, Location, StepId, Tolerance, step_label, step_list
 from tracer.diff.tokens import TokenAlignment
 from tracer.format.schema import flow_rank
+from tracer.format.summary import SCALAR_PREFIX
 
 
 @dataclass
@@ -139,6 +140,8 @@ class UpdateCause:
         loss_recorded: the loss fields the traces record (empty: the loss is not recorded).
         metadata: ``{key: (a, b)}`` step metadata both sides record with different values, first at or
             before ``before`` (the configuration the two runs were given).
+        scalars: ``{"scalars/<name>": StepDifference}`` for the scalars recorded or logged with
+            ``before`` that differ (a learning rate, a gradient norm: the update's own numbers).
     """
 
     before: tuple[int, int]
@@ -148,6 +151,7 @@ class UpdateCause:
     loss: dict[str, StepDifference]
     loss_recorded: list[str]
     metadata: dict[str, tuple[Any, Any]]
+    scalars: dict[str, StepDifference] = field(default_factory=dict)
 
     def name(self) -> str:
         """``the update between step 0 inner 0 and inner 1``."""
@@ -191,6 +195,9 @@ class DiffResult:
         fields_selected: only some fields were compared (``fields=``): no claim about every input.
         step_differences: ``{step id: {field: StepDifference}}`` for the step pairs of the first
             :data:`UPDATE_GROUPS_KEPT` ``(step, inner_step)`` groups that differ (bounded memory).
+        scalars_not_compared: the ``scalars/<name>`` that measure the machine (wall-clock times,
+            throughput, memory: :func:`tracer.diff.scalars.machine_scalar`), left out (a note). The
+            other scalars are in :attr:`fields` and :attr:`missing_fields` like fields.
     """
 
     a: str
@@ -212,6 +219,7 @@ class DiffResult:
     compared_steps: list[StepId] = field(default_factory=list)
     fields_selected: bool = False
     step_differences: dict[StepId, dict[str, StepDifference]] = field(default_factory=dict)
+    scalars_not_compared: list[str] = field(default_factory=list)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -305,7 +313,8 @@ class DiffResult:
         metadata = {k: (m["a"], m["b"]) for k, m in self.metadata_conflicts.items() if m["first_step"] <= last}
         loss_fields = [n for n in self.fields if flow_rank(n)[0] in (LOSS_STAGE, LOSS_STAGE + 1)]
         return UpdateCause(before, after, self.fields[effect], at_after[effect].first,
-                           {n: d for n, d in at_before.items() if n in loss_fields}, loss_fields, metadata)
+                           {n: d for n, d in at_before.items() if n in loss_fields}, loss_fields, metadata,
+                           {n: d for n, d in at_before.items() if n.startswith(SCALAR_PREFIX)})
 
     def _group_differences(self, group: tuple[int, int]) -> dict[str, StepDifference]:
         """``{field: StepDifference}`` over the step pairs of ``(step, inner_step)`` (the first pair
@@ -365,8 +374,8 @@ class DiffResult:
 
     def notes(self) -> list[str]:
         """What is not a difference but worth saying: producers (package versions, CPU kernels) that
-        differ, metadata keys one side records and the other does not, and fields recorded on one
-        side and derived on the other that agree."""
+        differ, metadata keys one side records and the other does not, the scalars not compared
+        (machine measurements), and fields recorded on one side and derived on the other that agree."""
         out = []
         produced = self.producer_differences
         if produced:
@@ -378,6 +387,9 @@ class DiffResult:
                 other = "b" if side == "a" else "a"
                 out.append(f"metadata only in {side} (not recorded in {other}, so not compared): "
                            + ", ".join(f"{k}={v!r}" for k, v in keys.items()))
+        if self.scalars_not_compared:
+            out.append("scalars not compared (they measure the machine, not the run: times, throughput, memory): "
+                       + ", ".join(self.scalars_not_compared))
         for f in self.fields.values():
             if f.derived_in and f.passed:
                 out.append(f"{f.name}: recorded in {'b' if f.derived_in == 'a' else 'a'}, derived in {f.derived_in} "

@@ -1,6 +1,6 @@
 """``tracer info``: what a trace holds (:func:`trace_info`: a dict, also the ``--json`` output) and
 its text form (:func:`print_info`): status, steps and ranks, fields, capture reports, drops, the
-overview's per-step curves in numbers, and, with ``--verify``, each step file's checksum.
+overview's per-step curves and the run's recorded and logged scalars in numbers, and, with ``--verify``, each step file's checksum.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from tracer.format.arrays import as_bool
 from tracer.format.capture_report import describe_capture_reports, read_capture_reports
 from tracer.format.names import MANIFEST_NAME, STEPS_DIR
 from tracer.format.run_end import read_ended
-from tracer.format.summary import SUMMARY_KEY, read_summary
+from tracer.format.scalar_log import SCALARS_GLOB, read_scalars
+from tracer.format.summary import SCALAR_PREFIX, SUMMARY_KEY, named_key, read_summary
 from tracer.read.reader import StepKey, Trace
 from tracer.read.run_status import STATUS_TEXT, status_text  # noqa: F401  (STATUS_TEXT: the app's)
 
@@ -215,12 +216,13 @@ OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", 
 
 def _overview(trace: Trace, keys: list[StepKey]) -> dict[str, Any]:
     """First, last, min and max of the non-NaN values of a few per-step summary columns over the
-    readable step files ``keys`` (in step order): each file's summary from its header (decoded once
+    readable step files ``keys`` (in step order), and of the run's scalars (:func:`_scalars`): each file's summary from its header (decoded once
     by ``Trace.scan``; no pandas, no torch), else computed from its tensors
     (:meth:`tracer.read.overview.TraceOverview.step_summary`'s way, imports torch: traces written
     before summaries were stored); a file that cannot be summarised is left out, and so is a column
     with no value."""
     rows: list[dict[str, Any]] = []
+    steps: list[int] = []  # the step number of each row
     counts = {"header": 0, "tensors": 0}
     for key in sorted(keys, key=lambda k: (k.step, k.inner_step, k.micro_batch, k.rank)):
         try:
@@ -232,13 +234,46 @@ def _overview(trace: Trace, keys: list[StepKey]) -> dict[str, Any]:
             continue
         counts[source] += 1
         rows.append(summary)
+        steps.append(key.step)
     columns: dict[str, dict[str, Any]] = {}
     for col in OVERVIEW_COLUMNS:
         values = [row[col] for row in rows if row.get(col) is not None and row[col] == row[col]]  # not NaN
         if values:
-            columns[col] = {"first": _json_number(values[0]), "last": _json_number(values[-1]),
-                            "min": _json_number(min(values)), "max": _json_number(max(values))}
-    return {"from_headers": counts["header"], "from_tensors": counts["tensors"], "columns": columns}
+            columns[col] = _first_last(values)
+    return {"from_headers": counts["header"], "from_tensors": counts["tensors"], "columns": columns,
+            "scalars": _scalars(trace, steps, rows)}
+
+
+def _first_last(values: list) -> dict[str, Any]:
+    return {"first": _json_number(values[0]), "last": _json_number(values[-1]),
+            "min": _json_number(min(values)), "max": _json_number(max(values))}
+
+
+def _scalars(trace: Trace, steps: list[int], rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{"scalars/<name>": {first, last, min, max, count}}`` of the run's per-step scalars, in step
+    order, NaN left out: those recorded with each step file (its summary ``rows``, ``steps`` their
+    step numbers) and those logged after their step (:mod:`tracer.format.scalar_log`), a step's
+    recorded value winning over its logged one as in ``Trace.step_summary``; ``count`` is how many
+    values were recorded or logged, NaN included."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    recorded: set[tuple[str, int]] = set()
+    for step, row in zip(steps, rows):
+        for key, value in row.items():
+            if key.startswith(SCALAR_PREFIX):
+                series.setdefault(key, []).append((step, value))
+                recorded.add((key, step))
+    if trace.path.is_dir():
+        for step, values in sorted(read_scalars(sorted(trace.root.glob(SCALARS_GLOB))).items()):
+            for name, value in values.items():
+                key = SCALAR_PREFIX + name
+                if named_key(key) and (key, step) not in recorded:
+                    series.setdefault(key, []).append((step, value))
+    out = {}
+    for key, points in series.items():
+        values = [v for _, v in sorted(points, key=lambda p: p[0]) if v == v]  # stable: file order within a step
+        out[key] = {**(_first_last(values) if values else dict.fromkeys(("first", "last", "min", "max"))),
+                    "count": len(points)}
+    return out
 
 
 def _json_number(value: Any) -> float | int | None:
@@ -289,6 +324,16 @@ def print_info(info: dict[str, Any]) -> None:
             table.add_column(col)
         for name, stats in overview["columns"].items():
             table.add_row(name, *(f"{stats[k]:.4g}" if stats[k] is not None else "nan" for k in ("first", "last", "min", "max")))
+        console.print(table)
+    scalars = overview.get("scalars") or {}
+    if scalars:
+        table = Table(title="scalars (recorded with the steps, logged after them)")
+        table.add_column("scalar", overflow="fold")  # long logged names (rewards/<func>/mean) whole
+        for col in ("first", "last", "min", "max", "values"):
+            table.add_column(col)
+        for name, stats in scalars.items():
+            table.add_row(Text(name), *(f"{stats[k]:.4g}" if stats[k] is not None else "nan"
+                                        for k in ("first", "last", "min", "max")), str(stats["count"]))
         console.print(table)
     if info["first_step_metadata"]:
         meta = ", ".join(f"{k}={v}" for k, v in sorted(info["first_step_metadata"].items()))

@@ -1,0 +1,143 @@
+"""``tracer diff`` compares the per-step scalars a run recorded with its steps (``record(..., scalars=...)``)
+and logged after them (``log_scalars``: ``scalars.rank_N.jsonl``) as ``scalars/<name>`` fields: the same
+tolerance rule, a scalar one run lacks is a finding, in the text and the ``--json`` report; the
+machine's own measurements (a step's wall time) are a note, not a difference. Real runs of a
+hand-written GRPO loop on the tiny model (two steps, one inner pass each), traced with the explicit
+API, that differ in one documented way."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from tracer import Tracer, diff, formulas
+from tracer.cli import main
+from tracer.demo import rollout as ro
+
+G, BETA, EPS, STEPS = 4, 0.04, 0.2, 2
+
+
+def grpo_run(out, model_dir, *, learning_rate=1e-3, extra_scalar=False):
+    """Two GRPO steps of 2 prompts x G on the tiny model. Each step records its tensors and the scalars
+    ``loss``, ``grad_norm`` (after backward, before the update), ``learning_rate`` and ``step_time``
+    (wall clock), and logs ``reward_mean`` after its update; ``extra_scalar`` also records
+    ``clip_ratio`` and logs ``num_tokens``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    hyper = {"num_generations": G, "beta": BETA, "clip_epsilon_low": EPS, "clip_epsilon_high": EPS,
+             "temperature": 1.0, "loss_reduction": "sequence_mean"}
+    with Tracer(out, algorithm="grpo", tokenizer=tokenizer, hyperparameters=hyper) as tr:
+        for step in range(STEPS):
+            started = time.perf_counter()
+            model.eval()
+            batch = ro.rollout(model, tokenizer, ro.arithmetic_prompts(2, rng), G, 8, 1.0)
+            completions = tokenizer.batch_decode(batch.completion_ids, skip_special_tokens=True)
+            rewards = ro.reward_components(batch.prompts, completions).sum(dim=1)  # (B,)
+            advantages = formulas.group_advantages(rewards, G)  # (B,)
+            L = batch.prompt_ids.shape[1]
+            with torch.no_grad():
+                ref_logprobs = ro.completion_logprobs(ref_model, batch.input_ids, batch.attention_mask, L, 1.0)
+            model.train()
+            policy_logprobs = ro.completion_logprobs(model, batch.input_ids, batch.attention_mask, L, 1.0)  # (B, T)
+            per_token_loss = formulas.grpo_per_token_loss(policy_logprobs, batch.old_logprobs, advantages, EPS, EPS,
+                                                          BETA, ref_logprobs)  # (B, T)
+            loss = formulas.sequence_mean_loss(per_token_loss, batch.completion_mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            scalars = ro.step_scalars(optimizer, loss, step_time=time.perf_counter() - started)
+            if extra_scalar:
+                scalars["clip_ratio"] = 0.0
+            tr.record(step=step, prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                      completion_ids=batch.completion_ids, completion_mask=batch.completion_mask,
+                      policy_logprobs=policy_logprobs.detach(), old_logprobs=batch.old_logprobs,
+                      ref_logprobs=ref_logprobs, rewards=rewards, advantages=advantages, group_ids=batch.group_ids,
+                      scalars=scalars)
+            optimizer.step()
+            logged = {"reward_mean": float(rewards.mean())}
+            if extra_scalar:
+                logged["num_tokens"] = float(batch.completion_mask.sum())
+            tr.log_scalars(step, logged)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("scalars")
+    return {"baseline": grpo_run(root / "baseline", model_dir), "again": grpo_run(root / "again", model_dir),
+            "lr": grpo_run(root / "lr", model_dir, learning_rate=3e-3),
+            "extra": grpo_run(root / "extra", model_dir, extra_scalar=True)}
+
+
+def test_two_runs_of_one_loop_compare_their_scalars_and_leave_the_wall_time_out(runs, capsys):
+    report = diff(runs["baseline"], runs["again"])
+    assert report.equal, report.format(verbose=True)
+    # recorded with each of the 2 step files; reward_mean logged once per step: 2 positions each
+    for name in ("scalars/loss", "scalars/grad_norm", "scalars/learning_rate", "scalars/reward_mean"):
+        field = report.fields[name]
+        assert (field.compared, field.differing, field.dtype_a) == (STEPS, 0, "F64"), name
+    assert "scalars/step_time" not in report.fields and report.scalars_not_compared == ["scalars/step_time"]
+    assert ("scalars not compared (they measure the machine, not the run: times, throughput, memory): "
+            "scalars/step_time") in report.notes()
+    assert main(["diff", str(runs["baseline"]), str(runs["again"]), "--json"]) == 0
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["fields"]["scalars/learning_rate"]["passed"] is True
+    assert as_json["scalars_not_compared"] == ["scalars/step_time"]
+
+
+def test_a_changed_learning_rate_is_named_by_its_scalar_at_the_first_step(runs, capsys):
+    report = diff(runs["baseline"], runs["lr"])
+    # step 0 scores one rollout with the same initial weights in both runs: every tensor and the loss and
+    # gradient norm are equal; only the learning rate the optimizer holds differs (1e-3 vs 3e-3), from step 0
+    lr = report.fields["scalars/learning_rate"]
+    assert (lr.compared, lr.differing, lr.max_abs_diff) == (STEPS, STEPS, abs(3e-3 - 1e-3))
+    assert (lr.first.step, lr.first.a, lr.first.b) == ((0, 0, 0, 0), 1e-3, 3e-3)
+    assert report.fields["scalars/grad_norm"].first.step[0] == 1  # equal before the first update
+    assert report.cause.name == "scalars/learning_rate" and report.first_divergence[1].step == (0, 0, 0, 0)
+    assert main(["diff", str(runs["baseline"]), str(runs["lr"])]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("tracer diff: DIFFERENT: scalars/learning_rate diverges first, at step 0 (a=0.001, b=0.003)")
+    assert ("cause: scalars/learning_rate (a per-step scalar the run recorded or logged, beside the data flow): "
+            "2 of 2 positions differ (100.0%), max |Δ|=0.002, mean(b-a)=+0.002") in out
+    assert main(["diff", str(runs["baseline"]), str(runs["lr"]), "--json"]) == 1
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["cause"] == "scalars/learning_rate"
+    assert as_json["fields"]["scalars/learning_rate"]["differing"] == STEPS
+
+
+def test_a_scalar_tolerance_is_given_like_a_field_s(runs, capsys):
+    a, b = str(runs["baseline"]), str(runs["lr"])
+    delta = abs(3e-3 - 1e-3)  # the learning rates' difference, at every step
+    assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--atol", f"scalars/learning_rate={delta}"]) == 0
+    assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--atol", f"scalars/learning_rate={delta * 0.99}"]) == 1
+    # relative to |a| = 1e-3: rtol 2 allows |Δ| <= 2e-3
+    assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--rtol", "scalars/learning_rate=2"]) == 0
+    capsys.readouterr()
+    assert main(["diff", a, b, "--atol", "scalars/lr=1"]) == 2
+    assert "atol names ['scalars/lr'], which neither trace has" in capsys.readouterr().err
+
+
+def test_a_scalar_one_run_records_or_logs_and_the_other_does_not_is_reported(runs, capsys):
+    report = diff(runs["baseline"], runs["extra"])
+    assert not report.equal and report.differing_fields == []  # the same run otherwise
+    assert report.missing_fields == {
+        "scalars/clip_ratio": {"only_in": "b", "step_pairs": STEPS, "first_step": (0, 0, 0, 0)},
+        "scalars/num_tokens": {"only_in": "b", "step_pairs": STEPS, "first_step": (0, 0, 0, 0)}}
+    assert main(["diff", str(runs["extra"]), str(runs["baseline"])]) == 1
+    out = capsys.readouterr().out
+    assert "scalars/clip_ratio: only in a (2 step pairs, first at step 0)" in out
+    assert "scalars/num_tokens: only in a (2 step pairs, first at step 0)" in out
+    assert main(["diff", str(runs["baseline"]), str(runs["extra"]), "--json"]) == 1
+    as_json = json.loads(capsys.readouterr().out)
+    assert as_json["missing_fields"]["scalars/num_tokens"]["only_in"] == "b"
+    assert "scalars/clip_ratio: only in b (2 step pairs, first at step 0)" in as_json["findings"]
