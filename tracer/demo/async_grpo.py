@@ -34,6 +34,7 @@ import torch
 
 from tracer import formulas
 from tracer.demo import rollout as ro
+from tracer.demo.policy import frozen_copy, load_policy
 from tracer.formulas import importance
 from tracer.record.writer import Tracer
 
@@ -109,8 +110,8 @@ def train(model, tokenizer, cfg: AsyncGRPOConfig, tr: Tracer) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
     rng = random.Random(cfg.seed)
     versions = [copy.deepcopy(model.state_dict())]  # versions[v]: the weights after v updates
-    sampler = copy.deepcopy(model).eval().requires_grad_(False)  # the trailing rollout worker
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the initial policy (its KL is logged, beta = 0)
+    sampler = frozen_copy(model)  # the trailing rollout worker
+    ref_model = frozen_copy(model)  # the initial policy (its KL is logged, beta = 0)
     extra = 2 if cfg.fault == "lag_beyond_max" else 0
     for step in range(cfg.steps):
         version = max(0, step - cfg.lag - extra)
@@ -155,11 +156,7 @@ def train(model, tokenizer, cfg: AsyncGRPOConfig, tr: Tracer) -> None:
 
 def run(out_dir, cfg: AsyncGRPOConfig, model_dir: str | Path) -> Path:
     """Load the tiny model from ``model_dir``, train asynchronously with ``cfg``, trace into ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer, model = load_policy(model_dir, cfg.seed)
     with Tracer(out_dir, algorithm="grpo", tokenizer=tokenizer,
                 config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.async_grpo"},
                 hyperparameters=hyperparameters(cfg)) as tr:

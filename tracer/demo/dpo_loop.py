@@ -8,7 +8,6 @@ the answer tokens (prompt and padding masked, the same rule on both sides).
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from tracer import formulas
 from tracer.demo import rollout as ro
+from tracer.demo.policy import frozen_copy, load_policy
 from tracer.record.writer import Tracer
 
 
@@ -109,12 +109,8 @@ def train(model, ref_model, tokenizer, cfg: DPOConfig, tr: Tracer, progress=None
 
 def run(out_dir, cfg: DPOConfig, model_dir: str | Path, progress=None) -> Path:
     """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    tokenizer, model = load_policy(model_dir, cfg.seed)
+    ref_model = frozen_copy(model)
     with Tracer(out_dir, algorithm="dpo", tokenizer=tokenizer,
                 config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.dpo_loop"},
                 hyperparameters={"beta": cfg.beta, "loss_reduction": "sequence_mean"}) as tr:

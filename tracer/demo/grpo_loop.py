@@ -9,7 +9,6 @@ then ``num_iterations`` passes of the clipped (GRPO) or clamped-and-detached (CI
 
 from __future__ import annotations
 
-import copy
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from tracer import formulas
 from tracer.demo import rollout as ro
+from tracer.demo.policy import frozen_copy, load_policy
 from tracer.record.writer import Tracer
 
 
@@ -136,12 +136,8 @@ def hyperparameters(cfg: GRPOConfig) -> dict:
 def run(out_dir, cfg: GRPOConfig, model_dir: str | Path, progress=None, config: dict | None = None) -> Path:
     """Load the tiny model from ``model_dir``, train with ``cfg``, trace into ``out_dir``; ``config``
     adds keys to the manifest's run config (e.g. ``diff_baseline``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    tokenizer, model = load_policy(model_dir, cfg.seed)
+    ref_model = frozen_copy(model)
     with Tracer(out_dir, algorithm=cfg.loss_type, tokenizer=tokenizer,
                 config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.grpo_loop", **(config or {})},
                 hyperparameters=hyperparameters(cfg)) as tr:

@@ -21,6 +21,7 @@ from torch import nn
 
 from tracer import formulas
 from tracer.demo import rollout as ro
+from tracer.demo.policy import frozen_copy, load_policy
 from tracer.record.writer import Tracer
 
 
@@ -153,12 +154,8 @@ def hyperparameters(cfg: PPOConfig) -> dict:
 
 def run(out_dir, cfg: PPOConfig, model_dir: str | Path, progress=None) -> Path:
     """Load the tiny model from ``model_dir``, train actor + critic with ``cfg``, trace into ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    actor = AutoModelForCausalLM.from_pretrained(model_dir)
-    ref_model = copy.deepcopy(actor).eval().requires_grad_(False)
+    tokenizer, actor = load_policy(model_dir, cfg.seed)
+    ref_model = frozen_copy(actor)
     critic = Critic(actor)
     with Tracer(out_dir, algorithm="ppo", tokenizer=tokenizer,
                 config={**asdict(cfg), "model_dir": str(model_dir), "trainer": "tracer.demo.ppo_loop"},
