@@ -206,7 +206,7 @@ class _Engine:
         stats, missing, not_compared, differences = compare_scalars(scalars, self.atols, self.rtols, self.wanted,
                                                                     self.drift)
         self.accs.update(stats)
-        self.report.missing_fields.update(missing)
+        self.report.scalars_only_in = missing
         self.report.scalars_not_compared = not_compared
         for step, name, difference in differences:
             self._keep_difference(step, name, difference)

@@ -92,6 +92,7 @@ class DiffReport(DiffResult):
             "token_alignment": {k: asdict(v) for k, v in self.token_alignment.items()},
             "first_divergence": {"field": first[0], **asdict(first[1])} if first else None,
             "fields": fields, "scalars_not_compared": self.scalars_not_compared,
+            "scalars_only_in": self.scalars_only_in,
         }
         return _json_safe(out)
 

@@ -197,7 +197,11 @@ class DiffResult:
             :data:`UPDATE_GROUPS_KEPT` ``(step, inner_step)`` groups that differ (bounded memory).
         scalars_not_compared: the ``scalars/<name>`` that measure the machine (wall-clock times,
             throughput, memory: :func:`tracer.diff.scalars.machine_scalar`), left out (a note). The
-            other scalars are in :attr:`fields` and :attr:`missing_fields` like fields.
+            other scalars are compared in :attr:`fields`.
+        scalars_only_in: ``{"scalars/<name>": {"only_in": "a"|"b", "step_pairs": n, "first_step":
+            StepId}}`` for scalars one trace records or logs and the other does not (a note, as a
+            metadata key on one side: what a run records is no difference between the runs; a
+            baseline recorded before its loop recorded scalars still passes).
     """
 
     a: str
@@ -220,6 +224,7 @@ class DiffResult:
     fields_selected: bool = False
     step_differences: dict[StepId, dict[str, StepDifference]] = field(default_factory=dict)
     scalars_not_compared: list[str] = field(default_factory=list)
+    scalars_only_in: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def differing_fields(self) -> list[FieldDiff]:
@@ -374,8 +379,8 @@ class DiffResult:
 
     def notes(self) -> list[str]:
         """What is not a difference but worth saying: producers (package versions, CPU kernels) that
-        differ, metadata keys one side records and the other does not, the scalars not compared
-        (machine measurements), and fields recorded on one side and derived on the other that agree."""
+        differ, metadata keys and scalars one side records and the other does not, the scalars not
+        compared (machine measurements), and fields recorded on one side and derived on the other that agree."""
         out = []
         produced = self.producer_differences
         if produced:
@@ -387,6 +392,13 @@ class DiffResult:
                 other = "b" if side == "a" else "a"
                 out.append(f"metadata only in {side} (not recorded in {other}, so not compared): "
                            + ", ".join(f"{k}={v!r}" for k, v in keys.items()))
+        for side in ("a", "b"):
+            only = {k: m for k, m in self.scalars_only_in.items() if m["only_in"] == side}
+            if only:
+                other = "b" if side == "a" else "a"
+                out.append(f"scalars only in {side} ({other} neither records nor logs them, so not compared): "
+                           + ", ".join(f"{k} ({m['step_pairs']} step pairs, first at {step_label(m['first_step'])})"
+                                       for k, m in only.items()))
         if self.scalars_not_compared:
             out.append("scalars not compared (they measure the machine, not the run: times, throughput, memory): "
                        + ", ".join(self.scalars_not_compared))

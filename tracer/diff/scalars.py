@@ -9,7 +9,9 @@ value per step file) and the ones logged after it (``TraceWriter.log_scalars``, 
 name is left to those files, as the reader shows it (``Trace.step_summary``).
 
 - A scalar one side has and the other lacks, at a step both sides hold (a paired step file, or a
-  step both logs hold), is ``only in a``/``only in b``, like a field (``report.missing_fields``).
+  step both logs hold), is a note (``report.scalars_only_in``), as a metadata key one side records:
+  what a run records or logs is no difference in how it trained, and a regression baseline recorded
+  before its loop recorded scalars must not fail for it.
 - Tolerance: ``|b - a| <= atol + rtol * |a|`` as for every float field, with the caller's
   ``atol``/``rtol`` for ``scalars/<name>`` (or ``"*"``, every float field). A scalar has no dtype
   of its own (a JSON number: a float32 loss's ``.item()``, a float64 learning rate), so its
@@ -123,7 +125,7 @@ def compare_scalars(scalars: ScalarPairs, atols: dict[str, float], rtols: dict[s
     Returns:
         ``(stats, missing, not_compared, differences)``: a finished-able :class:`FieldStats` per
         compared ``scalars/<name>``; ``{name: {"only_in", "step_pairs", "first_step"}}`` for
-        scalars one side lacks; the machine scalars left out (:func:`machine_scalar`); and
+        scalars one side lacks (positions counted); the machine scalars left out (:func:`machine_scalar`); and
         ``(step id, name, StepDifference)`` of each differing position.
     """
     positions = [p for p in scalars.positions() if wanted is None or p[1] in wanted]
