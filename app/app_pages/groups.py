@@ -11,6 +11,16 @@ from app.components.sidebar import current_selection
 from tracer.errors import TraceError
 from tracer.views import GROUPED_ALGORITHMS, group_std_estimator
 from tracer.views.common import EMPTY_STEP
+from tracer.views.group_std import POPULATION, UNBIASED, GroupStd, group_std, restate_std
+
+
+@st.cache_data(max_entries=64, show_spinner=False)
+def _run_std(trace_path: str, step_path: str, identity) -> GroupStd:
+    """The std this step file's advantages were divided by (recorded, inferred, or why neither);
+    ``identity`` (the file's id) makes a rewritten file a new entry."""
+    trace = trace_cache.open_trace(trace_path)
+    return group_std(trace, trace_cache.step_key(trace, step_path))
+
 
 selection = current_selection()
 trace = trace_cache.open_trace(str(selection.trace_path))
@@ -35,10 +45,16 @@ except TraceError as err:
     st.text(str(err))
     st.stop()
 meta = trace_cache.step_metadata(trace_path, step_path, identity)
-estimator = group_std_estimator(meta)
+column = group_std_estimator(meta)  # the std the view's reward_std / group_std columns hold
+run_std = _run_std(trace_path, step_path, identity)
+# the columns and the band show the std the run divided by, where the trace tells it
+shown = run_std.estimator if run_std.estimator in (POPULATION, UNBIASED) else column
+if shown != column:
+    groups = groups.assign(reward_std=[restate_std(s, n, column, shown) for s, n in zip(groups["reward_std"],
+                                                                                       groups["size"])])
 zero = int(groups["zero_variance"].sum())
 st.text(f"{key.label} · {len(groups)} groups · {zero} with zero variance")
-st.text(advantage_rule_text(trace.algorithm, meta, estimator))
+st.text(advantage_rule_text(trace.algorithm, meta, run_std.estimator, run_std.source, shown))
 if zero:
     st.warning(f"{zero} of {len(groups)} groups have zero reward variance: every completion got the same "
                "reward, every advantage is 0, and the group adds no policy gradient.", icon=":material/warning:")
@@ -57,6 +73,9 @@ def _show_group(groups) -> None:
     group = st.selectbox("Group", list(labels), format_func=labels.__getitem__, key="group")
     urls.set_page_param("group", group)
     completions = trace_cache.group_completions(trace_path, step_path, group, identity)
+    if shown != column:
+        completions = completions.assign(group_std=[restate_std(s, len(completions), column, shown)
+                                                    for s in completions["group_std"]])
     st.header(f"Group {group}: {len(completions)} completions")
     prompt = trace_cache.prompt_text(trace_path, step_path, int(completions["sequence"].iloc[0]), identity)
     if prompt:

@@ -101,18 +101,40 @@ def zero_variance_figure(shares: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str) -> str:
+def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str | None, source: str | None = None,
+                        column: str | None = None) -> str:
     """How this run's advantages relate to the group's rewards, for the page's header line: RLOO's
-    leave-one-out baseline (no std), TRL's Bessel-corrected std, or the population std of MiniMind's train_grpo.py.
-    ``meta`` is the step file's metadata; ``estimator`` is ``views.group_std_estimator`` of it."""
+    leave-one-out baseline (no std), centring only (no std), or the z-score with the std the run
+    divided by: Bessel-corrected (TRL, verl, ``torch.std``'s default) or population (MiniMind's
+    train_grpo.py), or "not recorded" when the trace cannot tell.
+
+    Args:
+        algorithm: the trace's algorithm. meta: the step file's metadata.
+        estimator: ``"unbiased"``, ``"population"``, ``"none"`` (not divided) or None (cannot tell):
+            ``tracer.views.group_std.GroupStd.estimator`` (for RLOO: the std of the table's column).
+        source: ``GroupStd.source`` (recorded in the metadata, inferred from the values, or why neither),
+            appended after `` · ``; None for the estimator alone.
+        column: the std the table's std column and the figure's band show (``views.group_std_estimator``)
+            where it is not the run's (RLOO, no std, not recorded).
+    """
     rule = meta.get("advantage_rule")
+    column = column or estimator or "population"
+    tail = f" · {source}" if source else ""
     if algorithm == "rloo" or (isinstance(rule, str) and rule.startswith("rloo")):
         kl = " on rewards − β·Σ(old − ref)" if rule == "rloo_kl" else ""
         return (f"advantage: leave-one-out{kl}, A_i = r_i − mean of the other G − 1 rewards (no std); the "
-                f"std column is the {estimator} std of the rewards, for reference")
+                f"std column is the {column} std of the rewards, for reference")
     if meta.get("scale_rewards") in ("none", False):
-        return f"advantage: r − group mean (scale_rewards none: not divided) · group std: {estimator}"
+        return f"advantage: r − group mean (scale_rewards none: not divided) · group std: {column}"
+    if estimator == "none":
+        return (f"advantage: r − group mean (not divided by a std){tail}; the std column is the {column} std of "
+                "the rewards, for reference")
+    if estimator is None:
+        return (f"advantage: (r − group mean) / group std · group std: not recorded{tail}; the std column and band "
+                f"show the {column} std of the rewards")
+    over = "batch" if meta.get("scale_rewards") == "batch" else "group"  # TRL scale_rewards="batch"
     if estimator == "unbiased":
-        return "advantage: (r − group mean) / group std · group std: unbiased (Bessel-corrected, as TRL)"
+        named = "as TRL" if source is None else "torch.std's default, as TRL and verl"
+        return f"advantage: (r − group mean) / {over} std · {over} std: unbiased (Bessel-corrected, {named}){tail}"
     return ("advantage: (r − group mean) / (group std + eps) · group std: population (unbiased=False, as MiniMind's "
-            "train_grpo.py)")
+            f"train_grpo.py){tail}")
