@@ -22,11 +22,11 @@ from tracer.demo import rollout as ro
 G, BETA, EPS, STEPS = 4, 0.04, 0.2, 2
 
 
-def grpo_run(out, model_dir, *, learning_rate=1e-3, extra_scalar=False):
-    """Two GRPO steps of 2 prompts x G on the tiny model. Each step records its tensors and the scalars
-    ``loss``, ``grad_norm`` (after backward, before the update), ``learning_rate`` and ``step_time``
-    (wall clock), and logs ``reward_mean`` after its update; ``extra_scalar`` also records
-    ``clip_ratio`` and logs ``num_tokens``."""
+def grpo_run(out, model_dir, *, learning_rate=1e-3, extra_scalar=False, inner_steps=1):
+    """Two GRPO steps of 2 prompts x G on the tiny model, ``inner_steps`` passes (an update each) over each
+    rollout. Each pass records its tensors and the scalars ``loss``, ``grad_norm`` (after backward, before
+    the update), ``learning_rate`` and ``step_time`` (wall clock); each step logs ``reward_mean`` after its
+    updates; ``extra_scalar`` also records ``clip_ratio`` and logs ``num_tokens``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -49,21 +49,22 @@ def grpo_run(out, model_dir, *, learning_rate=1e-3, extra_scalar=False):
             with torch.no_grad():
                 ref_logprobs = ro.completion_logprobs(ref_model, batch.input_ids, batch.attention_mask, L, 1.0)
             model.train()
-            policy_logprobs = ro.completion_logprobs(model, batch.input_ids, batch.attention_mask, L, 1.0)  # (B, T)
-            per_token_loss = formulas.grpo_per_token_loss(policy_logprobs, batch.old_logprobs, advantages, EPS, EPS,
-                                                          BETA, ref_logprobs)  # (B, T)
-            loss = formulas.sequence_mean_loss(per_token_loss, batch.completion_mask)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            scalars = ro.step_scalars(optimizer, loss, step_time=time.perf_counter() - started)
-            if extra_scalar:
-                scalars["clip_ratio"] = 0.0
-            tr.record(step=step, prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
-                      completion_ids=batch.completion_ids, completion_mask=batch.completion_mask,
-                      policy_logprobs=policy_logprobs.detach(), old_logprobs=batch.old_logprobs,
-                      ref_logprobs=ref_logprobs, rewards=rewards, advantages=advantages, group_ids=batch.group_ids,
-                      scalars=scalars)
-            optimizer.step()
+            for inner in range(inner_steps):
+                policy_logprobs = ro.completion_logprobs(model, batch.input_ids, batch.attention_mask, L, 1.0)  # (B, T)
+                per_token_loss = formulas.grpo_per_token_loss(policy_logprobs, batch.old_logprobs, advantages, EPS,
+                                                              EPS, BETA, ref_logprobs)  # (B, T)
+                loss = formulas.sequence_mean_loss(per_token_loss, batch.completion_mask)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                scalars = ro.step_scalars(optimizer, loss, step_time=time.perf_counter() - started)
+                if extra_scalar:
+                    scalars["clip_ratio"] = 0.0
+                tr.record(step=step, inner_step=inner, prompt_ids=batch.prompt_ids, prompt_mask=batch.prompt_mask,
+                          completion_ids=batch.completion_ids, completion_mask=batch.completion_mask,
+                          policy_logprobs=policy_logprobs.detach(), old_logprobs=batch.old_logprobs,
+                          ref_logprobs=ref_logprobs, rewards=rewards, advantages=advantages,
+                          group_ids=batch.group_ids, scalars=scalars)
+                optimizer.step()
             logged = {"reward_mean": float(rewards.mean())}
             if extra_scalar:
                 logged["num_tokens"] = float(batch.completion_mask.sum())
@@ -76,7 +77,9 @@ def runs(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("scalars")
     return {"baseline": grpo_run(root / "baseline", model_dir), "again": grpo_run(root / "again", model_dir),
             "lr": grpo_run(root / "lr", model_dir, learning_rate=3e-3),
-            "extra": grpo_run(root / "extra", model_dir, extra_scalar=True)}
+            "extra": grpo_run(root / "extra", model_dir, extra_scalar=True),
+            "inner": grpo_run(root / "inner", model_dir, inner_steps=2),
+            "inner_lr": grpo_run(root / "inner_lr", model_dir, inner_steps=2, learning_rate=3e-3)}
 
 
 def test_two_runs_of_one_loop_compare_their_scalars_and_leave_the_wall_time_out(runs, capsys):
@@ -144,3 +147,26 @@ def test_a_scalar_one_run_records_or_logs_and_the_other_does_not_is_a_note(runs,
     as_json = json.loads(capsys.readouterr().out)
     assert as_json["scalars_only_in"]["scalars/num_tokens"]["only_in"] == "b"
     assert as_json["findings"] == []
+
+
+def test_a_changed_learning_rate_between_inner_passes_is_the_evidence_of_the_update(runs, capsys):
+    """Two passes over each rollout: the first pass is equal in both runs but for the learning rate the
+    optimizer holds; the policy the second pass scores differs. The tensors name the update between the
+    passes as the cause, and the learning-rate scalar recorded with the first pass is its evidence."""
+    report = diff(runs["inner"], runs["inner_lr"])
+    update = report.update_cause
+    assert report.cause.name == "policy_logprobs" and report.cause.first.step == (0, 1, 0, 0)
+    assert (update.before, update.after, update.effect.name) == ((0, 0), (0, 1), "policy_logprobs")
+    (name, lr), = update.scalars.items()
+    assert (name, lr.differing, lr.max_abs_diff, lr.first.a, lr.first.b) == (
+        "scalars/learning_rate", 1, abs(3e-3 - 1e-3), 1e-3, 3e-3)
+    assert main(["diff", str(runs["inner"]), str(runs["inner_lr"])]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("tracer diff: DIFFERENT: the update between step 0 inner 0 and inner 1 (loss, gradients or "
+                          "optimizer state): policy_logprobs diverges first, at step 0, inner 1, ")
+    # the loss the first pass recorded (a scalar) is equal too: the optimizer step is what differs
+    assert update.loss == {} and update.loss_recorded == ["scalars/loss"]
+    assert ("every recorded input of inner 0 is equal, and so is the recorded loss (scalars/loss): the gradients or "
+            "the optimizer step differ (learning rate, gradient clipping, optimizer state); the scalars recorded with "
+            "it differ: scalars/learning_rate by |Δ|=0.002 at step 0 (a=0.001, b=0.003); then policy_logprobs "
+            "differs at inner 1") in out

@@ -78,13 +78,15 @@ def headline(report: DiffResult) -> str:
 def update_evidence(update: UpdateCause) -> str:
     """Why the update is the cause, with the numbers: ``every recorded input of inner 0 is equal, and
     the loss differs by |Δ|=0.031 (a=0.52, b=0.55)``, ``... and the loss is not recorded``, or ``... and
-    so is the recorded loss``, then the step metadata the two runs were given differently."""
+    so is the recorded loss``, then the scalars recorded with the pass before the update that differ
+    (``scalars/learning_rate`` with both values), then the step metadata the two runs were given differently."""
     inner = update.before[1]
     text = f"every recorded input of inner {inner} is equal"
     if update.loss:
         parts = []
         for name, d in update.loss.items():
-            if flow_rank(name)[0] == len(DATA_FLOW) - 1 and not d.first.index:  # the scalar loss: both values
+            if (flow_rank(name)[0] == len(DATA_FLOW) - 1 or name.startswith(SCALAR_PREFIX)) and not d.first.index:
+                # the scalar loss (a field, or a recorded scalar): both values
                 parts.append(f"{name} by |Δ|={d.max_abs_diff:.2g} ({d.first.values()})")
             else:
                 parts.append(f"{name} at {d.differing} position{'s' * (d.differing != 1)} by up to "

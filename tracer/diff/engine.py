@@ -273,12 +273,17 @@ class _Engine:
                 loc.token_text_b = self.trace_b.token_text([id_b])[0] if id_b is not None else "<no token>"
 
     def _keep_difference(self, step: StepId, name: str, difference: StepDifference) -> None:
-        """Keep how ``name`` differs in this pair while the pair belongs to one of the first
-        ``UPDATE_GROUPS_KEPT`` ``(step, inner_step)`` groups that differ (what the update rule reads)."""
+        """Keep how ``name`` differs in this pair while the pair belongs to one of the earliest
+        ``UPDATE_GROUPS_KEPT`` ``(step, inner_step)`` groups that differ (what the update rule reads);
+        the scalars, compared after every step pair, may come before the groups kept so far."""
         kept = self.report.step_differences
-        groups = {s[:2] for s in kept}
-        if step[:2] in groups or len(groups) < UPDATE_GROUPS_KEPT:
-            kept.setdefault(step, {})[name] = difference
+        groups = sorted({s[:2] for s in kept} | {step[:2]})
+        if step[:2] not in groups[:UPDATE_GROUPS_KEPT]:
+            return
+        kept.setdefault(step, {})[name] = difference
+        for late in groups[UPDATE_GROUPS_KEPT:]:
+            for s in [s for s in kept if s[:2] == late]:
+                del kept[s]
 
     def _missing(self, step: StepId, name: str, side: str) -> None:
         entry = self.report.missing_fields.setdefault(name, {"only_in": side, "step_pairs": 0, "first_step": step})

@@ -136,7 +136,8 @@ class UpdateCause:
         effect: the first policy field that differs at ``after`` (``policy_logprobs``...).
         effect_at: where it first differs.
         loss: ``{field: StepDifference}`` for the loss fields (``per_token_loss``, ``dpo_loss``,
-            ``loss``) that differ at ``before``; empty when the recorded loss is equal.
+            ``loss``, the scalar ``scalars/loss``) that differ at ``before``; empty when the recorded
+            loss is equal.
         loss_recorded: the loss fields the traces record (empty: the loss is not recorded).
         metadata: ``{key: (a, b)}`` step metadata both sides record with different values, first at or
             before ``before`` (the configuration the two runs were given).
@@ -162,6 +163,7 @@ class UpdateCause:
 POLICY_STAGE = flow_rank("policy_logprobs")[0]
 LOSS_STAGE = flow_rank("per_token_loss")[0]  # per_token_loss, dpo_loss; then loss, then non-canonical fields
 UPDATE_GROUPS_KEPT = 2  # (step, inner) groups whose step pairs keep their StepDifferences
+SCALAR_LOSS = SCALAR_PREFIX + "loss"  # the loss as a scalar the loop recorded or logged (TRL's logs, the demos)
 
 
 @dataclass
@@ -260,11 +262,16 @@ class DiffResult:
         """The headline field: among failing fields, the one that diverges at the earliest step
         and, at that step, comes first in the data-flow order (``tracer.format.schema.DATA_FLOW``, SPEC.md
         section 10); every other failing field follows from it. A field failing by drift alone
-        (no located position) is the cause only when no field has a located divergence."""
+        (no located position) is the cause only when no field has a located divergence. A per-step
+        scalar (``scalars/<name>``) is the cause only when no tensor field diverges at its step
+        number: a logged scalar covers its whole step (every inner step and micro-batch), and a
+        recorded one (a learning rate) is the evidence of an update the tensors then name
+        (:attr:`update_cause`)."""
         bad = [f for f in self.fields.values() if not f.passed]
         located = [f for f in bad if f.first is not None]
         if located:
-            return min(located, key=lambda f: (f.first.step, flow_rank(f.name), f.name))
+            return min(located, key=lambda f: (f.first.step[0], f.name.startswith(SCALAR_PREFIX), f.first.step,
+                                               flow_rank(f.name), f.name))
         return min(bad, key=lambda f: (flow_rank(f.name), f.name)) if bad else None
 
     @property
@@ -316,10 +323,10 @@ class DiffResult:
             return None
         last = max(s for s in self.compared_steps if s[:2] == before)
         metadata = {k: (m["a"], m["b"]) for k, m in self.metadata_conflicts.items() if m["first_step"] <= last}
-        loss_fields = [n for n in self.fields if flow_rank(n)[0] in (LOSS_STAGE, LOSS_STAGE + 1)]
+        loss_fields = [n for n in self.fields if flow_rank(n)[0] in (LOSS_STAGE, LOSS_STAGE + 1) or n == SCALAR_LOSS]
         return UpdateCause(before, after, self.fields[effect], at_after[effect].first,
                            {n: d for n, d in at_before.items() if n in loss_fields}, loss_fields, metadata,
-                           {n: d for n, d in at_before.items() if n.startswith(SCALAR_PREFIX)})
+                           {n: d for n, d in at_before.items() if n.startswith(SCALAR_PREFIX) and n not in loss_fields})
 
     def _group_differences(self, group: tuple[int, int]) -> dict[str, StepDifference]:
         """``{field: StepDifference}`` over the step pairs of ``(step, inner_step)`` (the first pair
