@@ -68,8 +68,8 @@ def rollout(model_dir):
     return tokenizer, completion_ids, completion_mask
 
 
-def _check(root, tokenizer, ids, mask, **hyper):
-    with tracer.Tracer(root, algorithm="grpo", tokenizer=tokenizer, hyperparameters=hyper) as writer:
+def _check(root, tokenizer, ids, mask, config=None, **hyper):
+    with tracer.Tracer(root, algorithm="grpo", tokenizer=tokenizer, config=config, hyperparameters=hyper) as writer:
         writer.record(0, {"completion_ids": ids, "completion_mask": mask})
     return [f for f in run_checks(root, select=["masks"]) if f.check.startswith("masks.") and f.severity != "skipped"]
 
@@ -90,6 +90,11 @@ def test_the_rollout_holds_the_rows_of_the_report(rollout):
 def test_sampled_pad_ids_before_the_recorded_limit_pass(tmp_path, rollout, limit_key):
     tokenizer, ids, mask = rollout
     assert _check(tmp_path / "r", tokenizer, ids, mask, **{limit_key: MAX_NEW_TOKENS}) == []
+
+
+def test_the_limit_among_a_scripts_arguments_counts(tmp_path, rollout):
+    tokenizer, ids, mask = rollout  # `tracer run -- train_grpo.py --max_new_tokens 6` keeps the args as config
+    assert _check(tmp_path / "r", tokenizer, ids, mask, config={"max_new_tokens": MAX_NEW_TOKENS}) == []
 
 
 def test_without_the_limit_the_message_names_the_missing_key(tmp_path, rollout):
