@@ -1,6 +1,9 @@
 """Masks (SPEC.md section 6): 0 after the first EOS, 0 on trailing padding, every row keeps at least
 one token, and DPO chosen/rejected masks built by the same rule.
 
+Padding is what follows the end of a row: its EOS, or the generation length limit the run recorded
+(:func:`length_limit`). Pad ids a completion sampled before that limit are tokens, not padding.
+
 "First EOS" is positional (SPEC.md section 10): the first EOS inside the answer, at or after where it
 starts (:func:`answer_start`), never an EOS-like token of the prompt or of an earlier chat turn.
 
