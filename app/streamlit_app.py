@@ -68,12 +68,13 @@ else:
                                     title=spec.title, icon=spec.icon, url_path=spec.url_path, visibility="hidden")
                             for spec in PAGES if spec not in offered]])
 urls.drop_other_pages_params(page.url_path)
-if page.url_path in RUN_FREE_PAGES:  # drawn, then taken away: the next page gets the choice back
+# Runs lists every run and Diff picks its own two: the sidebar's run choosers have no effect there
+run_free = page.url_path in RUN_FREE_PAGES or page.url_path == runs_page.url_path
+if run_free:  # drawn, then taken away: the next page gets the choice back
     choosers.empty()
     keep_choices()
 # (not on a page without the run choosers: "this run" would name a run the sidebar no longer shows)
-note = hidden_pages_note(algorithm, recorded) if selection.error is None and page.url_path not in RUN_FREE_PAGES \
-    else None
+note = hidden_pages_note(algorithm, recorded) if selection.error is None and not run_free else None
 if note:  # once, collapsed, under the page list (not a note on every page)
     with hidden_slot.expander(f"{len(PAGES) - len(offered)} page(s) not offered for this run",
                               icon=":material/visibility_off:"):

@@ -26,7 +26,7 @@ from app.components.token_table import visible_token
 from tracer.record.writer import TraceWriter
 
 from tests.fixtures.paths import SAMPLES
-from tests.fixtures.toy_traces import APP, SCRIPT, markup_values
+from tests.fixtures.toy_traces import APP, SCRIPT, TOKENS_PAGE, markup_values
 
 needs_samples = pytest.mark.skipif(
     not all((SAMPLES / n).is_dir() for n in ("ppo-tiny", "grpo-tiny", "cispo-tiny", "grpo-trl-tiny", "dpo-tiny")),
@@ -46,7 +46,8 @@ def token_strings(run: Path) -> list[str]:
 def open_page(monkeypatch, root: Path, run: Path, page: str, step_label: str | None = None,
               sequence: int | None = None) -> AppTest:
     monkeypatch.setenv("TRACER_ROOT", str(root))
-    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    # the choosers are on a run's pages (the Runs page at / has none): Tokens, which every run has
+    at = AppTest.from_file(str(APP), default_timeout=60).switch_page(TOKENS_PAGE).run()
     at.selectbox(key="run").select(run).run()
     if step_label is not None:
         at.selectbox(key="step_file").select(step_label).run()

@@ -25,7 +25,7 @@ from tracer.errors import TraceFormatError
 from tracer.format.names import STEPS_DIR
 from tracer.record.writer import TraceWriter
 
-from tests.fixtures.toy_traces import ToyTokenizer, frame_with, healthy_step_tensors, start, write_trace
+from tests.fixtures.toy_traces import TOKENS_PAGE, ToyTokenizer, frame_with, healthy_step_tensors, start, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_the_app_reads_a_rewritten_step_file_again(monkeypatch, tmp_path):
     not its name and mtime alone: a rewrite with the same name and mtime shows the new rewards."""
     trace_cache.clear_caches()
     run = write_trace(tmp_path / "run", tokenizer=ToyTokenizer(), steps=1)
-    at = start(monkeypatch, run, {"step": "0", "seq": "0"})
+    at = start(monkeypatch, run, {"step": "0", "seq": "0"}, page=TOKENS_PAGE)
     assert not at.exception
     assert at.sidebar.selectbox(key="sequence").format_func(0).endswith("reward 1")
     _rewrite(step_paths(run)[0], rewards=torch.tensor([7.0, 8.0, 9.0, 10.0]))
@@ -233,7 +233,7 @@ def test_the_app_keeps_at_most_its_bound_of_open_step_files(monkeypatch, run):
     trace_cache.clear_caches()
     trace_cache.step_handles.clear()
     monkeypatch.setattr(trace_cache, "MAX_OPEN_STEP_FILES", 3)
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     box = at.sidebar.selectbox(key="step_file")
     for label in box.options:
         at.sidebar.selectbox(key="step_file").select(label).run()

@@ -88,7 +88,7 @@ def test_root_holding_only_links_out_says_so_and_how_to_open_them(monkeypatch, t
     [view] = tracer_commands(message)
     assert view.command == "view" and Path(view.path) == outside.resolve()
     # and that command opens them: `tracer view PATH` starts the app with --root PATH
-    at = start(monkeypatch, Path(view.path))
+    at = start(monkeypatch, Path(view.path), page=TOKENS_PAGE)
     assert not at.exception
     assert at.selectbox(key="run").options == ["run_a", "run_b"]
 
@@ -115,7 +115,7 @@ def test_a_killed_writer_reads_as_tracer_info_says(monkeypatch, tmp_path):
     assert proc.returncode == -9, proc.stderr.decode()
     expected = trace_info(out)["status_text"]
     assert expected.startswith("unfinished")
-    at = start(monkeypatch, out)
+    at = start(monkeypatch, out, page=TOKENS_PAGE)
     assert not at.exception
     line = next(t.value for t in at.sidebar.text if "step files" in t.value)
     assert line == f"grpo · {expected} · 1 step files"
@@ -185,7 +185,7 @@ def test_hidden_pages_note_is_shown_once_collapsed_in_the_sidebar(monkeypatch, t
         tensors.pop("sampler_logprobs")
 
     write_trace(tmp_path / "run", tokenizer=ToyTokenizer(), steps=1, edit=drop_sampler)
-    at = start(monkeypatch, tmp_path / "run")
+    at = start(monkeypatch, tmp_path / "run", page=TOKENS_PAGE)
     for page in (None, "steps", "overview"):
         if page is not None:
             at.switch_page(f"app_pages/{page}.py").run()

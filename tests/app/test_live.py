@@ -116,7 +116,7 @@ def test_new_steps_and_status_appear_without_reload(monkeypatch, tmp_path):
     run = tmp_path / "live"
     writer = TraceWriter(run, "grpo", tokenizer=ToyTokenizer(), hyperparameters=HYPERPARAMETERS, async_write=False)
     first = writer.record(0, healthy_step_tensors(0, 0))
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     assert not at.exception
     assert "running" in status_line(at) and "1 step files" in status_line(at)
     assert any("still writing" in c.value for c in at.caption)
@@ -140,7 +140,7 @@ def test_auto_refresh_toggle_watches_the_run(monkeypatch, tmp_path):
     run = tmp_path / "live"
     with TraceWriter(run, "grpo", hyperparameters=HYPERPARAMETERS, async_write=False) as writer:
         writer.record(0, healthy_step_tensors(0, 0))
-    at = start(monkeypatch, run)
+    at = start(monkeypatch, run, page=TOKENS_PAGE)
     assert not any("auto-refresh on" in c.value for c in at.caption)
     at.toggle(key="auto_refresh").set_value(True).run()
     assert not at.exception

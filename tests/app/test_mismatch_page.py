@@ -14,7 +14,7 @@ import torch
 from tracer import Trace, TraceWriter
 from tracer.views.mismatch import correction_settings, mismatch_steps, mismatch_tokens
 
-from tests.fixtures.toy_traces import REPO, SAMPLES, ToyTokenizer, assert_no_raw_markup, frame_with, start
+from tests.fixtures.toy_traces import REPO, SAMPLES, TOKENS_PAGE, ToyTokenizer, assert_no_raw_markup, frame_with, start
 
 
 BUGS = REPO / "tests" / "data" / "vllm_bugs"
@@ -130,7 +130,7 @@ def test_a_run_without_sampler_logprobs_has_no_mismatch_page_and_the_sidebar_say
     shutil.copytree(SAMPLES / "grpo-tiny", tmp_path / "plain", ignore=shutil.ignore_patterns("model"))
     shutil.copytree(HEALTHY, tmp_path / "vllm", ignore=shutil.ignore_patterns("model"))
     assert all("sampler_logprobs" not in Trace(tmp_path / "plain").fields(k) for k in Trace(tmp_path / "plain").steps())
-    at = start(monkeypatch, tmp_path, query={"run": "plain"})
+    at = start(monkeypatch, tmp_path, query={"run": "plain"}, page=TOKENS_PAGE)
     assert not at.exception, [e.value for e in at.exception]
     note = " ".join(t.value for t in at.sidebar.text)
     assert "Hidden for this run: Mismatch (no sampler_logprobs in the first or the selected step file)." in note

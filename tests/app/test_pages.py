@@ -254,7 +254,7 @@ def test_reload_picks_up_new_steps(monkeypatch, tmp_path):
     writer = TraceWriter(run, "grpo", hyperparameters={"num_generations": 2})
     writer.record(0, grpo_step_tensors(0))
     writer.flush()  # the writer thread may linger up to LINGER_S before writing: wait for the file
-    at = start(monkeypatch, run)  # the root is itself a trace
+    at = start(monkeypatch, run, page=TOKENS_PAGE)  # the root is itself a trace
     assert not at.exception
     assert len(at.selectbox(key="step_file").options) == 1
     writer.record(1, grpo_step_tensors(1))

@@ -96,7 +96,7 @@ def test_safe_trace_sets_aside_links_and_corrupt_files(tmp_path):
 @needs_symlinks
 def test_run_list_holds_only_traces_inside_the_root(monkeypatch, tree):
     root = tree / "root"
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     assert not at.exception
     assert at.selectbox(key="run").options == ["a_run", "b_run"]
     assert "links that leave it" in at.sidebar.warning[0].value
@@ -107,7 +107,7 @@ def test_run_list_holds_only_traces_inside_the_root(monkeypatch, tree):
 def test_url_path_leaving_the_root_is_refused(monkeypatch, tree, requested):
     root = tree / "root"
     requested = str(tree / "outside" / "secret") if requested == "ABSOLUTE" else requested
-    at = start(monkeypatch, root, query={"run": requested})
+    at = start(monkeypatch, root, query={"run": requested}, page=TOKENS_PAGE)
     assert not at.exception
     assert refusals(at) == ["Refused the run named in the URL: it lies outside the directory this app was "
                             "started with."]
@@ -118,7 +118,7 @@ def test_url_path_leaving_the_root_is_refused(monkeypatch, tree, requested):
 
 def test_url_path_inside_the_root_selects_the_run(monkeypatch, tree):
     root = tree / "root"
-    at = start(monkeypatch, root, query={"run": "b_run"})
+    at = start(monkeypatch, root, query={"run": "b_run"}, page=TOKENS_PAGE)
     assert not at.exception and not refusals(at)
     assert at.selectbox(key="run").value == root / "b_run"
     at.selectbox(key="run").select(root / "a_run").run()  # a later choice wins, and goes into the URL
@@ -178,7 +178,7 @@ def test_corrupt_step_files_are_named_and_the_others_served(monkeypatch, corrupt
 
 
 def test_diff_with_a_corrupt_trace_names_the_file(monkeypatch, corrupt_root):
-    at = start(monkeypatch, corrupt_root)
+    at = start(monkeypatch, corrupt_root, page=TOKENS_PAGE)
     at.selectbox(key="run").select(corrupt_root / "good").run()  # (bad_manifest, listed first, may not open)
     at.switch_page("app_pages/diff.py").run()
     at.selectbox(key="diff_a").select(corrupt_root / "good").run()
@@ -237,7 +237,7 @@ def test_unreadable_single_step_file_is_named(monkeypatch, tmp_path):
 
 def test_markup_tokens_never_become_markup_on_any_page(monkeypatch, tree):
     root = tree / "root"
-    at = start(monkeypatch, root)
+    at = start(monkeypatch, root, page=TOKENS_PAGE)
     pages = ["tokens", "groups", "steps", "overview", "health", "diff"]
     seen = set()
     for sequence in range(4):  # every sequence: <script> in row 0, <b> in rows 2 and 3

@@ -12,7 +12,7 @@ from app.components import sidebar, trace_cache
 from tracer.format.names import step_file_name
 from tracer.record.writer import TraceWriter
 
-from tests.fixtures.toy_traces import healthy_step_tensors, start, write_trace
+from tests.fixtures.toy_traces import TOKENS_PAGE, healthy_step_tensors, start, write_trace
 
 
 def label(step: int, inner: int) -> str:
@@ -33,7 +33,8 @@ def root(tmp_path_factory):
 
 
 def test_the_step_number_offers_only_that_steps_files(monkeypatch, root):
-    at = start(monkeypatch, root, {"run": "run"})  # no step in the URL: a healthy run opens at its last step
+    # no step in the URL: a healthy run opens at its last step
+    at = start(monkeypatch, root, {"run": "run"}, page=TOKENS_PAGE)
     assert not at.exception
     assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 3
     assert at.sidebar.selectbox(key="step_file").options == [label(3, 0), label(3, 1)]
@@ -48,7 +49,7 @@ def test_the_step_number_offers_only_that_steps_files(monkeypatch, root):
 
 
 def test_the_urls_step_moves_the_number(monkeypatch, root):
-    at = start(monkeypatch, root, {"run": "run", "step": "3", "inner": "1"})
+    at = start(monkeypatch, root, {"run": "run", "step": "3", "inner": "1"}, page=TOKENS_PAGE)
     assert not at.exception
     assert at.sidebar.number_input(key=sidebar.STEP_NUMBER).value == 3
     assert at.sidebar.selectbox(key="step_file").value == label(3, 1)
@@ -59,7 +60,7 @@ def test_a_number_without_a_step_file_shows_the_next_step(monkeypatch, tmp_path)
     with TraceWriter(tmp_path / "gaps", "grpo", hyperparameters={"num_generations": 2}, async_write=False) as w:
         for step in (0, 5, 10, 15):
             w.record(step, healthy_step_tensors(step, 0))
-    at = start(monkeypatch, tmp_path, {"run": "gaps"})
+    at = start(monkeypatch, tmp_path, {"run": "gaps"}, page=TOKENS_PAGE)
     at.sidebar.number_input(key=sidebar.STEP_NUMBER).set_value(6).run()
     assert not at.exception
     assert "No step file at step 6: showing step 10." in [c.value for c in at.sidebar.caption]
@@ -82,7 +83,7 @@ def _with_a_copy_of_step_2(tmp_path, name: str):
 
 
 def _shows_every_file_once(monkeypatch, tmp_path, expected: list[str], pick: str, step: int) -> None:
-    at = start(monkeypatch, tmp_path, {"run": "run"})
+    at = start(monkeypatch, tmp_path, {"run": "run"}, page=TOKENS_PAGE)
     assert not at.exception
     assert at.sidebar.selectbox(key="step_file").options == expected
     assert not at.sidebar.number_input  # no Step number: the one list holds every file once
@@ -115,7 +116,7 @@ def test_a_file_named_with_a_number_beyond_int64_is_listed_by_its_header(monkeyp
                     + [(2, 0, f"step_{2**70}.inner_0.mb_0.rank_0.safetensors")])
     expected = [f"{label(s, i)} · {name}" for s, i, name in coords]
     assert (run / "steps" / coords[5][2]).name.startswith("step_1180591620717411303424")
-    at = start(monkeypatch, tmp_path, {"run": "run"})
+    at = start(monkeypatch, tmp_path, {"run": "run"}, page=TOKENS_PAGE)
     assert not at.exception
     at.sidebar.number_input(key=sidebar.STEP_NUMBER).set_value(2).run()
     assert not at.exception

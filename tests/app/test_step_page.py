@@ -188,7 +188,7 @@ def test_every_page_reopens_from_its_url(monkeypatch, root, page):
 
 
 def test_url_naming_a_missing_step_says_so(monkeypatch, root):
-    at = start(monkeypatch, root, query={"run": "run", "step": "99", "seq": "x"})
+    at = start(monkeypatch, root, query={"run": "run", "step": "99", "seq": "x"}, page=TOKENS_PAGE)
     assert not at.exception
     assert any("step 99" in w.value for w in at.sidebar.warning)
     assert at.selectbox(key="step_file").value == "step 0 · inner 1 · mb 0 · rank 0"
