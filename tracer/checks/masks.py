@@ -215,8 +215,9 @@ def length_limit(ctx: StepContext) -> tuple[int, str] | None:
     return None
 
 
-def _padding_cause(b: int, has_eos: torch.Tensor, first_eos: torch.Tensor, eos: int | None, limit, T: int) -> tuple[str, str]:
-    """``(where, note)`` for the message about row ``b``'s kept trailing pad ids: what makes them padding
+def _padding_cause(b: int, has_eos: torch.Tensor, first_eos: torch.Tensor, eos: int, limit, T: int) -> tuple[str, str]:
+    """``(where, note)`` for the message about completion row ``b``'s kept trailing pad ids (``has_eos``,
+    ``first_eos``: ``[B]``; ``limit``: :func:`length_limit`; T: the padded width): what makes them padding
     (after the row's EOS; past the recorded length limit; a row without EOS that stopped before the limit),
     or, with no limit recorded, a note that says what would tell them from sampled tokens."""
     if bool(has_eos[b]):
@@ -228,8 +229,6 @@ def _padding_cause(b: int, has_eos: torch.Tensor, first_eos: torch.Tensor, eos: 
         return (f" (the row has no EOS yet stops at T = {T}, before the generation length limit {limit[1]} = "
                 f"{limit[0]}: it did not run to the limit, so the pad ids after its last other token are "
                 "padding)"), ""
-    if eos is None:
-        return "", ""
     return "", (f" Seq {b} has no EOS (id {eos}) and no generation length limit is recorded "
                 f"({' / '.join(LENGTH_LIMIT_KEYS)}): had it run to the limit, these pad ids were sampled and "
                 "rightly kept; record the limit so that the check can tell.")
@@ -284,7 +283,8 @@ def check_padding(ctx: StepContext):
             b = rows[0]
             t = int(first_index(rows_leak[b : b + 1])[0])
             if severity == ERROR:
-                where, note = _padding_cause(b, has_eos, first_index(is_eos), eos, limit, T)
+                where, note = (_padding_cause(b, has_eos, first_index(is_eos), eos, limit, T) if sampled_side
+                               else ("", ""))  # a DPO side's EOS may be its prompt's: no cause named
                 message = (
                     f"seq {b} keeps padding: token {t} is the pad token (id {pad}) in the row's trailing padding"
                     f"{where}, yet {mask_name} keeps it; {len(rows)} of {count(B, 'row')} "
