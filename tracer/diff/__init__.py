@@ -2,7 +2,8 @@
 
 The stage, one module per step: ``inputs`` (what can be compared, step pairing, tolerances),
 ``engine`` (the comparison, after verifying every file), ``stats`` (per-field statistics: tolerance
-test, drift, shift), ``tokens`` (where the sampled tokens agree), and the result: ``locations``
+test, drift, shift), ``tokens`` (where the sampled tokens agree), ``scalars`` (the per-step scalars
+recorded with the steps and logged after them), and the result: ``locations``
 (step labels, tolerances, differing positions), ``result`` (the data and conclusions: FieldDiff,
 the cause, findings, notes), ``report`` (DiffReport: verbose text, field table, JSON) and ``causes``
 (the headline and the short text); ``token_table`` puts one step pair's tokens side by side.
@@ -44,9 +45,16 @@ Rules (documented in docs/regression-testing.md):
   +1) and ``a[t+1]`` (shift -1) where both neighbours are kept; a shift is reported when the
   shifted comparison passes everywhere, or its mean ``|Δ|`` is under ``SHIFT_IMPROVEMENT`` times
   the unshifted one.
+- Scalars: the per-step scalars (``record(..., scalars=...)`` in each step file's summary header,
+  ``log_scalars``/TRL's logs in ``scalars.rank_N.jsonl``) are compared as float fields named
+  ``scalars/<name>`` (one position per step file, or per step for logged ones), by the rule above
+  with the caller's tolerances; the default is float32's rtol with an atol of that rtol times the
+  scalar's largest ``|value|`` (``tracer.diff.scalars``). A scalar one side lacks, and those that
+  measure the machine (``step_time``, throughput, memory), are notes, not findings.
 - Cause: the headline names the failing field that diverges at the earliest step and, at that
   step, comes first in the data-flow order ``tracer.format.schema.DATA_FLOW`` (SPEC.md section 10); the
-  other failing fields are listed under it as following from it. When every field recorded at inner
+  other failing fields are listed under it as following from it; a scalar only when no tensor field
+  diverges at its step number. When every field recorded at inner
   step i is equal (or only its loss differs) and the first field to differ at inner i + 1 is a policy
   field, the headline names the update between them instead (``DiffResult.update_cause``).
 """

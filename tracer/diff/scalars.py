@@ -17,8 +17,8 @@ name is left to those files, as the reader shows it (``Trace.step_summary``).
   of its own (a JSON number: a float32 loss's ``.item()``, a float64 learning rate), so its
   default is float32's rtol (1.3e-6, ``torch.testing.assert_close``) with an atol of that rtol
   times the scalar's largest ``|value|`` over both traces: relative to the scalar's own scale. A
-  fixed atol would hide a learning rate of 1e-6 against 2e-6 under float32's 1e-5, and would
-  call noise around a zero loss a difference under float64's 1e-7 rtol alone.
+  fixed atol would hide a learning rate of 1e-6 against 2e-6 under float32's 1e-5; no atol at
+  all would call float noise around a loss near zero a difference.
 - Scalars that measure the machine rather than the run (wall-clock times, throughput, memory:
   TRL's ``step_time``, verl's ``timing_s/*`` and ``perf/*``; see :func:`machine_scalar`) differ
   between any two runs and are not compared: ``report.scalars_not_compared`` names them (a note).
@@ -93,6 +93,9 @@ class ScalarPairs:
         self.paired_steps = {ka.step for ka, _ in pairs}
 
     def positions(self) -> list[tuple[StepId, str, float | None, float | None]]:
+        """``(step id, "scalars/<name>", a, b)`` per position: every scalar either file of a step pair
+        recorded, then every logged scalar of a step both logs hold or a paired step file has (at
+        ``(step, 0, 0, 0)``), unless a file of that step recorded the same name."""
         out = []
         in_files: dict[int, set[str]] = {}
         for step, values_a, values_b in self.recorded:
@@ -123,8 +126,8 @@ def compare_scalars(scalars: ScalarPairs, atols: dict[str, float], rtols: dict[s
     """Compare every scalar of ``scalars`` (only ``wanted`` ones when given).
 
     Returns:
-        ``(stats, missing, not_compared, differences)``: a finished-able :class:`FieldStats` per
-        compared ``scalars/<name>``; ``{name: {"only_in", "step_pairs", "first_step"}}`` for
+        ``(stats, missing, not_compared, differences)``: a :class:`FieldStats` per compared
+        ``scalars/<name>`` (``finish()`` gives its FieldDiff); ``{name: {"only_in", "step_pairs", "first_step"}}`` for
         scalars one side lacks (positions counted); the machine scalars left out (:func:`machine_scalar`); and
         ``(step id, name, StepDifference)`` of each differing position.
     """
