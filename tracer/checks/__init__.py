@@ -10,7 +10,8 @@ bound, masked positions, PPO reward placement), ``sampler`` (sampler vs trainer 
 ``recompute`` (``recompute``: ratio, KL, advantages, token rewards, clip fractions, DPO terms;
 ``per_token_loss``: the per-token loss; ``reduction``: the loss reduction).
 
-Shared by several families: ``context`` (what a check sees), ``finding`` (findings, the registry),
+Shared by several families: ``context`` (what a check sees), ``finding`` (findings, ``register``),
+``registry`` (:data:`CHECKS`, which imports the check modules on its first read),
 ``comparison`` (recorded vs recomputed), ``advantage_rules`` (groups, advantage rules),
 ``kl_placement`` (KL penalty in the rewards or the loss), ``runner`` and ``report`` (running the
 checks, rendering findings).
@@ -25,21 +26,33 @@ Public API::
 
 from __future__ import annotations
 
-# importing a module registers its checks, in this order (the order of CHECKS, in which they run)
-from tracer.checks import (  # noqa: F401
-    advantages, alignment, fields, identity, integrity, kl, logprobs, masks, nonfinite, recompute, per_token_loss,
-    reduction, sampler,
-)
-from tracer.checks import micro_batches, probability  # noqa: F401  (checks of verl's micro-batches and sampler)
-from tracer.checks import turns  # noqa: F401  (multi-turn and agentic rows)
-from tracer.checks import effective_config  # noqa: F401  (the configuration in effect vs the declared)
-from tracer.checks import dpo  # noqa: F401  (DPO's reference: aliasing the policy)
-from tracer.checks import health  # noqa: F401  (warnings of a drifting run, with overridable thresholds)
-from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
+from typing import TYPE_CHECKING
+
+from tracer.checks import finding as _finding
 from tracer.checks.finding import (
-    CHECKS, ERROR, FAMILIES, INFO, SEVERITIES, SKIPPED, WARNING, Check, Finding, Skip, register,
+    ERROR,
+    FAMILIES,
+    INFO,
+    SEVERITIES,
+    SKIPPED,
+    WARNING,
+    Check,
+    Finding,
+    Skip,
+    register,
 )
-from tracer.checks.runner import description, run_checks, select_checks
+from tracer.checks.registry import CheckRegistry
+from tracer.record.lazy_exports import lazy_exports
+
+if TYPE_CHECKING:  # the lazily imported names, for type checkers and IDEs
+    from tracer.checks.context import TOLERANCES, CheckOptions, StepContext, Tolerance
+    from tracer.checks.runner import description, run_checks, select_checks
+
+# The registry, filled by the check modules (which import torch) on its first read, not here: this package
+# and its light names (severities, Finding, FAMILIES) import without torch. It replaces finding's empty
+# dict before any check module registers into it (importing one runs this package first).
+CHECKS: CheckRegistry = CheckRegistry(_finding.CHECKS)
+_finding.CHECKS = CHECKS  # type: ignore[assignment]  (register() writes to finding.CHECKS)
 
 
 def has_errors(findings: list[Finding]) -> bool:
@@ -57,3 +70,8 @@ __all__ = [
     "CheckOptions", "Finding", "Skip", "StepContext", "Tolerance", "count_by_severity", "description", "has_errors",
     "register", "run_checks", "select_checks",
 ]
+
+# public name -> the module that defines it, imported when the name is first looked up (torch)
+_LAZY = {**dict.fromkeys(("TOLERANCES", "CheckOptions", "StepContext", "Tolerance"), "tracer.checks.context"),
+         **dict.fromkeys(("description", "run_checks", "select_checks"), "tracer.checks.runner")}
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

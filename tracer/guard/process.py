@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tracer.checks import CHECKS
+
 log = logging.getLogger("tracer.guard")
 CLOSE_LINE = b"\x00close\n"  # the parent's last line: finish the queued checks, then exit
 CHECKER_NICENESS = 0  # added to the child's nice value (module docstring: why not lower its priority)
@@ -67,6 +69,7 @@ class CheckerProcess:
     def __init__(self, root: Path, rank: int, mode: str, report: Callable[[dict[str, Any]], None],
                  share: float = 1.0) -> None:
         self.root, self.report = Path(root), report
+        CHECKS.load()  # the child has the check modules at the fork (the registry imports them on first use)
         paths_r, self._paths_w = os.pipe()
         reports_r, reports_w = os.pipe()
         parent = os.getpid()
