@@ -86,7 +86,7 @@ def serve_app(cmd: list[str], port: int, announcement: str, start_timeout_s: flo
     """Run the Streamlit server ``cmd`` (:func:`tracer.view_server.serve`): print ``announcement``
     (the URL) once it answers, then its output; report on stderr, exit code 1, a server that exits
     during start-up or does not answer within ``start_timeout_s`` seconds, with what it printed."""
-    from tracer import view_server
+    import tracer.view_server as view_server
 
     run = view_server.serve(cmd, port, lambda: print(announcement, flush=True), _echo,
                             start_timeout_s=start_timeout_s)
