@@ -16,8 +16,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
+from tracer import TraceWriter, formulas
 from tracer.cli import main
+from tracer.record.writer import note_uncaught
 
 from tests.fixtures.paths import REPO
 from tests.fixtures.toy_traces import frame_with, start
@@ -176,3 +179,23 @@ def test_the_runs_page_shows_each_run_as_it_ended(ended, monkeypatch):
     assert not at.exception
     table = frame_with(at, {"run", "status"}).value.set_index("run")
     assert table["status"].to_dict() == {end: text for end, (_, _, text) in EXPECTED.items()}
+
+
+def test_a_runner_that_catches_the_scripts_exception_can_say_it_ended_the_run(tmp_path):
+    """``note_uncaught``: what a runner calls when it catches the script's exception itself (the hooks never
+    hear of it); the writer then closes as ``crashed``, with that exception and the last step recorded."""
+    writer = TraceWriter(tmp_path / "run", "grpo", async_write=False, guard="off")
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    for step in range(3):
+        old = torch.full((4, 2), -1.0)
+        writer.record(step, {"old_logprobs": old, "policy_logprobs": old.clone(), "rewards": rewards,
+                             "advantages": formulas.group_advantages(rewards, 2),
+                             "group_ids": torch.tensor([0, 0, 1, 1]), "completion_mask": torch.ones(4, 2, dtype=torch.bool)})
+    try:
+        raise KeyError("reward_fn")
+    except KeyError as err:
+        note_uncaught(err)
+    writer.close()
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    # str(KeyError("reward_fn")) is the key's repr, quotes included
+    assert (manifest["status"], manifest["ended"]) == ("crashed", crash("KeyError", "'reward_fn'", "close") | {"last_step": 2})

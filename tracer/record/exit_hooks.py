@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

@@ -592,6 +592,17 @@ def _hear_uncaught(exc: BaseException, thread: threading.Thread) -> None:
             writer._say_end(writer._book.manifest.get(ENDED_KEY, {}).get("closed_by", "close"), exc, thread.name)
 
 
+def note_uncaught(exc: BaseException) -> None:
+    """Tell the open writers that ``exc`` ended the program, as the exit hooks would: for a runner that catches
+    the script's exception itself (prints it and returns an exit code, as ``tracer run`` does), to be called
+    before it closes them, so that they record ``crashed`` / ``interrupted`` (:mod:`tracer.format.run_end`)
+    rather than ``finished``. Never raises."""
+    try:
+        _hear_uncaught(exc, threading.main_thread())
+    except Exception as err:  # noqa: BLE001  (the trace's status is never worth a second traceback)
+        log.warning("tracer: could not record the exception that ended the run: %s", err)
+
+
 @atexit.register
 def _close_open_writers() -> None:
     """At interpreter exit, flush and close writers the program left open, recording the exception that
