@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import shutil
 import time
 
 import pytest
@@ -18,6 +19,9 @@ import torch
 from tracer import Tracer, diff, formulas
 from tracer.cli import main
 from tracer.demo import rollout as ro
+from tracer.diff.scalars import machine_scalar
+
+from tests.fixtures.paths import SAMPLES
 
 G, BETA, EPS, STEPS = 4, 0.04, 0.2, 2
 
@@ -170,3 +174,35 @@ def test_a_changed_learning_rate_between_inner_passes_is_the_evidence_of_the_upd
             "the optimizer step differ (learning rate, gradient clipping, optimizer state); the scalars recorded with "
             "it differ: scalars/learning_rate by |Δ|=0.002 at step 0 (a=0.001, b=0.003); then policy_logprobs "
             "differs at inner 1") in out
+
+
+@pytest.mark.parametrize("name, machine", [
+    ("step_time", True), ("timing_s/gen", True), ("perf/max_memory_allocated_gb", True),
+    ("train_samples_per_second", True), ("perf/throughput", True), ("perf/mfu/actor", True),
+    ("grad_norm", False), ("learning_rate", False), ("num_tokens", False), ("completions/mean_length", False),
+    ("timestep", False), ("epoch", False), ("rewards/correct_answer/mean", False)])
+def test_machine_measurements_are_told_by_a_word_of_their_name(name, machine):
+    assert machine_scalar(name) is machine
+
+
+def test_a_trl_run_s_logged_step_time_is_no_difference(tmp_path, capsys):
+    """TRL logs ``step_time`` (wall clock) every step: two runs of one training differ in it. The bundled
+    TRL trace against a copy whose log says each step took one second longer (a later line for a step
+    wins) is equal; the note names the scalar; grad_norm, changed by 1e-3 at step 1, is a difference."""
+    a = SAMPLES / "grpo-trl-tiny"
+    b = tmp_path / "grpo-trl-tiny"
+    shutil.copytree(a, b)
+    lines = [json.loads(line) for line in (a / "scalars.rank_0.jsonl").read_text().splitlines()[1:]]
+    with open(b / "scalars.rank_0.jsonl", "a") as log:
+        for entry in lines:
+            log.write(json.dumps({"step": entry["step"], "scalars": {"step_time": entry["scalars"]["step_time"] + 1}})
+                      + "\n")
+    report = diff(a, b)
+    assert report.equal and report.scalars_not_compared == ["scalars/step_time"], report.format(verbose=True)
+    grad_norm = {e["step"]: e["scalars"]["grad_norm"] for e in lines}
+    with open(b / "scalars.rank_0.jsonl", "a") as log:
+        log.write(json.dumps({"step": 1, "scalars": {"grad_norm": grad_norm[1] + 1e-3}}) + "\n")
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"tracer diff: DIFFERENT: scalars/grad_norm diverges first, at step 1 "
+                          f"(a={grad_norm[1]:.7g}, b={grad_norm[1] + 1e-3:.7g})")
