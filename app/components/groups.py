@@ -118,7 +118,7 @@ def advantage_rule_text(algorithm: str | None, meta: dict, estimator: str | None
             where it is not the run's (RLOO, no std, not recorded).
     """
     rule = meta.get("advantage_rule")
-    column = column or estimator or "population"
+    column = column or (estimator if estimator in ("population", "unbiased") else "population")
     tail = f" · {source}" if source else ""
     if algorithm == "rloo" or (isinstance(rule, str) and rule.startswith("rloo")):
         kl = " on rewards − β·Σ(old − ref)" if rule == "rloo_kl" else ""
