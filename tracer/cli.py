@@ -1,5 +1,8 @@
 """Command line: ``python -m tracer {demo, info, view, diff, check, run}`` (also installed as ``tracer``).
 
+This module holds the argument parser and the dispatch; each subcommand's implementation is a module
+of :mod:`tracer.commands` (``main(args) -> exit code``), imported only when that subcommand runs.
+
 Exit codes: 0 success, 2 unusable input (missing or non-trace path, bad arguments, step files none of
 which can be read, a step file whose bytes disagree with its recorded checksum in ``diff`` and
 ``info --verify``); ``diff`` exits 1
