@@ -98,8 +98,11 @@ REFERENCE: dict[str, dict[str, str]] = {
         "needs": "ids and mask of each side; the pad id from the manifest's tokenizer or metadata "
                  "`pad_token_id` (skipped without it). With `turn_ids` / `token_roles` / `mask_reasons`, "
                  "padding is what they mark.",
-        "assumes": "padding is the trailing run of pad ids; pad == EOS is left to `masks.after_eos`; a single "
-                   "pad id ending a sampled completion without EOS is most likely a sampled token (info).",
+        "assumes": "padding is the trailing run of pad ids after the row's end: its EOS, or the recorded generation "
+                   "length limit (`max_completion_length`, `max_new_tokens` or `max_response_length`, in step "
+                   "metadata, hyperparameters or the script's arguments); pad ids sampled before the limit by a row "
+                   "without EOS are tokens; pad == EOS is left to `masks.after_eos`; with no limit recorded, a "
+                   "single pad id ending a completion without EOS is an info.",
     },
     "masks.empty_row": {
         "needs": "a mask (`completion_mask` or a DPO side's) with its ids.",

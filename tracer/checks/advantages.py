@@ -20,7 +20,7 @@ from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups, named_rule, whitened_fit
 from tracer.checks.context import StepContext, check_memo
 from tracer.checks.text import count
-from tracer.checks.finding import ERROR, INFO, WARNING, Skip, register
+from tracer.checks.finding import ERROR, INFO, WARNING, Skip, not_applicable, register
 
 GROUPED = {"grpo", "cispo", "rloo", ""}
 Z_SCORE_RULES = {"group_zscore", "group_zscore_unbiased", "verl_grpo"}  # |A| <= sqrt(G - 1) holds for these
@@ -72,7 +72,8 @@ def check_group_size(ctx: StepContext):
 def check_group_sum(ctx: StepContext):
     rule = ctx.hyper("advantage_rule", None)
     if rule is not None and not_group_centred(str(rule)):
-        raise Skip(f"advantage_rule = {rule!r} is not centred on the group mean: its advantages need not sum to 0")
+        raise not_applicable(f"advantage_rule = {rule!r} is not centred on the group mean: its advantages need not "
+                             "sum to 0")
     advantages = _sequence_advantages(ctx)
     groups, G = full_groups(ctx, advantages.shape[0])
     # a row whose mask keeps no token and whose advantage is exactly 0 had its advantage dropped (verl
@@ -212,12 +213,13 @@ def check_zero_variance(ctx: StepContext):
 def check_z_bound(ctx: StepContext):
     scale = ctx.hyper("scale_rewards", "group")
     if scale != "group":
-        raise Skip(f"scale_rewards = {scale!r}: advantages are not divided by the group std, no z-score bound")
+        raise not_applicable(f"scale_rewards = {scale!r}: advantages are not divided by the group std, no z-score "
+                             "bound")
     if ctx.hyper("multi_objective_aggregation", "sum_then_normalize") != "sum_then_normalize":
-        raise Skip("multi_objective_aggregation = 'normalize_then_sum': advantages are a batch z-score")
+        raise not_applicable("multi_objective_aggregation = 'normalize_then_sum': advantages are a batch z-score")
     rule = ctx.hyper("advantage_rule", None)
     if rule is not None and formulas.ADVANTAGE_RULE_ALIASES.get(str(rule), str(rule)) not in Z_SCORE_RULES:
-        raise Skip(f"advantage_rule = {rule!r} does not divide by a group std: no z-score bound")
+        raise not_applicable(f"advantage_rule = {rule!r} does not divide by a group std: no z-score bound")
     advantages = _sequence_advantages(ctx)
     try:
         groups, G = full_groups(ctx, advantages.shape[0])
@@ -236,8 +238,8 @@ def check_z_bound(ctx: StepContext):
         return []
     named = named_rule(ctx)  # an undeclared rule recompute.advantages accepts, with an info
     if named is not None and named not in Z_SCORE_RULES:
-        raise Skip(f"advantages follow the {named!r} rule recomputed from rewards (recompute.advantages "
-                   "names it), which does not divide by a group std: no z-score bound")
+        raise not_applicable(f"advantages follow the {named!r} rule recomputed from rewards (recompute.advantages "
+                             "names it), which does not divide by a group std: no z-score bound")
     row = rows[worst]
     n_over = int((a > bound * (1 + ctx.tol.rtol) + ctx.tol.atol).sum())
     message = (
@@ -267,7 +269,7 @@ def _whitening_shift(ctx: StepContext, advantages: torch.Tensor, keep: torch.Ten
 def check_masked_positions(ctx: StepContext):
     (advantages,) = ctx.require("advantages")
     if advantages.dim() != 2:
-        raise Skip("advantages are per sequence here; nothing per token to check")
+        raise not_applicable("advantages are per sequence here; nothing per token to check")
     keep = ctx.mask()
     leak = (advantages != 0) & ~keep & torch.isfinite(advantages)
     if not bool(leak.any()):

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from tracer import formulas
-from tracer.checks.context import StepContext
+from tracer.checks.context import NO_ENGINE, StepContext, engine_sampled
 from tracer.checks.text import count
-from tracer.checks.finding import ERROR, RL_ALGORITHMS, register
+from tracer.checks.finding import ERROR, RL_ALGORITHMS, not_applicable, register
 
 SHIFTS = (-1, 0, 1)
 SHIFT_MIN_GAP = 0.1  # nats: mean |Δ| at shift 0 must exceed this before another shift can win
@@ -49,6 +49,8 @@ def shifted_mae(recorded: torch.Tensor, reference: torch.Tensor, keep: torch.Ten
           RL_ALGORITHMS)
 def check_logprob_shift(ctx: StepContext):
     name = "old_logprobs" if ctx.has("old_logprobs") else "policy_logprobs"
+    if not ctx.has("sampler_logprobs") and not engine_sampled(ctx):
+        raise not_applicable(NO_ENGINE)
     recorded, sampler = ctx.require(name, "sampler_logprobs")
     keep = ctx.mask()
     fits = {s: shifted_mae(recorded, sampler, keep, s) for s in SHIFTS}

@@ -162,6 +162,21 @@ def clear_check_memos(trace: Trace) -> None:
         del trace.__dict__[name]
 
 
+def step_memo(ctx: StepContext, name: str) -> dict:
+    """A dict memoising ``name`` on one step file's context, for an answer several checks of that file
+    ask (where the run puts its KL penalty). Like :func:`check_memo`, and forgotten with the context's
+    by :func:`clear_step_memos`: the live guard clears both before each check, so that a check whose
+    answer came from the run's other files (read while working it out) is listed as depending on them,
+    whichever check asked first."""
+    return ctx.__dict__.setdefault(CHECK_MEMO_PREFIX + name, {})
+
+
+def clear_step_memos(ctx: StepContext) -> None:
+    """Forget every :func:`step_memo` of ``ctx``."""
+    for name in [n for n in ctx.__dict__ if n.startswith(CHECK_MEMO_PREFIX)]:
+        del ctx.__dict__[name]
+
+
 class StepHeader:
     """What a step file's header says: ``key``, ``metadata``, ``algorithm`` and :meth:`hyper`, without
     reading its tensors (trace-level checks that only need to know which steps to look at)."""
@@ -426,3 +441,44 @@ def loss_scales(ctx: StepContext) -> list[float]:
         return [float(ctx.hyper("loss_scale"))]
     steps = ctx.accumulation_steps()
     return [1.0] if steps <= 1 else [1.0, 1.0 / steps]
+
+
+# Step metadata / hyperparameters that name an inference engine or a correction for one: any of them
+# set means the rollouts came from a sampler other than the trainer's forward.
+ENGINE_KEYS = ("rollout_engine", "vllm_mode", "is_correction", "vllm_importance_sampling_correction", "rollout_is")
+SAMPLER_FIELDS = ("sampler_logprobs", "is_weights", "sequence_is_weights")
+
+
+def engine_sampled(ctx: StepContext) -> bool:
+    """Whether an inference engine (vLLM, SGLang…) sampled this run's rollouts, by what the run
+    recorded: metadata ``use_vllm`` true, or any of :data:`ENGINE_KEYS` set, on this step or in the
+    run's hyperparameters; or any of :data:`SAMPLER_FIELDS` in this step file or in any step file of
+    the run (headers only, read once per run of the checks). False means the policy generated its
+    own rollouts as far as the trace says (TRL with ``use_vllm = False``, a hand-written loop calling
+    ``model.generate``): no sampler to compare with the trainer, so the sampler checks raise
+    :func:`tracer.checks.finding.not_applicable`. (A declared importance-sampling correction counts as
+    an engine here; the coverage's ``engine`` condition, :func:`tracer.checks.runner.step_conditions`,
+    is narrower, so that such a run's missing ``sampler_logprobs`` is named once, by the correction's
+    class.)"""
+    if ctx.flag("use_vllm") or any(ctx.hyper(k, None) not in (None, False, "", "none") for k in ENGINE_KEYS):
+        return True
+    if any(ctx.has(f) for f in SAMPLER_FIELDS):
+        return True
+    memo = check_memo(ctx.trace, "sampler_fields_recorded")
+    if "value" not in memo:
+        found = False
+        for key in ctx.trace.steps():
+            try:
+                names = ctx.trace.fields(key)
+            except (TraceError, OSError, ValueError):
+                continue  # an unreadable header is reported by the reader's own finding
+            if any(f in names for f in SAMPLER_FIELDS):
+                found = True
+                break
+        memo["value"] = found
+    return memo["value"]
+
+
+NO_ENGINE = ("no inference engine sampled this run as far as it records (use_vllm false or unset, no rollout_engine, "
+             "no sampler_logprobs in any step file): the policy generated its rollouts, so there is no sampler to "
+             "compare with; a run sampled by vLLM or SGLang records sampler_logprobs to be checked")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.checks.finding import RL_ALGORITHMS, SKIPPED, Finding, Skip
+from tracer.checks.finding import NOT_APPLICABLE, RL_ALGORITHMS, SKIPPED, Finding, Skip
 
 NOT_CHECKED = "trace.not_checked"  # finding id of a bug class none of whose checks could run
 NOT_MODELLED = "not modelled: "  # how a skip's reason starts when an objective or setting is not modelled
@@ -108,12 +108,13 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
         if not checks:
             continue
         missed = [k for k in keys if applies(bug, algorithm_of[k], conditions[k])
-                  and any(k in skipped.get(c, {}) for c in checks) and not any(k in ran.get(c, set()) for c in checks)]
+                  and any(_could_not_run(skipped, c, k) for c in checks)
+                  and not any(k in ran.get(c, set()) for c in checks)]
         if not missed or any(skipped[c][k].startswith(NOT_MODELLED) for c in checks for k in missed
                              if k in skipped.get(c, {})):
             continue  # an objective not modelled is named by its own finding, with what to record
         absent = [f for f in bug.fields if any(f not in fields[k] for k in missed)]
-        reasons = sorted({skipped[c][k] for c in checks for k in missed if k in skipped.get(c, {})})
+        reasons = sorted({skipped[c][k] for c in checks for k in missed if _could_not_run(skipped, c, k)})
         first = missed[0]
         applicable = sum(applies(bug, algorithm_of[k], conditions[k]) for k in keys)
         why = f"on {len(missed)} of {applicable} step files none of {', '.join(checks)} could run: {'; '.join(reasons[:2])}"
@@ -124,6 +125,13 @@ def not_checked(selected: set[str], ran: dict[str, set], skipped: dict[str, dict
                            details={"class": bug.name, "fields": absent, "checks": checks,
                                     "steps": [k.label for k in missed[:50]], "reasons": reasons[:5]}))
     return out
+
+
+def _could_not_run(skipped: dict[str, dict], check: str, key) -> bool:
+    """Whether ``check`` was skipped on ``key`` for want of something (not because it does not apply
+    to the run: :func:`tracer.checks.finding.not_applicable`)."""
+    reason = skipped.get(check, {}).get(key)
+    return reason is not None and not reason.startswith(NOT_APPLICABLE)
 
 
 def _objectives_not_checked(skipped: dict[str, dict], keys: list) -> list[Finding]:

@@ -33,7 +33,7 @@ import torch
 from tracer import formulas
 from tracer.checks.advantage_rules import empty_rows, full_groups
 from tracer.checks.context import StepContext
-from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, not_applicable, register
 from tracer.checks.comparison import compare
 from tracer.checks.coverage import not_modelled
 from tracer.formulas.verl_losses import (
@@ -219,7 +219,8 @@ def advantage_std_in_effect(ctx: StepContext) -> dict:
     and the recorded values; Skip when the step is not verl GRPO or lacks rewards, advantages or groups."""
     estimator = ctx.hyper("adv_estimator", None)
     if estimator not in VERL_GRPO_ESTIMATORS:
-        raise Skip(f"applies to verl's GRPO estimators {VERL_GRPO_ESTIMATORS} (metadata adv_estimator = {estimator!r})")
+        raise not_applicable(f"applies to verl's GRPO estimators {VERL_GRPO_ESTIMATORS} (metadata adv_estimator = "
+                             f"{estimator!r})")
     advantages, rewards = ctx.require("advantages", "rewards")
     if advantages.dim() != 1 or not bool(torch.isfinite(rewards).all()):
         raise Skip("needs per-sequence advantages [B] and finite rewards")

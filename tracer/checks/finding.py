@@ -80,6 +80,28 @@ class Skip(Exception):
     """Raised inside a check when it cannot run; the message is the reason (missing field or key)."""
 
 
+# How a skip's reason starts when the check does not apply to the run (nothing of what it tests exists
+# there), as opposed to a check that cannot run for lack of a field: see :func:`not_applicable`.
+NOT_APPLICABLE = "not applicable: "
+
+
+def not_applicable(why: str) -> Skip:
+    """The Skip a check raises when what it tests does not exist in this run, by the run's own
+    recorded configuration or data: the KL penalty of a token-reward check when the run puts it in the
+    loss, a sampler mismatch when no inference engine sampled (the policy generated its rollouts).
+    Its reason is ``not applicable: <why>``. Unlike a missing field, it is no gap: ``tracer check``
+    does not list it under ``not checked`` (it says it once, dimmed, at the end) and the coverage of
+    :mod:`tracer.checks.coverage` does not count it as a class left unjudged. ``why`` names the
+    recorded setting or data that rules the check out."""
+    return Skip(f"{NOT_APPLICABLE}{why}")
+
+
+def is_not_applicable(finding: Finding) -> bool:
+    """Whether ``finding`` is the ``skipped`` finding of a check that does not apply to the run
+    (:func:`not_applicable`), not one that could not run."""
+    return finding.severity == SKIPPED and bool(finding.details.get("not_applicable"))
+
+
 @dataclass(frozen=True)
 class Check:
     """A named check.

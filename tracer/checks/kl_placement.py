@@ -14,7 +14,7 @@ import torch
 
 from tracer import formulas
 from tracer.checks.comparison import compare
-from tracer.checks.context import StepContext, check_memo
+from tracer.checks.context import StepContext, check_memo, step_memo
 from tracer.checks.finding import Skip
 
 MAX_KL_PLACEMENT_PROBES = 8  # other step files read to tell where the KL penalty is, once per trace
@@ -89,8 +89,10 @@ def _run_kl_in_reward(ctx: StepContext) -> bool:
 def kl_in_reward(ctx: StepContext) -> bool:
     """The reference-KL penalty is in the rewards, not the loss: metadata ``kl_in_reward`` when
     recorded, else what this step's recorded ``token_rewards`` show (:func:`_token_rewards_carry_kl`),
-    else what the run's latest ones show (:func:`_run_kl_in_reward`). Worked out once per step file."""
-    memo = ctx.__dict__.setdefault("_kl_in_reward", {})
+    else what the run's latest ones show (:func:`_run_kl_in_reward`). Worked out once per step file
+    (:func:`tracer.checks.context.step_memo`: the live guard forgets it before each check, so that a
+    check reading it is seen to depend on the run's other files)."""
+    memo = step_memo(ctx, "kl_in_reward")
     if "value" not in memo:
         declared = ctx.flag("kl_in_reward")
         if declared is None:

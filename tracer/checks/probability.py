@@ -26,8 +26,8 @@ import math
 import torch
 
 from tracer import formulas
-from tracer.checks.context import StepContext, worst_positions
-from tracer.checks.finding import INFO, RL_ALGORITHMS, WARNING, register
+from tracer.checks.context import NO_ENGINE, StepContext, engine_sampled, worst_positions
+from tracer.checks.finding import INFO, RL_ALGORITHMS, WARNING, not_applicable, register
 from tracer.checks.identity import is_fresh
 from tracer.checks.staleness import lagged_mask
 
@@ -43,6 +43,8 @@ def check_probs_diff(ctx: StepContext):
         return []  # after an update the policy differs from the sampler for a good reason
     if ctx.key.inner_step != 0:
         return []
+    if not ctx.has("sampler_logprobs") and not engine_sampled(ctx):
+        raise not_applicable(NO_ENGINE)
     trainer, sampler = ctx.require(name, "sampler_logprobs")
     keep, lagged = lagged_mask(ctx, ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler))
     n = int(keep.sum())

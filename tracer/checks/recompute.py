@@ -16,7 +16,7 @@ from tracer import formulas
 from tracer.checks.advantage_rules import advantage_rule_findings
 from tracer.checks.comparison import Variant, compare, compare_with_variants
 from tracer.checks.context import StepContext, check_memo, loss_scales
-from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, register
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, Skip, not_applicable, register
 from tracer.checks.kl_placement import kl_in_reward, reward_kl
 from tracer.checks.per_token_loss import importance_sampling_level
 from tracer.formulas.logprobs import approx_kl_k2_variants, ratio_variants, ref_kl_k3_variants
@@ -95,8 +95,9 @@ check_advantages = register(
           "-kl_coef * KL(old || ref) on each kept token + the sequence reward on the last one", {"ppo", ""})
 def check_token_rewards(ctx: StepContext):
     if not kl_in_reward(ctx):
-        raise Skip("the KL penalty is in the loss (metadata kl_in_reward not set, and token_rewards carry no KL "
-                   "penalty): token_rewards hold the sequence reward alone (advantages.reward_placement checks it)")
+        raise not_applicable("the KL penalty is in the loss (metadata kl_in_reward not set, and token_rewards carry "
+                             "no KL penalty): token_rewards hold the sequence reward alone "
+                             "(advantages.reward_placement checks it)")
     token_rewards, rewards, ref = ctx.require("token_rewards", "rewards", "ref_logprobs")
     old = ctx.old_logprobs()
     found = reward_kl(ctx)

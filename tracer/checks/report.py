@@ -15,7 +15,7 @@ from rich.text import Text
 
 from tracer.checks.coverage import NOT_CHECKED
 from tracer.checks.text import steps_text
-from tracer.checks.finding import SEVERITIES, SEVERITY_RANK, SKIPPED, Finding
+from tracer.checks.finding import SEVERITIES, SEVERITY_RANK, SKIPPED, Finding, is_not_applicable
 from tracer.checks.runner import UNFINISHED, description
 
 STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan", "skipped": "dim"}
@@ -108,27 +108,47 @@ def not_checked_lines(skipped: list[Finding]) -> list[Text]:
     return lines
 
 
+def not_applicable_lines(inapplicable: list[Finding]) -> list[Text]:
+    """The dimmed lines, just above the summary, of the checks that do not apply to the run
+    (:func:`tracer.checks.finding.not_applicable`: what they test does not exist there, by the run's
+    recorded configuration): said once, with why, and never among what could not be checked."""
+    if not inapplicable:
+        return []
+    by_reason: dict[str, list[str]] = {}
+    for f in inapplicable:
+        checks = by_reason.setdefault(f.details.get("reason", f.message), [])
+        if f.check not in checks:
+            checks.append(f.check)
+    return [Text(f"not applicable to this run: {len(inapplicable)} check{'s' if len(inapplicable) != 1 else ''} "
+                 "(nothing of what they test exists here)", style="dim"),
+            *(Text(f"  {', '.join(checks)}: {reason}", style="dim") for reason, checks in by_reason.items())]
+
+
 def render_findings(findings: list[Finding], title: str = "", max_per_check: int = 10) -> Group:
     """A rich Group: first a ``trace.unfinished`` finding (the run is still going or was killed: what
     follows covers only the step files on disk), then the checks that could not run
     (:func:`not_checked_lines`), then one block per check (worst severity first), its findings of one
     cause shown once with the steps they occur on (:func:`same_cause`; ``max_per_check`` such entries),
-    then a summary of counts."""
+    then the checks that do not apply to the run (:func:`not_applicable_lines`), then a summary of
+    counts (``skipped`` counts only the checks that could not run)."""
     worst = {}
     for f in findings:
         worst[f.check] = min(worst.get(f.check, 99), SEVERITY_RANK[f.severity])
     ordered = sorted((f for f in findings if f.severity != SKIPPED),
                      key=lambda f: (f.check != UNFINISHED, worst[f.check], f.check, SEVERITY_RANK[f.severity]))
     blocks: list = [Text(title, style="bold")] if title else []
-    skipped = not_checked_lines([f for f in findings if f.severity == SKIPPED])
+    inapplicable = [f for f in findings if is_not_applicable(f)]
+    skipped = not_checked_lines([f for f in findings if f.severity == SKIPPED and not is_not_applicable(f)])
     if not any(f.check == UNFINISHED for f in ordered):
         blocks.extend(skipped)
     for check_id, group in groupby(ordered, key=lambda f: f.check):
         blocks.extend(_check_block(check_id, list(group), SEVERITIES[worst[check_id]], max_per_check))
         if check_id == UNFINISHED:  # said first; then what could not run
             blocks.extend(skipped)
-    counts = {s: sum(f.severity == s for f in findings) for s in SEVERITIES}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    blocks.extend(not_applicable_lines(inapplicable))
+    counts = {s: sum(f.severity == s and not is_not_applicable(f) for f in findings) for s in SEVERITIES}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items()) + (
+        f", {len(inapplicable)} not applicable" if inapplicable else "")
     verdict = ("FAIL" if counts["error"] else "PASS", "bold red" if counts["error"] else "bold green")
     classes = sum(f.check == NOT_CHECKED for f in findings)
     unchecked = (f"  (not checked: {classes} bug class{'es' if classes > 1 else ''}, named at the top)"

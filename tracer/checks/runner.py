@@ -18,6 +18,7 @@ from tracer.checks.finding import (
     CHECKS,
     ERROR,
     INFO,
+    NOT_APPLICABLE,
     SEVERITY_RANK,
     SKIPPED,
     WARNING,
@@ -274,11 +275,15 @@ def run_checks(
         first = where[0]
         others = ("" if len(where) == len(keys) else
                   " (the others: checked, skipped for another reason, or not applicable)")
-        findings.append(Finding(check_id, SKIPPED,
-                                f"skipped on {len(where)} of {len(keys)} step files{others}: {reason}",
+        inapplicable = reason.startswith(NOT_APPLICABLE)
+        head = f"not applicable on {len(where)} of {len(keys)} step files{others}: {reason[len(NOT_APPLICABLE):]}" \
+            if inapplicable else f"skipped on {len(where)} of {len(keys)} step files{others}: {reason}"
+        findings.append(Finding(check_id, SKIPPED, head,
                                 step=first.step, inner_step=first.inner_step, micro_batch=first.micro_batch,
                                 rank=first.rank, path=str(first.path),
-                                details={"steps": [k.label for k in where[:50]]}))
+                                details={"steps": [k.label for k in where[:50]],
+                                         **({"not_applicable": True, "reason": reason[len(NOT_APPLICABLE):]}
+                                            if inapplicable else {})}))
     findings.extend(seen.not_checked({c.id for c in checks}, readable))
     return sorted(_drop_covered(findings), key=_sort_key)
 

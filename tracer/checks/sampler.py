@@ -35,8 +35,8 @@ import torch
 from tracer import formulas
 from tracer.checks import importance, staleness  # noqa: F401  (register sampler.is_weights, sampler.policy_lag)
 from tracer.checks import sampler_patterns as patterns
-from tracer.checks.context import StepContext, check_memo, worst_positions
-from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, register
+from tracer.checks.context import NO_ENGINE, StepContext, check_memo, engine_sampled, worst_positions
+from tracer.checks.finding import ERROR, INFO, RL_ALGORITHMS, WARNING, not_applicable, register
 from tracer.checks.identity import is_fresh
 from tracer.errors import TraceError
 
@@ -215,6 +215,8 @@ def check_sampler_mismatch(ctx: StepContext):
         return []  # after an update the policy differs from the sampler for a good reason
     if name == "old_logprobs" and ctx.key.inner_step != 0:
         return []  # old and sampler logprobs of a rollout are the same at every inner step: report once
+    if not ctx.has("sampler_logprobs") and not engine_sampled(ctx):
+        raise not_applicable(NO_ENGINE)
     trainer, sampler = ctx.require(name, "sampler_logprobs")
     keep = ctx.mask() & torch.isfinite(trainer) & torch.isfinite(sampler)
     # rows a policy some updates old sampled differ from the trainer by the lag: sampler.policy_lag reports them

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tracer.checks.context import CheckOptions, StepContext, clear_check_memos
+from tracer.checks.context import CheckOptions, StepContext, clear_check_memos, clear_step_memos
 from tracer.checks.finding import CHECKS, ERROR, WARNING, Finding, Skip
 from tracer.checks.guard_records import context_digest, options_key
 from tracer.checks.runner import check_step, step_conditions
@@ -266,6 +266,7 @@ class StepChecker:
 
         def before(check) -> None:
             clear_check_memos(trace)  # a check's memo of the run is its own: what it reads is seen
+            clear_step_memos(ctx)  # and so is its memo of this file (it may come from other files)
             trace.beyond = False
 
         def after(check) -> None:
