@@ -126,7 +126,8 @@ def test_a_scalar_tolerance_is_given_like_a_field_s(runs, capsys):
     a, b = str(runs["baseline"]), str(runs["lr"])
     delta = abs(3e-3 - 1e-3)  # the learning rates' difference, at every step
     assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--atol", f"scalars/learning_rate={delta}"]) == 0
-    assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--atol", f"scalars/learning_rate={delta * 0.99}"]) == 1
+    tighter = f"scalars/learning_rate={delta * 0.99}"
+    assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--atol", tighter]) == 1
     # relative to |a| = 1e-3: rtol 2 allows |Δ| <= 2e-3
     assert main(["diff", a, b, "--fields", "scalars/learning_rate", "--rtol", "scalars/learning_rate=2"]) == 0
     capsys.readouterr()

@@ -121,8 +121,8 @@ def _cause_line(report: DiffResult, cause: FieldDiff) -> str:
     same = [f.name for f in report.downstream if flow_rank(f.name)[0] == stage and f.first is not None
             and cause.first is not None and f.first.step == cause.first.step]
     also = f"; same stage, same step: {', '.join(same)}" if same else ""
-    where = ("a per-step scalar the run recorded or logged, beside the data flow" if cause.name.startswith(SCALAR_PREFIX)
-             else f"{_stage(cause.name)} stage of the data flow")
+    where = (f"{_stage(cause.name)} stage of the data flow" if not cause.name.startswith(SCALAR_PREFIX)
+             else "a per-step scalar the run recorded or logged, beside the data flow")
     return f"cause: {cause.name} ({where}): {n}{also}"
 
 

@@ -143,7 +143,8 @@ def compare_scalars(scalars: ScalarPairs, atols: dict[str, float], rtols: dict[s
     differences = []
     for step, name, a, b in sorted(positions, key=lambda p: p[0]):
         if a is None or b is None:
-            entry = missing.setdefault(name, {"only_in": "a" if b is None else "b", "step_pairs": 0, "first_step": step})
+            entry = missing.setdefault(name, {"only_in": "a" if b is None else "b", "step_pairs": 0,
+                                              "first_step": step})
             entry["step_pairs"] += 1
             continue
         if name not in stats:

@@ -1,6 +1,7 @@
 """``tracer info``: what a trace holds (:func:`trace_info`: a dict, also the ``--json`` output) and
 its text form (:func:`print_info`): status, steps and ranks, fields, capture reports, drops, the
-overview's per-step curves and the run's recorded and logged scalars in numbers, and, with ``--verify``, each step file's checksum.
+overview's per-step curves and the run's recorded and logged scalars in numbers, and, with
+``--verify``, each step file's checksum.
 """
 
 from __future__ import annotations
@@ -216,7 +217,8 @@ OVERVIEW_COLUMNS = ("kept_tokens", "mean_ratio", "ratio_max", "mean_ref_kl_k3", 
 
 def _overview(trace: Trace, keys: list[StepKey]) -> dict[str, Any]:
     """First, last, min and max of the non-NaN values of a few per-step summary columns over the
-    readable step files ``keys`` (in step order), and of the run's scalars (:func:`_scalars`): each file's summary from its header (decoded once
+    readable step files ``keys`` (in step order), and of the run's scalars (:func:`_scalars`): each
+    file's summary from its header (decoded once
     by ``Trace.scan``; no pandas, no torch), else computed from its tensors
     (:meth:`tracer.read.overview.TraceOverview.step_summary`'s way, imports torch: traces written
     before summaries were stored); a file that cannot be summarised is left out, and so is a column
