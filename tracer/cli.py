@@ -199,17 +199,20 @@ def _parser() -> argparse.ArgumentParser:
                             "'not checked: <class> - record <fields>' lines)")
 
     diff = sub.add_parser("diff", help="compare two traces field by field, mask-aware (exit 0 equal, 1 not, 2 unusable)",
-                          description="Compare two traces field by field, mask-aware (docs/regression-testing.md). "
+                          description="Compare two traces field by field, mask-aware, and their per-step scalars "
+                                      "(scalars/<name>: recorded with each step or logged after it; "
+                                      "docs/regression-testing.md). "
                                       "Exit code: 0 equal within tolerance, 1 different, 2 unusable input.")
     diff.add_argument("a", help="reference trace directory or step file (the baseline)")
     diff.add_argument("b", help="candidate trace directory or step file")
     diff.add_argument("--json", action="store_true", help="print the report as JSON")
     diff.add_argument("--atol", action="append", default=[], metavar="[FIELD=]X",
-                      help="absolute tolerance for FIELD (or every float field); repeatable")
+                      help="absolute tolerance for FIELD (a field or scalars/<name>; or every float field); "
+                           "repeatable")
     diff.add_argument("--rtol", action="append", default=[], metavar="[FIELD=]X",
                       help="relative tolerance (of |a|) for FIELD (or every float field); repeatable")
     diff.add_argument("--fields", action="append", default=[], metavar="F1,F2",
-                      help="compare only these fields (comma-separated; repeatable)")
+                      help="compare only these fields (comma-separated, scalars/<name> for a scalar; repeatable)")
     diff.add_argument("--ignore-metadata", action="append", default=[], metavar="KEY",
                       help="step metadata key whose differences are not findings; repeatable")
     diff.add_argument("--verbose", "-v", action="store_true",
