@@ -89,8 +89,8 @@ def test_the_stopping_finding_is_printed_on_one_line_with_its_view_link(stopped)
     f = stop.finding
     assert f"at step 0 · inner 1 · mb 0 · rank 0 · seq {f.sequence} · token {f.token}: " in line
     assert "KL term's sign flipped" in line
-    assert line.endswith(f"| open: tracer view {out} → http://localhost:8501/tokens?run={out.name}%20%28the%20root%29"
-                         f"&step=0&inner=1&mb=0&rank=0&seq={f.sequence}&token={f.token}")
+    assert line.endswith(f"| open: tracer view {out} → http://localhost:8501/tokens?run=."
+                         f"&step=0&inner=1&mb=0&rank=0&seq={f.sequence}&token={f.token}&colour={f.field}")
 
 
 def test_tracer_check_reads_the_stopped_trace_and_finds_the_same_error(stopped):

@@ -159,11 +159,14 @@ class Guard:
 
 
 def view_link(item: dict[str, Any], root: Path) -> str:
-    """The ``tracer view`` command and the app's URL that opens the finding's step, sequence and token."""
-    params = {"run": f"{root.name} (the root)", "step": item.get("step"), "inner": item.get("inner_step"),
-              "mb": item.get("micro_batch"), "rank": item.get("rank"), "seq": item.get("sequence"),
-              "token": item.get("token")}
+    """The ``tracer view`` command and the app's URL that opens the finding's step, sequence and token:
+    ``run=.`` (the trace is the viewer's root: ``?run=`` is a path under it), and on the Tokens page
+    ``colour=<field>``, the tokens coloured by the field the finding is about (the page falls back on
+    its default when that field is not a per-token value)."""
     page = "tokens" if item.get("sequence") is not None else "step"
+    params = {"run": ".", "step": item.get("step"), "inner": item.get("inner_step"),
+              "mb": item.get("micro_batch"), "rank": item.get("rank"), "seq": item.get("sequence"),
+              "token": item.get("token"), "colour": item.get("field") if page == "tokens" else None}
     query = urlencode({k: str(v) for k, v in params.items() if v is not None}, quote_via=quote)
     return f"tracer view {root} → {VIEW_URL}/{page}?{query}"
 
