@@ -216,7 +216,8 @@ def advantage_rule_findings(ctx: StepContext):
         return []
     if matches and declared is None:
         return [ctx.finding("recompute.advantages", INFO, f"advantages follow the {matches[0]!r} rule "
-                            f"({formulas.ADVANTAGE_RULES[matches[0]]}), not the seed's population-std z-score; "
+                            f"({formulas.ADVANTAGE_RULES[matches[0]]}), not the rule assumed when none is declared, "
+                            f"{default!r} ({formulas.ADVANTAGE_RULES[default]}); "
                             f"matching rules: {', '.join(matches)}. Declare it with metadata advantage_rule = "
                             f"{matches[0]!r} so that a change of rule is caught.",
                             field="advantages", rule=matches[0])]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tracer.checks.finding import Finding, Skip
+from tracer.checks.finding import Finding, Skip, not_applicable
 from tracer.errors import TraceError
 from tracer.format import turns
 from tracer.read import StepKey, Trace
@@ -292,12 +292,13 @@ class StepContext(StepHeader):
         return [self.tensor(f) for f in fields]
 
     def require_recorded(self, *fields: str) -> list[torch.Tensor]:
-        """:meth:`require`, and Skip when a field was derived by the reader (a check that tests the
-        recorded tensor against its formula has nothing to test)."""
+        """:meth:`require`, and a :func:`~tracer.checks.finding.not_applicable` Skip when a field was
+        derived by the reader: a check that tests the recorded tensor against its formula has no recorded
+        tensor to test (what the trainer computed from it is tested where it is used, the loss)."""
         derived = [f for f in fields if f in self.derived]
         if derived:
-            raise Skip(f"{', '.join(derived)} not recorded: the reader derives it from the recorded inputs with "
-                       "tracer.formulas, so there is no recorded value to test")
+            raise not_applicable(f"{', '.join(derived)} not recorded: the reader derives it from the recorded inputs "
+                                 "with tracer.formulas, so there is no recorded value to test")
         return self.require(*fields)
 
     def tensor(self, name: str) -> torch.Tensor:

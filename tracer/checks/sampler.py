@@ -256,11 +256,11 @@ def check_sampler_mismatch(ctx: StepContext):
     if soft:
         message += " Importance-sampling problem: " + "; ".join(soft) + "."
     floor = patterns.noise_floor(settings.engine_dtype)
-    engine = f"{settings.engine_dtype} engine" if settings.engine_dtype else "engine of unrecorded dtype"
+    engine = f"a {settings.engine_dtype} engine" if settings.engine_dtype else "an engine of unrecorded dtype"
     if not systematic and stats["mean_abs"] <= floor:
-        message += f" Within the noise of a {engine} (mean |·| {stats['mean_abs']:.4f} <= {floor:.3g} nats)."
+        message += f" Within the noise of {engine} (mean |·| {stats['mean_abs']:.4f} <= {floor:.3g} nats)."
     elif not systematic:
-        message += (f" No known cause explains it: mean |·| {stats['mean_abs']:.4f} nats is beyond the noise of a "
+        message += (f" No known cause explains it: mean |·| {stats['mean_abs']:.4f} nats is beyond the noise of "
                     f"{engine} ({floor:.3g}) with no temperature, truncation, penalty, stale-policy or offset pattern "
                     f"({settings.text(('temperature', *patterns.TRUNCATION_KEYS, *patterns.PENALTY_KEYS))}).")
     if severity != INFO:
