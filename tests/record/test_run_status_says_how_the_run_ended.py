@@ -28,9 +28,13 @@ from tests.fixtures.toy_traces import frame_with, start
 # The loop records steps 0..3 (one GRPO step each: 2 prompts x 2 completions, policy = old on fresh
 # rollouts), then ends as END says. It prints "ready" once step 3 is on disk, for the signal cases.
 _LOOP = textwrap.dedent('''
-    import os, sys, threading, time
+    import os, signal, sys, threading, time
     import torch
     from tracer import TraceWriter, formulas
+
+    # Ctrl-C as in a terminal: a test run started in the background by a non-interactive shell ignores
+    # SIGINT, and this script would inherit that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     out, end = sys.argv[1], sys.argv[2]
 

@@ -139,14 +139,16 @@ def test_a_killed_parent_leaves_the_steps_it_handed_over_and_no_process_or_share
 
 def test_ctrl_c_closes_the_trace_and_the_child_writes_everything(tmp_path):
     """SIGINT to the whole process group (a Ctrl-C in the terminal): the training script dies of
-    KeyboardInterrupt, its atexit closes the writer; the child ignored the signal and wrote all."""
+    KeyboardInterrupt, its atexit closes the writer (status ``interrupted``, tracer.format.run_end); the
+    child ignored the signal and wrote all."""
     proc, child = _run_script(tmp_path, "time.sleep(60)", start_new_session=True)
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) != 0
     assert wait_gone(child)
     assert [k.step for k in Trace(tmp_path / "run").steps()] == list(range(10))
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert (manifest["steps_written"], manifest["status"]) == (10, "finished")
+    assert (manifest["steps_written"], manifest["status"]) == (10, "interrupted")
+    assert (manifest["ended"]["exception"], manifest["ended"]["last_step"]) == ("KeyboardInterrupt", 9)
 
 
 def test_a_writer_process_that_cannot_start_leaves_a_thread_writing(tmp_path, monkeypatch):
