@@ -8,7 +8,8 @@
   interpreter exit (the atexit hook closes writers left open; the loop ran to its end). A run the live
   guard stopped (:class:`tracer.errors.GuardStop`) is finished too: its manifest's ``guard`` entry says why.
 - ``crashed``: an uncaught exception ended the thread that recorded (``sys.excepthook`` /
-  ``threading.excepthook``), or left the writer's ``with`` block, or a non-zero ``SystemExit`` left it.
+  ``threading.excepthook``), or left the writer's ``with`` block, or a non-zero ``SystemExit`` left it
+  (``sys.exit(1)`` outside a ``with`` block reaches no hook: that run reads ``finished``).
 - ``interrupted``: a ``KeyboardInterrupt`` (Ctrl-C, SIGINT) ended it the same way.
 
 ``ended`` (a JSON object, written at close; absent in traces of older writers) holds ``closed_by``
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tracer.errors import GuardStop
+
 RUNNING, FINISHED, CRASHED, INTERRUPTED = "running", "finished", "crashed", "interrupted"
 ENDED_KEY = "ended"
 MAX_MESSAGE_CHARS = 500  # of str(exception): enough for a shape mismatch or a CUDA error's first lines
@@ -32,7 +35,7 @@ def exception_status(exc: BaseException | None) -> str:
     """The status a run ends with when ``exc`` ends it: ``interrupted`` for KeyboardInterrupt, ``finished``
     for None, ``SystemExit(0)`` / ``SystemExit(None)`` and the guard's stop (``GuardStop``, recorded in the
     manifest's ``guard`` entry), else ``crashed``."""
-    if exc is None or type(exc).__name__ == "GuardStop":
+    if exc is None or isinstance(exc, GuardStop):
         return FINISHED
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED

@@ -68,8 +68,9 @@ def uncaught_at_exit(listener: Listener) -> BaseException | None:
     """The exception that ended the main thread, as the interpreter kept it (``sys.last_value``), when
     ``listener`` could not hear it: a hook set after ours replaced it without calling it. None when our hook
     is still installed (it heard the exception, if there was one), in an interactive session (the value
-    names an error at the prompt, which ended nothing), or when no exception ended the main thread."""
-    if _ours(sys.excepthook, listener) or hasattr(sys, "ps1") or sys.flags.interactive:
+    names an error at the prompt, which ended nothing; IPython and Jupyter keep there the last cell's error,
+    which ended nothing either), or when no exception ended the main thread."""
+    if _ours(sys.excepthook, listener) or hasattr(sys, "ps1") or sys.flags.interactive or "IPython" in sys.modules:
         return None
     value = getattr(sys, "last_value", None)
     return value if isinstance(value, BaseException) else None
