@@ -5,7 +5,7 @@ per-token values against position."""
 import streamlit as st
 
 from app.components import token_jump, trace_cache, urls
-from app.components.coloured_text import coloured_html, legend_html
+from app.components.coloured_text import MAX_COLOURED_TOKENS, coloured_html, legend_html
 from app.components.figures import MAX_TOKEN_TICKS, token_values_figure
 from app.components.sidebar import current_selection, stop_without_step_files
 from app.components.token_table import (
@@ -66,7 +66,24 @@ if "section" in table and (table["section"] == "completion").any():
                                   "the quantity can take (from 0 for k3, k2 and the ratio; up to 0 for logprobs); "
                                   "hover a token for all its values and its mask reason")
     urls.set_page_param("colour", colour_by)
-    st.html(coloured_html(table, colour_by, values))
+    completion = int((table["section"] == "completion").sum())
+    window = None
+    if completion > MAX_COLOURED_TOKENS:
+        marked = token_jump.highlight_for(selection.trace_path, key, selection.sequence)
+        linked_at = urls.page_param("token", list(table["position"].unique()))
+        at = marked.token if marked is not None else linked_at
+        first = int(table.loc[table["section"] == "completion", "position"].min())
+        default = max(0, min(int(at) - first - MAX_COLOURED_TOKENS // 2, completion - MAX_COLOURED_TOKENS)) \
+            if at is not None else 0
+        start = st.number_input("Colour from token", min_value=0, max_value=completion - 1, value=default,
+                                step=MAX_COLOURED_TOKENS, key=f"colour_from_{key.path.name}_{selection.sequence}",
+                                help=f"the coloured text shows {MAX_COLOURED_TOKENS:,} of the completion's tokens at "
+                                     "a time, from this one (0 = the first; it opens around a marked token)")
+        window = (int(start), min(int(start) + MAX_COLOURED_TOKENS, completion))
+        st.caption(f"Tokens {window[0]:,}-{window[1] - 1:,} of {completion:,} coloured, on the scale of all of them "
+                   f"(at most {MAX_COLOURED_TOKENS:,} at once: a browser draws more slowly); the plain text, the "
+                   "token table and the chart below hold every token.")
+    st.html(coloured_html(table, colour_by, values, window))
     st.html(legend_html(colour_by, table))
     with st.expander("Completion as plain text"):
         st.code(section_text(table, "completion"), language=None, wrap_lines=True)

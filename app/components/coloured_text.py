@@ -79,7 +79,13 @@ def _hover(row: dict, value_columns: list[str]) -> str:
     return "\n".join(parts)
 
 
-def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list[str]) -> str:
+# A browser draws tens of thousands of coloured token spans slowly (a 32,768-token completion: ~10 MB
+# of HTML, a minute to show): past this many the Tokens page colours a window of them at a time.
+MAX_COLOURED_TOKENS = 2000
+
+
+def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list[str],
+                  window: tuple[int, int] | None = None) -> str:
     """The completion rows of ``table`` (``Trace.token_table`` of one sequence) as coloured text.
 
     Kept tokens get the colour of ``quantity`` (none when ``quantity`` is None or the value is NaN);
@@ -88,10 +94,14 @@ def coloured_html(table: pd.DataFrame, quantity: str | None, value_columns: list
     (``token_table.visible_token``: ``␣``, ``⏎``, ``⇥``). Every token ends in a hairline
     (:data:`BOUNDARY`) and uncoloured kept tokens alternate :data:`PLAIN_BACKGROUNDS`: token boundaries
     show without adding a character to the text. Hover (``title``) lists ``value_columns`` and the
-    token's real string.
+    token's real string. ``window``: only the completion rows ``[start, end)`` (a long completion drawn a
+    part at a time), coloured on the scale of all of them.
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
-    return f'<div style="{_BOX}">{coloured_tokens(rows, quantity, value_columns)}</div>'
+    if window is None:
+        return f'<div style="{_BOX}">{coloured_tokens(rows, quantity, value_columns)}</div>'
+    (spans,) = coloured_blocks(rows, quantity, value_columns, [window])
+    return f'<div style="{_BOX}">{spans}</div>'
 
 
 def scale_span(rows: pd.DataFrame, quantity: str | None) -> float:

@@ -30,6 +30,10 @@ MASK_FILL = "rgba(120, 120, 120, 0.22)"
 MAX_MARKED_POSITIONS = 64
 # Beyond this many masked runs the shading becomes one marker trace (shapes get slow).
 MAX_SHADED_RUNS = 64
+# Up to this many positions each point's hover names its token (text and mask reason, per line of the
+# chart); past it the hover gives position and value only: the token strings repeated on every line made
+# a 32,768-token chart 9 MB.
+MAX_HOVER_TOKENS = 4096
 
 
 def masked_runs(positions: list[int], kept: list[bool]) -> list[tuple[int, int]]:
@@ -66,7 +70,8 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
         loss are shaded grey (one rectangle per contiguous run, spanning every panel); past
         :data:`MAX_SHADED_RUNS` runs they are marked by one ``masked`` marker trace instead. The
         x ticks read each token's text over its position (:func:`token_ticks`; past
-        :data:`MAX_TOKEN_TICKS` tokens, positions, the text in the hover).
+        :data:`MAX_TOKEN_TICKS` tokens, positions, the text in the hover; past
+        :data:`MAX_HOVER_TOKENS`, the hover gives position and value only).
     """
     rows = table[table["section"] == "completion"] if "section" in table else table
     panels = [(title, [c for c in cols if c in rows and rows[c].notna().any()]) for title, cols in TOKEN_PANELS]
@@ -80,20 +85,25 @@ def token_values_figure(table: pd.DataFrame) -> go.Figure:
     reasons = rows.get("mask_reason", pd.Series([""] * len(rows))).tolist()
     # numpy arrays, not lists: plotly validates an array at once, a list element by element (8 lines
     # of 256 points: ~4x faster to build)
-    custom = np.array(list(zip(texts, reasons)), dtype=object).reshape(len(rows), 2)
+    named = len(rows) <= MAX_HOVER_TOKENS
+    custom = np.array(list(zip(texts, reasons)), dtype=object).reshape(len(rows), 2) if named else None
     x = np.asarray(positions)
     kept = rows["kept"].astype(bool).tolist() if "kept" in rows else [True] * len(rows)
     keep = np.asarray(kept, dtype=bool)
     mode = "lines+markers" if len(rows) <= MAX_MARKED_POSITIONS else "lines"
     for i, (_, cols) in enumerate(panels, start=1):
         for j, col in enumerate(cols):  # masked positions are gaps: their values enter neither loss nor axis range
-            y = rows[col].to_numpy(dtype=object, na_value=None)
+            if named:
+                y = np.where(keep, rows[col].to_numpy(dtype=object, na_value=None), None)
+            else:  # float32 with NaN gaps: sent as a binary array, not one JSON number per point
+                y = np.where(keep, rows[col].to_numpy(dtype="float32", na_value=np.nan), np.float32("nan"))
             fig.add_trace(go.Scatter(  # a dash and marker per line: one equal to another stays visible
-                x=x, y=np.where(keep, y, None),
+                x=x, y=y,
                 mode=mode, name=col, connectgaps=False, line={"dash": DASHES[j % len(DASHES)]},
                 marker={"size": 7 - j, "symbol": SYMBOLS[j % len(SYMBOLS)]}, customdata=custom,
                 hovertemplate=(f"{col}=%{{y:.4g}}<br>position %{{x}} · token %{{customdata[0]}}"
-                               "<br>%{customdata[1]}<extra></extra>")), row=i, col=1)
+                               "<br>%{customdata[1]}<extra></extra>" if named else
+                               f"{col}=%{{y:.4g}}<br>position %{{x}}<extra></extra>")), row=i, col=1)
     _shade_masked(fig, rows, positions, n_panels=len(panels))
     by_text = token_ticks(fig, positions, rows.get("token_text", pd.Series([""] * len(rows))).tolist())
     fig.update_xaxes(title_text="completion token (position)" if by_text else "completion position",
