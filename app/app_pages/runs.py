@@ -1,6 +1,7 @@
-"""Runs (the app's root URL, ``/``): every trace under the root with its algorithm, steps, rows per
-step, last mean reward and check status (``tracer check``'s findings, cached per run), a link to
-each; selecting a row opens the run at its most informative step (:mod:`app.components.runs`)."""
+"""Runs (the app's root URL, ``/``): every trace under the root with its algorithm, how it ended (the
+manifest's status: :mod:`tracer.read.run_status`), steps, rows per step, last mean reward and check status
+(``tracer check``'s findings, cached per run), a link to each; selecting a row opens the run at its most
+informative step (:mod:`app.components.runs`). The sidebar's run choosers are not drawn here."""
 
 import pandas as pd
 import streamlit as st
@@ -38,6 +39,10 @@ for path, label in zip(traces, labels):
 COLUMN_CONFIG = {
     "run": st.column_config.TextColumn("run", help="the trace's path under the root (the URL's run=)"),
     "open": st.column_config.LinkColumn("open", display_text="open", help="a link to the run (opens a new tab)"),
+    "status": st.column_config.TextColumn("status", help="how the run ended, from its manifest: finished; crashed "
+                                                        "or interrupted, with the exception and the last step "
+                                                        "recorded; unfinished: the writer has not closed (still "
+                                                        "running, or killed)"),
     "steps": st.column_config.NumberColumn("steps", help="distinct step numbers"),
     "step files": st.column_config.NumberColumn("step files", help="one per step, inner step, micro-batch, rank"),
     "rows": st.column_config.NumberColumn("rows", help="sequences (DPO: pairs) in the last step, from its "
