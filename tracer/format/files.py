@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older safetensors
     TensorSpec = None
 
 from tracer.errors import TraceError
-from tracer.format.names import STEPS_DIR
+from tracer.format.names import FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NAME
 
 
 def write_json_atomic(path: Path, payload: Any, tmp_name: str | None = None) -> None:
@@ -44,8 +44,10 @@ def write_json_atomic(path: Path, payload: Any, tmp_name: str | None = None) -> 
 
 def refuse_existing_trace(out_dir: str | os.PathLike, rank: int | None = None) -> None:
     """Raise TraceError when ``out_dir`` already holds step files (of ``rank``, or of any rank when
-    None): nothing the user had is overwritten. Checking only the own rank's files lets ranks
-    start in any order."""
+    None), or a ``manifest.json`` / ``tokens.json`` that is not a tracer trace's (the user's own files,
+    which the trace's would replace): nothing the user had is overwritten. Checking only the own
+    rank's files lets ranks start in any order; a trace's own manifest (another rank's, or a run that
+    stopped before its first step) is no obstacle."""
     steps_dir = Path(out_dir) / STEPS_DIR
     pattern = "*.safetensors" if rank is None else f"*.rank_{rank}.safetensors"
     if steps_dir.is_dir() and any(steps_dir.glob(pattern)):
@@ -53,6 +55,26 @@ def refuse_existing_trace(out_dir: str | os.PathLike, rank: int | None = None) -
             f"{out_dir} already holds a trace ({steps_dir} has step files); "
             "choose a new output directory or move the old trace away"
         )
+    manifest, tokens = Path(out_dir) / MANIFEST_NAME, Path(out_dir) / TOKENS_NAME
+    ours = manifest.is_file() and _is_trace_manifest(manifest)
+    for path in (manifest, tokens):  # a file of the user's own that a trace's would overwrite
+        if path.is_file() and not ours:
+            why = f'has no "format": "{FORMAT_NAME}"' if manifest.is_file() else "is missing"
+            raise TraceError(
+                f"{out_dir} holds a {path.name} that is not a tracer trace's (its manifest.json {why}); "
+                f"the trace would overwrite {path}: choose a new output directory or move that file away")
+
+
+def _is_trace_manifest(path: Path) -> bool:
+    """Whether ``path`` is the manifest of a tracer trace (``"format": "tracer-trace"``): read with a
+    size bound; an unreadable or foreign file is not."""
+    try:
+        if path.stat().st_size > 16 * 2**20:
+            return False
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT_NAME
 
 
 def lock_rank(out_dir: str | os.PathLike, rank: int) -> int | None:

@@ -43,10 +43,13 @@ MAX_JSON_VALUES = 2**20  # values (and keys) a manifest may hold; real ones hold
 
 # safetensors dtype names that canonical fields of each kind may have on disk.
 _INT_DTYPES = frozenset({"I64", "I32", "I16", "I8", "U8"})
-# float8 too: the writer keeps a float8 field as float8 under keep_source_dtype=True (logprobs a loop holds
-# in float8 to save memory), and the reader reads it through torch (tracer.format.arrays.NUMPY_DTYPES).
-_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
-_ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES, BOOL: frozenset({"BOOL"}) | _INT_DTYPES | _FLOAT_DTYPES}
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+# float8 for float fields only (not masks): the writer keeps a float8 field as float8 under
+# keep_source_dtype=True (logprobs a loop holds in float8 to save memory), and the reader reads it
+# through torch (tracer.format.arrays.NUMPY_DTYPES).
+_FLOAT8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0"})
+_ALLOWED = {INT64: _INT_DTYPES, FLOAT: _FLOAT_DTYPES | _FLOAT8_DTYPES,
+            BOOL: frozenset({"BOOL"}) | _INT_DTYPES | _FLOAT_DTYPES}
 
 # Manifest keys tracer reads -> the JSON type they must have (tracer/read, checks, diff, views, app).
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
