@@ -33,6 +33,10 @@ from tracer.errors import TraceError
 # for --version, and the view server's urllib: ~40 ms of a 0.1 s start).
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The entry script itself, not app/server.py (st.App: a cold start to the first token view of 1.4-1.5x a
+# bare Streamlit page's against 1.8x, BENCHMARKS.md): under st.App Streamlit's own lines (its "Stopping..."
+# at SIGTERM, a user's STREAMLIT_LOGGER_LEVEL=info) no longer come through tracer view
+# (tests/cli/test_view_signals.py).
 APP_ENTRY = REPO_ROOT / "app" / "streamlit_app.py"
 DEFAULT_VIEW_ROOT = REPO_ROOT / "sample_traces"
 # Streamlit settings of every `tracer view` server (mirrored by .streamlit/config.toml for a plain
@@ -50,6 +54,17 @@ def _positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {value}")
     return value
 
 
@@ -162,7 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     view = sub.add_parser("view", help="open the web UI (Streamlit, bound to 127.0.0.1)")
     view.add_argument("path", nargs="?", default=str(DEFAULT_VIEW_ROOT),
                       help="a trace directory, a directory of traces, or one step file (default: the bundled sample_traces/)")
-    view.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    view.add_argument("--port", type=_port, default=8501, help="port, 1-65535 (default 8501)")
     view.add_argument("--start-timeout", type=_positive_seconds, default=60.0, metavar="SECONDS",
                       help="how long to wait for the server to answer before giving up (default 60)")
 

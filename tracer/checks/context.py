@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tracer.checks.catalogue import HEALTH_DEFAULTS, HEALTH_THRESHOLDS, threshold_problem
 from tracer.checks.finding import Finding, Skip, not_applicable
 from tracer.errors import TraceError
 from tracer.format import turns
@@ -100,28 +101,23 @@ class CheckOptions:
 
     sampler_ratio_bound: float = 2.0
     worst_tokens: int = 5
-    ref_kl_max: float = 2.0
-    clip_fraction_max: float = 0.5
-    sampler_gap_max: float = 0.1
-    entropy_floor: float = 0.05
-    entropy_drop: float = 0.9
-    reward_flat_share: float = 1.0
+    ref_kl_max: float = HEALTH_DEFAULTS["ref_kl_max"]
+    clip_fraction_max: float = HEALTH_DEFAULTS["clip_fraction_max"]
+    sampler_gap_max: float = HEALTH_DEFAULTS["sampler_gap_max"]
+    entropy_floor: float = HEALTH_DEFAULTS["entropy_floor"]
+    entropy_drop: float = HEALTH_DEFAULTS["entropy_drop"]
+    reward_flat_share: float = HEALTH_DEFAULTS["reward_flat_share"]
 
     def with_thresholds(self, thresholds: dict[str, float]) -> "CheckOptions":
         """A copy with the ``health`` thresholds named by their :data:`HEALTH_THRESHOLDS` names (or
         attribute names) set. Raises TraceError for an unknown name or a value out of its range."""
         changes = {}
         for name, value in thresholds.items():
-            attribute = HEALTH_THRESHOLDS.get(name, name if name in HEALTH_THRESHOLDS.values() else None)
-            if attribute is None:
-                raise TraceError(f"unknown threshold {name!r}; known: "
-                                 + ", ".join(f"{n} (default {getattr(CheckOptions, a):g})" for n, a in HEALTH_THRESHOLDS.items()))
             value = float(value)
-            shares = ("clip_fraction_max", "entropy_drop", "reward_flat_share")
-            if not value >= 0 or (attribute in shares and value > 1):
-                raise TraceError(f"threshold {name} = {value:g} is out of range: "
-                                 + ("a share in [0, 1]" if attribute in shares else "a value >= 0"))
-            changes[attribute] = value
+            problem = threshold_problem(name, value)
+            if problem is not None:
+                raise TraceError(problem)
+            changes[HEALTH_THRESHOLDS.get(name, name)] = value
         return replace(self, **changes)
 
 
@@ -130,9 +126,6 @@ class CheckOptions:
 # remove the gradient of up to all the tokens of a minibatch), so health.clip_fraction does not judge it.
 TIGHT_CLIP = 0.1
 # ``tracer check --threshold NAME=VALUE`` names -> CheckOptions attributes (the ``health`` family)
-HEALTH_THRESHOLDS = {"ref_kl": "ref_kl_max", "clip_fraction": "clip_fraction_max", "sampler_gap": "sampler_gap_max",
-                     "entropy_floor": "entropy_floor", "entropy_drop": "entropy_drop",
-                     "reward_flat": "reward_flat_share"}
 
 
 _REQUIRED = object()

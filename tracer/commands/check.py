@@ -25,15 +25,17 @@ def main(args: argparse.Namespace) -> int:
     thresholds = parse_thresholds(args.threshold)
     if args.path is None and not args.select:
         raise TraceError("no trace given: tracer check PATH [--select ID ...]")
+    _select_and_path(args)
+    refuse_a_folder_of_traces(args.path, "check")
+    from tracer.read import Trace
+
+    Trace(args.path)  # a path that is not a trace is refused here, before the checks (and torch) are imported
     from rich.console import Console
 
     from tracer.checks import ERROR, WARNING, CheckOptions, has_errors, run_checks
     from tracer.checks.coverage import NOT_CHECKED
     from tracer.checks.guard_records import LAST_REUSE
     from tracer.checks.report import render_findings
-
-    _select_and_path(args)
-    refuse_a_folder_of_traces(args.path, "check")
     options = CheckOptions(sampler_ratio_bound=args.sampler_ratio_bound).with_thresholds(thresholds)
     LAST_REUSE.clear()  # what this run reuses, not an earlier one's (--fresh reuses nothing)
     findings = run_checks(args.path, select=args.select, options=options, reuse_guard=not args.fresh)
@@ -51,11 +53,15 @@ def main(args: argparse.Namespace) -> int:
 
 
 def parse_thresholds(items: list[str]) -> dict[str, float]:
-    """``--threshold NAME=VALUE`` items as ``{name: value}``.
+    """``--threshold NAME=VALUE`` items as ``{name: value}``, each name and value checked against
+    :mod:`tracer.checks.catalogue` (no torch).
 
     Raises:
-        TraceError: an item without ``=`` or whose value is not a number.
+        TraceError: an item without ``=``, whose value is not a number, whose name is no threshold or
+            whose value is out of its range.
     """
+    from tracer.checks.catalogue import threshold_problem
+
     out = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -65,19 +71,32 @@ def parse_thresholds(items: list[str]) -> dict[str, float]:
             sep = ""
         if not sep:
             raise TraceError(f"--threshold {item!r}: expected NAME=VALUE with a number, e.g. --threshold ref_kl=2.0")
+        problem = threshold_problem(name.strip(), out[name.strip()])
+        if problem is not None:
+            raise TraceError(problem)
     return out
 
 
 def _select_and_path(args: argparse.Namespace) -> None:
     """``--select`` ids split at commas; a path written after them (``tracer check --select masks RUN``,
-    which argparse hands to --select) taken back as the path when it names no check."""
-    from tracer.checks import CHECKS, FAMILIES
+    which argparse hands to --select) taken back as the path when it names no check. The names are
+    checked against :data:`tracer.checks.catalogue.CHECK_IDS` (no torch).
+
+    Raises:
+        TraceError: no path, or a name that is neither a check id nor a family."""
+    from tracer.checks.catalogue import CHECK_IDS, unknown_check_names
+    from tracer.checks.finding import FAMILIES
 
     names = [part for item in (args.select or []) for part in item.split(",") if part]
-    if args.path is None and names and names[-1] not in CHECKS and names[-1] not in FAMILIES:
+    if args.path is None and names and names[-1] not in CHECK_IDS and names[-1] not in FAMILIES:
         args.path = names.pop()
     if args.path is None:
         raise TraceError("no trace given: tracer check PATH [--select ID ...]")
+    unknown = unknown_check_names(names, FAMILIES)
+    if unknown:  # the registry's own words (tracer.checks.runner.select_checks)
+        families = sorted({c.split(".", 1)[0] for c in CHECK_IDS})
+        raise TraceError(f"unknown check {unknown[0]!r}; known checks: {', '.join(CHECK_IDS)} "
+                         f"(or a family: {', '.join(families)})")
     args.select = names or None
 
 

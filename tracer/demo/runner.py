@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tracer.record.writer import refuse_existing_trace
+from tracer.format.files import refuse_existing_trace
 
 HAND_WRITTEN = ("ppo", "grpo", "cispo", "dpo")
 TRL = ("grpo-trl", "rloo-trl", "dpo-trl")

@@ -15,27 +15,12 @@ from tracer.format.integrity import check_step_header, open_step_file
 from tracer.read import StepKey, Trace
 from tracer.format.schema import FIELDS
 from tracer.format.metadata_codec import decode_metadata
+from tracer.format.tolerances import parse_tolerances  # noqa: F401  (its home is torch-free; re-exported)
 
 
 class DiffInputError(TraceError):
     """Two traces that cannot be compared: different algorithms or schema versions, a field whose
     shape or kind differs, or a field name that neither trace has."""
-
-
-def parse_tolerances(values: Iterable[str], flag: str = "--atol") -> dict[str, float]:
-    """``["1e-4", "ratio=1e-3"]`` -> ``{"*": 1e-4, "ratio": 1e-3}`` (the CLI's and the app's syntax;
-    ``"*"`` = every other float field). Raises TraceError naming the bad item."""
-    out = {}
-    for text in values:
-        text = text.strip()
-        if not text:
-            continue
-        name, _, number = text.rpartition("=")
-        try:
-            out[name.strip() or "*"] = float(number)
-        except ValueError:
-            raise TraceError(f"{flag} {text!r}: expected FIELD=NUMBER or NUMBER, e.g. {flag} ratio=1e-4") from None
-    return out
 
 
 def schema_version(trace: Trace) -> str | None:
