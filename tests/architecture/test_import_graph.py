@@ -130,7 +130,9 @@ def test_tracer_has_at_most_ten_top_level_modules():
 TORCH_FREE = ("tracer", "tracer.__main__", "tracer.cli", "tracer.errors", "tracer.view_server",
               "tracer.record", "tracer.record.observer", "tracer.format", "tracer.read", "tracer.read.reader",
               "tracer.read.step_table", "tracer.read.metadata_cache", "tracer.read.overview", "tracer.read.tables",
-              "tracer.read.trace_info", "tracer.read.rollouts")
+              "tracer.read.trace_info", "tracer.read.rollouts", "tracer.checks", "tracer.checks.finding",
+              "tracer.checks.registry", "tracer.checks.catalogue", "tracer.commands", "tracer.commands.info",
+              "tracer.commands.trace_paths", "tracer.commands.check", "tracer.commands.diff", "tracer.demo.runner")
 
 
 def _runs_on_import(tree: ast.Module) -> list[ast.stmt]:

@@ -134,7 +134,12 @@ def test_a_script_that_raises_keeps_exit_code_traceback_and_the_steps_before(mod
     assert "runpy" not in tb and "RuntimeError: reward server went away at step 1" in tb
     assert "tracer: traced 2 step file(s)" in proc.stderr
     trace = Trace(out)
-    assert [(k.step, k.inner_step) for k in trace.steps()] == [(0, 0), (0, 1)] and trace.status == "finished"
+    assert [(k.step, k.inner_step) for k in trace.steps()] == [(0, 0), (0, 1)]
+    # the script's exception ended the run: the trace says crashed, with it and the last step recorded
+    assert trace.status == "crashed"
+    ended = trace.manifest["ended"]
+    assert (ended["exception"], ended["message"], ended["last_step"]) == (
+        "RuntimeError", "reward server went away at step 1", 0)
 
 
 def test_watch_from_python_equals_the_explicit_api_in_the_same_run(model_dir, tmp_path):

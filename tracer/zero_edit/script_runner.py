@@ -73,10 +73,20 @@ def run_script(script: str | os.PathLike, argv: list[str], watcher: Watcher) -> 
                 code = GUARD_STOPPED_EXIT
             except KeyboardInterrupt as err:
                 _print_script_traceback(err, path)
+                _note_uncaught(err)
                 code = 130
             except Exception as err:
                 _print_script_traceback(err, path)
+                _note_uncaught(err)
                 code = 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return code
+
+
+def _note_uncaught(err: BaseException) -> None:
+    """The script's exception ended the run: the writers record ``crashed`` / ``interrupted`` when the
+    watcher closes them, not ``finished`` (the exit hooks never see an exception caught here)."""
+    from tracer.record.writer import note_uncaught
+
+    note_uncaught(err)
