@@ -28,7 +28,7 @@ import streamlit as st
 from app.components import trace_cache, urls
 from app.components.guard import report_of
 from app.components.safe_trace import UNREADABLE
-from tracer.errors import TraceError
+from tracer.errors import TraceError, TraceFormatError
 from tracer.read.run_status import status_text
 
 # The automatic check's budget, so that opening a run waits at most ~5 s for tracer check. Measured
@@ -193,7 +193,10 @@ def run_status(trace_path: str, listing: str, unreadable: tuple[str, ...] = ()) 
     files = len(names) + len(unreadable)
     if not names:
         return CheckStatus(len(unreadable), 0, unreadable=len(unreadable), files=files)
-    status = check_status(trace_cache.findings(trace_path, names))
+    try:
+        status = check_status(trace_cache.findings(trace_path, names))
+    except TraceFormatError:  # none of the listed step files can be read (their headers are corrupt)
+        return CheckStatus(files, 0, unreadable=files, files=files)
     return replace(status, errors=status.errors + len(unreadable), unreadable=len(unreadable), files=files)
 
 
