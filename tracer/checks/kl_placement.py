@@ -66,13 +66,13 @@ def _token_rewards_carry_kl(ctx: StepContext) -> bool | None:
     return False
 
 
-def _run_kl_in_reward(ctx: StepContext) -> bool:
+def _run_kl_in_reward(ctx: StepContext) -> bool | None:
     """Where the run puts the KL penalty, from its latest step files whose token rewards can show it
-    (at most :data:`MAX_KL_PLACEMENT_PROBES`, newest first: old == ref only at the start); False when
+    (at most :data:`MAX_KL_PLACEMENT_PROBES`, newest first: old == ref only at the start); None when
     none can. Worked out once per run of the checks (:func:`check_memo`)."""
     memo = check_memo(ctx.trace, "kl_in_reward")
     if "value" not in memo:
-        memo["value"] = False
+        memo["value"] = None
         for key in list(reversed(ctx.trace.steps()))[:MAX_KL_PLACEMENT_PROBES]:
             if key == ctx.key:
                 continue
@@ -92,12 +92,29 @@ def kl_in_reward(ctx: StepContext) -> bool:
     else what the run's latest ones show (:func:`_run_kl_in_reward`). Worked out once per step file
     (:func:`tracer.checks.context.step_memo`: the live guard forgets it before each check, so that a
     check reading it is seen to depend on the run's other files)."""
+    return bool(kl_placement(ctx))
+
+
+def kl_placement(ctx: StepContext) -> bool | None:
+    """:func:`kl_in_reward`, or None when it cannot be told yet: not declared, the run records
+    ``token_rewards`` (PPO), neither this step file's nor any probed one's can show a penalty (old ==
+    ref on every kept token: the penalty is 0 wherever it is) and the run holds only one step's files
+    (its first rollout, as the live guard sees it before later step files exist). With later steps
+    whose old still equals ref the reference moves with the policy (``kl.ref_tracks_policy``) and the
+    answer is False, as before. False without ``token_rewards``: a sequence reward carries no
+    per-token penalty."""
     memo = step_memo(ctx, "kl_in_reward")
     if "value" not in memo:
         declared = ctx.flag("kl_in_reward")
         if declared is None:
             seen = _token_rewards_carry_kl(ctx)
-            declared = seen if seen is not None else (ctx.algorithm in ("ppo", "") and ctx.has("token_rewards")
-                                                      and _run_kl_in_reward(ctx))
+            if seen is not None:
+                declared = seen
+            elif ctx.algorithm in ("ppo", "") and ctx.has("token_rewards"):
+                declared = _run_kl_in_reward(ctx)
+                if declared is None:  # no step file shows it: undecided on a first rollout only
+                    declared = None if len({k.step for k in ctx.trace.steps()}) <= 1 else False
+            else:
+                declared = False
         memo["value"] = declared
     return memo["value"]

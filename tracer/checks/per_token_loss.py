@@ -17,7 +17,8 @@ from __future__ import annotations
 from tracer.checks.clip_range import clip_explanation
 from tracer.checks.comparison import compare
 from tracer.checks.context import StepContext
-from tracer.checks.finding import ERROR, RL_ALGORITHMS, register
+from tracer.checks.finding import ERROR, RL_ALGORITHMS, Skip, register
+from tracer.checks.kl_placement import kl_placement
 from tracer.checks.kl_term import (
     FLIPPED_KL,
     estimator_explanation,
@@ -61,6 +62,10 @@ def check_per_token_loss(ctx: StepContext):
         findings[0].message = objective[0] + findings[0].message
         findings[0].details.update(objective[1])
     elif matches_without_kl(ctx, recorded):  # before the flipped sign: a tiny KL term fits either way
+        if kl_placement(ctx) is None:  # a penalty in the rewards, undeclared, explains it as well as a bug
+            raise Skip(f"the recorded per_token_loss has no KL term ({kl_term_name(ctx)}) and no step file's "
+                       "token_rewards can show whether the penalty is in the rewards instead (old == ref on every "
+                       "kept token, as at a run's first rollout): record kl_in_reward = true or false to judge it")
         findings[0].message = (
             f"The recorded per_token_loss matches the loss without its KL term ({kl_term_name(ctx)}): the "
             "loop adds no reference-KL penalty to the loss. If it puts the penalty in the rewards (InstructGPT, "
