@@ -26,11 +26,18 @@ from tracer.format.names import FORMAT_NAME, MANIFEST_NAME, STEPS_DIR, TOKENS_NA
 
 def write_json_atomic(path: Path, payload: Any, tmp_name: str | None = None) -> None:
     """Write JSON to ``path`` through a temporary file (``tmp_name``, default ``<name>.partial``, in
-    the same directory) and a rename (never a half-written file)."""
+    the same directory) and a rename (never a half-written file). UTF-8; a string UTF-8 cannot hold
+    (a lone surrogate: a token's bytes decoded with ``surrogateescape``) makes the whole file ASCII
+    with JSON ``\\u`` escapes, which JSON readers turn back into the same string."""
     tmp = path.with_name(tmp_name or path.name + ".partial")
+    text = json.dumps(payload, indent=1, ensure_ascii=False, default=repr)  # non-JSON config values: repr
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1, ensure_ascii=False, default=repr)  # non-JSON config values: repr
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (bytes decoded with surrogateescape): JSON escapes instead
+        data = json.dumps(payload, indent=1, ensure_ascii=True, default=repr).encode("ascii")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
