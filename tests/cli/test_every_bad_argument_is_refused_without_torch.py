@@ -8,34 +8,16 @@ alone to the stricter rule (no numpy either); these reach the commands, which ma
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
+from tests.fixtures.cli_probe import run_cli
 from tests.fixtures.paths import REPO
 
 RUN = str(REPO / "sample_traces" / "grpo-tiny")
-PROBE = """
-import contextlib, io, json, sys
-from tracer.cli import main
-out, err = io.StringIO(), io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-        code = main({argv!r})
-    except SystemExit as stop:
-        code = stop.code
-print(json.dumps({{"code": code, "err": err.getvalue(), "out": out.getvalue(),
-                  "heavy": [m for m in ("torch", "pandas") if m in sys.modules]}}))
-"""
 
 
 def _run(argv):
-    done = subprocess.run([sys.executable, "-c", PROBE.format(argv=argv)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return run_cli(argv, ("torch", "pandas"))
 
 
 @pytest.mark.parametrize("argv, message", [

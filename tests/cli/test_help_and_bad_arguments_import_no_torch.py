@@ -8,37 +8,15 @@ runs ``python -m tracer`` as a whole (``tracer/__init__.py`` imports its public 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.fixtures.paths import REPO
+from tests.fixtures.cli_probe import run_cli
 
 HEAVY = ("torch", "pandas", "numpy", "safetensors")
-PROBE = """
-import contextlib, io, json, sys, types
-package = types.ModuleType("tracer")
-package.__path__ = [{package!r}]  # tracer/cli.py and the modules it imports, without tracer/__init__.py's imports
-sys.modules["tracer"] = package
-from tracer.cli import main
-out, err = io.StringIO(), io.StringIO()
-with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-    try:
-        code = main({argv!r})
-    except SystemExit as stop:
-        code = stop.code
-print(json.dumps({{"code": code, "out": out.getvalue(), "err": err.getvalue(),
-                  "heavy": [m for m in {heavy!r} if m in sys.modules]}}))
-"""
 
 
 def _run(argv):
-    code = PROBE.format(package=str(REPO / "tracer"), argv=argv, heavy=HEAVY)
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return run_cli(argv, HEAVY, light=True)
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["info", "--help"], ["check", "--help"],
