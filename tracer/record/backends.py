@@ -210,6 +210,14 @@ class ProcessBackend:
         return rescued
 
 
+# Why "auto" takes the thread under guard="stop": the stop judges each step file as it is written (its
+# promise: a GuardStop by the record of step n + 2), and a writer process starts in 1-3 s (a fresh
+# interpreter importing torch), during which steps wait unwritten and unchecked; a short loop closed
+# before it started was written by a thread at close() and never stopped.
+GUARD_STOP_CHOICE = ("auto: guard='stop' checks each step as it is written; a writer process would keep the first "
+                     "steps waiting while it starts (1-3 s)")
+
+
 class Backends:
     """The backend a :class:`tracer.record.writer.TraceWriter` writes through now, behind ``submit /
     flush / close``: started for its mode (``"inline"``, ``"thread"``, ``"process"``), chosen at the
@@ -222,13 +230,16 @@ class Backends:
         make_process: ``() -> ProcessWriter``; raises TraceError when the process cannot start.
         book: the writer's manifest book; strict: the writer's ``strict``.
         first_k_sequences: the sampling policy's row cut (the ring then keys no layouts by signature).
+        guard_stops: the writer's live guard is ``"stop"``: ``"auto"`` then takes the thread (see
+            :data:`GUARD_STOP_CHOICE`).
     Raises:
         TraceError: ``mode="process"`` in strict mode, and the process could not start.
     """
 
     def __init__(self, mode: str, make_local: Callable[[bool, bool], LocalBackend], make_process: Callable[[], Any],
-                 book: ManifestBook, strict: bool, first_k_sequences: int | None) -> None:
+                 book: ManifestBook, strict: bool, first_k_sequences: int | None, guard_stops: bool = False) -> None:
         self._make_local, self._make_process, self._book, self._strict = make_local, make_process, book, strict
+        self._guard_stops = guard_stops
         self._cut = first_k_sequences
         self.current: LocalBackend | ProcessBackend | None = None  # None: "auto", not chosen yet
         self._chosen = False  # "auto" chose at the first step to write
@@ -300,6 +311,8 @@ class Backends:
         ``tensors``, and say which in the manifest (``capture.writer``, ``capture.writer_choice``)."""
         self._chosen = True
         picked, why = auto_writer(all(t.device.type == "cpu" for t in tensors.values()))
+        if picked == "process" and self._guard_stops:
+            picked, why = "thread", GUARD_STOP_CHOICE
         with self._book.lock:
             self._book.manifest["capture"] = {**self._book.manifest["capture"], "writer": picked, "writer_choice": why}
             self._book.dirty = True

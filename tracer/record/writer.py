@@ -211,7 +211,8 @@ class TraceWriter:
                 IndexWriter(self.root, self.rank).close()
                 RolloutWriter(self.root, self.rank, enabled=algorithm != "dpo").close()
             self._backends = Backends(mode, self._local_backend, self._process_writer, self._book, strict,
-                                      self.sampling.first_k_sequences)
+                                      self.sampling.first_k_sequences,
+                                      guard_stops=self._observer is not None and self._observer.mode == "stop")
         except BaseException:
             unlock_rank(self._lock_fd, self.root, self.rank)
             self._lock_fd = None
