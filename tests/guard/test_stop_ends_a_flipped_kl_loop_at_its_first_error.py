@@ -29,9 +29,11 @@ def stopped(model_dir, tmp_path_factory):
     logging.getLogger("tracer.guard").addHandler(handler)
     try:
         with pytest.raises(tracer.GuardStop) as raised:
-            # a step of 32 completions of up to 32 tokens (0.2-0.3 s here; a real one takes seconds)
-            run_loop(out, model_dir, "stop", bug="flip_kl", steps=6, progress=progress, num_prompts=8,
-                     max_new_tokens=32)
+            # a step of 64 completions of up to 48 tokens (~0.6-1 s here; a real one takes seconds). At 32 x 32
+            # (0.2-0.3 s) the checker's latency on a loaded 2-core CI machine was a step long: the stop came at
+            # step 3, once in three CI runs of each of the last two sessions
+            run_loop(out, model_dir, "stop", bug="flip_kl", steps=6, progress=progress, num_prompts=16,
+                     max_new_tokens=48)
     finally:
         logging.getLogger("tracer.guard").removeHandler(handler)
     return out, raised.value, progress, handler.lines
